@@ -1,0 +1,1 @@
+"""metasd: lossless speculative decoding with a pool of drafters and a bandit policy."""
