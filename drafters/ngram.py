@@ -1,0 +1,52 @@
+"""Prompt lookup: draft the continuation of the latest earlier occurrence of the current suffix."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.tree import Draft
+
+
+def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int, latest: bool = True) -> torch.Tensor:
+    """Continuation (up to k tokens) of an earlier occurrence of the longest matching suffix n-gram.
+
+    tokens: [T] int64. Tries n = n_max .. n_min; returns [<=k] int64 (empty when nothing matches).
+    """
+    T = len(tokens)
+    for n in range(min(n_max, T - 1), n_min - 1, -1):
+        windows = tokens[: T - 1].unfold(0, n, 1)  # [T-n, n]: every n-gram that has a continuation
+        hits = (windows == tokens[T - n:]).all(dim=1).nonzero().squeeze(-1)
+        if len(hits):
+            start = int(hits[-1] if latest else hits[0]) + n
+            return tokens[start:start + k]
+    return tokens[:0]
+
+
+@register_drafter
+class NGramDrafter(Drafter):
+    """N-gram prompt lookup over prompt + generated tokens (no model, no probabilities).
+
+    Drafts are verified by sample-and-match, exact under sampling too. ``latest`` picks the most recent
+    earlier match (else the first one, as transformers' prompt lookup does).
+    """
+
+    kind = "ngram"
+
+    def __init__(self, k: int = 10, n_min: int = 1, n_max: int = 3, latest: bool = True, name: str | None = None):
+        super().__init__(name)
+        if k < 1:
+            raise ValueError(f"{self.name}: k must be >= 1, got {k}")
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"{self.name}: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.k, self.n_min, self.n_max, self.latest = k, n_min, n_max, latest
+
+    def propose(self, ctx: StepContext) -> Draft:
+        depth = min(self.k, ctx.max_depth)
+        if depth <= 0:
+            return Draft.empty()
+        return Draft.chain(lookup(ctx.tokens, self.n_min, self.n_max, depth, self.latest))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "k": self.k, "n_min": self.n_min, "n_max": self.n_max, "latest": self.latest}

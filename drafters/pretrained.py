@@ -1,0 +1,137 @@
+"""SpS: a small pretrained causal LM (same tokenizer as the verifier) drafts a chain autoregressively."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from metasd.drafter import Drafter, StepContext, StepFeedback, register_drafter
+from metasd.kv_cache import crop_to
+from metasd.sampling import process_logits, sample
+from metasd.tree import Draft
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@register_drafter
+class PretrainedDrafter(Drafter):
+    """A small LM with its own KV cache drafting ``k`` tokens per step (ALGORITHMS.md section 2).
+
+    Catch-up: before drafting, the drafter crops its cache to the longest prefix it shares with the
+    committed tokens and feeds the rest in one forward (the bonus token of the last step, plus any tokens
+    committed while another drafter was chosen). Under sampling each draft token is drawn from the
+    processed drafter distribution q, which the draft carries for rejection sampling.
+
+    confidence_threshold: stop drafting after a token whose drafter probability (temperature 1) is below
+        it (transformers' ``assistant_confidence_threshold``).
+    adaptive_k: transformers' heuristic schedule: k += 2 after a fully accepted draft, else k -= 1.
+    """
+
+    kind = "pretrained"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        k: int = 5,
+        confidence_threshold: float | None = None,
+        adaptive_k: bool = False,
+        k_min: int = 1,
+        k_max: int = 16,
+        name: str | None = None,
+        model_ref: str | None = None,
+    ):
+        super().__init__(name)
+        if k < 1:
+            raise ValueError(f"{self.name}: k must be >= 1, got {k}")
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError(f"{self.name}: confidence_threshold must be in [0, 1), got {confidence_threshold}")
+        if not 1 <= k_min <= k <= k_max:
+            raise ValueError(f"{self.name}: need 1 <= k_min <= k <= k_max, got {k_min}, {k}, {k_max}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_ref = model_ref
+        self.k_initial = self.k = k
+        self.confidence_threshold = confidence_threshold
+        self.adaptive_k = adaptive_k
+        self.k_min, self.k_max = k_min, k_max
+        self.cache: DynamicCache | None = None
+        self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
+        self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
+
+    def begin(self, ctx: StepContext) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_ids = []
+        self.k = self.k_initial
+
+    def end(self) -> None:
+        self.cache, self.cached_ids = None, []
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached_ids.extend(ids)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def sync(self, tokens: list[int]) -> torch.Tensor:
+        """Bring the cache up to ``tokens`` (all committed); return the logits after the last one [vocab]."""
+        if self.cache is None:
+            self.begin(None)  # type: ignore[arg-type]
+        keep = min(common_prefix_len(self.cached_ids, tokens), len(tokens) - 1)
+        crop_to(self.cache, keep)
+        del self.cached_ids[keep:]
+        self.last_catch_up = len(tokens) - keep - 1
+        return self._forward(tokens[keep:])
+
+    @torch.inference_mode()
+    def propose(self, ctx: StepContext) -> Draft:
+        depth = min(self.k, ctx.max_depth)
+        if depth <= 0:
+            return Draft.empty()
+        logits = self.sync(ctx.tokens.tolist())
+        greedy = ctx.sampling.greedy
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(depth):
+            if greedy:
+                x = int(logits.argmax())
+            else:
+                q = process_logits(logits, ctx.sampling)  # [vocab]
+                x = int(sample(q, ctx.generator))
+                probs.append(q)
+            tokens.append(x)
+            if i == depth - 1 or self._unsure(logits, x):
+                break
+            logits = self._forward([x])
+        return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
+
+    def _unsure(self, logits: torch.Tensor, token: int) -> bool:
+        if self.confidence_threshold is None:
+            return False
+        return float(logits.float().softmax(-1)[token]) < self.confidence_threshold
+
+    def observe(self, feedback: StepFeedback) -> None:
+        if not self.adaptive_k or not len(feedback.draft):
+            return
+        if feedback.acceptance.n_accepted == len(feedback.draft):
+            self.k = min(self.k + 2, self.k_max)
+        else:
+            self.k = max(self.k - 1, self.k_min)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "model": self.model_ref or getattr(self.model.config, "_name_or_path", ""),
+            "k": self.k_initial,
+            "confidence_threshold": self.confidence_threshold,
+            "adaptive_k": self.adaptive_k,
+        }

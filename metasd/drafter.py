@@ -1,0 +1,91 @@
+"""The drafter interface: what the engine and the policies need from anything that proposes tokens.
+
+Two calls per step, as in transformers' candidate generators: ``propose`` a draft from the committed
+tokens, then ``observe`` what the verifier accepted. Concrete drafters live in ``metasd.drafters``.
+
+A drafter holds its own per-request state (a KV cache, an index) and must bring it up to date with
+``ctx.tokens`` inside ``propose``: tokens committed since it last drafted, including steps where another
+drafter of the pool was chosen (catch-up), are fed there, and their cost is charged to this drafter.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .acceptance import Acceptance
+from .sampling import SamplingParams
+from .tree import Draft
+from .verifier import HiddenStore
+
+
+@dataclass
+class StepContext:
+    """Everything a drafter may read when it drafts."""
+
+    tokens: torch.Tensor  # [T] int64, every committed token (prompt included); the last is the pending one
+    prompt_len: int
+    max_depth: int  # drafts deeper than this are cut (token budget and context length)
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    hidden: HiddenStore | None = None  # verifier states at positions 0..T-2 for the layers drafters asked for
+    step: int = 0
+    request: dict[str, Any] = field(default_factory=dict)  # e.g. {"category": ...}
+
+
+@dataclass
+class StepFeedback:
+    """What the verifier did with a draft."""
+
+    draft: Draft
+    acceptance: Acceptance
+    committed: list[int]  # tokens committed this step: the accepted draft tokens, then the bonus
+    target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities (sampling only)
+
+
+class Drafter(abc.ABC):
+    """Anything that proposes draft tokens for the verifier to check.
+
+    Subclasses set ``kind`` (the type name used in pool configs) and implement ``propose``. ``name``
+    identifies an instance inside a pool (two instances of one kind with different settings are two
+    arms). ``hidden_layers`` lists the verifier layers (index into transformers' ``hidden_states``:
+    0 = embeddings, i = output of layer i, num_layers = after the final norm) the drafter reads from
+    ``ctx.hidden``; the verifier returns them from the verification forward it runs anyway.
+    """
+
+    kind: ClassVar[str] = ""
+    hidden_layers: tuple[int, ...] = ()
+    tokenizer = None  # set by drafters with their own tokenizer, checked against the verifier's
+
+    def __init__(self, name: str | None = None):
+        self.name = name or self.kind or type(self).__name__
+
+    def begin(self, ctx: StepContext) -> None:
+        """A new request starts; drop per-request state. The prompt is fed lazily in ``propose``."""
+
+    @abc.abstractmethod
+    def propose(self, ctx: StepContext) -> Draft:
+        """Draft continuations of ``ctx.tokens`` (depth <= ctx.max_depth). May return an empty draft."""
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """The verifier accepted ``feedback.acceptance.path``; adapt (draft length, caches) if useful."""
+
+    def end(self) -> None:
+        """The request is over: free per-request memory."""
+
+    def describe(self) -> dict[str, Any]:
+        """Settings, for logging."""
+        return {"kind": self.kind, "name": self.name}
+
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(cls: type[Drafter]) -> type[Drafter]:
+    """Class decorator: make a drafter available by its ``kind`` in pool configs."""
+    if not cls.kind:
+        raise ValueError(f"{cls.__name__} has no kind")
+    DRAFTERS[cls.kind] = cls
+    return cls

@@ -1,0 +1,101 @@
+"""Per-request statistics (vLLM's per-request spec-decode schema, plus wall-clock breakdown).
+
+Words (ALGORITHMS.md section 0): a *step* is one draft + one verifier forward + commit; ``n_acc`` are
+accepted draft tokens (bonus excluded); *tokens per step* ``tau = n_acc + 1`` includes the bonus, so plain
+decoding scores 1.00 ("mean acceptance length" in the vLLM / Spec-Bench convention).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestStats:
+    """Counters and timings of one generate call."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0  # draft tokens scored by the verifier (tree nodes for trees)
+    accepted: int = 0  # accepted draft tokens, bonus excluded
+    tokens_per_step: list[int] = field(default_factory=list)  # tau of each step (bonus included)
+    position_drafted: list[int] = field(default_factory=list)  # [depth] steps whose draft reached this depth
+    position_accepted: list[int] = field(default_factory=list)  # [depth] steps that accepted this depth
+    drafter_per_step: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    catch_up_tokens: int = 0  # committed tokens drafters had to feed beyond the pending one (switching cost)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+    stop_reason: str = ""
+    policy_state: dict[str, Any] | None = None
+
+    def record_step(self, drafter: str, draft_depth: int, draft_nodes: int, n_accepted: int, committed: int) -> None:
+        self.steps += 1
+        self.drafted += draft_nodes
+        self.accepted += n_accepted
+        self.tokens_per_step.append(committed)
+        self.drafter_per_step.append(drafter)
+        while len(self.position_drafted) < draft_depth:
+            self.position_drafted.append(0)
+            self.position_accepted.append(0)
+        for i in range(draft_depth):
+            self.position_drafted[i] += 1
+            if i < n_accepted:
+                self.position_accepted[i] += 1
+
+    # ---- derived figures -------------------------------------------------------------------------
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Mean tau (bonus included; plain decoding = 1.00)."""
+        return sum(self.tokens_per_step) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def acceptance_histogram(self) -> dict[int, int]:
+        """Steps by accepted draft tokens n_acc."""
+        return dict(sorted(Counter(t - 1 for t in self.tokens_per_step).items()))
+
+    @property
+    def selection_counts(self) -> dict[str, int]:
+        return dict(Counter(self.drafter_per_step))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Wall time outside drafter and verifier forwards (acceptance, bookkeeping, policy, detokenising)."""
+        return max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            mean_tokens_per_step=self.mean_tokens_per_step,
+            acceptance_rate=self.acceptance_rate,
+            per_position_acceptance=self.per_position_acceptance,
+            acceptance_histogram=self.acceptance_histogram,
+            selection_counts=self.selection_counts,
+            tokens_per_second=self.tokens_per_second,
+            overhead_s=self.overhead_s,
+        )
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_second:.2f} tok/s), "
+            f"{self.steps} steps, mean tokens/step {self.mean_tokens_per_step:.2f} (bonus included), "
+            f"acceptance rate {self.acceptance_rate:.2f}, drafters {self.selection_counts}"
+        )

@@ -1,0 +1,69 @@
+"""Rewards a policy learns from, computed from what one step already measured (ALGORITHMS.md section 7)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .tree import Draft
+
+
+@dataclass
+class StepOutcome:
+    """What a reward may use about one step."""
+
+    draft: Draft
+    n_accepted: int
+    committed: int  # tokens committed (n_accepted + 1)
+    seconds: float  # drafting (catch-up included) + verification wall time of the step
+    target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities, when computed
+    target_argmax: torch.Tensor | None = None  # [n+1] verifier argmax (greedy)
+
+
+def block_efficiency(o: StepOutcome) -> float:
+    """r_BE = n_acc / k (k = draft depth; 0 for an empty draft). In [0, 1]."""
+    k = o.draft.depth
+    return o.n_accepted / k if k else 0.0
+
+
+def block_divergence(o: StepOutcome) -> float:
+    """r_BD = (1/n) sum_j (1 - TV(p_j, q_j)) over drafted nodes. In [0, 1].
+
+    Drafts without probabilities (n-gram, greedy argmax) count q as one-hot on the drafted token, so
+    1 - TV = p_j(x_j); under greedy p is one-hot too and the term is 1 when the draft token is the argmax.
+    """
+    n = len(o.draft)
+    if n == 0:
+        return 0.0
+    rows = o.draft.parents + 1  # the verifier row scoring each node
+    if o.target_probs is None:  # greedy: p is one-hot on the argmax, TV(onehot(a), q) = 1 - q(a)
+        target = o.target_argmax[rows]  # [n]
+        if o.draft.probs is None:
+            return float((target == o.draft.tokens).float().mean())
+        return float(o.draft.probs.float().gather(1, target[:, None]).mean())
+    p = o.target_probs[rows].float()
+    if o.draft.probs is None:
+        return float(p.gather(1, o.draft.tokens[:, None]).mean())
+    tv = 0.5 * (p - o.draft.probs.float()).abs().sum(-1)
+    return float((1 - tv).mean())
+
+
+def throughput(o: StepOutcome) -> float:
+    """Committed tokens per second of the step (drafting, catch-up and verification). Unbounded."""
+    return o.committed / o.seconds if o.seconds > 0 else 0.0
+
+
+REWARDS: dict[str, Callable[[StepOutcome], float]] = {
+    "block_efficiency": block_efficiency,
+    "block_divergence": block_divergence,
+    "throughput": throughput,
+}
+BOUNDED_REWARDS = {"block_efficiency", "block_divergence"}  # in [0, 1]
+
+
+def get_reward(name: str) -> Callable[[StepOutcome], float]:
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARDS)}") from None

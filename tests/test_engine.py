@@ -1,0 +1,242 @@
+"""Engine on tiny random models: greedy identity, KV-cache commit, bad input, streaming, sampling exactness."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import metasd.engine
+from metasd.drafter import Drafter
+from metasd.drafters import NGramDrafter, PretrainedDrafter
+from metasd.engine import Engine
+from metasd.policy import Policy
+from metasd.tree import Draft
+from metasd.verifier import Verifier
+from tiny import plain_greedy, tiny_llama, tiny_qwen
+
+PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+
+
+class OracleTreeDrafter(Drafter):
+    """Test drafter: a tree whose branches hold the verifier's greedy continuation in a random branch
+    (sometimes corrupted) plus random siblings, exercising tree masks, positions and cache gathers."""
+
+    kind = "oracle_tree"
+
+    def __init__(self, model, seed=0, vocab=64):
+        super().__init__("oracle_tree")
+        self.model, self.rng, self.vocab = model, np.random.default_rng(seed), vocab
+
+    def propose(self, ctx):
+        depth = min(4, ctx.max_depth)
+        if depth <= 0:
+            return Draft.empty()
+        truth = plain_greedy(self.model, ctx.tokens.tolist(), depth)
+        if self.rng.random() < 0.3:
+            truth[self.rng.integers(depth)] = int(self.rng.integers(self.vocab))
+        tokens, parents = [], []
+        parent = -1
+        for d in range(depth):
+            n_sib = int(self.rng.integers(1, 4))
+            slot = int(self.rng.integers(n_sib))
+            chosen = None
+            for s in range(n_sib):
+                tok = truth[d] if s == slot else int(self.rng.integers(self.vocab))
+                tokens.append(tok)
+                parents.append(parent)
+                if s == slot:
+                    chosen = len(tokens) - 1
+            parent = chosen
+        return Draft(tokens, parents)
+
+
+class RandomArms(Policy):
+    """Test policy: uniformly random arm every step (switches drafters as often as possible)."""
+
+    name = "test_random"
+
+    def reset(self):
+        pass
+
+    def select(self, context=None):
+        return int(self.rng.integers(self.n_arms))
+
+    def update(self, arm, reward, context=None):
+        pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen(seed=0)
+
+
+def _engine(model, drafters, policy=None, **kw):
+    return Engine(Verifier(model), drafters, policy, check_tokenizers=False, **kw)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: [],
+    lambda m: PretrainedDrafter(tiny_qwen(seed=0), k=4),  # same weights: every draft token accepted
+    lambda m: PretrainedDrafter(tiny_llama(seed=3), k=3),  # unrelated drafter: most drafts rejected
+    lambda m: PretrainedDrafter(tiny_qwen(seed=0), k=2, adaptive_k=True, confidence_threshold=0.05),
+    lambda m: NGramDrafter(k=5, n_max=2),
+    lambda m: OracleTreeDrafter(m, seed=1),
+], ids=["plain", "same-model", "other-model", "adaptive", "ngram", "tree"])
+def test_greedy_output_identical_to_plain_decoding(model, make):
+    engine = _engine(model, make(model))
+    for n in (1, 7, 40):
+        result = engine.generate(PROMPT, max_new_tokens=n)
+        assert result.token_ids == plain_greedy(model, PROMPT, n)
+        assert result.stats.new_tokens == n == sum(result.stats.tokens_per_step)
+
+
+def test_identical_drafter_is_always_accepted(model):
+    result = _engine(model, PretrainedDrafter(tiny_qwen(seed=0), k=4)).generate(PROMPT, max_new_tokens=40)
+    s = result.stats
+    assert s.acceptance_rate == 1.0 and s.mean_tokens_per_step == 5.0 and s.steps == 8
+    assert s.per_position_acceptance == [1.0] * 4 and s.acceptance_histogram == {4: 8}
+
+
+def test_per_step_switching_stays_identical(model):
+    pool = [PretrainedDrafter(tiny_qwen(seed=0), k=3, name="good"), PretrainedDrafter(tiny_llama(seed=4), k=3, name="bad"),
+            NGramDrafter(k=4, name="ngram"), OracleTreeDrafter(model, seed=2)]
+    engine = _engine(model, pool, RandomArms(len(pool), seed=0))
+    result = engine.generate(PROMPT, max_new_tokens=60)
+    assert result.token_ids == plain_greedy(model, PROMPT, 60)
+    assert len(result.stats.selection_counts) == 4  # every drafter was used
+    assert result.stats.catch_up_tokens > 0  # idle drafters caught up on tokens committed without them
+
+
+def test_tree_commit_keeps_exactly_the_accepted_path(model):
+    verifier = Verifier(model)
+    verifier.prefill(torch.tensor(PROMPT[:-1]))
+    start = verifier.cached
+    draft = Draft(tokens=[3, 4, 5, 6, 7], parents=[-1, -1, 1, 1, 3])
+    verifier.verify(PROMPT[-1], draft)
+    verifier.commit(start, [1, 3, 4])  # tokens 4, 6, 7
+    # the cache must equal a fresh prefill of the prompt and the accepted tokens (the bonus stays pending)
+    fresh = Verifier(model)
+    fresh.prefill(torch.tensor(PROMPT + [4, 6, 7]))
+    assert verifier.cached == fresh.cached == len(PROMPT) + 3
+    for a, b in zip(verifier.cache.layers, fresh.cache.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_drafter_cache_after_catch_up_equals_fresh_prefill():
+    drafter_model = tiny_qwen(seed=0)
+    drafter = PretrainedDrafter(drafter_model, k=3)
+    drafter.begin(None)
+    drafter.sync(PROMPT + [1, 2, 3])
+    drafter.sync(PROMPT + [1, 9, 9, 9, 4])  # diverges after PROMPT + [1]: crop, then feed the new tokens
+    assert drafter.cached_ids == PROMPT + [1, 9, 9, 9, 4] and drafter.last_catch_up == 3
+    fresh = PretrainedDrafter(drafter_model, k=3)
+    fresh.begin(None)
+    fresh.sync(PROMPT + [1, 9, 9, 9, 4])
+    for a, b in zip(drafter.cache.layers, fresh.cache.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=5, temperature=-1.0), "temperature"),
+    (dict(max_new_tokens=5, temperature=1.0, top_p=0.0), "top_p"),
+    (dict(max_new_tokens=5, temperature=1.0, top_p=1.2), "top_p"),
+    (dict(max_new_tokens=5, stop=[""]), "stop"),
+])
+def test_bad_generation_arguments(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _engine(model, []).generate(PROMPT, **kwargs)
+
+
+def test_empty_prompt_and_too_long_prompt(tokenizer):
+    model = tiny_qwen(seed=0, context=32)
+    engine = Engine(Verifier(model, tokenizer, name="tiny-qwen"), [])
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"exceeds the context of tiny-qwen \(32 tokens\)"):
+        engine.generate(list(range(6, 36)), max_new_tokens=4)
+
+
+def test_pool_checks(model):
+    with pytest.raises(ValueError, match="needs a policy"):
+        _engine(model, [NGramDrafter(name="a"), NGramDrafter(name="b")])
+    with pytest.raises(ValueError, match="unique"):
+        _engine(model, [NGramDrafter(), NGramDrafter()], RandomArms(2))
+    with pytest.raises(ValueError, match="arms"):
+        _engine(model, [NGramDrafter()], RandomArms(3))
+    with pytest.raises(ValueError, match="granularity"):
+        _engine(model, [], granularity="token")
+
+
+# ---------------------------------------------------------------- text, chat, stop strings, streaming
+def test_text_stop_strings_eos_and_stream(tokenizer):
+    model = tiny_qwen(seed=0)
+    engine = Engine(Verifier(model, tokenizer), NGramDrafter())
+    full = engine.generate([{"role": "user", "content": "w7 w8 w9"}], max_new_tokens=30)
+    prompt_text = tokenizer.decode(full.prompt_ids)
+    assert prompt_text.startswith("<s> user : w7 w8 w9 </s> <s> assistant :")
+    words = full.text.split()
+    assert len(words) >= 5
+    stop_word = words[4]
+    cut = engine.generate([{"role": "user", "content": "w7 w8 w9"}], max_new_tokens=30, stop=stop_word)
+    assert cut.text == full.text[: full.text.index(stop_word)] and cut.stats.stop_reason == "stop"
+    pieces = list(engine.stream([{"role": "user", "content": "w7 w8 w9"}], max_new_tokens=30))
+    assert "".join(pieces) == full.text and len(pieces) > 1
+    # EOS: make the verifier's 3rd greedy token the EOS id; generation stops right after it
+    eos_model = tiny_qwen(seed=0, eos=full.token_ids[2])
+    stopped = Engine(Verifier(eos_model, tokenizer), []).generate([{"role": "user", "content": "w7 w8 w9"}], max_new_tokens=30)
+    assert stopped.token_ids == full.token_ids[:3] and stopped.stats.stop_reason == "eos"
+
+
+# ---------------------------------------------------------------- sampling exactness end to end
+SMALL_V = 8
+
+
+def _exact_two_token_distribution(model, prompt, temperature):
+    with torch.no_grad():
+        first = (model(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
+        out = torch.zeros(SMALL_V, SMALL_V)
+        for a in range(SMALL_V):
+            out[a] = first[a] * (model(torch.tensor([prompt + [a]])).logits[0, -1] / temperature).softmax(-1)
+    return out
+
+
+def _sampling_pvalue(engine, model, n=1500):
+    prompt = [1, 2, 3]
+    counts = torch.zeros(SMALL_V, SMALL_V)
+    for seed in range(n):
+        ids = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed).token_ids
+        counts[ids[0], ids[1]] += 1
+    expected = _exact_two_token_distribution(model, prompt, 1.0).flatten() * n
+    keep = expected > 5
+    obs = counts.flatten()[keep]
+    return float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    verifier = tiny_qwen(seed=5, vocab=SMALL_V, logit_scale=4.0)
+    drafter = tiny_qwen(seed=6, vocab=SMALL_V, logit_scale=4.0)
+    return verifier, drafter
+
+
+def test_speculative_sampling_matches_the_verifier_distribution(small_pair):
+    verifier, drafter = small_pair
+    engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
+    assert _sampling_pvalue(engine, verifier) > 1e-3
+
+
+def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
+    from metasd.acceptance import Acceptance
+
+    def accept_all(draft, p, generator=None):  # deliberately wrong: keeps every draft token
+        return Acceptance(list(range(len(draft))), int(torch.multinomial(p[-1], 1, generator=generator)))
+
+    monkeypatch.setattr(metasd.engine, "accept_rejection", accept_all)
+    verifier, drafter = small_pair
+    engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
+    assert _sampling_pvalue(engine, verifier) < 1e-6
