@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from metasd.drafter import Drafter, StepContext, StepFeedback, register_drafter
+from metasd.hooks import contiguous_lm_head_input
 from metasd.kv_cache import crop_to
 from metasd.sampling import process_logits, sample
 from metasd.tree import Draft
@@ -55,7 +56,7 @@ class PretrainedDrafter(Drafter):
             raise ValueError(f"{self.name}: confidence_threshold must be in [0, 1), got {confidence_threshold}")
         if not 1 <= k_min <= k <= k_max:
             raise ValueError(f"{self.name}: need 1 <= k_min <= k <= k_max, got {k_min}, {k}, {k_max}")
-        self.model = model.eval()
+        self.model = contiguous_lm_head_input(model.eval())
         self.tokenizer = tokenizer
         self.model_ref = model_ref
         self.k_initial = self.k = k
@@ -65,6 +66,13 @@ class PretrainedDrafter(Drafter):
         self.cache: DynamicCache | None = None
         self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
+
+    @classmethod
+    def from_config(cls, name, params, build):
+        if not build.model:
+            raise ValueError(f"drafter {name!r} of type 'pretrained' needs a model reference (field 'model')")
+        model, tokenizer = build.load_model(build.model)
+        return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 
     def begin(self, ctx: StepContext) -> None:
         self.cache = DynamicCache(config=self.model.config)

@@ -79,6 +79,24 @@ class Drafter(abc.ABC):
         """Settings, for logging."""
         return {"kind": self.kind, "name": self.name}
 
+    @classmethod
+    def from_config(cls, name: str, params: dict[str, Any], build: "BuildContext") -> "Drafter":
+        """Build from a pool-config entry. Drafters that load models or checkpoints override this and use
+        ``build`` (the shared verifier, a model loader that shares weights between arms, the config's folder)."""
+        if build.model is not None:
+            raise ValueError(f"drafter type {cls.kind!r} takes no model")
+        return cls(name=name, **params)
+
+
+@dataclass
+class BuildContext:
+    """What a drafter may use to build itself from a pool config."""
+
+    verifier: Any  # metasd.verifier.Verifier
+    model: str | None  # the entry's model reference
+    checkpoint: str | None  # the entry's checkpoint path (resolved against the config's folder)
+    load_model: Any  # callable(ref) -> (model, tokenizer), cached so arms share weights
+
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 

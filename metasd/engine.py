@@ -94,6 +94,31 @@ class Engine:
                 raise ValueError(f"a drafter asks for verifier layer {layer}; {verifier.name} has hidden states 0..{verifier.num_layers}")
 
     # ---------------------------------------------------------------- public API
+    @classmethod
+    def from_config(cls, path=None, overrides: Mapping[str, Any] | None = None) -> "Engine":
+        """Build the engine of a pool config file (default: the embedded default pool)."""
+        from .config import load_pool
+
+        return load_pool(path, dict(overrides or {}))
+
+    def derive(self, drafters: Sequence[str] | None = None, policy: Policy | None = None, **settings) -> "Engine":
+        """A new engine sharing this one's verifier and drafter objects (no model is reloaded).
+
+        drafters: names of the arms to keep (default: all); policy: its policy (required for a pool of
+        several); settings: granularity, reward, persistent_policy, categories.
+        """
+        chosen = self.drafters if drafters is None else [self.drafter(n) for n in drafters]
+        kwargs = dict(granularity=self.granularity, reward=self.reward_name, persistent_policy=self.persistent_policy,
+                      categories=self.categories, check_tokenizers=False)
+        kwargs.update(settings)
+        return Engine(self.verifier, chosen, policy, **kwargs)
+
+    def drafter(self, name: str) -> Drafter:
+        for d in self.drafters:
+            if d.name == name:
+                return d
+        raise KeyError(f"no drafter named {name!r} in the pool; drafters: {[d.name for d in self.drafters]}")
+
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats.
 

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .hooks import contiguous_lm_head_input
 from .kv_cache import cache_length, crop_to, keep_positions
 from .tree import Draft, ancestor_mask
 
@@ -65,7 +66,7 @@ class Verifier:
     """Wraps a transformers causal LM with its KV cache: prefill, verify a draft, commit the accepted path."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "verifier"):
-        self.model = model.eval()
+        self.model = contiguous_lm_head_input(model.eval())
         self.tokenizer = tokenizer
         self.name = name
         self.cache: DynamicCache | None = None

@@ -1,0 +1,237 @@
+"""Pool configuration files (YAML): the verifier, the named drafters, the policy, the reward.
+
+``load_pool(path)`` validates a file with the pydantic models below and builds an ``Engine``. Errors name
+the file, the field path (``drafters.1.params.k``) and the allowed values. Drafter and policy types are
+looked up in their registries (``metasd.drafters``, ``metasd.policies``) or given as an import path
+``package.module:ClassName`` for user classes; ``plugins`` lists modules to import first (for classes
+that register themselves).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .drafter import DRAFTERS, BuildContext, Drafter
+from .policy import POLICIES, Policy
+from .rewards import REWARDS
+
+DEFAULT_POOL = "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file is invalid; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VerifierConfig(_Strict):
+    model: str = Field(description="model reference: bundled:<name>, a local HF directory or .gguf file, or a hub id")
+    dtype: str = "auto"
+    device: str | None = None
+
+
+class DrafterConfig(_Strict):
+    name: str
+    type: str = Field(description="registered drafter kind, or package.module:ClassName")
+    model: str | None = None
+    dtype: str | None = None  # default: the verifier's
+    checkpoint: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PolicyConfig(_Strict):
+    name: str = "ucb"
+    params: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = 0
+
+
+class PoolConfig(_Strict):
+    """A pool: one verifier, named drafters (arms), and how the policy chooses among them."""
+
+    verifier: VerifierConfig
+    drafters: list[DrafterConfig] = Field(default_factory=list)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    reward: Literal["throughput", "block_efficiency", "block_divergence"] = "throughput"
+    granularity: Literal["step", "request"] = "step"
+    persistent: bool = False  # keep policy state across requests
+    categories: list[str] = Field(default_factory=list)  # category one-hot layout for contextual policies
+    plugins: list[str] = Field(default_factory=list)
+
+    @field_validator("drafters")
+    @classmethod
+    def _unique_names(cls, drafters: list[DrafterConfig]) -> list[DrafterConfig]:
+        names = [d.name for d in drafters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"drafter names must be unique; repeated: {dup}")
+        return drafters
+
+    @model_validator(mode="after")
+    def _types_exist(self) -> "PoolConfig":
+        _import_plugins(self.plugins)
+        for i, d in enumerate(self.drafters):
+            cls = resolve_drafter_class(d.type, where=f"drafters.{i}.type")
+            _check_params(cls, d.params, f"drafters.{i}.params", skip=("self", "name", "model", "tokenizer", "model_ref"))
+        cls = resolve_policy_class(self.policy.name, where="policy.name")
+        _check_params(cls, self.policy.params, "policy.params", skip=("self", "n_arms", "seed"))
+        if self.reward not in REWARDS:  # guarded by Literal; kept for user-registered rewards
+            raise ValueError(f"reward: unknown {self.reward!r}; choose one of {sorted(REWARDS)}")
+        return self
+
+
+def _import_plugins(modules: list[str]) -> None:
+    importlib.import_module("metasd.drafters")
+    importlib.import_module("metasd.policies")
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise ValueError(f"plugins: cannot import {mod!r}: {e}") from None
+
+
+def _import_path(ref: str, where: str):
+    module, _, attr = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where}: cannot import {ref!r}: {e}") from None
+
+
+def resolve_drafter_class(kind: str, where: str = "type") -> type[Drafter]:
+    importlib.import_module("metasd.drafters")
+    if ":" in kind:
+        cls = _import_path(kind, where)
+        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+            raise ValueError(f"{where}: {kind!r} is not a metasd.drafter.Drafter subclass")
+        return cls
+    if kind not in DRAFTERS:
+        raise ValueError(f"{where}: unknown drafter type {kind!r}; registered: {sorted(DRAFTERS)} "
+                         "(or give package.module:ClassName)")
+    return DRAFTERS[kind]
+
+
+def resolve_policy_class(name: str, where: str = "policy.name") -> type[Policy]:
+    importlib.import_module("metasd.policies")
+    if ":" in name:
+        cls = _import_path(name, where)
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):
+            raise ValueError(f"{where}: {name!r} is not a metasd.policy.Policy subclass")
+        return cls
+    if name not in POLICIES:
+        raise ValueError(f"{where}: unknown policy {name!r}; registered: {sorted(POLICIES)} "
+                         "(or give package.module:ClassName)")
+    return POLICIES[name]
+
+
+def _check_params(cls: type, params: dict[str, Any], where: str, skip: tuple[str, ...]) -> None:
+    sig = inspect.signature(cls.__init__)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    accepted = [p for p in sig.parameters if p not in skip]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} has no parameter(s) {unknown}; accepted: {accepted}")
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid pool config"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def default_pool_path() -> Path:
+    """The embedded default pool (bundled Qwen pair and every drafter that needs no training)."""
+    return Path(str(resources.files("metasd.configs") / DEFAULT_POOL))
+
+
+def read_pool_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PoolConfig:
+    """Parse and validate a pool file (default: the embedded one); ``overrides`` replace top-level keys."""
+    path = Path(path) if path is not None else default_pool_path()
+    if not path.is_file():
+        raise ConfigError(f"pool config {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    raw.update(overrides or {})
+    return parse_pool_config(raw, source=str(path))
+
+
+def parse_pool_config(raw: dict[str, Any], source: str = "<pool>") -> PoolConfig:
+    try:
+        return PoolConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+class ModelCache:
+    """Loads each (model reference, dtype) once, so several arms can share one drafter's weights."""
+
+    def __init__(self, device: str | None):
+        self.device = device
+        self._models: dict[tuple[str, str], Any] = {}
+
+    def load(self, ref: str, dtype: str):
+        from .models import load_model
+
+        key = (ref, str(dtype))
+        if key not in self._models:
+            self._models[key] = load_model(ref, dtype=dtype, device=self.device)
+        return self._models[key]
+
+
+def build_engine(config: PoolConfig, base_dir: Path | None = None, models: ModelCache | None = None, **engine_kwargs):
+    """Load the models of a validated pool config and compose the engine."""
+    from .engine import Engine
+    from .verifier import Verifier
+
+    models = models or ModelCache(config.verifier.device)
+    v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype)
+    verifier = Verifier(v_model, v_tok, name=config.verifier.model)
+    drafters = []
+    for i, d in enumerate(config.drafters):
+        cls = resolve_drafter_class(d.type, where=f"drafters.{i}.type")
+        checkpoint = d.checkpoint
+        if checkpoint and base_dir is not None and not Path(checkpoint).is_absolute():
+            checkpoint = str((base_dir / checkpoint).resolve())
+        dtype = d.dtype or config.verifier.dtype
+        build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint,
+                             load_model=lambda ref, _dtype=dtype: models.load(ref, _dtype))
+        try:
+            drafters.append(cls.from_config(d.name, dict(d.params), build))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"drafters.{i} ({d.name!r}): {e}") from e
+    policy = make_policy_from_config(config.policy, len(drafters))
+    return Engine(verifier, drafters, policy if len(drafters) > 1 else None, granularity=config.granularity,
+                  reward=config.reward, persistent_policy=config.persistent, categories=config.categories,
+                  **engine_kwargs)
+
+
+def make_policy_from_config(policy: PolicyConfig, n_arms: int) -> Policy:
+    cls = resolve_policy_class(policy.name)
+    try:
+        return cls(max(n_arms, 1), seed=policy.seed, **policy.params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"policy ({policy.name!r}): {e}") from e
+
+
+def load_pool(path: str | Path | None = None, overrides: dict[str, Any] | None = None, **engine_kwargs):
+    """Read a pool file (default: the embedded default pool) and build its ``Engine``."""
+    config = read_pool_config(path, overrides)
+    base = Path(path).resolve().parent if path is not None else None
+    return build_engine(config, base, **engine_kwargs)

@@ -1,0 +1,98 @@
+"""Shared helpers for the concrete policies (not a policy itself; nothing here is registered)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from metasd.policy import Context, Policy
+
+
+class BasePolicy(Policy):
+    """``Policy`` plus argument checking and an optional, JSON-serialisable RNG state.
+
+    Policies that draw random numbers list ``"rng_state"`` in ``_state_items``: the property below reads
+    and writes ``self.rng``'s bit-generator state, so ``load_state_dict`` restores the exact random stream
+    and a restored policy makes the same selections as an uninterrupted one.
+    """
+
+    # -- argument checking -------------------------------------------------------------------------
+    def _label(self) -> str:
+        return f"{type(self).__name__} ({self.name!r})"
+
+    def _check_arm(self, arm: Any) -> int:
+        try:
+            index = int(arm)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self._label()}: arm must be an integer, got {arm!r}") from None
+        if index != arm or not 0 <= index < self.n_arms:
+            raise ValueError(f"{self._label()}: arm must be an integer in [0, {self.n_arms}), got {arm!r}")
+        return index
+
+    def _check_reward(self, reward: Any) -> float:
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self._label()}: reward must be a number, got {reward!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{self._label()}: reward must be finite, got {reward!r}")
+        return value
+
+    def _check_unit_reward(self, reward: Any) -> float:
+        value = self._check_reward(reward)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"{self._label()}: reward must be in [0, 1], got {value!r} "
+                "(use a [0, 1] reward such as block efficiency, or a policy/setting for unbounded rewards)"
+            )
+        return value
+
+    # -- RNG state ---------------------------------------------------------------------------------
+    @property
+    def rng_state(self) -> dict[str, Any]:
+        return self.rng.bit_generator.state
+
+    @rng_state.setter
+    def rng_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state
+
+
+def check_param(cls_name: str, name: str, value: Any, ok: bool, requirement: str) -> None:
+    """Raise ``ValueError`` naming the policy and the parameter unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{cls_name}: parameter {name!r} must be {requirement}, got {value!r}")
+
+
+def as_number(cls_name: str, name: str, value: Any) -> float:
+    """``float(value)`` for a real, finite number (bools rejected), else a ``ValueError`` naming the parameter."""
+    if isinstance(value, bool):
+        raise ValueError(f"{cls_name}: parameter {name!r} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{cls_name}: parameter {name!r} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{cls_name}: parameter {name!r} must be finite, got {value!r}")
+    return number
+
+
+def as_int(cls_name: str, name: str, value: Any) -> int:
+    """``int(value)`` for an integral number (bools rejected), else a ``ValueError`` naming the parameter."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer, float, np.floating))
+        or not math.isfinite(value)
+        or int(value) != value
+    ):
+        raise ValueError(f"{cls_name}: parameter {name!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def first_unplayed(counts: np.ndarray) -> int:
+    """Index of the first arm with a zero count, or -1."""
+    zero = np.flatnonzero(counts == 0)
+    return int(zero[0]) if zero.size else -1
+
+
+__all__ = ["BasePolicy", "Context", "as_int", "as_number", "check_param", "first_unplayed"]

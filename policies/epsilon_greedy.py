@@ -1,0 +1,67 @@
+"""Epsilon-greedy: the simplest explore/exploit baseline."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from metasd.policy import register_policy
+
+from ._common import BasePolicy, Context, as_number, check_param, first_unplayed
+
+
+@register_policy
+class EpsilonGreedy(BasePolicy):
+    """Epsilon-greedy (Sutton & Barto 2018, sec. 2.2; decaying schedule as in Auer et al. 2002).
+
+    Rule: play each arm once first; then with probability ``eps_t`` play an arm drawn uniformly at random
+    (any arm, the greedy one included), otherwise the arm with the highest mean reward (ties: lowest
+    index). ``eps_t = epsilon / (1 + decay * t)`` with ``t`` the number of rounds so far, so ``decay = 0``
+    (the default) keeps epsilon constant and ``decay > 0`` anneals it like ``1/t`` (the schedule whose
+    regret is logarithmic). Rewards may be any finite float. Randomness through ``self.rng``.
+
+    Parameters: ``epsilon`` (in [0, 1], default 0.1), ``decay`` (>= 0, default 0.0).
+    """
+
+    name = "epsilon_greedy"
+
+    def __init__(self, n_arms: int, seed: int | None = None, epsilon: float = 0.1, decay: float = 0.0):
+        cls = type(self).__name__
+        self.epsilon = as_number(cls, "epsilon", epsilon)
+        check_param(cls, "epsilon", epsilon, 0.0 <= self.epsilon <= 1.0, "in [0, 1]")
+        self.decay = as_number(cls, "decay", decay)
+        check_param(cls, "decay", decay, self.decay >= 0.0, ">= 0")
+        super().__init__(n_arms, seed)
+
+    def reset(self) -> None:
+        self.counts = np.zeros(self.n_arms, dtype=np.int64)
+        self.sums = np.zeros(self.n_arms, dtype=np.float64)
+        self.t = 0
+
+    def current_epsilon(self) -> float:
+        return self.epsilon / (1.0 + self.decay * self.t)
+
+    def select(self, context: Context = None) -> int:
+        arm = first_unplayed(self.counts)
+        if arm >= 0:
+            return arm
+        # Always draw the coin so the random stream does not depend on the means.
+        if self.rng.random() < self.current_epsilon():
+            return int(self.rng.integers(self.n_arms))
+        return int(np.argmax(self.sums / self.counts))
+
+    def update(self, arm: int, reward: float, context: Context = None) -> None:
+        arm = self._check_arm(arm)
+        reward = self._check_reward(reward)
+        self.counts[arm] += 1
+        self.sums[arm] += reward
+        self.t += 1
+
+    def _state_items(self) -> dict[str, Any]:
+        return {"counts": self.counts, "sums": self.sums, "t": self.t, "rng_state": self.rng_state}
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "epsilon": self.epsilon, "decay": self.decay}
+
+
+__all__ = ["EpsilonGreedy"]
