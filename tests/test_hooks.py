@@ -25,3 +25,18 @@ def test_lm_head_receives_canonical_input_with_logits_to_keep():
     assert seen == [(32, 32, 1)]
     assert torch.allclose(out.logits, ref, atol=1e-6)
     assert len(model.get_output_embeddings()._forward_pre_hooks) == 1
+
+
+def test_draft_vocab_round_trip(tmp_path):
+    from metasd.draft_vocab import DraftVocab
+
+    counts = torch.tensor([5.0, 0.0, 9.0, 1.0, 7.0, 0.0])
+    vocab = DraftVocab.from_counts(counts, 3, always=(5,))
+    assert vocab.token_ids.tolist() == [5, 2, 4]
+    assert vocab.to_full(torch.tensor([[0, 2]])).tolist() == [[5, 4]]
+    assert vocab.to_reduced(torch.tensor([4, 0, 5])).tolist() == [2, -1, 0]
+    w = torch.arange(12.0).reshape(6, 2)
+    assert vocab.head_weight(w).tolist() == [[10, 11], [4, 5], [8, 9]]
+    assert abs(vocab.coverage(counts) - 16 / 22) < 1e-9
+    vocab.save(tmp_path / "v.safetensors")
+    assert DraftVocab.load(tmp_path / "v.safetensors").token_ids.tolist() == [5, 2, 4]

@@ -1,0 +1,1 @@
+"""Training recipes for drafters and steering modules, on verifier features over ShareGPT."""
