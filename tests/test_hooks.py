@@ -25,6 +25,9 @@ def test_lm_head_receives_canonical_input_with_logits_to_keep():
     assert seen == [(32, 32, 1)]
     assert torch.allclose(out.logits, ref, atol=1e-6)
     assert len(model.get_output_embeddings()._forward_pre_hooks) == 1
+    from metasd.hooks import remove_lm_head_hook
+    remove_lm_head_hook(model)
+    assert len(model.get_output_embeddings()._forward_pre_hooks) == 0
 
 
 def test_draft_vocab_round_trip(tmp_path):
