@@ -1,0 +1,185 @@
+"""Speed of metasd against plain decoding and transformers' assisted generation, in one process.
+
+Every method decodes the same prompts (first turn of Spec-Bench questions, chat template), greedy, same
+dtype, threads and max_new_tokens; the order of methods rotates from prompt to prompt so that drift of
+the machine does not favour one method. Wall time includes the prefill.
+
+transformers is timed twice where it matters: "as shipped", and "+fix" with metasd's LM-head stride fix
+(``metasd.hooks.contiguous_lm_head_input``) applied to its models, because the slow path that fix avoids
+also hits transformers' assistant and prefill forwards.
+
+    python benchmarks/speed.py --per-group 2 --max-new-tokens 64 --out benchmarks/results/speed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from metasd import Engine, Verifier, baselines
+from metasd.config import resolve_drafter_class  # noqa: F401  (registers drafters)
+from metasd.datasets import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
+from metasd.drafters import NGramDrafter, PretrainedDrafter
+from metasd.hooks import contiguous_lm_head_input, remove_lm_head_hook
+from metasd.models import load_model
+
+
+@contextmanager
+def shipped(*models):
+    """transformers as shipped: no metasd hook on the models inside the block."""
+    for m in models:
+        remove_lm_head_hook(m)
+    try:
+        yield
+    finally:
+        for m in models:
+            contiguous_lm_head_input(m)
+
+
+def build_methods(args, vm, vt, dm, dt):
+    """name -> callable(prompt_ids) -> (new_ids, seconds, mean_tokens_per_step or None)."""
+    verifier = Verifier(vm, vt, name=args.verifier)
+
+    def engine_method(drafter):
+        engine = Engine(verifier, drafter)
+
+        def run(ids):
+            r = engine.generate(ids, max_new_tokens=args.max_new_tokens)
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step
+        return run
+
+    def hf(fn, *models, fix=True):
+        def run(ids):
+            if fix:
+                out, s = fn(ids)
+            else:
+                with shipped(*models):
+                    out, s = fn(ids)
+            return out, s, None
+        return run
+
+    n = args.max_new_tokens
+    methods = {
+        "plain (transformers)": hf(lambda ids: baselines.plain(vm, ids, n), vm, fix=False),
+        "assisted 0.5B (transformers)": hf(lambda ids: baselines.assisted(vm, dm, ids, n), vm, dm, fix=False),
+        "assisted 0.5B (transformers +fix)": hf(lambda ids: baselines.assisted(vm, dm, ids, n), vm, dm),
+        "prompt lookup (transformers)": hf(lambda ids: baselines.prompt_lookup(vm, ids, n, 10), vm, fix=False),
+        f"metasd 0.5B chain k={args.k}": engine_method(PretrainedDrafter(dm, dt, k=args.k, name="qwen0.5b")),
+        "metasd n-gram": engine_method(NGramDrafter(k=10, n_max=3)),
+    }
+    for spec in args.extra_pool or []:
+        name, path = spec.split("=", 1)
+        from metasd.config import build_engine, read_pool_config, ModelCache
+
+        cache = ModelCache(None)
+        cache._models[(args.verifier, args.dtype)] = (vm, vt)
+        cache._models[(args.drafter, args.dtype)] = (dm, dt)
+        cfg = read_pool_config(path)
+        engine = build_engine(cfg, Path(path).resolve().parent, cache)
+
+        def run(ids, engine=engine):
+            r = engine.generate(ids, max_new_tokens=n)
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step
+        methods[name] = run
+    return methods
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--questions", default=str(SPEC_BENCH_DEFAULT))
+    p.add_argument("--per-group", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--drafter", default="bundled:qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--extra-pool", action="append", help="NAME=pool.yaml: also time this pool (shares loaded models)")
+    p.add_argument("--only", action="append", help="run only methods whose name contains this")
+    p.add_argument("--out", default="benchmarks/results/speed.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    questions = load_questions(args.questions, per_group=args.per_group)
+    vm, vt = load_model(args.verifier, dtype=args.dtype)
+    dm, dt = load_model(args.drafter, dtype=args.dtype)
+    methods = build_methods(args, vm, vt, dm, dt)
+    if args.only:
+        methods = {k: v for k, v in methods.items() if any(o in k for o in args.only)}
+    probe = Engine(Verifier(vm, vt), [])
+    rows = []
+    warm = probe.encode([{"role": "user", "content": "Say hi."}])
+    for fn in methods.values():  # warm-up: first calls allocate and tune kernels
+        fn(warm[:])
+    t_start = time.time()
+    for qi, q in enumerate(questions):
+        ids = probe.encode([{"role": "user", "content": q.turns[0]}])
+        ref_ids, ref_s, margins = baselines.plain_with_margins(vm, ids, args.max_new_tokens)  # plain (+fix): reference
+        row = {"question_id": q.question_id, "category": q.category, "group": q.group, "prompt_tokens": len(ids),
+               "methods": {"plain (transformers +fix)": {"tokens": len(ref_ids), "seconds": ref_s, "identical": True}}}
+        names = list(methods)
+        names = names[qi % len(names):] + names[:qi % len(names)]  # rotate the order
+        for name in names:
+            out, seconds, tps = methods[name](ids)
+            div = baselines.first_divergence(out, ref_ids)
+            same = div is None and len(out) == len(ref_ids)
+            entry = {"tokens": len(out), "seconds": seconds, "identical": same, "mean_tokens_per_step": tps}
+            if div is not None:
+                entry["first_divergence"] = div
+                entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
+            row["methods"][name] = entry
+        rows.append(row)
+        done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
+        print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
+    result = {
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "args": vars(args), "wall_s": time.time() - t_start, "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(summary_table(rows))
+    return 0
+
+
+def summary_table(rows) -> str:
+    """Markdown: tokens/s (total tokens / total seconds) per group, speedup over plain (+fix), identity."""
+    methods = list(rows[0]["methods"])
+    groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)]
+
+    def rate(name, rs):
+        toks = sum(r["methods"][name]["tokens"] for r in rs)
+        secs = sum(r["methods"][name]["seconds"] for r in rs)
+        return toks / secs
+
+    ref = "plain (transformers +fix)"
+    assisted = "assisted 0.5B (transformers)"
+    lines = ["| method | tok/s overall | speedup | vs assisted | " + " | ".join(groups) +
+             " | mean tokens/step | identical to plain | divergences at margin <= 0.0625 |",
+             "|" + "---|" * (6 + len(groups))]
+    for m in methods:
+        overall = rate(m, rows)
+        cells = [f"{rate(m, [r for r in rows if r['group'] == g]) / rate(ref, [r for r in rows if r['group'] == g]):.2f}"
+                 for g in groups]
+        tps = [r["methods"][m].get("mean_tokens_per_step") for r in rows]
+        tps = f"{statistics.mean(tps):.2f}" if all(t is not None for t in tps) else "-"
+        same = sum(r["methods"][m]["identical"] for r in rows)
+        divs = [r["methods"][m] for r in rows if not r["methods"][m]["identical"]]
+        near = sum(1 for d in divs if d.get("plain_top2_margin_at_divergence") is not None
+                   and d["plain_top2_margin_at_divergence"] <= 0.0625)
+        vs_assisted = f"{overall / rate(assisted, rows):.2f}" if assisted in methods else "-"
+        lines.append(f"| {m} | {overall:.2f} | {overall / rate(ref, rows):.2f}x | {vs_assisted} | " + " | ".join(cells) +
+                     f" | {tps} | {same}/{len(rows)} | {near}/{len(divs)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
