@@ -1,0 +1,122 @@
+"""Pool configs: validation errors name the field; pools build engines; policies learn the good drafter."""
+import textwrap
+
+import pytest
+import yaml
+
+from metasd.config import ConfigError, load_pool, parse_pool_config, read_pool_config
+from metasd.drafters import PretrainedDrafter
+from metasd.engine import Engine
+from metasd.policies import UCB1, ThompsonSampling
+from metasd.verifier import Verifier
+from tiny import plain_greedy, tiny_llama, tiny_qwen, tiny_tokenizer
+
+PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tok = tiny_tokenizer()
+    dirs = {}
+    for name, model in {"verifier": tiny_qwen(seed=0), "good": tiny_qwen(seed=0), "bad": tiny_qwen(seed=9)}.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def _pool(dirs, **over):
+    cfg = {
+        "verifier": {"model": dirs["verifier"], "dtype": "fp32"},
+        "drafters": [
+            {"name": "good", "type": "pretrained", "model": dirs["good"], "params": {"k": 4}},
+            {"name": "bad", "type": "pretrained", "model": dirs["bad"], "params": {"k": 4}},
+            {"name": "ngram", "type": "ngram", "params": {"k": 4}},
+        ],
+        "policy": {"name": "ucb", "params": {"c": 1.0, "normalize": True}},
+        "reward": "block_efficiency",
+    }
+    cfg.update(over)
+    return cfg
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda c: c["drafters"][1].update(type="nope"), "drafters.1.type: unknown drafter type 'nope'; registered: ["),
+    (lambda c: c["drafters"][0]["params"].update(kk=3), "drafters.0.params: PretrainedDrafter has no parameter(s) ['kk']"),
+    (lambda c: c["policy"].update(name="ucbx"), "policy.name: unknown policy 'ucbx'; registered: ["),
+    (lambda c: c["policy"]["params"].update(beta=2), "policy.params: UCB1 has no parameter(s) ['beta']"),
+    (lambda c: c.update(reward="speed"), "reward: Input should be 'throughput', 'block_efficiency' or 'block_divergence'"),
+    (lambda c: c.update(granularity="token"), "granularity: Input should be 'step' or 'request'"),
+    (lambda c: c["drafters"][1].update(name="good"), "drafters: drafter names must be unique; repeated: ['good']"),
+    (lambda c: c.update(extra_field=1), "extra_field: Extra inputs are not permitted"),
+    (lambda c: c.pop("verifier"), "verifier: Field required"),
+    (lambda c: c["drafters"][0].update(type="os.path:join"), "drafters.0.type: 'os.path:join' is not a metasd.drafter.Drafter subclass"),
+])
+def test_bad_fields_are_named(model_dirs, mutate, needle):
+    cfg = _pool(model_dirs)
+    mutate(cfg)
+    with pytest.raises(ConfigError) as err:
+        parse_pool_config(cfg, source="pool.yaml")
+    assert "pool.yaml" in str(err.value) and needle in str(err.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_pool_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("verifier: [unclosed")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        read_pool_config(tmp_path / "bad.yaml")
+
+
+def test_bad_policy_value_names_the_parameter(model_dirs):
+    cfg = parse_pool_config(_pool(model_dirs, policy={"name": "exp3", "params": {"gamma": 5.0}}))
+    from metasd.config import build_engine
+
+    with pytest.raises(ConfigError, match="gamma"):
+        build_engine(cfg)
+
+
+def test_embedded_default_pool_is_valid():
+    cfg = read_pool_config()
+    assert cfg.verifier.model == "bundled:qwen2.5-coder-1.5b-instruct"
+    assert {d.name for d in cfg.drafters} >= {"qwen0.5b", "ngram"}
+
+
+def test_pool_file_builds_an_engine_that_stays_exact(model_dirs, tmp_path):
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(_pool(model_dirs)))
+    engine = load_pool(path)
+    assert [d.name for d in engine.drafters] == ["good", "bad", "ngram"]
+    assert isinstance(engine.policy, UCB1)
+    result = engine.generate(PROMPT, max_new_tokens=30)
+    assert result.token_ids == plain_greedy(engine.verifier.model, PROMPT, 30)
+    # derive: same models, one arm, no reload
+    single = engine.derive(drafters=["good"])
+    assert single.drafters[0] is engine.drafters[0] and single.verifier is engine.verifier
+
+
+def test_user_drafter_by_import_path(model_dirs):
+    cfg = _pool(model_dirs, drafters=[{"name": "mine", "type": "metasd.drafters.ngram:NGramDrafter", "params": {"k": 2}}])
+    assert parse_pool_config(cfg).drafters[0].type.endswith(":NGramDrafter")
+
+
+@pytest.mark.parametrize("policy", [lambda: UCB1(2, seed=0, normalize=True), lambda: ThompsonSampling(2, seed=0)])
+def test_policy_converges_to_the_good_drafter_per_step(policy):
+    verifier_model = tiny_qwen(seed=0)
+    pool = [PretrainedDrafter(tiny_llama(seed=9), k=4, name="bad"), PretrainedDrafter(tiny_qwen(seed=0), k=4, name="good")]
+    engine = Engine(Verifier(verifier_model), pool, policy(), reward="block_efficiency", check_tokenizers=False)
+    result = engine.generate(PROMPT, max_new_tokens=200)
+    counts = result.stats.selection_counts
+    assert counts["good"] > 3 * counts.get("bad", 0)
+    assert result.token_ids == plain_greedy(verifier_model, PROMPT, 200)
+
+
+def test_persistent_policy_learns_across_requests_per_request_granularity():
+    verifier_model = tiny_qwen(seed=0)
+    pool = [PretrainedDrafter(tiny_llama(seed=9), k=4, name="bad"), PretrainedDrafter(tiny_qwen(seed=0), k=4, name="good")]
+    engine = Engine(Verifier(verifier_model), pool, UCB1(2, seed=0), reward="block_efficiency",
+                    granularity="request", persistent_policy=True, check_tokenizers=False)
+    chosen = [engine.generate(PROMPT[: 4 + i % 5], max_new_tokens=12).stats.drafter_per_step[0] for i in range(12)]
+    assert len(set(engine.generate(PROMPT, max_new_tokens=12).stats.drafter_per_step)) == 1  # one drafter per request
+    assert chosen[2:].count("good") >= 8
