@@ -24,6 +24,14 @@ class Policy(abc.ABC):
 
     #: name used in configs and on the CLI (``policy: {name: ucb}``)
     name: ClassVar[str] = ""
+    #: True for contextual policies: the engine then passes ``metasd.features.request_features``
+    contextual: ClassVar[bool] = False
+
+    @property
+    def requires_bounded_rewards(self) -> bool:
+        """True when this policy (as configured) only accepts rewards in [0, 1]; the engine then refuses
+        an unbounded reward such as throughput at construction time instead of failing mid-request."""
+        return False
 
     def __init__(self, n_arms: int, seed: int | None = None):
         if n_arms < 1:

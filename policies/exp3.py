@@ -33,6 +33,10 @@ class EXP3(BasePolicy):
 
     name = "exp3"
 
+    @property
+    def requires_bounded_rewards(self) -> bool:
+        return self.reward_scale is None
+
     def __init__(self, n_arms: int, seed: int | None = None, gamma: float = 0.1,
                  reward_scale: float | str | None = None):
         cls = type(self).__name__

@@ -35,6 +35,7 @@ class LinUCB(BasePolicy):
     """
 
     name = "linucb"
+    contextual = True
 
     def __init__(self, n_arms: int, seed: int | None = None, alpha: float = 1.0, d: int | None = None,
                  reg: float = 1.0):

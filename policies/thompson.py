@@ -35,6 +35,10 @@ class ThompsonSampling(BasePolicy):
 
     name = "thompson"
 
+    @property
+    def requires_bounded_rewards(self) -> bool:
+        return self.likelihood == "bernoulli"
+
     def __init__(self, n_arms: int, seed: int | None = None, likelihood: str = "bernoulli",
                  prior_alpha: float = 1.0, prior_beta: float = 1.0, prior_mean: float = 0.0,
                  prior_std: float | None = None, noise_std: float | None = None):

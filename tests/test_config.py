@@ -120,3 +120,23 @@ def test_persistent_policy_learns_across_requests_per_request_granularity():
     chosen = [engine.generate(PROMPT[: 4 + i % 5], max_new_tokens=12).stats.drafter_per_step[0] for i in range(12)]
     assert len(set(engine.generate(PROMPT, max_new_tokens=12).stats.drafter_per_step)) == 1  # one drafter per request
     assert chosen[2:].count("good") >= 8
+
+
+def test_bounded_policy_refuses_unbounded_reward_and_linucb_gets_features():
+    from metasd.drafters import NGramDrafter
+    from metasd.policies import EXP3, LinUCB
+
+    pool = [NGramDrafter(name="a"), NGramDrafter(name="b", k=3)]
+    with pytest.raises(ValueError, match="needs rewards in \\[0, 1\\]"):
+        Engine(Verifier(tiny_qwen(seed=0)), pool, ThompsonSampling(2), reward="throughput", check_tokenizers=False)
+    with pytest.raises(ValueError, match="needs rewards in \\[0, 1\\]"):
+        Engine(Verifier(tiny_qwen(seed=0)), pool, EXP3(2), reward="throughput", check_tokenizers=False)
+    Engine(Verifier(tiny_qwen(seed=0)), pool, EXP3(2, reward_scale="running_max"), reward="throughput", check_tokenizers=False)
+    seen = []
+    policy = LinUCB(2, seed=0)
+    original = policy.select
+    policy.select = lambda context=None: seen.append(context) or original(context)
+    engine = Engine(Verifier(tiny_qwen(seed=0)), pool, policy, reward="block_efficiency",
+                    categories=["code", "chat"], check_tokenizers=False)
+    engine.generate(PROMPT, max_new_tokens=5, category="chat")
+    assert seen and all(c is not None and len(c) == 3 + 2 and c[-1] == 1.0 for c in seen)
