@@ -136,8 +136,14 @@ def main(argv=None) -> int:
                 entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
             row["methods"][name] = entry
         rows.append(row)
+        _write(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
         done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
         print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
+    print(summary_table(rows))
+    return 0
+
+
+def _write(args, argv, rows, t_start) -> None:
     result = {
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -146,8 +152,6 @@ def main(argv=None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(summary_table(rows))
-    return 0
 
 
 def summary_table(rows) -> str:

@@ -1,7 +1,12 @@
 """Drafters: one family per module. Each registers itself by ``kind`` for pool configs."""
 from metasd.drafter import DRAFTERS, Drafter, StepContext, StepFeedback, register_drafter
 
+from .block import BlockDrafter
 from .ngram import NGramDrafter
 from .pretrained import PretrainedDrafter
+from .pretrained_tree import PretrainedTreeDrafter
+from .treeflash import TreeFlashDrafter
+from .steered import SteeredDrafter
 
-__all__ = ["DRAFTERS", "Drafter", "NGramDrafter", "PretrainedDrafter", "StepContext", "StepFeedback", "register_drafter"]
+__all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "NGramDrafter", "PretrainedDrafter", "PretrainedTreeDrafter", "SteeredDrafter", "StepContext", "StepFeedback", "TreeFlashDrafter",
+           "register_drafter"]

@@ -1,0 +1,420 @@
+"""Draft trees from a pretrained drafter: dynamic (EAGLE-2-style) trees and RSD trees.
+
+The tree grows level by level with ONE batched drafter forward per level over the nodes it expands
+(its frontier). Those nodes are appended to the drafter's own KV cache with an ancestor-only 4-D
+attention mask and position id = committed length - 1 + depth (the same layout the verifier uses), so
+each node's logits equal those of a plain forward over the committed tokens and its path.
+
+Cache life cycle: after ``propose`` the cache holds the committed tokens followed by the expanded tree
+nodes. ``observe`` gathers the accepted nodes that were expanded into place (``keep_positions``) and
+drops the rest, so the cache holds exactly committed tokens; the inherited catch-up (longest common
+prefix) then feeds what is missing (the bonus token, and the last accepted node when it was a leaf) at
+the next ``propose``. A tree left unsettled (``observe`` not called) is cropped away at the next
+``propose``.
+
+Modes (ALGORITHMS.md sections 1-2; RSD = Jeon et al. 2024, arXiv 2402.14160):
+
+- ``dynamic`` (EAGLE-2-style, any sampling mode): each node is scored by its cumulative draft
+  log-probability. Level 1 = the ``width`` best children of the root; at each further level the
+  ``frontier`` best nodes of the previous level are expanded (``width`` best children each); at the end
+  the ``nodes`` best nodes overall are kept (ancestor-closed, since scores fall along a path). Expansion
+  stops early once no frontier node can enter the final top-``nodes`` set. The draft carries no
+  probabilities: greedy acceptance follows the argmax, sampling uses sample-and-match (exact for any
+  tree). Scores use the raw drafter log-softmax under greedy and the processed q under sampling.
+- ``rsd_c`` (RSD-C, sampling): constant branching factor per level (``branching[d]`` children for every
+  expanded node of level d; levels beyond the list repeat its last entry), siblings drawn WITHOUT
+  replacement from the processed drafter distribution q with the Gumbel-top-k trick, in the order of
+  their perturbed values. When the ``nodes`` budget cannot give every node of a level its children, the
+  most likely parents (cumulative draft log-probability) are expanded first.
+- ``rsd_s`` (RSD-S, sampling): stochastic beam search (Kool et al. 2019): sequences without replacement.
+  Every candidate extension of the beam gets a perturbed cumulative log-probability (a Gumbel conditioned
+  on its parent's perturbed value being the maximum over its children); the ``width`` best candidates of
+  a level form the next beam, so unlikely sequences are truncated early.
+
+Exactness under sampling (both RSD modes): node i carries ``probs[i]`` = the processed q of its parent
+and ``without_replacement=True``, and siblings appear in decreasing order of perturbed value, so
+``accept_rejection`` (recursive rejection with q renormalised after each rejected sibling) is exact.
+Why this holds for RSD-S too, where the number of children of a node is random: per parent, ordering
+children by (conditional) perturbed value is the same as ordering by log q(x | parent) + an independent
+Gumbel, i.e. an exponential race; in such a race the identity of the (j+1)-th arrival, given the first j
+identities and all arrival times, is distributed as q with the first j removed and renormalised. Whether
+a (j+1)-th child exists depends only on arrival times, earlier identities and other parents' draws, so
+conditioned on it existing its token is still drawn from exactly the renormalised q that
+``accept_rejection`` uses. No other per-sibling rule is needed.
+
+Greedy (``ctx.sampling.greedy``): the RSD modes fall back to ``dynamic`` explicitly (sampling without
+replacement makes no sense for argmax verification; the fallback is recorded as ``draft.meta["mode"]``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from metasd.drafter import StepContext, StepFeedback, register_drafter
+from metasd.kv_cache import cache_length, crop_to, keep_positions
+from metasd.sampling import process_logits
+from metasd.tree import Draft
+
+from .pretrained import PretrainedDrafter
+
+MODES = ("dynamic", "rsd_c", "rsd_s")
+
+
+class GrowingTree:
+    """A draft tree being built on top of ``base`` committed tokens, and its place in the drafter cache.
+
+    Node i has ``tokens[i]``, ``parents[i]`` (-1: child of the last committed token), ``depths[i]`` (root
+    children: 1) and ``slots[i]``: its offset in the drafter cache after the committed tokens, or -1
+    while it has not been fed (only expanded nodes are fed).
+    """
+
+    def __init__(self, base: int):
+        self.base = base
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.slots: list[int] = []
+        self.n_fed = 0
+        self.forwards = 0  # drafter forwards spent on this tree (the root's logits come from the catch-up)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.slots.append(-1)
+        return len(self.tokens) - 1
+
+    def path(self, i: int) -> list[int]:
+        """Node i and its ancestors, root side first."""
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.parents[i]
+        return out[::-1]
+
+    def inputs(self, feed: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention mask [1, 1, q, kv] (bool, True = attend) and position ids [1, q] for feeding ``feed``.
+
+        kv = base + already fed nodes + q. A query attends every committed position, the cache slots of
+        its fed ancestors and itself. Every ancestor of a fed node must have been fed before.
+        """
+        q = len(feed)
+        past = self.base + self.n_fed
+        mask = torch.zeros(q, past + q, dtype=torch.bool)
+        mask[:, : self.base] = True
+        for row, node in enumerate(feed):
+            if self.slots[node] >= 0:
+                raise ValueError(f"node {node} was already fed")
+            for a in self.path(node)[:-1]:
+                if self.slots[a] < 0:
+                    raise ValueError(f"node {node}: ancestor {a} was never fed")
+                mask[row, self.base + self.slots[a]] = True
+            mask[row, past + row] = True
+        positions = torch.tensor([self.base - 1 + self.depths[n] for n in feed], dtype=torch.long)
+        return mask[None, None], positions[None]
+
+    def mark_fed(self, feed: Sequence[int]) -> None:
+        for node in feed:
+            self.slots[node] = self.n_fed
+            self.n_fed += 1
+        self.forwards += 1
+
+
+def gumbel_top_k(logq: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """Indices of k draws without replacement from softmax(logq), in draw order (Gumbel-top-k).
+
+    Zero-probability entries (-inf) are never drawn: k is capped at the number of finite entries.
+    """
+    k = min(k, int(torch.isfinite(logq).sum()))
+    if k <= 0:
+        return []
+    # log q + Gumbel = log q - log E with E ~ Exp(1)
+    keys = logq.double() - torch.empty(logq.shape, dtype=torch.float64).exponential_(generator=generator).log()
+    return keys.topk(k).indices.tolist()
+
+
+def _log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(a)) for a <= 0, stable at both ends."""
+    return torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def conditional_gumbel(parent_value: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+    """Stochastic beam search: shift children's perturbed log-probs so their maximum equals the parent's.
+
+    parent_value: [B, 1] perturbed value T of each parent; perturbed: [B, V] phi(child) + Gumbel.
+    Returns -log(exp(-T) - exp(-Z) + exp(-G)) with Z = max over the row (Kool et al. 2019, appendix),
+    computed as T - softplus(T - G + log(1 - exp(G - Z))). Monotone in G within a row.
+    """
+    z = perturbed.max(-1, keepdim=True).values
+    v = parent_value - perturbed + _log1mexp(perturbed - z)
+    softplus = v.clamp(min=0) + torch.log1p(torch.exp(-v.abs()))
+    return parent_value - softplus
+
+
+@register_drafter
+class PretrainedTreeDrafter(PretrainedDrafter):
+    """A small pretrained LM drafting a token tree per step (see the module docstring for the modes).
+
+    mode: "dynamic" (default), "rsd_c" or "rsd_s".
+    nodes: maximum draft nodes per step (all modes).
+    depth: maximum tree depth (all modes; also capped by ``ctx.max_depth``).
+    width: dynamic: children per expanded node; rsd_s: beam width.
+    frontier: dynamic: nodes expanded per level (default: ``width``).
+    branching: rsd_c: children per expanded node at each level, e.g. [3, 2, 1, 1]; the last entry repeats
+        for deeper levels (default [3, 2, 1, 1]). Only valid with mode "rsd_c".
+    """
+
+    kind = "pretrained_tree"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        mode: str = "dynamic",
+        nodes: int = 16,
+        depth: int = 6,
+        width: int = 4,
+        frontier: int | None = None,
+        branching: Sequence[int] | None = None,
+        name: str | None = None,
+        model_ref: str | None = None,
+    ):
+        super().__init__(model, tokenizer, k=1, name=name, model_ref=model_ref)
+        if mode not in MODES:
+            raise ValueError(f"{self.name}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        for pname, value in (("nodes", nodes), ("depth", depth), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{self.name}: {pname} must be an integer >= 1, got {value!r}")
+        if frontier is None:
+            frontier = width
+        if not isinstance(frontier, int) or isinstance(frontier, bool) or frontier < 1:
+            raise ValueError(f"{self.name}: frontier must be an integer >= 1, got {frontier!r}")
+        if branching is not None and mode != "rsd_c":
+            raise ValueError(f"{self.name}: branching is only used by mode 'rsd_c' (mode is {mode!r}); use width")
+        if branching is None:
+            branching = [3, 2, 1, 1]
+        branching = list(branching) if isinstance(branching, (list, tuple)) else branching
+        if (not isinstance(branching, list) or not branching
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in branching)):
+            raise ValueError(f"{self.name}: branching must be a non-empty list of integers >= 1, got {branching!r}")
+        self.mode = mode
+        self.nodes, self.depth, self.width, self.frontier = nodes, depth, width, frontier
+        self.branching = branching
+        self._pending: tuple[Draft, GrowingTree, list[int]] | None = None
+
+    @classmethod
+    def from_config(cls, name, params, build):
+        if not build.model:
+            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
+        model, tokenizer = build.load_model(build.model)
+        return cls(model, tokenizer, name=name, model_ref=build.model, **params)
+
+    # ---------------------------------------------------------------- request life cycle
+    def begin(self, ctx: StepContext) -> None:
+        super().begin(ctx)
+        self._pending = None
+
+    def end(self) -> None:
+        super().end()
+        self._pending = None
+
+    def _settle(self) -> None:
+        """Drop tree nodes left in the cache by a propose that was never observed."""
+        if self.cache is not None and cache_length(self.cache) > len(self.cached_ids):
+            crop_to(self.cache, len(self.cached_ids))
+        self._pending = None
+
+    # ---------------------------------------------------------------- drafting
+    @torch.inference_mode()
+    def propose(self, ctx: StepContext) -> Draft:
+        depth = min(self.depth, ctx.max_depth)
+        if depth <= 0:
+            return Draft.empty()
+        self._settle()
+        tokens = ctx.tokens.tolist()
+        root_logits = self.sync(tokens)
+        mode = "dynamic" if ctx.sampling.greedy else self.mode
+        tree = GrowingTree(base=len(tokens))
+        if mode == "dynamic":
+            keep, probs = self._grow_dynamic(tree, root_logits, depth, ctx), None
+        else:
+            grow = self._grow_rsd_c if mode == "rsd_c" else self._grow_rsd_s
+            rows = grow(tree, root_logits, depth, ctx)
+            keep = list(range(len(tree)))
+            probs = torch.stack(rows) if rows else None
+        remap = {old: new for new, old in enumerate(keep)}
+        parents = [remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]
+        draft = Draft([tree.tokens[i] for i in keep], parents, probs, without_replacement=mode != "dynamic",
+                      meta={"catch_up": self.last_catch_up, "mode": mode, "drafter_forwards": 1 + tree.forwards})
+        self._pending = (draft, tree, keep)
+        return draft
+
+    def _feed(self, tree: GrowingTree, feed: list[int]) -> torch.Tensor:
+        """One drafter forward over tree nodes ``feed``; returns their next-token logits [len(feed), vocab]."""
+        expected = tree.base + tree.n_fed
+        if cache_length(self.cache) != expected:
+            raise RuntimeError(f"{self.name}: drafter cache holds {cache_length(self.cache)} positions, expected {expected}")
+        mask, positions = tree.inputs(feed)
+        device = self.model.device
+        ids = torch.tensor([[tree.tokens[i] for i in feed]], dtype=torch.long, device=device)
+        out = self.model(input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device),
+                         past_key_values=self.cache, use_cache=True)
+        tree.mark_fed(feed)
+        return out.logits[0]
+
+    def _log_scores(self, logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Log-probabilities used to rank dynamic-tree nodes (float32, -inf for excluded tokens)."""
+        if ctx.sampling.greedy:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return process_logits(logits, ctx.sampling).log()
+
+    def _grow_dynamic(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[int]:
+        """EAGLE-2-style expansion; returns the kept node ids (ascending, ancestor-closed)."""
+        scores: list[float] = []
+
+        def add_children(parents: list[int], logp: torch.Tensor) -> list[int]:
+            vals, idx = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
+            new = []
+            for row, parent in enumerate(parents):
+                base = scores[parent] if parent >= 0 else 0.0
+                for v, t in zip(vals[row].tolist(), idx[row].tolist()):
+                    if v == float("-inf"):
+                        break
+                    new.append(tree.add(t, parent))
+                    scores.append(base + v)
+            return new
+
+        def rank(ids):  # best first; ties: earlier node first (so a parent precedes its children)
+            return sorted(ids, key=lambda i: (-scores[i], i))
+
+        level = add_children([-1], self._log_scores(root_logits, ctx)[None])
+        for _ in range(2, depth + 1):
+            frontier = rank(level)[: self.frontier]
+            if len(scores) >= self.nodes:  # a child scores <= its parent and loses ties: prune hopeless parents
+                threshold = scores[rank(range(len(scores)))[self.nodes - 1]]
+                frontier = [i for i in frontier if scores[i] > threshold]
+            if not frontier:
+                break
+            logits = self._feed(tree, frontier)
+            level = add_children(frontier, self._log_scores(logits, ctx))
+        return sorted(rank(range(len(scores)))[: self.nodes])
+
+    def _sample_siblings(self, q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+        """k tokens drawn without replacement from q [vocab], in draw order."""
+        return gumbel_top_k(q.log(), k, generator)
+
+    def _grow_rsd_c(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[torch.Tensor]:
+        """RSD-C: returns the probs row of every node (its parent's processed q)."""
+        rows: list[torch.Tensor] = []
+        logq: list[float] = []
+
+        def add_children(parent: int, q: torch.Tensor, k: int) -> list[int]:
+            new = []
+            for t in self._sample_siblings(q, k, ctx.generator):
+                new.append(tree.add(t, parent))
+                rows.append(q)
+                logq.append((logq[parent] if parent >= 0 else 0.0) + math.log(max(float(q[t]), 1e-45)))
+            return new
+
+        q_root = process_logits(root_logits, ctx.sampling)
+        level = add_children(-1, q_root, min(self.branching[0], self.nodes))
+        for d in range(1, depth):
+            remaining = self.nodes - len(tree)
+            if remaining <= 0 or not level:
+                break
+            b = self.branching[min(d, len(self.branching) - 1)]
+            parents = sorted(level, key=lambda i: (-logq[i], i))[: -(-remaining // b)]
+            q = process_logits(self._feed(tree, parents), ctx.sampling)
+            level = []
+            for row, parent in enumerate(parents):
+                k = min(b, self.nodes - len(tree))
+                if k <= 0:
+                    break
+                level += add_children(parent, q[row], k)
+        return rows
+
+    def _beam_select(self, phi: torch.Tensor, value: torch.Tensor, logq: torch.Tensor, k: int,
+                     generator: torch.Generator | None) -> list[tuple[int, int, float, float]]:
+        """One stochastic-beam-search level.
+
+        phi: [B] log-probability of each beam sequence; value: [B] its perturbed value; logq: [B, V]
+        processed drafter log-probabilities of the next token. Returns up to k (beam row, token,
+        phi of the extension, perturbed value of the extension), best first.
+        """
+        cand = phi[:, None] + logq.double()  # [B, V]
+        gumbel = -torch.empty(cand.shape, dtype=torch.float64).exponential_(generator=generator).log()
+        perturbed = conditional_gumbel(value[:, None], cand + gumbel)
+        k = min(k, int(torch.isfinite(perturbed).sum()))
+        if k <= 0:
+            return []
+        top = perturbed.flatten().topk(k).indices
+        vocab = logq.shape[-1]
+        return [(int(i) // vocab, int(i) % vocab, float(cand.flatten()[i]), float(perturbed.flatten()[i]))
+                for i in top.tolist()]
+
+    def _grow_rsd_s(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[torch.Tensor]:
+        """RSD-S (stochastic beam search): returns the probs row of every node (its parent's processed q)."""
+        rows: list[torch.Tensor] = []
+        beam = [-1]
+        phi = torch.zeros(1, dtype=torch.float64)
+        value = torch.zeros(1, dtype=torch.float64)
+        q = process_logits(root_logits, ctx.sampling)[None]  # [1, V]
+        for d in range(depth):
+            k = min(self.width, self.nodes - len(tree))
+            if k <= 0 or not beam:
+                break
+            if d > 0:
+                q = process_logits(self._feed(tree, beam), ctx.sampling)  # [B, V]
+            chosen = self._beam_select(phi, value, q.log(), k, ctx.generator)
+            new_beam, new_phi, new_value = [], [], []
+            for row, token, p, v in chosen:
+                new_beam.append(tree.add(token, beam[row]))
+                rows.append(q[row])
+                new_phi.append(p)
+                new_value.append(v)
+            beam = new_beam
+            phi = torch.tensor(new_phi, dtype=torch.float64)
+            value = torch.tensor(new_value, dtype=torch.float64)
+        return rows
+
+    # ---------------------------------------------------------------- after verification
+    @torch.inference_mode()
+    def observe(self, feedback: StepFeedback) -> None:
+        """Keep the accepted nodes that were fed (gathered next to the committed tokens); drop the rest."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.cache is None:
+            return
+        draft, tree, keep = pending
+        if feedback.draft is not draft:  # not our last draft (e.g. truncated by the caller): drop the tree
+            crop_to(self.cache, len(self.cached_ids))
+            return
+        slots: list[int] = []
+        for node in feedback.acceptance.path:
+            slot = tree.slots[keep[node]]
+            if slot < 0:
+                break
+            slots.append(slot)
+        keep_positions(self.cache, tree.base, torch.tensor(slots, dtype=torch.long))
+        self.cached_ids.extend(int(draft.tokens[node]) for node in feedback.acceptance.path[: len(slots)])
+
+    def describe(self) -> dict[str, Any]:
+        out = {
+            "kind": self.kind,
+            "name": self.name,
+            "model": self.model_ref or getattr(self.model.config, "_name_or_path", ""),
+            "mode": self.mode,
+            "nodes": self.nodes,
+            "depth": self.depth,
+            "width": self.width,
+        }
+        if self.mode == "dynamic":
+            out["frontier"] = self.frontier
+        if self.mode == "rsd_c":
+            out["branching"] = list(self.branching)
+        return out

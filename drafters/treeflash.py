@@ -1,0 +1,320 @@
+"""TreeFlash: a one-shot block drafter (DFlash backbone) that drafts trees (ALGORITHMS.md sections 5, 6).
+
+Per step:
+1. bring the context up to date: project the verifier hidden states of rows not seen yet (the committed
+   tokens since the last step, catch-up included) into per-layer context keys/values (cached);
+2. one backbone forward over [last committed token, MASK x (B-1)] gives the marginal distribution of
+   each depth 1..B-1 over the reduced draft vocabulary;
+3. depending on ``mode``:
+   * ``chain``: the marginal argmax of every depth (DFlash);
+   * ``marginal``: a best-first tree where every node's children are the marginal top-k of the next depth;
+   * ``treeflash``: keep the marginal top-m tokens of each depth as candidate previous tokens, run the AR
+     approximation once over every (depth, candidate previous token) pair (the root token for depth 1)
+     to get conditional top-k transitions, and grow a best-first tree over the path score
+     sum log q(x_i | x_{i-1}); a node may have children only if its token is among the marginal top-m of
+     its depth.
+Best-first search (``build_tree``): a heap of frontier entries; popping one makes a node and pushes its
+next sibling and its first child; it stops at ``tree_size`` nodes.
+
+Drafts carry no probabilities (``Draft.probs is None``): greedy verification or sample-and-match, both
+exact for any tree.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from metasd.draft_vocab import DraftVocab
+from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.tree import Draft
+
+from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
+
+MODES = ("chain", "marginal", "treeflash")
+CHECKPOINT_FORMAT = "metasd-treeflash"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+# ---------------------------------------------------------------- tree construction
+@dataclass
+class TransitionTable:
+    """Transitions into one depth. Row r is the r-th source (a candidate previous token)."""
+
+    tokens: torch.Tensor  # [R, k] tokens, best first
+    logp: torch.Tensor  # [R, k] log q(token | source)
+    next_src: torch.Tensor  # [R, k] row of the next depth's table for a node with this token; -1: no children
+
+
+def build_tree(tables: Sequence[TransitionTable], tree_size: int) -> tuple[list[int], list[int], list[float]]:
+    """Best-first tree over path scores sum log q. ``tables[i]`` holds the transitions into depth i+1; the
+    root's children come from row 0 of ``tables[0]``. Returns (tokens, parents, path scores) in pop order
+    (a topological order: a parent pops before its children, siblings in decreasing score)."""
+    if tree_size <= 0 or not tables:
+        return [], [], []
+    toks = [t.tokens.tolist() for t in tables]
+    lps = [t.logp.float().tolist() for t in tables]
+    nxt = [t.next_src.tolist() for t in tables]
+    n_depth = len(tables)
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    counter = 0
+    heap: list[tuple[float, int, int, int, int, int]] = []  # (-score, order, depth idx, src row, rank, parent)
+    if toks[0] and toks[0][0] and math.isfinite(lps[0][0][0]):
+        heap.append((-lps[0][0][0], counter, 0, 0, 0, -1))
+    while heap and len(tokens) < tree_size:
+        neg, _, d, r, c, parent = heapq.heappop(heap)
+        score = -neg
+        node = len(tokens)
+        tokens.append(int(toks[d][r][c]))
+        parents.append(parent)
+        scores.append(score)
+        row_lp = lps[d][r]
+        if c + 1 < len(row_lp) and math.isfinite(row_lp[c + 1]):  # next sibling
+            counter += 1
+            heapq.heappush(heap, (-(score - row_lp[c] + row_lp[c + 1]), counter, d, r, c + 1, parent))
+        child_src = nxt[d][r][c]
+        if d + 1 < n_depth and child_src >= 0 and toks[d + 1][child_src]:  # first child
+            child_lp = lps[d + 1][child_src][0]
+            if math.isfinite(child_lp):
+                counter += 1
+                heapq.heappush(heap, (-(score + child_lp), counter, d + 1, child_src, 0, node))
+    return tokens, parents, scores
+
+
+def marginal_tables(logp: torch.Tensor, k: int) -> list[TransitionTable]:
+    """[D, N] marginal log-probs -> tables where every node's children are the next depth's top-k."""
+    k = min(k, logp.shape[-1])
+    top = logp.topk(k, dim=-1)
+    D = logp.shape[0]
+    out = []
+    for d in range(D):
+        nxt = torch.zeros(1, k, dtype=torch.long) if d + 1 < D else torch.full((1, k), -1, dtype=torch.long)
+        out.append(TransitionTable(top.indices[d:d + 1], top.values[d:d + 1], nxt))
+    return out
+
+
+def treeflash_tables(cand: torch.Tensor, cond_logp: Sequence[torch.Tensor], k: int) -> list[TransitionTable]:
+    """cand [D, m]: marginal top-m tokens per depth (candidate previous tokens); cond_logp[i]: [R_i, N]
+    conditional log-probs into depth i+1 (R_0 = 1: the root; R_i = m: previous token cand[i-1, r]).
+    A transition token gets children only if it is among cand of its own depth (the top-m rule)."""
+    D = len(cond_logp)
+    out = []
+    for d in range(D):
+        kk = min(k, cond_logp[d].shape[-1])
+        top = cond_logp[d].topk(kk, dim=-1)
+        if d + 1 < D:
+            eq = top.indices[:, :, None] == cand[d][None, None, :]  # [R, k, m]
+            nxt = torch.where(eq.any(-1), eq.float().argmax(-1), torch.full_like(top.indices, -1))
+        else:
+            nxt = torch.full_like(top.indices, -1)
+        out.append(TransitionTable(top.indices, top.values, nxt))
+    return out
+
+
+# ---------------------------------------------------------------- one draft from block states
+@torch.no_grad()
+def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Tensor, root: int, mode: str,
+                     depth: int, m: int, k: int, tree_size: int) -> tuple[list[int], list[int]]:
+    """h [B, d] backbone output of one block; returns (reduced-vocab tokens, parents) of the draft.
+
+    depth: deepest depth to draft (<= B-1)."""
+    if depth <= 0:
+        return [], []
+    hd = h[1:depth + 1]  # [D, d]: row i predicts depth i+1
+    logits = model.logits(pieces, hd).float()
+    if mode == "chain":
+        toks = logits.argmax(-1).tolist()
+        return toks, list(range(-1, len(toks) - 1))
+    logp = logits.log_softmax(-1)
+    if mode == "marginal":
+        return build_tree(marginal_tables(logp, k), tree_size)[:2]
+    # treeflash: candidates, then one batched AR pass over (depth, previous token) pairs
+    m = min(m, logp.shape[-1])
+    cand = logp[: depth - 1].topk(m, dim=-1).indices if depth > 1 else logp.new_zeros(0, m, dtype=torch.long)
+    dt = h.dtype
+    root_emb = pieces.embed(torch.tensor([root]), dt)  # [1, d]
+    prev = [root_emb]
+    rows = [hd[0:1]]
+    if depth > 1:
+        full_cand = pieces.to_full(cand)
+        prev.append(pieces.embed(full_cand.reshape(-1), dt))  # [(D-1) m, d]
+        rows.append(hd[1:, None, :].expand(-1, m, -1).reshape(-1, hd.shape[-1]))
+    h_tilde = model.ar_hidden(torch.cat(rows), torch.cat(prev), pieces)
+    cond = model.logits(pieces, h_tilde).float().log_softmax(-1)
+    cond_logp = [cond[0:1]] + list(cond[1:].reshape(depth - 1, m, -1)) if depth > 1 else [cond[0:1]]
+    return build_tree(treeflash_tables(cand, cond_logp, k), tree_size)[:2]
+
+
+# ---------------------------------------------------------------- checkpoints
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[TreeFlashModel, DraftVocab, dict]:
+    """A TreeFlash checkpoint directory -> (model, draft vocabulary, config.json contents)."""
+    path = Path(path)
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} is not a TreeFlash checkpoint: {CONFIG_FILE} is missing")
+    meta = json.loads(cfg_path.read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{cfg_path}: format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    cfg = TreeFlashConfig.from_dict(meta["model"])
+    model = TreeFlashModel(cfg)
+    state = load_file(str(path / meta.get("weights", WEIGHTS_FILE)))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    vocab = DraftVocab.load(path / meta.get("draft_vocab", VOCAB_FILE))
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval().requires_grad_(False), vocab, meta
+
+
+# ---------------------------------------------------------------- the drafter
+@register_drafter
+class TreeFlashDrafter(Drafter):
+    """One-shot block drafter with the TreeFlash tree construction (see module docstring).
+
+    model: a trained ``TreeFlashModel``; verifier_model: the verifier (transformers causal LM) whose
+    embeddings, final norm and LM head the drafter uses, frozen; vocab: the reduced draft vocabulary.
+    mode: "chain" | "marginal" | "treeflash"; block_size: B (<= the trained block size; drafts reach
+    depth B-1); m: candidate previous tokens per depth; k: transitions kept per source; tree_size: nodes.
+    """
+
+    kind = "treeflash"
+
+    def __init__(self, model: TreeFlashModel, verifier_model, vocab: DraftVocab, mode: str = "treeflash",
+                 block_size: int | None = None, m: int = 8, k: int = 8, tree_size: int = 32,
+                 context_window: int | None = None, name: str | None = None, checkpoint: str | None = None):
+        super().__init__(name)
+        if mode not in MODES:
+            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {mode!r}")
+        cfg = model.cfg
+        block_size = cfg.block_size if block_size is None else int(block_size)
+        if not 2 <= block_size <= cfg.block_size:
+            raise ValueError(f"{self.name}: block_size must be in [2, {cfg.block_size}] (trained with {cfg.block_size}), got {block_size}")
+        if m < 1 or k < 1 or tree_size < 1:
+            raise ValueError(f"{self.name}: m, k and tree_size must be >= 1, got m={m}, k={k}, tree_size={tree_size}")
+        vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
+        n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
+        if width != cfg.verifier_hidden_size:
+            raise ValueError(f"{self.name}: trained for a verifier of width {cfg.verifier_hidden_size}, this one has {width}")
+        vocab_size = verifier_model.get_input_embeddings().weight.shape[0]
+        if vocab.full_size != cfg.verifier_vocab_size or vocab_size < vocab.full_size:
+            raise ValueError(f"{self.name}: draft vocabulary for {vocab.full_size} tokens, verifier embeds {vocab_size}")
+        bad = [layer for layer in cfg.context_layers if not 0 <= layer <= n_layers]
+        if bad:
+            raise ValueError(f"{self.name}: context layers {bad} outside the verifier's hidden states 0..{n_layers}")
+        self.mode, self.block_size, self.m, self.k, self.tree_size = mode, block_size, int(m), int(k), int(tree_size)
+        self.context_window = cfg.context_window if context_window is None else int(context_window)
+        dtype = verifier_model.dtype
+        self.model = model.to(dtype).eval().requires_grad_(False)
+        self.vocab = vocab
+        self.pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids)
+        self.hidden_layers = tuple(cfg.context_layers)
+        self.checkpoint = checkpoint
+        self._ctx_kv: list[list[torch.Tensor]] | None = None  # per layer [k, v] caches [1, n_kv, n, hd]
+        self._ctx_rows = 0
+        self._own_rows = 0  # rows the verifier added for this drafter's own last step (not catch-up)
+        self._last_catch_up = 0
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, verifier_model, **params) -> "TreeFlashDrafter":
+        model, vocab, meta = load_checkpoint(path)
+        defaults = dict(meta.get("defaults", {}))
+        defaults.update(params)
+        return cls(model, verifier_model, vocab, checkpoint=str(path), **defaults)
+
+    @classmethod
+    def from_config(cls, name: str, params: dict[str, Any], build) -> "TreeFlashDrafter":
+        if not build.checkpoint:
+            raise ValueError(f"drafter {name!r} of type 'treeflash' needs a checkpoint directory (field 'checkpoint')")
+        if build.model:
+            raise ValueError(f"drafter {name!r} of type 'treeflash' takes no model: it uses the verifier's embeddings and head")
+        return cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
+
+    # ---------------------------------------------------------- per request
+    def begin(self, ctx: StepContext) -> None:
+        self._ctx_kv, self._ctx_rows, self._own_rows = None, 0, 0
+
+    def end(self) -> None:
+        self._ctx_kv, self._ctx_rows, self._own_rows = None, 0, 0
+
+    def observe(self, feedback) -> None:
+        self._own_rows = len(feedback.committed)  # the pending token and the accepted nodes get states
+
+    def _sync_context(self, ctx: StepContext) -> int:
+        """Project the verifier states of rows not seen yet; returns how many rows were added."""
+        n = len(ctx.tokens) - 1  # rows 0..T-2 are committed tokens with verifier states
+        if ctx.hidden is None:
+            raise RuntimeError(f"{self.name}: the engine gave no verifier hidden states (layers {self.hidden_layers})")
+        if len(ctx.hidden) < n:
+            raise RuntimeError(f"{self.name}: {len(ctx.hidden)} verifier states for {n} committed positions")
+        if self._ctx_kv is None or self._ctx_rows > n:
+            self._ctx_kv, self._ctx_rows = None, 0
+        new = n - self._ctx_rows
+        if new > 0:
+            hidden = torch.cat([ctx.hidden.get(layer)[self._ctx_rows:n] for layer in self.hidden_layers], dim=-1)
+            proj = self.model.project_context(hidden)
+            kv = self.model.context_kv(proj, torch.arange(self._ctx_rows, n))
+            if self._ctx_kv is None:
+                self._ctx_kv = [[k, v] for k, v in kv]
+            else:
+                for cache, (k, v) in zip(self._ctx_kv, kv):
+                    cache[0] = torch.cat([cache[0], k], dim=2)
+                    cache[1] = torch.cat([cache[1], v], dim=2)
+            if self.context_window and self._ctx_kv[0][0].shape[2] > 4 * self.context_window:
+                for cache in self._ctx_kv:  # keep memory bounded: only the last C rows are ever read
+                    cache[0] = cache[0][:, :, -self.context_window:].contiguous()
+                    cache[1] = cache[1][:, :, -self.context_window:].contiguous()
+            self._ctx_rows = n
+        return max(new, 0)
+
+    def _context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._ctx_kv is None:
+            empty = None
+            out = []
+            for layer in self.model.layers:
+                at = layer.attn
+                empty = torch.zeros(1, at.n_kv, 0, self.model.cfg.head_dim, dtype=self.model.dtype)
+                out.append((empty, empty))
+            return out
+        C = self.context_window
+        return [(k[:, :, -C:], v[:, :, -C:]) if C else (k, v) for k, v in self._ctx_kv]
+
+    @torch.inference_mode()
+    def block_states(self, ctx: StepContext) -> torch.Tensor:
+        """[B, d] backbone output for the block after ``ctx.tokens``."""
+        self._last_catch_up = max(self._sync_context(ctx) - self._own_rows, 0)
+        self._own_rows = 0
+        T = len(ctx.tokens)
+        root = int(ctx.tokens[-1])
+        emb = self.pieces.embed(torch.tensor([root]), self.model.dtype)
+        block = self.model.block_inputs(emb, self.block_size)
+        positions = torch.arange(T - 1, T - 1 + self.block_size)[None]
+        return self.model(block, positions, self._context())[0]
+
+    @torch.inference_mode()
+    def propose(self, ctx: StepContext) -> Draft:
+        depth = min(self.block_size - 1, ctx.max_depth)
+        if depth <= 0:
+            self._sync_context(ctx)
+            self._own_rows = 0
+            return Draft.empty()
+        h = self.block_states(ctx)
+        toks, parents = draft_from_block(self.model, self.pieces, h, int(ctx.tokens[-1]), self.mode, depth,
+                                         self.m, self.k, self.tree_size)
+        full = self.vocab.to_full(torch.tensor(toks, dtype=torch.long))
+        return Draft(full, torch.tensor(parents, dtype=torch.long), meta={"catch_up": self._last_catch_up})
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mode": self.mode, "block_size": self.block_size, "m": self.m, "k": self.k,
+                "tree_size": self.tree_size, "context_window": self.context_window, "draft_vocab": len(self.vocab),
+                "checkpoint": self.checkpoint}

@@ -1,0 +1,481 @@
+"""Training the block drafter's heads (``metasd train block CONFIG``; ALGORITHMS.md section 4).
+
+Data: a verifier feature directory (``metasd.training.features``). Input = the verifier hidden state
+``hidden_<L>`` (L = num_layers, after the final norm) at position t, which produced token t+1; head i's
+target is the token at t+2+i (``target: data``), or the verifier's own greedy prediction of that token
+under teacher forcing, ``topk_ids[t+1+i, 0]`` (``target: verifier``, self-distillation). A target counts
+only when token t+2+i is a response token (``loss_mask``). Positions with no valid target are dropped.
+
+Reduced vocabulary: the heads score a ``DraftVocab`` of ``vocab_size`` tokens, the most frequent in the
+training shards (EOS tokens always in; tokens never seen fill the rest in id order, which for BPE
+vocabularies roughly follows merge frequency). Targets outside it are *ignored* by the loss (the heads
+cannot propose them); validation counts them as misses, so its figures are what drafting would see.
+
+Validation on held-out shards (``val_shards``): per-head top-1 accuracy against the sequence's tokens,
+and the expected tokens per step of the argmax chain, ``tau = 1 + E[number of leading heads correct]``
+over positions where all k targets exist (bonus included; plain decoding = 1.00).
+
+Files: ``out`` gets the drafter checkpoint (heads.safetensors in ``save_dtype``, config.json,
+draft_vocab.safetensors, metrics.json, MODEL_CARD.md); ``state_dir`` (default ``<out>/train_state``)
+gets the resumable state (fp32 heads as safetensors, optimizer state, step and counters). A run
+resumes from ``state_dir`` when it exists (unless ``resume: false``); the data order depends on the step
+only, so an interrupted and resumed run follows the same trajectory. Relative paths in the config are
+relative to the current directory. MLflow: URI from MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in
+the current directory; a resumed run continues the same MLflow run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..draft_vocab import DraftVocab
+from .features import FeatureSet
+
+STATE_WEIGHTS = "heads_fp32.safetensors"
+STATE_OPTIM = "optimizer.pt"
+STATE_META = "trainer.json"
+
+
+class TrainBlockConfig(BaseModel):
+    """YAML config of ``metasd train block``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    features: str = Field(description="verifier feature directory (manifest.json + shards)")
+    verifier: str = Field(description="model reference of the verifier the features came from (LM head, tokenizer)")
+    out: str = Field(description="checkpoint directory written for the drafter")
+    state_dir: str | None = Field(None, description="resumable training state (default <out>/train_state)")
+    train_shards: str | None = Field(None, description="e.g. '0-22' or '0,1,4-6'; default: every shard not in val_shards")
+    val_shards: str | None = Field(None, description="held-out shards; default: the last 2")
+    require_complete: bool = Field(True, description="fail unless every shard the manifest announces exists")
+    k: int = Field(4, ge=1, description="heads; head i predicts token pending+1+i")
+    hidden_layer: int | None = Field(None, description="feature layer read (default: the verifier's num_layers)")
+    vocab_size: int = Field(16384, ge=0, description="reduced draft vocabulary size; 0 = full vocabulary")
+    draft_vocab: str | None = Field(None, description="reuse this DraftVocab file instead of counting")
+    target: Literal["data", "verifier"] = "data"
+    steps: int = Field(1000, ge=1, description="total optimizer steps (sets the LR schedule)")
+    batch_size: int = Field(256, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
+    warmup: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    head_decay: float = Field(1.0, gt=0, description="loss weight of head i is head_decay**i")
+    init: Literal["zero", "normal"] = "zero"
+    bf16: bool = Field(True, description="bf16 autocast for the matmuls (weights and optimizer stay fp32)")
+    max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this wall time per invocation")
+    log_every: int = Field(20, ge=1)
+    eval_every: int = Field(200, ge=1)
+    save_every: int = Field(200, ge=1)
+    val_max_positions: int = Field(4096, ge=1, description="validation positions (the first ones of the held-out shards)")
+    save_dtype: Literal["bf16", "fp32"] = "bf16"
+    seed: int = 0
+    threads: int | None = Field(None, ge=1)
+    resume: bool = True
+    mlflow: bool = True
+    mlflow_experiment: str = "metasd-block"
+    run_name: str | None = None
+
+
+def load_train_block_config(path: str | Path) -> TrainBlockConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"training config {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    try:
+        return TrainBlockConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{path}: invalid block training config"]
+        lines += [f"  {'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        raise ValueError("\n".join(lines)) from None
+
+
+def parse_shards(spec: str, n: int) -> list[int]:
+    """'0-22' / '0,3,5-7' -> shard indices (checked against n shards)."""
+    out: list[int] = []
+    for part in str(spec).replace(" ", "").split(","):
+        if not part:
+            continue
+        a, sep, b = part.partition("-")
+        lo, hi = int(a), int(b) if sep else int(a)
+        out.extend(range(lo, hi + 1))
+    bad = [s for s in out if not 0 <= s < n]
+    if bad:
+        raise ValueError(f"shards {bad} out of range 0..{n - 1}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- data
+def block_targets(ids: torch.Tensor, loss_mask: torch.Tensor, k: int, next_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, k] full-vocabulary targets of the heads at every position of one sequence, -1 where none.
+
+    Position t's hidden state produced token t+1 (the pending token at drafting time); head i predicts
+    token t+2+i: ``ids[t+2+i]``, or ``next_ids[t+1+i]`` (the verifier's prediction of that token) when
+    given. Valid only where token t+2+i exists and is a response token.
+    """
+    T = len(ids)
+    out = torch.full((T, k), -1, dtype=torch.long)
+    for i in range(k):
+        n = T - 2 - i
+        if n <= 0:
+            continue
+        src = ids[2 + i:] if next_ids is None else next_ids[1 + i:1 + i + n]
+        out[:n, i] = torch.where(loss_mask[2 + i:], src, torch.full_like(src, -1))
+    return out
+
+
+def load_block_data(fs: FeatureSet, shards: list[int], layer: int, k: int, target: str = "data",
+                    max_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [P, d] as stored, targets [P, k] full ids / -1) over the positions with any valid target."""
+    H, Y = [], []
+    total = 0
+    for s in shards:
+        with safe_open(str(fs.shards[s]), "pt") as f:
+            ids, mask, off = f.get_tensor("ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets").tolist()
+            hidden = f.get_tensor(f"hidden_{layer}")
+            nxt = f.get_slice("topk_ids")[:, 0:1].reshape(-1) if target == "verifier" else None
+        for a, b in zip(off[:-1], off[1:]):
+            y = block_targets(ids[a:b], mask[a:b], k, None if nxt is None else nxt[a:b])
+            rows = (y >= 0).any(1)
+            H.append(hidden[a:b][rows])
+            Y.append(y[rows])
+            total += int(rows.sum())
+            if max_positions is not None and total >= max_positions:
+                return torch.cat(H)[:max_positions], torch.cat(Y)[:max_positions]
+    d = fs.manifest.get("hidden_size") or (H[0].shape[1] if H else 0)
+    return (torch.cat(H) if H else torch.empty(0, d)), (torch.cat(Y) if Y else torch.empty(0, k, dtype=torch.long))
+
+
+def token_counts(fs: FeatureSet, shards: list[int], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in shards:
+        with safe_open(str(fs.shards[s]), "pt") as f:
+            counts += torch.bincount(f.get_tensor("ids"), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_vocab(counts: torch.Tensor, size: int, always: tuple[int, ...]) -> DraftVocab:
+    """Most frequent ``size`` tokens; unseen tokens fill the rest in id order; ``always`` first."""
+    if size == 0 or size >= len(counts):
+        return DraftVocab.full(len(counts))
+    prior = 0.5 * (1.0 - torch.arange(len(counts), dtype=torch.float64) / len(counts))  # < 1: breaks ties only
+    return DraftVocab.from_counts(counts.double() + prior, size, always)
+
+
+def eos_ids(tokenizer, model) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if src is not None:
+            ids.update([src] if isinstance(src, int) else src)
+    return tuple(sorted(ids))
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(heads, H: torch.Tensor, Y: torch.Tensor, bf16: bool = True, batch: int = 512) -> dict[str, float]:
+    """Per-head top-1 accuracy (targets outside the draft vocab count as misses), in-vocab CE loss, and
+    the argmax chain's expected tokens per step (bonus included) over positions with all k targets."""
+    k, vocab = heads.k, heads.vocab
+    correct = torch.zeros(k)
+    counted = torch.zeros(k)
+    loss_sum, loss_n = 0.0, 0
+    acc_lens: list[torch.Tensor] = []
+    for a in range(0, len(H), batch):
+        h, y = H[a:a + batch], Y[a:a + batch]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = heads(h).float()  # [B, k, N]
+        pred = vocab.to_full(logits.argmax(-1))
+        valid = y >= 0
+        ok = (pred == y) & valid
+        correct += ok.sum(0)
+        counted += valid.sum(0)
+        yr = vocab.to_reduced(y.clamp(min=0))
+        in_vocab = valid & (yr >= 0)
+        if in_vocab.any():
+            loss_sum += float(F.cross_entropy(logits[in_vocab], yr[in_vocab], reduction="sum"))
+            loss_n += int(in_vocab.sum())
+        full = valid.all(1)
+        acc_lens.append(ok[full].long().cumprod(1).sum(1))
+    out = {f"acc_head{i}": float(correct[i] / counted[i]) if counted[i] else 0.0 for i in range(k)}
+    lens = torch.cat(acc_lens) if acc_lens else torch.empty(0)
+    out["tau"] = 1.0 + float(lens.float().mean()) if len(lens) else 1.0
+    out["loss"] = loss_sum / loss_n if loss_n else 0.0
+    out["positions"] = float(len(H))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- training
+def _lr_at(cfg: TrainBlockConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _batch_indices(cfg: TrainBlockConfig, n: int, step: int) -> torch.Tensor:
+    """Rows of the batch of ``step``: epochs are seeded permutations, so the order depends on the step only."""
+    per_epoch = max(1, n // cfg.batch_size)
+    epoch, j = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    return perm[j * cfg.batch_size:(j + 1) * cfg.batch_size]
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _save_state(state_dir: Path, heads, opt, meta: dict) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()}
+    _write_atomic(state_dir / STATE_WEIGHTS, lambda p: save_file(tensors, str(p)))
+    _write_atomic(state_dir / STATE_OPTIM, lambda p: torch.save(opt.state_dict(), p))
+    heads.vocab.save(state_dir / "draft_vocab.safetensors")
+    _write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps(meta, indent=1)))  # last: marks complete
+
+
+def _mlflow_start(cfg: TrainBlockConfig, run_id: str | None, log):
+    if not cfg.mlflow:
+        return None
+    import mlflow
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(cfg.mlflow_experiment)
+    run = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=cfg.run_name)
+    if not run_id:
+        mlflow.log_params({k: (str(v) if v is not None else "None") for k, v in cfg.model_dump().items()})
+    log(f"mlflow: {uri}, run {run.info.run_id}")
+    return mlflow
+
+
+def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print, command: str | None = None) -> dict[str, Any]:
+    """Train (or resume) block heads; returns the final validation metrics and counters."""
+    from metasd.drafters.block import BlockHeads
+    from metasd.models import load_model
+
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    fs = FeatureSet(cfg.features)
+    man = fs.manifest
+    expected = math.ceil(man["n_sequences"] / man["shard_size"])
+    if cfg.require_complete and len(fs.shards) != expected:
+        raise ValueError(f"{cfg.features} has {len(fs.shards)} of {expected} shards; wait for the extraction to finish "
+                         "(or set require_complete: false)")
+    n = len(fs.shards)
+    val = parse_shards(cfg.val_shards, n) if cfg.val_shards else list(range(max(0, n - 2), n))
+    train = parse_shards(cfg.train_shards, n) if cfg.train_shards else [s for s in range(n) if s not in val]
+    if set(train) & set(val):
+        raise ValueError(f"train and validation shards overlap: {sorted(set(train) & set(val))}")
+    if not train:
+        raise ValueError("no training shards")
+
+    model, tokenizer = load_model(cfg.verifier, dtype="fp32" if not cfg.bf16 else "bf16")
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers, d = int(text_cfg.num_hidden_layers), int(text_cfg.hidden_size)
+    full_lm = model.get_output_embeddings().weight.detach()
+    eos = eos_ids(tokenizer, model)
+    layer = cfg.hidden_layer if cfg.hidden_layer is not None else num_layers
+    if layer not in fs.layers:
+        raise ValueError(f"{cfg.features} holds layers {fs.layers}, not {layer}")
+
+    out = Path(cfg.out)
+    state_dir = Path(cfg.state_dir) if cfg.state_dir else out / "train_state"
+    resuming = cfg.resume and (state_dir / STATE_META).is_file()
+    meta: dict[str, Any] = {"step": 0, "positions_seen": 0, "targets_seen": 0, "elapsed_s": 0.0, "mlflow_run_id": None}
+    if resuming:
+        meta.update(json.loads((state_dir / STATE_META).read_text()))
+        vocab = DraftVocab.load(state_dir / "draft_vocab.safetensors")
+        log(f"resuming from {state_dir} at step {meta['step']}")
+    elif cfg.draft_vocab:
+        vocab = DraftVocab.load(cfg.draft_vocab)
+    else:
+        vocab = build_vocab(token_counts(fs, train, full_lm.shape[0]), cfg.vocab_size, eos)
+    if vocab.full_size != full_lm.shape[0]:
+        raise ValueError(f"draft vocab is for vocabulary {vocab.full_size}, the verifier has {full_lm.shape[0]}")
+    lm_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    heads = BlockHeads(d, cfg.k, vocab.head_weight(full_lm).to(lm_dtype), vocab, layer, init=cfg.init)
+    del model, full_lm
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if resuming:
+        w = load_file(str(state_dir / STATE_WEIGHTS))
+        with torch.no_grad():
+            heads.weight.copy_(w["weight"])
+            heads.bias.copy_(w["bias"])
+        opt.load_state_dict(torch.load(state_dir / STATE_OPTIM, weights_only=True))
+
+    t0 = time.time()
+    H, Y = load_block_data(fs, train, layer, cfg.k, cfg.target)
+    Yr = vocab.to_reduced(Y.clamp(min=0))
+    Yr[(Y < 0) | (Yr < 0)] = -100
+    Hv, Yv = load_block_data(fs, val, layer, cfg.k, "data", cfg.val_max_positions)
+    in_vocab = float(((Yr >= 0).sum()) / max(1, int((Y >= 0).sum())))
+    log(f"data: {len(H)} train positions ({int((Y >= 0).sum())} targets, {in_vocab:.3f} inside the {len(vocab)}-token "
+        f"draft vocab) from shards {train[0]}..{train[-1]}, {len(Hv)} validation positions from {val}; "
+        f"loaded in {time.time() - t0:.0f}s")
+    if not cfg.bf16:
+        H, Hv = H.float(), Hv.float()
+
+    mlflow = _mlflow_start(cfg, meta.get("mlflow_run_id"), log)
+    if mlflow is not None:
+        meta["mlflow_run_id"] = mlflow.active_run().info.run_id
+    head_w = torch.tensor([cfg.head_decay ** i for i in range(cfg.k)])
+    end_step = min(cfg.steps, until_step) if until_step is not None else cfg.steps
+    step = int(meta["step"])
+    metrics: dict[str, float] = {}
+    run_t0 = time.time()
+    elapsed0 = float(meta["elapsed_s"])
+
+    def save(final: bool = False) -> None:
+        meta.update(step=step, elapsed_s=elapsed0 + time.time() - run_t0)
+        _save_state(state_dir, heads, opt, meta)
+        heads.save(out, torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32,
+                   extra={"verifier": cfg.verifier, "num_layers": num_layers, "step": step, "target": cfg.target,
+                          "features": str(cfg.features)})
+
+    heads.train()
+    stopped_by_time = False
+    running = []
+    while step < end_step:
+        idx = _batch_indices(cfg, len(H), step)
+        h, y = H[idx], Yr[idx]
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(cfg, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = heads(h)  # [B, k, N]
+        logits = logits.float()
+        per_head = []
+        for i in range(cfg.k):
+            yi = y[:, i]
+            per_head.append(F.cross_entropy(logits[:, i], yi, ignore_index=-100) if (yi >= 0).any()
+                            else logits.new_zeros(()))
+        loss = sum(w * l for w, l in zip(head_w.tolist(), per_head)) / float(head_w.sum())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        meta["positions_seen"] += len(idx)
+        meta["targets_seen"] += int((y >= 0).sum())
+        running.append(float(loss.detach()))
+        if step % cfg.log_every == 0 or step == end_step:
+            m = {"train/loss": sum(running) / len(running), "train/lr": _lr_at(cfg, step - 1)}
+            m.update({f"train/loss_head{i}": float(l.detach()) for i, l in enumerate(per_head)})
+            running = []
+            log(f"step {step}/{cfg.steps} loss {m['train/loss']:.4f} lr {m['train/lr']:.2e} "
+                f"({time.time() - run_t0:.0f}s)")
+            if mlflow is not None:
+                mlflow.log_metrics(m, step=step)
+        if step % cfg.eval_every == 0 and step != end_step:
+            heads.eval()
+            metrics = evaluate(heads, Hv, Yv, cfg.bf16)
+            heads.train()
+            log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if mlflow is not None:
+                mlflow.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step=step)
+        if step % cfg.save_every == 0:
+            save()
+        if cfg.max_minutes is not None and time.time() - t_start > cfg.max_minutes * 60:
+            log(f"time limit of {cfg.max_minutes} min reached at step {step}; saving (resume to continue)")
+            stopped_by_time = True
+            break
+    heads.eval()
+    metrics = evaluate(heads, Hv, Yv, cfg.bf16)
+    log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    save()
+    result = {**{f"val/{k}": v for k, v in metrics.items()}, "step": step, "steps": cfg.steps,
+              "positions_seen": meta["positions_seen"], "targets_seen": meta["targets_seen"],
+              "wall_s": meta["elapsed_s"], "train_positions": len(H), "val_positions": len(Hv),
+              "train_shards": train, "val_shards": val, "draft_vocab": len(vocab), "train_targets_in_vocab": in_vocab,
+              "stopped_by_time": stopped_by_time, "finished": step >= cfg.steps}
+    if mlflow is not None:
+        mlflow.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step=step)
+        mlflow.log_metrics({"positions_seen": meta["positions_seen"], "wall_s": meta["elapsed_s"]}, step=step)
+        mlflow.end_run()
+    (out / "metrics.json").write_text(json.dumps(result, indent=1))
+    _write_model_card(out, cfg, result, command or " ".join(shlex.quote(a) for a in sys.argv), man, num_layers, d)
+    return result
+
+
+def _write_model_card(out: Path, cfg: TrainBlockConfig, r: dict, command: str, manifest: dict, num_layers: int, d: int) -> None:
+    heads = "\n".join(f"| head {i} (token pending+{i + 1}) | {r[f'val/acc_head{i}']:.3f} |" for i in range(cfg.k))
+    text = f"""# Block drafter heads: {cfg.k} x residual SiLU on `{cfg.verifier}`
+
+Drafter kind `block` (drafters/block.py). Head i reads the verifier's hidden state after the final norm
+(hidden_states[{num_layers}], d={d}) at the position that produced the pending token and predicts token
+pending+1+i, through the verifier's frozen LM head restricted to a {r['draft_vocab']}-token draft vocabulary
+(draft_vocab.safetensors: token ids only; the LM-head rows are taken from the verifier at load time).
+
+## Training
+- command: `{command}`
+- data: `{cfg.features}` ({manifest.get('data', '')}; verifier {manifest.get('model', '')}, max_len {manifest.get('max_len', '')}),
+  train shards {r['train_shards'][0]}..{r['train_shards'][-1]} ({r['train_positions']} positions), held out {r['val_shards']}
+- targets: `{cfg.target}` (head i at position t: token t+2+i, response tokens only); targets outside the draft
+  vocabulary are ignored by the loss ({r['train_targets_in_vocab']:.3f} of training targets are inside it)
+- steps: {r['step']} of {cfg.steps}{'' if r['finished'] else ' (stopped by the time limit; `metasd train block` on the same config resumes from ' + repr(str(cfg.state_dir or Path(cfg.out) / 'train_state')) + ')'}, batch {cfg.batch_size}, AdamW lr {cfg.lr} (warmup {cfg.warmup}, cosine to
+  {cfg.min_lr_ratio} x lr), weight decay {cfg.weight_decay}, head loss decay {cfg.head_decay}, bf16 autocast {cfg.bf16}
+- positions seen: {r['positions_seen']} ({r['targets_seen']} head targets); wall time {r['wall_s'] / 60:.1f} min
+  (2 shared CPU cores, nice 19)
+
+## Validation (held-out shards, first {int(r['val/positions'])} positions)
+Teacher-forced on the held-out ShareGPT responses (not the verifier's own outputs). Top-1 accuracy against
+the sequence's tokens (targets outside the draft vocabulary count as misses):
+
+| head | top-1 accuracy |
+| --- | --- |
+{heads}
+
+Expected tokens per step of the argmax chain (bonus included; plain decoding = 1.00): {r['val/tau']:.3f}.
+In-vocabulary cross-entropy: {r['val/loss']:.3f}.
+
+## Files
+heads.safetensors (weight [k, d, d], bias [k, d], {cfg.save_dtype}), config.json, draft_vocab.safetensors,
+metrics.json. Use in a pool config: `type: block`, `checkpoint: <this directory>`, params `refine: none | ngram | neural`.
+"""
+    (out / "MODEL_CARD.md").write_text(text)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def add_train_block_parser(subparsers) -> Any:
+    """``metasd train block CONFIG``: register the sub-command on an argparse subparsers object."""
+    p = subparsers.add_parser("block", help="train block-drafter heads on verifier features",
+                              description="Train the block drafter's heads (YAML config, see metasd.training.block).")
+    p.add_argument("config", help="YAML training config")
+    p.add_argument("--until-step", type=int, default=None, help="stop this invocation at this step (resumable)")
+    p.add_argument("--max-minutes", type=float, default=None, help="override the config's max_minutes")
+    p.add_argument("--fresh", action="store_true", help="ignore an existing training state (start over)")
+    p.set_defaults(func=train_block_main)
+    return p
+
+
+def train_block_main(args) -> int:
+    cfg = load_train_block_config(args.config)
+    updates = {}
+    if getattr(args, "max_minutes", None) is not None:
+        updates["max_minutes"] = args.max_minutes
+    if getattr(args, "fresh", False):
+        updates["resume"] = False
+    if updates:
+        cfg = cfg.model_copy(update=updates)
+    train_block(cfg, until_step=getattr(args, "until_step", None),
+                command=" ".join(["metasd", "train", "block"] + [shlex.quote(a) for a in sys.argv[3:]])
+                if sys.argv[1:3] == ["train", "block"] else None)
+    return 0

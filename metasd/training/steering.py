@@ -1,0 +1,681 @@
+"""Training recipe for the SD² steering module (and the "distilled drafter" baseline): ``metasd train steering CONFIG``.
+
+Data: a verifier feature directory (``metasd.training.features``): token ids, response mask, the
+verifier's hidden states at the guide layers and its top-k next-token log-probabilities.
+
+Per optimizer step: ``batch_size`` sequences (one forward each, gradients accumulated) and one
+staleness o ~ U{1..k}. Drafter position t (input token x_t, predicting x_{t+1}) is steered with the
+guide computed from verifier row t - o (the verifier state that produced x_{t-o+1}), so a prediction
+never sees a verifier state computed from its own input token or a later one, the same as at
+inference, where the draft made at position T-1+i uses the guide of row T-2 (o = i + 1, i = 0..k-1).
+Positions before the last prompt token, and positions t < o, are unsteered (the drafter's prompt
+prefill is unsteered at inference).
+
+Loss over response tokens (positions t with loss_mask[t+1]): forward KL(p || q) with p the verifier's
+top-k distribution renormalised over its k tokens and q the drafter's full softmax, or total variation
+0.5 * (sum_topk |p - q| + q(outside top-k)). Trained: W_hml, the LayerNorm, the bias projection and,
+optionally, drafter layers (``finetune``). With ``steering.enabled: false`` and ``finetune`` set, the
+same recipe trains the distillation baseline.
+
+Checkpoints (``out_dir/checkpoints/step_<n>/``: trainable tensors in fp32 safetensors, AdamW state,
+step, tokens and the MLflow run id; ``out_dir/checkpoints/latest`` names the newest) are written every
+``checkpoint_every`` steps and when the run stops; rerunning the same command resumes from the latest
+one and produces the same parameters as an uninterrupted run (data order and staleness are functions of
+the seed and the step). The result is exported to ``out_dir/steering.safetensors`` + ``config.json``,
+loadable in a pool config as ``type: steered, model: <drafter>, checkpoint: out_dir/steering.safetensors``.
+
+Relative paths in the config are resolved against the current working directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
+                                     resolve_steered_layers, save_steering)
+
+
+class ConfigError(ValueError):
+    """The training config is invalid; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    features: str = Field(description="feature directory (metasd.training.features)")
+    train_shards: list[int] | None = Field(default=None, description="shard indices; default: all but val_shards")
+    val_shards: list[int] = Field(default_factory=list, description="held-out shard indices for validation")
+    val_sequences: int = Field(default=16, ge=0, description="validation sequences (the first of val_shards)")
+
+
+class SteeringConfig(_Strict):
+    enabled: bool = True
+    guide_layers: list[int] | None = Field(default=None, description="verifier hidden_states indices (low, mid, high)")
+    verifier_layers: int | None = Field(default=None, gt=0, description="verifier depth, for the default guide layers")
+    layers: Literal["all"] | int | list[int] = Field(default="all", description="steered drafter layers: all, last N, or a list")
+    rank: int | None = Field(default=None, gt=0, description="low-rank projection d_v -> rank -> n*d_out; None = full rank")
+    injection: Literal["up", "mlp_out"] = "up"
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(default=1000, gt=0)
+    batch_size: int = Field(default=4, gt=0, description="sequences per optimizer step")
+    lr: float = Field(default=1e-3, gt=0, description="steering module learning rate")
+    drafter_lr: float = Field(default=2e-5, gt=0, description="learning rate of fine-tuned drafter layers")
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    k: int = Field(default=5, gt=0, description="maximum guide staleness (draft length)")
+    loss: Literal["kl", "tvd"] = "kl"
+    seed: int = 0
+    dtype: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="compute dtype of the drafter forward")
+    threads: int | None = Field(default=None, gt=0)
+    wall_limit_s: float | None = Field(default=None, gt=0, description="stop (checkpoint, export) after this long")
+
+
+class LogConfig(_Strict):
+    log_every: int = Field(default=10, gt=0)
+    val_every: int = Field(default=100, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    mlflow: bool = True
+    tracking_uri: str | None = Field(default=None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    experiment: str = "metasd-steering"
+    run_name: str | None = None
+
+
+class SteeringTrainingConfig(_Strict):
+    """``metasd train steering CONFIG``: the YAML schema."""
+
+    drafter: str = Field(description="drafter model reference (bundled:<name>, a local HF dir, ...)")
+    out_dir: str
+    data: DataConfig
+    steering: SteeringConfig = Field(default_factory=SteeringConfig)
+    finetune: Literal["none", "all"] | int | list[int] = Field(
+        default="none", description="drafter layers trained too: none, all, the last N, or a list")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    save_dtype: Literal["fp32", "bf16"] = "fp32"
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid steering training config"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("literal[", "int", "list["))) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] in ("literal_error", "extra_forbidden"):
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+def parse_config(raw: dict[str, Any], source: str = "<config>") -> SteeringTrainingConfig:
+    try:
+        return SteeringTrainingConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def read_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SteeringTrainingConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"training config {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return parse_config(raw, str(path))
+
+
+# ---------------------------------------------------------------------------------------------- data
+class _Sequences:
+    """Sequences of some shards of a feature directory, loading one shard at a time (only needed keys)."""
+
+    def __init__(self, path: Path, shard_paths: list[Path], layers: list[int]):
+        from safetensors import safe_open
+
+        self.paths = shard_paths
+        self.keys = ["ids", "loss_mask", "topk_ids", "topk_logp"] + [f"hidden_{layer}" for layer in sorted(set(layers))]
+        self.index: list[tuple[int, int, int]] = []  # (shard, start row, end row)
+        for s, p in enumerate(shard_paths):
+            with safe_open(str(p), framework="pt") as f:
+                off = f.get_tensor("offsets").tolist()
+            self.index += [(s, a, b) for a, b in zip(off[:-1], off[1:])]
+        self._shard, self._data = -1, None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        s, a, b = self.index[i]
+        if s != self._shard:
+            with safe_open(str(self.paths[s]), framework="pt") as f:
+                self._data = {k: f.get_tensor(k) for k in self.keys}
+            self._shard = s
+        return {k: v[a:b] for k, v in self._data.items()}
+
+    def epoch_order(self, seed: int, epoch: int) -> list[int]:
+        """Shards in random order, sequences shuffled inside each shard (one shard load per shard)."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        by_shard: dict[int, list[int]] = {}
+        for i, (s, _, _) in enumerate(self.index):
+            by_shard.setdefault(s, []).append(i)
+        order = []
+        for s in torch.randperm(len(self.paths), generator=g).tolist():
+            seqs = by_shard.get(s, [])
+            order += [seqs[j] for j in torch.randperm(len(seqs), generator=g).tolist()]
+        return order
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def _resolve_layers(spec: str | int | list[int], n: int, field: str) -> list[int]:
+    if spec == "none":
+        return []
+    try:
+        return resolve_steered_layers(spec, n)
+    except ValueError as e:
+        raise ConfigError(f"{field}: {e}") from None
+
+
+class SteeringTrainer:
+    """Holds the drafter, the steering module, the optimizer and the data of one training run."""
+
+    def __init__(self, cfg: SteeringTrainingConfig, model=None, log=print):
+        from metasd.training.features import FeatureSet
+
+        self.cfg, self.log = cfg, log
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        try:
+            fs = FeatureSet(cfg.data.features)
+        except FileNotFoundError as e:
+            raise ConfigError(f"data.features: {e}") from None
+        self.manifest = fs.manifest
+        n_shards = len(fs.shards)
+        for field, idx in (("data.val_shards", cfg.data.val_shards), ("data.train_shards", cfg.data.train_shards or [])):
+            bad = [i for i in idx if not 0 <= i < n_shards]
+            if bad:
+                raise ConfigError(f"{field}: shards {bad} do not exist ({cfg.data.features} has {n_shards} shards)")
+        train_idx = cfg.data.train_shards if cfg.data.train_shards is not None else \
+            [i for i in range(n_shards) if i not in set(cfg.data.val_shards)]
+        if not train_idx:
+            raise ConfigError("data.train_shards: no training shard left")
+
+        # steering shape
+        s = cfg.steering
+        self.guide_layers: list[int] = []
+        if s.enabled:
+            if s.guide_layers is not None:
+                self.guide_layers = list(s.guide_layers)
+            else:
+                n_v = s.verifier_layers or self.manifest.get("num_layers")
+                if n_v is None:
+                    raise ConfigError("steering.guide_layers: not given, and neither steering.verifier_layers nor the "
+                                      "feature manifest gives the verifier's depth (SD² uses [3, N//2+1, N-2])")
+                self.guide_layers = default_guide_layers(int(n_v))
+            missing = [layer for layer in self.guide_layers if layer not in fs.layers]
+            if missing:
+                raise ConfigError(f"steering.guide_layers: layers {missing} are not in the feature set "
+                                  f"(it has {fs.layers})")
+        elif cfg.finetune == "none":
+            raise ConfigError("finetune: steering.enabled is false and finetune is 'none': nothing to train")
+        self.train_set = _Sequences(fs.path, [fs.shards[i] for i in train_idx], self.guide_layers)
+        self.val_set = _Sequences(fs.path, [fs.shards[i] for i in cfg.data.val_shards], self.guide_layers)
+        self.n_val = min(cfg.data.val_sequences, len(self.val_set))
+
+        # drafter
+        finetuning = cfg.finetune != "none"
+        self.compute_dtype = _compute_dtype(t.dtype)
+        if model is None:
+            from metasd.models import load_model
+
+            weight_dtype = torch.float32 if (finetuning or self.compute_dtype == torch.float32) else torch.bfloat16
+            model, _ = load_model(cfg.drafter, dtype=weight_dtype, device="cpu")
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        layers = decoder_layers(model)
+        self.finetune_layers = _resolve_layers(cfg.finetune, len(layers), "finetune")
+        self.drafter_params: dict[str, torch.nn.Parameter] = {}
+        prefix = {id(p): n for n, p in model.named_parameters()}
+        for i in self.finetune_layers:
+            for p in layers[i].parameters():
+                if p.dtype != torch.float32:
+                    raise ConfigError(f"finetune: drafter weights are {p.dtype}; fine-tuning needs fp32 master weights "
+                                      "(load the drafter in fp32)")
+                p.requires_grad_(True)
+                self.drafter_params[prefix[id(p)]] = p
+        d_v = None
+        if s.enabled:
+            first = self.train_set[0]
+            d_v = int(first[f"hidden_{self.guide_layers[0]}"].shape[-1])
+            try:
+                self.module = SteeringModule.for_models(model, d_v, guide_layers=self.guide_layers, layers=s.layers,
+                                                        rank=s.rank, injection=s.injection, seed=t.seed)
+            except ValueError as e:
+                raise ConfigError(f"steering.layers: {e}") from None
+            self.injector = Injector(model, self.module.spec)
+        else:
+            self.module, self.injector = None, None
+        groups = []
+        if self.module is not None:
+            groups.append({"params": list(self.module.parameters()), "lr": t.lr, "base_lr": t.lr})
+        if self.drafter_params:
+            groups.append({"params": list(self.drafter_params.values()), "lr": t.drafter_lr, "base_lr": t.drafter_lr})
+        self.opt = torch.optim.AdamW(groups, weight_decay=t.weight_decay)
+        self.step = 0
+        self.tokens_seen = 0
+        self.loss_tokens_seen = 0
+        self.wall_s = 0.0
+        self.run_id: str | None = None
+        self.history: list[dict] = []
+        self._plain_val: dict | None = None
+        self._order_cache: tuple[int, list[int]] | None = None
+        self.lm_head = model.get_output_embeddings()
+        self.base = model.base_model
+
+    def close(self) -> None:
+        """Remove the steering hooks from the drafter model (the module stays usable)."""
+        if self.injector is not None:
+            self.injector.remove()
+            self.injector = None
+
+    # ------------------------------------------------------------------ core computation
+    def sequence_loss(self, seq: dict[str, torch.Tensor], offset: int | None) -> dict[str, torch.Tensor] | None:
+        """Loss (sum over response tokens), token count and agreements of one sequence.
+
+        offset: guide staleness o (None = unsteered).
+        """
+        ids, mask = seq["ids"], seq["loss_mask"]
+        N = len(ids)
+        rows = mask[1:].nonzero().squeeze(-1)  # positions predicting a response token
+        if not len(rows):
+            return None
+        delta = None
+        if offset is not None and self.module is not None:
+            first_resp = int(mask.nonzero()[0])
+            start = max(first_resp - 1, offset)  # unsteered prompt prefill; no guide row before 0
+            if start < N:
+                h = torch.cat([seq[f"hidden_{layer}"][: N - offset] for layer in self.guide_layers], dim=-1)
+                src = h[start - offset:]  # rows t - o for t = start..N-1
+                d = self.module(src)  # [N - start, n, d_out] fp32
+                delta = torch.cat([d.new_zeros(start, *d.shape[1:]), d])[None]
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.compute_dtype == torch.bfloat16 else nullcontext()
+        if delta is not None:
+            if self.injector is None:
+                self.injector = Injector(self.model, self.module.spec)
+            self.injector.set(delta)
+        try:
+            with autocast:
+                hidden = self.base(input_ids=ids[None]).last_hidden_state[0]
+                logits = self.lm_head(hidden[rows])
+        finally:
+            if self.injector is not None:
+                self.injector.clear()
+        logq = logits.float().log_softmax(-1)
+        top_ids, top_lp = seq["topk_ids"][rows], seq["topk_logp"][rows].float()
+        logp = top_lp - top_lp.logsumexp(-1, keepdim=True)
+        p = logp.exp()
+        logq_top = logq.gather(-1, top_ids)
+        kl = (p * (logp - logq_top)).sum(-1)
+        q_top = logq_top.exp()
+        tvd = 0.5 * ((p - q_top).abs().sum(-1) + (1 - q_top.sum(-1)).clamp_min(0))
+        return {"loss": (kl if self.cfg.train.loss == "kl" else tvd).sum(), "kl": kl.detach().sum(),
+                "tvd": tvd.detach().sum(), "n": torch.tensor(len(rows)),
+                "agree": (logits.argmax(-1) == top_ids[:, 0]).sum(), "tokens": torch.tensor(N)}
+
+    def offset_for(self, step: int) -> int:
+        g = torch.Generator().manual_seed(self.cfg.train.seed * 7_919 + step)
+        return int(torch.randint(1, self.cfg.train.k + 1, (1,), generator=g))
+
+    def batch_indices(self, step: int) -> list[int]:
+        n, b = len(self.train_set), self.cfg.train.batch_size
+        out = []
+        for j in range(step * b, (step + 1) * b):
+            epoch, i = divmod(j, n)
+            if self._order_cache is None or self._order_cache[0] != epoch:
+                self._order_cache = (epoch, self.train_set.epoch_order(self.cfg.train.seed, epoch))
+            out.append(self._order_cache[1][i])
+        return out
+
+    def lr_factor(self, step: int) -> float:
+        t = self.cfg.train
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "cosine":
+            span = max(t.steps - t.warmup_steps, 1)
+            x = min(max(step - t.warmup_steps, 0) / span, 1.0)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * x))
+        return 1.0
+
+    def train_step(self) -> dict[str, float]:
+        o = self.offset_for(self.step) if self.module is not None else None
+        seqs = [self.train_set[i] for i in self.batch_indices(self.step)]
+        total = sum(int(s["loss_mask"][1:].sum()) for s in seqs)
+        if self.module is not None:
+            self.module.train()
+        self.opt.zero_grad(set_to_none=True)
+        stats = {"loss": 0.0, "kl": 0.0, "tvd": 0.0, "agree": 0.0, "n": 0, "tokens": 0}
+        for s in seqs:
+            out = self.sequence_loss(s, o)
+            if out is None:
+                continue
+            (out["loss"] / max(total, 1)).backward()
+            for key in ("loss", "kl", "tvd", "agree"):
+                stats[key] += float(out[key].detach())
+            stats["n"] += int(out["n"])
+            stats["tokens"] += int(out["tokens"])
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or float("inf")))
+        f = self.lr_factor(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = g["base_lr"] * f
+        self.opt.step()
+        self.step += 1
+        self.tokens_seen += stats["tokens"]
+        self.loss_tokens_seen += stats["n"]
+        n = max(stats["n"], 1)
+        return {"loss": stats["loss"] / n, "kl": stats["kl"] / n, "tvd": stats["tvd"] / n, "agree": stats["agree"] / n,
+                "offset": float(o or 0), "grad_norm": gnorm, "lr_factor": f}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Top-1 agreement with the verifier's argmax (and KL) on held-out sequences, steered and plain.
+
+        Validation sequence i uses staleness o = 1 + i % k (all offsets equally represented).
+        """
+        if self.module is not None:
+            self.module.eval()
+        out: dict[str, float] = {}
+        modes = ["steered", "plain"] if self.module is not None else ["plain"]
+        for mode in modes:
+            if mode == "plain" and not self.drafter_params and self._plain_val is not None:
+                out.update(self._plain_val)  # a frozen drafter: the unsteered figures never change
+                continue
+            agree = kl = n = 0.0
+            for i in range(self.n_val):
+                r = self.sequence_loss(self.val_set[i], 1 + i % self.cfg.train.k if mode == "steered" else None)
+                if r is not None:
+                    agree += float(r["agree"])
+                    kl += float(r["kl"])
+                    n += int(r["n"])
+            res = {f"val_agree_{mode}": agree / max(n, 1), f"val_kl_{mode}": kl / max(n, 1)}
+            if mode == "plain" and not self.drafter_params:
+                self._plain_val = res
+            out.update(res)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        state = {}
+        if self.module is not None:
+            state.update({f"steering.{k}": v.detach().clone() for k, v in self.module.state_dict().items()})
+        state.update({f"drafter.{k}": p.detach().clone() for k, p in self.drafter_params.items()})
+        return state
+
+    def save_checkpoint(self) -> Path:
+        from safetensors.torch import save_file
+
+        root = Path(self.cfg.out_dir) / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step_{self.step:07d}"
+        tmp = root / f".tmp_step_{self.step:07d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.float().contiguous() for k, v in self.trainable_state().items()}, str(tmp / "trainable.safetensors"))
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tokens_seen": self.loss_tokens_seen,
+                 "wall_s": self.wall_s, "mlflow_run_id": self.run_id, "history": self.history,
+                 "config": _resume_key(self.cfg)}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = root / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+        for old in sorted(root.glob("step_*"))[: -self.cfg.log.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self) -> bool:
+        """Resume from ``out_dir/checkpoints/latest`` if it exists; return whether it did."""
+        from safetensors.torch import load_file
+
+        root = Path(self.cfg.out_dir) / "checkpoints"
+        if not (root / "latest").is_file():
+            return False
+        path = root / (root / "latest").read_text().strip()
+        state = json.loads((path / "state.json").read_text())
+        mine = _resume_key(self.cfg)
+        diff = sorted(k for k in set(mine) | set(state["config"]) if mine.get(k) != state["config"].get(k))
+        if diff:
+            raise ConfigError(f"{path} was trained with different settings ({', '.join(diff)}); "
+                              "use another out_dir or start fresh (--fresh)")
+        tensors = load_file(str(path / "trainable.safetensors"))
+        with torch.no_grad():
+            if self.module is not None:
+                self.module.load_state_dict({k[9:]: v for k, v in tensors.items() if k.startswith("steering.")})
+            for k, p in self.drafter_params.items():
+                p.copy_(tensors[f"drafter.{k}"].to(p.dtype))
+        self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.loss_tokens_seen, self.wall_s = state.get("loss_tokens_seen", 0), state["wall_s"]
+        self.run_id, self.history = state.get("mlflow_run_id"), state.get("history", [])
+        return True
+
+    def export(self, extra: dict | None = None) -> Path:
+        """Write the loadable result: out_dir/steering.safetensors + config.json."""
+        dtype = torch.bfloat16 if self.cfg.save_dtype == "bf16" else torch.float32
+        last_val = next((h for h in reversed(self.history) if "val_agree_plain" in h), None)
+        info = {"drafter_model": self.cfg.drafter, "verifier_model": self.manifest.get("model"),
+                "features": str(self.cfg.data.features),
+                "training": {"step": self.step, "tokens_seen": self.tokens_seen,
+                             "loss_tokens_seen": self.loss_tokens_seen, "wall_s": round(self.wall_s, 1),
+                             "finetune_layers": self.finetune_layers, "last_validation": last_val,
+                             "config": self.cfg.model_dump()}, **(extra or {})}
+        return save_steering(Path(self.cfg.out_dir) / "steering.safetensors", self.module,
+                             {k: p for k, p in self.drafter_params.items()}, info, dtype)
+
+
+def _compute_dtype(name: str) -> torch.dtype:
+    if name == "fp32":
+        return torch.float32
+    if name == "bf16":
+        return torch.bfloat16
+    from metasd.models import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def _resume_key(cfg: SteeringTrainingConfig) -> dict[str, Any]:
+    """Settings that must not change across a resume (steps, wall limit and logging may)."""
+    d = cfg.model_dump()
+    t = dict(d["train"])
+    for k in ("steps", "wall_limit_s", "threads"):
+        t.pop(k)
+    return {"drafter": d["drafter"], "data": {k: v for k, v in d["data"].items() if k != "val_sequences"},
+            "steering": d["steering"], "finetune": d["finetune"], "train": t}
+
+
+# ---------------------------------------------------------------------------------------------- MLflow
+class _Tracker:
+    def __init__(self, cfg: LogConfig, run_id: str | None, params: dict[str, Any]):
+        self.enabled = cfg.mlflow
+        self.run_id = run_id
+        if not self.enabled:
+            return
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+        mlflow.set_experiment(cfg.experiment)
+        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else cfg.run_name)
+        self.run_id = run.info.run_id
+        if run_id is None:
+            mlflow.log_params(_flatten(params))
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        try:  # a tracking hiccup (e.g. a locked sqlite file) must not kill a long run; train_log.jsonl has it all
+            self.mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in values.items()}, step=step)
+        except Exception as e:  # noqa: BLE001
+            print(f"warning: MLflow logging failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def close(self, status: str) -> None:
+        if self.enabled:
+            try:
+                self.mlflow.end_run(status=status)
+            except Exception as e:  # noqa: BLE001
+                print(f"warning: MLflow end_run failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:500]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False, stop_at_step: int | None = None,
+                   log=print) -> SteeringTrainer:
+    """Train (resuming from the latest checkpoint unless ``fresh``); export and return the trainer.
+
+    model: an already loaded drafter model (tests); default: load ``cfg.drafter``.
+    stop_at_step: stop like an interruption after this step (checkpoint, no export); for tests.
+    """
+    tr = SteeringTrainer(cfg, model=model, log=log)
+    out = Path(cfg.out_dir)
+    try:
+        if fresh:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        resumed = tr.load_checkpoint()
+        tracker = _Tracker(cfg.log, tr.run_id, cfg.model_dump())
+    except BaseException:
+        tr.close()
+        raise
+    if resumed:
+        log(f"resumed from step {tr.step} ({tr.tokens_seen} tokens, {tr.wall_s:.0f}s so far)")
+    if tr.step >= cfg.train.steps:
+        log(f"already trained for {tr.step} >= {cfg.train.steps} steps")
+    tr.run_id = tracker.run_id
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "train_log.jsonl", "a")
+    status = "FINISHED"
+    t_start = time.perf_counter()
+    wall0 = tr.wall_s
+    limit = cfg.train.wall_limit_s
+    window: list[dict[str, float]] = []
+
+    def record(values: dict[str, float]) -> None:
+        entry = {"step": tr.step, "tokens_seen": tr.tokens_seen, "wall_s": round(tr.wall_s, 1), **values}
+        if any(k.startswith("val_") for k in values):
+            tr.history.append(entry)
+        logf.write(json.dumps(entry) + "\n")
+        logf.flush()
+        tracker.metrics({**values, "tokens_seen": tr.tokens_seen, "wall_s": tr.wall_s}, tr.step)
+
+    def validate() -> None:
+        if tr.n_val and not (tr.history and tr.history[-1]["step"] == tr.step):
+            v = tr.validate()
+            record(v)
+            log(f"step {tr.step}: " + ", ".join(f"{k} {x:.4f}" for k, x in v.items()))
+
+    try:
+        if not resumed and tr.n_val:
+            validate()
+        while tr.step < cfg.train.steps:
+            m = tr.train_step()
+            tr.wall_s = wall0 + time.perf_counter() - t_start
+            window.append(m)
+            if tr.step % cfg.log.log_every == 0 or tr.step == cfg.train.steps:
+                avg = {f"train_{k}": sum(w[k] for w in window) / len(window) for k in window[0]}
+                record(avg)
+                log(f"step {tr.step}/{cfg.train.steps} loss {avg['train_loss']:.4f} agree {avg['train_agree']:.3f} "
+                    f"tokens {tr.tokens_seen} {tr.wall_s:.0f}s")
+                window = []
+            if tr.step % cfg.log.val_every == 0 and tr.step < cfg.train.steps:
+                validate()
+            if tr.step % cfg.log.checkpoint_every == 0:
+                tr.save_checkpoint()
+            if stop_at_step is not None and tr.step >= stop_at_step:
+                tr.save_checkpoint()
+                status = "KILLED"
+                return tr
+            if limit is not None and time.perf_counter() - t_start > limit:
+                log(f"wall limit of {limit:.0f}s reached at step {tr.step}; rerun the same command to resume")
+                status = "KILLED"
+                break
+        validate()
+        tr.wall_s = wall0 + time.perf_counter() - t_start
+        tr.save_checkpoint()
+        path = tr.export()
+        log(f"exported {path} (step {tr.step}, {tr.tokens_seen} tokens, {tr.wall_s:.0f}s)")
+        return tr
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        logf.close()
+        tracker.close(status)
+        tr.close()
+
+
+def add_train_steering_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``steering`` under ``metasd train``: ``metasd train steering CONFIG``."""
+    p = subparsers.add_parser("steering", help="train an SD² steering module (or a distilled drafter)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="training YAML (schema: metasd.training.steering.SteeringTrainingConfig)")
+    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in out_dir")
+    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument("--wall-limit", type=float, default=None, help="override train.wall_limit_s (seconds)")
+    p.add_argument("--out-dir", default=None, help="override out_dir")
+    p.set_defaults(func=train_steering_main)
+    return p
+
+
+def train_steering_main(args: argparse.Namespace) -> int:
+    overrides = {}
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.wall_limit is not None:
+        overrides["train.wall_limit_s"] = args.wall_limit
+    if args.out_dir is not None:
+        overrides["out_dir"] = args.out_dir
+    try:
+        cfg = read_config(args.config, overrides)
+        train_steering(cfg, fresh=args.fresh)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

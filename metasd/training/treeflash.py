@@ -1,0 +1,872 @@
+"""Training a TreeFlash drafter (``metasd train treeflash CONFIG``; ALGORITHMS.md sections 5 and 6).
+
+Data: a verifier feature directory (``metasd.training.features``): token ids, response mask, verifier
+hidden states of several layers, and the verifier's top-k next-token log-probabilities at every position.
+
+Stage 1, the block backbone (DFlash recipe). Per step, ``sequences_per_step`` training sequences (the
+order is a function of the step only) and ``anchors_per_sequence`` random anchor positions a in each
+(1 <= a <= n-2, token a+1 a response token). The block is [ids[a], MASK x (B-1)] at positions a..a+B-1;
+its context is the verifier states of rows max(0, a-C)..a-1 (row a, the anchor's own state, does not
+exist yet at drafting time: the anchor is the pending token). Block position j (1..B-1) predicts token
+a+j. Loss weight of position j: exp(-(j-1)/gamma) (uniform when gamma is null); only positions whose
+token a+j exists and is a response token count.
+
+Stage 2, the AR approximation (TreeFlash), backbone frozen: position j's state is corrected with the
+teacher-forced previous token ids[a+j-1] (the anchor itself for j = 1) and trained with the same loss.
+
+Targets (``target``; default ``soft``): the verifier's own distribution of token a+j given the real
+prefix, i.e. row a+j-1 of the stored top-k log-probabilities, renormalised over the entries inside the
+draft vocabulary (a distillation cross-entropy, equal to KL(p_top-k || q) up to a constant). It carries
+the verifier's top-1 (what greedy verification accepts) and its ranking of alternatives (what tree
+siblings need). ``verifier``: hard label = the verifier's top-1 ``topk_ids[a+j-1, 0]``; ``data``: hard
+label = the sequence's token ids[a+j]. Targets outside the draft vocabulary are dropped from the loss;
+validation counts them as misses.
+
+Reduced vocabulary: the ``vocab_size`` most frequent tokens of the training shards (sequence tokens plus
+the verifier's top-1 predictions; EOS always in).
+
+Validation on held-out shards, at fixed anchors: per-position top-1 accuracy against the verifier's top-1
+(``acc_marg_j`` for the marginals, ``acc_ar_j`` for the AR conditionals with teacher-forced previous
+tokens) and teacher-forced tokens per step (bonus included; plain decoding = 1.00) of a draft:
+``tau_<mode>_tf`` walks the draft (chain, marginal tree or TreeFlash tree) accepting a node when its token
+equals the verifier's top-1 at that depth under the real prefix (optimistic where the data diverge from
+the verifier's greedy path); ``tau_<mode>_lb`` also stops after a node whose accepted token differs from
+the data's token (where the next target would be conditioned on another prefix): a lower bound.
+``tau_argmax_marg_*`` is the chain of marginal argmaxes (= mode chain) over all validation anchors;
+``tau_argmax_ar_*`` the chain of AR-conditional argmaxes given the real previous tokens (an upper-bound
+view of what the AR approximation knows); the tree figures use ``val_tree_anchors`` anchors and the
+checkpoint's drafting defaults (m, k, tree_size).
+
+Files: ``out`` receives model.safetensors (``save_dtype``), config.json, draft_vocab.safetensors,
+metrics.json and MODEL_CARD.md; ``state_dir`` (default ``<out>/train_state``) the resumable state (fp32
+weights, optimizer, stage, step, counters, MLflow run id). A run resumes from ``state_dir`` unless
+``resume: false``; data order and anchors depend on (seed, stage, step) only, so an interrupted and
+resumed run equals an uninterrupted one. MLflow: URI from MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+in the current directory; a resumed run continues its MLflow run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..draft_vocab import DraftVocab
+from ..tree import children_lists
+from .features import FeatureSet
+
+STATE_WEIGHTS = "model_fp32.safetensors"
+STATE_OPTIM = "optimizer.pt"
+STATE_META = "trainer.json"
+MODES = ("chain", "marginal", "treeflash")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Strict):
+    """Drafter architecture (see ``metasd.drafters.treeflash_backbone.TreeFlashConfig``)."""
+
+    hidden_size: int = Field(768, ge=8, description="internal width of the drafter layers")
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(12, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(2048, ge=1)
+    ar_intermediate_size: int = Field(768, ge=1, description="I of the AR MLP (UG: 2H -> 2I)")
+    block_size: int = Field(8, ge=2, description="B; drafts reach depth B-1")
+    context_window: int = Field(128, ge=0, description="C: context positions a block sees (0: all)")
+    context_layers: list[int] | None = Field(None, description="verifier hidden-state layers; default: every "
+                                             "feature layer below the final-norm state")
+    rope_theta: float = 10000.0
+    output_norm: Literal["verifier", "own"] = Field("verifier", description="N before the frozen LM head: the "
+                                                    "verifier's final norm (frozen) or a trainable one of the drafter")
+
+
+class StageSection(_Strict):
+    steps: int = Field(200, ge=0, description="optimizer steps of the stage (sets the LR schedule)")
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    sequences_per_step: int = Field(4, ge=1)
+    anchors_per_sequence: int = Field(16, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="end the stage after this much training wall time "
+                                      "(summed over resumed invocations)")
+
+
+class DraftDefaults(_Strict):
+    """Drafting parameters stored in the checkpoint (a pool entry's params override them)."""
+
+    mode: Literal["chain", "marginal", "treeflash"] = "treeflash"
+    m: int = Field(8, ge=1)
+    k: int = Field(8, ge=1)
+    tree_size: int = Field(32, ge=1)
+
+
+class TrainTreeFlashConfig(_Strict):
+    """YAML config of ``metasd train treeflash``."""
+
+    features: str = Field(description="verifier feature directory (manifest.json + shards)")
+    verifier: str = Field(description="model reference of the verifier the features came from")
+    out: str = Field(description="checkpoint directory written for the drafter")
+    state_dir: str | None = Field(None, description="resumable training state (default <out>/train_state)")
+    train_shards: str | None = Field(None, description="e.g. '0-22'; default: every shard not in val_shards")
+    val_shards: str | None = Field(None, description="held-out shards; default: the last 2")
+    require_complete: bool = Field(True, description="fail unless every shard the manifest announces exists")
+    model: ModelSection = Field(default_factory=ModelSection)
+    vocab_size: int = Field(32768, ge=0, description="reduced draft vocabulary; 0 = full vocabulary")
+    draft_vocab: str | None = Field(None, description="reuse this DraftVocab file instead of counting")
+    target: Literal["soft", "verifier", "data"] = "soft"
+    gamma: float | None = Field(4.0, gt=0, description="loss weight exp(-(j-1)/gamma) of block position j")
+    stage1: StageSection = Field(default_factory=StageSection)
+    stage2: StageSection = Field(default_factory=lambda: StageSection(lr=1e-3))
+    defaults: DraftDefaults = Field(default_factory=DraftDefaults)
+    bf16: bool = Field(True, description="bf16 autocast for matmuls (weights and optimizer stay fp32)")
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=1)
+    save_every: int = Field(50, ge=1)
+    val_anchors: int = Field(256, ge=1, description="held-out anchors for accuracies and chain figures")
+    val_tree_anchors: int = Field(128, ge=0, description="held-out anchors for the final tree figures")
+    val_anchors_per_sequence: int = Field(4, ge=1)
+    save_dtype: Literal["bf16", "fp32"] = "bf16"
+    seed: int = 0
+    threads: int | None = Field(None, ge=1)
+    resume: bool = True
+    mlflow: bool = True
+    mlflow_experiment: str = "metasd-treeflash"
+    run_name: str | None = None
+
+
+def load_train_treeflash_config(path: str | Path) -> TrainTreeFlashConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"training config {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    try:
+        return TrainTreeFlashConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{path}: invalid treeflash training config"]
+        lines += [f"  {'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        raise ValueError("\n".join(lines)) from None
+
+
+def parse_shards(spec: str, n: int) -> list[int]:
+    """'0-22' / '0,3,5-7' -> shard indices (checked against n shards)."""
+    out: list[int] = []
+    for part in str(spec).replace(" ", "").split(","):
+        if not part:
+            continue
+        a, sep, b = part.partition("-")
+        out.extend(range(int(a), (int(b) if sep else int(a)) + 1))
+    bad = [s for s in out if not 0 <= s < n]
+    if bad:
+        raise ValueError(f"shards {bad} out of range 0..{n - 1}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- data
+class ShardReader:
+    """Reads the keys TreeFlash needs from shards, keeping the last two in memory."""
+
+    def __init__(self, fs: FeatureSet, layers: list[int]):
+        self.fs = fs
+        self.keys = ["ids", "loss_mask", "offsets", "topk_ids", "topk_logp"] + [f"hidden_{l}" for l in layers]
+        self._cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._order: list[int] = []
+
+    def shard(self, s: int) -> dict[str, torch.Tensor]:
+        if s not in self._cache:
+            with safe_open(str(self.fs.shards[s]), "pt") as f:
+                self._cache[s] = {k: f.get_tensor(k) for k in self.keys}
+            self._order.append(s)
+            while len(self._order) > 2:
+                self._cache.pop(self._order.pop(0))
+        return self._cache[s]
+
+    def sequence(self, s: int, j: int) -> dict[str, torch.Tensor]:
+        sh = self.shard(s)
+        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
+        return {k: v[a:b] for k, v in sh.items() if k != "offsets"}
+
+    def n_sequences(self, s: int) -> int:
+        with safe_open(str(self.fs.shards[s]), "pt") as f:
+            return len(f.get_tensor("offsets")) - 1
+
+
+class Schedule:
+    """Sequence order: per epoch a seeded permutation of shards, then of the sequences inside each
+    shard (so consecutive steps read the same shard). Step s of a stage reads positions s*n .. s*n+n-1."""
+
+    def __init__(self, counts: dict[int, int], seed: int):
+        self.counts = counts
+        self.total = sum(counts.values())
+        self.seed = seed
+        self._epochs: dict[int, list[tuple[int, int]]] = {}
+
+    def _epoch(self, e: int) -> list[tuple[int, int]]:
+        if e not in self._epochs:
+            g = torch.Generator().manual_seed(self.seed * 7919 + e)
+            shards = sorted(self.counts)
+            order = []
+            for i in torch.randperm(len(shards), generator=g).tolist():
+                s = shards[i]
+                order += [(s, j) for j in torch.randperm(self.counts[s], generator=g).tolist()]
+            self._epochs = {e: order}  # keep one epoch
+        return self._epochs[e]
+
+    def batch(self, step: int, n: int) -> list[tuple[int, int]]:
+        out = []
+        for p in range(step * n, step * n + n):
+            out.append(self._epoch(p // self.total)[p % self.total])
+        return out
+
+
+def valid_anchors(ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Anchor positions a (the pending token) with 1 <= a <= n-2 whose next token is a response token."""
+    n = len(ids)
+    if n < 3:
+        return torch.empty(0, dtype=torch.long)
+    a = torch.arange(1, n - 1)
+    return a[loss_mask[a + 1]]
+
+
+def sample_anchors(ids, loss_mask, count: int, g: torch.Generator) -> torch.Tensor:
+    cand = valid_anchors(ids, loss_mask)
+    if len(cand) <= count:
+        return cand
+    return cand[torch.randperm(len(cand), generator=g)[:count]].sort().values
+
+
+def block_targets(seq: dict[str, torch.Tensor], anchors: torch.Tensor, B: int, vocab: DraftVocab, kind: str) -> dict:
+    """Targets of block positions j = 1..B-1 for each anchor: token a+j, predicted from row t = a+j-1.
+
+    Returns valid [A, B-1] (token exists, is a response token, and the target has mass in the draft
+    vocabulary), top1 / actual [A, B-1] full ids (verifier top-1 at row t, data token a+j) and the loss
+    target: ``soft`` (idx [A, B-1, K] reduced ids clamped, p [A, B-1, K]) or ``hard`` (y [A, B-1])."""
+    ids, mask = seq["ids"], seq["loss_mask"]
+    n = len(ids)
+    t = anchors[:, None] + torch.arange(B - 1)[None, :]  # [A, B-1]
+    exists = t + 1 < n
+    tc = t.clamp(max=n - 2) if n >= 2 else t.clamp(max=0)
+    nxt = (tc + 1).clamp(max=n - 1)
+    exists = exists & mask[nxt]
+    top1 = seq["topk_ids"][tc, 0]
+    actual = ids[nxt]
+    out = {"exists": exists, "top1": top1, "actual": actual, "t": tc, "prev": ids[tc]}
+    if kind == "soft":
+        red = vocab.to_reduced(seq["topk_ids"][tc])  # [A, B-1, K]
+        p = seq["topk_logp"][tc].float().softmax(-1) * (red >= 0)
+        s = p.sum(-1)
+        out["valid"] = exists & (s > 0)
+        out["p"] = p / s.clamp(min=1e-12)[..., None]
+        out["idx"] = red.clamp(min=0)
+    else:
+        y = vocab.to_reduced(top1 if kind == "verifier" else actual)
+        out["valid"] = exists & (y >= 0)
+        out["y"] = y.clamp(min=0)
+    return out
+
+
+def position_loss(logp: torch.Tensor, tgt: dict) -> torch.Tensor:
+    """logp [A, B-1, N] -> [A, B-1] cross-entropy against the targets (0 where invalid)."""
+    if "p" in tgt:
+        loss = -(tgt["p"] * logp.gather(-1, tgt["idx"])).sum(-1)
+    else:
+        loss = -logp.gather(-1, tgt["y"][..., None]).squeeze(-1)
+    return torch.where(tgt["valid"], loss, torch.zeros_like(loss))
+
+
+def position_weights(B: int, gamma: float | None) -> torch.Tensor:
+    j = torch.arange(1, B, dtype=torch.float32)
+    return torch.ones_like(j) if gamma is None else torch.exp(-(j - 1) / gamma)
+
+
+def block_states(model, pieces, seq: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+    """Backbone output h [A, B, d] for blocks at ``anchors`` of one sequence (context rows < anchor)."""
+    cfg = model.cfg
+    B, C = cfg.block_size, cfg.context_window
+    A = len(anchors)
+    hi = int(anchors.max())
+    lo = max(0, int(anchors.min()) - C) if C else 0
+    if hi > lo:
+        hidden = torch.cat([seq[f"hidden_{l}"][lo:hi] for l in cfg.context_layers], dim=-1)
+        pos = torch.arange(lo, hi)
+        kv = model.context_kv(model.project_context(hidden), pos)
+        visible = pos[None, :] < anchors[:, None]
+        if C:
+            visible &= pos[None, :] >= anchors[:, None] - C
+    else:
+        e = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
+        kv = [(e, e) for _ in model.layers]
+        visible = torch.zeros(A, 0, dtype=torch.bool)
+    emb = pieces.embed(seq["ids"][anchors], model.dtype)
+    block = model.block_inputs(emb, B)
+    positions = anchors[:, None] + torch.arange(B)[None, :]
+    return model(block, positions, kv, visible)
+
+
+def marginal_logp(model, pieces, h: torch.Tensor) -> torch.Tensor:
+    """h [A, B, d] -> log-probs [A, B-1, N] of block positions 1..B-1."""
+    return model.logits(pieces, h[:, 1:]).float().log_softmax(-1)
+
+
+def ar_logp(model, pieces, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+    """h [A, B, d], prev_ids [A, B-1] (token before each position) -> conditional log-probs [A, B-1, N]."""
+    prev = pieces.embed(prev_ids, h.dtype)
+    return model.logits(pieces, model.ar_hidden(h[:, 1:], prev, pieces)).float().log_softmax(-1)
+
+
+def lr_at(step: int, st: StageSection) -> float:
+    if st.warmup and step < st.warmup:
+        return st.lr * (step + 1) / st.warmup
+    span = max(st.steps - st.warmup, 1)
+    progress = min(max(step - st.warmup, 0) / span, 1.0)
+    return st.lr * (st.min_lr_ratio + (1 - st.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ------------------------------------------------------------------------------------------- eval
+def tf_accept(tokens: list[int], parents: list[int], top1: list[int], valid: list[bool], actual: list[int]) -> tuple[int, int]:
+    """Teacher-forced acceptance of a draft: (optimistic count, lower-bound count); see module docstring."""
+    kids = children_lists(torch.tensor(parents, dtype=torch.long))
+    row, n, lb = 0, 0, None
+    for j in range(len(top1)):
+        if not valid[j]:
+            break
+        child = next((c for c in kids[row] if tokens[c] == top1[j]), None)
+        if child is None:
+            break
+        n += 1
+        if lb is None and top1[j] != actual[j]:
+            lb = n
+        row = child + 1
+    return n, (n if lb is None else lb)
+
+
+def val_anchor_set(reader: ShardReader, shards: list[int], total: int, per_seq: int, seed: int) -> list[tuple[int, int, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed + 17)
+    out, count = [], 0
+    for s in shards:
+        for j in range(reader.n_sequences(s)):
+            seq = reader.sequence(s, j)
+            a = sample_anchors(seq["ids"], seq["loss_mask"], min(per_seq, total - count), g)
+            if len(a):
+                out.append((s, j, a))
+                count += len(a)
+            if count >= total:
+                return out
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, pieces, reader: ShardReader, anchors, vocab: DraftVocab, cfg: TrainTreeFlashConfig,
+             trees: int = 0) -> dict[str, float]:
+    """Validation figures at fixed held-out anchors (``trees``: how many anchors also get tree drafts)."""
+    from metasd.drafters.treeflash import draft_from_block
+
+    B = model.cfg.block_size
+    w = position_weights(B, cfg.gamma)
+    sums: dict[str, torch.Tensor] = {k: torch.zeros(B - 1) for k in ("marg_hit", "ar_hit", "n")}
+    loss = {"marg": 0.0, "ar": 0.0, "w": 0.0}
+    taus: dict[str, list[float]] = {}
+    done_trees = 0
+    was_training = model.training
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        for s, j, a in anchors:
+            seq = reader.sequence(s, j)
+            tgt = block_targets(seq, a, B, vocab, cfg.target)
+            h = block_states(model, pieces, seq, a)
+            lm = marginal_logp(model, pieces, h)
+            la = ar_logp(model, pieces, h, tgt["prev"])
+            ex = tgt["exists"]
+            for name, lp in (("marg", lm), ("ar", la)):
+                hit = (vocab.to_full(lp.argmax(-1)) == tgt["top1"]) & ex
+                sums[f"{name}_hit"] += hit.float().sum(0)
+                loss[name] += float((position_loss(lp, tgt) * w).sum())
+                # teacher-forced chains: leading hits
+                lead = torch.cumprod(hit.long(), dim=1).sum(1)
+                agree = torch.cumprod((hit & (tgt["top1"] == tgt["actual"])).long(), dim=1).sum(1)
+                lb = torch.minimum(lead, agree + 1)
+                taus.setdefault(f"tau_argmax_{name}_tf", []).extend((1 + lead).tolist())
+                taus.setdefault(f"tau_argmax_{name}_lb", []).extend((1 + lb).tolist())
+            sums["n"] += ex.float().sum(0)
+            loss["w"] += float((tgt["valid"].float() * w).sum())
+            for i in range(len(a)):
+                if done_trees >= trees:
+                    break
+                done_trees += 1
+                root = int(seq["ids"][a[i]])
+                top1, valid, actual = tgt["top1"][i].tolist(), ex[i].tolist(), tgt["actual"][i].tolist()
+                for mode in MODES:
+                    toks, parents = draft_from_block(model, pieces, h[i].float(), root, mode, B - 1, cfg.defaults.m,
+                                                     cfg.defaults.k, cfg.defaults.tree_size)
+                    full = vocab.to_full(torch.tensor(toks, dtype=torch.long)).tolist()
+                    tf, lb = tf_accept(full, parents, top1, valid, actual)
+                    taus.setdefault(f"tau_{mode}_tf", []).append(1 + tf)
+                    taus.setdefault(f"tau_{mode}_lb", []).append(1 + lb)
+                    taus.setdefault(f"nodes_{mode}", []).append(len(full))
+    model.train(was_training)
+    out: dict[str, float] = {}
+    n = sums["n"].clamp(min=1)
+    for name in ("marg", "ar"):
+        acc = sums[f"{name}_hit"] / n
+        out[f"acc_{name}"] = float(sums[f"{name}_hit"].sum() / n.sum())
+        for jj in range(B - 1):
+            out[f"acc_{name}_{jj + 1}"] = float(acc[jj])
+        out[f"loss_{name}"] = loss[name] / max(loss["w"], 1e-9)
+    for k, v in taus.items():
+        out[k] = sum(v) / max(len(v), 1)
+    out["val_anchors"] = float(sum(len(a) for _, _, a in anchors))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- training
+def _tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+class _Tracker:
+    """MLflow logging, or nothing when disabled."""
+
+    def __init__(self, enabled: bool, experiment: str, run_name: str | None, run_id: str | None, params: dict):
+        self.enabled = enabled
+        self.run_id = run_id
+        if not enabled:
+            return
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(_tracking_uri())
+        mlflow.set_experiment(experiment)
+        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
+        self.run_id = run.info.run_id
+        if run_id is None:
+            mlflow.log_params({k: str(v)[:250] for k, v in params.items()})
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        if self.enabled:
+            self.mlflow.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(float(v))}, step=step)
+
+    def artifact(self, path: Path) -> None:
+        if self.enabled:
+            self.mlflow.log_artifact(str(path))
+
+    def end(self) -> None:
+        if self.enabled:
+            self.mlflow.end_run()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _eos_ids(model) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(model.config, "eos_token_id", None)):
+        if src is not None:
+            ids.update([src] if isinstance(src, int) else src)
+    return tuple(sorted(ids))
+
+
+def _count_tokens(reader: ShardReader, shards: list[int], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in shards:
+        with safe_open(str(reader.fs.shards[s]), "pt") as f:
+            ids = f.get_tensor("ids")
+            top1 = f.get_slice("topk_ids")[:, 0:1].reshape(-1)
+        counts += torch.bincount(torch.cat([ids, top1]), minlength=vocab_size)[:vocab_size].double()
+    return counts
+
+
+def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: int | None = None,
+                    command: str | None = None, log=print) -> Path:
+    """Run (or resume) both stages and export the checkpoint to ``cfg.out``; returns that directory.
+
+    verifier_model: the verifier, if already loaded (tests); else ``cfg.verifier`` is loaded in bf16.
+    until_step: stop this invocation once the global step (stage 1 steps + stage 2 steps) reaches it
+    (the state is saved; a later call resumes).
+    """
+    from metasd.drafters.treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces, count_parameters
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t_invocation = time.time()
+    fs = FeatureSet(cfg.features)
+    n_shards = len(fs.shards)
+    expected = math.ceil(fs.manifest["n_sequences"] / fs.manifest["shard_size"])
+    if cfg.require_complete and n_shards < expected:
+        raise ValueError(f"{fs.path} holds {n_shards} of {expected} shards (extraction unfinished?); "
+                         "wait, or set require_complete: false")
+    val = parse_shards(cfg.val_shards, n_shards) if cfg.val_shards else list(range(max(n_shards - 2, 0), n_shards))
+    train = parse_shards(cfg.train_shards, n_shards) if cfg.train_shards else [s for s in range(n_shards) if s not in val]
+    if set(train) & set(val):
+        raise ValueError(f"train shards {sorted(set(train) & set(val))} are also validation shards")
+    if not train:
+        raise ValueError("no training shards")
+
+    if verifier_model is None:
+        log(f"loading the verifier's embeddings, final norm and LM head from {cfg.verifier}")
+        verifier_model = load_verifier_parts(cfg.verifier)
+    vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
+    n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
+    full_vocab = int(verifier_model.get_input_embeddings().weight.shape[0])
+    layers = cfg.model.context_layers or [l for l in fs.layers if l < n_layers]
+    missing = [l for l in layers if l not in fs.layers]
+    if missing:
+        raise ValueError(f"context layers {missing} are not in the feature set (layers {fs.layers})")
+
+    out = Path(cfg.out)
+    state_dir = Path(cfg.state_dir) if cfg.state_dir else out / "train_state"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = state_dir / STATE_META
+    state = json.loads(meta_path.read_text()) if cfg.resume and meta_path.exists() else None
+
+    reader = ShardReader(fs, layers)
+    vocab_path = state_dir / "draft_vocab.safetensors"
+    if state is not None and vocab_path.exists():
+        vocab = DraftVocab.load(vocab_path)
+    elif cfg.draft_vocab:
+        vocab = DraftVocab.load(cfg.draft_vocab)
+    else:
+        counts = _count_tokens(reader, train, full_vocab)
+        if cfg.vocab_size == 0 or cfg.vocab_size >= full_vocab:
+            vocab = DraftVocab.full(full_vocab)
+        else:
+            prior = 0.5 * (1.0 - torch.arange(full_vocab, dtype=torch.float64) / full_vocab)  # ties: lower ids first
+            vocab = DraftVocab.from_counts(counts + prior, cfg.vocab_size, _eos_ids(verifier_model))
+    vocab.save(vocab_path)
+
+    mcfg = TreeFlashConfig(verifier_hidden_size=width, verifier_vocab_size=full_vocab, context_layers=layers,
+                           hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
+                           num_heads=cfg.model.num_heads, num_kv_heads=cfg.model.num_kv_heads,
+                           intermediate_size=cfg.model.intermediate_size,
+                           ar_intermediate_size=cfg.model.ar_intermediate_size, block_size=cfg.model.block_size,
+                           context_window=cfg.model.context_window, rope_theta=cfg.model.rope_theta,
+                           output_norm=cfg.model.output_norm)
+    torch.manual_seed(cfg.seed)
+    model = TreeFlashModel(mcfg)
+    head_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids, copy_norm=True, dtype=torch.float32)
+    pieces.head_weight = pieces.head_weight.to(head_dtype)
+    if pieces.head_bias is not None:
+        pieces.head_bias = pieces.head_bias.to(head_dtype)
+    del verifier_model
+
+    if state is None:
+        state = {"stage": 1, "step": 0, "run_id": None, "wall_s": {"1": 0.0, "2": 0.0}, "anchors": {"1": 0, "2": 0},
+                 "targets": {"1": 0, "2": 0}, "history": [], "stopped_by_time": {}}
+    else:
+        model.load_state_dict(load_file(str(state_dir / STATE_WEIGHTS)))
+        log(f"resuming from {state_dir}: stage {state['stage']}, step {state['step']}")
+
+    counts_per_shard = {s: reader.n_sequences(s) for s in train}
+    val_set = val_anchor_set(reader, val, cfg.val_anchors, cfg.val_anchors_per_sequence, cfg.seed) if val else []
+    params = {**_flatten(cfg.model_dump()), "context_layers_resolved": layers, "draft_vocab_size": len(vocab),
+              "train_sequences": sum(counts_per_shard.values()), "parameters": count_parameters(model)}
+    tracker = _Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"), params)
+    state["run_id"] = tracker.run_id
+    log(f"TreeFlash: {count_parameters(model):,} trainable parameters, draft vocab {len(vocab)}, "
+        f"context layers {layers}, {sum(counts_per_shard.values())} training sequences, {len(val_set)} val sequences")
+
+    if val_set and not state["history"] and state["stage"] == 1 and state["step"] == 0:
+        metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)  # the untrained drafter, for reference
+        tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, 0)
+        state["history"].append({"stage": 0, "step": 0, **metrics})
+        log(f"untrained: acc_marg {metrics['acc_marg']:.3f} loss_marg {metrics['loss_marg']:.3f}")
+    stages = {1: cfg.stage1, 2: cfg.stage2}
+    w = position_weights(mcfg.block_size, cfg.gamma)
+    interrupted = False
+    try:
+        while state["stage"] <= 2:
+            stage = state["stage"]
+            st = stages[stage]
+            trainable = model.backbone_parameters() if stage == 1 else model.ar_parameters()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            for p in trainable:
+                p.requires_grad_(True)
+            opt = torch.optim.AdamW(trainable, lr=st.lr, betas=(0.9, 0.95), weight_decay=st.weight_decay)
+            opt_path = state_dir / STATE_OPTIM
+            if state["step"] > 0 and opt_path.exists():
+                opt.load_state_dict(torch.load(opt_path, weights_only=True))
+            sched = Schedule(counts_per_shard, cfg.seed + 1000 * stage)
+            base = cfg.stage1.steps if stage == 2 else 0
+            model.train()
+            t_stage = time.time()
+            wall0 = state["wall_s"][str(stage)]
+            while state["step"] < st.steps:
+                step = state["step"]
+                if until_step is not None and base + step >= until_step:
+                    interrupted = True
+                    break
+                if st.max_minutes and wall0 + time.time() - t_stage > st.max_minutes * 60:
+                    state["stopped_by_time"][str(stage)] = step
+                    log(f"stage {stage}: time budget of {st.max_minutes} min reached at step {step}/{st.steps}")
+                    break
+                t0 = time.time()
+                lr = lr_at(step, st)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + stage * 100_003 + step)
+                batch = []
+                for s, j in sched.batch(step, st.sequences_per_step):
+                    seq = reader.sequence(s, j)
+                    a = sample_anchors(seq["ids"], seq["loss_mask"], st.anchors_per_sequence, g)
+                    if len(a):
+                        tgt = block_targets(seq, a, mcfg.block_size, vocab, cfg.target)
+                        batch.append((seq, a, tgt))
+                total_w = sum(float((t["valid"].float() * w).sum()) for _, _, t in batch)
+                opt.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                n_targets = 0
+                if total_w > 0:
+                    for seq, a, tgt in batch:
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                            if stage == 1:
+                                lp = marginal_logp(model, pieces, block_states(model, pieces, seq, a))
+                            else:
+                                with torch.no_grad():
+                                    h = block_states(model, pieces, seq, a)
+                                lp = ar_logp(model, pieces, h, tgt["prev"])
+                        loss = (position_loss(lp, tgt) * w).sum() / total_w
+                        loss.backward()
+                        loss_sum += float(loss.detach())
+                        n_targets += int(tgt["valid"].sum())
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(trainable, st.grad_clip or float("inf")))
+                    opt.step()
+                else:
+                    gnorm = 0.0
+                state["step"] = step + 1
+                state["anchors"][str(stage)] += sum(len(a) for _, a, _ in batch)
+                state["targets"][str(stage)] += n_targets
+                gstep = base + step + 1
+                if (step + 1) % cfg.log_every == 0 or step == 0:
+                    tracker.metrics({f"train/loss_stage{stage}": loss_sum, "train/lr": lr, "train/grad_norm": gnorm,
+                                     "train/step_s": time.time() - t0}, gstep)
+                    log(f"stage {stage} step {step + 1}/{st.steps} loss {loss_sum:.4f} lr {lr:.2e} "
+                        f"|g| {gnorm:.2f} {time.time() - t0:.2f}s")
+                if val_set and (step + 1) % cfg.eval_every == 0 and step + 1 < st.steps:
+                    metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)
+                    tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, gstep)
+                    log(f"  val: acc_marg {metrics['acc_marg']:.3f} acc_ar {metrics['acc_ar']:.3f} "
+                        f"tau_argmax_marg_tf {metrics['tau_argmax_marg_tf']:.3f}")
+                if (step + 1) % cfg.save_every == 0:
+                    state["wall_s"][str(stage)] = wall0 + time.time() - t_stage
+                    _save_state(state_dir, model, opt, state)
+            state["wall_s"][str(stage)] = wall0 + time.time() - t_stage
+            if interrupted:
+                _save_state(state_dir, model, opt, state)
+                log(f"stopped at global step {until_step} (resumable from {state_dir})")
+                return out
+            # stage done: record validation, move on
+            if val_set:
+                metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)
+                tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, base + state["step"])
+                state["history"].append({"stage": stage, "step": state["step"], **metrics})
+                log(f"stage {stage} done: acc_marg {metrics['acc_marg']:.3f} acc_ar {metrics['acc_ar']:.3f}")
+            state["stage"], state["step"] = stage + 1, 0
+            _save_state(state_dir, model, None, state)
+            if opt_path.exists():
+                opt_path.unlink()
+
+        final = {}
+        if val_set:
+            final = evaluate(model, pieces, reader, val_set, vocab, cfg, trees=cfg.val_tree_anchors)
+            tracker.metrics({f"final/{k}": v for k, v in final.items()}, cfg.stage1.steps + cfg.stage2.steps)
+        path = export_checkpoint(cfg, model, vocab, layers, state, final, fs, train, val, command, t_invocation)
+        tracker.artifact(path / "config.json")
+        tracker.artifact(path / "MODEL_CARD.md")
+        log(f"checkpoint written to {path}")
+        return path
+    finally:
+        tracker.end()
+
+
+def load_verifier_parts(ref: str):
+    """The verifier with only its input embeddings, output embeddings and final norm loaded (the other
+    weights stay on the meta device): about 1 GB instead of the whole model for a 1.5B verifier. Falls
+    back to a full load for references that are not safetensors directories (GGUF files, hub ids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from metasd.drafters.treeflash_backbone import final_norm_of
+    from metasd.models import _resolve, load_model
+
+    src = _resolve(ref)
+    files = sorted(Path(src.path).glob("*.safetensors")) if src.kind in ("bundled", "dir") else []
+    if not files:
+        return load_model(ref, dtype="bf16")[0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src.path))
+    wanted = {}
+    for mod in (model.get_input_embeddings(), model.get_output_embeddings(), final_norm_of(model)):
+        for p in mod.parameters(recurse=False):
+            wanted[id(p)] = p
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
+    state = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for key in set(sf.keys()) & names:
+                state[key] = sf.get_tensor(key)
+    emb_name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is model.get_input_embeddings().weight)
+    head_name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is model.get_output_embeddings().weight)
+    if head_name not in state and emb_name in state:  # tied embeddings stored once
+        state[head_name] = state[emb_name]
+    missing = names - set(state)
+    if missing:
+        raise ValueError(f"{ref}: cannot find {sorted(missing)} in its safetensors files")
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False, assign=True)
+    try:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(src.path)
+    except (OSError, ValueError):
+        pass
+    return model.eval().requires_grad_(False)
+
+
+def _save_state(state_dir: Path, model, opt, state: dict) -> None:
+    tmp = state_dir / (STATE_WEIGHTS + ".tmp")
+    save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, state_dir / STATE_WEIGHTS)
+    if opt is not None:
+        torch.save(opt.state_dict(), state_dir / (STATE_OPTIM + ".tmp"))
+        os.replace(state_dir / (STATE_OPTIM + ".tmp"), state_dir / STATE_OPTIM)
+    (state_dir / (STATE_META + ".tmp")).write_text(json.dumps(state, indent=1))
+    os.replace(state_dir / (STATE_META + ".tmp"), state_dir / STATE_META)
+
+
+def export_checkpoint(cfg: TrainTreeFlashConfig, model, vocab: DraftVocab, layers: list[int], state: dict,
+                      final: dict, fs: FeatureSet, train: list[int], val: list[int], command: str | None,
+                      t_invocation: float) -> Path:
+    from metasd.drafters.treeflash import CHECKPOINT_FORMAT, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE
+    from metasd.drafters.treeflash_backbone import count_parameters
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}, str(out / WEIGHTS_FILE),
+              metadata={"format": CHECKPOINT_FORMAT})
+    vocab.save(out / VOCAB_FILE)
+    B = model.cfg.block_size
+    training = {
+        "command": command, "features": str(fs.path), "feature_manifest": fs.manifest,
+        "train_shards": train, "val_shards": val, "target": cfg.target, "gamma": cfg.gamma,
+        "stage1": {**cfg.stage1.model_dump(), "steps_done": cfg.stage1.steps if state["stage"] > 1 else state["step"],
+                   "anchors": state["anchors"]["1"], "target_positions": state["targets"]["1"],
+                   "block_positions": state["anchors"]["1"] * B, "wall_s": round(state["wall_s"]["1"], 1)},
+        "stage2": {**cfg.stage2.model_dump(), "anchors": state["anchors"]["2"],
+                   "target_positions": state["targets"]["2"], "block_positions": state["anchors"]["2"] * B,
+                   "wall_s": round(state["wall_s"]["2"], 1)},
+        "stopped_by_time": state.get("stopped_by_time", {}), "bf16": cfg.bf16, "seed": cfg.seed,
+        "parameters": count_parameters(model), "mlflow_run_id": state.get("run_id"),
+    }
+    meta = {"format": CHECKPOINT_FORMAT, "version": 1, "model": model.cfg.to_dict(), "weights": WEIGHTS_FILE,
+            "weights_dtype": cfg.save_dtype, "draft_vocab": VOCAB_FILE, "draft_vocab_size": len(vocab),
+            "verifier": cfg.verifier, "defaults": cfg.defaults.model_dump(), "training": training,
+            "validation": {"stages": state.get("history", []), "final": final}}
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+    (out / "metrics.json").write_text(json.dumps(final, indent=1))
+    (out / "MODEL_CARD.md").write_text(model_card(meta))
+    return out
+
+
+def model_card(meta: dict) -> str:
+    tr, val, m = meta["training"], meta["validation"]["final"], meta["model"]
+    B = m["block_size"]
+    lines = [
+        "# TreeFlash drafter",
+        "",
+        f"One-shot block drafter (DFlash backbone) with the TreeFlash AR approximation, for verifier "
+        f"`{meta['verifier']}`. Frozen verifier embeddings, final norm and LM head are taken from the verifier "
+        f"at load and are not in this checkpoint.",
+        "",
+        "## Architecture",
+        f"- {m['num_layers']} layers, width {m['hidden_size']} ({m['num_heads']} heads, {m['num_kv_heads']} KV heads), "
+        f"MLP {m['intermediate_size']}; AR MLP I = {m['ar_intermediate_size']}",
+        f"- block size B = {B} (drafts reach depth {B - 1}); context = verifier layers {m['context_layers']}, "
+        f"last {m['context_window'] or 'all'} positions",
+        f"- draft vocabulary: {meta['draft_vocab_size']} tokens; {tr['parameters']:,} parameters stored in "
+        f"{meta['weights_dtype']}",
+        f"- drafting defaults: {meta['defaults']}",
+        "",
+        "## Training",
+        f"- command: `{tr['command'] or '(python API)'}`",
+        f"- data: `{tr['features']}` ({tr['feature_manifest'].get('data', '')}), train shards {tr['train_shards']}, "
+        f"held-out shards {tr['val_shards']}",
+        f"- target: {tr['target']} (see metasd/training/treeflash.py), position weights exp(-(j-1)/{tr['gamma']})",
+    ]
+    for s in ("stage1", "stage2"):
+        d = tr[s]
+        lines.append(f"- {s}: {d.get('steps_done', d['steps'])} steps x {d['sequences_per_step']} sequences x "
+                     f"{d['anchors_per_sequence']} anchors, lr {d['lr']}; anchors {d['anchors']}, block positions "
+                     f"{d['block_positions']}, target positions {d['target_positions']}, wall {d['wall_s']} s")
+    if tr.get("stopped_by_time"):
+        lines.append(f"- stages stopped by their time budget (stage: step): {tr['stopped_by_time']}")
+    if val:
+        lines += ["", "## Validation (held-out shards, teacher forced; tokens per step include the bonus)", ""]
+        lines.append("| position j | " + " | ".join(str(j) for j in range(1, B)) + " |")
+        lines.append("|---|" + "---|" * (B - 1))
+        for name in ("marg", "ar"):
+            lines.append(f"| top-1 acc {name} | " + " | ".join(f"{val.get(f'acc_{name}_{j}', float('nan')):.3f}"
+                                                              for j in range(1, B)) + " |")
+        lines.append("")
+        for key in sorted(k for k in val if k.startswith("tau_") or k.startswith("nodes_")):
+            lines.append(f"- {key}: {val[key]:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def add_train_treeflash_parser(subparsers) -> Any:
+    """``metasd train treeflash CONFIG``: register the sub-command on an argparse subparsers object."""
+    p = subparsers.add_parser("treeflash", help="train a TreeFlash drafter on verifier features",
+                              description="Train a TreeFlash drafter (YAML config, see metasd.training.treeflash).")
+    p.add_argument("config", help="YAML training config")
+    p.add_argument("--until-step", type=int, default=None,
+                   help="stop this invocation at this global step (stage-1 steps + stage-2 steps); resumable")
+    p.add_argument("--fresh", action="store_true", help="ignore an existing training state (start over)")
+    p.set_defaults(func=train_treeflash_main)
+    return p
+
+
+def train_treeflash_main(args) -> int:
+    cfg = load_train_treeflash_config(args.config)
+    if getattr(args, "fresh", False):
+        cfg = cfg.model_copy(update={"resume": False})
+    argv = sys.argv[1:]
+    command = " ".join(["metasd"] + [shlex.quote(a) for a in argv]) if argv[:2] == ["train", "treeflash"] else None
+    train_treeflash(cfg, until_step=getattr(args, "until_step", None), command=command)
+    return 0
+
+
+if __name__ == "__main__":  # python -m metasd.training.treeflash CONFIG [--until-step N] [--fresh]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m metasd.training.treeflash")
+    add_train_treeflash_parser(parser.add_subparsers(dest="what", required=True))
+    a = parser.parse_args(["treeflash"] + sys.argv[1:])
+    sys.exit(train_treeflash_main(a))

@@ -1,0 +1,305 @@
+"""SD² steered drafter on tiny models: no-op at init, guide timing, training (agreement, acceptance,
+resume, MLflow), checkpoint loading from a pool config, config errors."""
+import argparse
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+
+from metasd.config import ConfigError as PoolConfigError
+from metasd.config import load_pool
+from metasd.drafters import PretrainedDrafter, SteeredDrafter
+from metasd.drafters.steered import SteeringModule, decoder_layers, load_steering
+from metasd.engine import Engine
+from metasd.sampling import SamplingParams
+from metasd.drafter import BuildContext, StepContext
+from metasd.training.data import Example
+from metasd.training.features import extract_features
+from metasd.training.steering import (ConfigError, SteeringTrainer, add_train_steering_parser, parse_config,
+                                      train_steering)
+from metasd.verifier import HiddenStore, Verifier
+from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
+
+GUIDE = [1, 2, 3]  # hidden_states of the 4-layer tiny verifier (low, mid, high)
+K = 3
+PROMPT_LEN, RESPONSE_LEN = 6, 24
+
+
+@pytest.fixture(scope="module")
+def verifier_model():
+    return tiny_qwen(seed=0, layers=4, logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def drafter_model():
+    return tiny_qwen(seed=1, layers=2)
+
+
+@pytest.fixture(scope="module")
+def examples(verifier_model):
+    """Verifier-generated (greedy) responses to random prompts: the training distribution."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(16):
+        prompt = [0] + torch.randint(6, 64, (PROMPT_LEN - 1,), generator=g).tolist()
+        response = plain_greedy(verifier_model, prompt, RESPONSE_LEN)
+        out.append(Example(prompt + response, [False] * PROMPT_LEN + [True] * RESPONSE_LEN))
+    return out
+
+
+@pytest.fixture(scope="module")
+def features(verifier_model, examples, tmp_path_factory):
+    path = tmp_path_factory.mktemp("features")
+    extract_features(verifier_model, examples, path, layers=[1, 2, 3, 4], topk=8, shard_size=8, log=lambda *a: None)
+    return path
+
+
+def _config(features, out_dir, **sections):
+    raw = {"drafter": "unused (tests pass the model)", "out_dir": str(out_dir),
+           "data": {"features": str(features), "train_shards": [0, 1], "val_shards": [0, 1], "val_sequences": 16},
+           "steering": {"guide_layers": GUIDE},
+           "train": {"steps": 40, "batch_size": 4, "lr": 3e-2, "k": K, "dtype": "fp32"},
+           "log": {"mlflow": False, "val_every": 20, "log_every": 10, "checkpoint_every": 20}}
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            raw.setdefault(name, {}).update(values)
+        else:
+            raw[name] = values
+    return parse_config(raw)
+
+
+@pytest.fixture(scope="module")
+def trained(features, drafter_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    tr = train_steering(_config(features, out), model=drafter_model, log=lambda *a: None)
+    return tr
+
+
+def _random_module(drafter_model, **kw):
+    module = SteeringModule.for_models(drafter_model, 32, guide_layers=GUIDE, **kw)
+    with torch.no_grad():
+        module.proj.weight.normal_(0, 0.3)
+    return module
+
+
+def _capture_logits(model):
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    return seen, handle
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(rank=4, layers=1), dict(injection="mlp_out")], ids=["full", "lowrank-last1", "mlp_out"])
+def test_untrained_module_leaves_drafter_unchanged(verifier_model, drafter_model, kw):
+    prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+    steered = SteeredDrafter(drafter_model, steering=SteeringModule.for_models(drafter_model, 32, guide_layers=GUIDE, **kw), k=4)
+    plain = PretrainedDrafter(drafter_model, k=4)  # the same model object: the hooks are shared
+    runs = {}
+    for name, drafter in (("steered", steered), ("plain", plain)):
+        seen, handle = _capture_logits(drafter_model)
+        engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
+        greedy = engine.generate(prompt, max_new_tokens=30)
+        sampled = engine.generate(prompt, max_new_tokens=30, temperature=1.0, seed=3)
+        handle.remove()
+        runs[name] = (greedy.token_ids, greedy.stats.tokens_per_step, sampled.token_ids, sampled.stats.tokens_per_step, seen)
+    assert steered.hidden_layers == tuple(GUIDE)
+    assert runs["steered"][:4] == runs["plain"][:4]
+    assert len(runs["steered"][4]) == len(runs["plain"][4]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(runs["steered"][4], runs["plain"][4]))  # bit-identical logits
+    steered.close()
+
+
+def test_guide_timing_hand_built(drafter_model):
+    """Which verifier row steers each fed drafter position, recorded by ``trace`` and checked against the
+    biases actually added to up_proj (captured by a second hook)."""
+    module = _random_module(drafter_model)
+    sd = SteeredDrafter(drafter_model, steering=module, k=K)
+    up = decoder_layers(drafter_model)[0].mlp.up_proj
+    added = []
+    handle = up.register_forward_hook(lambda m, a, out: added.append((out - F.linear(a[0], m.weight))[0].detach()))
+    g = torch.Generator().manual_seed(0)
+    store = HiddenStore(GUIDE)
+
+    def commit_rows(n):  # the verifier states of n newly cached positions
+        store.append({layer: torch.randn(n, 32, generator=g) for layer in GUIDE})
+
+    def step(tokens):
+        sd.trace, added[:] = [], []
+        ctx = StepContext(tokens=torch.tensor(tokens), prompt_len=PROMPT_LEN, max_depth=10, sampling=SamplingParams(),
+                          hidden=store)
+        draft = sd.propose(ctx).tokens.tolist()
+        # every fed position got exactly the bias of its recorded guide row (or none)
+        deltas = torch.cat(added)
+        assert len(deltas) == len(sd.trace)
+        for (pos, tok, row), d in zip(sd.trace, deltas):
+            want = torch.zeros_like(d) if row is None else module(module.guide_input(store, row))[0]
+            torch.testing.assert_close(d, want, rtol=1e-5, atol=1e-5)
+        return draft, [(p, r) for p, _, r in sd.trace], [t for _, t, _ in sd.trace]
+
+    prompt = [0, 11, 12, 13, 14, 15]
+    commit_rows(PROMPT_LEN - 1)  # the verifier prefill caches the prompt but its last token
+    sd.begin(None)
+    # step 1: prompt prefill unsteered; the last prompt token (pending) and the drafts use row 4 (= T-2)
+    d1, trace, fed = step(prompt)
+    assert trace == [(0, None), (1, None), (2, None), (3, None), (4, None), (5, 4), (6, 4), (7, 4)]
+    assert fed == prompt + d1[:2]
+    # step 2: 1 of 3 accepted, bonus b: d1[0] at position 6 keeps row 4's keys; only the bonus is re-fed
+    b = (d1[1] + 1) % 64
+    tokens = prompt + [d1[0], b]
+    commit_rows(2)  # rows 5 (pending token) and 6 (d1[0])
+    d2, trace, fed = step(tokens)
+    assert trace == [(7, 6), (8, 6), (9, 6)] and fed == [b] + d2[:2]
+    # step 3: all 3 accepted: d2[2] was never fed; it is fed now with the new guide (its own row, 10)
+    tokens += d2 + [5]
+    commit_rows(4)  # rows 7..10
+    d3, trace, fed = step(tokens)
+    assert trace == [(10, 10), (11, 10), (12, 10), (13, 10)] and fed == [d2[2], 5] + d3[:2]
+    # step 4: the drafter sat idle while 5 tokens were committed by other arms: all are re-fed with row 15
+    idle = [(d3[0] + 1) % 64, 20, 21, 22, 23]
+    tokens += idle
+    commit_rows(5)  # rows 11..15
+    d4, trace, fed = step(tokens)
+    assert trace == [(p, 15) for p in range(12, 19)] and fed == idle + d4[:2]
+    # the positions whose outputs became drafts saw rows position-1 .. position-k (staleness 1..k)
+    assert [p - 15 for p in (16, 17, 18)] == [1, 2, 3]
+    handle.remove()
+    sd.close()
+
+
+def test_training_raises_agreement_and_acceptance(trained, verifier_model, drafter_model, examples):
+    first, last = trained.history[0], trained.history[-1]
+    assert first["step"] == 0 and last["step"] == 40
+    assert first["val_agree_steered"] == first["val_agree_plain"]  # zero-init: no change
+    assert last["val_agree_plain"] == first["val_agree_plain"]  # frozen drafter
+    assert last["val_agree_steered"] > first["val_agree_plain"] + 0.15
+    assert last["val_kl_steered"] < first["val_kl_plain"]
+
+    def mean_tau(module):
+        sd = SteeredDrafter(drafter_model, steering=module, k=K)
+        engine = Engine(Verifier(verifier_model), sd, check_tokenizers=False)
+        taus = []
+        for ex in examples[:8]:
+            result = engine.generate(ex.ids[:PROMPT_LEN], max_new_tokens=RESPONSE_LEN)
+            assert result.token_ids == ex.ids[PROMPT_LEN:]  # == plain greedy decoding (the examples are)
+            taus += result.stats.tokens_per_step
+        sd.close()
+        return sum(taus) / len(taus)
+
+    assert any(float(p.detach().abs().max()) > 0 for p in trained.module.proj.parameters())
+    assert mean_tau(trained.module) > mean_tau(SteeringModule(trained.module.spec)) + 0.2
+    prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]  # outside the training data
+    sd = SteeredDrafter(drafter_model, steering=trained.module, k=4)
+    engine = Engine(Verifier(verifier_model), sd, check_tokenizers=False)
+    assert engine.generate(prompt, max_new_tokens=40).token_ids == plain_greedy(verifier_model, prompt, 40)
+    sd.close()
+
+
+def test_pool_config_loads_the_checkpoint(trained, verifier_model, drafter_model, tmp_path):
+    tok = tiny_tokenizer()
+    for name, model in (("verifier", verifier_model), ("drafter", drafter_model)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    ckpt = trained.cfg.out_dir + "/steering.safetensors"
+    module, drafter_params, config = load_steering(ckpt)
+    assert drafter_params == {} and config["training"]["step"] == 40
+    pool = {"verifier": {"model": str(tmp_path / "verifier"), "dtype": "fp32"},
+            "drafters": [{"name": "sd2", "type": "steered", "model": str(tmp_path / "drafter"), "checkpoint": ckpt,
+                          "params": {"k": K}},
+                         {"name": "plain", "type": "pretrained", "model": str(tmp_path / "drafter")}],
+            "policy": {"name": "ucb"}}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    engine = load_pool(tmp_path / "pool.yaml")
+    sd2 = engine.drafter("sd2")
+    assert isinstance(sd2, SteeredDrafter) and sd2.hidden_layers == tuple(GUIDE) and engine.hidden_layers == tuple(GUIDE)
+    assert all(torch.equal(a, b) for a, b in zip(sd2.steering.state_dict().values(), trained.module.state_dict().values()))
+    prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+    result = engine.generate(prompt, max_new_tokens=30)
+    assert result.token_ids == plain_greedy(verifier_model, prompt, 30)
+    del pool["drafters"][0]["checkpoint"]
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    with pytest.raises(PoolConfigError, match=r"drafters\.0 .*checkpoint"):
+        load_pool(tmp_path / "pool.yaml")
+
+
+def test_resume_matches_uninterrupted_training(features, drafter_model, tmp_path):
+    """Steering (low rank) + the last drafter layer fine-tuned; interrupted at step 3 of 6 and resumed."""
+    settings = dict(steering={"rank": 4, "layers": 1}, finetune=1,
+                    train={"steps": 6, "batch_size": 2, "lr": 1e-2, "drafter_lr": 1e-3},
+                    log={"log_every": 3, "val_every": 100, "checkpoint_every": 2})
+    quiet = dict(log=lambda *a: None)
+    full = train_steering(_config(features, tmp_path / "full", **settings), model=copy.deepcopy(drafter_model), **quiet)
+    mlflow_log = {"mlflow": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "test"}
+    cfg = _config(features, tmp_path / "resumed", **{**settings, "log": {**settings["log"], **mlflow_log}})
+    half = train_steering(cfg, model=copy.deepcopy(drafter_model), stop_at_step=3, **quiet)
+    assert half.step == 3 and not (tmp_path / "resumed" / "steering.safetensors").exists()
+    resumed = train_steering(cfg, model=copy.deepcopy(drafter_model), **quiet)
+    assert resumed.step == 6 and resumed.run_id == half.run_id
+    a, b = full.trainable_state(), resumed.trainable_state()
+    assert sorted(a) == sorted(b) and any(k.startswith("drafter.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    fa, fb = (load_file(str(tmp_path / d / "steering.safetensors")) for d in ("full", "resumed"))
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(mlflow_log["tracking_uri"]).get_metric_history(resumed.run_id, "train_loss")
+    assert sorted(m.step for m in history) == [3, 6]  # one before the interruption, one after
+    # a resume with other settings is refused, naming them
+    other = _config(features, tmp_path / "resumed", **{**settings, "train": {**settings["train"], "k": 2}})
+    with pytest.raises(ConfigError, match="train"):
+        train_steering(other, model=copy.deepcopy(drafter_model), **quiet)
+
+
+def test_distilled_baseline_trains_without_steering(features, drafter_model, tmp_path):
+    cfg = _config(features, tmp_path, steering={"enabled": False, "guide_layers": None}, finetune=1,
+                  train={"steps": 4, "batch_size": 2, "drafter_lr": 1e-3})
+    tr = train_steering(cfg, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    assert tr.module is None and "val_agree_steered" not in tr.history[-1]
+    module, params, config = load_steering(tmp_path / "steering.safetensors")
+    assert module is None and params and config["steering"] is None
+    # loadable as a drafter: the fine-tuned weights go into a copy, never into the (shared) loaded model
+    before = {k: v.clone() for k, v in drafter_model.state_dict().items()}
+    build = BuildContext(verifier=None, model="tiny", checkpoint=str(tmp_path / "steering.safetensors"),
+                         load_model=lambda ref: (drafter_model, None))
+    distilled = SteeredDrafter.from_config("distilled", {"k": 2}, build)
+    assert distilled.model is not drafter_model and distilled.hidden_layers == ()
+    assert all(torch.equal(v, before[k]) for k, v in drafter_model.state_dict().items())
+    own = dict(distilled.model.named_parameters())
+    assert all(torch.equal(own[k], v) for k, v in params.items())
+
+
+@pytest.mark.parametrize("sections, field", [
+    (dict(train={"lr": -1.0}), "train.lr"),
+    (dict(train={"lrr": 1.0}), "train.lrr"),
+    (dict(steering={"injection": "down"}), "steering.injection"),
+    (dict(train={"loss": "mse"}), "train.loss"),
+    (dict(data={"val_sequences": -2}), "data.val_sequences"),
+])
+def test_config_errors_name_the_field(features, tmp_path, sections, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        _config(features, tmp_path, **sections)
+
+
+@pytest.mark.parametrize("sections, field", [
+    (dict(steering={"guide_layers": [1, 2, 7]}), "steering.guide_layers"),
+    (dict(steering={"guide_layers": None}), "steering.guide_layers"),
+    (dict(data={"val_shards": [5]}), "data.val_shards"),
+    (dict(steering={"layers": 9}), "steering.layers"),
+    (dict(finetune=[4]), "finetune"),
+    (dict(steering={"enabled": False}), "finetune"),
+    (dict(data={"features": "/nonexistent/features"}), "data.features"),
+])
+def test_setup_errors_name_the_field(features, drafter_model, tmp_path, sections, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        SteeringTrainer(_config(features, tmp_path, **sections), model=drafter_model)
+
+
+def test_cli_reports_config_errors(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_train_steering_parser(parser.add_subparsers(dest="cmd"))
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"drafter": "x", "out_dir": "o", "data": {"features": "f"},
+                                                       "train": {"k": 0}}))
+    args = parser.parse_args(["steering", str(tmp_path / "bad.yaml"), "--steps", "3"])
+    assert args.func(args) == 2
+    assert "train.k" in capsys.readouterr().err
