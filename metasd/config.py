@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -105,30 +106,27 @@ def _import_path(ref: str, where: str):
         raise ValueError(f"{where}: cannot import {ref!r}: {e}") from None
 
 
-def resolve_drafter_class(kind: str, where: str = "type") -> type[Drafter]:
-    importlib.import_module("metasd.drafters")
-    if ":" in kind:
-        cls = _import_path(kind, where)
-        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
-            raise ValueError(f"{where}: {kind!r} is not a metasd.drafter.Drafter subclass")
+def _resolve_class(name: str, where: str, registry: dict[str, type], base: type, what: str, package: str) -> type:
+    importlib.import_module(package)  # registers the built-in classes
+    if ":" in name:
+        cls = _import_path(name, where)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ValueError(f"{where}: {name!r} is not a {base.__module__}.{base.__name__} subclass")
         return cls
-    if kind not in DRAFTERS:
-        raise ValueError(f"{where}: unknown drafter type {kind!r}; registered: {sorted(DRAFTERS)} "
+    if name not in registry:
+        raise ValueError(f"{where}: unknown {what} {name!r}; registered: {sorted(registry)} "
                          "(or give package.module:ClassName)")
-    return DRAFTERS[kind]
+    return registry[name]
+
+
+def resolve_drafter_class(kind: str, where: str = "type") -> type[Drafter]:
+    """A registered drafter ``kind`` or a ``package.module:ClassName`` import path -> the Drafter class."""
+    return _resolve_class(kind, where, DRAFTERS, Drafter, "drafter type", "metasd.drafters")
 
 
 def resolve_policy_class(name: str, where: str = "policy.name") -> type[Policy]:
-    importlib.import_module("metasd.policies")
-    if ":" in name:
-        cls = _import_path(name, where)
-        if not (isinstance(cls, type) and issubclass(cls, Policy)):
-            raise ValueError(f"{where}: {name!r} is not a metasd.policy.Policy subclass")
-        return cls
-    if name not in POLICIES:
-        raise ValueError(f"{where}: unknown policy {name!r}; registered: {sorted(POLICIES)} "
-                         "(or give package.module:ClassName)")
-    return POLICIES[name]
+    """A registered policy name or a ``package.module:ClassName`` import path -> the Policy class."""
+    return _resolve_class(name, where, POLICIES, Policy, "policy", "metasd.policies")
 
 
 def _check_params(cls: type, params: dict[str, Any], where: str, skip: tuple[str, ...]) -> None:
@@ -141,15 +139,41 @@ def _check_params(cls: type, params: dict[str, Any], where: str, skip: tuple[str
         raise ValueError(f"{where}: {cls.__name__} has no parameter(s) {unknown}; accepted: {accepted}")
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid pool config"]
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|dict\[.*|list\[.*|literal\[.*|function-.*)$", re.I)
+
+
+def format_validation_error(err: ValidationError, source: str, what: str = "pool config") -> str:
+    """pydantic errors as ``source: invalid <what>`` then one ``  field.path: message`` line per error."""
+    lines = [f"{source}: invalid {what}"]
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        loc = ".".join(str(x) for x in e["loc"] if not _UNION_TAG.match(str(x))) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "literal_error":
+        if e["type"] in ("literal_error", "extra_forbidden"):
             msg = f"{msg} (got {e.get('input')!r})"
         lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
+    return "\n".join(dict.fromkeys(lines))
+
+
+def validate_config(model: type[BaseModel], raw: dict[str, Any], source: str, what: str) -> Any:
+    """``model.model_validate(raw)``, or a ``ConfigError`` naming ``source`` and every bad field."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source, what)) from None
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """The top-level mapping of a YAML file; a ``ConfigError`` naming the file when it is missing or not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return raw
 
 
 def default_pool_path() -> Path:
@@ -160,23 +184,13 @@ def default_pool_path() -> Path:
 def read_pool_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PoolConfig:
     """Parse and validate a pool file (default: the embedded one); ``overrides`` replace top-level keys."""
     path = Path(path) if path is not None else default_pool_path()
-    if not path.is_file():
-        raise ConfigError(f"pool config {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    raw = read_yaml_mapping(path, "pool config")
     raw.update(overrides or {})
     return parse_pool_config(raw, source=str(path))
 
 
 def parse_pool_config(raw: dict[str, Any], source: str = "<pool>") -> PoolConfig:
-    try:
-        return PoolConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
+    return validate_config(PoolConfig, raw, source, "pool config")
 
 
 class ModelCache:

@@ -52,14 +52,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .config import (
     ConfigError,
     PoolConfig,
     _check_params,
-    _format_validation_error,
+    format_validation_error,
+    read_yaml_mapping,
     parse_pool_config,
     read_pool_config,
     resolve_policy_class,
@@ -302,14 +302,7 @@ def load_experiment(source: str | Path | dict[str, Any] | ExperimentConfig, base
         cfg = _validate(source, where)
     else:
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"experiment file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+        raw = read_yaml_mapping(path, "experiment file")
         where, base, default_name = str(path), path.resolve().parent, path.stem
         cfg = _validate(raw, where)
     base = base.resolve()
@@ -338,7 +331,7 @@ def _validate(raw: dict[str, Any], where: str) -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
-        text = _format_validation_error(e, where).replace("invalid pool config", "invalid experiment")
+        text = format_validation_error(e, where, "experiment")
         # model-level checks say "field: message"; show them under that field, not under "(top level)"
         text = re.sub(r"^  (\(top level\)|[\w.]+): ([a-z_][\w.]*): ", r"  \2: ", text, flags=re.M)
         raise ConfigError(text) from None

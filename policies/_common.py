@@ -48,6 +48,14 @@ class BasePolicy(Policy):
             )
         return value
 
+    def _record_sample(self, arm: Any, reward: Any) -> tuple[int, float]:
+        """Check ``arm`` and ``reward`` and add them to ``counts`` / ``sums`` / ``t`` (sample-mean policies)."""
+        arm, reward = self._check_arm(arm), self._check_reward(reward)
+        self.counts[arm] += 1
+        self.sums[arm] += reward
+        self.t += 1
+        return arm, reward
+
     # -- RNG state ---------------------------------------------------------------------------------
     @property
     def rng_state(self) -> dict[str, Any]:

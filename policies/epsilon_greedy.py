@@ -51,11 +51,7 @@ class EpsilonGreedy(BasePolicy):
         return int(np.argmax(self.sums / self.counts))
 
     def update(self, arm: int, reward: float, context: Context = None) -> None:
-        arm = self._check_arm(arm)
-        reward = self._check_reward(reward)
-        self.counts[arm] += 1
-        self.sums[arm] += reward
-        self.t += 1
+        arm, reward = self._record_sample(arm, reward)
 
     def _state_items(self) -> dict[str, Any]:
         return {"counts": self.counts, "sums": self.sums, "t": self.t, "rng_state": self.rng_state}

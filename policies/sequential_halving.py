@@ -65,11 +65,7 @@ class SequentialHalving(BasePolicy):
         return self.survivors[0]  # unreachable: update() closes a phase as soon as its quota is met
 
     def update(self, arm: int, reward: float, context: Context = None) -> None:
-        arm = self._check_arm(arm)
-        reward = self._check_reward(reward)
-        self.counts[arm] += 1
-        self.sums[arm] += reward
-        self.t += 1
+        arm, reward = self._record_sample(arm, reward)
         if self.best >= 0:
             return
         self.phase_counts[arm] += 1

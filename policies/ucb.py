@@ -89,11 +89,7 @@ class UCB1(_UCBBase):
         return self._argmax_index(self.sums / self.counts, self.counts, self.t)
 
     def update(self, arm: int, reward: float, context: Context = None) -> None:
-        arm = self._check_arm(arm)
-        reward = self._check_reward(reward)
-        self.counts[arm] += 1
-        self.sums[arm] += reward
-        self.t += 1
+        arm, reward = self._record_sample(arm, reward)
         self._track_scale(reward)
 
     def _state_items(self) -> dict[str, Any]:

@@ -1,5 +1,4 @@
 """Pool configs: validation errors name the field; pools build engines; policies learn the good drafter."""
-import textwrap
 
 import pytest
 import yaml

@@ -1,5 +1,4 @@
 """Engine on tiny random models: greedy identity, KV-cache commit, bad input, streaming, sampling exactness."""
-import itertools
 
 import numpy as np
 import pytest

@@ -36,12 +36,13 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
+from .common import FeatureTrainingConfig, split_shards
 from .features import FeatureSet
 
 STATE_WEIGHTS = "heads_fp32.safetensors"
@@ -49,22 +50,12 @@ STATE_OPTIM = "optimizer.pt"
 STATE_META = "trainer.json"
 
 
-class TrainBlockConfig(BaseModel):
+class TrainBlockConfig(FeatureTrainingConfig):
     """YAML config of ``metasd train block``."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    features: str = Field(description="verifier feature directory (manifest.json + shards)")
-    verifier: str = Field(description="model reference of the verifier the features came from (LM head, tokenizer)")
-    out: str = Field(description="checkpoint directory written for the drafter")
-    state_dir: str | None = Field(None, description="resumable training state (default <out>/train_state)")
-    train_shards: str | None = Field(None, description="e.g. '0-22' or '0,1,4-6'; default: every shard not in val_shards")
-    val_shards: str | None = Field(None, description="held-out shards; default: the last 2")
-    require_complete: bool = Field(True, description="fail unless every shard the manifest announces exists")
     k: int = Field(4, ge=1, description="heads; head i predicts token pending+1+i")
     hidden_layer: int | None = Field(None, description="feature layer read (default: the verifier's num_layers)")
     vocab_size: int = Field(16384, ge=0, description="reduced draft vocabulary size; 0 = full vocabulary")
-    draft_vocab: str | None = Field(None, description="reuse this DraftVocab file instead of counting")
     target: Literal["data", "verifier"] = "data"
     steps: int = Field(1000, ge=1, description="total optimizer steps (sets the LR schedule)")
     batch_size: int = Field(256, ge=1)
@@ -80,43 +71,12 @@ class TrainBlockConfig(BaseModel):
     eval_every: int = Field(200, ge=1)
     save_every: int = Field(200, ge=1)
     val_max_positions: int = Field(4096, ge=1, description="validation positions (the first ones of the held-out shards)")
-    save_dtype: Literal["bf16", "fp32"] = "bf16"
-    seed: int = 0
-    threads: int | None = Field(None, ge=1)
-    resume: bool = True
-    mlflow: bool = True
     mlflow_experiment: str = "metasd-block"
-    run_name: str | None = None
 
 
 def load_train_block_config(path: str | Path) -> TrainBlockConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"training config {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping")
-    try:
-        return TrainBlockConfig.model_validate(raw)
-    except ValidationError as e:
-        lines = [f"{path}: invalid block training config"]
-        lines += [f"  {'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
-        raise ValueError("\n".join(lines)) from None
-
-
-def parse_shards(spec: str, n: int) -> list[int]:
-    """'0-22' / '0,3,5-7' -> shard indices (checked against n shards)."""
-    out: list[int] = []
-    for part in str(spec).replace(" ", "").split(","):
-        if not part:
-            continue
-        a, sep, b = part.partition("-")
-        lo, hi = int(a), int(b) if sep else int(a)
-        out.extend(range(lo, hi + 1))
-    bad = [s for s in out if not 0 <= s < n]
-    if bad:
-        raise ValueError(f"shards {bad} out of range 0..{n - 1}")
-    return out
+    """Read and validate a training file; ``ConfigError`` (a ``ValueError``) names the file and the field."""
+    return validate_config(TrainBlockConfig, read_yaml_mapping(path, "training config"), str(path), "block training config")
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -277,17 +237,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     torch.manual_seed(cfg.seed)
     fs = FeatureSet(cfg.features)
     man = fs.manifest
-    expected = math.ceil(man["n_sequences"] / man["shard_size"])
-    if cfg.require_complete and len(fs.shards) != expected:
-        raise ValueError(f"{cfg.features} has {len(fs.shards)} of {expected} shards; wait for the extraction to finish "
-                         "(or set require_complete: false)")
-    n = len(fs.shards)
-    val = parse_shards(cfg.val_shards, n) if cfg.val_shards else list(range(max(0, n - 2), n))
-    train = parse_shards(cfg.train_shards, n) if cfg.train_shards else [s for s in range(n) if s not in val]
-    if set(train) & set(val):
-        raise ValueError(f"train and validation shards overlap: {sorted(set(train) & set(val))}")
-    if not train:
-        raise ValueError("no training shards")
+    train, val = split_shards(cfg, fs)
 
     model, tokenizer = load_model(cfg.verifier, dtype="fp32" if not cfg.bf16 else "bf16")
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

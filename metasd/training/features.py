@@ -81,6 +81,20 @@ def _shard_tensors(model, batch: Sequence[Example], layers: list[int], topk: int
     return tensors
 
 
+def parse_shards(spec: str, n: int) -> list[int]:
+    """'0-22' / '0,3,5-7' -> shard indices, checked against ``n`` shards."""
+    out: list[int] = []
+    for part in str(spec).replace(" ", "").split(","):
+        if not part:
+            continue
+        a, sep, b = part.partition("-")
+        out.extend(range(int(a), (int(b) if sep else int(a)) + 1))
+    bad = [s for s in out if not 0 <= s < n]
+    if bad:
+        raise ValueError(f"shards {bad} out of range 0..{n - 1}")
+    return out
+
+
 class FeatureSet:
     """Read access to a feature directory: iterate sequences, or load shards whole for batching."""
 

@@ -40,15 +40,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from metasd.config import ConfigError, read_yaml_mapping, validate_config
 
 from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                      resolve_steered_layers, save_steering)
-
-
-class ConfigError(ValueError):
-    """The training config is invalid; the message names the field."""
 
 
 class _Strict(BaseModel):
@@ -113,34 +110,13 @@ class SteeringTrainingConfig(_Strict):
     save_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
-def _format_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid steering training config"]
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("literal[", "int", "list["))) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] in ("literal_error", "extra_forbidden"):
-            msg = f"{msg} (got {e.get('input')!r})"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(dict.fromkeys(lines))
-
-
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> SteeringTrainingConfig:
-    try:
-        return SteeringTrainingConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+    return validate_config(SteeringTrainingConfig, raw, source, "steering training config")
 
 
 def read_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SteeringTrainingConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"training config {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    """Read a steering training file; ``overrides`` set dotted keys (``train.steps``) before validation."""
+    raw = read_yaml_mapping(path, "training config")
     for dotted, value in (overrides or {}).items():
         node = raw
         *parents, last = dotted.split(".")
