@@ -368,6 +368,7 @@ class BlockDrafter(Drafter):
         draft.meta.update(meta)
         return draft
 
+    @torch.inference_mode()
     def _beam_search(self, tokens: list[int], cand: list[list[int]], logp: list[list[float]]) -> list[tuple[float, Path_]]:
         """Beam search (width ``paths``) over head log-prob + weight * small-LM log-prob along each path.
 

@@ -18,6 +18,11 @@ next sibling and its first child; it stops at ``tree_size`` nodes.
 
 Drafts carry no probabilities (``Draft.probs is None``): greedy verification or sample-and-match, both
 exact for any tree.
+
+Architecture options beyond DFlash/TreeFlash (``TreeFlashConfig``; the bundled checkpoint uses all of
+them, each found necessary to learn anything within a ~30 min CPU budget): a trainable output norm,
+per-layer norms of the context states, the projected last committed row added to every block input, and
+an identity-initialised skip from the verifier's final state at the last committed row to the output.
 """
 from __future__ import annotations
 
@@ -222,6 +227,7 @@ class TreeFlashDrafter(Drafter):
         self.checkpoint = checkpoint
         self._ctx_kv: list[list[torch.Tensor]] | None = None  # per layer [k, v] caches [1, n_kv, n, hd]
         self._ctx_rows = 0
+        self._ctx_last: torch.Tensor | None = None  # [1, w] projection of the last committed row
         self._own_rows = 0  # rows the verifier added for this drafter's own last step (not catch-up)
         self._last_catch_up = 0
 
@@ -242,10 +248,10 @@ class TreeFlashDrafter(Drafter):
 
     # ---------------------------------------------------------- per request
     def begin(self, ctx: StepContext) -> None:
-        self._ctx_kv, self._ctx_rows, self._own_rows = None, 0, 0
+        self._ctx_kv, self._ctx_rows, self._ctx_last, self._own_rows = None, 0, None, 0
 
     def end(self) -> None:
-        self._ctx_kv, self._ctx_rows, self._own_rows = None, 0, 0
+        self._ctx_kv, self._ctx_rows, self._ctx_last, self._own_rows = None, 0, None, 0
 
     def observe(self, feedback) -> None:
         self._own_rows = len(feedback.committed)  # the pending token and the accepted nodes get states
@@ -258,11 +264,12 @@ class TreeFlashDrafter(Drafter):
         if len(ctx.hidden) < n:
             raise RuntimeError(f"{self.name}: {len(ctx.hidden)} verifier states for {n} committed positions")
         if self._ctx_kv is None or self._ctx_rows > n:
-            self._ctx_kv, self._ctx_rows = None, 0
+            self._ctx_kv, self._ctx_rows, self._ctx_last = None, 0, None
         new = n - self._ctx_rows
         if new > 0:
             hidden = torch.cat([ctx.hidden.get(layer)[self._ctx_rows:n] for layer in self.hidden_layers], dim=-1)
             proj = self.model.project_context(hidden)
+            self._ctx_last = proj[-1:]
             kv = self.model.context_kv(proj, torch.arange(self._ctx_rows, n))
             if self._ctx_kv is None:
                 self._ctx_kv = [[k, v] for k, v in kv]
@@ -278,14 +285,9 @@ class TreeFlashDrafter(Drafter):
         return max(new, 0)
 
     def _context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._ctx_kv is None:
-            empty = None
-            out = []
-            for layer in self.model.layers:
-                at = layer.attn
-                empty = torch.zeros(1, at.n_kv, 0, self.model.cfg.head_dim, dtype=self.model.dtype)
-                out.append((empty, empty))
-            return out
+        if self._ctx_kv is None:  # no committed row has a verifier state yet (one-token prompt)
+            empty = torch.zeros(1, self.model.cfg.num_kv_heads, 0, self.model.cfg.head_dim, dtype=self.model.dtype)
+            return [(empty, empty) for _ in self.model.layers]
         C = self.context_window
         return [(k[:, :, -C:], v[:, :, -C:]) if C else (k, v) for k, v in self._ctx_kv]
 
@@ -299,7 +301,11 @@ class TreeFlashDrafter(Drafter):
         emb = self.pieces.embed(torch.tensor([root]), self.model.dtype)
         block = self.model.block_inputs(emb, self.block_size)
         positions = torch.arange(T - 1, T - 1 + self.block_size)[None]
-        return self.model(block, positions, self._context())[0]
+        skip = None
+        L = self.model.cfg.output_skip_layer
+        if L is not None and T >= 2:
+            skip = ctx.hidden.get(L)[T - 2:T - 1]
+        return self.model(block, positions, self._context(), None, self._ctx_last, skip)[0]
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:

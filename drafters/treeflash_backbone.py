@@ -20,7 +20,7 @@ of an anchor (last committed token) at position a occupies positions a..a+B-1 (R
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
@@ -51,6 +51,15 @@ class TreeFlashConfig:
     # N in q = softmax(lm_head(N(h))): "verifier" = the verifier's final norm (frozen); "own" = a trainable
     # RMSNorm of the drafter initialised to ones (softer initial logits; trains much faster, see the training docs)
     output_norm: str = "verifier"
+    # per-layer RMSNorm of the verifier states before fc (their scales differ and massive activations dominate)
+    context_layer_norm: bool = False
+    # add a projection of the last committed context row (the state that produced the pending token) to the
+    # input of every block position, so each block starts from anchor-specific information
+    last_state: bool = False
+    # Medusa-style skip: h_j += S(s), s = the verifier state of this layer at the last committed row, S initialised
+    # to the identity, so the untrained drafter already predicts through the verifier's own last state
+    # (must be one of context_layers; None: off)
+    output_skip_layer: int | None = None
 
     def __post_init__(self):
         self.context_layers = [int(x) for x in self.context_layers]
@@ -62,6 +71,8 @@ class TreeFlashConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.context_layers:
             raise ValueError("context_layers must name at least one verifier layer")
+        if self.output_skip_layer is not None and self.output_skip_layer not in self.context_layers:
+            raise ValueError(f"output_skip_layer {self.output_skip_layer} must be one of context_layers {self.context_layers}")
         if self.output_norm not in ("verifier", "own"):
             raise ValueError(f"output_norm must be 'verifier' or 'own', got {self.output_norm!r}")
 
@@ -250,12 +261,16 @@ class TreeFlashModel(nn.Module):
         dv, w = cfg.verifier_hidden_size, cfg.hidden_size
         self.mask_embedding = nn.Parameter(torch.zeros(dv))
         self.in_proj = nn.Linear(dv, w, bias=False)
+        self.ctx_layer_norms = (nn.ModuleList([nn.RMSNorm(dv, eps=cfg.rms_norm_eps) for _ in cfg.context_layers])
+                                if cfg.context_layer_norm else None)
         self.fc = nn.Linear(len(cfg.context_layers) * dv, w, bias=False)
         self.ctx_norm = nn.RMSNorm(w, eps=cfg.rms_norm_eps)
+        self.last_proj = nn.Linear(w, w, bias=False) if cfg.last_state else None
         self.layers = nn.ModuleList([BlockLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = nn.RMSNorm(w, eps=cfg.rms_norm_eps)
         self.out_proj = nn.Linear(w, dv, bias=False)
         self.out_norm = nn.RMSNorm(dv, eps=cfg.rms_norm_eps) if cfg.output_norm == "own" else None
+        self.skip = nn.Linear(dv, dv, bias=False) if cfg.output_skip_layer is not None else None
         self.ar = ARApproximation(dv, cfg.ar_intermediate_size, cfg.rms_norm_eps)
         self.reset_parameters()
 
@@ -268,6 +283,8 @@ class TreeFlashModel(nn.Module):
                     nn.init.zeros_(mod.bias)
         nn.init.normal_(self.mask_embedding, std=std)
         nn.init.zeros_(self.ar.down.weight)  # an untrained AR correction changes nothing
+        if self.skip is not None:
+            nn.init.eye_(self.skip.weight)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -282,7 +299,11 @@ class TreeFlashModel(nn.Module):
     # ---------------------------------------------------------- context
     def project_context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., n, len(context_layers) * d] concatenated verifier states -> [..., n, w]."""
-        return self.ctx_norm(self.fc(hidden.to(self.dtype)))
+        hidden = hidden.to(self.dtype)
+        if self.ctx_layer_norms is not None:
+            parts = hidden.split(self.cfg.verifier_hidden_size, dim=-1)
+            hidden = torch.cat([norm(x) for norm, x in zip(self.ctx_layer_norms, parts)], dim=-1)
+        return self.ctx_norm(self.fc(hidden))
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[n, w] projected context at ``positions`` [n] -> per layer (k, v) [1, n_kv, n, hd]."""
@@ -297,14 +318,22 @@ class TreeFlashModel(nn.Module):
         return torch.cat([first_emb[:, None, :], masks], dim=1)
 
     def forward(self, block_emb: torch.Tensor, positions: torch.Tensor, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_mask: torch.Tensor | None = None, last_ctx: torch.Tensor | None = None,
+                skip_state: torch.Tensor | None = None) -> torch.Tensor:
         """Block forward. block_emb [A, B, d]; positions [A, B]; ctx_kv per layer ([A|1, n_kv, n, hd] x2);
-        ctx_mask [A, n] or None (all visible). Returns h [A, B, d] in the verifier width (before its final norm)."""
+        ctx_mask [A, n] or None (all visible); last_ctx [A, w] projected context row before each block (zeros
+        when there is none; used when ``cfg.last_state``); skip_state [A, d] verifier state of layer
+        ``cfg.output_skip_layer`` at that row (zeros when none). Returns h [A, B, d] in the verifier width (before N)."""
         x = self.in_proj(block_emb.to(self.dtype))
+        if self.last_proj is not None and last_ctx is not None:
+            x = x + self.last_proj(last_ctx.to(x.dtype))[:, None, :]
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, ctx_mask)
-        return self.out_proj(self.norm(x))
+        h = self.out_proj(self.norm(x))
+        if self.skip is not None and skip_state is not None:
+            h = h + self.skip(skip_state.to(h.dtype))[:, None, :]
+        return h
 
     def output_norm(self, pieces: VerifierPieces) -> nn.Module:
         """N: the drafter's own final norm, or the verifier's."""

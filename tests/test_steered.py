@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from metasd.config import ConfigError as PoolConfigError
 from metasd.config import load_pool
+from metasd.drafter import BuildContext, StepContext
 from metasd.drafters import PretrainedDrafter, SteeredDrafter
 from metasd.drafters.steered import SteeringModule, decoder_layers, load_steering
 from metasd.engine import Engine
 from metasd.sampling import SamplingParams
-from metasd.drafter import BuildContext, StepContext
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.steering import (ConfigError, SteeringTrainer, add_train_steering_parser, parse_config,

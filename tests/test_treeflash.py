@@ -1,6 +1,5 @@
 """TreeFlash drafter: tree construction on hand-built tables, tree masks and positions, greedy identity in
 every mode (untrained and trained), sampling exactness through the engine, training resume, configs."""
-import itertools
 import json
 import math
 
@@ -16,7 +15,7 @@ from metasd.drafters.treeflash_backbone import TreeFlashConfig, TreeFlashModel, 
 from metasd.engine import Engine
 from metasd.training.data import Example
 from metasd.training.features import extract_features
-from metasd.training.treeflash import (TrainTreeFlashConfig, load_train_treeflash_config, train_treeflash,
+from metasd.training.treeflash import (load_train_treeflash_config,
                                        tf_accept)
 from metasd.tree import Draft, ancestor_mask, node_depths
 from metasd.verifier import Verifier
@@ -151,10 +150,13 @@ def test_teacher_forced_acceptance_walk():
 
 
 # ---------------------------------------------------------------- the drafter on tiny models
-def _tiny_cfg(vocab=64, hidden=32, block=5, layers=(1, 2)):
+def _tiny_cfg(vocab=64, hidden=32, block=5, layers=(1, 2), output_norm="verifier", extras=False):
+    """extras: the options the real recipe uses (own norm, per-layer context norm, last state, output skip)."""
+    more = dict(output_norm="own", context_layer_norm=True, last_state=True, output_skip_layer=2) if extras else {}
     return TreeFlashConfig(verifier_hidden_size=hidden, verifier_vocab_size=vocab, context_layers=list(layers),
                            hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32,
-                           ar_intermediate_size=16, block_size=block, context_window=16)
+                           ar_intermediate_size=16, block_size=block, context_window=16,
+                           **({"output_norm": output_norm} | more))
 
 
 def _untrained(seed=0, **kw):
@@ -178,16 +180,18 @@ def _check_greedy(model, drafter, ns=(1, 7, 40)):
     return result
 
 
+@pytest.mark.parametrize("variant", ["plain", "extras"])
 @pytest.mark.parametrize("mode", MODES)
-def test_untrained_greedy_identical(verifier_model, mode):
+def test_untrained_greedy_identical(verifier_model, mode, variant):
     vocab = DraftVocab(torch.arange(50, 2, -1), 64)  # reduced and permuted
-    drafter = TreeFlashDrafter(_untrained(), verifier_model, vocab, mode=mode, m=3, k=3, tree_size=12)
+    drafter = TreeFlashDrafter(_untrained(extras=variant == "extras"), verifier_model, vocab, mode=mode, m=3, k=3,
+                               tree_size=12)
     _check_greedy(verifier_model, drafter)
 
 
 def test_drafter_shapes_and_context_cache(verifier_model):
-    drafter = TreeFlashDrafter(_untrained(), verifier_model, DraftVocab.full(64), mode="treeflash", m=2, k=2,
-                               tree_size=7, block_size=4)
+    drafter = TreeFlashDrafter(_untrained(extras=True), verifier_model, DraftVocab.full(64), mode="treeflash", m=2,
+                               k=2, tree_size=7, block_size=4)
     engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
     drafts = []
     orig = drafter.propose
@@ -260,6 +264,9 @@ def trained(tmp_path_factory, verifier_model):
     extract_features(verifier_model, _examples(verifier_model, 32, 0), root / "feat", layers=[1, 2], topk=8,
                      shard_size=8, log=lambda *a: None)
     cfg = _train_yaml(root, "ckpt", mlflow=MLFLOW, run_name="tiny")
+    raw = yaml.safe_load(cfg.read_text())
+    raw["model"].update(output_norm="own", context_layers=[1, 2], output_skip_layer=2)
+    cfg.write_text(yaml.safe_dump(raw))
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     try:
@@ -272,7 +279,7 @@ def trained(tmp_path_factory, verifier_model):
 def test_training_writes_checkpoint_and_mlflow(trained):
     ckpt = trained / "ckpt"
     meta = json.loads((ckpt / "config.json").read_text())
-    assert meta["format"] == "metasd-treeflash" and meta["model"]["context_layers"] == [1]
+    assert meta["format"] == "metasd-treeflash" and meta["model"]["context_layers"] == [1, 2]
     assert (ckpt / "MODEL_CARD.md").read_text().startswith("# TreeFlash drafter")
     untrained, stage1, stage2 = meta["validation"]["stages"]
     assert (untrained["stage"], stage1["stage"], stage2["stage"]) == (0, 1, 2)
@@ -363,6 +370,10 @@ def test_drafter_argument_errors(verifier_model):
         TreeFlashDrafter(_untrained(hidden=48), verifier_model, vocab)
     with pytest.raises(ValueError, match="context layers"):
         TreeFlashDrafter(_untrained(layers=(1, 3)), verifier_model, vocab)
+    with pytest.raises(ValueError, match="output_norm"):
+        _tiny_cfg(output_norm="layer")
+    with pytest.raises(ValueError, match="output_skip_layer"):
+        TreeFlashConfig(verifier_hidden_size=32, verifier_vocab_size=64, context_layers=[1], output_skip_layer=2)
 
     class NoNorm(torch.nn.Module):
         base_model = torch.nn.Module()
@@ -406,3 +417,23 @@ def test_tree_sample_and_match_is_exact():
     pvalue = float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)
     assert pvalue > 1e-3
     assert accepted > 0  # some steps did accept a draft token (the test exercises acceptance)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_loads_only_the_verifier_parts_it_needs(tmp_path, tied):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from metasd.training.treeflash import load_verifier_parts
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=tied)
+    full = Qwen2ForCausalLM(cfg)
+    full.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    part = load_verifier_parts(str(tmp_path))
+    for a, b in [(part.get_input_embeddings().weight, full.get_input_embeddings().weight),
+                 (part.get_output_embeddings().weight, full.get_output_embeddings().weight),
+                 (part.model.norm.weight, full.model.norm.weight)]:
+        assert torch.equal(a, b.to(torch.bfloat16))
+    assert part.model.layers[0].mlp.up_proj.weight.is_meta  # the rest is never read from disk

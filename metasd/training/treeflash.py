@@ -22,6 +22,12 @@ siblings need). ``verifier``: hard label = the verifier's top-1 ``topk_ids[a+j-1
 label = the sequence's token ids[a+j]. Targets outside the draft vocabulary are dropped from the loss;
 validation counts them as misses.
 
+Output norm (``model.output_norm``): N in q = softmax(lm_head(N(h))). ``verifier`` uses the verifier's
+final norm, frozen; ``own`` a trainable RMSNorm of the drafter initialised to ones (what the public
+TreeFlash code does: its drafter's own ``model.norm`` before the target's LM head). With the verifier's
+norm (gains up to ~12 on Qwen2.5-Coder-1.5B) the untrained drafter's logits are very sharp (initial loss
+16 vs 9.6) and 250 steps on the bundled verifier only reached the unigram level; prefer ``own``.
+
 Reduced vocabulary: the ``vocab_size`` most frequent tokens of the training shards (sequence tokens plus
 the verifier's top-1 predictions; EOS always in).
 
@@ -56,14 +62,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..tree import children_lists
+from .common import FeatureTrainingConfig, split_shards
 from .features import FeatureSet
 
 STATE_WEIGHTS = "model_fp32.safetensors"
@@ -90,8 +96,12 @@ class ModelSection(_Strict):
     context_layers: list[int] | None = Field(None, description="verifier hidden-state layers; default: every "
                                              "feature layer below the final-norm state")
     rope_theta: float = 10000.0
-    output_norm: Literal["verifier", "own"] = Field("verifier", description="N before the frozen LM head: the "
+    output_norm: Literal["verifier", "own"] = Field("own", description="N before the frozen LM head: the "
                                                     "verifier's final norm (frozen) or a trainable one of the drafter")
+    context_layer_norm: bool = Field(True, description="RMSNorm each verifier layer's states before fc")
+    last_state: bool = Field(True, description="add the projected last committed context row to every block input")
+    output_skip_layer: int | None = Field(None, description="Medusa-style identity-initialised skip from this "
+                                          "verifier layer's last committed state to the output (one of context_layers)")
 
 
 class StageSection(_Strict):
@@ -116,19 +126,11 @@ class DraftDefaults(_Strict):
     tree_size: int = Field(32, ge=1)
 
 
-class TrainTreeFlashConfig(_Strict):
+class TrainTreeFlashConfig(FeatureTrainingConfig):
     """YAML config of ``metasd train treeflash``."""
 
-    features: str = Field(description="verifier feature directory (manifest.json + shards)")
-    verifier: str = Field(description="model reference of the verifier the features came from")
-    out: str = Field(description="checkpoint directory written for the drafter")
-    state_dir: str | None = Field(None, description="resumable training state (default <out>/train_state)")
-    train_shards: str | None = Field(None, description="e.g. '0-22'; default: every shard not in val_shards")
-    val_shards: str | None = Field(None, description="held-out shards; default: the last 2")
-    require_complete: bool = Field(True, description="fail unless every shard the manifest announces exists")
     model: ModelSection = Field(default_factory=ModelSection)
     vocab_size: int = Field(32768, ge=0, description="reduced draft vocabulary; 0 = full vocabulary")
-    draft_vocab: str | None = Field(None, description="reuse this DraftVocab file instead of counting")
     target: Literal["soft", "verifier", "data"] = "soft"
     gamma: float | None = Field(4.0, gt=0, description="loss weight exp(-(j-1)/gamma) of block position j")
     stage1: StageSection = Field(default_factory=StageSection)
@@ -141,45 +143,12 @@ class TrainTreeFlashConfig(_Strict):
     val_anchors: int = Field(256, ge=1, description="held-out anchors for accuracies and chain figures")
     val_tree_anchors: int = Field(128, ge=0, description="held-out anchors for the final tree figures")
     val_anchors_per_sequence: int = Field(4, ge=1)
-    save_dtype: Literal["bf16", "fp32"] = "bf16"
-    seed: int = 0
-    threads: int | None = Field(None, ge=1)
-    resume: bool = True
-    mlflow: bool = True
     mlflow_experiment: str = "metasd-treeflash"
-    run_name: str | None = None
 
 
 def load_train_treeflash_config(path: str | Path) -> TrainTreeFlashConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"training config {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping")
-    try:
-        return TrainTreeFlashConfig.model_validate(raw)
-    except ValidationError as e:
-        lines = [f"{path}: invalid treeflash training config"]
-        lines += [f"  {'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
-        raise ValueError("\n".join(lines)) from None
-
-
-def parse_shards(spec: str, n: int) -> list[int]:
-    """'0-22' / '0,3,5-7' -> shard indices (checked against n shards)."""
-    out: list[int] = []
-    for part in str(spec).replace(" ", "").split(","):
-        if not part:
-            continue
-        a, sep, b = part.partition("-")
-        out.extend(range(int(a), (int(b) if sep else int(a)) + 1))
-    bad = [s for s in out if not 0 <= s < n]
-    if bad:
-        raise ValueError(f"shards {bad} out of range 0..{n - 1}")
-    return out
+    """Read and validate a training file; ``ConfigError`` (a ``ValueError``) names the file and the field."""
+    return validate_config(TrainTreeFlashConfig, read_yaml_mapping(path, "training config"), str(path), "treeflash training config")
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -306,13 +275,21 @@ def block_states(model, pieces, seq: dict[str, torch.Tensor], anchors: torch.Ten
     A = len(anchors)
     hi = int(anchors.max())
     lo = max(0, int(anchors.min()) - C) if C else 0
+    last, skip = None, None
+    if cfg.output_skip_layer is not None:
+        rows = (anchors - 1).clamp(min=0)
+        skip = seq[f"hidden_{cfg.output_skip_layer}"][rows].to(model.dtype) * (anchors >= 1)[:, None]
     if hi > lo:
         hidden = torch.cat([seq[f"hidden_{l}"][lo:hi] for l in cfg.context_layers], dim=-1)
         pos = torch.arange(lo, hi)
-        kv = model.context_kv(model.project_context(hidden), pos)
+        ctx = model.project_context(hidden)
+        kv = model.context_kv(ctx, pos)
         visible = pos[None, :] < anchors[:, None]
         if C:
             visible &= pos[None, :] >= anchors[:, None] - C
+        if cfg.last_state:
+            rows = anchors - 1 - lo  # the row before each anchor (anchors >= 1, so it exists)
+            last = torch.where((rows >= 0)[:, None], ctx[rows.clamp(min=0)], torch.zeros_like(ctx[:1]))
     else:
         e = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
         kv = [(e, e) for _ in model.layers]
@@ -320,7 +297,7 @@ def block_states(model, pieces, seq: dict[str, torch.Tensor], anchors: torch.Ten
     emb = pieces.embed(seq["ids"][anchors], model.dtype)
     block = model.block_inputs(emb, B)
     positions = anchors[:, None] + torch.arange(B)[None, :]
-    return model(block, positions, kv, visible)
+    return model(block, positions, kv, visible, last, skip)
 
 
 def marginal_logp(model, pieces, h: torch.Tensor) -> torch.Tensor:
@@ -517,17 +494,7 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
         torch.set_num_threads(cfg.threads)
     t_invocation = time.time()
     fs = FeatureSet(cfg.features)
-    n_shards = len(fs.shards)
-    expected = math.ceil(fs.manifest["n_sequences"] / fs.manifest["shard_size"])
-    if cfg.require_complete and n_shards < expected:
-        raise ValueError(f"{fs.path} holds {n_shards} of {expected} shards (extraction unfinished?); "
-                         "wait, or set require_complete: false")
-    val = parse_shards(cfg.val_shards, n_shards) if cfg.val_shards else list(range(max(n_shards - 2, 0), n_shards))
-    train = parse_shards(cfg.train_shards, n_shards) if cfg.train_shards else [s for s in range(n_shards) if s not in val]
-    if set(train) & set(val):
-        raise ValueError(f"train shards {sorted(set(train) & set(val))} are also validation shards")
-    if not train:
-        raise ValueError("no training shards")
+    train, val = split_shards(cfg, fs)
 
     if verifier_model is None:
         log(f"loading the verifier's embeddings, final norm and LM head from {cfg.verifier}")
@@ -567,7 +534,8 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                            intermediate_size=cfg.model.intermediate_size,
                            ar_intermediate_size=cfg.model.ar_intermediate_size, block_size=cfg.model.block_size,
                            context_window=cfg.model.context_window, rope_theta=cfg.model.rope_theta,
-                           output_norm=cfg.model.output_norm)
+                           output_norm=cfg.model.output_norm, context_layer_norm=cfg.model.context_layer_norm,
+                           last_state=cfg.model.last_state, output_skip_layer=cfg.model.output_skip_layer)
     torch.manual_seed(cfg.seed)
     model = TreeFlashModel(mcfg)
     head_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -732,10 +700,11 @@ def load_verifier_parts(ref: str):
         with safe_open(str(f), "pt") as sf:
             for key in set(sf.keys()) & names:
                 state[key] = sf.get_tensor(key)
-    emb_name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is model.get_input_embeddings().weight)
-    head_name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is model.get_output_embeddings().weight)
-    if head_name not in state and emb_name in state:  # tied embeddings stored once
-        state[head_name] = state[emb_name]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in names - set(state):  # tied weights are stored once, under one of their names
+        twin = next((n for n in state if params[n] is params[name]), None)
+        if twin is not None:
+            state[name] = state[twin]
     missing = names - set(state)
     if missing:
         raise ValueError(f"{ref}: cannot find {sorted(missing)} in its safetensors files")
