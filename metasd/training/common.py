@@ -35,9 +35,9 @@ def split_shards(cfg: FeatureTrainingConfig, fs: FeatureSet) -> tuple[list[int],
     """(train, validation) shard indices of ``fs`` from ``cfg``; checks completeness and overlap."""
     n = len(fs.shards)
     expected = math.ceil(fs.manifest["n_sequences"] / fs.manifest["shard_size"])
-    if cfg.require_complete and n < expected:
-        raise ValueError(f"{cfg.features} holds {n} of {expected} shards (extraction unfinished?); "
-                         "wait, or set require_complete: false")
+    if cfg.require_complete and n != expected:
+        raise ValueError(f"{cfg.features} holds {n} of the {expected} shards its manifest announces (extraction "
+                         "unfinished?); wait, or set require_complete: false")
     val = parse_shards(cfg.val_shards, n) if cfg.val_shards else list(range(max(0, n - 2), n))
     train = parse_shards(cfg.train_shards, n) if cfg.train_shards else [s for s in range(n) if s not in val]
     if set(train) & set(val):
