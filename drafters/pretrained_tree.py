@@ -166,6 +166,11 @@ class PretrainedTreeDrafter(PretrainedDrafter):
     depth: maximum tree depth (all modes; also capped by ``ctx.max_depth``).
     width: dynamic: children per expanded node; rsd_s: beam width.
     frontier: dynamic: nodes expanded per level (default: ``width``).
+    min_path_prob: dynamic: expand only nodes whose path probability (the product of the draft
+        probabilities from the root, ``exp(score)``) is at least this; 0 (default) expands by rank alone.
+        The tree analogue of a chain's confidence stop: on text the drafter is unsure of, growth stops
+        after one or two levels instead of spending ``depth`` drafter forwards on nodes that will be
+        rejected. Such nodes are still drafted as leaves.
     branching: rsd_c: children per expanded node at each level, e.g. [3, 2, 1, 1]; the last entry repeats
         for deeper levels (default [3, 2, 1, 1]). Only valid with mode "rsd_c".
     """
@@ -181,6 +186,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         depth: int = 6,
         width: int = 4,
         frontier: int | None = None,
+        min_path_prob: float = 0.0,
         branching: Sequence[int] | None = None,
         name: str | None = None,
         model_ref: str | None = None,
@@ -195,6 +201,10 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             frontier = width
         if not isinstance(frontier, int) or isinstance(frontier, bool) or frontier < 1:
             raise ValueError(f"{self.name}: frontier must be an integer >= 1, got {frontier!r}")
+        if isinstance(min_path_prob, bool) or not isinstance(min_path_prob, (int, float)) or not 0 <= min_path_prob < 1:
+            raise ValueError(f"{self.name}: min_path_prob must be a number in [0, 1), got {min_path_prob!r}")
+        if min_path_prob and mode != "dynamic":
+            raise ValueError(f"{self.name}: min_path_prob is only used by mode 'dynamic' (mode is {mode!r})")
         if branching is not None and mode != "rsd_c":
             raise ValueError(f"{self.name}: branching is only used by mode 'rsd_c' (mode is {mode!r}); use width")
         if branching is None:
@@ -205,6 +215,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             raise ValueError(f"{self.name}: branching must be a non-empty list of integers >= 1, got {branching!r}")
         self.mode = mode
         self.nodes, self.depth, self.width, self.frontier = nodes, depth, width, frontier
+        self.min_log_path_prob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
+        self.min_path_prob = float(min_path_prob)
         self.branching = branching
         self._pending: tuple[Draft, GrowingTree, list[int]] | None = None
 
@@ -295,7 +307,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
 
         level = add_children([-1], self._log_scores(root_logits, ctx)[None])
         for _ in range(2, depth + 1):
-            frontier = rank(level)[: self.frontier]
+            frontier = [i for i in rank(level)[: self.frontier] if scores[i] >= self.min_log_path_prob]
             if len(scores) >= self.nodes:  # a child scores <= its parent and loses ties: prune hopeless parents
                 threshold = scores[rank(range(len(scores)))[self.nodes - 1]]
                 frontier = [i for i in frontier if scores[i] > threshold]
@@ -415,6 +427,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         }
         if self.mode == "dynamic":
             out["frontier"] = self.frontier
+            out["min_path_prob"] = self.min_path_prob
         if self.mode == "rsd_c":
             out["branching"] = list(self.branching)
         return out

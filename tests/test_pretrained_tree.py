@@ -87,6 +87,39 @@ def test_budgets_and_max_depth(model):
     assert greedy[0] in [int(draft.tokens[c]) for c in _children(draft)[0]]
 
 
+def _path_logprob(model, prompt, draft, node):
+    """log prod q(token | prefix) along the path root -> node, by plain forwards (independent of the drafter)."""
+    path = []
+    while node >= 0:
+        path.append(int(draft.tokens[node]))
+        node = int(draft.parents[node])
+    path.reverse()
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt + path])).logits[0].float().log_softmax(-1)
+    return sum(float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(path))
+
+
+def test_min_path_prob_expands_only_likely_nodes(model):
+    full = PretrainedTreeDrafter(model, mode="dynamic", nodes=40, depth=5, width=3)
+    full.begin(None)
+    free = full.propose(_ctx(PROMPT))
+    level1 = sorted(_path_logprob(model, PROMPT, free, i) for i in range(len(free)) if int(free.parents[i]) < 0)
+    threshold = (level1[0] + level1[1]) / 2  # between the two least likely root children: prunes one of them
+    d = PretrainedTreeDrafter(model, mode="dynamic", nodes=40, depth=5, width=3, min_path_prob=float(torch.tensor(threshold).exp()))
+    d.begin(None)
+    draft = d.propose(_ctx(PROMPT))
+    kids = _children(draft)
+    expanded = [i for i in range(len(draft)) if kids[i + 1]]
+    leaves_below = [i for i in range(len(draft)) if _path_logprob(model, PROMPT, draft, i) < threshold]
+    assert expanded and leaves_below
+    assert all(_path_logprob(model, PROMPT, draft, i) >= threshold for i in expanded)
+    assert not any(kids[i + 1] for i in leaves_below)  # below the threshold: drafted, never expanded
+    assert len(draft) < len(free) and draft.meta["drafter_forwards"] <= free.meta["drafter_forwards"]
+    assert d.describe()["min_path_prob"] == d.min_path_prob > 0
+    engine = _engine(model, PretrainedTreeDrafter(model, mode="dynamic", nodes=12, depth=5, width=3, min_path_prob=0.05))
+    assert engine.generate(PROMPT, max_new_tokens=30).token_ids == plain_greedy(model, PROMPT, 30)
+
+
 def _children(draft):
     return children_lists(draft.parents)
 
@@ -312,6 +345,9 @@ def test_conditional_gumbel_keeps_order_and_sets_the_max():
     (dict(mode="rsd_c", branching=[2, 0]), "branching"),
     (dict(mode="dynamic", branching=[2, 1]), "branching"),
     (dict(depth=2.5), "depth"),
+    (dict(min_path_prob=1.0), "min_path_prob"),
+    (dict(min_path_prob=-0.1), "min_path_prob"),
+    (dict(mode="rsd_s", min_path_prob=0.1), "min_path_prob"),
 ])
 def test_bad_parameters_name_the_parameter(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
