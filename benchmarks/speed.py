@@ -48,8 +48,14 @@ def sampling(args) -> dict:
     return {"temperature": args.temperature, "seed": args.seed} if args.temperature > 0 else {}
 
 
+def engine_figures(stats) -> dict:
+    """What a metasd run adds to a row: steps, drafted/accepted tokens and where the time went."""
+    return {"steps": stats.steps, "drafted": stats.drafted, "accepted": stats.accepted,
+            "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s}
+
+
 def build_methods(args, vm, vt, dm, dt):
-    """name -> callable(prompt_ids) -> (new_ids, seconds, mean_tokens_per_step or None)."""
+    """name -> callable(prompt_ids) -> (new_ids, seconds, mean_tokens_per_step or None, engine figures or None)."""
     verifier = Verifier(vm, vt, name=args.verifier)
 
     def engine_method(drafter):
@@ -57,7 +63,7 @@ def build_methods(args, vm, vt, dm, dt):
 
         def run(ids):
             r = engine.generate(ids, max_new_tokens=args.max_new_tokens, **sampling(args))
-            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         return run
 
     def hf(fn, *models, fix=True):
@@ -67,7 +73,7 @@ def build_methods(args, vm, vt, dm, dt):
             else:
                 with shipped(*models):
                     out, s = fn(ids)
-            return out, s, None
+            return out, s, None, None
         return run
 
     n = args.max_new_tokens
@@ -94,7 +100,7 @@ def build_methods(args, vm, vt, dm, dt):
 
         def run(ids, engine=engine):
             r = engine.generate(ids, max_new_tokens=n, **sampling(args))
-            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         methods[name] = run
     return methods
 
@@ -119,7 +125,11 @@ def main(argv=None) -> int:
     p.add_argument("--table", metavar="RESULT_JSON", help="only print the summary table of an earlier run")
     args = p.parse_args(argv)
     if args.table:
-        print(summary_table(json.loads(Path(args.table).read_text())["rows"]))
+        rows = json.loads(Path(args.table).read_text())["rows"]
+        print(summary_table(rows))
+        if any("steps" in e for r in rows for e in r["methods"].values()):
+            print()
+            print(steps_table(rows))
         return 0
     torch.set_num_threads(args.threads)
     questions = load_questions(args.questions, per_group=args.per_group)
@@ -142,10 +152,11 @@ def main(argv=None) -> int:
         names = list(methods)
         names = names[qi % len(names):] + names[:qi % len(names)]  # rotate the order
         for name in names:
-            out, seconds, tps = methods[name](ids)
+            out, seconds, tps, figures = methods[name](ids)
             div = baselines.first_divergence(out, ref_ids)
             same = div is None and len(out) == len(ref_ids) if args.temperature == 0 else None
-            entry = {"tokens": len(out), "seconds": seconds, "identical": same, "mean_tokens_per_step": tps}
+            entry = {"tokens": len(out), "seconds": seconds, "identical": same, "mean_tokens_per_step": tps,
+                     **(figures or {})}
             if div is not None and args.temperature == 0:
                 entry["first_divergence"] = div
                 entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
         done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
         print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
     print(summary_table(rows))
+    print()
+    print(steps_table(rows))
     return 0
 
 
@@ -197,6 +210,27 @@ def summary_table(rows) -> str:
         vs_assisted = f"{overall / rate(assisted, rows):.2f}" if assisted in methods else "-"
         lines.append(f"| {m} | {overall:.2f} | {overall / rate(ref, rows):.2f}x | {vs_assisted} | " + " | ".join(cells) +
                      f" | {tps} | {same} | {margins} |")
+    return "\n".join(lines)
+
+
+def steps_table(rows) -> str:
+    """Markdown, metasd methods only: tokens per step (all tokens / all steps) overall and per group,
+    accepted drafts per step and the drafter's share of the decoding time (prefill excluded)."""
+    methods = [m for m in rows[0]["methods"] if "steps" in rows[0]["methods"][m]]
+    groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)]
+
+    def tau(name, rs):
+        return sum(r["methods"][name]["tokens"] for r in rs) / max(sum(r["methods"][name]["steps"] for r in rs), 1)
+
+    lines = ["| method | tokens/step | accepted drafts/step | " + " | ".join(groups) + " | draft time share |",
+             "|" + "---|" * (4 + len(groups))]
+    for m in methods:
+        e = [r["methods"][m] for r in rows]
+        steps = sum(x["steps"] for x in e)
+        decode = sum(x["seconds"] - x["prefill_s"] for x in e)
+        cells = [f"{tau(m, [r for r in rows if r['group'] == g]):.2f}" for g in groups]
+        lines.append(f"| {m} | {tau(m, rows):.2f} | {sum(x['accepted'] for x in e) / max(steps, 1):.2f} | "
+                     + " | ".join(cells) + f" | {sum(x['draft_s'] for x in e) / decode:.0%} |")
     return "\n".join(lines)
 
 
