@@ -2,6 +2,7 @@
 resume, MLflow), checkpoint loading from a pool config, config errors."""
 import argparse
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,6 +195,25 @@ def test_training_raises_agreement_and_acceptance(trained, verifier_model, draft
     engine = Engine(Verifier(verifier_model), sd, check_tokenizers=False)
     assert engine.generate(prompt, max_new_tokens=40).token_ids == plain_greedy(verifier_model, prompt, 40)
     sd.close()
+
+
+def test_best_validation_checkpoint_is_kept(trained, features, drafter_model, tmp_path, monkeypatch):
+    vals = [h for h in trained.history if "val_kl_steered" in h]
+    best = min(vals, key=lambda h: h["val_kl_steered"])
+    _, _, config = load_steering(Path(trained.cfg.out_dir) / "best" / "steering.safetensors")
+    assert config["training"]["step"] == best["step"] and config["selected_by"].startswith("lowest val_kl_steered")
+    # scripted validation figures: the middle one is best, so best/ holds step 2 and the last export step 4
+    scripted = iter([0.5, 0.3, 0.4])
+    monkeypatch.setattr(SteeringTrainer, "validate", lambda self: {"val_agree_steered": 0.0, "val_agree_plain": 0.0,
+                                                                   "val_kl_steered": next(scripted), "val_kl_plain": 1.0})
+    cfg = _config(features, tmp_path, train={"steps": 4, "batch_size": 2}, log={"val_every": 2, "checkpoint_every": 100})
+    train_steering(cfg, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    assert load_steering(tmp_path / "best" / "steering.safetensors")[2]["training"]["step"] == 2
+    assert load_steering(tmp_path / "steering.safetensors")[2]["training"]["step"] == 4
+    off = _config(features, tmp_path / "off", train={"steps": 2, "batch_size": 2}, log={"keep_best": False})
+    scripted = iter([0.5, 0.3])
+    train_steering(off, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    assert not (tmp_path / "off" / "best").exists()
 
 
 def test_pool_config_loads_the_checkpoint(trained, verifier_model, drafter_model, tmp_path):

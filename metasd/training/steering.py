@@ -90,6 +90,8 @@ class LogConfig(_Strict):
     val_every: int = Field(default=100, gt=0)
     checkpoint_every: int = Field(default=50, gt=0)
     keep_checkpoints: int = Field(default=2, gt=0)
+    keep_best: bool = Field(default=True, description="also export the module with the lowest held-out KL so far "
+                                                       "to out_dir/best/ (validation steps only)")
     mlflow: bool = True
     tracking_uri: str | None = Field(default=None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
     experiment: str = "metasd-steering"
@@ -464,8 +466,8 @@ class SteeringTrainer:
         self.run_id, self.history = state.get("mlflow_run_id"), state.get("history", [])
         return True
 
-    def export(self, extra: dict | None = None) -> Path:
-        """Write the loadable result: out_dir/steering.safetensors + config.json."""
+    def export(self, extra: dict | None = None, folder: Path | None = None) -> Path:
+        """Write the loadable result: out_dir (or ``folder``)/steering.safetensors + config.json."""
         dtype = torch.bfloat16 if self.cfg.save_dtype == "bf16" else torch.float32
         last_val = next((h for h in reversed(self.history) if "val_agree_plain" in h), None)
         info = {"drafter_model": self.cfg.drafter, "verifier_model": self.manifest.get("model"),
@@ -474,7 +476,7 @@ class SteeringTrainer:
                              "loss_tokens_seen": self.loss_tokens_seen, "wall_s": round(self.wall_s, 1),
                              "finetune_layers": self.finetune_layers, "last_validation": last_val,
                              "config": self.cfg.model_dump()}, **(extra or {})}
-        return save_steering(Path(self.cfg.out_dir) / "steering.safetensors", self.module,
+        return save_steering(Path(folder or self.cfg.out_dir) / "steering.safetensors", self.module,
                              {k: p for k, p in self.drafter_params.items()}, info, dtype)
 
 
@@ -581,11 +583,17 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         logf.flush()
         tracker.metrics({**values, "tokens_seen": tr.tokens_seen, "wall_s": tr.wall_s}, tr.step)
 
+    key = "val_kl_steered" if tr.module is not None else "val_kl_plain"
+
     def validate() -> None:
         if tr.n_val and not (tr.history and tr.history[-1]["step"] == tr.step):
+            earlier = [h[key] for h in tr.history if key in h]
             v = tr.validate()
             record(v)
             log(f"step {tr.step}: " + ", ".join(f"{k} {x:.4f}" for k, x in v.items()))
+            if cfg.log.keep_best and (not earlier or v[key] < min(earlier)):
+                path = tr.export({"selected_by": f"lowest {key} over validations so far"}, Path(cfg.out_dir) / "best")
+                log(f"best so far ({key} {v[key]:.4f}): exported {path}")
 
     try:
         if not resumed and tr.n_val:
