@@ -6,7 +6,7 @@ from .ngram import NGramDrafter
 from .pretrained import PretrainedDrafter
 from .pretrained_tree import PretrainedTreeDrafter
 from .treeflash import TreeFlashDrafter
-from .steered import SteeredDrafter
+from .steered import SteeredDrafter, SteeredTreeDrafter
 
-__all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "NGramDrafter", "PretrainedDrafter", "PretrainedTreeDrafter", "SteeredDrafter", "StepContext", "StepFeedback", "TreeFlashDrafter",
+__all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "NGramDrafter", "PretrainedDrafter", "PretrainedTreeDrafter", "SteeredDrafter", "SteeredTreeDrafter", "StepContext", "StepFeedback", "TreeFlashDrafter",
            "register_drafter"]

@@ -29,6 +29,8 @@ Index convention: committed tokens x_0..x_{T-1} (x_{T-1} = the pending bonus tok
   guide of the step that fed them. After a step s that accepted n < k drafts, positions T..T+n-1
   (the accepted d_1..d_n) keep G_s; the rejected ones are overwritten. After a fully accepted step the
   last draft d_k was never fed, so the next step feeds it (with the new guide) before the bonus.
+* Trees (``SteeredTreeDrafter``): every level of the step's tree is fed with G_s too, so all draft
+  nodes of a step share one guide; nodes kept in the cache after acceptance keep it, as above.
 * The positions whose outputs become draft tokens are T-1 (bonus, guide row = position-1) to T+k-2
   (guide row = position-k): staleness o = 1..k, which training simulates with o ~ U{1..k}.
   Re-fed catch-up positions can see a guide from their own row (a fully accepted step: d_k at T+k-1
@@ -52,6 +54,7 @@ from metasd.drafter import StepContext, register_drafter
 from metasd.tree import Draft
 
 from .pretrained import PretrainedDrafter
+from .pretrained_tree import PretrainedTreeDrafter
 
 FORMAT = "metasd-steering/1"
 
@@ -291,24 +294,13 @@ def load_steering(path: str | Path) -> tuple[SteeringModule | None, dict[str, to
     return module, drafter, config
 
 
-@register_drafter
-class SteeredDrafter(PretrainedDrafter):
-    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², section 3).
+class _Steering:
+    """The SD² part of a steered drafter: hooks on the drafter model, one guide per step, the timing rules
+    of the module docstring. Mixed into a pretrained chain or tree drafter (``SteeredDrafter``,
+    ``SteeredTreeDrafter``); every drafter forward of a step goes through ``_forward`` (catch-up and chain
+    drafts) or ``_feed`` (tree levels)."""
 
-    steering: a ``SteeringModule`` (None: a plain drafter that still declares no hidden layers).
-    trace: set to a list to record ``(position, token, guide_row)`` for every fed position
-        (guide_row None = unsteered), e.g. to check the guide timing described in the module docstring.
-    Other arguments as ``PretrainedDrafter``.
-    """
-
-    kind = "steered"
-
-    def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, k: int = 5,
-                 confidence_threshold: float | None = None, adaptive_k: bool = False, k_min: int = 1,
-                 k_max: int = 16, name: str | None = None, model_ref: str | None = None,
-                 checkpoint: str | None = None):
-        super().__init__(model, tokenizer, k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
-                         k_min=k_min, k_max=k_max, name=name, model_ref=model_ref)
+    def _setup_steering(self, steering: SteeringModule | None, checkpoint: str | None) -> None:
         self.steering = steering.eval() if steering is not None else None
         self.checkpoint = checkpoint
         self.trace: list[tuple[int, int, int | None]] | None = None
@@ -324,11 +316,12 @@ class SteeredDrafter(PretrainedDrafter):
         self._steer_from = 0
 
     @classmethod
-    def from_config(cls, name, params, build):
+    def _load(cls, name, build) -> tuple[Any, Any, SteeringModule | None]:
+        """(model, tokenizer, module) for ``from_config``: the checkpoint checked against drafter and verifier."""
         if not build.model:
-            raise ValueError(f"drafter {name!r} of type 'steered' needs a model reference (field 'model')")
+            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
         if not build.checkpoint:
-            raise ValueError(f"drafter {name!r} of type 'steered' needs a steering checkpoint (field 'checkpoint')")
+            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a steering checkpoint (field 'checkpoint')")
         module, drafter_params, _ = load_steering(build.checkpoint)
         model, tokenizer = build.load_model(build.model)
         if drafter_params:  # a fine-tuned drafter: never modify weights other arms may share
@@ -351,6 +344,11 @@ class SteeredDrafter(PretrainedDrafter):
                     raise ValueError(f"checkpoint {build.checkpoint!r} reads verifier layers {bad}; {v.name} has "
                                      f"hidden states 0..{v.num_layers}")
             module.check_drafter(model)
+        return model, tokenizer, module
+
+    @classmethod
+    def from_config(cls, name, params, build):
+        model, tokenizer, module = cls._load(name, build)
         return cls(model, tokenizer, module, name=name, model_ref=build.model, checkpoint=build.checkpoint, **params)
 
     def end(self) -> None:
@@ -399,3 +397,57 @@ class SteeredDrafter(PretrainedDrafter):
             out.update(guide_layers=s.guide_layers, steered_layers=s.steered_layers, rank=s.rank, injection=s.injection)
         out["checkpoint"] = self.checkpoint
         return out
+
+
+@register_drafter
+class SteeredDrafter(_Steering, PretrainedDrafter):
+    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², section 3); drafts
+    a chain.
+
+    steering: a ``SteeringModule`` (None: a plain drafter that still declares no hidden layers).
+    trace: set to a list to record ``(position, token, guide_row)`` for every fed position
+        (guide_row None = unsteered), e.g. to check the guide timing described in the module docstring.
+    Other arguments as ``PretrainedDrafter``.
+    """
+
+    kind = "steered"
+
+    def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, k: int = 5,
+                 confidence_threshold: float | None = None, adaptive_k: bool = False, k_min: int = 1,
+                 k_max: int = 16, name: str | None = None, model_ref: str | None = None,
+                 checkpoint: str | None = None):
+        super().__init__(model, tokenizer, k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
+                         k_min=k_min, k_max=k_max, name=name, model_ref=model_ref)
+        self._setup_steering(steering, checkpoint)
+
+
+@register_drafter
+class SteeredTreeDrafter(_Steering, PretrainedTreeDrafter):
+    """The steered drafter drafting trees (``PretrainedTreeDrafter`` modes: dynamic, RSD-C, RSD-S).
+
+    One guide per step, as for the chain: it steers the catch-up tokens and every tree level's batched
+    forward (all nodes of the step's tree). Arguments as ``PretrainedTreeDrafter`` plus ``steering``.
+    """
+
+    kind = "steered_tree"
+
+    def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, mode: str = "dynamic",
+                 nodes: int = 16, depth: int = 6, width: int = 4, frontier: int | None = None,
+                 min_path_prob: float = 0.0, branching: Sequence[int] | None = None, name: str | None = None,
+                 model_ref: str | None = None, checkpoint: str | None = None):
+        super().__init__(model, tokenizer, mode=mode, nodes=nodes, depth=depth, width=width, frontier=frontier,
+                         min_path_prob=min_path_prob, branching=branching, name=name, model_ref=model_ref)
+        self._setup_steering(steering, checkpoint)
+
+    def _feed(self, tree, feed: list[int]) -> torch.Tensor:
+        if self.trace is not None:
+            start = tree.base + tree.n_fed
+            self.trace.extend((start + i, tree.tokens[n], self._guide_row if self._delta is not None else None)
+                              for i, n in enumerate(feed))
+        if self._delta is None:
+            return super()._feed(tree, feed)
+        self.injector.set(self._delta)
+        try:
+            return super()._feed(tree, feed)
+        finally:
+            self.injector.clear()

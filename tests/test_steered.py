@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from metasd.config import ConfigError as PoolConfigError
 from metasd.config import load_pool
 from metasd.drafter import BuildContext, StepContext
-from metasd.drafters import PretrainedDrafter, SteeredDrafter
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, SteeredDrafter, SteeredTreeDrafter
 from metasd.drafters.steered import SteeringModule, decoder_layers, load_steering
 from metasd.engine import Engine
 from metasd.sampling import SamplingParams
@@ -169,6 +169,57 @@ def test_guide_timing_hand_built(drafter_model):
     sd.close()
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "rsd_c"])
+def test_steered_tree_drafter(verifier_model, drafter_model, mode):
+    """Zero-initialised: the same trees as the plain tree drafter; trained-like (random) module: still
+    exact under greedy and sampling-exact decoding runs; every tree level fed with the step's guide."""
+    prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+    tree = dict(mode=mode, nodes=10, depth=4, width=3)
+    zero = SteeredTreeDrafter(drafter_model, steering=SteeringModule.for_models(drafter_model, 32, guide_layers=GUIDE), **tree)
+    plain = PretrainedTreeDrafter(drafter_model, **tree)
+    runs = {}
+    for name, drafter in (("zero", zero), ("plain", plain)):
+        engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
+        g, s = engine.generate(prompt, max_new_tokens=24), engine.generate(prompt, max_new_tokens=24, temperature=1.0, seed=2)
+        runs[name] = (g.token_ids, g.stats.tokens_per_step, s.token_ids, s.stats.tokens_per_step)
+    assert runs["zero"] == runs["plain"] and zero.hidden_layers == tuple(GUIDE)
+    zero.close()
+
+    steered = SteeredTreeDrafter(drafter_model, steering=_random_module(drafter_model), **tree)
+    steered.trace, steps = [], []
+    inner = steered.propose
+
+    def recording(ctx):  # where each step's entries start in the trace, the committed length T, the guide
+        guide = steered.steering.guide_input(ctx.hidden).clone() if ctx.hidden is not None and len(ctx.hidden) else None
+        steps.append((len(steered.trace), len(ctx.tokens), guide))
+        return inner(ctx)
+    steered.propose = recording
+    up = decoder_layers(drafter_model)[0].mlp.up_proj  # steered layer 0: capture what was really added
+    added = []
+    handle = up.register_forward_hook(lambda m, a, out: added.append((out - F.linear(a[0], m.weight))[0].detach()))
+    engine = Engine(Verifier(verifier_model), steered, check_tokenizers=False)
+    result = engine.generate(prompt, max_new_tokens=24)
+    handle.remove()
+    assert result.token_ids == plain_greedy(verifier_model, prompt, 24)
+    # every position fed in a step (catch-up and all tree levels) uses guide row T-2, the verifier state
+    # that produced the bonus token; only the prompt prefill is unsteered
+    deltas = torch.cat(added)[-len(steered.trace):]  # the engine's warm-up-free run: one row per fed position
+    bounds = [b for b, _, _ in steps] + [len(steered.trace)]
+    for (begin, T, guide), end in zip(steps, bounds[1:]):
+        for i in range(begin, end):  # none if nothing was left to draft
+            pos, _, row = steered.trace[i]
+            assert row == (None if pos < len(prompt) - 1 else T - 2)
+            with torch.inference_mode():  # the guide was recorded inside the drafter's inference mode
+                want = torch.zeros_like(deltas[i]) if row is None else steered.steering(guide)[0]
+            torch.testing.assert_close(deltas[i], want, rtol=1e-5, atol=1e-5)
+    assert len(steps) >= result.stats.steps > 1 and sum(row is not None for _, _, row in steered.trace) > 10
+    assert steered.describe()["kind"] == "steered_tree" and steered.describe()["mode"] == mode
+    # the steering changes the trees (otherwise this test could not tell steered from plain)
+    plain_engine = Engine(Verifier(verifier_model), PretrainedTreeDrafter(drafter_model, **tree), check_tokenizers=False)
+    assert result.stats.tokens_per_step != plain_engine.generate(prompt, max_new_tokens=24).stats.tokens_per_step
+    steered.close()
+
+
 def test_training_raises_agreement_and_acceptance(trained, verifier_model, drafter_model, examples):
     first, last = trained.history[0], trained.history[-1]
     assert first["step"] == 0 and last["step"] == 40
@@ -227,13 +278,17 @@ def test_pool_config_loads_the_checkpoint(trained, verifier_model, drafter_model
     pool = {"verifier": {"model": str(tmp_path / "verifier"), "dtype": "fp32"},
             "drafters": [{"name": "sd2", "type": "steered", "model": str(tmp_path / "drafter"), "checkpoint": ckpt,
                           "params": {"k": K}},
-                         {"name": "plain", "type": "pretrained", "model": str(tmp_path / "drafter")}],
+                         {"name": "plain", "type": "pretrained", "model": str(tmp_path / "drafter")},
+                         {"name": "sd2-tree", "type": "steered_tree", "model": str(tmp_path / "drafter"), "checkpoint": ckpt,
+                          "params": {"nodes": 8, "depth": 3, "min_path_prob": 0.01}}],
             "policy": {"name": "ucb"}}
     (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
     engine = load_pool(tmp_path / "pool.yaml")
     sd2 = engine.drafter("sd2")
     assert isinstance(sd2, SteeredDrafter) and sd2.hidden_layers == tuple(GUIDE) and engine.hidden_layers == tuple(GUIDE)
     assert all(torch.equal(a, b) for a, b in zip(sd2.steering.state_dict().values(), trained.module.state_dict().values()))
+    tree = engine.drafter("sd2-tree")
+    assert isinstance(tree, SteeredTreeDrafter) and tree.model is sd2.model and tree.describe()["nodes"] == 8
     prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]
     result = engine.generate(prompt, max_new_tokens=30)
     assert result.token_ids == plain_greedy(verifier_model, prompt, 30)
