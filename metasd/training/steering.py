@@ -23,6 +23,8 @@ step, tokens and the MLflow run id; ``out_dir/checkpoints/latest`` names the new
 one and produces the same parameters as an uninterrupted run (data order and staleness are functions of
 the seed and the step). The result is exported to ``out_dir/steering.safetensors`` + ``config.json``,
 loadable in a pool config as ``type: steered, model: <drafter>, checkpoint: out_dir/steering.safetensors``.
+At every validation that lowers the held-out KL, the same export also goes to ``out_dir/best/``
+(``log.keep_best``), so a run that starts to overfit keeps its best module.
 
 Relative paths in the config are resolved against the current working directory.
 """
