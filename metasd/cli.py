@@ -126,6 +126,7 @@ _LAZY = {
     "bench": ("metasd.runner", "add_bench_parser"),
 }
 _TRAIN = {
+    "features": ("metasd.training.features", "add_train_features_parser"),
     "steering": ("metasd.training.steering", "add_train_steering_parser"),
     "treeflash": ("metasd.training.treeflash", "add_train_treeflash_parser"),
     "block": ("metasd.training.block", "add_train_block_parser"),

@@ -95,3 +95,48 @@ def chat_examples(tokenizer, n: int, max_len: int = 512, skip: int = 0, min_resp
         if len(out) >= n:
             break
     return out
+
+
+def prompt_length(example: Example) -> int:
+    """Tokens before the first response token."""
+    try:
+        return example.loss_mask.index(True)
+    except ValueError:
+        raise ValueError("example has no response tokens (loss_mask all False)") from None
+
+
+def generate_responses(engine, examples: list[Example], path: str | Path, max_new_tokens: int,
+                       max_len: int | None = None, log=print) -> list[Example]:
+    """Replace each example's response by the verifier's own greedy response (on-policy training data).
+
+    ``engine`` decodes greedily, so its output is exactly the verifier's greedy continuation whatever the
+    drafters. Each finished response is appended to ``path`` (JSON lines ``{"index", "prompt",
+    "response"}``) at once; a rerun reuses what is there (checked against the prompt) and generates the
+    rest, so an interrupted run loses at most one response. ``max_len`` truncates prompt + response.
+    """
+    path = Path(path)
+    done: dict[int, tuple[list[int], list[int]]] = {}
+    if path.exists():
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    done[row["index"]] = (row["prompt"], row["response"])
+    out: list[Example] = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for i, ex in enumerate(examples):
+            prompt = ex.ids[:prompt_length(ex)]
+            if i in done:
+                if done[i][0] != prompt:
+                    raise ValueError(f"{path}: response {i} was generated for another prompt; use another file")
+                response = done[i][1]
+            else:
+                result = engine.generate(prompt, max_new_tokens=max_new_tokens)
+                response = result.token_ids
+                f.write(json.dumps({"index": i, "prompt": prompt, "response": response}) + "\n")
+                f.flush()
+                log(f"response {i + 1}/{len(examples)}: {len(response)} tokens, {result.stats.summary()}")
+            ids = (prompt + response)[:max_len] if max_len else prompt + response
+            out.append(Example(ids, [False] * len(prompt) + [True] * (len(ids) - len(prompt))))
+    return out

