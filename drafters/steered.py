@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import json
 import weakref
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -218,6 +219,15 @@ class Injector:
     def clear(self) -> None:
         self.delta = self.mask = None
 
+    @contextmanager
+    def active(self, delta: torch.Tensor, mask: torch.Tensor | None = None):
+        """``set(delta, mask)`` for the forwards inside the block, ``clear()`` on leaving it (also on errors)."""
+        self.set(delta, mask)
+        try:
+            yield self
+        finally:
+            self.clear()
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -316,8 +326,8 @@ class _Steering:
         self._steer_from = 0
 
     @classmethod
-    def _load(cls, name, build) -> tuple[Any, Any, SteeringModule | None]:
-        """(model, tokenizer, module) for ``from_config``: the checkpoint checked against drafter and verifier."""
+    def from_config(cls, name, params, build):
+        """Load the drafter model and the steering checkpoint, checked against the drafter and the verifier."""
         if not build.model:
             raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
         if not build.checkpoint:
@@ -344,11 +354,6 @@ class _Steering:
                     raise ValueError(f"checkpoint {build.checkpoint!r} reads verifier layers {bad}; {v.name} has "
                                      f"hidden states 0..{v.num_layers}")
             module.check_drafter(model)
-        return model, tokenizer, module
-
-    @classmethod
-    def from_config(cls, name, params, build):
-        model, tokenizer, module = cls._load(name, build)
         return cls(model, tokenizer, module, name=name, model_ref=build.model, checkpoint=build.checkpoint, **params)
 
     def end(self) -> None:
@@ -384,11 +389,8 @@ class _Steering:
         mask = None
         if n_plain:
             mask = (torch.arange(len(ids), device=self.model.device) >= n_plain)[:, None]
-        self.injector.set(self._delta, mask)
-        try:
+        with self.injector.active(self._delta, mask):
             return super()._forward(ids)
-        finally:
-            self.injector.clear()
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
@@ -446,8 +448,5 @@ class SteeredTreeDrafter(_Steering, PretrainedTreeDrafter):
                               for i, n in enumerate(feed))
         if self._delta is None:
             return super()._feed(tree, feed)
-        self.injector.set(self._delta)
-        try:
+        with self.injector.active(self._delta):
             return super()._feed(tree, feed)
-        finally:
-            self.injector.clear()

@@ -140,7 +140,7 @@ def add_train_features_parser(subparsers):
                               description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="verifier dtype (with --responses verifier: the pool's dtype)")
     p.add_argument("--sequences", type=int, default=800, help="ShareGPT first exchanges to use")
     p.add_argument("--skip", type=int, default=0, help="usable exchanges to skip first")
     p.add_argument("--max-len", type=int, default=384, help="tokens per sequence (prompt + response)")
@@ -169,6 +169,7 @@ def train_features_main(args) -> int:
     layers = [int(x) for x in args.layers.split(",") if x.strip()]
     if args.exclude == "none":
         exclude: set[str] = set()
+        excluded = "nothing excluded"
     else:
         bench = Path(args.exclude or SPEC_BENCH_DEFAULT)
         if not bench.is_file():  # never train on benchmark questions by accident
@@ -176,6 +177,7 @@ def train_features_main(args) -> int:
                   "give the benchmark's question.jsonl, or --exclude none", file=sys.stderr)
             return 2
         exclude = benchmark_turns(bench)
+        excluded = f"first turns of {bench} excluded"
     if args.responses == "verifier":
         from metasd.config import load_pool
 
@@ -189,7 +191,7 @@ def train_features_main(args) -> int:
         model, tokenizer = load_model(args.verifier, dtype=args.dtype)
     examples = chat_examples(tokenizer, args.sequences, max_len=args.max_len, skip=args.skip, exclude=exclude,
                              path=args.sharegpt)
-    source = f"sharegpt first exchanges {args.skip}..{args.skip + len(examples) - 1} (Spec-Bench first turns excluded)"
+    source = f"sharegpt first exchanges {args.skip}..{args.skip + len(examples) - 1} ({excluded})"
     if args.responses == "verifier":
         examples = generate_responses(engine, examples, Path(args.out_dir) / "responses.jsonl", args.max_new_tokens,
                                       max_len=args.max_len)

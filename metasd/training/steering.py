@@ -306,17 +306,12 @@ class SteeringTrainer:
                 d = self.module(src)  # [N - start, n, d_out] fp32
                 delta = torch.cat([d.new_zeros(start, *d.shape[1:]), d])[None]
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.compute_dtype == torch.bfloat16 else nullcontext()
-        if delta is not None:
-            if self.injector is None:
-                self.injector = Injector(self.model, self.module.spec)
-            self.injector.set(delta)
-        try:
-            with autocast:
-                hidden = self.base(input_ids=ids[None]).last_hidden_state[0]
-                logits = self.lm_head(hidden[rows])
-        finally:
-            if self.injector is not None:
-                self.injector.clear()
+        if delta is not None and self.injector is None:
+            self.injector = Injector(self.model, self.module.spec)
+        steer = self.injector.active(delta) if delta is not None else nullcontext()
+        with steer, autocast:
+            hidden = self.base(input_ids=ids[None]).last_hidden_state[0]
+            logits = self.lm_head(hidden[rows])
         logq = logits.float().log_softmax(-1)
         top_ids, top_lp = seq["topk_ids"][rows], seq["topk_logp"][rows].float()
         logp = top_lp - top_lp.logsumexp(-1, keepdim=True)
