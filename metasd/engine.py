@@ -200,13 +200,9 @@ class Engine:
                 check_tokenizers_compatible(self.tokenizer, d.tokenizer, self.verifier.name, d.name)
 
     def eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        gen_cfg = getattr(self.verifier.model, "generation_config", None)
-        for source in (getattr(gen_cfg, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if source is None:
-                continue
-            ids.update([source] if isinstance(source, int) else source)
-        return ids
+        from .models import eos_token_ids
+
+        return eos_token_ids(self.verifier.model, self.tokenizer)
 
 
 def _as_list(drafters) -> list[Drafter]:

@@ -700,6 +700,17 @@ def load_model(
     return model, tok
 
 
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token that ends a generation: the model's generation config plus the tokenizer's EOS."""
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update([source] if isinstance(source, int) else source)
+    return ids
+
+
 # --------------------------------------------------------------------------------------------------
 # Tokenizer compatibility
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from metasd.engine import Engine
-from metasd.training.data import Example, generate_responses, prompt_length
+from metasd.training.data import (Example, batched_greedy_responder, engine_responder, generate_responses,
+                                  prompt_length)
 from metasd.training.features import add_train_features_parser
 from metasd.verifier import Verifier
 from tiny import plain_greedy, tiny_qwen
@@ -26,17 +27,17 @@ def _examples():
 def test_generate_responses_are_the_verifiers_and_resume(model, tmp_path):
     engine = Engine(Verifier(model), [], check_tokenizers=False)
     path = tmp_path / "responses.jsonl"
-    out = generate_responses(engine, _examples(), path, max_new_tokens=6, max_len=9, log=lambda *a: None)
+    respond = engine_responder(engine, max_new_tokens=6, log=lambda *a: None)
+    out = generate_responses(respond, _examples(), path, max_len=9, log=lambda *a: None)
     for ex, orig in zip(out, _examples()):
         prompt = orig.ids[:prompt_length(orig)]
         assert ex.ids == (prompt + plain_greedy(model, prompt, 6))[:9]
         assert ex.loss_mask == [False] * len(prompt) + [True] * (len(ex.ids) - len(prompt))
     assert [json.loads(line)["index"] for line in path.read_text().splitlines()] == [0, 1, 2]
 
-    class NoGeneration:
-        def generate(self, *a, **k):
-            raise AssertionError("a cached response was generated again")
-    again = generate_responses(NoGeneration(), _examples(), path, max_new_tokens=6, max_len=9, log=lambda *a: None)
+    def no_generation(prompts):
+        raise AssertionError("a cached response was generated again")
+    again = generate_responses(no_generation, _examples(), path, max_len=9, log=lambda *a: None)
     assert [e.ids for e in again] == [e.ids for e in out]
     # resume after an interruption: only the missing response is generated
     lines = path.read_text().splitlines()
@@ -44,13 +45,36 @@ def test_generate_responses_are_the_verifiers_and_resume(model, tmp_path):
     calls = []
     inner = engine.generate
     engine.generate = lambda *a, **k: calls.append(a[0]) or inner(*a, **k)
-    resumed = generate_responses(engine, _examples(), path, max_new_tokens=6, max_len=9, log=lambda *a: None)
+    resumed = generate_responses(respond, _examples(), path, max_len=9, log=lambda *a: None)
     assert [e.ids for e in resumed] == [e.ids for e in out] and len(calls) == 1
     other = [Example([0, 7, 7, 7, 40], [False] * 4 + [True])] + _examples()[1:]
     with pytest.raises(ValueError, match="another prompt"):
-        generate_responses(engine, other, path, max_new_tokens=6, log=lambda *a: None)
+        generate_responses(respond, other, path, log=lambda *a: None)
     with pytest.raises(ValueError, match="no response"):
         prompt_length(Example([1, 2], [False, False]))
+
+
+def test_batched_greedy_responses_match_unbatched_greedy(model, tmp_path):
+    # prompts of different lengths share one left-padded batch; in fp32 on a tiny model (no near-ties)
+    # every response must equal the verifier's unbatched greedy continuation, cut after the first EOS
+    prompts = [[3, 9, 4], [0, 5, 9, 13, 7, 7, 2], [11, 12]]
+    want = [plain_greedy(model, p, 8) for p in prompts]
+    eos = {want[1][4]}  # a token the second response produces: it must stop there, EOS kept
+    respond = batched_greedy_responder(model, max_new_tokens=8, eos_ids=eos, pad_id=0)
+    got = respond(prompts)
+    for g, w in zip(got, want):
+        cut = next((j + 1 for j, t in enumerate(w) if t in eos), len(w))
+        assert g == w[:cut]
+    assert len(got[1]) <= 5
+    # through generate_responses: batches of two, shortest prompt first, written under each example's index
+    examples = [Example(p + [1, 1], [False] * len(p) + [True] * 2) for p in prompts]
+    seen = []
+    out = generate_responses(lambda ps: seen.append(ps) or respond(ps), examples, tmp_path / "r.jsonl", batch_size=2,
+                             log=lambda *a: None)
+    assert seen == [[prompts[2], prompts[0]], [prompts[1]]]
+    assert [e.ids for e in out] == [p + r for p, r in zip(prompts, got)]
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [2, 0, 1] and all(r["prompt"] == prompts[r["index"]] for r in rows)
 
 
 def test_features_command_refuses_a_missing_benchmark_file(tmp_path, capsys):

@@ -265,6 +265,16 @@ def test_best_validation_checkpoint_is_kept(trained, features, drafter_model, tm
     scripted = iter([0.5, 0.3])
     train_steering(off, model=copy.deepcopy(drafter_model), log=lambda *a: None)
     assert not (tmp_path / "off" / "best").exists()
+    # best_by agree: the highest agreement wins, whatever the KL says
+    scripted_agree = iter([0.5, 0.7, 0.6])
+    monkeypatch.setattr(SteeringTrainer, "validate", lambda self: {"val_agree_steered": next(scripted_agree),
+                                                                   "val_agree_plain": 0.0, "val_kl_steered": 0.1,
+                                                                   "val_kl_plain": 1.0})
+    by_agree = _config(features, tmp_path / "agree", train={"steps": 4, "batch_size": 2},
+                       log={"val_every": 2, "checkpoint_every": 100, "best_by": "agree"})
+    train_steering(by_agree, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    _, _, chosen = load_steering(tmp_path / "agree" / "best" / "steering.safetensors")
+    assert chosen["training"]["step"] == 2 and chosen["selected_by"].startswith("highest val_agree_steered")
 
 
 def test_pool_config_loads_the_checkpoint(trained, verifier_model, drafter_model, tmp_path):
@@ -378,3 +388,22 @@ def test_cli_reports_config_errors(tmp_path, capsys):
     args = parser.parse_args(["steering", str(tmp_path / "bad.yaml"), "--steps", "3"])
     assert args.func(args) == 2
     assert "train.k" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", ["kl", "tvd", "top1"])
+def test_each_loss_is_the_documented_formula(features, drafter_model, tmp_path, loss):
+    """Unsteered, on one held-out sequence: the loss equals its formula computed here from the drafter's logits."""
+    tr = SteeringTrainer(_config(features, tmp_path, train={"loss": loss}), model=drafter_model)
+    seq = tr.val_set[0]
+    out = tr.sequence_loss(seq, offset=None)
+    rows = seq["loss_mask"][1:].nonzero().squeeze(-1)
+    with torch.no_grad():
+        logq = drafter_model(input_ids=seq["ids"][None]).logits[0, rows].float().log_softmax(-1)  # [R, vocab]
+    top_ids, top_lp = seq["topk_ids"][rows], seq["topk_logp"][rows].float()  # [R, k]
+    p = (top_lp - top_lp.logsumexp(-1, keepdim=True)).exp()  # p: verifier top-k renormalised
+    q = logq.exp().gather(-1, top_ids)  # q: drafter prob of those tokens
+    want = {"kl": (p * (p.log() - q.log())).sum(-1),
+            "tvd": 0.5 * ((p - q).abs().sum(-1) + (1 - q.sum(-1)).clamp_min(0)),
+            "top1": -q[:, 0].log()}[loss].sum()
+    torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-4, atol=1e-4)
+    assert int(out["n"]) == len(rows) > 0

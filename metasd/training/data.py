@@ -6,9 +6,12 @@ The packaged JSON file is truncated (``json.load`` fails); conversations are dec
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+import torch
 
 
 @dataclass
@@ -105,14 +108,73 @@ def prompt_length(example: Example) -> int:
         raise ValueError("example has no response tokens (loss_mask all False)") from None
 
 
-def generate_responses(engine, examples: list[Example], path: str | Path, max_new_tokens: int,
-                       max_len: int | None = None, log=print) -> list[Example]:
+Responder = Callable[[list[list[int]]], list[list[int]]]  # prompts -> the verifier's greedy responses
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's padding token, else its EOS token (padding is masked out either way)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has neither a pad nor an EOS token; "
+                         "batched generation needs one to pad prompts")
+    return pad
+
+
+def engine_responder(engine, max_new_tokens: int, log=print) -> Responder:
+    """One prompt at a time through a metasd engine: exactly the verifier's (unbatched) greedy output."""
+
+    def respond(prompts: list[list[int]]) -> list[list[int]]:
+        out = []
+        for prompt in prompts:
+            result = engine.generate(prompt, max_new_tokens=max_new_tokens)
+            log(f"  {result.stats.summary()}")
+            out.append(result.token_ids)
+        return out
+
+    return respond
+
+
+def batched_greedy_responder(model, max_new_tokens: int, eos_ids: set[int], pad_id: int) -> Responder:
+    """Greedy responses for a whole batch of prompts in one transformers ``generate`` call (left padded).
+
+    On a CPU this is several times the throughput of one-at-a-time decoding (batch 16: ~10 tok/s vs ~2 for
+    the 1.5B verifier alone). The responses are still the verifier's own greedy text, which is what
+    on-policy training needs, but not bit-for-bit the unbatched ones: in bf16 the padded batch shape can
+    flip a near-tie argmax, after which the two continuations differ. Each response ends after its first
+    end-of-sequence token (kept) or at ``max_new_tokens``.
+    """
+
+    @torch.no_grad()
+    def respond(prompts: list[list[int]]) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width], left padded
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            mask[i, width - len(prompt):] = 1
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+                             eos_token_id=sorted(eos_ids))
+        responses = []
+        for row in out[:, width:].tolist():
+            end = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+            responses.append(row[:end])
+        return responses
+
+    return respond
+
+
+def generate_responses(respond: Responder, examples: list[Example], path: str | Path, max_len: int | None = None,
+                       batch_size: int = 1, log=print) -> list[Example]:
     """Replace each example's response by the verifier's own greedy response (on-policy training data).
 
-    ``engine`` decodes greedily, so its output is exactly the verifier's greedy continuation whatever the
-    drafters. Each finished response is appended to ``path`` (JSON lines ``{"index", "prompt",
-    "response"}``) at once; a rerun reuses what is there (checked against the prompt) and generates the
-    rest, so an interrupted run loses at most one response. ``max_len`` truncates prompt + response.
+    ``respond`` maps a list of prompts to their responses (``engine_responder`` or
+    ``batched_greedy_responder``); missing responses are asked for ``batch_size`` prompts at a time,
+    shortest prompts first (least padding). Each finished response is appended to ``path`` (JSON lines
+    ``{"index", "prompt", "response"}``) at once; a rerun reuses what is there (checked against the
+    prompt) and generates the rest, so an interruption loses at most one batch. ``max_len`` truncates
+    prompt + response.
     """
     path = Path(path)
     done: dict[int, tuple[list[int], list[int]]] = {}
@@ -122,21 +184,27 @@ def generate_responses(engine, examples: list[Example], path: str | Path, max_ne
                 if line.strip():
                     row = json.loads(line)
                     done[row["index"]] = (row["prompt"], row["response"])
-    out: list[Example] = []
+    prompts = [ex.ids[:prompt_length(ex)] for ex in examples]
+    for i, prompt in enumerate(prompts):
+        if i in done and done[i][0] != prompt:
+            raise ValueError(f"{path}: response {i} was generated for another prompt; use another file")
+    pending = sorted((i for i in range(len(examples)) if i not in done), key=lambda i: len(prompts[i]))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        for i, ex in enumerate(examples):
-            prompt = ex.ids[:prompt_length(ex)]
-            if i in done:
-                if done[i][0] != prompt:
-                    raise ValueError(f"{path}: response {i} was generated for another prompt; use another file")
-                response = done[i][1]
-            else:
-                result = engine.generate(prompt, max_new_tokens=max_new_tokens)
-                response = result.token_ids
-                f.write(json.dumps({"index": i, "prompt": prompt, "response": response}) + "\n")
-                f.flush()
-                log(f"response {i + 1}/{len(examples)}: {len(response)} tokens, {result.stats.summary()}")
-            ids = (prompt + response)[:max_len] if max_len else prompt + response
-            out.append(Example(ids, [False] * len(prompt) + [True] * (len(ids) - len(prompt))))
+        for b in range(0, len(pending), batch_size):
+            batch = pending[b:b + batch_size]
+            t0 = time.perf_counter()
+            responses = respond([prompts[i] for i in batch])
+            for i, response in zip(batch, responses):
+                done[i] = (prompts[i], response)
+                f.write(json.dumps({"index": i, "prompt": prompts[i], "response": response}) + "\n")
+            f.flush()
+            n_tok, dt = sum(len(r) for r in responses), time.perf_counter() - t0
+            log(f"responses {len(done)}/{len(examples)}: {len(batch)} prompts, {n_tok} tokens in {dt:.1f} s "
+                f"({n_tok / dt:.2f} tok/s)")
+    out: list[Example] = []
+    for i, prompt in enumerate(prompts):
+        ids = prompt + done[i][1]
+        ids = ids[:max_len] if max_len else ids
+        out.append(Example(ids, [False] * len(prompt) + [True] * (len(ids) - len(prompt))))
     return out

@@ -13,7 +13,8 @@ prefill is unsteered at inference).
 
 Loss over response tokens (positions t with loss_mask[t+1]): forward KL(p || q) with p the verifier's
 top-k distribution renormalised over its k tokens and q the drafter's full softmax, or total variation
-0.5 * (sum_topk |p - q| + q(outside top-k)). Trained: W_hml, the LayerNorm, the bias projection and,
+0.5 * (sum_topk |p - q| + q(outside top-k)), or (``top1``) -log q(argmax p), the cross-entropy on the
+token greedy verification accepts. Trained: W_hml, the LayerNorm, the bias projection and,
 optionally, drafter layers (``finetune``). With ``steering.enabled: false`` and ``finetune`` set, the
 same recipe trains the distillation baseline.
 
@@ -23,8 +24,8 @@ step, tokens and the MLflow run id; ``out_dir/checkpoints/latest`` names the new
 one and produces the same parameters as an uninterrupted run (data order and staleness are functions of
 the seed and the step). The result is exported to ``out_dir/steering.safetensors`` + ``config.json``,
 loadable in a pool config as ``type: steered, model: <drafter>, checkpoint: out_dir/steering.safetensors``.
-At every validation that lowers the held-out KL, the same export also goes to ``out_dir/best/``
-(``log.keep_best``), so a run that starts to overfit keeps its best module.
+At every validation that improves the held-out KL (or top-1 agreement, ``log.best_by``), the same export
+also goes to ``out_dir/best/`` (``log.keep_best``), so a run that starts to overfit keeps its best module.
 
 Relative paths in the config are resolved against the current working directory.
 """
@@ -80,7 +81,10 @@ class TrainConfig(_Strict):
     schedule: Literal["constant", "cosine"] = "constant"
     grad_clip: float | None = Field(default=1.0, gt=0)
     k: int = Field(default=5, gt=0, description="maximum guide staleness (draft length)")
-    loss: Literal["kl", "tvd"] = "kl"
+    loss: Literal["kl", "tvd", "top1"] = Field(
+        default="kl", description="kl: forward KL to the verifier's top-k; tvd: total variation (what sampled "
+                                  "acceptance depends on); top1: cross-entropy on the verifier's most likely token "
+                                  "(what greedy acceptance checks)")
     seed: int = 0
     dtype: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="compute dtype of the drafter forward")
     threads: int | None = Field(default=None, gt=0)
@@ -92,8 +96,10 @@ class LogConfig(_Strict):
     val_every: int = Field(default=100, gt=0)
     checkpoint_every: int = Field(default=50, gt=0)
     keep_checkpoints: int = Field(default=2, gt=0)
-    keep_best: bool = Field(default=True, description="also export the module with the lowest held-out KL so far "
-                                                       "to out_dir/best/ (validation steps only)")
+    keep_best: bool = Field(default=True, description="also export the best module so far (``best_by``) to "
+                                                       "out_dir/best/ (validation steps only)")
+    best_by: Literal["kl", "agree"] = Field(default="kl", description="held-out metric keep_best selects on: lowest "
+                                                                        "KL, or highest top-1 agreement")
     mlflow: bool = True
     tracking_uri: str | None = Field(default=None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
     experiment: str = "metasd-steering"
@@ -320,7 +326,9 @@ class SteeringTrainer:
         kl = (p * (logp - logq_top)).sum(-1)
         q_top = logq_top.exp()
         tvd = 0.5 * ((p - q_top).abs().sum(-1) + (1 - q_top.sum(-1)).clamp_min(0))
-        return {"loss": (kl if self.cfg.train.loss == "kl" else tvd).sum(), "kl": kl.detach().sum(),
+        top1 = -logq_top[:, 0]  # -log q(argmax p)
+        loss = {"kl": kl, "tvd": tvd, "top1": top1}[self.cfg.train.loss]
+        return {"loss": loss.sum(), "kl": kl.detach().sum(),
                 "tvd": tvd.detach().sum(), "n": torch.tensor(len(rows)),
                 "agree": (logits.argmax(-1) == top_ids[:, 0]).sum(), "tokens": torch.tensor(N)}
 
@@ -580,7 +588,8 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         logf.flush()
         tracker.metrics({**values, "tokens_seen": tr.tokens_seen, "wall_s": tr.wall_s}, tr.step)
 
-    key = "val_kl_steered" if tr.module is not None else "val_kl_plain"
+    key = f"val_{cfg.log.best_by}_{'steered' if tr.module is not None else 'plain'}"
+    better = (lambda v, best: v < best) if cfg.log.best_by == "kl" else (lambda v, best: v > best)
 
     def validate() -> None:
         if tr.n_val and not (tr.history and tr.history[-1]["step"] == tr.step):
@@ -588,8 +597,9 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
             v = tr.validate()
             record(v)
             log(f"step {tr.step}: " + ", ".join(f"{k} {x:.4f}" for k, x in v.items()))
-            if cfg.log.keep_best and (not earlier or v[key] < min(earlier)):
-                path = tr.export({"selected_by": f"lowest {key} over validations so far"}, Path(cfg.out_dir) / "best")
+            if cfg.log.keep_best and (not earlier or all(better(v[key], e) for e in earlier)):
+                word = "lowest" if cfg.log.best_by == "kl" else "highest"
+                path = tr.export({"selected_by": f"{word} {key} over validations so far"}, Path(cfg.out_dir) / "best")
                 log(f"best so far ({key} {v[key]:.4f}): exported {path}")
 
     try:
