@@ -370,6 +370,7 @@ def test_config_errors_name_the_field(features, tmp_path, sections, field):
     (dict(steering={"guide_layers": [1, 2, 7]}), "steering.guide_layers"),
     (dict(steering={"guide_layers": None}), "steering.guide_layers"),
     (dict(data={"val_shards": [5]}), "data.val_shards"),
+    (dict(train={"min_staleness": K + 1}), "train.min_staleness"),
     (dict(steering={"layers": 9}), "steering.layers"),
     (dict(finetune=[4]), "finetune"),
     (dict(steering={"enabled": False}), "finetune"),
@@ -407,3 +408,11 @@ def test_each_loss_is_the_documented_formula(features, drafter_model, tmp_path, 
             "top1": -q[:, 0].log()}[loss].sum()
     torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-4, atol=1e-4)
     assert int(out["n"]) == len(rows) > 0
+
+
+def test_staleness_range(features, drafter_model, tmp_path):
+    """Training staleness o ~ U{min_staleness..k}: 1..k by default (what inference sees), 0..k for the
+    oracle diagnostic."""
+    for lo in (1, 0):
+        tr = SteeringTrainer(_config(features, tmp_path / str(lo), train={"min_staleness": lo}), model=drafter_model)
+        assert {tr.offset_for(step) for step in range(200)} == set(range(lo, K + 1))

@@ -81,6 +81,9 @@ class TrainConfig(_Strict):
     schedule: Literal["constant", "cosine"] = "constant"
     grad_clip: float | None = Field(default=1.0, gt=0)
     k: int = Field(default=5, gt=0, description="maximum guide staleness (draft length)")
+    min_staleness: int = Field(default=1, ge=0, description="smallest guide staleness o; 1 is what inference sees. "
+                               "0 is a diagnostic only: the guide is the verifier state that predicts the very "
+                               "token the drafter is trained on, an upper bound the drafter can never use")
     loss: Literal["kl", "tvd", "top1"] = Field(
         default="kl", description="kl: forward KL to the verifier's top-k; tvd: total variation (what sampled "
                                   "acceptance depends on); top1: cross-entropy on the verifier's most likely token "
@@ -213,6 +216,8 @@ class SteeringTrainer:
         if not train_idx:
             raise ConfigError("data.train_shards: no training shard left")
 
+        if t.min_staleness > t.k:
+            raise ConfigError(f"train.min_staleness: {t.min_staleness} is above train.k ({t.k})")
         # steering shape
         s = cfg.steering
         self.guide_layers: list[int] = []
@@ -334,7 +339,7 @@ class SteeringTrainer:
 
     def offset_for(self, step: int) -> int:
         g = torch.Generator().manual_seed(self.cfg.train.seed * 7_919 + step)
-        return int(torch.randint(1, self.cfg.train.k + 1, (1,), generator=g))
+        return int(torch.randint(self.cfg.train.min_staleness, self.cfg.train.k + 1, (1,), generator=g))
 
     def batch_indices(self, step: int) -> list[int]:
         n, b = len(self.train_set), self.cfg.train.batch_size
@@ -390,7 +395,8 @@ class SteeringTrainer:
     def validate(self) -> dict[str, float]:
         """Top-1 agreement with the verifier's argmax (and KL) on held-out sequences, steered and plain.
 
-        Validation sequence i uses staleness o = 1 + i % k (all offsets equally represented).
+        Validation sequence i uses staleness o = min_staleness + i % (k + 1 - min_staleness) (all offsets
+        equally represented).
         """
         if self.module is not None:
             self.module.eval()
@@ -402,7 +408,8 @@ class SteeringTrainer:
                 continue
             agree = kl = n = 0.0
             for i in range(self.n_val):
-                r = self.sequence_loss(self.val_set[i], 1 + i % self.cfg.train.k if mode == "steered" else None)
+                lo = self.cfg.train.min_staleness
+                r = self.sequence_loss(self.val_set[i], lo + i % (self.cfg.train.k + 1 - lo) if mode == "steered" else None)
                 if r is not None:
                     agree += float(r["agree"])
                     kl += float(r["kl"])
