@@ -416,3 +416,15 @@ def test_staleness_range(features, drafter_model, tmp_path):
     for lo in (1, 0):
         tr = SteeringTrainer(_config(features, tmp_path / str(lo), train={"min_staleness": lo}), model=drafter_model)
         assert {tr.offset_for(step) for step in range(200)} == set(range(lo, K + 1))
+
+
+def test_frozen_guide_projection_stays_identity(features, drafter_model, tmp_path):
+    """steering.train_guide false: W_hml keeps its [I I I] initialisation while the projection trains."""
+    cfg = _config(features, tmp_path, steering={"guide_layers": GUIDE, "train_guide": False},
+                  train={"steps": 3, "batch_size": 2}, log={"val_every": 100})
+    tr = train_steering(cfg, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    fresh = SteeringModule(tr.module.spec)
+    assert torch.equal(tr.module.guide.weight, fresh.guide.weight) and torch.equal(tr.module.guide.bias, fresh.guide.bias)
+    assert not torch.equal(tr.module.proj.weight, fresh.proj.weight)
+    trained_ids = {id(p) for g in tr.opt.param_groups for p in g["params"]}
+    assert id(tr.module.guide.weight) not in trained_ids and id(tr.module.proj.weight) in trained_ids

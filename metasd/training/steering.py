@@ -69,6 +69,8 @@ class SteeringConfig(_Strict):
     layers: Literal["all"] | int | list[int] = Field(default="all", description="steered drafter layers: all, last N, or a list")
     rank: int | None = Field(default=None, gt=0, description="low-rank projection d_v -> rank -> n*d_out; None = full rank")
     injection: Literal["up", "mlp_out"] = "up"
+    train_guide: bool = Field(default=True, description="train W_hml (the guide's [low; mid; high] -> d_v mixing, "
+                              "3 d_v^2 parameters); false keeps it at its [I I I] initialisation")
 
 
 class TrainConfig(_Strict):
@@ -275,7 +277,10 @@ class SteeringTrainer:
             self.module, self.injector = None, None
         groups = []
         if self.module is not None:
-            groups.append({"params": list(self.module.parameters()), "lr": t.lr, "base_lr": t.lr})
+            if not s.train_guide:
+                self.module.guide.requires_grad_(False)
+            trained = [p for p in self.module.parameters() if p.requires_grad]
+            groups.append({"params": trained, "lr": t.lr, "base_lr": t.lr})
         if self.drafter_params:
             groups.append({"params": list(self.drafter_params.values()), "lr": t.drafter_lr, "base_lr": t.drafter_lr})
         self.opt = torch.optim.AdamW(groups, weight_decay=t.weight_decay)
