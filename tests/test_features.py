@@ -85,3 +85,12 @@ def test_features_command_refuses_a_missing_benchmark_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--exclude" in err and "nope.jsonl" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_features_command_refuses_an_unused_pool(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_train_features_parser(parser.add_subparsers())
+    for extra in (["--responses", "verifier", "--batch-size", "4"], []):
+        args = parser.parse_args(["features", str(tmp_path / "out"), "--pool", "p.yaml", "--exclude", "none"] + extra)
+        assert args.func(args) == 2
+        assert "--pool" in capsys.readouterr().err
