@@ -389,6 +389,16 @@ def test_cli_reports_config_errors(tmp_path, capsys):
     args = parser.parse_args(["steering", str(tmp_path / "bad.yaml"), "--steps", "3"])
     assert args.func(args) == 2
     assert "train.k" in capsys.readouterr().err
+    # --set KEY=VALUE overrides any dotted key (VALUE read as YAML): the bad train.k is fixed, so the run
+    # gets as far as the missing feature directory
+    args = parser.parse_args(["steering", str(tmp_path / "bad.yaml"), "--set", "train.k=2", "--set", "steering.rank=null"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "data.features" in err and "train.k" not in err
+    for bad, field in (("train.k", "--set"), ("=3", "--set"), ("train.nope=1", "nope")):
+        args = parser.parse_args(["steering", str(tmp_path / "bad.yaml"), "--set", bad])
+        assert args.func(args) == 2
+        assert field in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("loss", ["kl", "tvd", "top1"])

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from metasd.config import ConfigError, read_yaml_mapping, validate_config
@@ -663,6 +664,9 @@ def add_train_steering_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--wall-limit", type=float, default=None, help="override train.wall_limit_s (seconds)")
     p.add_argument("--out-dir", default=None, help="override out_dir")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any dotted key, VALUE read as YAML (e.g. --set train.lr=1e-2 --set steering.rank=null); "
+                        "repeatable")
     p.set_defaults(func=train_steering_main)
     return p
 
@@ -675,6 +679,12 @@ def train_steering_main(args: argparse.Namespace) -> int:
         overrides["train.wall_limit_s"] = args.wall_limit
     if args.out_dir is not None:
         overrides["out_dir"] = args.out_dir
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            print(f"error: --set {item!r}: expected KEY=VALUE with a dotted key, e.g. train.lr=1e-2", file=sys.stderr)
+            return 2
+        overrides[key.strip()] = yaml.safe_load(value)
     try:
         cfg = read_config(args.config, overrides)
         train_steering(cfg, fresh=args.fresh)
