@@ -3,7 +3,9 @@
 The steering module turns three verifier hidden states (low, middle, high layer) into one bias per
 steered drafter layer:
 
-    g       = W_hml [h_low; h_mid; h_high] + b          W_hml: 3 d_v -> d_v, init [I I I], b = 0
+    h       = [h_low; h_mid; h_high]                     (guide_norm "standardize": (h - mean) / std per
+                                                         dimension, statistics of the training features)
+    g       = W_hml h + b                                W_hml: 3 d_v -> d_v, init [I I I], b = 0
     delta   = P(LayerNorm(g))  -> [n_steered, d_out]     P: d_v -> n*d_out (full rank) or d_v -> r -> n*d_out
     "up":      MLP_l(x) = down( SiLU(gate x) * (up x + delta_l) )    d_out = the drafter's d_ff
     "mlp_out": MLP_l(x) = down( SiLU(gate x) * up x ) + delta_l      d_out = the drafter's d_model
@@ -72,6 +74,10 @@ class SteeringSpec(BaseModel):
     d_out: int = Field(gt=0, description="d_ff for injection 'up', d_model for 'mlp_out'")
     injection: Literal["up", "mlp_out"] = "up"
     rank: int | None = Field(default=None, gt=0, description="None: full-rank projection")
+    guide_norm: Literal["none", "standardize"] = Field(
+        default="none", description="standardize: per-dimension (h - mean) / std of the concatenated verifier states "
+                                    "before W_hml (fixed statistics of the training data, stored with the module); "
+                                    "keeps the verifier's few massive-activation dimensions from dominating the guide")
 
     @model_validator(mode="after")
     def _check(self) -> "SteeringSpec":
@@ -129,6 +135,9 @@ class SteeringModule(nn.Module):
         super().__init__()
         self.spec = spec
         d, n_in = spec.d_verifier, len(spec.guide_layers)
+        if spec.guide_norm == "standardize":  # identity until set_input_stats
+            self.register_buffer("in_mean", torch.zeros(n_in * d))
+            self.register_buffer("in_std", torch.ones(n_in * d))
         self.guide = nn.Linear(n_in * d, d)
         self.norm = nn.LayerNorm(d)
         n_out = len(spec.steered_layers) * spec.d_out
@@ -138,7 +147,19 @@ class SteeringModule(nn.Module):
         else:
             self.down = nn.Linear(d, spec.rank, bias=False)
             self.proj = nn.Linear(spec.rank, n_out, bias=False)
+        self.dropout = 0.0  # training only: dropout on the normalised guide (not part of the saved module)
         self.reset_identity()
+
+    @torch.no_grad()
+    def set_input_stats(self, mean: torch.Tensor, std: torch.Tensor, min_std: float = 1e-3) -> None:
+        """Fix the standardisation of the guide input (``guide_norm: standardize``): mean, std [n_in * d_v]."""
+        if self.spec.guide_norm != "standardize":
+            raise ValueError(f"guide_norm is {self.spec.guide_norm!r}; input statistics need 'standardize'")
+        if mean.shape != self.in_mean.shape or std.shape != self.in_std.shape:
+            raise ValueError(f"input statistics must have shape {tuple(self.in_mean.shape)}, got "
+                             f"{tuple(mean.shape)} and {tuple(std.shape)}")
+        self.in_mean.copy_(mean)
+        self.in_std.copy_(std.clamp_min(min_std))
 
     @torch.no_grad()
     def reset_identity(self) -> None:
@@ -151,7 +172,8 @@ class SteeringModule(nn.Module):
     @classmethod
     def for_models(cls, drafter: nn.Module, d_verifier: int, n_verifier_layers: int | None = None,
                    guide_layers: Sequence[int] | None = None, layers: str | int | Sequence[int] = "all",
-                   rank: int | None = None, injection: str = "up", seed: int | None = 0) -> "SteeringModule":
+                   rank: int | None = None, injection: str = "up", guide_norm: str = "none",
+                   seed: int | None = 0) -> "SteeringModule":
         """A fresh (no-op) module for a drafter model and a verifier of hidden size ``d_verifier``."""
         if guide_layers is None:
             if n_verifier_layers is None:
@@ -160,7 +182,8 @@ class SteeringModule(nn.Module):
         n_layers, d_model, d_ff = _mlp_dims(drafter)
         spec = SteeringSpec(d_verifier=d_verifier, guide_layers=list(guide_layers), n_drafter_layers=n_layers,
                             steered_layers=resolve_steered_layers(layers, n_layers),
-                            d_out=d_ff if injection == "up" else d_model, injection=injection, rank=rank)
+                            d_out=d_ff if injection == "up" else d_model, injection=injection, rank=rank,
+                            guide_norm=guide_norm)
         if seed is not None:
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
@@ -169,7 +192,11 @@ class SteeringModule(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.to(self.guide.weight.dtype)
+        if self.spec.guide_norm == "standardize":
+            x = (x - self.in_mean) / self.in_std
         g = self.norm(self.guide(x))
+        if self.training and self.dropout > 0:
+            g = nn.functional.dropout(g, self.dropout)
         if self.down is not None:
             g = self.down(g)
         out = self.proj(g)
@@ -260,7 +287,9 @@ def save_steering(path: str | Path, module: SteeringModule | None, drafter_param
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     if module is not None:
-        tensors.update({f"steering.{k}": v.detach().to(dtype).contiguous() for k, v in module.state_dict().items()})
+        buffers = {name for name, _ in module.named_buffers()}  # statistics stay fp32
+        tensors.update({f"steering.{k}": v.detach().to(torch.float32 if k in buffers else dtype).contiguous()
+                        for k, v in module.state_dict().items()})
     for k, v in (drafter_params or {}).items():
         tensors[f"drafter.{k}"] = v.detach().to(dtype).contiguous()
     if not tensors:

@@ -92,7 +92,8 @@ def _capture_logits(model):
     return seen, handle
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(rank=4, layers=1), dict(injection="mlp_out")], ids=["full", "lowrank-last1", "mlp_out"])
+@pytest.mark.parametrize("kw", [dict(), dict(rank=4, layers=1), dict(injection="mlp_out"), dict(guide_norm="standardize")],
+                         ids=["full", "lowrank-last1", "mlp_out", "standardize"])
 def test_untrained_module_leaves_drafter_unchanged(verifier_model, drafter_model, kw):
     prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]
     steered = SteeredDrafter(drafter_model, steering=SteeringModule.for_models(drafter_model, 32, guide_layers=GUIDE, **kw), k=4)
@@ -438,3 +439,50 @@ def test_frozen_guide_projection_stays_identity(features, drafter_model, tmp_pat
     assert not torch.equal(tr.module.proj.weight, fresh.proj.weight)
     trained_ids = {id(p) for g in tr.opt.param_groups for p in g["params"]}
     assert id(tr.module.guide.weight) not in trained_ids and id(tr.module.proj.weight) in trained_ids
+
+
+def test_standardized_guide_is_the_documented_formula(drafter_model):
+    """guide_norm standardize: delta = P(LayerNorm(W_hml (h - mean) / std + b)); std floored at 1e-3."""
+    torch.manual_seed(0)
+    module = _random_module(drafter_model, guide_norm="standardize", rank=4)
+    n_in = 3 * 32
+    mean, std = torch.randn(n_in) * 5, torch.rand(n_in) * 3
+    std[0] = 0.0
+    module.set_input_stats(mean, std)
+    h = torch.randn(7, n_in) * 10  # [positions, 3 d_v]
+    x = (h - mean) / std.clamp_min(1e-3)
+    want = module.proj(module.down(F.layer_norm(x @ module.guide.weight.T + module.guide.bias, (32,),
+                                                module.norm.weight, module.norm.bias)))
+    got = module(h)  # [positions, n_steered, d_ff]
+    assert got.shape == (7, len(module.spec.steered_layers), module.spec.d_out)
+    torch.testing.assert_close(got.flatten(1), want)
+    with pytest.raises(ValueError, match="standardize"):
+        _random_module(drafter_model).set_input_stats(mean, std)
+
+
+def test_guide_dropout_is_training_only(drafter_model):
+    torch.manual_seed(0)
+    module = _random_module(drafter_model, rank=4)
+    h = torch.randn(5, 3 * 32)
+    clean = module(h)
+    module.dropout = 0.5
+    assert torch.equal(module.eval()(h), clean)
+    module.train()
+    assert not torch.equal(module(h), clean) and not torch.equal(module(h), module(h))
+
+
+def test_trained_standardization_uses_training_statistics(features, drafter_model, tmp_path):
+    """The trainer fixes mean/std from every position of the training shards; the exported module keeps
+    them in fp32 (even with save_dtype bf16) and a pool loads the same numbers."""
+    cfg = _config(features, tmp_path, steering={"guide_layers": GUIDE, "guide_norm": "standardize", "dropout": 0.1},
+                  data={"train_shards": [1], "val_shards": [0]}, train={"steps": 2, "batch_size": 2},
+                  log={"val_every": 100}, save_dtype="bf16")
+    tr = train_steering(cfg, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    shard = load_file(str(sorted(Path(features).glob("*.safetensors"))[1]))
+    x = torch.cat([shard[f"hidden_{layer}"].double() for layer in GUIDE], dim=-1)
+    torch.testing.assert_close(tr.module.in_mean, x.mean(0).float())
+    torch.testing.assert_close(tr.module.in_std, x.std(0, unbiased=False).float().clamp_min(1e-3))
+    assert tr.module.dropout == 0.1
+    module, _, config = load_steering(tmp_path / "steering.safetensors")
+    assert config["steering"]["guide_norm"] == "standardize"
+    assert torch.equal(module.in_mean, tr.module.in_mean) and torch.equal(module.in_std, tr.module.in_std)

@@ -70,6 +70,10 @@ class SteeringConfig(_Strict):
     layers: Literal["all"] | int | list[int] = Field(default="all", description="steered drafter layers: all, last N, or a list")
     rank: int | None = Field(default=None, gt=0, description="low-rank projection d_v -> rank -> n*d_out; None = full rank")
     injection: Literal["up", "mlp_out"] = "up"
+    guide_norm: Literal["none", "standardize"] = Field(
+        default="none", description="standardize: z-score each guide input dimension with the training features' "
+                                    "mean and std (computed once, stored in the module)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the normalised guide during training")
     train_guide: bool = Field(default=True, description="train W_hml (the guide's [low; mid; high] -> d_v mixing, "
                               "3 d_v^2 parameters); false keeps it at its [I I I] initialisation")
 
@@ -162,14 +166,18 @@ class _Sequences:
         return len(self.index)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s, a, b = self.index[i]
+        return {k: v[a:b] for k, v in self.shard(s).items()}
+
+    def shard(self, s: int) -> dict[str, torch.Tensor]:
+        """Every row of shard ``s`` (the one kept in memory)."""
         from safetensors import safe_open
 
-        s, a, b = self.index[i]
         if s != self._shard:
             with safe_open(str(self.paths[s]), framework="pt") as f:
                 self._data = {k: f.get_tensor(k) for k in self.keys}
             self._shard = s
-        return {k: v[a:b] for k, v in self._data.items()}
+        return self._data
 
     def epoch_order(self, seed: int, epoch: int) -> list[int]:
         """Shards in random order, sequences shuffled inside each shard (one shard load per shard)."""
@@ -182,6 +190,20 @@ class _Sequences:
             seqs = by_shard.get(s, [])
             order += [seqs[j] for j in torch.randperm(len(seqs), generator=g).tolist()]
         return order
+
+
+def guide_input_stats(data: "_Sequences", layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std of the concatenated guide input over every position of ``data``."""
+    total, total_sq, n = None, None, 0
+    for shard in range(len(data.paths)):
+        rows = data.shard(shard)
+        x = torch.cat([rows[f"hidden_{layer}"] for layer in layers], dim=-1).double()  # [rows, n_in * d_v]
+        total = x.sum(0) if total is None else total + x.sum(0)
+        total_sq = (x * x).sum(0) if total_sq is None else total_sq + (x * x).sum(0)
+        n += x.shape[0]
+    mean = total / n
+    var = (total_sq / n - mean * mean).clamp_min(0)
+    return mean.float(), var.sqrt().float()
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -270,9 +292,13 @@ class SteeringTrainer:
             d_v = int(first[f"hidden_{self.guide_layers[0]}"].shape[-1])
             try:
                 self.module = SteeringModule.for_models(model, d_v, guide_layers=self.guide_layers, layers=s.layers,
-                                                        rank=s.rank, injection=s.injection, seed=t.seed)
+                                                        rank=s.rank, injection=s.injection,
+                                                        guide_norm=s.guide_norm, seed=t.seed)
             except ValueError as e:
                 raise ConfigError(f"steering.layers: {e}") from None
+            self.module.dropout = s.dropout
+            if s.guide_norm == "standardize":
+                self.module.set_input_stats(*guide_input_stats(self.train_set, self.guide_layers))
             self.injector = Injector(model, self.module.spec)
         else:
             self.module, self.injector = None, None
