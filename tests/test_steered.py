@@ -486,3 +486,17 @@ def test_trained_standardization_uses_training_statistics(features, drafter_mode
     module, _, config = load_steering(tmp_path / "steering.safetensors")
     assert config["steering"]["guide_norm"] == "standardize"
     assert torch.equal(module.in_mean, tr.module.in_mean) and torch.equal(module.in_std, tr.module.in_std)
+
+
+def test_resumed_standardization_loads_the_checkpoints_statistics(features, drafter_model, tmp_path, monkeypatch):
+    """A resumed run takes mean/std from its checkpoint and does not pass over the training data again."""
+    import metasd.training.steering as steering_training
+
+    cfg = _config(features, tmp_path, steering={"guide_layers": GUIDE, "guide_norm": "standardize"},
+                  data={"train_shards": [1], "val_shards": [0]}, train={"steps": 2, "batch_size": 2},
+                  log={"val_every": 100})
+    first = train_steering(cfg, model=copy.deepcopy(drafter_model), stop_at_step=1, log=lambda *a: None)
+    monkeypatch.setattr(steering_training, "guide_input_stats", lambda *a: pytest.fail("statistics recomputed"))
+    resumed = train_steering(cfg, model=copy.deepcopy(drafter_model), log=lambda *a: None)
+    assert resumed.step == 2 and torch.any(resumed.module.in_std != 1)
+    assert torch.equal(resumed.module.in_mean, first.module.in_mean) and torch.equal(resumed.module.in_std, first.module.in_std)

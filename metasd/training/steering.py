@@ -297,8 +297,6 @@ class SteeringTrainer:
             except ValueError as e:
                 raise ConfigError(f"steering.layers: {e}") from None
             self.module.dropout = s.dropout
-            if s.guide_norm == "standardize":
-                self.module.set_input_stats(*guide_input_stats(self.train_set, self.guide_layers))
             self.injector = Injector(model, self.module.spec)
         else:
             self.module, self.injector = None, None
@@ -321,6 +319,13 @@ class SteeringTrainer:
         self._order_cache: tuple[int, list[int]] | None = None
         self.lm_head = model.get_output_embeddings()
         self.base = model.base_model
+
+    def fit_guide_stats(self) -> None:
+        """Fix the guide-input standardisation from the training shards (``guide_norm: standardize``; one
+        pass over the data). A fresh run needs it before its first step; a resumed run loads the statistics
+        from its checkpoint instead."""
+        if self.module is not None and self.module.spec.guide_norm == "standardize":
+            self.module.set_input_stats(*guide_input_stats(self.train_set, self.guide_layers))
 
     def close(self) -> None:
         """Remove the steering hooks from the drafter model (the module stays usable)."""
@@ -602,6 +607,8 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         if fresh:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
         resumed = tr.load_checkpoint()
+        if not resumed:
+            tr.fit_guide_stats()
         tracker = _Tracker(cfg.log, tr.run_id, cfg.model_dump())
     except BaseException:
         tr.close()
