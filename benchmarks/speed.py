@@ -88,13 +88,17 @@ def build_methods(args, vm, vt, dm, dt):
             f"metasd 0.5B chain k={args.k}": engine_method(PretrainedDrafter(dm, dt, k=args.k, name="qwen0.5b")),
             "metasd n-gram": engine_method(NGramDrafter(k=10, n_max=3)),
         }
+    from metasd.config import ModelCache, build_engine, read_pool_config
+
+    cache = ModelCache(None)  # one cache for every extra pool: a quantized drafter is loaded once
+    cache.put(args.verifier, args.dtype, (vm, vt), args.verifier_quantize)
+    cache.put(args.drafter, args.dtype, (dm, dt))
+    if args.temperature == 0:
+        for q in args.assistant_quantize or []:  # transformers' assisted generation with the same quantized assistant
+            qm, _ = cache.load(args.drafter, args.dtype, q)
+            methods[f"assisted 0.5B {q} (transformers +fix)"] = hf(lambda ids, qm=qm: baselines.assisted(vm, qm, ids, n), vm, qm)
     for spec in args.extra_pool or []:
         name, path = spec.rsplit("=", 1)  # the name may hold "=" (k=5), a path rarely does
-        from metasd.config import build_engine, read_pool_config, ModelCache
-
-        cache = ModelCache(None)
-        cache._models[(args.verifier, args.dtype)] = (vm, vt)
-        cache._models[(args.drafter, args.dtype)] = (dm, dt)
         cfg = read_pool_config(path)
         engine = build_engine(cfg, Path(path).resolve().parent, cache)
 
@@ -113,6 +117,11 @@ def main(argv=None) -> int:
     p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
     p.add_argument("--drafter", default="bundled:qwen2.5-coder-0.5b-instruct")
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--verifier-quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the verifier: plain decoding and every method then run the "
+                        "quantized verifier (extra pools must name the same verifier quantize)")
+    p.add_argument("--assistant-quantize", action="append", choices=["int8", "int4"],
+                   help="also time transformers' assisted generation with the 0.5B assistant quantized this way")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     questions = load_questions(args.questions, per_group=args.per_group)
-    vm, vt = load_model(args.verifier, dtype=args.dtype)
+    vm, vt = load_model(args.verifier, dtype=args.dtype, quantize=args.verifier_quantize)
     dm, dt = load_model(args.drafter, dtype=args.dtype)
     methods = build_methods(args, vm, vt, dm, dt)
     if args.only:

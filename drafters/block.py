@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Drafter, StepContext, register_drafter
 from metasd.kv_cache import cache_length, crop_to
+from metasd.quantize import dense_weight
 from metasd.tree import Draft
 
 from .pretrained import PretrainedDrafter
@@ -304,7 +305,7 @@ class BlockDrafter(Drafter):
         if not ckpt:
             raise ValueError(f"drafter {name!r} of type 'block' needs a checkpoint directory (field 'checkpoint')")
         verifier = build.verifier
-        heads = BlockHeads.load(ckpt, verifier.model.get_output_embeddings().weight, dtype=verifier.dtype)
+        heads = BlockHeads.load(ckpt, dense_weight(verifier.model.get_output_embeddings()), dtype=verifier.dtype)
         if heads.hidden_layer != verifier.num_layers:
             raise ValueError(f"checkpoint {ckpt} reads verifier layer {heads.hidden_layer}; "
                              f"{verifier.name} has {verifier.num_layers} layers (heads read the state after the final norm)")
@@ -315,6 +316,8 @@ class BlockDrafter(Drafter):
             model, tokenizer = build.load_model(build.model)
         elif build.model:
             raise ValueError(f"drafter {name!r}: a model is only used with refine 'neural'")
+        else:  # the heads read the verifier's (possibly quantized) LM head; only the rescoring LM is quantizable
+            build.refuse_quantize(name, cls.kind)
         return cls(heads, model=model, tokenizer=tokenizer, verifier_tokenizer=verifier.tokenizer, name=name,
                    model_ref=build.model, **params)
 

@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import nn
 
 from metasd.drafter import StepContext, register_drafter
+from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
 from .pretrained import PretrainedDrafter
@@ -362,8 +363,10 @@ class _Steering:
         if not build.checkpoint:
             raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a steering checkpoint (field 'checkpoint')")
         module, drafter_params, _ = load_steering(build.checkpoint)
-        model, tokenizer = build.load_model(build.model)
         if drafter_params:  # a fine-tuned drafter: never modify weights other arms may share
+            # fine-tuned weights go into an unquantized copy, which is quantized afterwards if asked
+            model, tokenizer = build.load_model(build.model, quantize="none") if build.quantize != "none" \
+                else build.load_model(build.model)
             model = copy.deepcopy(model)
             own = dict(model.named_parameters())
             unknown = sorted(set(drafter_params) - set(own))
@@ -372,6 +375,9 @@ class _Steering:
             with torch.no_grad():
                 for k, v in drafter_params.items():
                     own[k].copy_(v.to(own[k].dtype))
+            quantize_model(model, build.quantize, name=f"drafter {name!r}")
+        else:
+            model, tokenizer = build.load_model(build.model)
         if module is not None:
             v = build.verifier
             if v is not None:

@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 
 from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
 from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
@@ -244,7 +245,9 @@ class TreeFlashDrafter(Drafter):
             raise ValueError(f"drafter {name!r} of type 'treeflash' needs a checkpoint directory (field 'checkpoint')")
         if build.model:
             raise ValueError(f"drafter {name!r} of type 'treeflash' takes no model: it uses the verifier's embeddings and head")
-        return cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
+        drafter = cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
+        quantize_model(drafter.model, build.quantize, name=f"drafter {name!r}")  # its own layers (not the head slice)
+        return drafter
 
     # ---------------------------------------------------------- per request
     def begin(self, ctx: StepContext) -> None:

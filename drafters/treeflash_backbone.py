@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metasd.quantize import dense_weight
+
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
 
 
@@ -122,8 +124,9 @@ class VerifierPieces:
             norm = copy.deepcopy(norm).requires_grad_(False)
             if dtype is not None:
                 norm.to(dtype)
-        ids = token_ids.to(head.weight.device)
-        w = head.weight.detach().index_select(0, ids)
+        head_weight = dense_weight(head)  # the verifier's head as it computes (dequantized if quantized)
+        ids = token_ids.to(head_weight.device)
+        w = head_weight.detach().index_select(0, ids)
         b = getattr(head, "bias", None)
         b = None if b is None else b.detach().index_select(0, ids)
         ew = emb.weight.detach()
@@ -288,7 +291,7 @@ class TreeFlashModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.in_proj.weight.dtype
+        return self.mask_embedding.dtype  # a parameter that quantizing the linear layers leaves as it is
 
     def backbone_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith("ar.")]

@@ -33,10 +33,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Quantize = Literal["none", "int8", "int4"]
+
+
 class VerifierConfig(_Strict):
     model: str = Field(description="model reference: bundled:<name>, a local HF directory or .gguf file, or a hub id")
     dtype: str = "auto"
     device: str | None = None
+    #: weight-only quantization of the verifier: the output is then exactly the quantized model's
+    quantize: Quantize = "none"
 
 
 class DrafterConfig(_Strict):
@@ -44,6 +49,8 @@ class DrafterConfig(_Strict):
     type: str = Field(description="registered drafter kind, or package.module:ClassName")
     model: str | None = None
     dtype: str | None = None  # default: the verifier's
+    #: weight-only quantization of the drafter's own weights (never inherited from the verifier)
+    quantize: Quantize = "none"
     checkpoint: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -194,19 +201,40 @@ def parse_pool_config(raw: dict[str, Any], source: str = "<pool>") -> PoolConfig
 
 
 class ModelCache:
-    """Loads each (model reference, dtype) once, so several arms can share one drafter's weights."""
+    """Loads each (model reference, dtype, quantization) once, so arms with the same settings share weights.
+
+    A model is quantized only through its own key: an arm asking for int8 weights gets its own copy and
+    never changes the bf16 weights another arm (or the verifier) uses.
+    """
 
     def __init__(self, device: str | None):
         self.device = device
-        self._models: dict[tuple[str, str], Any] = {}
+        self._models: dict[tuple[str, str, str], Any] = {}
 
-    def load(self, ref: str, dtype: str):
+    def load(self, ref: str, dtype: str, quantize: str = "none"):
         from .models import load_model
 
-        key = (ref, str(dtype))
+        key = (ref, str(dtype), quantize)
         if key not in self._models:
-            self._models[key] = load_model(ref, dtype=dtype, device=self.device)
+            self._models[key] = load_model(ref, dtype=dtype, device=self.device, quantize=quantize)
         return self._models[key]
+
+    def put(self, ref: str, dtype: str, loaded, quantize: str = "none") -> None:
+        """Register an already loaded (model, tokenizer) pair (benchmarks reuse models they loaded)."""
+        self._models[(ref, str(dtype), quantize)] = loaded
+
+
+def check_quantization(config: PoolConfig) -> None:
+    """Every ``quantize`` of a pool against its device and dtype, before any model is loaded."""
+    from .models import resolve_device, resolve_dtype
+    from .quantize import check_quantize
+
+    device = resolve_device(config.verifier.device)
+    check_quantize(config.verifier.quantize, name=f"verifier {config.verifier.model!r}", field="verifier.quantize",
+                   dtype=resolve_dtype(config.verifier.dtype, device), device=device)
+    for i, d in enumerate(config.drafters):
+        check_quantize(d.quantize, name=f"drafter {d.name!r}", field=f"drafters.{i}.quantize",
+                       dtype=resolve_dtype(d.dtype or config.verifier.dtype, device), device=device)
 
 
 def build_engine(config: PoolConfig, base_dir: Path | None = None, models: ModelCache | None = None, **engine_kwargs):
@@ -214,8 +242,12 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
     from .engine import Engine
     from .verifier import Verifier
 
+    try:
+        check_quantization(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     models = models or ModelCache(config.verifier.device)
-    v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype)
+    v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype, config.verifier.quantize)
     verifier = Verifier(v_model, v_tok, name=config.verifier.model)
     drafters = []
     for i, d in enumerate(config.drafters):
@@ -224,12 +256,16 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
         if checkpoint and base_dir is not None and not Path(checkpoint).is_absolute():
             checkpoint = str((base_dir / checkpoint).resolve())
         dtype = d.dtype or config.verifier.dtype
-        build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint,
-                             load_model=lambda ref, _dtype=dtype: models.load(ref, _dtype))
+        def load(ref, quantize=None, _dtype=dtype, _quantize=d.quantize):
+            return models.load(ref, _dtype, _quantize if quantize is None else quantize)
+
+        build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
+                             quantize=d.quantize)
         try:
-            drafters.append(cls.from_config(d.name, dict(d.params), build))
+            drafter = cls.from_config(d.name, dict(d.params), build)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"drafters.{i} ({d.name!r}): {e}") from e
+        drafters.append(drafter)
     policy = make_policy_from_config(config.policy, len(drafters))
     return Engine(verifier, drafters, policy if len(drafters) > 1 else None, granularity=config.granularity,
                   reward=config.reward, persistent_policy=config.persistent, categories=config.categories,

@@ -85,6 +85,7 @@ class Drafter(abc.ABC):
         ``build`` (the shared verifier, a model loader that shares weights between arms, the config's folder)."""
         if build.model is not None:
             raise ValueError(f"drafter type {cls.kind!r} takes no model")
+        build.refuse_quantize(name, cls.kind)
         return cls(name=name, **params)
 
 
@@ -95,7 +96,16 @@ class BuildContext:
     verifier: Any  # metasd.verifier.Verifier
     model: str | None  # the entry's model reference
     checkpoint: str | None  # the entry's checkpoint path (resolved against the config's folder)
-    load_model: Any  # callable(ref) -> (model, tokenizer), cached so arms share weights
+    #: callable(ref, quantize=None) -> (model, tokenizer), cached per (ref, dtype, quantize) so arms with the
+    #: same settings share weights; quantize None means the entry's ``quantize``
+    load_model: Any
+    quantize: str = "none"  # the entry's weight-only quantization: "none", "int8" or "int4"
+
+    def refuse_quantize(self, name: str, kind: str) -> None:
+        """For drafters with no weights of their own: a ``quantize`` other than "none" is an error."""
+        if self.quantize != "none":
+            raise ValueError(f"drafter {name!r} of type {kind!r} has no model weights to quantize "
+                             f"(field 'quantize' is {self.quantize!r}; remove it)")
 
 
 DRAFTERS: dict[str, type[Drafter]] = {}

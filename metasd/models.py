@@ -675,18 +675,23 @@ def load_tokenizer(ref: str) -> "PreTrainedTokenizerBase":
 
 
 def load_model(
-    ref: str, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None
+    ref: str, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, quantize: str = "none",
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load a causal LM and its tokenizer from a reference; the model is in eval mode with grads off.
 
     ``dtype`` goes through ``resolve_dtype`` and ``device`` through ``resolve_device``. Bundled models
-    come from their bf16 cache, so ``fp32`` gives those bf16 weights upcast. Threads are left to the
-    caller (``torch.set_num_threads``).
+    come from their bf16 cache, so ``fp32`` gives those bf16 weights upcast. ``quantize`` ("none",
+    "int8", "int4") swaps the linear layers for weight-only quantized ones once, after loading
+    (``metasd.quantize``); it is checked against the device and dtype before anything is loaded.
+    Threads are left to the caller (``torch.set_num_threads``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .quantize import check_quantize, quantize_model
+
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    quantize = check_quantize(quantize, name=f"model {ref!r}", dtype=dt, device=dev)
     src = _resolve(ref)
     t0 = time.perf_counter()
     model = _wrap_local(src, "model", lambda: _from_pretrained(AutoModelForCausalLM, src, dtype=dt))
@@ -696,7 +701,8 @@ def load_model(
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    logger.info("loaded %s (%s, %s, %s) in %.1f s", ref, src.kind, dt, dev, time.perf_counter() - t0)
+    quantize_model(model, quantize, name=f"model {ref!r}")
+    logger.info("loaded %s (%s, %s, %s, quantize %s) in %.1f s", ref, src.kind, dt, dev, quantize, time.perf_counter() - t0)
     return model, tok
 
 

@@ -1,0 +1,304 @@
+"""Weight-only quantization of a loaded model's linear layers (int8 per channel, int4 per group).
+
+A drafter's output only has to be good, not exact - the verifier decides every token - so drafters may
+run on quantized weights at no cost to losslessness. A quantized *verifier* changes the target: the
+output is then exactly the quantized model's (what ``metasd`` reproduces is whatever the verifier
+computes).
+
+``quantize_model(model, "int8" | "int4", name=...)`` swaps every ``nn.Linear`` inside the decoder layers
+and the LM head for a ``QuantizedLinear`` holding the quantized weight, once, in place, after loading.
+Embedding tables stay as they are (a tied LM head gets its own quantized copy; the embedding lookup
+keeps the original weight). A model quantized once records it (``model.metasd_quantize``) and refuses a
+second, different quantization, so a model shared by two arms is never quantized twice or behind the
+other arm's back.
+
+Kernels (chosen by the device of the weight, not by a flag):
+
+* CPU: torch's own ``aten._weight_int8pack_mm`` (int8 weight, per-output-channel bf16/fp32 scale) and
+  ``aten._weight_int4pack_mm_for_cpu`` (int4 weight, groups of ``group_size`` along the input with a
+  scale and a zero each). Measured on a 2-core AVX512-BF16 CPU with Qwen2.5-0.5B (BENCHMARKS.md): the
+  one-token forward is 2.1x cheaper in int8 than in bf16, while torchao 0.18's
+  ``Int8WeightOnlyConfig`` made it 2.6x *slower* (its CPU path dequantizes in Python-level ops), so
+  the library path is not used on CPU. These kernels are built for matrix-vector work: for many rows
+  (a prompt prefill) they lose to a bf16 GEMM, so above ``gemm_rows`` input rows an int8 layer
+  dequantizes its weight and uses the dense matmul instead (the same weights, faster). int4 always
+  runs its kernel (a drafter's long-prompt prefill costs ~1.5x the bf16 one; BENCHMARKS.md).
+* CUDA: int4 through ``aten._weight_int4pack_mm`` (the tensor-core "tinygemm" kernel that torchao's
+  int4 weight-only config itself dispatches to), int8 as ``linear(x, W_int8.to(x.dtype)) * scale``
+  (gpt-fast's weight-only int8 form, which ``torch.compile`` fuses). Not measured in this project yet.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QUANTIZE_MODES", "QuantizedLinear", "check_quantize", "dense_weight", "quantize_model"]
+
+QUANTIZE_MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+#: int4 CPU kernel: inner K tiles of the packed layout (torch's tests and torchao use 8 on CPU)
+_INNER_K_TILES = 8
+#: int8 on CPU: above this many input rows (prefills, long verifies) a dense matmul over the weight
+#: dequantized on the fly is faster than the matrix-vector kernel (measured on Qwen2.5-0.5B shapes, 2 cores:
+#: 896 x 4864 kernel 1.0 / 2.1 / 4.0 ms at 16 / 32 / 64 rows, dequantize + bf16 GEMM 1.4 / 1.6 / 2.8 ms)
+DEFAULT_GEMM_ROWS = 24
+#: weights above this many elements (an LM head) cost more to dequantize (200 ms for 151936 x 896):
+#: their crossover is at 4x as many rows
+_LARGE_WEIGHT = 1 << 25
+
+
+def check_quantize(mode: str | None, *, name: str, field: str = "quantize", dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> str:
+    """Validate a ``quantize`` value for model ``name`` before any long work; return the mode.
+
+    Errors name the model and the field: an unknown value, or a kernel the device/dtype lacks
+    (int4 on CPU needs bf16/fp16/fp32 activations; on CUDA it needs bf16).
+    """
+    mode = "none" if mode is None else mode
+    if not isinstance(mode, str) or mode not in QUANTIZE_MODES:
+        raise ValueError(f"{name}: {field} must be one of {', '.join(map(repr, QUANTIZE_MODES))}, got {mode!r}")
+    if mode == "none":
+        return mode
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: {field}={mode!r} has no kernel on device {dev.type!r} (cpu and cuda have)")
+    if dtype is not None:
+        if mode == "int4" and dev is not None and dev.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"{name}: {field}='int4' on CUDA needs dtype bf16 (the int4 kernel's activations), got {dtype}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{name}: {field}={mode!r} needs a bf16, fp16 or fp32 model, got {dtype}")
+    return mode
+
+
+# ------------------------------------------------------------------------------------------------ int8
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: W ~= q * s.
+
+    weight: [out, in] float. Returns q [out, in] int8 and s [out] float32 (max |W| of the row / 127).
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+# ------------------------------------------------------------------------------------------------ int4
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group_size`` input columns: W ~= q * s + min, q in 0..15.
+
+    weight: [out, in] float, ``in`` divisible by ``group_size``. Returns q [out, in] int32 and
+    scales_and_zeros [in / group_size, out, 2] float32 in the layout of torch's int4 kernels, whose
+    dequantization is ``(q - 8) * scale + zero``, so zero = min + 8 * scale.
+    """
+    out_f, in_f = weight.shape
+    if in_f % group_size:
+        raise ValueError(f"int4: input size {in_f} is not a multiple of the group size {group_size}")
+    w = weight.detach().float().reshape(out_f, in_f // group_size, group_size)  # [out, groups, g]
+    lo = w.amin(dim=-1, keepdim=True)
+    hi = w.amax(dim=-1, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-6) / 15.0
+    q = torch.round((w - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(out_f, in_f)
+    zero = lo + 8.0 * scale
+    sz = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+    return q, sz
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of ``quantize_int4`` (q [out, in] int32) -> [out, in] float32."""
+    out_f, in_f = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [out, groups, 2]
+    w = (q.float().reshape(out_f, in_f // group_size, group_size) - 8.0) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(out_f, in_f)
+
+
+def _pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """q [out, in] int32 in 0..15 -> the kernel's packed layout on ``device``."""
+    if device.type == "cuda":
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)  # two nibbles per byte
+        return torch.ops.aten._convert_weight_to_int4pack(packed, _INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(device), _INNER_K_TILES)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+# Each takes the layer and x2 [rows, in] (model dtype) and returns [rows, out].
+
+
+def _int8_cpu(layer: "QuantizedLinear", x2: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)
+
+
+def _int8_cuda(layer: "QuantizedLinear", x2: torch.Tensor) -> torch.Tensor:
+    return F.linear(x2, layer.qweight.to(x2.dtype)) * layer.scales  # y = (x W_q^T) * s, per output channel
+
+
+def _int4_cpu(layer: "QuantizedLinear", x2: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, layer.group_size, layer.scales_and_zeros)
+
+
+def _int4_cuda(layer: "QuantizedLinear", x2: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm(x2, layer.qweight, layer.group_size, layer.scales_and_zeros)
+
+
+KERNELS = {("cpu", "int8"): _int8_cpu, ("cuda", "int8"): _int8_cuda,
+           ("cpu", "int4"): _int4_cpu, ("cuda", "int4"): _int4_cuda}
+
+
+def kernel_for(device: torch.device, mode: str):
+    """The matmul kernel for weights of ``mode`` on ``device`` (chosen by the device type, never by a flag)."""
+    try:
+        return KERNELS[(torch.device(device).type, mode)]
+    except KeyError:
+        raise ValueError(f"no {mode} kernel for device {torch.device(device).type!r} (cpu and cuda have one)") from None
+
+
+# ------------------------------------------------------------------------------------------------ module
+
+
+class QuantizedLinear(nn.Module):
+    """A weight-only quantized ``nn.Linear``: y = x W^T + b with W stored in int8 or int4.
+
+    Activations and the output keep the model's dtype. ``dense_weight()`` returns the dequantized W
+    (what the layer computes with), for code that needs the matrix itself (reduced-vocabulary heads).
+    """
+
+    def __init__(self, linear: nn.Linear, mode: str, group_size: int = 128, gemm_rows: int = DEFAULT_GEMM_ROWS):
+        super().__init__()
+        if mode not in ("int8", "int4"):
+            raise ValueError(f"QuantizedLinear: mode must be 'int8' or 'int4', got {mode!r}")
+        weight = linear.weight.detach()
+        self.mode = mode
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = weight.dtype
+        self.group_size = group_size
+        self.gemm_rows = gemm_rows
+        self._dense_rows = gemm_rows * (4 if linear.weight.numel() > _LARGE_WEIGHT else 1)
+        device = weight.device
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if mode == "int8":
+            q, scale = quantize_int8(weight)
+            self.register_buffer("qweight", q.to(device))  # [out, in] int8
+            self.register_buffer("scales", scale.to(device=device, dtype=self.dtype))  # [out]
+        else:
+            if self.in_features % group_size:
+                raise ValueError(f"int4: input size {self.in_features} is not a multiple of group size {group_size}")
+            q, sz = quantize_int4(weight, group_size)
+            self.register_buffer("qweight", _pack_int4(q, device))  # kernel layout
+            self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=self.dtype))  # [groups, out, 2]
+            # The packed layout is the kernel's own; dense_weight() recovers W through the kernel itself.
+
+    @property
+    def weight_bytes(self) -> int:
+        extra = self.scales.numel() * self.scales.element_size() if self.mode == "int8" else (
+            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
+        return self.qweight.numel() * self.qweight.element_size() + extra
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [rows, in] in the model dtype -> [rows, out] through the quantized kernel of its device."""
+        return kernel_for(x2.device, self.mode)(self, x2)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] in the model dtype (a new tensor)."""
+        if self.mode == "int8":
+            return self.qweight.to(self.dtype) * self.scales[:, None]
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.qweight.device)
+        return self._kernel(eye).t().contiguous()  # rows of I W^T are columns of W^T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.mode == "int8" and x2.device.type == "cpu" and len(x2) > self._dense_rows:
+            # many rows: a dense GEMM beats the matrix-vector kernel; dequantizing costs one pass over W.
+            # (int4 has no such path: its packed layout is the kernel's own and unpacking it costs more.)
+            y = F.linear(x2, self.dense_weight())
+        else:
+            y = self._kernel(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        extra = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{extra}"
+
+
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """The weight matrix [out, in] of an ``nn.Linear`` or a ``QuantizedLinear`` (dequantized)."""
+    if isinstance(module, QuantizedLinear):
+        return module.dense_weight()
+    return module.weight
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def _targets(model: nn.Module) -> Iterable[tuple[nn.Module, str, str, nn.Linear]]:
+    """(parent, attribute, qualified name, linear) for every plain nn.Linear of the model (LM head included)."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                yield module, child_name, f"{name}.{child_name}" if name else child_name, child
+
+
+def int4_group_size(in_features: int, preferred: int = 128) -> int | None:
+    """The largest group size <= ``preferred`` from ``INT4_GROUP_SIZES`` dividing ``in_features`` (None: none does)."""
+    for g in sorted(INT4_GROUP_SIZES, reverse=True):
+        if g <= preferred and in_features % g == 0:
+            return g
+    return None
+
+
+def _int4_problem(linear: nn.Linear, device: torch.device, preferred: int) -> str | None:
+    """Why the int4 kernel of ``device`` cannot take this layer, or None."""
+    if int4_group_size(linear.in_features, preferred) is None:
+        return f"input size {linear.in_features} is not a multiple of 32"
+    if device.type == "cpu" and linear.out_features % 16:
+        return f"output size {linear.out_features} is not a multiple of 16 (CPU int4 kernel)"
+    if device.type == "cuda" and (linear.in_features % (_INNER_K_TILES * 16) or linear.out_features % 8):
+        return (f"sizes {linear.in_features} -> {linear.out_features}: the CUDA int4 kernel needs the input size to be "
+                f"a multiple of {_INNER_K_TILES * 16} and the output size of 8")
+    return None
+
+
+def quantize_model(model: nn.Module, mode: str, *, name: str = "model", group_size: int = 128,
+                   gemm_rows: int = DEFAULT_GEMM_ROWS) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (LM head included) by a ``QuantizedLinear``, in place.
+
+    ``mode`` "none" returns the model untouched. Quantizing a model already quantized the same way is
+    a no-op (models are shared between arms); a different mode is an error naming ``name``. The model's
+    ``metasd_quantize`` attribute records the mode. int4 uses groups of ``group_size`` input columns
+    (smaller, down to 32, where a layer's input size needs it); a layer the kernel cannot take is an
+    error naming it, raised before any layer is changed.
+    """
+    param = next(model.parameters(), None)
+    mode = check_quantize(mode, name=name, dtype=None if param is None else param.dtype,
+                          device=None if param is None else param.device)
+    done = getattr(model, "metasd_quantize", "none")
+    if mode == "none" or mode == done:
+        return model
+    if done != "none":
+        raise ValueError(f"{name}: already quantized as {done!r}; it cannot also be {mode!r} "
+                         "(load a second copy for the other setting)")
+    targets = list(_targets(model))
+    if mode == "int4":
+        for _, _, qualified, linear in targets:
+            problem = _int4_problem(linear, linear.weight.device, group_size)
+            if problem:
+                raise ValueError(f"{name}: quantize='int4' cannot take layer {qualified!r}: {problem}; use 'int8'")
+    for parent, attr, _, linear in targets:
+        g = int4_group_size(linear.in_features, group_size) if mode == "int4" else group_size
+        setattr(parent, attr, QuantizedLinear(linear, mode, group_size=g, gemm_rows=gemm_rows))
+    model.metasd_quantize = mode
+    logger.info("%s: %d linear layers quantized to %s", name, len(targets), mode)
+    return model
