@@ -130,6 +130,7 @@ _TRAIN = {
     "steering": ("metasd.training.steering", "add_train_steering_parser"),
     "treeflash": ("metasd.training.treeflash", "add_train_treeflash_parser"),
     "block": ("metasd.training.block", "add_train_block_parser"),
+    "hidden_state": ("metasd.training.hidden_state", "add_train_hidden_state_parser"),
 }
 
 

@@ -1,0 +1,238 @@
+"""Hidden-state drafter that reuses rejected drafts (ALGORITHMS.md section 8; MEDC, arXiv 2602.21224).
+
+Network (``hidden_state_net``): a token-free recurrence over verifier states, s_{t+1} = f(h_0..h_t), and a
+token injection q(x_{t+2}) = softmax(head(g(s_{t+1}, e(x_{t+1})))) over a reduced draft vocabulary.
+
+Engine convention: with T committed tokens, verifier states exist for rows 0..T-2; the pending token
+x_{T-1} has none. Per step, depth D = min(depth, ctx.max_depth):
+
+1. states. ``_states`` holds the layer's KV cache over input positions 0..L-1 (the first R of them real
+   verifier states, the rest the drafter's own predictions) and the predicted states ``pred`` [L-R+1, d] of
+   positions R..L. The depth-d draft token x_{T-1+d} needs the state of position T-2+d.
+   * refresh (always when ``reuse`` is false): crop the cache to its R real positions, feed the real rows
+     R..T-2 in one forward (catch-up); its last output is s_{T-1}; pred = [s_{T-1}], R = T-1.
+   * reuse (``reuse: true``): the states predicted by the previous drafts never saw a drafted token, so they
+     remain the drafter's prediction for the positions whatever got committed there. If the cache already
+     holds predicted inputs up to position T-2 (``pred`` covers position T-1: the previous draft was rejected
+     or cut before its last depth) and at most ``max_stale`` committed positions are predicted inputs, the
+     step skips the catch-up forward entirely and reuses every state it already has: the new depth 1 is the
+     previous draft's depth n_acc+2 state with the bonus (correction) token injected.
+   Then extend the recurrence one position per forward until the state of position T-2+D exists.
+2. tokens (token injection only; the states do not depend on them):
+   * ``chain``: depth d injects the previous token (the pending token for d = 1) into its state; greedy argmax,
+     or a sample of the processed q (``process_logits``) with q scattered into full-vocabulary ``probs``
+     rows for rejection sampling (exact);
+   * ``tree``: best-first by path log-prob within ``nodes``; each popped node of depth d < D injects its token
+     into the depth-(d+1) state and pushes its top-``k`` children. ``probs`` None: sample-and-match (exact).
+
+``draft.meta``: ``reused_states`` (depth states taken from an earlier draft), ``drafter_forwards`` (layer
+forwards this step), ``refreshed``, ``catch_up`` (tokens committed since this drafter's last step that its own
+step did not commit: the prompt, other drafters' steps; as TreeFlash counts them).
+``counters`` sums them per request.
+"""
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metasd.draft_vocab import DraftVocab
+from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.quantize import quantize_model
+from metasd.sampling import process_logits, sample
+from metasd.tree import Draft
+
+from .hidden_state_net import HiddenStateNet, load_checkpoint
+from .treeflash_backbone import VerifierPieces
+
+MODES = ("chain", "tree")
+
+
+@register_drafter
+class HiddenStateDrafter(Drafter):
+    """Token-free hidden-state recurrence + token injection, with reuse of earlier drafts' states.
+
+    net: a ``HiddenStateNet``; verifier_model: the verifier (its embeddings and LM head are used, frozen);
+    vocab: the reduced draft vocabulary. mode: "chain" | "tree"; depth: deepest draft depth; nodes, k: tree
+    size and children per node; reuse: reuse earlier predicted states (see module docstring); max_stale: at
+    most this many committed positions may keep predicted inputs before real states replace them.
+    """
+
+    kind = "hidden_state"
+
+    def __init__(self, net: HiddenStateNet, verifier_model, vocab: DraftVocab, mode: str = "chain", depth: int = 4,
+                 nodes: int = 16, k: int = 4, reuse: bool = True, max_stale: int = 8, name: str | None = None,
+                 checkpoint: str | None = None):
+        super().__init__(name)
+        if mode not in MODES:
+            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {mode!r}")
+        if depth < 1 or nodes < 1 or k < 1 or max_stale < 0:
+            raise ValueError(f"{self.name}: depth, nodes, k must be >= 1 and max_stale >= 0, got depth={depth}, "
+                             f"nodes={nodes}, k={k}, max_stale={max_stale}")
+        cfg = net.cfg
+        where = f"{self.name}: checkpoint {checkpoint or '(in memory)'}"
+        vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
+        n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
+        if width != cfg.verifier_hidden_size:
+            raise ValueError(f"{where} was trained for a verifier of width {cfg.verifier_hidden_size}; this verifier has {width}")
+        vocab_size = verifier_model.get_input_embeddings().weight.shape[0]
+        if vocab.full_size != cfg.verifier_vocab_size or vocab_size < vocab.full_size:
+            raise ValueError(f"{where} has a draft vocabulary over {vocab.full_size} tokens (trained for "
+                             f"{cfg.verifier_vocab_size}); this verifier embeds {vocab_size}")
+        if not 0 <= cfg.state_layer <= n_layers:
+            raise ValueError(f"{where} reads verifier layer {cfg.state_layer}; this verifier has hidden states 0..{n_layers}")
+        self.mode, self.depth, self.nodes, self.k = mode, int(depth), int(nodes), int(k)
+        self.reuse, self.max_stale = bool(reuse), int(max_stale)
+        self.net = net.to(verifier_model.dtype).eval().requires_grad_(False)
+        self.vocab = vocab
+        self.pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids)
+        self.hidden_layers = (cfg.state_layer,)
+        self.checkpoint = checkpoint
+        self.counters: dict[str, int] = {}
+        self.last_states: torch.Tensor | None = None  # [D, d] depth states of the last draft (tests, analysis)
+        self._reset()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, verifier_model, **params) -> "HiddenStateDrafter":
+        net, vocab, meta = load_checkpoint(path)
+        defaults = dict(meta.get("defaults", {}))
+        defaults.update(params)
+        return cls(net, verifier_model, vocab, checkpoint=str(path), **defaults)
+
+    @classmethod
+    def from_config(cls, name: str, params: dict[str, Any], build) -> "HiddenStateDrafter":
+        if not build.checkpoint:
+            raise ValueError(f"drafter {name!r} of type 'hidden_state' needs a checkpoint directory (field 'checkpoint')")
+        if build.model:
+            raise ValueError(f"drafter {name!r} of type 'hidden_state' takes no model: it uses the verifier's embeddings and head")
+        drafter = cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
+        quantize_model(drafter.net, build.quantize, name=f"drafter {name!r}")  # its own layers (not the head slice)
+        return drafter
+
+    # ---------------------------------------------------------- per request
+    def _reset(self) -> None:
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None  # [n_kv, L, hd] each
+        self._real = 0  # R: leading cache positions whose input is a real verifier state
+        self._pred: torch.Tensor | None = None  # [L-R+1, d] predicted states of positions R..L
+        self._own_rows = 0  # tokens this drafter's own last step committed
+        self._seen = 0  # pending position at this drafter's last step
+
+    def begin(self, ctx: StepContext) -> None:
+        self._reset()
+        self.counters = {"steps": 0, "reused_states": 0, "drafter_forwards": 0, "refreshes": 0, "catch_up": 0}
+
+    def end(self) -> None:
+        self._reset()  # counters stay readable until the next request
+
+    def observe(self, feedback) -> None:
+        self._own_rows = len(feedback.committed)
+
+    def _forward(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed inputs h [n, d] at positions start.. (= the cache length); returns predicted states [n, d]."""
+        s, (k, v) = self.net.step(h, torch.arange(start, start + len(h)), self._kv)
+        self._kv = (k, v) if self._kv is None else (torch.cat([self._kv[0], k], 1), torch.cat([self._kv[1], v], 1))
+        return s
+
+    def _states(self, ctx: StepContext, D: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """[D, d] token-free states of positions T-1..T-2+D (depths 1..D) and this step's counts."""
+        P = len(ctx.tokens) - 1  # pending position; real rows 0..P-1
+        if ctx.hidden is None or len(ctx.hidden) < P:
+            raise RuntimeError(f"{self.name}: the engine gave {0 if ctx.hidden is None else len(ctx.hidden)} verifier "
+                               f"states (layer {self.hidden_layers}) for {P} committed positions")
+        R, pred = self._real, self._pred
+        have = -1 if pred is None else R + len(pred) - 1  # last position with a predicted state
+        reusable = self.reuse and pred is not None and R <= P <= have and P - R <= self.max_stale
+        forwards = 0
+        if not reusable:
+            R = min(R, P - 1) if self._kv is not None and R <= P else 0  # refeed >= 1 row: its output is s_{T-1}
+            self._kv = None if R == 0 else (self._kv[0][:, :R], self._kv[1][:, :R])
+            rows = ctx.hidden.get(self.net.cfg.state_layer)[R:P]
+            s = self._forward(rows, R)
+            forwards = 1
+            self._real, self._pred = P, s[-1:]
+            R, have = P, P
+        reused = min(D, have - P + 1) if reusable else 0
+        while self._real + len(self._pred) - 1 < P - 1 + D:  # extend the recurrence by one position
+            last = self._real + len(self._pred) - 1
+            self._pred = torch.cat([self._pred, self._forward(self._pred[-1:], last)])
+            forwards += 1
+        off = P - self._real
+        meta = {"reused_states": reused, "drafter_forwards": forwards, "refreshed": not reusable,
+                "catch_up": max(P - self._seen - self._own_rows, 0)}
+        self._seen, self._own_rows = P, 0
+        return self._pred[off:off + D], meta
+
+    # ---------------------------------------------------------- drafting
+    def _logits(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """states [n, d], full token ids [n] injected at those positions -> [n, N] draft-vocabulary logits."""
+        emb = self.pieces.embed(tokens, self.net.dtype)
+        return self.net.head_logits(self.net.inject(states, emb), self.pieces.head_weight, self.pieces.head_bias).float()
+
+    def _chain(self, states: torch.Tensor, root: int, ctx: StepContext) -> Draft:
+        greedy = ctx.sampling.greedy
+        prev, toks, rows = root, [], []
+        for d in range(len(states)):
+            logits = self._logits(states[d:d + 1], torch.tensor([prev]))[0]
+            if greedy:
+                tok = int(logits.argmax())
+            else:
+                q = process_logits(logits, ctx.sampling)
+                tok = int(sample(q, ctx.generator))
+                rows.append(q)
+            prev = int(self.vocab.token_ids[tok])
+            toks.append(prev)
+        probs = None
+        if rows:
+            probs = torch.zeros(len(rows), self.vocab.full_size)
+            probs[:, self.vocab.token_ids] = torch.stack(rows)
+        return Draft.chain(toks, probs)
+
+    def _tree(self, states: torch.Tensor, root: int) -> Draft:
+        D, k = len(states), min(self.k, len(self.vocab))
+        tokens: list[int] = []
+        parents: list[int] = []
+        heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, depth, full token, parent)
+        counter = 0
+
+        def push_children(state: torch.Tensor, tok: int, score: float, depth: int, parent: int) -> None:
+            nonlocal counter
+            top = self._logits(state[None], torch.tensor([tok]))[0].log_softmax(-1).topk(k)
+            for lp, idx in zip(top.values.tolist(), top.indices.tolist()):
+                counter += 1
+                heapq.heappush(heap, (-(score + lp), counter, depth, int(self.vocab.token_ids[idx]), parent))
+
+        push_children(states[0], root, 0.0, 1, -1)
+        while heap and len(tokens) < self.nodes:
+            neg, _, depth, tok, parent = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(tok)
+            parents.append(parent)
+            if depth < D:
+                push_children(states[depth], tok, -neg, depth + 1, node)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    @torch.inference_mode()
+    def propose(self, ctx: StepContext) -> Draft:
+        D = min(self.depth, ctx.max_depth)
+        if D <= 0 or len(ctx.tokens) < 2:  # no depth to draft, or no verifier state yet (one-token prompt)
+            draft = Draft.empty()
+            draft.meta.update(reused_states=0, drafter_forwards=0, refreshed=False, catch_up=0)
+            return draft
+        states, meta = self._states(ctx, D)
+        self.last_states = states.clone()
+        root = int(ctx.tokens[-1])
+        draft = self._chain(states, root, ctx) if self.mode == "chain" else self._tree(states, root)
+        draft.meta.update(meta)
+        c = self.counters
+        c["steps"] = c.get("steps", 0) + 1
+        for key in ("reused_states", "drafter_forwards", "catch_up"):
+            c[key] = c.get(key, 0) + int(meta[key])
+        c["refreshes"] = c.get("refreshes", 0) + int(meta["refreshed"])
+        return draft
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mode": self.mode, "depth": self.depth, "nodes": self.nodes, "k": self.k,
+                "reuse": self.reuse, "max_stale": self.max_stale, "draft_vocab": len(self.vocab),
+                "state_layer": self.net.cfg.state_layer, "checkpoint": self.checkpoint}

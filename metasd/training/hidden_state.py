@@ -1,0 +1,369 @@
+"""Training the hidden-state drafter (``metasd train hidden_state CONFIG [--set KEY=VALUE]``; ALGORITHMS.md section 8).
+
+Data: a verifier feature directory (``metasd.training.features``) that stores ``hidden_<state_layer>``
+(default state_layer = the verifier's num_hidden_layers, the post-final-norm state; the default feature
+layers "3,8,15,21,26,28" of the 1.5B verifier include it), token ids, response mask and top-k log-probs.
+
+Per sequence (cropped to ``max_len``), h [n, d] its real states, ``HiddenStateNet.unrolled_states`` gives
+out[k] for k = 0..unroll: out[k][t] = state of position t+1 predicted at depth k+1 from real rows 0..t-k
+(k = 0 teacher-forced on real states, k >= 1 on the drafter's own predictions, as drafting does).
+Losses at every depth k (weight exp(-k/gamma)), positions t >= k:
+  * regression: smooth-L1 (or MSE) between out[k][t] and the real h_{t+1} (mean over d), ``reg_weight``;
+  * distillation: inject the real token x_{t+1}: q = softmax(head(g(out[k][t], e(x_{t+1})))) against the
+    verifier's top-k distribution of x_{t+2} (row t+1), renormalised inside the draft vocabulary
+    (cross-entropy = KL up to a constant), only where x_{t+2} is a response token; ``ce_weight``.
+Validation (held-out shards): per-depth top-1 agreement ``acc_<k+1>`` of q with the verifier's top-1 and the
+losses. ``keep_best``: the exported weights are those of the best ``acc`` (mean over depths) seen.
+
+Resumable: ``state_dir`` (default ``<out>/train_state``) holds fp32 weights, optimizer, step and MLflow run
+id; the sequence order depends on (seed, step) only, so a resumed run equals an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+
+from ..config import read_yaml_mapping, validate_config
+from ..draft_vocab import DraftVocab
+from .common import FeatureTrainingConfig, split_shards
+from .features import FeatureSet
+from .treeflash import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, Schedule, ShardReader, _count_tokens, _eos_ids,
+                        _flatten, _save_state, _Tracker, load_verifier_parts, lr_at)
+
+BEST_WEIGHTS = "best_fp32.safetensors"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Strict):
+    """Architecture (``metasd.drafters.hidden_state_net.HiddenStateConfig``); the width is the verifier's."""
+
+    state_layer: int | None = Field(None, description="verifier hidden_states index; default num_hidden_layers (post-norm)")
+    num_heads: int = Field(12, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    intermediate_size: int = Field(4096, ge=1)
+    inject_intermediate_size: int = Field(1024, ge=1)
+    rope_theta: float = 10000.0
+
+
+class OptimSection(_Strict):
+    steps: int = Field(500, ge=0)
+    lr: float = Field(5e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    sequences_per_step: int = Field(4, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="stop after this much training wall time (summed over resumes)")
+
+
+class DraftDefaults(_Strict):
+    """Drafting parameters stored in the checkpoint (a pool entry's params override them)."""
+
+    mode: Literal["chain", "tree"] = "chain"
+    depth: int = Field(4, ge=1)
+    nodes: int = Field(16, ge=1)
+    k: int = Field(4, ge=1)
+    reuse: bool = True
+    max_stale: int = Field(8, ge=0)
+
+
+class TrainHiddenStateConfig(FeatureTrainingConfig):
+    """YAML config of ``metasd train hidden_state``."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    defaults: DraftDefaults = Field(default_factory=DraftDefaults)
+    vocab_size: int = Field(32768, ge=0, description="reduced draft vocabulary; 0 = full vocabulary")
+    max_len: int = Field(384, ge=3, description="tokens per training sequence (longer ones are cropped)")
+    unroll: int = Field(2, ge=0, description="extra depths trained on the drafter's own predicted states")
+    gamma: float | None = Field(4.0, gt=0, description="depth k (0-based) weighs exp(-k/gamma); null: uniform")
+    reg_loss: Literal["smooth_l1", "mse"] = "smooth_l1"
+    reg_weight: float = Field(1.0, ge=0)
+    ce_weight: float = Field(1.0, ge=0)
+    bf16: bool = Field(True, description="bf16 autocast for matmuls (weights and optimizer stay fp32)")
+    keep_best: bool = True
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=1)
+    save_every: int = Field(50, ge=1)
+    val_sequences: int = Field(32, ge=1)
+    mlflow_experiment: str = "metasd-hidden-state"
+
+
+def apply_overrides(raw: dict, sets: list[str]) -> dict:
+    """``KEY=VALUE`` (dotted keys, YAML values) -> raw config mapping, updated in place."""
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def load_train_hidden_state_config(path: str | Path, sets: list[str] = ()) -> TrainHiddenStateConfig:
+    """Read and validate a training file; ``ConfigError`` (a ``ValueError``) names the file and the field."""
+    raw = apply_overrides(read_yaml_mapping(path, "training config"), list(sets))
+    return validate_config(TrainHiddenStateConfig, raw, str(path), "hidden_state training config")
+
+
+# ------------------------------------------------------------------------------------------- losses
+def soft_targets(seq: dict[str, torch.Tensor], vocab: DraftVocab) -> dict[str, torch.Tensor]:
+    """Targets of q at position t (predicting x_{t+2} from row t+1), t = 0..n-1 (invalid where t+2 >= n).
+    Returns idx [n, K] reduced ids, p [n, K], valid [n], top1 [n] verifier top-1 (full id)."""
+    n = len(seq["ids"])
+    row = (torch.arange(n) + 1).clamp(max=n - 1)
+    red = vocab.to_reduced(seq["topk_ids"][row])
+    p = seq["topk_logp"][row].float().softmax(-1) * (red >= 0)
+    s = p.sum(-1)
+    nxt = (torch.arange(n) + 2).clamp(max=n - 1)
+    exists = (torch.arange(n) + 2 < n) & seq["loss_mask"][nxt]
+    return {"idx": red.clamp(min=0), "p": p / s.clamp(min=1e-12)[:, None], "valid": exists & (s > 0),
+            "exists": exists, "top1": seq["topk_ids"][row, 0]}
+
+
+def sequence_losses(net, pieces, seq: dict[str, torch.Tensor], vocab: DraftVocab, cfg: TrainHiddenStateConfig,
+                    layer: int) -> list[dict[str, torch.Tensor]]:
+    """Per depth k: sums of the regression and CE losses, their counts, and top-1 hits (full-id argmax)."""
+    h = seq[f"hidden_{layer}"].float()
+    n = len(h)
+    outs = net.unrolled_states(h, cfg.unroll)
+    tgt = soft_targets(seq, vocab)
+    emb = pieces.embed(seq["ids"][(torch.arange(n) + 1).clamp(max=n - 1)])  # e(x_{t+1})
+    t = torch.arange(n)
+    res = []
+    for k, s in enumerate(outs):
+        ok = t >= k
+        reg_ok = ok & (t + 1 < n)
+        target = h[(t + 1).clamp(max=n - 1)]
+        if cfg.reg_loss == "smooth_l1":
+            reg = F.smooth_l1_loss(s.float(), target, reduction="none").mean(-1)
+        else:
+            reg = F.mse_loss(s.float(), target, reduction="none").mean(-1)
+        logp = net.head_logits(net.inject(s, emb), pieces.head_weight, pieces.head_bias).float().log_softmax(-1)
+        ce = -(tgt["p"] * logp.gather(-1, tgt["idx"])).sum(-1)
+        ce_ok = ok & tgt["valid"]
+        hit = (vocab.to_full(logp.argmax(-1)) == tgt["top1"]) & ok & tgt["exists"]
+        res.append({"reg": (reg * reg_ok).sum(), "n_reg": reg_ok.sum(), "ce": (ce * ce_ok).sum(), "n_ce": ce_ok.sum(),
+                    "hit": hit.sum(), "n_acc": (ok & tgt["exists"]).sum()})
+    return res
+
+
+def depth_weights(n: int, gamma: float | None) -> list[float]:
+    return [1.0 if gamma is None else float(torch.exp(torch.tensor(-k / gamma))) for k in range(n)]
+
+
+def _crop(seq: dict[str, torch.Tensor], max_len: int) -> dict[str, torch.Tensor]:
+    return {k: v[:max_len] for k, v in seq.items()}
+
+
+@torch.no_grad()
+def evaluate(net, pieces, reader: ShardReader, val: list[tuple[int, int]], vocab: DraftVocab,
+             cfg: TrainHiddenStateConfig, layer: int) -> dict[str, float]:
+    was = net.training
+    net.eval()
+    tot = [dict.fromkeys(("reg", "n_reg", "ce", "n_ce", "hit", "n_acc"), 0.0) for _ in range(cfg.unroll + 1)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        for s, j in val:
+            for k, r in enumerate(sequence_losses(net, pieces, _crop(reader.sequence(s, j), cfg.max_len), vocab, cfg, layer)):
+                for key in tot[k]:
+                    tot[k][key] += float(r[key])
+    net.train(was)
+    out: dict[str, float] = {}
+    for k, d in enumerate(tot):
+        out[f"acc_{k + 1}"] = d["hit"] / max(d["n_acc"], 1)
+        out[f"loss_ce_{k + 1}"] = d["ce"] / max(d["n_ce"], 1)
+        out[f"loss_reg_{k + 1}"] = d["reg"] / max(d["n_reg"], 1)
+    out["acc"] = sum(out[f"acc_{k + 1}"] for k in range(len(tot))) / len(tot)
+    out["loss_ce"] = sum(out[f"loss_ce_{k + 1}"] for k in range(len(tot))) / len(tot)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- training
+def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_step: int | None = None,
+                       command: str | None = None, log=print) -> Path:
+    """Run (or resume) training and export the checkpoint to ``cfg.out``; returns that directory.
+
+    verifier_model: the verifier if already loaded (tests); else its embeddings and head are loaded from
+    ``cfg.verifier``. until_step: stop this invocation at that step (state saved, resumable)."""
+    from metasd.drafters.hidden_state_net import HiddenStateConfig, HiddenStateNet, count_parameters, save_checkpoint
+    from metasd.drafters.treeflash_backbone import VerifierPieces
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    fs = FeatureSet(cfg.features)
+    train, val = split_shards(cfg, fs)
+    if verifier_model is None:
+        log(f"loading the verifier's embeddings and LM head from {cfg.verifier}")
+        verifier_model = load_verifier_parts(cfg.verifier)
+    vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
+    n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
+    full_vocab = int(verifier_model.get_input_embeddings().weight.shape[0])
+    layer = n_layers if cfg.model.state_layer is None else cfg.model.state_layer
+    if layer not in fs.layers:
+        raise ValueError(f"{cfg.features} stores verifier layers {fs.layers}, not state_layer {layer} "
+                         f"(extract features with --layers including {layer})")
+
+    out = Path(cfg.out)
+    state_dir = Path(cfg.state_dir) if cfg.state_dir else out / "train_state"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = state_dir / STATE_META
+    state = json.loads(meta_path.read_text()) if cfg.resume and meta_path.exists() else None
+    reader = ShardReader(fs, [layer])
+    vocab_path = state_dir / "draft_vocab.safetensors"
+    if state is not None and vocab_path.exists():
+        vocab = DraftVocab.load(vocab_path)
+    elif cfg.draft_vocab:
+        vocab = DraftVocab.load(cfg.draft_vocab)
+    elif cfg.vocab_size == 0 or cfg.vocab_size >= full_vocab:
+        vocab = DraftVocab.full(full_vocab)
+    else:
+        prior = 0.5 * (1.0 - torch.arange(full_vocab, dtype=torch.float64) / full_vocab)  # ties: lower ids first
+        vocab = DraftVocab.from_counts(_count_tokens(reader, train, full_vocab) + prior, cfg.vocab_size,
+                                       _eos_ids(verifier_model))
+    vocab.save(vocab_path)
+
+    m = cfg.model
+    net_cfg = HiddenStateConfig(verifier_hidden_size=width, verifier_vocab_size=full_vocab, state_layer=layer,
+                                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                intermediate_size=m.intermediate_size,
+                                inject_intermediate_size=m.inject_intermediate_size, rope_theta=m.rope_theta)
+    torch.manual_seed(cfg.seed)
+    net = HiddenStateNet(net_cfg)
+    pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids, dtype=torch.float32)
+    pieces.embed_weight = pieces.embed_weight.float()
+    del verifier_model
+    if state is None:
+        state = {"step": 0, "run_id": None, "wall_s": 0.0, "sequences": 0, "history": [], "best": None,
+                 "stopped_by_time": None}
+    else:
+        net.load_state_dict(load_file(str(state_dir / STATE_WEIGHTS)))
+        log(f"resuming from {state_dir} at step {state['step']}")
+    st = cfg.optim
+    opt = torch.optim.AdamW(net.parameters(), lr=st.lr, betas=(0.9, 0.95), weight_decay=st.weight_decay)
+    if state["step"] > 0 and (state_dir / STATE_OPTIM).exists():
+        opt.load_state_dict(torch.load(state_dir / STATE_OPTIM, weights_only=True))
+    counts = {s: reader.n_sequences(s) for s in train}
+    sched = Schedule(counts, cfg.seed)
+    val_set = [(s, j) for s in val for j in range(reader.n_sequences(s))][:cfg.val_sequences]
+    tracker = _Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"),
+                       {**_flatten(cfg.model_dump()), "state_layer_resolved": layer, "draft_vocab_size": len(vocab),
+                        "parameters": count_parameters(net)})
+    state["run_id"] = tracker.run_id
+    log(f"hidden-state drafter: {count_parameters(net):,} parameters, draft vocab {len(vocab)}, layer {layer}, "
+        f"{sum(counts.values())} training sequences, {len(val_set)} validation sequences")
+    w = depth_weights(cfg.unroll + 1, cfg.gamma)
+
+    def validate(step: int) -> None:
+        metrics = evaluate(net, pieces, reader, val_set, vocab, cfg, layer)
+        tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
+        state["history"].append({"step": step, **metrics})
+        log(f"  val step {step}: acc {metrics['acc']:.3f} acc_1 {metrics['acc_1']:.3f} loss_ce {metrics['loss_ce']:.3f}")
+        if cfg.keep_best and (state["best"] is None or metrics["acc"] > state["best"]["acc"]):
+            state["best"] = {"step": step, "acc": metrics["acc"]}
+            save_file({k: v.detach().float().contiguous() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
+
+    try:
+        if val_set and not state["history"]:
+            validate(0)  # the untrained drafter, for reference
+        net.train()
+        t_run, wall0 = time.time(), state["wall_s"]
+        while state["step"] < st.steps:
+            step = state["step"]
+            if until_step is not None and step >= until_step:
+                state["wall_s"] = wall0 + time.time() - t_run
+                _save_state(state_dir, net, opt, state)
+                log(f"stopped at step {step} (resumable from {state_dir})")
+                return out
+            if st.max_minutes and wall0 + time.time() - t_run > st.max_minutes * 60:
+                state["stopped_by_time"] = step
+                log(f"time budget of {st.max_minutes} min reached at step {step}/{st.steps}")
+                break
+            t0 = time.time()
+            lr = lr_at(step, st)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            batch = [_crop(reader.sequence(s, j), cfg.max_len) for s, j in sched.batch(step, st.sequences_per_step)]
+            loss_sum = 0.0
+            for seq in batch:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    res = sequence_losses(net, pieces, seq, vocab, cfg, layer)
+                loss = sum(wk * (cfg.reg_weight * r["reg"] / r["n_reg"].clamp(min=1) + cfg.ce_weight * r["ce"] / r["n_ce"].clamp(min=1))
+                           for wk, r in zip(w, res)) / len(batch)
+                loss.backward()
+                loss_sum += float(loss.detach())
+            gnorm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), st.grad_clip or float("inf")))
+            opt.step()
+            state["step"] = step + 1
+            state["sequences"] += len(batch)
+            if (step + 1) % cfg.log_every == 0 or step == 0:
+                tracker.metrics({"train/loss": loss_sum, "train/lr": lr, "train/grad_norm": gnorm,
+                                 "train/step_s": time.time() - t0}, step + 1)
+                log(f"step {step + 1}/{st.steps} loss {loss_sum:.4f} lr {lr:.2e} |g| {gnorm:.2f} {time.time() - t0:.2f}s")
+            if val_set and (step + 1) % cfg.eval_every == 0 and step + 1 < st.steps:
+                validate(step + 1)
+            if (step + 1) % cfg.save_every == 0:
+                state["wall_s"] = wall0 + time.time() - t_run
+                _save_state(state_dir, net, opt, state)
+        state["wall_s"] = wall0 + time.time() - t_run
+        if val_set and (not state["history"] or state["history"][-1]["step"] != state["step"]):
+            validate(state["step"])
+        _save_state(state_dir, net, opt, state)
+        final = state["history"][-1] if state["history"] else {}
+        if cfg.keep_best and state["best"] is not None and (state_dir / BEST_WEIGHTS).exists():
+            net.load_state_dict(load_file(str(state_dir / BEST_WEIGHTS)))
+            final = next(h for h in state["history"] if h["step"] == state["best"]["step"])
+        meta = {"verifier": cfg.verifier, "defaults": cfg.defaults.model_dump(), "validation": {"final": final, "history": state["history"]},
+                "training": {"command": command, "features": str(fs.path), "train_shards": train, "val_shards": val,
+                             "steps": state["step"], "sequences": state["sequences"], "wall_s": round(state["wall_s"], 1),
+                             "best": state["best"], "stopped_by_time": state["stopped_by_time"], "unroll": cfg.unroll,
+                             "optim": st.model_dump(), "bf16": cfg.bf16, "seed": cfg.seed, "mlflow_run_id": state["run_id"]}}
+        dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
+        path = save_checkpoint(out, net, vocab, meta, dtype=dtype)
+        (path / "metrics.json").write_text(json.dumps(final, indent=1))
+        tracker.artifact(path / "config.json")
+        log(f"checkpoint written to {path}")
+        return path
+    finally:
+        tracker.end()
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def add_train_hidden_state_parser(subparsers) -> Any:
+    """``metasd train hidden_state CONFIG``: register the sub-command on an argparse subparsers object."""
+    p = subparsers.add_parser("hidden_state", help="train a hidden-state drafter (MEDC) on verifier features",
+                              description="Train a hidden-state drafter (YAML config, see metasd.training.hidden_state).")
+    p.add_argument("config", help="YAML training config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (dotted key, YAML value), e.g. --set optim.steps=50")
+    p.add_argument("--until-step", type=int, default=None, help="stop this invocation at this step; resumable")
+    p.add_argument("--fresh", action="store_true", help="ignore an existing training state (start over)")
+    p.set_defaults(func=train_hidden_state_main)
+    return p
+
+
+def train_hidden_state_main(args) -> int:
+    cfg = load_train_hidden_state_config(args.config, args.set)
+    if args.fresh:
+        cfg = cfg.model_copy(update={"resume": False})
+    argv = sys.argv[1:]
+    command = " ".join(["metasd"] + [shlex.quote(a) for a in argv]) if argv[:2] == ["train", "hidden_state"] else None
+    train_hidden_state(cfg, until_step=args.until_step, command=command)
+    return 0
