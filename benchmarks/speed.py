@@ -93,9 +93,12 @@ def build_methods(args, vm, vt, dm, dt):
     cache = ModelCache(None)  # one cache for every extra pool: a quantized drafter is loaded once
     cache.put(args.verifier, args.dtype, (vm, vt), args.verifier_quantize)
     cache.put(args.drafter, args.dtype, (dm, dt))
+    for q in args.plain_quantize or []:  # plain decoding of a quantized copy of the verifier (its own reference)
+        qv, _ = cache.load(args.verifier, args.dtype, q)
+        methods[f"plain {q} verifier (transformers +fix)"] = hf(lambda ids, qv=qv: baselines.plain(qv, ids, n), qv)
     if args.temperature == 0:
         for q in args.assistant_quantize or []:  # transformers' assisted generation with the same quantized assistant
-            qm, _ = cache.load(args.drafter, args.dtype, q)
+            qm, _ = cache.load(args.drafter, args.dtype, q, drafter=True)  # the very model the pools' drafters use
             methods[f"assisted 0.5B {q} (transformers +fix)"] = hf(lambda ids, qm=qm: baselines.assisted(vm, qm, ids, n), vm, qm)
     for spec in args.extra_pool or []:
         name, path = spec.rsplit("=", 1)  # the name may hold "=" (k=5), a path rarely does
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--verifier-quantize", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the verifier: plain decoding and every method then run the "
                         "quantized verifier (extra pools must name the same verifier quantize)")
+    p.add_argument("--plain-quantize", action="append", choices=["int8", "int4"],
+                   help="also time plain decoding of the verifier quantized this way (pools over that verifier "
+                        "load the same copy; their outputs are that model's, not the bf16 reference's)")
     p.add_argument("--assistant-quantize", action="append", choices=["int8", "int4"],
                    help="also time transformers' assisted generation with the 0.5B assistant quantized this way")
     p.add_argument("--threads", type=int, default=2)

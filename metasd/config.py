@@ -184,7 +184,7 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def default_pool_path() -> Path:
-    """The embedded default pool (bundled Qwen pair and every drafter that needs no training)."""
+    """The embedded default pool (``configs/default.yaml``: the bundled Qwen pair, the 0.5B drafter in int4)."""
     return Path(str(resources.files("metasd.configs") / DEFAULT_POOL))
 
 
@@ -209,19 +209,22 @@ class ModelCache:
 
     def __init__(self, device: str | None):
         self.device = device
-        self._models: dict[tuple[str, str, str], Any] = {}
+        self._models: dict[tuple[str, str, str, bool], Any] = {}
 
-    def load(self, ref: str, dtype: str, quantize: str = "none"):
+    def load(self, ref: str, dtype: str, quantize: str = "none", drafter: bool = False):
+        """(model, tokenizer); ``drafter``: an int4 drafter keeps int8 copies for prefills (never a verifier)."""
         from .models import load_model
 
-        key = (ref, str(dtype), quantize)
+        prefill_copy = drafter and quantize == "int4"
+        key = (ref, str(dtype), quantize, prefill_copy)
         if key not in self._models:
-            self._models[key] = load_model(ref, dtype=dtype, device=self.device, quantize=quantize)
+            self._models[key] = load_model(ref, dtype=dtype, device=self.device, quantize=quantize,
+                                           prefill_copy=prefill_copy)
         return self._models[key]
 
     def put(self, ref: str, dtype: str, loaded, quantize: str = "none") -> None:
         """Register an already loaded (model, tokenizer) pair (benchmarks reuse models they loaded)."""
-        self._models[(ref, str(dtype), quantize)] = loaded
+        self._models[(ref, str(dtype), quantize, False)] = loaded
 
 
 def check_quantization(config: PoolConfig) -> None:
@@ -257,7 +260,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
             checkpoint = str((base_dir / checkpoint).resolve())
         dtype = d.dtype or config.verifier.dtype
         def load(ref, quantize=None, _dtype=dtype, _quantize=d.quantize):
-            return models.load(ref, _dtype, _quantize if quantize is None else quantize)
+            return models.load(ref, _dtype, _quantize if quantize is None else quantize, drafter=True)
 
         build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
                              quantize=d.quantize)

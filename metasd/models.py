@@ -676,6 +676,7 @@ def load_tokenizer(ref: str) -> "PreTrainedTokenizerBase":
 
 def load_model(
     ref: str, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, quantize: str = "none",
+    prefill_copy: bool = False,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load a causal LM and its tokenizer from a reference; the model is in eval mode with grads off.
 
@@ -683,6 +684,7 @@ def load_model(
     come from their bf16 cache, so ``fp32`` gives those bf16 weights upcast. ``quantize`` ("none",
     "int8", "int4") swaps the linear layers for weight-only quantized ones once, after loading
     (``metasd.quantize``); it is checked against the device and dtype before anything is loaded.
+    ``prefill_copy`` (int4 drafters): keep int8 copies of the layer weights for long-prompt prefills.
     Threads are left to the caller (``torch.set_num_threads``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -701,7 +703,7 @@ def load_model(
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    quantize_model(model, quantize, name=f"model {ref!r}")
+    quantize_model(model, quantize, name=f"model {ref!r}", prefill_copy=prefill_copy)
     logger.info("loaded %s (%s, %s, %s, quantize %s) in %.1f s", ref, src.kind, dt, dev, quantize, time.perf_counter() - t0)
     return model, tok
 

@@ -21,8 +21,9 @@ Kernels (chosen by the device of the weight, not by a flag):
   ``Int8WeightOnlyConfig`` made it 2.6x *slower* (its CPU path dequantizes in Python-level ops), so
   the library path is not used on CPU. These kernels are built for matrix-vector work: for many rows
   (a prompt prefill) they lose to a bf16 GEMM, so above ``gemm_rows`` input rows an int8 layer
-  dequantizes its weight and uses the dense matmul instead (the same weights, faster). int4 always
-  runs its kernel (a drafter's long-prompt prefill costs ~1.5x the bf16 one; BENCHMARKS.md).
+  dequantizes its weight and uses the dense matmul instead (the same weights, faster). An int4 layer has
+  no cheap way back to a dense weight; a drafter's int4 model (``prefill_copy=True``) keeps an int8 copy
+  of its decoder-layer weights for that path, a verifier's runs its int4 kernel on every input.
 * CUDA: int4 through ``aten._weight_int4pack_mm`` (the tensor-core "tinygemm" kernel that torchao's
   int4 weight-only config itself dispatches to), int8 as ``linear(x, W_int8.to(x.dtype)) * scale``
   (gpt-fast's weight-only int8 form, which ``torch.compile`` fuses). Not measured in this project yet.
@@ -184,7 +185,7 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, mode: str, group_size: int = INT4_GROUP_SIZE,
-                 gemm_rows: int = DEFAULT_GEMM_ROWS):
+                 gemm_rows: int = DEFAULT_GEMM_ROWS, prefill_copy: bool = False):
         super().__init__()
         if mode not in ("int8", "int4"):
             raise ValueError(f"QuantizedLinear: mode must be 'int8' or 'int4', got {mode!r}")
@@ -208,21 +209,39 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", _pack_int4(q, device))  # kernel layout
             self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=self.dtype))  # [groups, out, 2]
             # The packed layout is the kernel's own; dense_weight() recovers W through the kernel itself.
+            if prefill_copy and device.type == "cpu" and weight.numel() <= _LARGE_WEIGHT:
+                # Drafters only: an int8 copy for many-row inputs (a long prompt's prefill). Unpacking int4
+                # groups costs 15-30 ms per 896 x 4864 matrix, dequantizing int8 0.6 ms, so GEMM rows read
+                # this copy (1.5 bytes a weight in all, under bf16's 2). A verifier never gets one: its output
+                # must be one model's. LM heads keep none (a prefill scores one row).
+                q8, s8 = quantize_int8(weight)
+                self.register_buffer("gemm_qweight", q8)  # [out, in] int8
+                self.register_buffer("gemm_scales", s8.to(dtype=self.dtype))  # [out]
 
     @property
     def weight_bytes(self) -> int:
-        extra = self.scales.numel() * self.scales.element_size() if self.mode == "int8" else (
-            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
-        return self.qweight.numel() * self.qweight.element_size() + extra
+        """Bytes of every stored weight tensor (codes, scales, an int4 drafter layer's int8 prefill copy)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def has_gemm_path(self) -> bool:
+        """Whether inputs of more than ``gemm_rows`` rows use a dequantized dense matmul (CPU only)."""
+        return self.qweight.device.type == "cpu" and (self.mode == "int8" or hasattr(self, "gemm_qweight"))
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The dense weight [out, in] of the many-row path (int8 dequantized; a new tensor)."""
+        if self.mode == "int8":
+            return self.qweight.to(self.dtype) * self.scales[:, None]
+        return self.gemm_qweight.to(self.dtype) * self.gemm_scales[:, None]
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [rows, in] in the model dtype -> [rows, out] through the quantized kernel of its device."""
         return kernel_for(x2.device, self.mode)(self, x2)
 
     def dense_weight(self) -> torch.Tensor:
-        """The dequantized weight [out, in] in the model dtype (a new tensor)."""
+        """The dequantized weight [out, in] of the kernel path, in the model dtype (a new tensor)."""
         if self.mode == "int8":
-            return self.qweight.to(self.dtype) * self.scales[:, None]
+            return self.gemm_weight()
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.qweight.device)
         return self._kernel(eye).t().contiguous()  # rows of I W^T are columns of W^T
 
@@ -231,10 +250,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if self.mode == "int8" and x2.device.type == "cpu" and len(x2) > self._dense_rows:
-            # many rows: a dense GEMM beats the matrix-vector kernel; dequantizing costs one pass over W.
-            # (int4 has no such path: its packed layout is the kernel's own and unpacking it costs more.)
-            y = F.linear(x2, self.dense_weight())
+        if len(x2) > self._dense_rows and self.has_gemm_path and x2.device.type == "cpu":
+            # many rows: a dense GEMM beats the matrix-vector kernel; dequantizing costs one pass over W
+            y = F.linear(x2, self.gemm_weight())
         else:
             y = self._kernel(x2)
         if self.bias is not None:
@@ -298,14 +316,15 @@ def _own_memory(model: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, mode: str, *, name: str = "model", group_size: int = INT4_GROUP_SIZE,
-                   gemm_rows: int = DEFAULT_GEMM_ROWS) -> nn.Module:
+                   gemm_rows: int = DEFAULT_GEMM_ROWS, prefill_copy: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (LM head included) by a ``QuantizedLinear``, in place.
 
     ``mode`` "none" returns the model untouched. Quantizing a model already quantized the same way is
     a no-op (models are shared between arms); a different mode is an error naming ``name``. The model's
     ``metasd_quantize`` attribute records the mode. int4 uses groups of ``group_size`` input columns
     (smaller, down to 32, where a layer's input size needs it); a layer the kernel cannot take is an
-    error naming it, raised before any layer is changed.
+    error naming it, raised before any layer is changed. ``prefill_copy`` (int4, drafters only): keep an
+    int8 copy of every decoder-layer weight for inputs of many rows (see ``QuantizedLinear``).
     """
     param = next(model.parameters(), None)
     mode = check_quantize(mode, name=name, dtype=None if param is None else param.dtype,
@@ -324,7 +343,7 @@ def quantize_model(model: nn.Module, mode: str, *, name: str = "model", group_si
                 raise ValueError(f"{name}: quantize='int4' cannot take layer {qualified!r}: {problem}; use 'int8'")
     for parent, attr, _, linear in targets:
         g = int4_group_size(linear.in_features, group_size) if mode == "int4" else group_size
-        setattr(parent, attr, QuantizedLinear(linear, mode, group_size=g, gemm_rows=gemm_rows))
+        setattr(parent, attr, QuantizedLinear(linear, mode, group_size=g, gemm_rows=gemm_rows, prefill_copy=prefill_copy))
     _own_memory(model)
     model.metasd_quantize = mode
     logger.info("%s: %d linear layers quantized to %s", name, len(targets), mode)

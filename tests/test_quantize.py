@@ -52,7 +52,7 @@ def test_quantized_linear_computes_with_its_dequantized_weight(mode, dtype, rows
     lin = nn.Linear(64, 48).to(dtype)
     ql = QuantizedLinear(lin, mode, group_size=32)
     x = torch.randn(2, rows, 64, dtype=dtype)
-    w = ql.dense_weight().float()
+    w = (ql.gemm_weight() if ql.has_gemm_path and rows > ql.gemm_rows else ql.dense_weight()).float()
     ref = x.float() @ w.t() + lin.bias.float()
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert ql(x).shape == (2, rows, 48) and ql(x).dtype == dtype
@@ -69,6 +69,24 @@ def test_quantized_linear_keeps_no_dense_weight():
         assert not any(isinstance(t, nn.Parameter) and t.is_floating_point() and t.numel() == 64 * 64
                        for t in list(ql.parameters()) + list(ql.buffers()))
         assert ql.weight_bytes < 64 * 64 * 2 * (bytes_per_weight / 2 + 0.3)
+
+
+def test_int4_prefill_copy_is_for_many_rows_and_never_for_lm_heads(monkeypatch):
+    import metasd.quantize as mq
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    plain = QuantizedLinear(lin, "int4", group_size=32)
+    assert not plain.has_gemm_path and not hasattr(plain, "gemm_qweight")  # a verifier's int4: one model
+    ql = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)
+    assert ql.has_gemm_path and ql.weight_bytes >= 64 * 32 * 1.5
+    many, few = torch.randn(ql.gemm_rows + 1, 64), torch.randn(ql.gemm_rows, 64)
+    assert torch.allclose(ql(many), many @ ql.gemm_weight().t() + lin.bias, atol=1e-5)
+    assert torch.allclose(ql(few), few @ ql.dense_weight().t() + lin.bias, atol=1e-4)
+    assert torch.equal(ql(few), plain(few))  # the kernel path is the same int4 weight
+    monkeypatch.setattr(mq, "_LARGE_WEIGHT", 64 * 32 - 1)  # this layer now counts as an LM head
+    head = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)
+    assert not head.has_gemm_path
 
 
 def test_kernels_are_chosen_by_device_not_by_a_flag(monkeypatch):
@@ -234,6 +252,11 @@ def test_model_cache_quantizes_only_the_copy_that_asked(tiny_dir):
     int8, _ = cache.load(tiny_dir, "fp32", "int8")
     assert plain is not int8 and cache.load(tiny_dir, "fp32", "int8")[0] is int8
     assert type(plain.lm_head) is nn.Linear and isinstance(int8.lm_head, QuantizedLinear)
+    verifier_int4, _ = cache.load(tiny_dir, "fp32", "int4")
+    drafter_int4, _ = cache.load(tiny_dir, "fp32", "int4", drafter=True)
+    assert verifier_int4 is not drafter_int4
+    assert not verifier_int4.model.layers[0].mlp.up_proj.has_gemm_path
+    assert drafter_int4.model.layers[0].mlp.up_proj.has_gemm_path
 
 
 def _pool(tiny_dir, **drafter):
@@ -248,6 +271,7 @@ def test_pool_with_quantized_drafter_shares_nothing_with_the_verifier(tiny_dir):
     engine = build_engine(_pool(tiny_dir, quantize="int4"))
     drafter = engine.drafters[0]
     assert isinstance(drafter.model.lm_head, QuantizedLinear) and drafter.model.metasd_quantize == "int4"
+    assert drafter.model.model.layers[0].mlp.up_proj.has_gemm_path  # a drafter's int4 keeps prefill copies
     assert type(engine.verifier.model.lm_head) is nn.Linear
     out = engine.generate(PROMPT, max_new_tokens=20).token_ids
     assert out == plain_greedy(engine.verifier.model, PROMPT, 20)

@@ -1,7 +1,7 @@
 """Smoke test on the real bundled pair (Qwen2.5-Coder 1.5B verifier, 0.5B drafter), run by CI.
 
 fp32, greedy, 3 prompts x 32 new tokens: metasd's output must be token-identical to transformers' plain
-greedy decoding with each first drafter. Skipped only when the model packages are not installed (the
+greedy decoding with each drafter, the default pool's int4 0.5B tree drafter included. Skipped only when the model packages are not installed (the
 README's test command installs them); set METASD_REQUIRE_REAL=1 to make a missing package a failure.
 """
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metasd import Engine, Verifier, baselines
-from metasd.drafters import NGramDrafter, PretrainedDrafter
+from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
 from metasd.models import ModelLoadError, load_model
 
 pytestmark = pytest.mark.real_model
@@ -29,25 +29,28 @@ def pair():
     try:
         vm, vt = load_model("bundled:qwen2.5-coder-1.5b-instruct", dtype="fp32")
         dm, dt = load_model("bundled:qwen2.5-coder-0.5b-instruct", dtype="fp32")
+        qm, _ = load_model("bundled:qwen2.5-coder-0.5b-instruct", dtype="fp32", quantize="int4", prefill_copy=True)
     except ModelLoadError as e:
         if os.environ.get("METASD_REQUIRE_REAL") == "1":
             raise
         pytest.skip(f"bundled models unavailable: {e}")
-    yield vm, vt, dm, dt
+    yield vm, vt, dm, dt, qm
     torch.set_num_threads(1)
 
 
 def test_bundled_pair_is_token_identical_to_plain_greedy(pair):
-    vm, vt, dm, dt = pair
+    vm, vt, dm, dt, qm = pair
     verifier = Verifier(vm, vt, name="bundled:qwen2.5-coder-1.5b-instruct")
-    engines = {"0.5B chain": Engine(verifier, PretrainedDrafter(dm, dt, k=5)), "ngram": Engine(verifier, NGramDrafter())}
-    accepted = 0
+    tree = PretrainedTreeDrafter(qm, dt, mode="dynamic", nodes=32, depth=16, width=4, min_path_prob=0.3)
+    engines = {"0.5B chain": Engine(verifier, PretrainedDrafter(dm, dt, k=5)), "ngram": Engine(verifier, NGramDrafter()),
+               "0.5B int4 tree": Engine(verifier, tree)}
+    accepted = {name: 0 for name in engines}
     for prompt in PROMPTS:
         ids = engines["ngram"].encode([{"role": "user", "content": prompt}])
         reference, _ = baselines.plain(vm, ids, 32)
         for name, engine in engines.items():
             result = engine.generate(ids, max_new_tokens=32)
             assert result.token_ids == reference, f"{name} diverged on {prompt[:40]!r}"
-            if name == "0.5B chain":
-                accepted += result.stats.accepted
-    assert accepted > 0  # the real drafter is actually used and accepted
+            accepted[name] += result.stats.accepted
+    # the real drafters are actually used and accepted; int4 drafts nearly as well as fp32
+    assert accepted["0.5B chain"] > 0 and accepted["0.5B int4 tree"] > 0.5 * accepted["0.5B chain"]
