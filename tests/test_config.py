@@ -79,7 +79,10 @@ def test_bad_policy_value_names_the_parameter(model_dirs):
 def test_embedded_default_pool_is_valid():
     cfg = read_pool_config()
     assert cfg.verifier.model == "bundled:qwen2.5-coder-1.5b-instruct"
-    assert {d.name for d in cfg.drafters} >= {"qwen0.5b", "ngram"}
+    assert cfg.verifier.quantize == "none"  # outputs stay the (bf16) verifier's own
+    drafter = {d.name: d for d in cfg.drafters}["qwen0.5b"]
+    assert drafter.type == "pretrained_tree" and drafter.quantize == "int4"
+    assert drafter.model == "bundled:qwen2.5-coder-0.5b-instruct"
 
 
 def test_pool_file_builds_an_engine_that_stays_exact(model_dirs, tmp_path):

@@ -195,22 +195,23 @@ def test_text_stop_strings_eos_and_stream(tokenizer):
 SMALL_V = 8
 
 
-def _exact_two_token_distribution(model, prompt, temperature):
+def _exact_two_token_distribution(model, prompt, temperature, vocab=SMALL_V):
     with torch.no_grad():
         first = (model(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
-        out = torch.zeros(SMALL_V, SMALL_V)
-        for a in range(SMALL_V):
+        out = torch.zeros(vocab, vocab)
+        for a in range(vocab):
             out[a] = first[a] * (model(torch.tensor([prompt + [a]])).logits[0, -1] / temperature).softmax(-1)
     return out
 
 
-def _sampling_pvalue(engine, model, n=1500):
+def _sampling_pvalue(engine, model, n=1500, vocab=SMALL_V):
+    """Chi-square p-value of n two-token samples against the verifier's exact two-token distribution."""
     prompt = [1, 2, 3]
-    counts = torch.zeros(SMALL_V, SMALL_V)
+    counts = torch.zeros(vocab, vocab)
     for seed in range(n):
         ids = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed).token_ids
         counts[ids[0], ids[1]] += 1
-    expected = _exact_two_token_distribution(model, prompt, 1.0).flatten() * n
+    expected = _exact_two_token_distribution(model, prompt, 1.0, vocab).flatten() * n
     keep = expected > 5
     obs = counts.flatten()[keep]
     return float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)

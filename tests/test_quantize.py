@@ -16,7 +16,7 @@ from metasd.quantize import (
     quantize_int8, quantize_model,
 )
 from metasd.verifier import Verifier
-from test_engine import PROMPT, _exact_two_token_distribution
+from test_engine import PROMPT, _sampling_pvalue
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 
@@ -200,31 +200,6 @@ def pair16():
     return tiny_qwen(seed=5, vocab=V16, logit_scale=4.0), tiny_qwen(seed=6, vocab=V16, logit_scale=4.0)
 
 
-def _pvalue(engine, model, n=1500):
-    from scipy.stats import chisquare
-
-    prompt = [1, 2, 3]
-    counts = torch.zeros(V16, V16)
-    for seed in range(n):
-        ids = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed).token_ids
-        counts[ids[0], ids[1]] += 1
-    expected = _exact_two_token_distribution_v(model, prompt).flatten() * n
-    keep = expected > 5
-    obs = counts.flatten()[keep]
-    return float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)
-
-
-def _exact_two_token_distribution_v(model, prompt):
-    import test_engine
-
-    old = test_engine.SMALL_V
-    test_engine.SMALL_V = V16
-    try:
-        return _exact_two_token_distribution(model, prompt, 1.0)
-    finally:
-        test_engine.SMALL_V = old
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("drafter", ["chain", "rsd_s"])
 def test_quantized_drafter_keeps_sampling_exact(pair16, mode, drafter):
@@ -232,7 +207,7 @@ def test_quantized_drafter_keeps_sampling_exact(pair16, mode, drafter):
     q = quantize_model(copy.deepcopy(drafter_model), mode)
     d = (PretrainedDrafter(q, k=2) if drafter == "chain"
          else PretrainedTreeDrafter(q, mode="rsd_s", width=3, nodes=9, depth=2))
-    assert _pvalue(_engine(verifier, d), verifier) > 1e-3
+    assert _sampling_pvalue(_engine(verifier, d), verifier, vocab=V16) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- configs
