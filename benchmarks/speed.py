@@ -109,7 +109,17 @@ def build_methods(args, vm, vt, dm, dt):
             r = engine.generate(ids, max_new_tokens=n, **sampling(args))
             return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         methods[name] = run
+        if cfg.verifier.quantize != args.verifier_quantize:  # outputs are that quantized verifier's
+            plain_q = f"plain {cfg.verifier.quantize} verifier (transformers +fix)"
+            if plain_q not in methods:
+                raise SystemExit(f"--extra-pool {name!r}: its verifier is {cfg.verifier.quantize}; add "
+                                 f"--plain-quantize {cfg.verifier.quantize} for its reference")
+            REFERENCE_OF[name] = plain_q
     return methods
+
+
+#: method -> the method whose output it must reproduce (pools over a quantized verifier); others: plain bf16
+REFERENCE_OF: dict[str, str] = {}
 
 
 def main(argv=None) -> int:
@@ -166,16 +176,20 @@ def main(argv=None) -> int:
                "methods": {"plain (transformers +fix)": {"tokens": len(ref_ids), "seconds": ref_s, "identical": True}}}
         names = list(methods)
         names = names[qi % len(names):] + names[:qi % len(names)]  # rotate the order
+        outs = {"plain (transformers +fix)": ref_ids}
         for name in names:
             out, seconds, tps, figures = methods[name](ids)
-            div = baselines.first_divergence(out, ref_ids)
-            same = div is None and len(out) == len(ref_ids) if args.temperature == 0 else None
-            entry = {"tokens": len(out), "seconds": seconds, "identical": same, "mean_tokens_per_step": tps,
-                     **(figures or {})}
-            if div is not None and args.temperature == 0:
+            outs[name] = out
+            row["methods"][name] = {"tokens": len(out), "seconds": seconds, "mean_tokens_per_step": tps, **(figures or {})}
+        for name in names:  # identity against each method's reference (known once every method has run)
+            entry, reference = row["methods"][name], REFERENCE_OF.get(name, "plain (transformers +fix)")
+            div = baselines.first_divergence(outs[name], outs[reference])
+            entry["identical"] = div is None and len(outs[name]) == len(outs[reference]) if args.temperature == 0 else None
+            if reference != "plain (transformers +fix)":
+                entry["reference"] = reference  # no margins recorded for quantized references
+            elif div is not None and args.temperature == 0:
                 entry["first_divergence"] = div
                 entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
-            row["methods"][name] = entry
         rows.append(row)
         _write(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
         done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
@@ -198,7 +212,8 @@ def _write(args, argv, rows, t_start) -> None:
 
 
 def summary_table(rows) -> str:
-    """Markdown: tokens/s (total tokens / total seconds) per group, speedup over plain (+fix), identity."""
+    """Markdown: tokens/s (total tokens / total seconds) per group, speedup over plain (+fix), identity (with
+    the method's own reference: plain bf16, or plain decoding of the same quantized verifier)."""
     methods = list(rows[0]["methods"])
     groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)]
 
