@@ -49,11 +49,12 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_GROUP_SIZE = 32
 #: int4 CPU kernel: inner K tiles of the packed layout (torch's tests and torchao use 8 on CPU)
 _INNER_K_TILES = 8
-#: int8 on CPU: above this many input rows (prefills, long verifies) a dense matmul over the weight
-#: dequantized on the fly is faster than the matrix-vector kernel, whose cost grows linearly with the rows
-#: (Qwen2.5-0.5B, 2 cores, whole forwards: int8 kernel 48 / 115 / 182 ms at 1 / 8 / 16 rows, bf16 80 / 91 /
-#: 117 ms; dequantizing the decoder layers' weights costs about 50 ms a forward)
-DEFAULT_GEMM_ROWS = 12
+#: int8 on CPU: above this many input rows (prompt prefills) a dense matmul over the weight dequantized
+#: on the fly is faster than the matrix-vector kernel, whose cost grows linearly with the rows (0.5B,
+#: 700-token prefill: 1.95 s against 3.83 s). Verify-sized inputs stay on the kernel: dequantizing every
+#: layer per forward costs more than the kernel there (1.5B, 16 rows: 2.08 s dense against 0.47 s kernel;
+#: BENCHMARKS.md, forward cost), so the switch sits above any draft tree this project verifies.
+DEFAULT_GEMM_ROWS = 64
 #: rows of a weight quantized at a time (bounds the fp32 temporaries: peak memory stays near the model's)
 _CHUNK_ROWS = 4096
 #: weights above this many elements (an LM head) cost more to dequantize (200 ms for 151936 x 896):

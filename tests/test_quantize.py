@@ -46,7 +46,7 @@ def test_int4_groups_have_their_own_scale_and_zero():
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: above gemm_rows (int8's dense path)
+@pytest.mark.parametrize("rows", [1, 3, 80])  # 80: above gemm_rows (int8's dense path)
 def test_quantized_linear_computes_with_its_dequantized_weight(mode, dtype, rows):
     torch.manual_seed(1)
     lin = nn.Linear(64, 48).to(dtype)
