@@ -364,9 +364,8 @@ class _Steering:
             raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a steering checkpoint (field 'checkpoint')")
         module, drafter_params, _ = load_steering(build.checkpoint)
         if drafter_params:  # a fine-tuned drafter: never modify weights other arms may share
-            # fine-tuned weights go into an unquantized copy, which is quantized afterwards if asked
-            model, tokenizer = build.load_model(build.model, quantize="none") if build.quantize != "none" \
-                else build.load_model(build.model)
+            # fine-tuned weights go into a copy of the unquantized model, quantized afterwards if asked
+            model, tokenizer = build.load_model(build.model, quantize="none")
             model = copy.deepcopy(model)
             own = dict(model.named_parameters())
             unknown = sorted(set(drafter_params) - set(own))

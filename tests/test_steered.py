@@ -347,7 +347,7 @@ def test_distilled_baseline_trains_without_steering(features, drafter_model, tmp
     # loadable as a drafter: the fine-tuned weights go into a copy, never into the (shared) loaded model
     before = {k: v.clone() for k, v in drafter_model.state_dict().items()}
     build = BuildContext(verifier=None, model="tiny", checkpoint=str(tmp_path / "steering.safetensors"),
-                         load_model=lambda ref: (drafter_model, None))
+                         load_model=lambda ref, quantize=None: (drafter_model, None))
     distilled = SteeredDrafter.from_config("distilled", {"k": 2}, build)
     assert distilled.model is not drafter_model and distilled.hidden_layers == ()
     assert all(torch.equal(v, before[k]) for k, v in drafter_model.state_dict().items())
