@@ -1,12 +1,24 @@
-"""What every trainer on a verifier feature set shares: its config fields and the train/validation split."""
+"""What every trainer on a verifier feature set shares: config fields, the train/validation split, shard reading
+and sequence order, the learning-rate schedule, resumable state files, MLflow tracking, and the verifier's
+embeddings/head loaded alone."""
 from __future__ import annotations
 
+import json
 import math
-from typing import Literal
+import os
+from pathlib import Path
+from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .features import FeatureSet, parse_shards
+
+STATE_WEIGHTS = "model_fp32.safetensors"
+STATE_OPTIM = "optimizer.pt"
+STATE_META = "trainer.json"
 
 
 class FeatureTrainingConfig(BaseModel):
@@ -45,3 +57,187 @@ def split_shards(cfg: FeatureTrainingConfig, fs: FeatureSet) -> tuple[list[int],
     if not train:
         raise ValueError("no training shards")
     return train, val
+
+
+class ShardReader:
+    """Reads the keys TreeFlash needs from shards, keeping the last two in memory."""
+
+    def __init__(self, fs: FeatureSet, layers: list[int]):
+        self.fs = fs
+        self.keys = ["ids", "loss_mask", "offsets", "topk_ids", "topk_logp"] + [f"hidden_{l}" for l in layers]
+        self._cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._order: list[int] = []
+
+    def shard(self, s: int) -> dict[str, torch.Tensor]:
+        if s not in self._cache:
+            with safe_open(str(self.fs.shards[s]), "pt") as f:
+                self._cache[s] = {k: f.get_tensor(k) for k in self.keys}
+            self._order.append(s)
+            while len(self._order) > 2:
+                self._cache.pop(self._order.pop(0))
+        return self._cache[s]
+
+    def sequence(self, s: int, j: int) -> dict[str, torch.Tensor]:
+        sh = self.shard(s)
+        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
+        return {k: v[a:b] for k, v in sh.items() if k != "offsets"}
+
+    def n_sequences(self, s: int) -> int:
+        with safe_open(str(self.fs.shards[s]), "pt") as f:
+            return len(f.get_tensor("offsets")) - 1
+
+
+class Schedule:
+    """Sequence order: per epoch a seeded permutation of shards, then of the sequences inside each
+    shard (so consecutive steps read the same shard). Step s of a stage reads positions s*n .. s*n+n-1."""
+
+    def __init__(self, counts: dict[int, int], seed: int):
+        self.counts = counts
+        self.total = sum(counts.values())
+        self.seed = seed
+        self._epochs: dict[int, list[tuple[int, int]]] = {}
+
+    def _epoch(self, e: int) -> list[tuple[int, int]]:
+        if e not in self._epochs:
+            g = torch.Generator().manual_seed(self.seed * 7919 + e)
+            shards = sorted(self.counts)
+            order = []
+            for i in torch.randperm(len(shards), generator=g).tolist():
+                s = shards[i]
+                order += [(s, j) for j in torch.randperm(self.counts[s], generator=g).tolist()]
+            self._epochs = {e: order}  # keep one epoch
+        return self._epochs[e]
+
+    def batch(self, step: int, n: int) -> list[tuple[int, int]]:
+        out = []
+        for p in range(step * n, step * n + n):
+            out.append(self._epoch(p // self.total)[p % self.total])
+        return out
+
+
+def lr_at(step: int, st) -> float:
+    """Learning rate at ``step``: linear warmup, then cosine decay to ``min_lr_ratio * lr`` (``st``: any section
+    with lr, warmup, steps, min_lr_ratio)."""
+    if st.warmup and step < st.warmup:
+        return st.lr * (step + 1) / st.warmup
+    span = max(st.steps - st.warmup, 1)
+    progress = min(max(step - st.warmup, 0) / span, 1.0)
+    return st.lr * (st.min_lr_ratio + (1 - st.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+class Tracker:
+    """MLflow logging, or nothing when disabled."""
+
+    def __init__(self, enabled: bool, experiment: str, run_name: str | None, run_id: str | None, params: dict):
+        self.enabled = enabled
+        self.run_id = run_id
+        if not enabled:
+            return
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(tracking_uri())
+        mlflow.set_experiment(experiment)
+        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
+        self.run_id = run.info.run_id
+        if run_id is None:
+            mlflow.log_params({k: str(v)[:250] for k, v in params.items()})
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        if self.enabled:
+            self.mlflow.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(float(v))}, step=step)
+
+    def artifact(self, path: Path) -> None:
+        if self.enabled:
+            self.mlflow.log_artifact(str(path))
+
+    def end(self) -> None:
+        if self.enabled:
+            self.mlflow.end_run()
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def eos_ids(model) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(model.config, "eos_token_id", None)):
+        if src is not None:
+            ids.update([src] if isinstance(src, int) else src)
+    return tuple(sorted(ids))
+
+
+def count_tokens(reader: ShardReader, shards: list[int], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in shards:
+        with safe_open(str(reader.fs.shards[s]), "pt") as f:
+            ids = f.get_tensor("ids")
+            top1 = f.get_slice("topk_ids")[:, 0:1].reshape(-1)
+        counts += torch.bincount(torch.cat([ids, top1]), minlength=vocab_size)[:vocab_size].double()
+    return counts
+
+
+def load_verifier_parts(ref: str):
+    """The verifier with only its input embeddings, output embeddings and final norm loaded (the other
+    weights stay on the meta device): about 1 GB instead of the whole model for a 1.5B verifier. Falls
+    back to a full load for references that are not safetensors directories (GGUF files, hub ids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from metasd.drafters.treeflash_backbone import final_norm_of
+    from metasd.models import _resolve, load_model
+
+    src = _resolve(ref)
+    files = sorted(Path(src.path).glob("*.safetensors")) if src.kind in ("bundled", "dir") else []
+    if not files:
+        return load_model(ref, dtype="bf16")[0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src.path))
+    wanted = {}
+    for mod in (model.get_input_embeddings(), model.get_output_embeddings(), final_norm_of(model)):
+        for p in mod.parameters(recurse=False):
+            wanted[id(p)] = p
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
+    state = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for key in set(sf.keys()) & names:
+                state[key] = sf.get_tensor(key)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in names - set(state):  # tied weights are stored once, under one of their names
+        twin = next((n for n in state if params[n] is params[name]), None)
+        if twin is not None:
+            state[name] = state[twin]
+    missing = names - set(state)
+    if missing:
+        raise ValueError(f"{ref}: cannot find {sorted(missing)} in its safetensors files")
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False, assign=True)
+    try:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(src.path)
+    except (OSError, ValueError):
+        pass
+    return model.eval().requires_grad_(False)
+
+
+def save_state(state_dir: Path, model, opt, state: dict) -> None:
+    tmp = state_dir / (STATE_WEIGHTS + ".tmp")
+    save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, state_dir / STATE_WEIGHTS)
+    if opt is not None:
+        torch.save(opt.state_dict(), state_dir / (STATE_OPTIM + ".tmp"))
+        os.replace(state_dir / (STATE_OPTIM + ".tmp"), state_dir / STATE_OPTIM)
+    (state_dir / (STATE_META + ".tmp")).write_text(json.dumps(state, indent=1))
+    os.replace(state_dir / (STATE_META + ".tmp"), state_dir / STATE_META)

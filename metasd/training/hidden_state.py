@@ -35,10 +35,9 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
-from .common import FeatureTrainingConfig, split_shards
+from .common import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
+                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards)
 from .features import FeatureSet
-from .treeflash import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, Schedule, ShardReader, _count_tokens, _eos_ids,
-                        _flatten, _save_state, _Tracker, load_verifier_parts, lr_at)
 
 BEST_WEIGHTS = "best_fp32.safetensors"
 
@@ -235,8 +234,8 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
         vocab = DraftVocab.full(full_vocab)
     else:
         prior = 0.5 * (1.0 - torch.arange(full_vocab, dtype=torch.float64) / full_vocab)  # ties: lower ids first
-        vocab = DraftVocab.from_counts(_count_tokens(reader, train, full_vocab) + prior, cfg.vocab_size,
-                                       _eos_ids(verifier_model))
+        vocab = DraftVocab.from_counts(count_tokens(reader, train, full_vocab) + prior, cfg.vocab_size,
+                                       eos_ids(verifier_model))
     vocab.save(vocab_path)
 
     m = cfg.model
@@ -262,8 +261,8 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
     counts = {s: reader.n_sequences(s) for s in train}
     sched = Schedule(counts, cfg.seed)
     val_set = [(s, j) for s in val for j in range(reader.n_sequences(s))][:cfg.val_sequences]
-    tracker = _Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"),
-                       {**_flatten(cfg.model_dump()), "state_layer_resolved": layer, "draft_vocab_size": len(vocab),
+    tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"),
+                       {**flatten(cfg.model_dump()), "state_layer_resolved": layer, "draft_vocab_size": len(vocab),
                         "parameters": count_parameters(net)})
     state["run_id"] = tracker.run_id
     log(f"hidden-state drafter: {count_parameters(net):,} parameters, draft vocab {len(vocab)}, layer {layer}, "
@@ -288,7 +287,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
             step = state["step"]
             if until_step is not None and step >= until_step:
                 state["wall_s"] = wall0 + time.time() - t_run
-                _save_state(state_dir, net, opt, state)
+                save_state(state_dir, net, opt, state)
                 log(f"stopped at step {step} (resumable from {state_dir})")
                 return out
             if st.max_minutes and wall0 + time.time() - t_run > st.max_minutes * 60:
@@ -321,11 +320,11 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
                 validate(step + 1)
             if (step + 1) % cfg.save_every == 0:
                 state["wall_s"] = wall0 + time.time() - t_run
-                _save_state(state_dir, net, opt, state)
+                save_state(state_dir, net, opt, state)
         state["wall_s"] = wall0 + time.time() - t_run
         if val_set and (not state["history"] or state["history"][-1]["step"] != state["step"]):
             validate(state["step"])
-        _save_state(state_dir, net, opt, state)
+        save_state(state_dir, net, opt, state)
         final = state["history"][-1] if state["history"] else {}
         if cfg.keep_best and state["best"] is not None and (state_dir / BEST_WEIGHTS).exists():
             net.load_state_dict(load_file(str(state_dir / BEST_WEIGHTS)))

@@ -53,8 +53,6 @@ in the current directory; a resumed run continues its MLflow run.
 from __future__ import annotations
 
 import json
-import math
-import os
 import shlex
 import sys
 import time
@@ -63,18 +61,15 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..tree import children_lists
-from .common import FeatureTrainingConfig, split_shards
+from .common import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
+                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards)
 from .features import FeatureSet
 
-STATE_WEIGHTS = "model_fp32.safetensors"
-STATE_OPTIM = "optimizer.pt"
-STATE_META = "trainer.json"
 MODES = ("chain", "marginal", "treeflash")
 
 
@@ -152,60 +147,6 @@ def load_train_treeflash_config(path: str | Path) -> TrainTreeFlashConfig:
 
 
 # ------------------------------------------------------------------------------------------- data
-class ShardReader:
-    """Reads the keys TreeFlash needs from shards, keeping the last two in memory."""
-
-    def __init__(self, fs: FeatureSet, layers: list[int]):
-        self.fs = fs
-        self.keys = ["ids", "loss_mask", "offsets", "topk_ids", "topk_logp"] + [f"hidden_{l}" for l in layers]
-        self._cache: dict[int, dict[str, torch.Tensor]] = {}
-        self._order: list[int] = []
-
-    def shard(self, s: int) -> dict[str, torch.Tensor]:
-        if s not in self._cache:
-            with safe_open(str(self.fs.shards[s]), "pt") as f:
-                self._cache[s] = {k: f.get_tensor(k) for k in self.keys}
-            self._order.append(s)
-            while len(self._order) > 2:
-                self._cache.pop(self._order.pop(0))
-        return self._cache[s]
-
-    def sequence(self, s: int, j: int) -> dict[str, torch.Tensor]:
-        sh = self.shard(s)
-        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
-        return {k: v[a:b] for k, v in sh.items() if k != "offsets"}
-
-    def n_sequences(self, s: int) -> int:
-        with safe_open(str(self.fs.shards[s]), "pt") as f:
-            return len(f.get_tensor("offsets")) - 1
-
-
-class Schedule:
-    """Sequence order: per epoch a seeded permutation of shards, then of the sequences inside each
-    shard (so consecutive steps read the same shard). Step s of a stage reads positions s*n .. s*n+n-1."""
-
-    def __init__(self, counts: dict[int, int], seed: int):
-        self.counts = counts
-        self.total = sum(counts.values())
-        self.seed = seed
-        self._epochs: dict[int, list[tuple[int, int]]] = {}
-
-    def _epoch(self, e: int) -> list[tuple[int, int]]:
-        if e not in self._epochs:
-            g = torch.Generator().manual_seed(self.seed * 7919 + e)
-            shards = sorted(self.counts)
-            order = []
-            for i in torch.randperm(len(shards), generator=g).tolist():
-                s = shards[i]
-                order += [(s, j) for j in torch.randperm(self.counts[s], generator=g).tolist()]
-            self._epochs = {e: order}  # keep one epoch
-        return self._epochs[e]
-
-    def batch(self, step: int, n: int) -> list[tuple[int, int]]:
-        out = []
-        for p in range(step * n, step * n + n):
-            out.append(self._epoch(p // self.total)[p % self.total])
-        return out
 
 
 def valid_anchors(ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -311,12 +252,6 @@ def ar_logp(model, pieces, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Ten
     return model.logits(pieces, model.ar_hidden(h[:, 1:], prev, pieces)).float().log_softmax(-1)
 
 
-def lr_at(step: int, st: StageSection) -> float:
-    if st.warmup and step < st.warmup:
-        return st.lr * (step + 1) / st.warmup
-    span = max(st.steps - st.warmup, 1)
-    progress = min(max(step - st.warmup, 0) / span, 1.0)
-    return st.lr * (st.min_lr_ratio + (1 - st.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -416,68 +351,6 @@ def evaluate(model, pieces, reader: ShardReader, anchors, vocab: DraftVocab, cfg
 
 
 # ------------------------------------------------------------------------------------------- training
-def _tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-class _Tracker:
-    """MLflow logging, or nothing when disabled."""
-
-    def __init__(self, enabled: bool, experiment: str, run_name: str | None, run_id: str | None, params: dict):
-        self.enabled = enabled
-        self.run_id = run_id
-        if not enabled:
-            return
-        import mlflow
-
-        self.mlflow = mlflow
-        mlflow.set_tracking_uri(_tracking_uri())
-        mlflow.set_experiment(experiment)
-        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
-        self.run_id = run.info.run_id
-        if run_id is None:
-            mlflow.log_params({k: str(v)[:250] for k, v in params.items()})
-
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        if self.enabled:
-            self.mlflow.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(float(v))}, step=step)
-
-    def artifact(self, path: Path) -> None:
-        if self.enabled:
-            self.mlflow.log_artifact(str(path))
-
-    def end(self) -> None:
-        if self.enabled:
-            self.mlflow.end_run()
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _eos_ids(model) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                getattr(model.config, "eos_token_id", None)):
-        if src is not None:
-            ids.update([src] if isinstance(src, int) else src)
-    return tuple(sorted(ids))
-
-
-def _count_tokens(reader: ShardReader, shards: list[int], vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for s in shards:
-        with safe_open(str(reader.fs.shards[s]), "pt") as f:
-            ids = f.get_tensor("ids")
-            top1 = f.get_slice("topk_ids")[:, 0:1].reshape(-1)
-        counts += torch.bincount(torch.cat([ids, top1]), minlength=vocab_size)[:vocab_size].double()
-    return counts
 
 
 def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: int | None = None,
@@ -520,12 +393,12 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
     elif cfg.draft_vocab:
         vocab = DraftVocab.load(cfg.draft_vocab)
     else:
-        counts = _count_tokens(reader, train, full_vocab)
+        counts = count_tokens(reader, train, full_vocab)
         if cfg.vocab_size == 0 or cfg.vocab_size >= full_vocab:
             vocab = DraftVocab.full(full_vocab)
         else:
             prior = 0.5 * (1.0 - torch.arange(full_vocab, dtype=torch.float64) / full_vocab)  # ties: lower ids first
-            vocab = DraftVocab.from_counts(counts + prior, cfg.vocab_size, _eos_ids(verifier_model))
+            vocab = DraftVocab.from_counts(counts + prior, cfg.vocab_size, eos_ids(verifier_model))
     vocab.save(vocab_path)
 
     mcfg = TreeFlashConfig(verifier_hidden_size=width, verifier_vocab_size=full_vocab, context_layers=layers,
@@ -554,9 +427,9 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
 
     counts_per_shard = {s: reader.n_sequences(s) for s in train}
     val_set = val_anchor_set(reader, val, cfg.val_anchors, cfg.val_anchors_per_sequence, cfg.seed) if val else []
-    params = {**_flatten(cfg.model_dump()), "context_layers_resolved": layers, "draft_vocab_size": len(vocab),
+    params = {**flatten(cfg.model_dump()), "context_layers_resolved": layers, "draft_vocab_size": len(vocab),
               "train_sequences": sum(counts_per_shard.values()), "parameters": count_parameters(model)}
-    tracker = _Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"), params)
+    tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"), params)
     state["run_id"] = tracker.run_id
     log(f"TreeFlash: {count_parameters(model):,} trainable parameters, draft vocab {len(vocab)}, "
         f"context layers {layers}, {sum(counts_per_shard.values())} training sequences, {len(val_set)} val sequences")
@@ -645,10 +518,10 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                         f"tau_argmax_marg_tf {metrics['tau_argmax_marg_tf']:.3f}")
                 if (step + 1) % cfg.save_every == 0:
                     state["wall_s"][str(stage)] = wall0 + time.time() - t_stage
-                    _save_state(state_dir, model, opt, state)
+                    save_state(state_dir, model, opt, state)
             state["wall_s"][str(stage)] = wall0 + time.time() - t_stage
             if interrupted:
-                _save_state(state_dir, model, opt, state)
+                save_state(state_dir, model, opt, state)
                 log(f"stopped at global step {until_step} (resumable from {state_dir})")
                 return out
             # stage done: record validation, move on
@@ -658,7 +531,7 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                 state["history"].append({"stage": stage, "step": state["step"], **metrics})
                 log(f"stage {stage} done: acc_marg {metrics['acc_marg']:.3f} acc_ar {metrics['acc_ar']:.3f}")
             state["stage"], state["step"] = stage + 1, 0
-            _save_state(state_dir, model, None, state)
+            save_state(state_dir, model, None, state)
             if opt_path.exists():
                 opt_path.unlink()
 
@@ -675,58 +548,6 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
         tracker.end()
 
 
-def load_verifier_parts(ref: str):
-    """The verifier with only its input embeddings, output embeddings and final norm loaded (the other
-    weights stay on the meta device): about 1 GB instead of the whole model for a 1.5B verifier. Falls
-    back to a full load for references that are not safetensors directories (GGUF files, hub ids)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from metasd.drafters.treeflash_backbone import final_norm_of
-    from metasd.models import _resolve, load_model
-
-    src = _resolve(ref)
-    files = sorted(Path(src.path).glob("*.safetensors")) if src.kind in ("bundled", "dir") else []
-    if not files:
-        return load_model(ref, dtype="bf16")[0]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src.path))
-    wanted = {}
-    for mod in (model.get_input_embeddings(), model.get_output_embeddings(), final_norm_of(model)):
-        for p in mod.parameters(recurse=False):
-            wanted[id(p)] = p
-    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted}
-    state = {}
-    for f in files:
-        with safe_open(str(f), "pt") as sf:
-            for key in set(sf.keys()) & names:
-                state[key] = sf.get_tensor(key)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name in names - set(state):  # tied weights are stored once, under one of their names
-        twin = next((n for n in state if params[n] is params[name]), None)
-        if twin is not None:
-            state[name] = state[twin]
-    missing = names - set(state)
-    if missing:
-        raise ValueError(f"{ref}: cannot find {sorted(missing)} in its safetensors files")
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False, assign=True)
-    try:
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(src.path)
-    except (OSError, ValueError):
-        pass
-    return model.eval().requires_grad_(False)
-
-
-def _save_state(state_dir: Path, model, opt, state: dict) -> None:
-    tmp = state_dir / (STATE_WEIGHTS + ".tmp")
-    save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, state_dir / STATE_WEIGHTS)
-    if opt is not None:
-        torch.save(opt.state_dict(), state_dir / (STATE_OPTIM + ".tmp"))
-        os.replace(state_dir / (STATE_OPTIM + ".tmp"), state_dir / STATE_OPTIM)
-    (state_dir / (STATE_META + ".tmp")).write_text(json.dumps(state, indent=1))
-    os.replace(state_dir / (STATE_META + ".tmp"), state_dir / STATE_META)
 
 
 def export_checkpoint(cfg: TrainTreeFlashConfig, model, vocab: DraftVocab, layers: list[int], state: dict,
