@@ -63,6 +63,41 @@ def test_greedy_identical(verifier_model, mode, reuse):
     assert drafter.counters["steps"] > 0 and (drafter.counters["reused_states"] > 0) == reuse
 
 
+def test_tree_is_beam_expanded_with_one_head_call_per_depth(verifier_model):
+    drafter = _drafter(verifier_model, mode="tree", depth=4, nodes=9, k=3)
+    rows = []
+    head = drafter.head
+    drafter.head = lambda x: rows.append(x.shape[0]) or head(x)
+    draft = drafter.propose(_ctx(verifier_model, PROMPT))
+    assert rows == [1, 3, 3, 3]  # the root, then the k best nodes of each depth, each depth in one call
+    assert len(draft) == 9 and 1 <= draft.depth <= 4
+    parents = draft.parents.tolist()
+    assert all(p < i for i, p in enumerate(parents))  # topological order, a valid tree
+    states = drafter.last_states
+
+    def logp(depth, prev):  # [N] draft-vocabulary log-probs at ``depth`` (0-based) after token ``prev``
+        emb = drafter.pieces.embed(torch.tensor([prev]), drafter.net.dtype)
+        return head(drafter.net.inject(states[depth:depth + 1], emb)).float().log_softmax(-1)[0]
+
+    def path_logp(i):
+        chain = []
+        while i >= 0:
+            chain.append(i)
+            i = parents[i]
+        lp, prev = 0.0, PROMPT[-1]
+        for depth, n in enumerate(reversed(chain)):
+            lp += float(logp(depth, prev)[int((drafter.vocab.token_ids == draft.tokens[n]).nonzero())])
+            prev = int(draft.tokens[n])
+        return lp
+
+    kept = [path_logp(i) for i in range(len(draft))]
+    first = sorted(logp(0, PROMPT[-1]).tolist(), reverse=True)
+    m = parents.count(-1)  # depth-1 nodes kept: the m best first tokens, and no kept node below the next one
+    assert sorted(kept[i] for i in range(len(draft)) if parents[i] < 0) == pytest.approx(sorted(first[:m]), abs=1e-4)
+    assert min(kept) >= first[m] - 1e-4 if m < 3 else True
+    assert any(p >= 0 for p in parents)  # the tree goes below depth 1
+
+
 def test_one_token_prompt_drafts_nothing_then_works(verifier_model):
     engine = Engine(Verifier(verifier_model), _drafter(verifier_model), check_tokenizers=False)
     assert engine.generate([5], max_new_tokens=10).token_ids == plain_greedy(verifier_model, [5], 10)
@@ -260,6 +295,7 @@ def test_pool_config_builds_and_errors(tiny_dir):
     engine = build_engine(_pool(tiny_dir, checkpoint="ckpt", quantize="int8"), base_dir=tiny_dir)
     d = engine.drafter("hs")
     assert d.net.metasd_quantize == "int8" and type(engine.verifier.model.lm_head) is torch.nn.Linear
+    assert type(d.head).__name__ == "QuantizedLinear" and d.head.mode == "int8"  # the head slice too, not the verifier's
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == plain_greedy(engine.verifier.model, PROMPT, 12)
 
 
