@@ -27,14 +27,15 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from safetensors.torch import load_file, save_file
 
 from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.drafter import Drafter, DrafterParams, Float, Int, StepContext, register_drafter
 from metasd.kv_cache import cache_length, crop_to
 from metasd.quantize import dense_weight
 from metasd.tree import Draft
@@ -255,6 +256,19 @@ def merge_paths(paths: Sequence[Sequence[int]]) -> Draft:
 
 
 # ------------------------------------------------------------------------------------------- drafter
+class BlockParams(DrafterParams):
+    """Pool-config ``params`` of the block drafter (the heads come from the entry's ``checkpoint``)."""
+
+    k: Int | None = Field(None, ge=1, description="heads used (default: all; at most the trained heads, checked on load)")
+    top_m: Int = Field(8, ge=1, description="candidates per head in the lattice")
+    paths: Int = Field(4, ge=1, description="paths verified together as a tree (1 = a chain)")
+    refine: Literal["none", "ngram", "neural"] = "none"
+    weight: Float | None = Field(None, allow_inf_nan=False,
+                                 description="rescoring weight (default 0.5 for ngram, 1.0 for neural)")
+    ngram_order: Int = Field(3, ge=1, description="order of the n-gram model (refine ngram)")
+    corpus: str | None = Field(None, description="text file counted into the n-gram model (refine ngram)")
+
+
 @register_drafter
 class BlockDrafter(Drafter):
     """Parallel heads on the verifier's final hidden state, refined over a lattice (see module doc).
@@ -268,6 +282,7 @@ class BlockDrafter(Drafter):
     """
 
     kind = "block"
+    Params = BlockParams
 
     def __init__(self, heads: BlockHeads, k: int | None = None, top_m: int = 8, paths: int = 4,
                  refine: str = "none", weight: float | None = None, ngram_order: int = 3,

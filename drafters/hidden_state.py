@@ -34,13 +34,14 @@ step did not commit: the prompt, other drafters' steps; as TreeFlash counts them
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.drafter import Bool, Drafter, DrafterParams, Int, StepContext, register_drafter
 from metasd.quantize import quantize_model
 from metasd.sampling import process_logits, sample
 from metasd.tree import Draft
@@ -49,6 +50,17 @@ from .hidden_state_net import HiddenStateNet, load_checkpoint
 from .treeflash_backbone import VerifierPieces
 
 MODES = ("chain", "tree")
+
+
+class HiddenStateParams(DrafterParams):
+    """Pool-config ``params`` of the hidden-state drafter; keys left out take the checkpoint's defaults."""
+
+    mode: Literal["chain", "tree"] = "chain"
+    depth: Int = Field(4, ge=1, description="deepest draft depth")
+    nodes: Int = Field(16, ge=1, description="tree: draft nodes per step")
+    k: Int = Field(4, ge=1, description="tree: children per node")
+    reuse: Bool = Field(True, description="reuse earlier predicted states")
+    max_stale: Int = Field(8, ge=0, description="committed positions that may keep predicted inputs")
 
 
 @register_drafter
@@ -62,6 +74,7 @@ class HiddenStateDrafter(Drafter):
     """
 
     kind = "hidden_state"
+    Params = HiddenStateParams
 
     def __init__(self, net: HiddenStateNet, verifier_model, vocab: DraftVocab, mode: str = "chain", depth: int = 4,
                  nodes: int = 16, k: int = 4, reuse: bool = True, max_stale: int = 8, name: str | None = None,

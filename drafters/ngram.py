@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import Field, model_validator
 
-from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.drafter import Bool, Drafter, DrafterParams, Int, StepContext, register_drafter
 from metasd.tree import Draft
 
 
@@ -24,6 +25,21 @@ def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int, latest: bool = 
     return tokens[:0]
 
 
+class NGramParams(DrafterParams):
+    """Pool-config ``params`` of the n-gram drafter."""
+
+    k: Int = Field(10, ge=1, description="draft tokens per step")
+    n_min: Int = Field(1, ge=1, description="shortest suffix n-gram tried")
+    n_max: Int = Field(3, ge=1, description="longest suffix n-gram tried (>= n_min)")
+    latest: Bool = Field(True, description="continue the most recent earlier match (else the first)")
+
+    @model_validator(mode="after")
+    def _order(self) -> "NGramParams":
+        if self.n_min > self.n_max:
+            raise ValueError(f"need n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
+        return self
+
+
 @register_drafter
 class NGramDrafter(Drafter):
     """N-gram prompt lookup over prompt + generated tokens (no model, no probabilities).
@@ -33,6 +49,7 @@ class NGramDrafter(Drafter):
     """
 
     kind = "ngram"
+    Params = NGramParams
 
     def __init__(self, k: int = 10, n_min: int = 1, n_max: int = 3, latest: bool = True, name: str | None = None):
         super().__init__(name)

@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import Field, model_validator
 from transformers import DynamicCache, PreTrainedModel
 
-from metasd.drafter import Drafter, StepContext, StepFeedback, register_drafter
+from metasd.drafter import Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
 from metasd.hooks import contiguous_lm_head_input
 from metasd.kv_cache import crop_to
 from metasd.sampling import process_logits, sample
@@ -19,6 +20,24 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+class PretrainedParams(DrafterParams):
+    """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
+
+    k: Int = Field(5, ge=1, description="draft tokens per step (the first k with adaptive_k)")
+    confidence_threshold: Float | None = Field(None, ge=0.0, lt=1.0,
+                                               description="stop after a token whose drafter probability is below it")
+    adaptive_k: Bool = Field(False, description="k += 2 after a fully accepted draft, else k -= 1")
+    k_min: Int = Field(1, ge=1, description="lower bound of k (adaptive_k)")
+    k_max: Int = Field(16, ge=1, description="upper bound of k (adaptive_k); k may not exceed it")
+
+    @model_validator(mode="after")
+    def _order(self) -> "PretrainedParams":
+        if not self.k_min <= self.k <= self.k_max:
+            raise ValueError(f"need 1 <= k_min <= k <= k_max, got k_min={self.k_min}, k={self.k}, k_max={self.k_max}"
+                             + (" (k_max defaults to 16: set it too)" if self.k > self.k_max == 16 else ""))
+        return self
 
 
 @register_drafter
@@ -36,6 +55,7 @@ class PretrainedDrafter(Drafter):
     """
 
     kind = "pretrained"
+    Params = PretrainedParams
 
     def __init__(
         self,

@@ -48,12 +48,13 @@ replacement makes no sense for argmax verification; the fallback is recorded as 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import torch
+from pydantic import Field, model_validator
 from transformers import PreTrainedModel
 
-from metasd.drafter import StepContext, StepFeedback, register_drafter
+from metasd.drafter import DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
 from metasd.kv_cache import cache_length, crop_to, keep_positions
 from metasd.sampling import process_logits
 from metasd.tree import Draft
@@ -157,6 +158,27 @@ def conditional_gumbel(parent_value: torch.Tensor, perturbed: torch.Tensor) -> t
     return parent_value - softplus
 
 
+class PretrainedTreeParams(DrafterParams):
+    """Pool-config ``params`` of the pretrained tree drafter (and, extended, of the steered tree drafter)."""
+
+    mode: Literal["dynamic", "rsd_c", "rsd_s"] = "dynamic"
+    nodes: Int = Field(16, ge=1, description="maximum draft nodes per step")
+    depth: Int = Field(6, ge=1, description="maximum tree depth")
+    width: Int = Field(4, ge=1, description="dynamic: children per expanded node; rsd_s: beam width")
+    frontier: Int | None = Field(None, ge=1, description="dynamic: nodes expanded per level (default: width)")
+    min_path_prob: Float = Field(0.0, ge=0.0, lt=1.0, description="dynamic: expand only nodes at least this likely")
+    branching: list[Annotated[Int, Field(ge=1)]] | None = Field(
+        None, min_length=1, description="rsd_c: children per expanded node at each level (default [3, 2, 1, 1])")
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> "PretrainedTreeParams":
+        if self.min_path_prob and self.mode != "dynamic":
+            raise ValueError(f"min_path_prob is only used by mode 'dynamic' (mode is {self.mode!r})")
+        if self.branching is not None and self.mode != "rsd_c":
+            raise ValueError(f"branching is only used by mode 'rsd_c' (mode is {self.mode!r}); use width")
+        return self
+
+
 @register_drafter
 class PretrainedTreeDrafter(PretrainedDrafter):
     """A small pretrained LM drafting a token tree per step (see the module docstring for the modes).
@@ -176,6 +198,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
     """
 
     kind = "pretrained_tree"
+    Params = PretrainedTreeParams
 
     def __init__(
         self,

@@ -57,8 +57,8 @@ from metasd.drafter import StepContext, register_drafter
 from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
-from .pretrained import PretrainedDrafter
-from .pretrained_tree import PretrainedTreeDrafter
+from .pretrained import PretrainedDrafter, PretrainedParams
+from .pretrained_tree import PretrainedTreeDrafter, PretrainedTreeParams
 
 FORMAT = "metasd-steering/1"
 
@@ -435,6 +435,15 @@ class _Steering:
         return out
 
 
+class SteeredParams(PretrainedParams):
+    """Pool-config ``params`` of the steered chain drafter: those of ``pretrained`` (the steering module and
+    its checkpoint come from the entry's ``checkpoint`` field, not from ``params``)."""
+
+
+class SteeredTreeParams(PretrainedTreeParams):
+    """Pool-config ``params`` of the steered tree drafter: those of ``pretrained_tree``."""
+
+
 @register_drafter
 class SteeredDrafter(_Steering, PretrainedDrafter):
     """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², section 3); drafts
@@ -447,6 +456,7 @@ class SteeredDrafter(_Steering, PretrainedDrafter):
     """
 
     kind = "steered"
+    Params = SteeredParams
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, k: int = 5,
                  confidence_threshold: float | None = None, adaptive_k: bool = False, k_min: int = 1,
@@ -466,6 +476,7 @@ class SteeredTreeDrafter(_Steering, PretrainedTreeDrafter):
     """
 
     kind = "steered_tree"
+    Params = SteeredTreeParams
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, mode: str = "dynamic",
                  nodes: int = 16, depth: int = 6, width: int = 4, frontier: int | None = None,

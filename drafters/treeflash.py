@@ -31,13 +31,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
+from pydantic import Field
 from safetensors.torch import load_file
 
 from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Drafter, StepContext, register_drafter
+from metasd.drafter import Drafter, DrafterParams, Int, StepContext, register_drafter
 from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
@@ -184,6 +185,17 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple
 
 
 # ---------------------------------------------------------------- the drafter
+class TreeFlashParams(DrafterParams):
+    """Pool-config ``params`` of the TreeFlash drafter; keys left out take the checkpoint's defaults."""
+
+    mode: Literal["chain", "marginal", "treeflash"] = "treeflash"
+    block_size: Int | None = Field(None, ge=2, description="B, drafts reach depth B-1 (at most the trained B, checked on load)")
+    m: Int = Field(8, ge=1, description="candidate previous tokens per depth")
+    k: Int = Field(8, ge=1, description="transitions kept per source")
+    tree_size: Int = Field(32, ge=1, description="draft nodes per step")
+    context_window: Int | None = Field(None, ge=0, description="context positions a block sees (0: all)")
+
+
 @register_drafter
 class TreeFlashDrafter(Drafter):
     """One-shot block drafter with the TreeFlash tree construction (see module docstring).
@@ -195,6 +207,7 @@ class TreeFlashDrafter(Drafter):
     """
 
     kind = "treeflash"
+    Params = TreeFlashParams
 
     def __init__(self, model: TreeFlashModel, verifier_model, vocab: DraftVocab, mode: str = "treeflash",
                  block_size: int | None = None, m: int = 8, k: int = 8, tree_size: int = 32,

@@ -8,6 +8,7 @@ that register themselves).
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import re
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .drafter import DRAFTERS, BuildContext, Drafter
 from .policy import POLICIES, Policy
-from .rewards import REWARDS
+from .rewards import BOUNDED_REWARDS, REWARDS
 
 DEFAULT_POOL = "default.yaml"
 
@@ -84,15 +85,51 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _types_exist(self) -> "PoolConfig":
-        _import_plugins(self.plugins)
+        """Drafter types and policy names exist; every ``params`` mapping is valid for its class (names, types,
+        ranges: ``Drafter.Params``; built-in policies are constructed once, without any model). All problems
+        are reported together, each under its own field path (``drafters.0.params.k``)."""
+        errors: list[dict[str, Any]] = []
+        try:
+            _import_plugins(self.plugins)
+        except ValueError as e:
+            errors.append(_line_error(("plugins",), str(e).removeprefix("plugins: "), self.plugins))
         for i, d in enumerate(self.drafters):
-            cls = resolve_drafter_class(d.type, where=f"drafters.{i}.type")
-            _check_params(cls, d.params, f"drafters.{i}.params", skip=("self", "name", "model", "tokenizer", "model_ref"))
-        cls = resolve_policy_class(self.policy.name, where="policy.name")
-        _check_params(cls, self.policy.params, "policy.params", skip=("self", "n_arms", "seed"))
+            where = f"drafters.{i}.type"
+            try:
+                cls = resolve_drafter_class(d.type, where=where)
+            except ValueError as e:
+                errors.append(_line_error(("drafters", i, "type"), str(e).removeprefix(f"{where}: "), d.type))
+                continue
+            d.params = _validate_params(cls, d.params, ("drafters", i, "params"), errors,
+                                        skip=("self", "name", "model", "tokenizer", "model_ref"))
+        try:
+            cls = resolve_policy_class(self.policy.name, where="policy.name")
+        except ValueError as e:
+            errors.append(_line_error(("policy", "name"), str(e).removeprefix("policy.name: "), self.policy.name))
+        else:
+            n_before = len(errors)
+            _validate_params(cls, self.policy.params, ("policy", "params"), errors, skip=("self", "n_arms", "seed"))
+            if len(errors) == n_before and cls.__module__.startswith("metasd.policies."):
+                self._probe_policy(cls, errors)
         if self.reward not in REWARDS:  # guarded by Literal; kept for user-registered rewards
-            raise ValueError(f"reward: unknown {self.reward!r}; choose one of {sorted(REWARDS)}")
+            errors.append(_line_error(("reward",), f"unknown {self.reward!r}; choose one of {sorted(REWARDS)}", self.reward))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+    def _probe_policy(self, cls: type[Policy], errors: list[dict[str, Any]]) -> None:
+        """Build a built-in policy as ``build_engine`` will (cheap: no model) so that a bad value, or a policy that
+        needs rewards in [0, 1] with an unbounded reward, is refused now and not after the models load."""
+        try:
+            probe = cls(max(len(self.drafters), 1), seed=self.policy.seed, **self.policy.params)
+        except (TypeError, ValueError) as e:
+            errors.append(_line_error(("policy", "params"), str(e), self.policy.params))
+            return
+        # the engine uses the policy only with several drafters, and checks the reward then (Engine._check_policy)
+        if len(self.drafters) > 1 and self.reward not in BOUNDED_REWARDS and getattr(probe, "requires_bounded_rewards", False):
+            errors.append(_line_error(("reward",), f"policy {self.policy.name!r} (as configured) needs rewards in [0, 1]; "
+                                      f"{self.reward!r} is unbounded: use one of {sorted(BOUNDED_REWARDS)}",
+                                      self.reward))
 
 
 def _import_plugins(modules: list[str]) -> None:
@@ -146,7 +183,58 @@ def _check_params(cls: type, params: dict[str, Any], where: str, skip: tuple[str
         raise ValueError(f"{where}: {cls.__name__} has no parameter(s) {unknown}; accepted: {accepted}")
 
 
+def params_model(cls: type) -> type[BaseModel] | None:
+    """The ``Params`` model that describes ``cls``'s parameters: declared on the class itself, or inherited
+    together with an unchanged ``__init__`` (a subclass with its own constructor and no ``Params`` of its own,
+    e.g. a plugin, falls back to the check of names against its ``__init__``)."""
+    for owner in cls.__mro__:
+        if "Params" in owner.__dict__:
+            model = owner.__dict__["Params"]
+            if owner is cls or cls.__init__ is owner.__init__:
+                return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+            return None
+    return None
+
+
+def _line_error(loc: tuple, message: str, value: Any) -> dict[str, Any]:
+    """One pydantic line error (for ``ValidationError.from_exception_data``) at ``loc`` with our own message."""
+    return {"type": "value_error", "loc": loc, "input": value, "ctx": {"error": ValueError(message)}}
+
+
+def _validate_params(cls: type, params: dict[str, Any], loc: tuple, errors: list[dict[str, Any]],
+                     skip: tuple[str, ...]) -> dict[str, Any]:
+    """``params`` checked against ``cls``'s ``Params`` model (names, types, ranges) or, without one, their names
+    against its ``__init__``. Problems are appended to ``errors`` under ``loc``; returns the validated values of
+    the keys that were given (defaults are left to the class), or ``params`` unchanged."""
+    model = params_model(cls)
+    if model is None:
+        try:
+            _check_params(cls, params, ".".join(map(str, loc)), skip)
+        except ValueError as e:
+            errors.append(_line_error(loc, str(e).partition(": ")[2], params))
+        return params
+    try:
+        checked = model.model_validate(params).model_dump(exclude_unset=True)
+        return {k: checked[k] for k in params}  # the user's keys in the user's order
+    except ValidationError as err:
+        allowed = list(model.model_fields)
+        for e in err.errors():
+            if e["type"] == "extra_forbidden":
+                name = str(e["loc"][-1])
+                close = difflib.get_close_matches(name, allowed, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                errors.append(_line_error(loc + e["loc"], f"{cls.__name__} has no parameter {name!r}{hint}; "
+                                                          f"allowed: {', '.join(allowed)}", e["input"]))
+            else:
+                errors.append({"type": e["type"], "loc": loc + e["loc"], "input": e["input"], "ctx": e.get("ctx", {})})
+        return params
+
+
 _UNION_TAG = re.compile(r"^(int|str|float|bool|none|dict\[.*|list\[.*|literal\[.*|function-.*)$", re.I)
+# error types whose message does not show the offending value: "(got ...)" is added
+_SHOW_INPUT = {"literal_error", "extra_forbidden", "greater_than", "greater_than_equal", "less_than", "less_than_equal",
+               "multiple_of", "finite_number", "int_type", "int_parsing", "int_from_float", "float_type", "float_parsing",
+               "bool_type", "bool_parsing", "string_type", "list_type", "enum"}
 
 
 def format_validation_error(err: ValidationError, source: str, what: str = "pool config") -> str:
@@ -155,8 +243,8 @@ def format_validation_error(err: ValidationError, source: str, what: str = "pool
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"] if not _UNION_TAG.match(str(x))) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] in ("literal_error", "extra_forbidden"):
-            msg = f"{msg} (got {e.get('input')!r})"
+        if e["type"] in _SHOW_INPUT and "input" in e:
+            msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(dict.fromkeys(lines))
 
@@ -170,12 +258,25 @@ def validate_config(model: type[BaseModel], raw: dict[str, Any], source: str, wh
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
-    """The top-level mapping of a YAML file; a ``ConfigError`` naming the file when it is missing or not one."""
+    """The top-level mapping of a YAML file; a ``ConfigError`` naming the file when it is missing, a directory,
+    unreadable, not UTF-8 text, not YAML, or not a mapping."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a {what} file")
+    if not path.exists():
         raise ConfigError(f"{what} {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        data = path.read_bytes()
+    except OSError as e:  # permission denied, a FIFO gone away, ...
+        raise ConfigError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at position {e.start}, line {line}); "
+                          f"save the {what} as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Strict
 
 from .acceptance import Acceptance
 from .sampling import SamplingParams
@@ -45,10 +46,33 @@ class StepFeedback:
     target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities (sampling only)
 
 
+# Field types for ``DrafterParams``: no coercion (YAML gives ints, floats and booleans; a string "5", a float 4.0
+# for a count or 1 for a flag is refused rather than guessed), an int is accepted where a float is expected.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
+class DrafterParams(BaseModel):
+    """Base of a drafter type's ``Params``: the ``params`` mapping of a pool-config entry, checked (names,
+    types, ranges, modes) when the pool file is read, before any model loads. Unknown names are refused.
+
+    Declare each keyword of the drafter's ``__init__`` that a pool config may set, with the constructor's
+    default and its allowed values (``Field(ge=1)``, ``Literal[...]``). Only the keys the user gave reach
+    ``from_config`` (``model_dump(exclude_unset=True)``), so the constructor (or a checkpoint's defaults)
+    still supplies every other value; constraints that need the loaded model (e.g. ``k`` <= the trained
+    heads) stay in the constructor.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class Drafter(abc.ABC):
     """Anything that proposes draft tokens for the verifier to check.
 
-    Subclasses set ``kind`` (the type name used in pool configs) and implement ``propose``. ``name``
+    Subclasses set ``kind`` (the type name used in pool configs) and implement ``propose``; ``Params`` (a
+    ``DrafterParams`` subclass) lets pool files be checked before loading (without it only the parameter
+    names are checked, against ``__init__``). ``name``
     identifies an instance inside a pool (two instances of one kind with different settings are two
     arms). ``hidden_layers`` lists the verifier layers (index into transformers' ``hidden_states``:
     0 = embeddings, i = output of layer i, num_layers = after the final norm) the drafter reads from
@@ -56,6 +80,8 @@ class Drafter(abc.ABC):
     """
 
     kind: ClassVar[str] = ""
+    #: the pool-config ``params`` model (see ``DrafterParams``); None: names checked against ``__init__``
+    Params: ClassVar[type[DrafterParams] | None] = None
     hidden_layers: tuple[int, ...] = ()
     tokenizer = None  # set by drafters with their own tokenizer, checked against the verifier's
 
