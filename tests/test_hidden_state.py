@@ -300,6 +300,20 @@ def test_pool_config_builds_and_errors(tiny_dir):
 
 
 # ---------------------------------------------------------------- training
+def test_chain_accepted_counts_leading_hits():
+    from metasd.training.hidden_state import chain_accepted
+
+    T, F = True, False
+    hits = [torch.tensor([T, T, F, T, T, T]),  # depth 1 at position t
+            torch.tensor([F, T, T, F, T, F]),  # depth 2 at position t (anchor t-1)
+            torch.tensor([T, T, T, T, T, T])]  # depth 3 at position t (anchor t-2)
+    # anchor 0: d1 hits[0][0]=T, d2 hits[1][1]=T, d3 hits[2][2]=T -> 3; anchor 1: T, hits[1][2]=T, T -> 3
+    # anchor 2: hits[0][2]=F -> 0; anchor 3: T, hits[1][4]=T, hits[2][5]=T -> 3; anchor 4: T, hits[1][5]=F -> 1
+    # anchor 5: T, then past the end -> 1
+    assert chain_accepted(hits, torch.arange(6)).tolist() == [3, 3, 0, 3, 1, 1]
+    assert chain_accepted(hits[:1], torch.tensor([2, 3])).tolist() == [0, 1]
+
+
 @torch.no_grad()
 def _examples(model, n, seed, prompt_len=6, new=24):
     g = torch.Generator().manual_seed(seed)
@@ -339,7 +353,9 @@ def test_training_reduces_loss_and_exports(features, verifier_model):
     assert [h["step"] for h in hist] == [0, 6, 12] and meta["training"]["steps"] == 12
     assert hist[-1]["loss_ce"] < hist[0]["loss_ce"] - 0.05
     assert hist[-1]["loss_reg_1"] < hist[0]["loss_reg_1"]
-    assert set(hist[-1]) >= {"acc_1", "acc_2", "acc_3"}
+    assert set(hist[-1]) >= {"acc_1", "acc_2", "acc_3", "tau_chain"} and 1.0 <= hist[-1]["tau_chain"] <= 1 + meta["defaults"]["depth"]
+    card = (features / "trained" / "MODEL_CARD.md").read_text()
+    assert f"{hist[-1]['tau_chain']:.3f}" in card and "metasd train hidden_state" in card
     d = HiddenStateDrafter.from_checkpoint(features / "trained", verifier_model)
     engine = Engine(Verifier(verifier_model), d, check_tokenizers=False)
     assert engine.generate(PROMPT, max_new_tokens=15).token_ids == plain_greedy(verifier_model, PROMPT, 15)

@@ -13,7 +13,8 @@ Losses at every depth k (weight exp(-k/gamma)), positions t >= k:
     verifier's top-k distribution of x_{t+2} (row t+1), renormalised inside the draft vocabulary
     (cross-entropy = KL up to a constant), only where x_{t+2} is a response token; ``ce_weight``.
 Validation (held-out shards): per-depth top-1 agreement ``acc_<k+1>`` of q with the verifier's top-1 and the
-losses. ``keep_best``: the exported weights are those of the best ``acc`` (mean over depths) seen.
+losses, and ``tau_chain`` (``chain_accepted``: held-out tokens per step of a greedy chain of ``defaults.depth``
+tokens). ``keep_best``: the exported weights are those of the best ``tau_chain`` seen.
 
 Resumable: ``state_dir`` (default ``<out>/train_state``) holds fp32 weights, optimizer, step and MLflow run
 id; the sequence order depends on (seed, step) only, so a resumed run equals an uninterrupted one.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -138,11 +138,13 @@ def soft_targets(seq: dict[str, torch.Tensor], vocab: DraftVocab) -> dict[str, t
 
 
 def sequence_losses(net, pieces, seq: dict[str, torch.Tensor], vocab: DraftVocab, cfg: TrainHiddenStateConfig,
-                    layer: int) -> list[dict[str, torch.Tensor]]:
-    """Per depth k: sums of the regression and CE losses, their counts, and top-1 hits (full-id argmax)."""
+                    layer: int, unroll: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Per depth k = 0..unroll (default ``cfg.unroll``): sums of the regression and CE losses, their counts,
+    top-1 hits (full-id argmax) and ``hits`` [n] (position t: depth k+1's token after x_{t+1} is the verifier's
+    top-1; False where there is no target)."""
     h = seq[f"hidden_{layer}"].float()
     n = len(h)
-    outs = net.unrolled_states(h, cfg.unroll)
+    outs = net.unrolled_states(h, cfg.unroll if unroll is None else unroll)
     tgt = soft_targets(seq, vocab)
     emb = pieces.embed(seq["ids"][(torch.arange(n) + 1).clamp(max=n - 1)])  # e(x_{t+1})
     t = torch.arange(n)
@@ -155,12 +157,16 @@ def sequence_losses(net, pieces, seq: dict[str, torch.Tensor], vocab: DraftVocab
             reg = F.smooth_l1_loss(s.float(), target, reduction="none").mean(-1)
         else:
             reg = F.mse_loss(s.float(), target, reduction="none").mean(-1)
-        logp = net.head_logits(net.inject(s, emb), pieces.head_weight, pieces.head_bias).float().log_softmax(-1)
-        ce = -(tgt["p"] * logp.gather(-1, tgt["idx"])).sum(-1)
-        ce_ok = ok & tgt["valid"]
-        hit = (vocab.to_full(logp.argmax(-1)) == tgt["top1"]) & ok & tgt["exists"]
+        # the head (N x d per row, most of the cost) only on rows with a target: response tokens at depth k
+        rows = (ok & tgt["exists"]).nonzero().squeeze(-1)
+        logp = net.head_logits(net.inject(s[rows], emb[rows]), pieces.head_weight, pieces.head_bias).float().log_softmax(-1)
+        ce = -(tgt["p"][rows] * logp.gather(-1, tgt["idx"][rows])).sum(-1)
+        ce_ok = tgt["valid"][rows]
+        hit = vocab.to_full(logp.argmax(-1)) == tgt["top1"][rows]
+        hits = torch.zeros(n, dtype=torch.bool)
+        hits[rows] = hit
         res.append({"reg": (reg * reg_ok).sum(), "n_reg": reg_ok.sum(), "ce": (ce * ce_ok).sum(), "n_ce": ce_ok.sum(),
-                    "hit": hit.sum(), "n_acc": (ok & tgt["exists"]).sum()})
+                    "hit": hit.sum(), "n_acc": torch.tensor(len(rows)), "hits": hits})
     return res
 
 
@@ -172,25 +178,52 @@ def _crop(seq: dict[str, torch.Tensor], max_len: int) -> dict[str, torch.Tensor]
     return {k: v[:max_len] for k, v in seq.items()}
 
 
+def chain_accepted(hits: list[torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+    """Greedy chain acceptance, teacher forced. hits[k] [n] (see ``sequence_losses``); anchors [A] positions t
+    whose depth-1 draft has a target. Depth j drafted at anchor t is hit ``hits[j-1][t+j-1]``; the accepted
+    length is the number of leading hits (a chain cut by the sequence's end counts as rejected there). On
+    the verifier's own greedy answers (on-policy data) this is exactly what drafting would get: an accepted
+    token is the real next token, so the teacher-forced injection equals the drafted one."""
+    n = len(hits[0])
+    alive = torch.ones(len(anchors), dtype=torch.bool)
+    total = torch.zeros(len(anchors), dtype=torch.long)
+    for k, hk in enumerate(hits):
+        pos = anchors + k
+        alive &= (pos < n) & hk[pos.clamp(max=n - 1)]
+        total += alive
+    return total
+
+
 @torch.no_grad()
 def evaluate(net, pieces, reader: ShardReader, val: list[tuple[int, int]], vocab: DraftVocab,
              cfg: TrainHiddenStateConfig, layer: int) -> dict[str, float]:
+    """Held-out metrics: per-depth top-1 agreement and losses for depths 1..max(unroll+1, defaults.depth), and
+    ``tau_chain``: tokens per step (bonus included) of a greedy chain of ``defaults.depth`` tokens."""
     was = net.training
     net.eval()
-    tot = [dict.fromkeys(("reg", "n_reg", "ce", "n_ce", "hit", "n_acc"), 0.0) for _ in range(cfg.unroll + 1)]
+    depths = max(cfg.unroll + 1, cfg.defaults.depth)
+    tot = [dict.fromkeys(("reg", "n_reg", "ce", "n_ce", "hit", "n_acc"), 0.0) for _ in range(depths)]
+    accepted, anchors = 0, 0
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         for s, j in val:
-            for k, r in enumerate(sequence_losses(net, pieces, _crop(reader.sequence(s, j), cfg.max_len), vocab, cfg, layer)):
+            seq = _crop(reader.sequence(s, j), cfg.max_len)
+            res = sequence_losses(net, pieces, seq, vocab, cfg, layer, unroll=depths - 1)
+            for k, r in enumerate(res):
                 for key in tot[k]:
                     tot[k][key] += float(r[key])
+            starts = soft_targets(seq, vocab)["exists"].nonzero().squeeze(-1)
+            accepted += int(chain_accepted([r["hits"] for r in res[:cfg.defaults.depth]], starts).sum())
+            anchors += len(starts)
     net.train(was)
     out: dict[str, float] = {}
     for k, d in enumerate(tot):
         out[f"acc_{k + 1}"] = d["hit"] / max(d["n_acc"], 1)
         out[f"loss_ce_{k + 1}"] = d["ce"] / max(d["n_ce"], 1)
         out[f"loss_reg_{k + 1}"] = d["reg"] / max(d["n_reg"], 1)
-    out["acc"] = sum(out[f"acc_{k + 1}"] for k in range(len(tot))) / len(tot)
-    out["loss_ce"] = sum(out[f"loss_ce_{k + 1}"] for k in range(len(tot))) / len(tot)
+    trained = range(cfg.unroll + 1)  # keep_best and the logged means look at the trained depths
+    out["acc"] = sum(out[f"acc_{k + 1}"] for k in trained) / len(trained)
+    out["loss_ce"] = sum(out[f"loss_ce_{k + 1}"] for k in trained) / len(trained)
+    out["tau_chain"] = 1.0 + accepted / max(anchors, 1)
     return out
 
 
@@ -273,9 +306,10 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
         metrics = evaluate(net, pieces, reader, val_set, vocab, cfg, layer)
         tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
         state["history"].append({"step": step, **metrics})
-        log(f"  val step {step}: acc {metrics['acc']:.3f} acc_1 {metrics['acc_1']:.3f} loss_ce {metrics['loss_ce']:.3f}")
-        if cfg.keep_best and (state["best"] is None or metrics["acc"] > state["best"]["acc"]):
-            state["best"] = {"step": step, "acc": metrics["acc"]}
+        log(f"  val step {step}: acc {metrics['acc']:.3f} acc_1 {metrics['acc_1']:.3f} loss_ce {metrics['loss_ce']:.3f} "
+            f"tau_chain {metrics['tau_chain']:.3f}")
+        if cfg.keep_best and (state["best"] is None or metrics["tau_chain"] > state["best"].get("tau_chain", -1.0)):
+            state["best"] = {"step": step, "acc": metrics["acc"], "tau_chain": metrics["tau_chain"]}
             save_file({k: v.detach().float().contiguous() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
 
     try:
@@ -337,11 +371,45 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
         dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
         path = save_checkpoint(out, net, vocab, meta, dtype=dtype)
         (path / "metrics.json").write_text(json.dumps(final, indent=1))
+        (path / "MODEL_CARD.md").write_text(model_card(json.loads((path / "config.json").read_text())))
         tracker.artifact(path / "config.json")
         log(f"checkpoint written to {path}")
         return path
     finally:
         tracker.end()
+
+
+def model_card(meta: dict) -> str:
+    """MODEL_CARD.md of an exported checkpoint, from its config.json."""
+    m, t, final = meta["model"], meta["training"], meta["validation"]["final"]
+    depths = sorted(int(k.split("_")[1]) for k in final if k.startswith("acc_"))
+    lines = [
+        "# Hidden-state drafter (Make Every Draft Count)", "",
+        f"Token-free recurrence over verifier states plus token injection, for verifier `{meta['verifier']}`. "
+        "The verifier's embeddings and LM head (restricted to the draft vocabulary) are taken from the verifier "
+        "at load and are not in this checkpoint.", "",
+        "## Architecture",
+        f"- one decoder layer at the verifier width {m['verifier_hidden_size']} ({m['num_heads']} heads, "
+        f"{m['num_kv_heads']} KV heads, MLP {m['intermediate_size']}), token injection MLP {m['inject_intermediate_size']}",
+        f"- reads verifier hidden_states[{m['state_layer']}]; draft vocabulary {meta['draft_vocab_size']} tokens; "
+        f"weights stored in {meta['weights_dtype']}",
+        f"- drafting defaults: {meta['defaults']}", "",
+        "## Training",
+        f"- command: `{t['command']}`",
+        f"- data: `{t['features']}`, train shards {t['train_shards']}, held-out shards {t['val_shards']}",
+        f"- {t['steps']} steps, {t['sequences']} sequences, {t['wall_s']} s of training, unroll {t['unroll']}, "
+        f"bf16 autocast {t['bf16']}, lr {t['optim']['lr']}; exported step: {t['best'] or 'last'}"
+        + (f"; stopped by the time budget at step {t['stopped_by_time']}" if t.get("stopped_by_time") else ""), "",
+        "## Held-out validation (teacher forced)", "",
+        "| depth | " + " | ".join(str(d) for d in depths) + " |",
+        "|---" * (len(depths) + 1) + "|",
+        "| top-1 agreement | " + " | ".join(f"{final[f'acc_{d}']:.3f}" for d in depths) + " |",
+        "",
+        f"- greedy chain of {meta['defaults']['depth']} tokens, tokens per step (bonus included): "
+        f"**{final.get('tau_chain', float('nan')):.3f}** (exact for greedy drafting on on-policy data)",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -362,7 +430,7 @@ def train_hidden_state_main(args) -> int:
     cfg = load_train_hidden_state_config(args.config, args.set)
     if args.fresh:
         cfg = cfg.model_copy(update={"resume": False})
-    argv = sys.argv[1:]
-    command = " ".join(["metasd"] + [shlex.quote(a) for a in argv]) if argv[:2] == ["train", "hidden_state"] else None
+    command = " ".join(["metasd train hidden_state", shlex.quote(args.config)]
+                       + [f"--set {shlex.quote(x)}" for x in args.set])
     train_hidden_state(cfg, until_step=args.until_step, command=command)
     return 0
