@@ -107,7 +107,11 @@ def build_methods(args, vm, vt, dm, dt):
 
         def run(ids, engine=engine):
             r = engine.generate(ids, max_new_tokens=n, **sampling(args))
-            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
+            figures = engine_figures(r.stats)
+            counters = {d.name: dict(d.counters) for d in engine.drafters if getattr(d, "counters", None)}
+            if counters:  # per-drafter counts of its own (hidden-state drafter: reused states, forwards)
+                figures["drafter_counters"] = counters
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, figures
         methods[name] = run
         if cfg.verifier.quantize != args.verifier_quantize:  # outputs are that quantized verifier's
             plain_q = f"plain {cfg.verifier.quantize} verifier (transformers +fix)"
@@ -155,6 +159,9 @@ def main(argv=None) -> int:
         if any("steps" in e for r in rows for e in r["methods"].values()):
             print()
             print(steps_table(rows))
+        if reuse_table(rows):
+            print()
+            print(reuse_table(rows))
         return 0
     torch.set_num_threads(args.threads)
     questions = load_questions(args.questions, per_group=args.per_group)
@@ -197,6 +204,9 @@ def main(argv=None) -> int:
     print(summary_table(rows))
     print()
     print(steps_table(rows))
+    if reuse_table(rows):
+        print()
+        print(reuse_table(rows))
     return 0
 
 
@@ -262,6 +272,23 @@ def steps_table(rows) -> str:
         lines.append(f"| {m} | {tau(m, rows):.2f} | {sum(x['accepted'] for x in e) / max(steps, 1):.2f} | "
                      + " | ".join(cells) + f" | {sum(x['draft_s'] for x in e) / decode:.0%} |")
     return "\n".join(lines)
+
+
+def reuse_table(rows) -> str:
+    """Markdown, drafters that count reused states (hidden-state drafter): per drafted step, the depth states
+    taken from an earlier draft, the drafter's layer forwards, and the share of steps that refreshed."""
+    lines = []
+    for m in rows[0]["methods"]:
+        per = [r["methods"][m].get("drafter_counters") or {} for r in rows]
+        for d in sorted({name for c in per for name, v in c.items() if "reused_states" in v}):
+            tot = {k: sum(c.get(d, {}).get(k, 0) for c in per) for k in ("steps", "reused_states", "drafter_forwards", "refreshes")}
+            steps = max(tot["steps"], 1)
+            lines.append(f"| {m} | {d} | {tot['steps']} | {tot['reused_states'] / steps:.2f} | "
+                         f"{tot['drafter_forwards'] / steps:.2f} | {tot['refreshes'] / steps:.0%} |")
+    if not lines:
+        return ""
+    return "\n".join(["| method | drafter | drafted steps | reused states/step | layer forwards/step | steps refreshed |",
+                      "|---|---|---|---|---|---|"] + lines)
 
 
 if __name__ == "__main__":
