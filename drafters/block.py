@@ -1,5 +1,5 @@
 """Block drafter: k parallel heads on the verifier's last hidden state, with lattice rescoring
-(ALGORITHMS.md section 4; Stern et al. 2018, Kim et al. arXiv 2404.09221).
+(docs/algorithms.md#block-drafters-and-lattice-rescoring; Stern et al. 2018, Kim et al. arXiv 2404.09221).
 
 Indexing. ``HiddenStore.last(L)`` is the verifier state (after the final norm) that produced the
 pending token, i.e. the state at position t whose LM-head output is token t+1 = the pending token. The

@@ -1,4 +1,4 @@
-"""Hidden-state drafter that reuses rejected drafts (ALGORITHMS.md section 8; MEDC, arXiv 2602.21224).
+"""Hidden-state drafter that reuses rejected drafts (docs/algorithms.md#hidden-state-drafter; MEDC, arXiv 2602.21224).
 
 Network (``hidden_state_net``): a token-free recurrence over verifier states, s_{t+1} = f(h_0..h_t), and a
 token injection q(x_{t+2}) = softmax(head(g(s_{t+1}, e(x_{t+1})))) over a reduced draft vocabulary.

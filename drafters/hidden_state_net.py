@@ -1,4 +1,4 @@
-"""The network of the hidden-state drafter (ALGORITHMS.md section 8; "Make Every Draft Count", arXiv 2602.21224).
+"""The network of the hidden-state drafter (docs/algorithms.md#hidden-state-drafter; "Make Every Draft Count", arXiv 2602.21224).
 
 Two trainable parts, both at the verifier's width d, on top of frozen verifier pieces (input embeddings e,
 LM head restricted to a reduced draft vocabulary):

@@ -42,7 +42,7 @@ class PretrainedParams(DrafterParams):
 
 @register_drafter
 class PretrainedDrafter(Drafter):
-    """A small LM with its own KV cache drafting ``k`` tokens per step (ALGORITHMS.md section 2).
+    """A small LM with its own KV cache drafting ``k`` tokens per step (docs/algorithms.md#pretrained-drafters).
 
     Catch-up: before drafting, the drafter crops its cache to the longest prefix it shares with the
     committed tokens and feeds the rest in one forward (the bonus token of the last step, plus any tokens

@@ -12,7 +12,7 @@ prefix) then feeds what is missing (the bonus token, and the last accepted node 
 the next ``propose``. A tree left unsettled (``observe`` not called) is cropped away at the next
 ``propose``.
 
-Modes (ALGORITHMS.md sections 1-2; RSD = Jeon et al. 2024, arXiv 2402.14160):
+Modes (docs/algorithms.md#pretrained-draft-trees; RSD = Jeon et al. 2024, arXiv 2402.14160):
 
 - ``dynamic`` (EAGLE-2-style, any sampling mode): each node is scored by its cumulative draft
   log-probability. Level 1 = the ``width`` best children of the root; at each further level the

@@ -1,4 +1,4 @@
-"""SD²: a pretrained drafter steered by the verifier's hidden states (ALGORITHMS.md section 3).
+"""SD²: a pretrained drafter steered by the verifier's hidden states (docs/algorithms.md#steered-drafters).
 
 The steering module turns three verifier hidden states (low, middle, high layer) into one bias per
 steered drafter layer:

@@ -1,4 +1,4 @@
-"""TreeFlash: a one-shot block drafter (DFlash backbone) that drafts trees (ALGORITHMS.md sections 5, 6).
+"""TreeFlash: a one-shot block drafter (DFlash backbone) that drafts trees (docs/algorithms.md#treeflash).
 
 Per step:
 1. bring the context up to date: project the verifier hidden states of rows not seen yet (the committed

@@ -1,4 +1,4 @@
-"""The TreeFlash drafter network (ALGORITHMS.md sections 5 and 6), written for metasd.
+"""The TreeFlash drafter network (docs/algorithms.md#treeflash), written for metasd.
 
 Two trainable parts on top of frozen verifier pieces (input embeddings, final norm, LM head restricted to
 a reduced draft vocabulary):

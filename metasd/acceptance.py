@@ -1,4 +1,4 @@
-"""Lossless acceptance rules (ALGORITHMS.md section 1).
+"""Lossless acceptance rules (docs/algorithms.md#lossless-acceptance).
 
 Conventions, for a draft of n nodes (see ``metasd.tree``):
   p: [n+1, vocab] processed verifier probabilities. Row 0 is the verifier's distribution after the last

@@ -1,7 +1,7 @@
 """transformers' own decoding, timed the same way as metasd: the references every speedup is measured against.
 
 All functions take prompt ids and return ``(new_token_ids, seconds)``; seconds is wall time including the
-prefill. Greedy only (the reference table in ENVIRONMENT.md is greedy).
+prefill. Greedy only, as are the reference figures (docs/models.md#reference-baselines).
 """
 from __future__ import annotations
 

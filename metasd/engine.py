@@ -1,6 +1,6 @@
 """The engine: speculative decoding with a pool of drafters, one shared verifier and a policy.
 
-One step (ALGORITHMS.md section 0): the policy picks a drafter, the drafter proposes a chain or tree,
+One step (docs/algorithms.md#steps-and-metrics): the policy picks a drafter, the drafter proposes a chain or tree,
 the verifier scores it in one forward, an exact acceptance rule keeps a prefix (a root-to-node path)
 plus one bonus token, and the verifier's cache keeps exactly what was committed.
 """

@@ -1,6 +1,6 @@
 """Per-request statistics (vLLM's per-request spec-decode schema, plus wall-clock breakdown).
 
-Words (ALGORITHMS.md section 0): a *step* is one draft + one verifier forward + commit; ``n_acc`` are
+Words (docs/algorithms.md#steps-and-metrics): a *step* is one draft + one verifier forward + commit; ``n_acc`` are
 accepted draft tokens (bonus excluded); *tokens per step* ``tau = n_acc + 1`` includes the bonus, so plain
 decoding scores 1.00 ("mean acceptance length" in the vLLM / Spec-Bench convention).
 """

@@ -1,4 +1,4 @@
-"""Rewards a policy learns from, computed from what one step already measured (ALGORITHMS.md section 7)."""
+"""Rewards a policy learns from, computed from what one step already measured (docs/algorithms.md#rewards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -18,7 +18,7 @@ with the method's *own* earlier answers as assistant messages (Spec-Bench's conv
 baseline answers later turns after its own answers and each method after its own; under greedy
 lossless decoding these are the same texts up to floating-point ties.
 
-Speedup (Spec-Bench's ``speed.py``, ALGORITHMS.md section 0): a question's speed is its new tokens over
+Speedup (Spec-Bench's ``speed.py``, docs/algorithms.md#speedup): a question's speed is its new tokens over
 its wall time summed over its turns (prefill included); a group's speedup = mean question speed of the
 method / mean question speed of plain decoding over the same questions (and turns). Mean tokens per step
 = committed tokens / steps, bonus token included (plain = 1.00; for transformers baselines a step is one

@@ -1,4 +1,4 @@
-"""Bandit policies that pick which drafter (arm) drafts next; see ALGORITHMS.md section 7.
+"""Bandit policies that pick which drafter (arm) drafts next; see docs/algorithms.md#bandit-policies.
 
 One family per module, each class registered by name in ``POLICIES`` (the name used in configs):
 

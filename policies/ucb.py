@@ -2,7 +2,7 @@
 
 All three play every arm once first (an arm with no (windowed) observation has an infinite index), then
 the arm maximising ``mean_i + c * s * sqrt(2 ln n / n_i)``. ``c`` is the exploration weight (``beta`` in
-ALGORITHMS.md section 7; ``c = 1`` is Auer et al.'s UCB1 for rewards in [0, 1]). ``s`` is 1 unless
+docs/algorithms.md#bandit-policies; ``c = 1`` is Auer et al.'s UCB1 for rewards in [0, 1]). ``s`` is 1 unless
 ``normalize=True``, in which case ``s = 2 * std`` of all rewards observed so far: for an unbounded reward
 such as tokens/s this puts the bonus on the reward's scale (a [0, 1] reward with std 1/2 gets ``s = 1``,
 i.e. plain UCB1). While fewer than two distinct rewards have been seen, ``s`` falls back to 1.

@@ -3,7 +3,7 @@
 nice -n 19 python experiments/block/sanity.py [--ckpt checkpoints/block/qwen1.5b] [--max-new-tokens 48]
 Greedy, bf16, 2 threads. Mean tokens per step includes the bonus token (plain decoding = 1.00).
 Where an output differs from plain decoding, prints the first divergence and plain decoding's top-two
-logit margin there (bf16 near-ties flip; see ENVIRONMENT.md).
+logit margin there (bf16 near-ties flip; see docs/models.md#bf16-and-greedy-identity).
 """
 import argparse
 import json

@@ -4,7 +4,7 @@
 
 Prints, per mode, tokens per step (mean of tau = accepted drafts + 1; plain decoding = 1.00), tokens/s
 and whether the output equals plain decoding. In bf16 a divergence is reported with the top-2 logit
-margin of plain decoding at the first differing position (ENVIRONMENT.md: near-ties flip in bf16).
+margin of plain decoding at the first differing position (near-ties flip in bf16: docs/models.md#bf16-and-greedy-identity).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training the block drafter's heads (``metasd train block CONFIG``; ALGORITHMS.md section 4).
+"""Training the block drafter's heads (``metasd train block CONFIG``; docs/algorithms.md#block-drafters-and-lattice-rescoring).
 
 Data: a verifier feature directory (``metasd.training.features``). Input = the verifier hidden state
 ``hidden_<L>`` (L = num_layers, after the final norm) at position t, which produced token t+1; head i's

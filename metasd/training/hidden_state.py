@@ -1,4 +1,4 @@
-"""Training the hidden-state drafter (``metasd train hidden_state CONFIG [--set KEY=VALUE]``; ALGORITHMS.md section 8).
+"""Training the hidden-state drafter (``metasd train hidden_state CONFIG [--set KEY=VALUE]``; docs/algorithms.md#hidden-state-drafter).
 
 Data: a verifier feature directory (``metasd.training.features``) that stores ``hidden_<state_layer>``
 (default state_layer = the verifier's num_hidden_layers, the post-final-norm state; the default feature

@@ -1,4 +1,4 @@
-"""Training a TreeFlash drafter (``metasd train treeflash CONFIG``; ALGORITHMS.md sections 5 and 6).
+"""Training a TreeFlash drafter (``metasd train treeflash CONFIG``; docs/algorithms.md#treeflash).
 
 Data: a verifier feature directory (``metasd.training.features``): token ids, response mask, verifier
 hidden states of several layers, and the verifier's top-k next-token log-probabilities at every position.
