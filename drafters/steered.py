@@ -446,7 +446,7 @@ class SteeredTreeParams(PretrainedTreeParams):
 
 @register_drafter
 class SteeredDrafter(_Steering, PretrainedDrafter):
-    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², section 3); drafts
+    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², docs/algorithms.md#steered-drafters); drafts
     a chain.
 
     steering: a ``SteeringModule`` (None: a plain drafter that still declares no hidden layers).
