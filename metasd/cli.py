@@ -5,44 +5,87 @@ import argparse
 import importlib
 import json
 import sys
+from pathlib import Path
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" for options that have a default (not for None or store_true flags)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# generate's request options, as the CLI spells them in errors (the checks: metasd.sampling.check_request)
+_REQUEST_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                    "top_k": "--top-k", "threads": "--threads"}
+_REWARDS = ["throughput", "block_efficiency", "block_divergence"]
+
+
+def _policy_names() -> str:
+    try:
+        from .policy import POLICIES
+        importlib.import_module("metasd.policies")
+        return ", ".join(sorted(POLICIES))
+    except ImportError:  # pragma: no cover - a broken install still gets a parser
+        return "ucb, thompson, exp3, ..."
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    from .sampling import REQUEST_LIMITS
+
+    def allowed(key: str) -> str:
+        return REQUEST_LIMITS[key][1]
+
+    p = sub.add_parser("generate", help="generate text with speculative decoding", formatter_class=_HelpFormatter,
+                       description="Generate text with speculative decoding. Every option and the pool file are "
+                                   "checked before any model loads.")
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
-    p.add_argument("--pool", help="pool config YAML (default: the embedded default pool)")
-    p.add_argument("--verifier", help="verifier model reference (overrides the pool's)")
+    p.add_argument("--pool", help="pool config YAML (default: the embedded default pool, configs/default.yaml)")
+    p.add_argument("--verifier", help="verifier model reference (overrides the pool's): bundled:<name>, a local HF "
+                                      "directory or .gguf file, or a hub id")
     p.add_argument("--drafter", action="append",
-                   help="use only this drafter: a name from the pool, a model reference (drafts with k tokens), "
-                        "'ngram', or 'none' for plain decoding; repeat for several")
-    p.add_argument("--k", type=int, default=None, help="draft length for --drafter model references")
-    p.add_argument("--policy", help="policy name (ucb, thompson, exp3, ...), overrides the pool's")
-    p.add_argument("--granularity", choices=["step", "request"])
-    p.add_argument("--reward", choices=["throughput", "block_efficiency", "block_divergence"])
-    p.add_argument("--dtype", help="auto | bf16 | fp32 | fp16 (overrides the pool's)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+                   help="use only this drafter: a name from the pool, a model reference (bundled:<name>, a local HF "
+                        "directory or .gguf file, or a hub id; drafts chains of --k tokens), 'ngram', or 'none' for "
+                        "plain decoding; repeat for several (default: every drafter of the pool)")
+    p.add_argument("--k", type=int, default=None,
+                   help="draft length (an integer >= 1) of the drafters chosen with --drafter: model references, "
+                        "'ngram', and the pool's pretrained/steered chain drafters (default: the pool's value, "
+                        "else 5 for a model and 10 for ngram)")
+    p.add_argument("--policy", help=f"policy name (default: the pool's): one of {_policy_names()}")
+    p.add_argument("--granularity", choices=["step", "request"],
+                   help="choose a drafter per step or per request (default: the pool's)")
+    p.add_argument("--reward", choices=_REWARDS, help="what the policy maximises (default: the pool's)")
+    p.add_argument("--dtype", help="auto | bf16 | fp32 | fp16 (default: the pool's)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help=f"tokens to generate: {allowed('max_new_tokens')}")
+    p.add_argument("--temperature", type=float, default=0.0, help=f"sampling temperature: {allowed('temperature')}")
+    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass: {allowed('top_p')} (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help=f"keep the k most likely tokens: {allowed('top_k')}")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch CPU threads: {allowed('threads')} (default: torch's choice)")
     p.add_argument("--stream", action="store_true", help="print text as it is committed")
     p.add_argument("--json", action="store_true", help="print the result and per-request stats as JSON")
     p.set_defaults(func=_generate)
 
 
 def _pool_overrides(args) -> dict:
-    from .config import read_pool_config
+    """The pool file's mapping with the command-line overrides applied (validated once, by the caller)."""
+    from .config import default_pool_path, read_yaml_mapping
 
-    cfg = read_pool_config(args.pool).model_dump()
-    if args.verifier:
-        cfg["verifier"]["model"] = args.verifier
-    if args.dtype:
-        cfg["verifier"]["dtype"] = args.dtype
+    cfg = read_yaml_mapping(args.pool if args.pool else default_pool_path(), "pool config")
+    if args.verifier or args.dtype:
+        verifier = dict(cfg["verifier"]) if isinstance(cfg.get("verifier"), dict) else {}
+        if args.verifier:
+            verifier["model"] = args.verifier
+        if args.dtype:
+            verifier["dtype"] = args.dtype
+        cfg["verifier"] = verifier
     if args.drafter:
-        by_name = {d["name"]: d for d in cfg["drafters"]}
+        by_name = _pool_drafters(cfg)
         chosen = []
         for ref in args.drafter:
             if ref == "none":
@@ -53,12 +96,13 @@ def _pool_overrides(args) -> dict:
                 d = {"name": "ngram", "type": "ngram", "params": {}}
             else:
                 d = {"name": ref, "type": "pretrained", "model": ref, "params": {}}
-            if args.k is not None and d["type"] in ("pretrained", "ngram", "steered"):
-                d["params"] = {**d.get("params", {}), "k": args.k}
+            if args.k is not None and d.get("type") in ("pretrained", "ngram", "steered"):
+                d["params"] = {**(d.get("params") or {}), "k": args.k}
             chosen.append(d)
         cfg["drafters"] = chosen
     if args.policy:
-        cfg["policy"] = {"name": args.policy, "params": {}, "seed": cfg["policy"].get("seed")}
+        old = cfg.get("policy") if isinstance(cfg.get("policy"), dict) else {}
+        cfg["policy"] = {"name": args.policy, "params": {}, "seed": old.get("seed", 0)}
     if args.granularity:
         cfg["granularity"] = args.granularity
     if args.reward:
@@ -66,20 +110,82 @@ def _pool_overrides(args) -> dict:
     return cfg
 
 
+def _pool_drafters(cfg: dict) -> dict:
+    drafters = cfg.get("drafters") if isinstance(cfg.get("drafters"), list) else []
+    return {d["name"]: d for d in drafters if isinstance(d, dict) and isinstance(d.get("name"), str)}
+
+
+def _check_options(args) -> None:
+    """Request options, then --drafter / --verifier references: ``ValueError`` naming the option and what it
+    accepts. Cheap (no model, no network), so it runs before the pool is built."""
+    from .models import ModelLoadError, check_model_reference
+    from .sampling import check_request
+
+    check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, threads=args.threads)
+    if args.k is not None and args.k < 1:
+        raise ValueError(f"--k must be an integer >= 1, got {args.k}")
+    if args.policy:
+        from .config import resolve_policy_class
+
+        resolve_policy_class(args.policy, where="--policy")
+    if args.dtype:
+        from .models import resolve_dtype
+
+        try:
+            resolve_dtype(args.dtype, "cpu")
+        except ValueError as e:
+            raise ValueError(f"--dtype: {e}") from None
+    if args.verifier:
+        try:
+            check_model_reference(args.verifier)
+        except ModelLoadError as e:
+            raise ValueError(f"--verifier {args.verifier!r}: {e}") from None
+    if args.drafter:
+        from .config import default_pool_path, read_yaml_mapping
+
+        names = sorted(_pool_drafters(read_yaml_mapping(args.pool or default_pool_path(), "pool config")))
+        for ref in args.drafter:
+            if ref in ("none", "ngram") or ref in names:
+                continue
+            try:
+                check_model_reference(ref)
+            except ModelLoadError as e:
+                raise ValueError(f"--drafter {ref!r} is not a drafter of the pool ({', '.join(names) or 'none'}), "
+                                 f"'ngram' or 'none', nor a model reference: {e}") from None
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin.isatty():
+        print("metasd generate: reading the prompt from stdin (end with Ctrl-D)", file=sys.stderr, flush=True)
+    return sys.stdin.read()
+
+
 def _generate(args) -> int:
-    import torch
+    from .config import ConfigError, check_model_references, check_quantization, parse_pool_config
 
-    from .config import build_engine, parse_pool_config
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    # everything that can be checked without a model is checked first: options, pool file, references, devices
+    _check_options(args)
+    source = args.pool or "default pool"
+    config = parse_pool_config(_pool_overrides(args), source=source)
+    check_model_references(config, source, Path(args.pool).resolve().parent if args.pool else None)
+    try:
+        check_quantization(config)  # also resolves each device and dtype
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    prompt = _read_prompt(args)
     if not prompt.strip():
         print("metasd generate: the prompt is empty", file=sys.stderr)
         return 2
-    config = parse_pool_config(_pool_overrides(args), source=args.pool or "default pool")
-    from pathlib import Path
 
+    import torch
+
+    from .config import build_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)

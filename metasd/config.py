@@ -277,8 +277,8 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
                           f"save the {what} as UTF-8") from None
     try:
         raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # its marks (line, column, snippet) name the text "<unicode string>": say which file
+        raise ConfigError(f"{path}: not valid YAML: " + str(e).replace('"<unicode string>"', f'"{path}"')) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return raw
@@ -341,6 +341,32 @@ def check_quantization(config: PoolConfig) -> None:
                        dtype=resolve_dtype(d.dtype or config.verifier.dtype, device), device=device)
 
 
+def check_model_references(config: PoolConfig, source: str = "<pool>", base_dir: Path | None = None) -> None:
+    """Every model reference of a pool (``verifier.model``, ``drafters.i.model``) can be loaded - a known
+    ``bundled:`` name, an existing model directory or .gguf file, or a hub id (not looked up) - and every
+    ``drafters.i.checkpoint`` exists (relative to ``base_dir``, as ``build_engine`` resolves it). Cheap: nothing
+    is loaded, downloaded or assembled. A ``ConfigError`` naming ``source`` and each bad field otherwise."""
+    from .models import ModelLoadError, check_model_reference
+
+    refs = [("verifier.model", config.verifier.model)]
+    refs += [(f"drafters.{i}.model", d.model) for i, d in enumerate(config.drafters) if d.model is not None]
+    lines = []
+    for where, ref in refs:
+        try:
+            check_model_reference(ref)
+        except ModelLoadError as e:
+            lines.append(f"  {where}: {e}")
+    for i, d in enumerate(config.drafters):
+        if d.checkpoint:
+            path = Path(d.checkpoint).expanduser()
+            if base_dir is not None and not path.is_absolute():
+                path = base_dir / path
+            if not path.exists():
+                lines.append(f"  drafters.{i}.checkpoint: {str(path)!r} does not exist")
+    if lines:
+        raise ConfigError("\n".join([f"{source}: invalid pool config", *lines]))
+
+
 def build_engine(config: PoolConfig, base_dir: Path | None = None, models: ModelCache | None = None, **engine_kwargs):
     """Load the models of a validated pool config and compose the engine."""
     from .engine import Engine
@@ -388,4 +414,6 @@ def load_pool(path: str | Path | None = None, overrides: dict[str, Any] | None =
     """Read a pool file (default: the embedded default pool) and build its ``Engine``."""
     config = read_pool_config(path, overrides)
     base = Path(path).resolve().parent if path is not None else None
+    if engine_kwargs.get("models") is None:  # a caller's own ModelCache may hold models under any name
+        check_model_references(config, str(path) if path is not None else "default pool", base)
     return build_engine(config, base, **engine_kwargs)

@@ -580,13 +580,22 @@ def _looks_like_path(ref: str) -> bool:
     )
 
 
-def _resolve(ref: str) -> _Source:
+def check_model_reference(ref: str) -> str:
+    """What ``ref`` refers to - "bundled", "dir", "gguf" or "hub" - checked without loading, downloading or
+    assembling anything (cheap: a dictionary lookup and a few file-system stats). ``ModelLoadError`` for what
+    ``load_model`` would refuse anyway: an unknown ``bundled:`` name, a path that does not exist, a directory
+    without config.json, a file that is not .gguf. A hub id is not looked up (that needs the network)."""
+    return _locate(ref).kind
+
+
+def _locate(ref: str) -> _Source:
+    """``_resolve`` without preparing a bundled model (its ``path`` is then empty)."""
     if not isinstance(ref, str) or not ref.strip():
         raise ModelLoadError(f"model reference must be a non-empty string, got {ref!r}; bundled models: {_bundled_names()}")
     ref = ref.strip()
     if ref.startswith(BUNDLED_PREFIX):
-        entry = _get_bundled(ref[len(BUNDLED_PREFIX):])
-        return _Source("bundled", ref, str(prepare_bundled(entry.name)))
+        _get_bundled(ref[len(BUNDLED_PREFIX):])  # an unknown name is refused here
+        return _Source("bundled", ref, "")
     p = Path(ref).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file():
@@ -604,6 +613,13 @@ def _resolve(ref: str) -> _Source:
             f"or a bundled model: {_bundled_names()}"
         )
     return _Source("hub", ref, ref)
+
+
+def _resolve(ref: str) -> _Source:
+    src = _locate(ref)
+    if src.kind == "bundled":
+        return _Source("bundled", src.ref, str(prepare_bundled(src.ref[len(BUNDLED_PREFIX):])))
+    return src
 
 
 def _env_true(name: str) -> bool:

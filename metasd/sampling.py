@@ -6,9 +6,43 @@ greedy: the processed distribution is one-hot on the argmax.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+#: request arguments: (test, allowed values as shown in errors and in ``metasd generate --help``)
+REQUEST_LIMITS = {
+    "max_new_tokens": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "temperature": (lambda x: _is_real(x) and x >= 0, ">= 0 (0 = greedy)"),
+    "top_p": (lambda x: _is_real(x) and 0.0 < x <= 1.0, "in (0, 1]"),
+    "top_k": (lambda x: _is_int(x) and x >= 0, ">= 0 (0 = off)"),
+    "threads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+}
+
+
+def check_request(names: dict[str, str] | None = None, **values) -> None:
+    """Check request arguments (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``threads``; None =
+    not given) against ``REQUEST_LIMITS`` before any work is done; ``ValueError`` naming every bad one, as
+    ``names`` spells it (the CLI: ``--top-p``), with its allowed values. Used by ``SamplingParams`` (so by
+    ``Engine.generate`` / ``stream``) and by ``metasd generate`` before it loads any model."""
+    names = names or {}
+    bad = []
+    for key, value in values.items():
+        ok, allowed = REQUEST_LIMITS[key]
+        if value is not None and not ok(value):
+            bad.append(f"{names.get(key, key)} must be {allowed}, got {value!r}")
+    if bad:
+        raise ValueError("; ".join(bad))
 
 
 @dataclass(frozen=True)
@@ -20,12 +54,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: off
 
     def __post_init__(self):
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        check_request(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
     @property
     def greedy(self) -> bool:

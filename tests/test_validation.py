@@ -1,0 +1,281 @@
+"""Issue 19: every bad config or request input is refused before any model loads, naming the file, the field
+(or option) and what is allowed. Each refusal row goes through ``metasd.cli.main`` with every model-loading
+entry point replaced by one that fails the test."""
+import glob
+import inspect
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import metasd.config
+import metasd.drafters  # noqa: F401  (registers the drafter types before anything is timed)
+import metasd.models
+import metasd.policies  # noqa: F401
+from metasd.cli import main
+from metasd.config import read_pool_config
+from metasd.drafter import DRAFTERS
+
+REPO = Path(__file__).resolve().parents[1]
+# a pool that is valid and loads nothing while it is checked: the verifier is a hub id (never looked up)
+BASE_POOL = {"verifier": {"model": "tiny-org/tiny-verifier", "dtype": "fp32"},
+             "drafters": [{"name": "ngram", "type": "ngram", "params": {"k": 4}},
+                          {"name": "ngram2", "type": "ngram", "params": {"k": 2}}],
+             "policy": {"name": "ucb", "params": {"c": 1.0}}}
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Every way ``metasd generate`` could load weights fails the test; returns the calls seen."""
+    calls = []
+
+    def refuse(what):
+        def fail(*args, **kwargs):
+            calls.append(what)
+            raise AssertionError(f"model loaded ({what})")
+        return fail
+
+    monkeypatch.setattr(metasd.models, "load_model", refuse("load_model"))
+    monkeypatch.setattr(metasd.models, "load_tokenizer", refuse("load_tokenizer"))
+    monkeypatch.setattr(metasd.models, "prepare_bundled", refuse("prepare_bundled"))
+    monkeypatch.setattr(metasd.config.ModelCache, "load", refuse("ModelCache.load"))
+    monkeypatch.setattr(metasd.config, "build_engine", refuse("build_engine"))
+    return calls
+
+
+def _pool_file(tmp_path, mutate=None, name="pool.yaml") -> Path:
+    cfg = yaml.safe_load(yaml.safe_dump(BASE_POOL))  # a deep copy
+    if mutate:
+        mutate(cfg)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _set_param(i, **params):
+    return lambda c: c["drafters"][i]["params"].update(params)
+
+
+def _not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(yaml.safe_dump(BASE_POOL, sort_keys=False).encode() + "# caf\u00e9\n".encode("latin-1"))
+    return ["--pool", str(path)], [str(path), ": not UTF-8 text (byte 0xe9 at position "]
+
+
+def _directory(tmp_path):
+    (tmp_path / "pools").mkdir()
+    return ["--pool", str(tmp_path / "pools")], [f"{tmp_path / 'pools'}: is a directory, not a pool config file"]
+
+
+def _missing(tmp_path):
+    return ["--pool", str(tmp_path / "nope.yaml")], [f"pool config {tmp_path / 'nope.yaml'} does not exist"]
+
+
+def _bad_yaml(tmp_path):
+    (tmp_path / "bad.yaml").write_text("verifier: [unclosed\n")
+    return ["--pool", str(tmp_path / "bad.yaml")], [f"{tmp_path / 'bad.yaml'}: not valid YAML"]
+
+
+def _pool_row(mutate, *needles):
+    def row(tmp_path):
+        path = _pool_file(tmp_path, mutate)
+        return ["--pool", str(path)], [f"{path}: invalid pool config", *needles]
+    return row
+
+
+def _option_row(args, *needles):
+    return lambda tmp_path: (list(args), list(needles))
+
+
+def _missing_drafter_path(tmp_path):
+    ref = str(tmp_path / "no" / "such" / "model")
+    return (["--pool", str(_pool_file(tmp_path)), "--drafter", ref],
+            [f"--drafter {ref!r} is not a drafter of the pool (ngram, ngram2), 'ngram' or 'none', nor a model "
+             f"reference: model path {ref!r} does not exist"])
+
+
+def _missing_pool_model(tmp_path):
+    ref = str(tmp_path / "no-such-drafter")
+    path = _pool_file(tmp_path, lambda c: c["drafters"].append({"name": "small", "type": "pretrained", "model": ref}))
+    return ["--pool", str(path)], [f"{path}: invalid pool config", f"drafters.2.model: model path {ref!r} does not exist"]
+
+
+def _missing_checkpoint(tmp_path):
+    path = _pool_file(tmp_path, lambda c: c["drafters"].append(
+        {"name": "tf", "type": "treeflash", "checkpoint": "ckpt/none"}))
+    return ["--pool", str(path)], [f"{path}: invalid pool config",
+                                   f"drafters.2.checkpoint: {str(tmp_path.resolve() / 'ckpt' / 'none')!r} does not exist"]
+
+
+ROWS = {
+    "pool drafter param out of range": _pool_row(
+        _set_param(0, k=-3), "  drafters.0.params.k: Input should be greater than or equal to 1 (got -3)"),
+    "unknown drafter param": _pool_row(
+        _set_param(1, kk=3), "  drafters.1.params.kk: NGramDrafter has no parameter 'kk' (did you mean 'k'?); "
+                             "allowed: k, n_min, n_max, latest"),
+    "drafter mode not allowed": _pool_row(
+        lambda c: c["drafters"].append({"name": "t", "type": "pretrained_tree", "model": "org/small",
+                                        "params": {"mode": "beam"}}),
+        "  drafters.2.params.mode: Input should be 'dynamic', 'rsd_c' or 'rsd_s' (got 'beam')"),
+    "unknown pool field": _pool_row(lambda c: c.update(speed="fast"),
+                                    "  speed: Extra inputs are not permitted (got 'fast')"),
+    "unknown policy": _pool_row(lambda c: c["policy"].update(name="ucbx"),
+                                "  policy.name: unknown policy 'ucbx'; registered: ['discounted_ucb', "),
+    "policy param out of range": _pool_row(lambda c: c["policy"]["params"].update(c=-1),
+                                           "  policy.params: UCB1: parameter 'c' must be >= 0, got -1"),
+    "non-UTF-8 pool file": _not_utf8,
+    "directory as pool file": _directory,
+    "missing pool file": _missing,
+    "YAML syntax error": _bad_yaml,
+    "pool model path missing": _missing_pool_model,
+    "pool checkpoint missing": _missing_checkpoint,
+    "max_new_tokens 0": _option_row(["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    "temperature -1": _option_row(["--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    "top_p 1.5": _option_row(["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    "top_k -1": _option_row(["--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
+    "threads 0": _option_row(["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+    "k 0": _option_row(["--drafter", "ngram", "--k", "0"], "--k must be an integer >= 1, got 0"),
+    "unknown --policy": _option_row(["--policy", "ucbx"], "--policy: unknown policy 'ucbx'; registered: ["),
+    "bad --dtype": _option_row(["--dtype", "fp8"], "--dtype: dtype 'fp8' is not valid; allowed: 'auto', "),
+    "nonexistent --drafter path": _missing_drafter_path,
+    "unknown bundled --drafter": _option_row(["--drafter", "bundled:nope"],
+                                             "--drafter 'bundled:nope' is not a drafter of the pool",
+                                             "unknown bundled model 'bundled:nope'; bundled models are: bundled:"),
+    "nonexistent --verifier path": _option_row(["--verifier", "/no/such/verifier"],
+                                               "--verifier '/no/such/verifier': model path '/no/such/verifier' "
+                                               "does not exist"),
+}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_bad_input_is_refused_before_any_model_loads(row, tmp_path, no_model_load, capsys):
+    args, needles = ROWS[row](tmp_path)
+    t0 = time.perf_counter()
+    code = main(["generate", *args, "w7 w8 w9"])
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("metasd generate: error: "), err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in:\n{err}"
+    assert no_model_load == []
+    assert elapsed < 2.0, f"refused after {elapsed:.2f} s"  # the issue's requirement (measured: well under 0.1 s)
+
+
+def test_valid_options_reach_the_engine(tmp_path, no_model_load, capsys):
+    """The same checks let valid input through: the first thing after them is building the engine."""
+    path = _pool_file(tmp_path)
+    with pytest.raises(AssertionError, match=r"model loaded \(build_engine\)"):
+        main(["generate", "--pool", str(path), "--max-new-tokens", "1", "--temperature", "0.7", "--top-p", "1",
+              "--top-k", "0", "--threads", "1", "--drafter", "ngram", "--k", "3", "--drafter", "none",
+              "--policy", "thompson", "--dtype", "fp32", "w7 w8"])
+    assert no_model_load == ["build_engine"]
+
+
+def test_tty_prompt_notice(monkeypatch, no_model_load, capsys):
+    class Tty:
+        def isatty(self):
+            return True
+
+        def read(self):
+            return ""
+
+    monkeypatch.setattr(sys, "stdin", Tty())
+    assert main(["generate"]) == 2
+    err = capsys.readouterr().err
+    assert "metasd generate: reading the prompt from stdin (end with Ctrl-D)" in err
+    assert "the prompt is empty" in err
+
+
+def test_generate_help_shows_defaults_and_allowed_values(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for needle in ["--max-new-tokens MAX_NEW_TOKENS tokens to generate: an integer >= 1 (default: 256)",
+                   ">= 0 (0 = greedy) (default: 0.0)", "in (0, 1] (1 = off) (default: 1.0)", ">= 0 (0 = off) (default: 0)",
+                   "{throughput,block_efficiency,block_divergence}", "{step,request}", "one of discounted_ucb,"]:
+        assert needle in out, needle
+
+
+def test_end_to_end_generate_still_works(tmp_path, monkeypatch, capsys):
+    """A valid pool of tiny local models generates through the CLI (nothing valid is refused)."""
+    from tiny import tiny_qwen, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    build = metasd.config.build_engine
+
+    def build_with_tiny_tokenizer(*args, **kwargs):  # AutoTokenizer reloads the word-level tokenizer as Qwen2's BPE
+        engine = build(*args, **kwargs)
+        engine.tokenizer = tok
+        return engine
+
+    monkeypatch.setattr(metasd.config, "build_engine", build_with_tiny_tokenizer)
+    for name, seed in (("verifier", 0), ("drafter", 1)):
+        tiny_qwen(seed=seed).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    pool = {"verifier": {"model": str(tmp_path / "verifier"), "dtype": "fp32", "device": "cpu"},
+            "drafters": [{"name": "small", "type": "pretrained", "model": str(tmp_path / "drafter"),
+                          "params": {"k": 3, "confidence_threshold": 0.0}},
+                         {"name": "ngram", "type": "ngram", "params": {"k": 4, "n_max": 2}}],
+            "policy": {"name": "ucb", "params": {"c": 1.0, "normalize": True}}, "reward": "block_efficiency"}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    assert main(["generate", "--pool", str(tmp_path / "pool.yaml"), "--raw", "--max-new-tokens", "6", "--threads", "1",
+                 "--json", "w7 w8 w9 w7 w8"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", sorted(DRAFTERS))
+def test_params_models_match_the_constructors(kind):
+    """Each built-in drafter's Params declares only constructor keywords, with the constructor's defaults."""
+    cls = DRAFTERS[kind]
+    assert cls.Params is not None and cls.Params.model_config.get("extra") == "forbid"
+    sig = inspect.signature(cls.__init__).parameters
+    for name, field in cls.Params.model_fields.items():
+        assert name in sig, f"{kind}: Params.{name} is not an __init__ keyword"
+        assert field.default == sig[name].default, f"{kind}: Params.{name} default {field.default!r} != {sig[name].default!r}"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "*.yaml")) + glob.glob(str(REPO / "benchmarks" / "pools" / "*.yaml"))
+                                        + glob.glob(str(REPO / "experiments" / "**" / "pool*.yaml"), recursive=True)
+                                        + glob.glob(str(REPO / "experiments" / "pools" / "*.yaml"))),
+                         ids=lambda p: str(Path(p).relative_to(REPO)))
+def test_shipped_pools_stay_valid(path):
+    raw = yaml.safe_load(Path(path).read_text())
+    config = read_pool_config(path)
+    for given, checked in zip(raw.get("drafters", []), config.drafters):
+        assert checked.params == (given.get("params") or {})  # passed through as given: no defaults injected
+
+
+def test_engine_api_checks_sampling_arguments_before_any_forward(monkeypatch):
+    from tiny import tiny_qwen, tiny_tokenizer
+
+    from metasd.engine import Engine
+    from metasd.verifier import Verifier
+
+    engine = Engine(Verifier(tiny_qwen(seed=0), tiny_tokenizer()))
+
+    def no_forward(*a, **k):
+        raise AssertionError("forward ran")
+
+    monkeypatch.setattr(engine.verifier, "prefill", no_forward)
+    for kwargs, needle in [({"temperature": -1}, "temperature must be >= 0"), ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+                           ({"top_k": -1}, "top_k must be >= 0"), ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.generate([0, 7, 12], **{"max_new_tokens": 4, **kwargs})
+        with pytest.raises(ValueError, match=needle):
+            next(engine.stream([0, 7, 12], **{"max_new_tokens": 4, **kwargs}))
+
+
+def test_unreadable_pool_file_is_named(tmp_path, monkeypatch, no_model_load, capsys):
+    path = _pool_file(tmp_path)
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # chmod 000 does not stop root, which runs some CI
+    assert main(["generate", "--pool", str(path), "w7"]) == 2
+    assert f"metasd generate: error: {path}: cannot read the pool config: Permission denied" in capsys.readouterr().err
+    assert no_model_load == []
