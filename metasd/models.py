@@ -582,10 +582,31 @@ def _looks_like_path(ref: str) -> bool:
 
 def check_model_reference(ref: str) -> str:
     """What ``ref`` refers to - "bundled", "dir", "gguf" or "hub" - checked without loading, downloading or
-    assembling anything (cheap: a dictionary lookup and a few file-system stats). ``ModelLoadError`` for what
-    ``load_model`` would refuse anyway: an unknown ``bundled:`` name, a path that does not exist, a directory
-    without config.json, a file that is not .gguf. A hub id is not looked up (that needs the network)."""
-    return _locate(ref).kind
+    assembling anything. ``ModelLoadError`` for what ``load_model`` would refuse anyway: an unknown ``bundled:``
+    name, a path that does not exist, a directory without config.json, a file that is not .gguf, and a hub id
+    that is not in the local Hugging Face cache while the hub is out of reach (offline flag, or no connection:
+    ``load_model``'s own test, one TCP connect of at most 3 s; a proxy counts as reachable). Whether a hub repo
+    exists is not looked up."""
+    src = _locate(ref)
+    if src.kind == "hub" and not _hub_cached(src.path):
+        reason = _hub_unreachable_reason()
+        if reason:
+            raise ModelLoadError(
+                f"cannot load model {src.ref!r}: it is not a local path or a bundled: reference, and the Hugging Face "
+                f"hub {reason} and the model is not in the local Hugging Face cache. Bundled models (no network "
+                f"needed): {_bundled_names()}"
+            )
+    return src.kind
+
+
+def _hub_cached(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds the config.json of ``repo_id`` (a file-system lookup)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the hub would reject, an old huggingface_hub: let load_model say what is wrong
+        return False
 
 
 def _locate(ref: str) -> _Source:

@@ -19,8 +19,9 @@ from metasd.config import read_pool_config
 from metasd.drafter import DRAFTERS
 
 REPO = Path(__file__).resolve().parents[1]
-# a pool that is valid and loads nothing while it is checked: the verifier is a hub id (never looked up)
-BASE_POOL = {"verifier": {"model": "tiny-org/tiny-verifier", "dtype": "fp32"},
+# a pool that is valid and loads nothing while it is checked: the verifier is a directory holding only a
+# config.json (enough for the reference check; loading it would fail the test anyway)
+BASE_POOL = {"verifier": {"model": "VERIFIER_DIR", "dtype": "fp32"},
              "drafters": [{"name": "ngram", "type": "ngram", "params": {"k": 4}},
                           {"name": "ngram2", "type": "ngram", "params": {"k": 2}}],
              "policy": {"name": "ucb", "params": {"c": 1.0}}}
@@ -47,6 +48,9 @@ def no_model_load(monkeypatch):
 
 def _pool_file(tmp_path, mutate=None, name="pool.yaml") -> Path:
     cfg = yaml.safe_load(yaml.safe_dump(BASE_POOL))  # a deep copy
+    (tmp_path / "verifier").mkdir(exist_ok=True)
+    (tmp_path / "verifier" / "config.json").write_text("{}")
+    cfg["verifier"]["model"] = str(tmp_path / "verifier")
     if mutate:
         mutate(cfg)
     path = tmp_path / name
@@ -116,7 +120,7 @@ ROWS = {
         _set_param(1, kk=3), "  drafters.1.params.kk: NGramDrafter has no parameter 'kk' (did you mean 'k'?); "
                              "allowed: k, n_min, n_max, latest"),
     "drafter mode not allowed": _pool_row(
-        lambda c: c["drafters"].append({"name": "t", "type": "pretrained_tree", "model": "org/small",
+        lambda c: c["drafters"].append({"name": "t", "type": "pretrained_tree", "model": c["verifier"]["model"],
                                         "params": {"mode": "beam"}}),
         "  drafters.2.params.mode: Input should be 'dynamic', 'rsd_c' or 'rsd_s' (got 'beam')"),
     "unknown pool field": _pool_row(lambda c: c.update(speed="fast"),
@@ -278,4 +282,15 @@ def test_unreadable_pool_file_is_named(tmp_path, monkeypatch, no_model_load, cap
     monkeypatch.setattr(Path, "read_bytes", denied)  # chmod 000 does not stop root, which runs some CI
     assert main(["generate", "--pool", str(path), "w7"]) == 2
     assert f"metasd generate: error: {path}: cannot read the pool config: Permission denied" in capsys.readouterr().err
+    assert no_model_load == []
+
+
+def test_hub_id_out_of_reach_and_not_cached_is_refused(tmp_path, monkeypatch, no_model_load, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = _pool_file(tmp_path)
+    assert main(["generate", "--pool", str(path), "--drafter", "no-org/no-model", "w7"]) == 2
+    err = capsys.readouterr().err
+    assert ("--drafter 'no-org/no-model' is not a drafter of the pool (ngram, ngram2), 'ngram' or 'none', nor a model "
+            "reference: cannot load model 'no-org/no-model': it is not a local path or a bundled: reference, and the "
+            "Hugging Face hub is disabled (HF_HUB_OFFLINE=1) and the model is not in the local Hugging Face cache") in err
     assert no_model_load == []
