@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, process_logits, sample
+from .sampling import sample
 from .tree import Draft, children_lists
 
 
@@ -28,11 +28,6 @@ class Acceptance:
     @property
     def n_accepted(self) -> int:
         return len(self.path)
-
-    @property
-    def last_row(self) -> int:
-        """Row of the verifier output that produced the bonus (0 = root)."""
-        return self.path[-1] + 1 if self.path else 0
 
 
 def accept_greedy(draft: Draft, target_argmax: torch.Tensor) -> Acceptance:
@@ -112,23 +107,3 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
             return Acceptance(path, int(sample(r, generator)))
         path.append(accepted)
         row = accepted + 1
-
-
-def verify_draft(
-    draft: Draft,
-    target_logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-    target_probs: torch.Tensor | None = None,
-) -> Acceptance:
-    """Pick the exact rule for this draft and sampling mode.
-
-    target_logits: [n+1, vocab] raw verifier logits; target_probs: the processed probabilities if the
-    caller already has them.
-    """
-    if params.greedy:
-        return accept_greedy(draft, target_logits.argmax(-1))
-    p = target_probs if target_probs is not None else process_logits(target_logits, params)
-    if draft.probs is None:
-        return accept_match(draft, p, generator)
-    return accept_rejection(draft, p, generator)

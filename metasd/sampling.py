@@ -88,10 +88,3 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """Draw one token per row from probabilities [..., vocab] -> [...] (int64)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick the next token(s) from logits [..., vocab]: argmax under greedy, else a processed sample."""
-    if params.greedy:
-        return logits.argmax(-1)
-    return sample(process_logits(logits, params), generator)

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .hooks import contiguous_lm_head_input
-from .kv_cache import cache_length, crop_to, keep_positions
+from .kv_cache import cache_length, keep_positions
 from .tree import Draft, ancestor_mask
 
 
@@ -140,11 +140,6 @@ class Verifier:
         """Keep the pending token and the accepted nodes ``path`` of the block verified at ``start``."""
         rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)
         keep_positions(self.cache, start, rows)
-
-    @torch.inference_mode()
-    def rollback(self, length: int) -> None:
-        """Drop cached positions from ``length`` on (used by tests and by callers that abort a step)."""
-        crop_to(self.cache, length)
 
     def _select_hidden(self, out, hidden_layers: Sequence[int]) -> dict[int, torch.Tensor]:
         if not hidden_layers:
