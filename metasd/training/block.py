@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
-from .common import FeatureTrainingConfig, split_shards
+from .common import FeatureTrainingConfig, Tracker, split_shards
 from .features import FeatureSet
 
 STATE_WEIGHTS = "heads_fp32.safetensors"
@@ -211,21 +211,6 @@ def _save_state(state_dir: Path, heads, opt, meta: dict) -> None:
     _write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps(meta, indent=1)))  # last: marks complete
 
 
-def _mlflow_start(cfg: TrainBlockConfig, run_id: str | None, log):
-    if not cfg.mlflow:
-        return None
-    import mlflow
-
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(cfg.mlflow_experiment)
-    run = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=cfg.run_name)
-    if not run_id:
-        mlflow.log_params({k: (str(v) if v is not None else "None") for k, v in cfg.model_dump().items()})
-    log(f"mlflow: {uri}, run {run.info.run_id}")
-    return mlflow
-
-
 def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print, command: str | None = None) -> dict[str, Any]:
     """Train (or resume) block heads; returns the final validation metrics and counters."""
     from metasd.drafters.block import BlockHeads
@@ -285,9 +270,8 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     if not cfg.bf16:
         H, Hv = H.float(), Hv.float()
 
-    mlflow = _mlflow_start(cfg, meta.get("mlflow_run_id"), log)
-    if mlflow is not None:
-        meta["mlflow_run_id"] = mlflow.active_run().info.run_id
+    tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, meta.get("mlflow_run_id"), cfg.model_dump(), log=log)
+    meta["mlflow_run_id"] = tracker.run_id
     head_w = torch.tensor([cfg.head_decay ** i for i in range(cfg.k)])
     end_step = min(cfg.steps, until_step) if until_step is not None else cfg.steps
     step = int(meta["step"])
@@ -332,15 +316,13 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
             running = []
             log(f"step {step}/{cfg.steps} loss {m['train/loss']:.4f} lr {m['train/lr']:.2e} "
                 f"({time.time() - run_t0:.0f}s)")
-            if mlflow is not None:
-                mlflow.log_metrics(m, step=step)
+            tracker.metrics(m, step)
         if step % cfg.eval_every == 0 and step != end_step:
             heads.eval()
             metrics = evaluate(heads, Hv, Yv, cfg.bf16)
             heads.train()
             log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if mlflow is not None:
-                mlflow.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step=step)
+            tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
         if step % cfg.save_every == 0:
             save()
         if cfg.max_minutes is not None and time.time() - t_start > cfg.max_minutes * 60:
@@ -356,10 +338,9 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
               "wall_s": meta["elapsed_s"], "train_positions": len(H), "val_positions": len(Hv),
               "train_shards": train, "val_shards": val, "draft_vocab": len(vocab), "train_targets_in_vocab": in_vocab,
               "stopped_by_time": stopped_by_time, "finished": step >= cfg.steps}
-    if mlflow is not None:
-        mlflow.log_metrics({f"val/{k}": v for k, v in metrics.items()}, step=step)
-        mlflow.log_metrics({"positions_seen": meta["positions_seen"], "wall_s": meta["elapsed_s"]}, step=step)
-        mlflow.end_run()
+    tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
+    tracker.metrics({"positions_seen": meta["positions_seen"], "wall_s": meta["elapsed_s"]}, step)
+    tracker.end()
     (out / "metrics.json").write_text(json.dumps(result, indent=1))
     _write_model_card(out, cfg, result, command or " ".join(shlex.quote(a) for a in sys.argv), man, num_layers, d)
     return result

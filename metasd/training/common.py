@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -125,14 +126,20 @@ def lr_at(step: int, st) -> float:
     return st.lr * (st.min_lr_ratio + (1 - st.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+def tracking_uri(explicit: str | None = None) -> str:
+    """MLflow store of a trainer: ``explicit``, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here."""
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 class Tracker:
-    """MLflow logging, or nothing when disabled."""
+    """MLflow logging of one training run, or nothing when disabled; shared by every trainer.
 
-    def __init__(self, enabled: bool, experiment: str, run_name: str | None, run_id: str | None, params: dict):
+    A resumed run (``run_id``) continues the same MLflow run. A tracking hiccup (a locked SQLite file) while
+    logging metrics or ending the run is a warning on stderr, not the end of a long run: the trainer's own
+    state and log files hold everything."""
+
+    def __init__(self, enabled: bool, experiment: str, run_name: str | None, run_id: str | None, params: dict,
+                 uri: str | None = None, log=None):
         self.enabled = enabled
         self.run_id = run_id
         if not enabled:
@@ -140,33 +147,44 @@ class Tracker:
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(tracking_uri())
+        mlflow.set_tracking_uri(tracking_uri(uri))
         mlflow.set_experiment(experiment)
         run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
         self.run_id = run.info.run_id
         if run_id is None:
-            mlflow.log_params({k: str(v)[:250] for k, v in params.items()})
+            mlflow.log_params(flatten(params))
+        if log is not None:
+            log(f"mlflow: {tracking_uri(uri)}, run {self.run_id}")
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             self.mlflow.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(float(v))}, step=step)
+        except Exception as e:  # noqa: BLE001 - see the class docstring
+            print(f"warning: MLflow logging failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
 
     def artifact(self, path: Path) -> None:
         if self.enabled:
             self.mlflow.log_artifact(str(path))
 
-    def end(self) -> None:
-        if self.enabled:
-            self.mlflow.end_run()
+    def end(self, status: str = "FINISHED") -> None:
+        if not self.enabled:
+            return
+        try:
+            self.mlflow.end_run(status=status)
+        except Exception as e:  # noqa: BLE001
+            print(f"warning: MLflow end_run failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    """Nested mapping -> {"a.b": str(value)} (MLflow parameters; values cut to 500 characters)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(flatten(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = v
+            out[f"{prefix}{k}"] = str(v)[:500]
     return out
 
 

@@ -50,6 +50,7 @@ from metasd.config import ConfigError, read_yaml_mapping, validate_config
 
 from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                      resolve_steered_layers, save_steering)
+from metasd.training.common import Tracker
 
 
 class _Strict(BaseModel):
@@ -549,50 +550,6 @@ def _resume_key(cfg: SteeringTrainingConfig) -> dict[str, Any]:
             "steering": d["steering"], "finetune": d["finetune"], "train": t}
 
 
-# ---------------------------------------------------------------------------------------------- MLflow
-class _Tracker:
-    def __init__(self, cfg: LogConfig, run_id: str | None, params: dict[str, Any]):
-        self.enabled = cfg.mlflow
-        self.run_id = run_id
-        if not self.enabled:
-            return
-        import mlflow
-
-        self.mlflow = mlflow
-        mlflow.set_tracking_uri(cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
-        mlflow.set_experiment(cfg.experiment)
-        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else cfg.run_name)
-        self.run_id = run.info.run_id
-        if run_id is None:
-            mlflow.log_params(_flatten(params))
-
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        if not self.enabled:
-            return
-        try:  # a tracking hiccup (e.g. a locked sqlite file) must not kill a long run; train_log.jsonl has it all
-            self.mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in values.items()}, step=step)
-        except Exception as e:  # noqa: BLE001
-            print(f"warning: MLflow logging failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
-
-    def close(self, status: str) -> None:
-        if self.enabled:
-            try:
-                self.mlflow.end_run(status=status)
-            except Exception as e:  # noqa: BLE001
-                print(f"warning: MLflow end_run failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = str(v)[:500]
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- driver
 def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False, stop_at_step: int | None = None,
                    log=print) -> SteeringTrainer:
@@ -609,7 +566,8 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         resumed = tr.load_checkpoint()
         if not resumed:
             tr.fit_guide_stats()
-        tracker = _Tracker(cfg.log, tr.run_id, cfg.model_dump())
+        tracker = Tracker(cfg.log.mlflow, cfg.log.experiment, cfg.log.run_name, tr.run_id, cfg.model_dump(),
+                          uri=cfg.log.tracking_uri)
     except BaseException:
         tr.close()
         raise
@@ -632,7 +590,8 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
             tr.history.append(entry)
         logf.write(json.dumps(entry) + "\n")
         logf.flush()
-        tracker.metrics({**values, "tokens_seen": tr.tokens_seen, "wall_s": tr.wall_s}, tr.step)
+        tracker.metrics({k.replace("/", "_"): v for k, v in {**values, "tokens_seen": tr.tokens_seen, "wall_s": tr.wall_s}.items()},
+                        tr.step)
 
     key = f"val_{cfg.log.best_by}_{'steered' if tr.module is not None else 'plain'}"
     better = (lambda v, best: v < best) if cfg.log.best_by == "kl" else (lambda v, best: v > best)
@@ -684,7 +643,7 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         raise
     finally:
         logf.close()
-        tracker.close(status)
+        tracker.end(status)
         tr.close()
 
 
