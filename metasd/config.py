@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -282,6 +283,21 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return raw
+
+
+_ENV_VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
+
+
+def expand_env_path(value: str | None) -> str | None:
+    """``$VAR`` / ``${VAR}`` in a path from a config file, from the environment (training configs name their
+    data as ``${METASD_DATA}/...``, not as a path of one machine). An unset variable is an error naming it."""
+    if value is None:
+        return None
+    missing = sorted({a or b for a, b in _ENV_VAR.findall(value) if (a or b) not in os.environ})
+    if missing:
+        raise ValueError(f"{value!r} uses environment variable(s) {missing}, which are not set "
+                         f"(e.g. export METASD_DATA=/path/to/feature/sets)")
+    return os.path.expandvars(value)
 
 
 def default_pool_path() -> Path:

@@ -1,5 +1,7 @@
 """Pool configs: validation errors name the field; pools build engines; policies learn the good drafter."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -147,3 +149,25 @@ def test_bounded_policy_refuses_unbounded_reward_and_linucb_gets_features():
                     categories=["code", "chat"], check_tokenizers=False)
     engine.generate(PROMPT, max_new_tokens=5, category="chat")
     assert seen and all(c is not None and len(c) == 3 + 2 and c[-1] == 1.0 for c in seen)
+
+
+def test_committed_training_configs_validate_and_name_no_machine_path(monkeypatch):
+    """Every training config in the repository validates, with its data under ${METASD_DATA} (no machine path)."""
+    from metasd.training.block import load_train_block_config
+    from metasd.training.hidden_state import load_train_hidden_state_config
+    from metasd.training.steering import read_config as load_steering_config
+    from metasd.training.treeflash import load_train_treeflash_config
+
+    root = Path(__file__).resolve().parents[1]
+    loaders = {"hidden_state": load_train_hidden_state_config, "steering": load_steering_config,
+               "distill": load_steering_config, "block": load_train_block_config, "treeflash": load_train_treeflash_config}
+    files = sorted(root.glob("configs/train/*.yaml")) + sorted(root.glob("experiments/*/train_*.yaml"))
+    assert len(files) >= 9
+    monkeypatch.setenv("METASD_DATA", "/data")
+    for f in files:
+        kind = f.parent.name if f.parent.parent.name == "experiments" else f.stem.split("_")[0]
+        kind = "hidden_state" if f.stem.startswith("hidden_state") else kind
+        cfg = loaders[kind](f)
+        features = cfg.data.features if hasattr(cfg, "data") else cfg.features
+        assert features.startswith("/data/"), (f, features)
+        assert "/work/" not in f.read_text() and "/root/" not in f.read_text(), f

@@ -388,3 +388,15 @@ def test_training_config_errors(tmp_path):
     assert load_train_hidden_state_config(path, ["optim.steps=7", "defaults.reuse=false"]).optim.steps == 7
     with pytest.raises(ValueError, match="reg_loss"):
         load_train_hidden_state_config(path, ["reg_loss=huber"])
+
+
+def test_training_config_paths_expand_environment_variables(tmp_path, monkeypatch):
+    path = tmp_path / "env.yaml"
+    path.write_text("features: ${METASD_DATA}/feats\nverifier: y\nout: $OUT_ROOT/ck\n")
+    monkeypatch.setenv("METASD_DATA", "/data/sets")
+    monkeypatch.setenv("OUT_ROOT", "runs")
+    cfg = load_train_hidden_state_config(path)
+    assert (cfg.features, cfg.out) == ("/data/sets/feats", "runs/ck")
+    monkeypatch.delenv("METASD_DATA")
+    with pytest.raises(ValueError, match=r"(?s)env.yaml.*features.*METASD_DATA.*not set"):
+        load_train_hidden_state_config(path)

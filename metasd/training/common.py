@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config import expand_env_path
 from .features import FeatureSet, parse_shards
 
 STATE_WEIGHTS = "model_fp32.safetensors"
@@ -42,6 +43,8 @@ class FeatureTrainingConfig(BaseModel):
     mlflow: bool = True
     mlflow_experiment: str = "metasd-train"
     run_name: str | None = None
+
+    _expand = field_validator("features", "draft_vocab", "state_dir", "out")(expand_env_path)
 
 
 def split_shards(cfg: FeatureTrainingConfig, fs: FeatureSet) -> tuple[list[int], list[int]]:

@@ -44,9 +44,9 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from metasd.config import ConfigError, read_yaml_mapping, validate_config
+from metasd.config import ConfigError, expand_env_path, read_yaml_mapping, validate_config
 
 from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                      resolve_steered_layers, save_steering)
@@ -62,6 +62,8 @@ class DataConfig(_Strict):
     train_shards: list[int] | None = Field(default=None, description="shard indices; default: all but val_shards")
     val_shards: list[int] = Field(default_factory=list, description="held-out shard indices for validation")
     val_sequences: int = Field(default=16, ge=0, description="validation sequences (the first of val_shards)")
+
+    _expand = field_validator("features")(expand_env_path)
 
 
 class SteeringConfig(_Strict):
