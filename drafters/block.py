@@ -363,10 +363,10 @@ class BlockDrafter(Drafter):
             return Draft.empty()
         cand, logp = self.lattice(ctx.hidden.last(self.heads.hidden_layer), depth)
         cand_l, logp_l = cand.tolist(), logp.tolist()
-        meta: dict[str, Any] = {}
+        catch_up = 0
         if self.refine == "neural":
             best = self._beam_search(ctx.tokens.tolist(), cand_l, logp_l)
-            meta["catch_up"] = self.lm.last_catch_up
+            catch_up = self.lm.last_catch_up
         elif self.refine == "ngram":
             tokens = ctx.tokens.tolist()
             self.ngram.sync(tokens)
@@ -383,7 +383,7 @@ class BlockDrafter(Drafter):
         else:
             best = p_best_paths(cand_l, logp_l, self.paths)
         draft = merge_paths([path for _, path in best])
-        draft.meta.update(meta)
+        draft.catch_up = catch_up
         return draft
 
     @torch.inference_mode()

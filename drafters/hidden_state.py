@@ -262,6 +262,7 @@ class HiddenStateDrafter(Drafter):
         root = int(ctx.tokens[-1])
         draft = self._chain(states, root, ctx) if self.mode == "chain" else self._tree(states, root)
         draft.meta.update(meta)
+        draft.catch_up = int(meta["catch_up"])
         c = self.counters
         c["steps"] = c.get("steps", 0) + 1
         for key in ("reused_states", "drafter_forwards", "catch_up"):

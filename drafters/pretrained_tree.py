@@ -286,7 +286,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         remap = {old: new for new, old in enumerate(keep)}
         parents = [remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]
         draft = Draft([tree.tokens[i] for i in keep], parents, probs, without_replacement=mode != "dynamic",
-                      meta={"catch_up": self.last_catch_up, "mode": mode, "drafter_forwards": 1 + tree.forwards})
+                      meta={"mode": mode, "drafter_forwards": 1 + tree.forwards}, catch_up=self.last_catch_up)
         self._pending = (draft, tree, keep)
         return draft
 

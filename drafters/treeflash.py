@@ -334,7 +334,7 @@ class TreeFlashDrafter(Drafter):
         toks, parents = draft_from_block(self.model, self.pieces, h, int(ctx.tokens[-1]), self.mode, depth,
                                          self.m, self.k, self.tree_size)
         full = self.vocab.to_full(torch.tensor(toks, dtype=torch.long))
-        return Draft(full, torch.tensor(parents, dtype=torch.long), meta={"catch_up": self._last_catch_up})
+        return Draft(full, torch.tensor(parents, dtype=torch.long), catch_up=self._last_catch_up)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "mode": self.mode, "block_size": self.block_size, "m": self.m, "k": self.k,

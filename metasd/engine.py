@@ -321,7 +321,7 @@ class _Request:
                 committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
                 stats.draft_s += t1 - t0
                 stats.verify_s += t2 - t1
-                stats.catch_up_tokens += int(draft.meta.get("catch_up", 0))
+                stats.catch_up_tokens += draft.catch_up
                 name = drafter.name if drafter is not None else "none"
                 stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed))
                 outcome = StepOutcome(draft, acc.n_accepted, len(committed), t2 - t0, target_probs, target_argmax)

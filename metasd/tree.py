@@ -21,6 +21,9 @@ class Draft:
              (n-gram, argmax drafts) and is verified by sample-and-match.
     without_replacement: siblings were drawn without replacement from ``probs`` (RSD trees); recursive
              rejection then renormalises q after each rejected sibling.
+    catch_up: committed tokens the drafter had to feed this step beyond the pending one (tokens committed by
+             other drafters' steps or the prompt: the cost of switching to it), summed in the request's stats.
+    meta:    drafter-specific figures of this step (for analysis; nothing in the engine reads them).
     """
 
     tokens: torch.Tensor
@@ -28,6 +31,7 @@ class Draft:
     probs: torch.Tensor | None = None
     without_replacement: bool = True
     meta: dict = field(default_factory=dict)
+    catch_up: int = 0
 
     def __post_init__(self):
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
@@ -41,9 +45,9 @@ class Draft:
             raise ValueError(f"Draft: probs has {self.probs.shape[0]} rows for {n} tokens")
 
     @classmethod
-    def chain(cls, tokens, probs: torch.Tensor | None = None, **meta) -> "Draft":
+    def chain(cls, tokens, probs: torch.Tensor | None = None, catch_up: int = 0, **meta) -> "Draft":
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        return cls(tokens, torch.arange(len(tokens)) - 1, probs, meta=dict(meta))
+        return cls(tokens, torch.arange(len(tokens)) - 1, probs, meta=dict(meta), catch_up=catch_up)
 
     @classmethod
     def empty(cls) -> "Draft":
@@ -74,7 +78,7 @@ class Draft:
         parents = self.parents[keep]
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
         probs = None if self.probs is None else self.probs[keep]
-        return Draft(self.tokens[keep], parents, probs, self.without_replacement, dict(self.meta))
+        return Draft(self.tokens[keep], parents, probs, self.without_replacement, dict(self.meta), self.catch_up)
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
