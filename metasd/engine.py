@@ -35,21 +35,6 @@ class GenerationResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class _FirstArm(Policy):
-    """Selection for a pool of one drafter (or none): always arm 0."""
-
-    name = "single"
-
-    def reset(self) -> None:
-        pass
-
-    def select(self, context=None) -> int:
-        return 0
-
-    def update(self, arm, reward, context=None) -> None:
-        pass
-
-
 class Engine:
     """Lossless speculative decoding over a pool of drafters chosen by a bandit policy.
 
@@ -184,7 +169,9 @@ class Engine:
         if policy is None:
             if len(self.drafters) > 1:
                 raise ValueError(f"a pool of {len(self.drafters)} drafters needs a policy (see metasd.policies)")
-            return _FirstArm(1)
+            from metasd.policies import Fixed  # the engine composes policies; the core defines only their interface
+
+            return Fixed(1)
         n = max(len(self.drafters), 1)
         if policy.n_arms != n:
             raise ValueError(f"policy {policy.name!r} has {policy.n_arms} arms but the pool has {n} drafters")
