@@ -302,9 +302,7 @@ class _Request:
                 else:
                     target_argmax, target_probs = None, process_logits(out.logits, self.sampling)
                     acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
-                verifier.commit(start, acc.path)
-                if store is not None:
-                    store.append(out.hidden, torch.tensor([0] + [i + 1 for i in acc.path]))
+                verifier.commit(start, acc.path, out, store)
                 committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
                 stats.draft_s += t1 - t0
                 stats.verify_s += t2 - t1

@@ -136,10 +136,16 @@ class Verifier:
         return VerifierOutput(out.logits[0], self._select_hidden(out, hidden_layers))
 
     @torch.inference_mode()
-    def commit(self, start: int, path: Sequence[int]) -> None:
-        """Keep the pending token and the accepted nodes ``path`` of the block verified at ``start``."""
+    def commit(self, start: int, path: Sequence[int], out: VerifierOutput | None = None,
+               store: HiddenStore | None = None) -> torch.Tensor:
+        """Keep the pending token and the accepted nodes ``path`` of the block verified at ``start`` in the KV
+        cache and, given the verify output ``out`` and a ``store``, their hidden states in the store, so both
+        hold exactly the committed positions. Returns the kept rows [n_acc + 1] of the verified block."""
         rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)
         keep_positions(self.cache, start, rows)
+        if store is not None:
+            store.append(out.hidden, rows)
+        return rows
 
     def _select_hidden(self, out, hidden_layers: Sequence[int]) -> dict[int, torch.Tensor]:
         if not hidden_layers:
