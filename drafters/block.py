@@ -282,6 +282,7 @@ class BlockDrafter(Drafter):
     """
 
     kind = "block"
+    model_field, checkpoint_field = "optional", "required"
     Params = BlockParams
 
     def __init__(self, heads: BlockHeads, k: int | None = None, top_m: int = 8, paths: int = 4,

@@ -74,6 +74,7 @@ class HiddenStateDrafter(Drafter):
     """
 
     kind = "hidden_state"
+    model_field, checkpoint_field = "never", "required"
     Params = HiddenStateParams
 
     def __init__(self, net: HiddenStateNet, verifier_model, vocab: DraftVocab, mode: str = "chain", depth: int = 4,

@@ -55,6 +55,7 @@ class PretrainedDrafter(Drafter):
     """
 
     kind = "pretrained"
+    model_field, checkpoint_field = "required", "never"
     Params = PretrainedParams
 
     def __init__(

@@ -456,6 +456,7 @@ class SteeredDrafter(_Steering, PretrainedDrafter):
     """
 
     kind = "steered"
+    model_field, checkpoint_field = "required", "required"
     Params = SteeredParams
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, k: int = 5,
@@ -476,6 +477,7 @@ class SteeredTreeDrafter(_Steering, PretrainedTreeDrafter):
     """
 
     kind = "steered_tree"
+    model_field, checkpoint_field = "required", "required"
     Params = SteeredTreeParams
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, mode: str = "dynamic",

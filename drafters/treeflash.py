@@ -207,6 +207,7 @@ class TreeFlashDrafter(Drafter):
     """
 
     kind = "treeflash"
+    model_field, checkpoint_field = "never", "required"
     Params = TreeFlashParams
 
     def __init__(self, model: TreeFlashModel, verifier_model, vocab: DraftVocab, mode: str = "treeflash",

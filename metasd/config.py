@@ -101,6 +101,12 @@ class PoolConfig(_Strict):
             except ValueError as e:
                 errors.append(_line_error(("drafters", i, "type"), str(e).removeprefix(f"{where}: "), d.type))
                 continue
+            for fld, noun in (("model", "a model reference"), ("checkpoint", "a checkpoint")):
+                rule, given = getattr(cls, f"{fld}_field", None), getattr(d, fld) is not None
+                if rule == "required" and not given:
+                    errors.append(_line_error(("drafters", i, fld), f"drafter type {d.type!r} needs {noun}", None))
+                elif rule == "never" and given:
+                    errors.append(_line_error(("drafters", i, fld), f"drafter type {d.type!r} takes no {fld}", getattr(d, fld)))
             d.params = _validate_params(cls, d.params, ("drafters", i, "params"), errors,
                                         skip=("self", "name", "model", "tokenizer", "model_ref"))
         try:

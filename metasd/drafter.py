@@ -80,6 +80,10 @@ class Drafter(abc.ABC):
     """
 
     kind: ClassVar[str] = ""
+    #: whether a pool entry of this type gives ``model`` / ``checkpoint``: "required", "optional" or "never",
+    #: checked when the pool file is read, before any model loads (None: not declared, not checked)
+    model_field: ClassVar[str | None] = None
+    checkpoint_field: ClassVar[str | None] = None
     #: the pool-config ``params`` model (see ``DrafterParams``); None: names checked against ``__init__``
     Params: ClassVar[type[DrafterParams] | None] = None
     hidden_layers: tuple[int, ...] = ()
@@ -111,6 +115,8 @@ class Drafter(abc.ABC):
         ``build`` (the shared verifier, a model loader that shares weights between arms, the config's folder)."""
         if build.model is not None:
             raise ValueError(f"drafter type {cls.kind!r} takes no model")
+        if build.checkpoint is not None:
+            raise ValueError(f"drafter type {cls.kind!r} takes no checkpoint")
         build.refuse_quantize(name, cls.kind)
         return cls(name=name, **params)
 

@@ -288,8 +288,10 @@ def test_pool_config_builds_and_errors(tiny_dir):
     d = engine.drafter("hs")
     assert isinstance(d, HiddenStateDrafter) and (d.mode, d.nodes, d.depth) == ("tree", 6, 3)
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == plain_greedy(engine.verifier.model, PROMPT, 12)
-    with pytest.raises(ConfigError, match="field 'checkpoint'"):
-        build_engine(_pool(tiny_dir))
+    with pytest.raises(ConfigError, match="drafters.0.checkpoint: drafter type 'hidden_state' needs a checkpoint"):
+        _pool(tiny_dir)  # refused when the pool is read, before any model loads
+    with pytest.raises(ConfigError, match="drafters.0.model: drafter type 'hidden_state' takes no model"):
+        _pool(tiny_dir, checkpoint="ckpt", model="bundled:x")
     with pytest.raises(ConfigError, match="depht"):
         _pool(tiny_dir, checkpoint="ckpt", params={"depht": 3})
     engine = build_engine(_pool(tiny_dir, checkpoint="ckpt", quantize="int8"), base_dir=tiny_dir)

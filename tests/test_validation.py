@@ -123,6 +123,11 @@ ROWS = {
         lambda c: c["drafters"].append({"name": "t", "type": "pretrained_tree", "model": c["verifier"]["model"],
                                         "params": {"mode": "beam"}}),
         "  drafters.2.params.mode: Input should be 'dynamic', 'rsd_c' or 'rsd_s' (got 'beam')"),
+    "entry missing its model": _pool_row(
+        lambda c: c["drafters"].append({"name": "t", "type": "pretrained_tree"}),
+        "  drafters.2.model: drafter type 'pretrained_tree' needs a model reference"),
+    "entry with a checkpoint its type ignores": _pool_row(
+        lambda c: c["drafters"][1].update(checkpoint="ck"), "  drafters.1.checkpoint: drafter type 'ngram' takes no checkpoint"),
     "unknown pool field": _pool_row(lambda c: c.update(speed="fast"),
                                     "  speed: Extra inputs are not permitted (got 'fast')"),
     "unknown policy": _pool_row(lambda c: c["policy"].update(name="ucbx"),
