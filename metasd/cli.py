@@ -6,6 +6,9 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import get_args
+
+from .rewards import RewardName
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -20,7 +23,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # generate's request options, as the CLI spells them in errors (the checks: metasd.sampling.check_request)
 _REQUEST_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "top_k": "--top-k", "threads": "--threads"}
-_REWARDS = ["throughput", "block_efficiency", "block_divergence"]
 
 
 def _policy_names() -> str:
@@ -56,7 +58,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--policy", help=f"policy name (default: the pool's): one of {_policy_names()}")
     p.add_argument("--granularity", choices=["step", "request"],
                    help="choose a drafter per step or per request (default: the pool's)")
-    p.add_argument("--reward", choices=_REWARDS, help="what the policy maximises (default: the pool's)")
+    p.add_argument("--reward", choices=list(get_args(RewardName)), help="what the policy maximises (default: the pool's)")
     p.add_argument("--dtype", help="auto | bf16 | fp32 | fp16 (default: the pool's)")
     p.add_argument("--max-new-tokens", type=int, default=256, help=f"tokens to generate: {allowed('max_new_tokens')}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"sampling temperature: {allowed('temperature')}")

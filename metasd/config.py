@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .drafter import DRAFTERS, BuildContext, Drafter
 from .policy import POLICIES, Policy
-from .rewards import BOUNDED_REWARDS, REWARDS
+from .rewards import BOUNDED_REWARDS, REWARDS, RewardName
 
 DEFAULT_POOL = "default.yaml"
 
@@ -69,7 +69,7 @@ class PoolConfig(_Strict):
     verifier: VerifierConfig
     drafters: list[DrafterConfig] = Field(default_factory=list)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    reward: Literal["throughput", "block_efficiency", "block_divergence"] = "throughput"
+    reward: RewardName = "throughput"
     granularity: Literal["step", "request"] = "step"
     persistent: bool = False  # keep policy state across requests
     categories: list[str] = Field(default_factory=list)  # category one-hot layout for contextual policies

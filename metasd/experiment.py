@@ -65,10 +65,10 @@ from .config import (
     resolve_policy_class,
 )
 from .datasets import Question, load_questions
-from .rewards import BOUNDED_REWARDS
+from .rewards import BOUNDED_REWARDS, RewardName
 
 BUILTIN = "builtin"
-Reward = Literal["throughput", "block_efficiency", "block_divergence"]
+Reward = RewardName
 
 
 class _Strict(BaseModel):

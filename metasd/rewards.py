@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 
@@ -60,6 +60,9 @@ REWARDS: dict[str, Callable[[StepOutcome], float]] = {
     "throughput": throughput,
 }
 BOUNDED_REWARDS = {"block_efficiency", "block_divergence"}  # in [0, 1]
+#: the reward names pool files, experiment files and the CLI accept: the one list of them
+RewardName = Literal["throughput", "block_efficiency", "block_divergence"]
+assert set(get_args(RewardName)) == set(REWARDS), "RewardName and REWARDS must list the same rewards"
 
 
 def get_reward(name: str) -> Callable[[StepOutcome], float]:
