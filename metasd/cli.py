@@ -185,9 +185,11 @@ def _generate(args) -> int:
     import torch
 
     from .config import build_engine
+    from .machine import warn_if_oversubscribed
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    warn_if_oversubscribed()
     engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)

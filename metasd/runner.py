@@ -471,9 +471,12 @@ class _Runner:
     def run(self) -> ExperimentResult:
         import torch
 
+        from .machine import warn_if_oversubscribed
+
         t0 = time.perf_counter()
         if self.threads:
             torch.set_num_threads(self.threads)
+        warn_if_oversubscribed()  # timings of a study on an oversubscribed machine are not comparable
         with tempfile.TemporaryDirectory(prefix="metasd-bench-") as tmp:
             self.workdir = Path(tmp)
             self._experiment(self._resume_run_id, self._resume)

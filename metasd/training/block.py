@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
+from ..machine import warn_if_oversubscribed
 from .common import FeatureTrainingConfig, Tracker, split_shards
 from .features import FeatureSet
 
@@ -219,6 +220,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
     torch.manual_seed(cfg.seed)
     fs = FeatureSet(cfg.features)
     man = fs.manifest

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
+from ..machine import warn_if_oversubscribed
 from .common import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
                      count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards)
 from .features import FeatureSet
@@ -239,6 +240,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
     fs = FeatureSet(cfg.features)
     train, val = split_shards(cfg, fs)
     if verifier_model is None:

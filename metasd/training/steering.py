@@ -50,6 +50,7 @@ from metasd.config import ConfigError, expand_env_path, read_yaml_mapping, valid
 
 from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                      resolve_steered_layers, save_steering)
+from metasd.machine import warn_if_oversubscribed
 from metasd.training.common import Tracker
 
 
@@ -229,6 +230,7 @@ class SteeringTrainer:
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
+        warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
         try:
             fs = FeatureSet(cfg.data.features)
         except FileNotFoundError as e:

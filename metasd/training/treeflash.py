@@ -65,6 +65,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
+from ..machine import warn_if_oversubscribed
 from ..tree import children_lists
 from .common import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
                      count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards)
@@ -365,6 +366,7 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
     t_invocation = time.time()
     fs = FeatureSet(cfg.features)
     train, val = split_shards(cfg, fs)
