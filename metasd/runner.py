@@ -123,7 +123,8 @@ def _units(records: list[dict], plain: dict[tuple[str, int], dict]) -> dict[tupl
 
 
 def summarize(records: list[dict], plain_records: list[dict], key: str = "group") -> dict[str, dict[str, float]]:
-    """Per group (or ``key="category"``) and overall: speedup, mean tokens per step, tokens/s, questions."""
+    """Per group (or ``key="category"``) and overall: speedup (ratio of mean speeds, Spec-Bench's), the median
+    of per-question speedups (robust to one disturbed request), mean tokens per step, tokens/s, questions."""
     plain = {(p["question_id"], p["turn"]): p for p in plain_records}
     by_col: dict[str, list[dict]] = {}
     for u in _units(records, plain).values():
@@ -136,10 +137,28 @@ def summarize(records: list[dict], plain_records: list[dict], key: str = "group"
         speed = sum(u["tokens"] / u["seconds"] for u in us) / len(us)
         p_speed = sum(u["p_tokens"] / u["p_seconds"] for u in us) / len(us)
         steps = sum(u["steps"] for u in us)
-        out[col] = dict(speedup=speed / p_speed if p_speed > 0 else float("nan"),
+        ratios = sorted((u["tokens"] / u["seconds"]) / (u["p_tokens"] / u["p_seconds"]) for u in us)
+        mid = len(ratios) // 2
+        median = ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+        out[col] = dict(speedup=speed / p_speed if p_speed > 0 else float("nan"), median_speedup=median,
                         tokens_per_step=sum(u["committed"] for u in us) / steps if steps else float("nan"),
                         tokens_per_second=speed, questions=len(us))
     return out
+
+
+def plain_outliers(plain_records: list[dict], factor: float = 2.0) -> list[str]:
+    """Question ids whose plain decoding ran more than ``factor`` times slower (tokens/s) than the median
+    plain request: a request disturbed by another process inflates every speedup measured against it."""
+    speeds = {}
+    for p in plain_records:
+        if p["wall_s"] > 0 and p["new_tokens"] > 0:
+            speeds.setdefault(str(p["question_id"]), []).append(p["new_tokens"] / p["wall_s"])
+    if len(speeds) < 3:
+        return []
+    per_q = {q: sum(v) / len(v) for q, v in speeds.items()}
+    ordered = sorted(per_q.values())
+    median = ordered[len(ordered) // 2]
+    return sorted(q for q, s in per_q.items() if s * factor < median)
 
 
 def oracle_records(singles: dict[str, list[dict]], plain_records: list[dict]) -> tuple[list[dict], dict[str, str]]:
@@ -200,9 +219,17 @@ def results_table(summary: dict[str, Any], title: str = "") -> str:
     notes = []
     if plain:
         notes.append(f"plain decoding: {plain['tokens_per_second']:.2f} tokens/s over {plain['questions']} questions")
+    medians = [f"{m} {per[OVERALL]['median_speedup']:.2f}x" for m, per in summary["methods"].items()
+               if m != "plain" and per.get(OVERALL) and math.isfinite(per[OVERALL].get("median_speedup", float("nan")))]
+    if medians:
+        notes.append("median of per-question speedups, overall: " + ", ".join(medians))
+    if summary.get("plain_outliers"):
+        notes.append("**plain decoding ran over 2x slower than its median on questions "
+                     f"{', '.join(summary['plain_outliers'])}**: their speedups are inflated (another process on the "
+                     "machine?); trust the medians, or rerun on an idle machine")
     if summary.get("oracle_choice"):
-        notes.append("oracle = best single drafter per category in hindsight: " +
-                     ", ".join(f"{c}: {n}" for c, n in summary["oracle_choice"].items()))
+        notes.append("oracle = best single drafter per Spec-Bench category (finer than the columns' groups) in "
+                     "hindsight: " + ", ".join(f"{c}: {n}" for c, n in summary["oracle_choice"].items()))
     notes.append("multi-turn questions: each method answers later turns after its own earlier answers (Spec-Bench)")
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -739,7 +766,7 @@ class _Runner:
         ts = int(time.time() * 1000)
         metrics = []
         for col, s in summarize(nested.records, plain).items():
-            for k in ("speedup", "tokens_per_step", "tokens_per_second"):
+            for k in ("speedup", "median_speedup", "tokens_per_step", "tokens_per_second"):
                 if math.isfinite(s[k]):
                     metrics.append(Metric(_key(f"summary/{k}/{col}"), s[k], ts, 0))
         self.client.log_batch(nested.run_id, metrics=metrics)
@@ -753,7 +780,8 @@ class _Runner:
             by_method["oracle"], choice = oracle_records(singles, plain)
         columns = table_columns(q.group for q in ds.questions)
         summary = {"columns": columns, "methods": {m: summarize(recs, plain) for m, recs in by_method.items()},
-                   "oracle_choice": choice, "pool": pool.name, "dataset": ds.name}
+                   "oracle_choice": choice, "pool": pool.name, "dataset": ds.name,
+                   "plain_outliers": plain_outliers(plain)}
         return summary, by_method, singles
 
     def _partial_table(self) -> str:
@@ -797,7 +825,7 @@ class _Runner:
         ts = int(time.time() * 1000)
         metrics = [Metric(_key(f"{block}/{m}/{k}/{col}"), s[k], ts, 0)
                    for m, per in summary["methods"].items() for col, s in per.items()
-                   for k in ("speedup", "tokens_per_step", "tokens_per_second") if math.isfinite(s[k])]
+                   for k in ("speedup", "median_speedup", "tokens_per_step", "tokens_per_second") if math.isfinite(s[k])]
         self.client.log_batch(self.parent_id, metrics=metrics)
         if self.cfg.plots:
             self._plots(block, summary, by_method, regrets)

@@ -285,3 +285,22 @@ def test_builtin_prompts_and_shipped_experiments_validate():
     if spec.is_file():
         exp = load_experiment(root / "experiments" / "metasd_specbench.yaml")
         assert len(exp.pools[0].methods) >= 10
+
+
+def test_median_speedup_and_plain_outliers():
+    from metasd.runner import plain_outliers, results_table, summarize
+
+    def rec(q, tokens, wall):
+        return {"question_id": q, "turn": 0, "group": "QA", "category": "qa", "new_tokens": tokens, "wall_s": wall,
+                "committed": tokens, "steps": tokens // 2, "seed": 0}
+
+    # plain: 10 tok/s on q1..q4, but q5's plain request was disturbed (2 tok/s): its speedup is inflated
+    plain = [rec(f"q{i}", 20, 2.0) for i in range(1, 5)] + [rec("q5", 20, 10.0)]
+    method = [rec(f"q{i}", 20, 1.0) for i in range(1, 6)]  # 20 tok/s everywhere
+    s = summarize(method, plain)["overall"]
+    assert s["median_speedup"] == pytest.approx(2.0)  # q1..q4 give 2x, q5 gives 10x: the median ignores it
+    assert s["speedup"] == pytest.approx(20 / ((4 * 10 + 2) / 5))  # Spec-Bench's ratio of mean speeds
+    assert plain_outliers(plain) == ["q5"] and plain_outliers(plain[:4]) == []
+    table = results_table({"columns": ["QA", "overall"], "methods": {"plain": summarize(plain, plain), "m": summarize(method, plain)},
+                           "plain_outliers": ["q5"]})
+    assert "median of per-question speedups, overall: m 2.00x" in table and "questions q5" in table
