@@ -381,6 +381,38 @@ def test_resume_equals_uninterrupted(features, verifier_model):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_state_write_killed_midway_leaves_the_previous_state(features, verifier_model, monkeypatch):
+    """Kill (here: an exception) while the optimizer of step 4 is being written: the state of step 2 stays
+    the committed one, complete, and a rerun resumes from it to the same weights as an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from metasd.training import common
+
+    cfg = load_train_hidden_state_config(_train_yaml(features, "killed", save_every=2, optim={"steps": 6, "lr": 3e-3, "warmup": 1,
+                                                                                                  "sequences_per_step": 2}))
+    train_hidden_state(cfg, verifier_model=verifier_model, until_step=2, log=lambda *a: None)
+    state_dir = features / "killed" / "train_state"
+    committed = json.loads((state_dir / "trainer.json").read_text())
+    assert committed["step"] == 2 and (state_dir / committed["files"]["weights"]).exists()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing the optimizer")
+    monkeypatch.setattr(common.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_hidden_state(cfg, verifier_model=verifier_model, until_step=4, log=lambda *a: None)
+    monkeypatch.undo()
+    after = json.loads((state_dir / "trainer.json").read_text())
+    assert after["step"] == 2 and after["files"] == committed["files"]  # the new weights file is not committed
+    for name in committed["files"].values():
+        assert (state_dir / name).exists()
+    load_file(str(state_dir / committed["files"]["weights"]))  # complete, loadable
+    train_hidden_state(cfg, verifier_model=verifier_model, log=lambda *a: None)
+    whole = cfg.model_copy(update={"out": str(features / "whole")})
+    train_hidden_state(whole, verifier_model=verifier_model, log=lambda *a: None)
+    a, b = load_file(str(features / "killed" / "model.safetensors")), load_file(str(features / "whole" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_training_config_errors(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"features": "x", "verifier": "y", "out": "z", "optim": {"stepz": 3}}))

@@ -254,11 +254,30 @@ def load_verifier_parts(ref: str):
 
 
 def save_state(state_dir: Path, model, opt, state: dict) -> None:
-    tmp = state_dir / (STATE_WEIGHTS + ".tmp")
-    save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, state_dir / STATE_WEIGHTS)
+    """Write a resumable training state so that a kill at any moment leaves the previous one usable: the
+    weights and optimizer go to files named by the step (each written to a temp file, then renamed), then
+    ``STATE_META`` - the commit point - is replaced by one naming them; older files are removed last."""
+    step = int(state["step"])
+    files = {"weights": f"model_fp32.step{step}.safetensors", "optimizer": f"optimizer.step{step}.pt" if opt is not None else None}
+
+    def write(name: str, fn) -> None:
+        tmp = state_dir / (name + ".tmp")
+        fn(tmp)
+        os.replace(tmp, state_dir / name)
+
+    write(files["weights"], lambda p: save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(p)))
     if opt is not None:
-        torch.save(opt.state_dict(), state_dir / (STATE_OPTIM + ".tmp"))
-        os.replace(state_dir / (STATE_OPTIM + ".tmp"), state_dir / STATE_OPTIM)
-    (state_dir / (STATE_META + ".tmp")).write_text(json.dumps(state, indent=1))
-    os.replace(state_dir / (STATE_META + ".tmp"), state_dir / STATE_META)
+        write(files["optimizer"], lambda p: torch.save(opt.state_dict(), p))
+    write(STATE_META, lambda p: p.write_text(json.dumps({**state, "files": files}, indent=1)))
+    keep = set(files.values()) | {STATE_META}
+    for old in [*state_dir.glob("model_fp32*.safetensors"), *state_dir.glob("optimizer*.pt")]:
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+
+
+def state_file(state_dir: Path, state: dict, kind: str) -> Path | None:
+    """The weights (``kind="weights"``) or optimizer file the committed state ``state`` (``STATE_META``'s
+    contents) names; states written before step-named files read the fixed names."""
+    legacy = {"weights": STATE_WEIGHTS, "optimizer": STATE_OPTIM}[kind]
+    name = (state.get("files") or {}).get(kind, legacy) if "files" in state else legacy
+    return None if name is None else state_dir / name

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..machine import warn_if_oversubscribed
-from .common import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
-                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards)
+from .common import (STATE_META, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
+                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards, state_file)
 from .features import FeatureSet
 
 BEST_WEIGHTS = "best_fp32.safetensors"
@@ -287,12 +287,13 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
         state = {"step": 0, "run_id": None, "wall_s": 0.0, "sequences": 0, "history": [], "best": None,
                  "stopped_by_time": None}
     else:
-        net.load_state_dict(load_file(str(state_dir / STATE_WEIGHTS)))
+        net.load_state_dict(load_file(str(state_file(state_dir, state, "weights"))))
         log(f"resuming from {state_dir} at step {state['step']}")
     st = cfg.optim
     opt = torch.optim.AdamW(net.parameters(), lr=st.lr, betas=(0.9, 0.95), weight_decay=st.weight_decay)
-    if state["step"] > 0 and (state_dir / STATE_OPTIM).exists():
-        opt.load_state_dict(torch.load(state_dir / STATE_OPTIM, weights_only=True))
+    opt_path = state_file(state_dir, state, "optimizer")
+    if state["step"] > 0 and opt_path is not None and opt_path.exists():
+        opt.load_state_dict(torch.load(opt_path, weights_only=True))
     counts = {s: reader.n_sequences(s) for s in train}
     sched = Schedule(counts, cfg.seed)
     val_set = [(s, j) for s in val for j in range(reader.n_sequences(s))][:cfg.val_sequences]

@@ -67,8 +67,8 @@ from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..machine import warn_if_oversubscribed
 from ..tree import children_lists
-from .common import (STATE_META, STATE_OPTIM, STATE_WEIGHTS, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
-                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards)
+from .common import (STATE_META, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
+                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards, state_file)
 from .features import FeatureSet
 
 MODES = ("chain", "marginal", "treeflash")
@@ -424,7 +424,7 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
         state = {"stage": 1, "step": 0, "run_id": None, "wall_s": {"1": 0.0, "2": 0.0}, "anchors": {"1": 0, "2": 0},
                  "targets": {"1": 0, "2": 0}, "history": [], "stopped_by_time": {}}
     else:
-        model.load_state_dict(load_file(str(state_dir / STATE_WEIGHTS)))
+        model.load_state_dict(load_file(str(state_file(state_dir, state, "weights"))))
         log(f"resuming from {state_dir}: stage {state['stage']}, step {state['step']}")
 
     counts_per_shard = {s: reader.n_sequences(s) for s in train}
@@ -454,8 +454,8 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
             for p in trainable:
                 p.requires_grad_(True)
             opt = torch.optim.AdamW(trainable, lr=st.lr, betas=(0.9, 0.95), weight_decay=st.weight_decay)
-            opt_path = state_dir / STATE_OPTIM
-            if state["step"] > 0 and opt_path.exists():
+            opt_path = state_file(state_dir, state, "optimizer")
+            if state["step"] > 0 and opt_path is not None and opt_path.exists():
                 opt.load_state_dict(torch.load(opt_path, weights_only=True))
             sched = Schedule(counts_per_shard, cfg.seed + 1000 * stage)
             base = cfg.stage1.steps if stage == 2 else 0
