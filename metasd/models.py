@@ -564,7 +564,9 @@ def bundled_status() -> list[dict]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Source:
+class ModelSource:
+    """A resolved model reference (``resolve_model``)."""
+
     kind: str  # "bundled" | "dir" | "gguf" | "hub"
     ref: str
     path: str  # directory / hub id given to from_pretrained
@@ -609,37 +611,39 @@ def _hub_cached(repo_id: str) -> bool:
         return False
 
 
-def _locate(ref: str) -> _Source:
-    """``_resolve`` without preparing a bundled model (its ``path`` is then empty)."""
+def _locate(ref: str) -> ModelSource:
+    """``resolve_model`` without preparing a bundled model (its ``path`` is then empty)."""
     if not isinstance(ref, str) or not ref.strip():
         raise ModelLoadError(f"model reference must be a non-empty string, got {ref!r}; bundled models: {_bundled_names()}")
     ref = ref.strip()
     if ref.startswith(BUNDLED_PREFIX):
         _get_bundled(ref[len(BUNDLED_PREFIX):])  # an unknown name is refused here
-        return _Source("bundled", ref, "")
+        return ModelSource("bundled", ref, "")
     p = Path(ref).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file():
-            return _Source("dir", ref, str(p))
+            return ModelSource("dir", ref, str(p))
         ggufs = sorted(x.name for x in p.glob("*.gguf"))
         hint = f"; it holds GGUF files - pass one of them: {', '.join(str(p / g) for g in ggufs)}" if ggufs else ""
         raise ModelLoadError(f"model directory {ref!r} has no config.json, so it is not a Hugging Face model directory{hint}")
     if p.is_file():
         if p.suffix.lower() == ".gguf":
-            return _Source("gguf", ref, str(p.parent), p.name)
+            return ModelSource("gguf", ref, str(p.parent), p.name)
         raise ModelLoadError(f"model reference {ref!r} is a file but not a .gguf file; give a model directory, a .gguf file or bundled:<name>")
     if p.exists() or _looks_like_path(ref):
         raise ModelLoadError(
             f"model path {ref!r} does not exist; give an existing model directory or .gguf file, "
             f"or a bundled model: {_bundled_names()}"
         )
-    return _Source("hub", ref, ref)
+    return ModelSource("hub", ref, ref)
 
 
-def _resolve(ref: str) -> _Source:
+def resolve_model(ref: str) -> ModelSource:
+    """Where a model reference's files are: the bundled model prepared in the cache, a local directory or
+    GGUF file, or a hub id; errors name the reference (``ModelLoadError``)."""
     src = _locate(ref)
     if src.kind == "bundled":
-        return _Source("bundled", src.ref, str(prepare_bundled(src.ref[len(BUNDLED_PREFIX):])))
+        return ModelSource("bundled", src.ref, str(prepare_bundled(src.ref[len(BUNDLED_PREFIX):])))
     return src
 
 
@@ -666,7 +670,7 @@ def _hub_unreachable_reason() -> str | None:
         return f"is unreachable (cannot connect to {host}:{port}: {e})"
 
 
-def _from_pretrained(cls, src: _Source, **kwargs):
+def _from_pretrained(cls, src: ModelSource, **kwargs):
     if src.kind == "gguf":
         kwargs = {"gguf_file": src.gguf_file, **kwargs}
         if "dtype" in kwargs:  # models only
@@ -692,7 +696,7 @@ def _from_pretrained(cls, src: _Source, **kwargs):
         ) from e
 
 
-def _wrap_local(src: _Source, what: str, fn):
+def _wrap_local(src: ModelSource, what: str, fn):
     if src.kind == "hub":
         return fn()
     try:
@@ -707,7 +711,7 @@ def load_tokenizer(ref: str) -> "PreTrainedTokenizerBase":
     """Load the tokenizer of a model reference (for ``bundled:`` this prepares the cache if needed)."""
     from transformers import AutoTokenizer
 
-    src = _resolve(ref)
+    src = resolve_model(ref)
     return _wrap_local(src, "tokenizer", lambda: _from_pretrained(AutoTokenizer, src))
 
 
@@ -731,7 +735,7 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     quantize = check_quantize(quantize, name=f"model {ref!r}", dtype=dt, device=dev)
-    src = _resolve(ref)
+    src = resolve_model(ref)
     t0 = time.perf_counter()
     model = _wrap_local(src, "model", lambda: _from_pretrained(AutoModelForCausalLM, src, dtype=dt))
     if src.kind == "gguf":

@@ -217,9 +217,9 @@ def load_verifier_parts(ref: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from metasd.drafters.treeflash_backbone import final_norm_of
-    from metasd.models import _resolve, load_model
+    from metasd.models import resolve_model, load_model
 
-    src = _resolve(ref)
+    src = resolve_model(ref)
     files = sorted(Path(src.path).glob("*.safetensors")) if src.kind in ("bundled", "dir") else []
     if not files:
         return load_model(ref, dtype="bf16")[0]
