@@ -218,7 +218,7 @@ def _add_models(sub) -> None:
 
 
 def _models(args) -> int:
-    from .models import bundled_status, cache_dir, prepare_bundled
+    from .bundled import bundled_status, cache_dir, prepare_bundled
 
     if args.prepare:
         print(prepare_bundled(args.prepare.removeprefix("bundled:")))

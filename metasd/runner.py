@@ -293,7 +293,7 @@ def _git() -> dict[str, str]:
 
 
 def _model_params(pool: ResolvedPool) -> dict[str, str]:
-    from .models import BUNDLED, BUNDLED_PREFIX
+    from .bundled import BUNDLED, BUNDLED_PREFIX
 
     refs = {"verifier": pool.config.verifier.model}
     refs.update({d.name: d.model for d in pool.config.drafters if d.model})

@@ -1,4 +1,4 @@
-"""Tests for metasd.models: references, the bundled-model cache, dtypes and tokenizer checks.
+"""Tests for metasd.models (references, dtypes, tokenizer checks) and metasd.bundled (the bundled-model cache).
 
 No real model is loaded: bundled models are faked with part modules (written to a tmp dir on sys.path)
 whose parts concatenate to a tiny GGUF written here with the ``gguf`` package.
@@ -18,19 +18,21 @@ import numpy as np
 import pytest
 import torch
 
-from metasd import models
-from metasd.models import (
+from metasd import bundled, models
+from metasd.bundled import (
     BUNDLED,
     CACHE_MARKER,
     BundledModel,
-    ModelLoadError,
-    TokenizerMismatchError,
     bundled_status,
     cache_dir,
+    prepare_bundled,
+)
+from metasd.models import (
+    ModelLoadError,
+    TokenizerMismatchError,
     check_tokenizers_compatible,
     load_model,
     load_tokenizer,
-    prepare_bundled,
     resolve_device,
     resolve_dtype,
 )
@@ -212,24 +214,24 @@ def test_cache_dir_env_and_default(monkeypatch, tmp_path):
 def test_assembly_follows_module_order_and_checks_sha(cache, make_bundled, tmp_path):
     data = bytes(range(256)) * 40 + b"tail"
     entry = make_bundled(data, n_parts=4)
-    parts = models._part_paths(entry)
+    parts = bundled._part_paths(entry)
     assert b"".join(p.read_bytes() for p in parts) == data
     out = tmp_path / "assembled.gguf"
-    assert models._assemble(entry, parts, out) == hashlib.sha256(data).hexdigest()
+    assert bundled._assemble(entry, parts, out) == hashlib.sha256(data).hexdigest()
     assert out.read_bytes() == data
     # the same parts in another order give another file: the sha256 check catches it
     with pytest.raises(ModelLoadError, match=entry.name) as err:
-        models._assemble(entry, parts[::-1], tmp_path / "reversed.gguf")
+        bundled._assemble(entry, parts[::-1], tmp_path / "reversed.gguf")
     assert entry.sha256 in str(err.value)
     assert hashlib.sha256(b"".join(p.read_bytes() for p in parts[::-1])).hexdigest() in str(err.value)
 
 
 def test_assembly_streams_in_chunks(cache, make_bundled, tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "_CHUNK", 7)  # force many reads per part
+    monkeypatch.setattr(bundled, "_CHUNK", 7)  # force many reads per part
     data = b"0123456789abcdef" * 13
     entry = make_bundled(data, n_parts=3)
     out = tmp_path / "a.gguf"
-    models._assemble(entry, models._part_paths(entry), out)
+    bundled._assemble(entry, bundled._part_paths(entry), out)
     assert out.read_bytes() == data
 
 
@@ -269,8 +271,8 @@ def test_missing_part_package_names_pip_command(cache, make_bundled):
 
 def test_missing_conversion_dependency_is_named(cache, make_bundled, monkeypatch):
     entry = make_bundled(b"z" * 100)
-    real_find_spec = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec",
+    real_find_spec = bundled.importlib.util.find_spec
+    monkeypatch.setattr(bundled.importlib.util, "find_spec",
                         lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a))
     with pytest.raises(ModelLoadError, match=f"{entry.name}.*pip install accelerate"):
         prepare_bundled(entry.name)
@@ -534,8 +536,8 @@ def test_bundled_first_load_converts_and_caches_bf16(cache, make_bundled, tiny_g
     def boom(*a, **k):
         raise AssertionError("cache was rebuilt")
 
-    monkeypatch.setattr(models, "_assemble", boom)
-    monkeypatch.setattr(models, "_convert_gguf", boom)
+    monkeypatch.setattr(bundled, "_assemble", boom)
+    monkeypatch.setattr(bundled, "_convert_gguf", boom)
     model2, _ = load_model(entry.ref, dtype="bf16", device="cpu")
     assert model2.dtype == torch.bfloat16
     assert load_tokenizer(entry.ref).get_vocab() == tok.get_vocab()
@@ -545,7 +547,7 @@ def test_marker_makes_cache_complete_and_leftover_temp_is_ignored(cache, make_bu
     entry = make_bundled(tiny_gguf.read_bytes(), n_parts=2)
     final = cache / entry.name
     prepare_bundled(entry.name)
-    assert models._cache_complete(entry)
+    assert bundled._cache_complete(entry)
 
     # a complete-looking directory left in a temp dir by a crashed run never counts ...
     leftover = cache / f".tmp-{entry.name}-crashed"
@@ -554,22 +556,22 @@ def test_marker_makes_cache_complete_and_leftover_temp_is_ignored(cache, make_bu
         (leftover / "model" / f.name).write_bytes(f.read_bytes())
     # ... and without its marker the final dir does not count either
     (final / CACHE_MARKER).unlink()
-    assert not models._cache_complete(entry)
+    assert not bundled._cache_complete(entry)
     assert next(r for r in bundled_status() if r["name"] == entry.name)["cached"] is False
 
     calls = []
-    real_convert = models._convert_gguf
-    monkeypatch.setattr(models, "_convert_gguf", lambda *a: (calls.append(a), real_convert(*a)))
+    real_convert = bundled._convert_gguf
+    monkeypatch.setattr(bundled, "_convert_gguf", lambda *a: (calls.append(a), real_convert(*a)))
     assert prepare_bundled(entry.name) == final
     assert len(calls) == 1  # rebuilt, replacing the incomplete final dir
-    assert models._cache_complete(entry) and leftovers(cache) == []
+    assert bundled._cache_complete(entry) and leftovers(cache) == []
 
     # a marker for other contents (e.g. the registry's sha256 changed) does not count
     marker = json.loads((final / CACHE_MARKER).read_text())
     (final / CACHE_MARKER).write_text(json.dumps({**marker, "sha256": "f" * 64}))
-    assert not models._cache_complete(entry)
+    assert not bundled._cache_complete(entry)
     (final / CACHE_MARKER).write_text("{not json")
-    assert not models._cache_complete(entry)
+    assert not bundled._cache_complete(entry)
 
 
 def test_crash_during_conversion_leaves_no_cache(cache, make_bundled, tiny_gguf, monkeypatch):
@@ -580,27 +582,27 @@ def test_crash_during_conversion_leaves_no_cache(cache, make_bundled, tiny_gguf,
         (out / "config.json").write_text("{}")  # half-written output
         raise RuntimeError("killed mid-conversion")
 
-    real_convert = models._convert_gguf
-    monkeypatch.setattr(models, "_convert_gguf", crash)
+    real_convert = bundled._convert_gguf
+    monkeypatch.setattr(bundled, "_convert_gguf", crash)
     with pytest.raises(ModelLoadError, match=f"{entry.name}.*killed mid-conversion"):
         load_model(entry.ref, dtype="fp32")
     assert not (cache / entry.name).exists() and leftovers(cache) == []
-    monkeypatch.setattr(models, "_convert_gguf", real_convert)
+    monkeypatch.setattr(bundled, "_convert_gguf", real_convert)
     load_model(entry.ref, dtype="fp32")
-    assert models._cache_complete(entry)
+    assert bundled._cache_complete(entry)
 
 
 def test_concurrent_first_loads_convert_once(cache, make_bundled, tiny_gguf, monkeypatch):
     entry = make_bundled(tiny_gguf.read_bytes(), n_parts=2)
     calls = []
-    real_convert = models._convert_gguf
+    real_convert = bundled._convert_gguf
 
     def slow_convert(gguf, out):
         calls.append(gguf)
         time.sleep(0.3)
         real_convert(gguf, out)
 
-    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    monkeypatch.setattr(bundled, "_convert_gguf", slow_convert)
     results, errors = [], []
 
     def worker():
@@ -617,4 +619,4 @@ def test_concurrent_first_loads_convert_once(cache, make_bundled, tiny_gguf, mon
     assert not errors
     assert results == [cache / entry.name] * 3
     assert len(calls) == 1
-    assert models._cache_complete(entry) and leftovers(cache) == []
+    assert bundled._cache_complete(entry) and leftovers(cache) == []

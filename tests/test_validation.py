@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import metasd.bundled
 import metasd.config
 import metasd.drafters  # noqa: F401  (registers the drafter types before anything is timed)
 import metasd.models
@@ -40,7 +41,8 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(metasd.models, "load_model", refuse("load_model"))
     monkeypatch.setattr(metasd.models, "load_tokenizer", refuse("load_tokenizer"))
-    monkeypatch.setattr(metasd.models, "prepare_bundled", refuse("prepare_bundled"))
+    # looked up in metasd.bundled at call time, by metasd.models.resolve_model and by `metasd models --prepare`
+    monkeypatch.setattr(metasd.bundled, "prepare_bundled", refuse("prepare_bundled"))
     monkeypatch.setattr(metasd.config.ModelCache, "load", refuse("ModelCache.load"))
     monkeypatch.setattr(metasd.config, "build_engine", refuse("build_engine"))
     return calls
