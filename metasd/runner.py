@@ -18,21 +18,9 @@ with the method's *own* earlier answers as assistant messages (Spec-Bench's conv
 baseline answers later turns after its own answers and each method after its own; under greedy
 lossless decoding these are the same texts up to floating-point ties.
 
-Speedup (Spec-Bench's ``speed.py``, docs/algorithms.md#speedup): a question's speed is its new tokens over
-its wall time summed over its turns (prefill included); a group's speedup = mean question speed of the
-method / mean question speed of plain decoding over the same questions (and turns). Mean tokens per step
-= committed tokens / steps, bonus token included (plain = 1.00; for transformers baselines a step is one
-verifier forward).
-
-Cumulative regret against the best fixed drafter in hindsight (request level, MetaSD's stopping-time
-form lifted to wall time). For a policy run pi and each single-drafter run d of the same pool, dataset
-and seed, on request r let n_pi(r) be the policy's new tokens, T_x(r) wall seconds and S_x(r) steps.
-The cost of d for the policy's work is C_d(r) = n_pi(r) * T_d(r) / n_d(r) (seconds the drafter alone
-needs for as many tokens; equal to T_d(r) when both produce the same tokens, as greedy lossless decoding
-does). The best fixed drafter in hindsight is d* = argmin_d sum_r C_d(r) over all requests of the run,
-and the cumulative regret after request R is sum_{r<=R} (T_pi(r) - C_{d*}(r)) seconds. The steps form
-replaces T by S (steps to generate the request's tokens: MetaSD's stopping-time regret), with its own
-d*. Negative regret means the policy beat every fixed drafter.
+Speedup, mean tokens per step and cumulative regret are defined in ``metasd.report``, which computes them
+and the results table; ``metasd.tracking`` writes the MLflow runs and ``metasd.bench_requests`` answers
+one request with a baseline or a method.
 
 Ctrl-C ends the runs with status KILLED; finished requests stay logged, and ``--run-id ID`` (or
 ``--resume``) continues the same parent run, skipping them.
@@ -40,26 +28,21 @@ Ctrl-C ends the runs with status KILLED; finished requests stay logged, and ``--
 from __future__ import annotations
 
 import json
-import math
-import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
-from .datasets import GROUP_ORDER
+from .bench_requests import MethodRequests, PoolEngine
 from .experiment import Experiment, ExperimentConfig, Method, ResolvedDataset, ResolvedPool, load_experiment
+from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, plain_outliers, results_table,
+                     summarize, table_columns)
+from .tracking import (DEFAULT_TRACKING_URI, BenchStore, NestedRun, flatten_params, model_params,
+                       resolve_tracking_uri)
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-REQUESTS_ARTIFACT = "requests.jsonl"
-OVERALL = "overall"
 _DONE = object()
-_MAX_PARAM_LEN = 6000
 
 
 class ExperimentInterrupted(KeyboardInterrupt):
@@ -90,245 +73,7 @@ class ExperimentResult:
     wall_s: float = 0.0
 
 
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """--tracking-uri, else $MLFLOW_TRACKING_URI, else ``sqlite:///mlflow.db`` in the working directory."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-
-
-# ------------------------------------------------------------------------------------------ summaries
-
-
-def table_columns(groups: Iterable[str]) -> list[str]:
-    present = set(groups)
-    return [g for g in GROUP_ORDER if g in present] + sorted(present - set(GROUP_ORDER)) + [OVERALL]
-
-
-def _units(records: list[dict], plain: dict[tuple[str, int], dict]) -> dict[tuple, dict]:
-    """Question units (seed, question) with the method's and plain's totals over their common turns."""
-    units: dict[tuple, dict] = {}
-    for r in records:
-        p = plain.get((r["question_id"], r["turn"]))
-        if p is None:
-            continue
-        u = units.setdefault((r.get("seed"), r["question_id"]), dict(
-            group=r["group"], category=r["category"], tokens=0, seconds=0.0, committed=0, steps=0,
-            p_tokens=0, p_seconds=0.0))
-        u["tokens"] += r["new_tokens"]
-        u["seconds"] += r["wall_s"]
-        u["committed"] += r["committed"]
-        u["steps"] += r["steps"]
-        u["p_tokens"] += p["new_tokens"]
-        u["p_seconds"] += p["wall_s"]
-    return units
-
-
-def summarize(records: list[dict], plain_records: list[dict], key: str = "group") -> dict[str, dict[str, float]]:
-    """Per group (or ``key="category"``) and overall: speedup (ratio of mean speeds, Spec-Bench's), the median
-    of per-question speedups (robust to one disturbed request), mean tokens per step, tokens/s, questions."""
-    plain = {(p["question_id"], p["turn"]): p for p in plain_records}
-    by_col: dict[str, list[dict]] = {}
-    for u in _units(records, plain).values():
-        if u["seconds"] <= 0 or u["p_seconds"] <= 0:
-            continue
-        by_col.setdefault(u[key], []).append(u)
-        by_col.setdefault(OVERALL, []).append(u)
-    out = {}
-    for col, us in by_col.items():
-        speed = sum(u["tokens"] / u["seconds"] for u in us) / len(us)
-        p_speed = sum(u["p_tokens"] / u["p_seconds"] for u in us) / len(us)
-        steps = sum(u["steps"] for u in us)
-        ratios = sorted((u["tokens"] / u["seconds"]) / (u["p_tokens"] / u["p_seconds"]) for u in us)
-        mid = len(ratios) // 2
-        median = ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
-        out[col] = dict(speedup=speed / p_speed if p_speed > 0 else float("nan"), median_speedup=median,
-                        tokens_per_step=sum(u["committed"] for u in us) / steps if steps else float("nan"),
-                        tokens_per_second=speed, questions=len(us))
-    return out
-
-
-def plain_outliers(plain_records: list[dict], factor: float = 2.0) -> list[str]:
-    """Question ids whose plain decoding ran more than ``factor`` times slower (tokens/s) than the median
-    plain request: a request disturbed by another process inflates every speedup measured against it."""
-    speeds = {}
-    for p in plain_records:
-        if p["wall_s"] > 0 and p["new_tokens"] > 0:
-            speeds.setdefault(str(p["question_id"]), []).append(p["new_tokens"] / p["wall_s"])
-    if len(speeds) < 3:
-        return []
-    per_q = {q: sum(v) / len(v) for q, v in speeds.items()}
-    ordered = sorted(per_q.values())
-    median = ordered[len(ordered) // 2]
-    return sorted(q for q, s in per_q.items() if s * factor < median)
-
-
-def oracle_records(singles: dict[str, list[dict]], plain_records: list[dict]) -> tuple[list[dict], dict[str, str]]:
-    """Best single drafter per category in hindsight (highest speedup on that category): its records."""
-    best: dict[str, tuple[float, str]] = {}
-    for name, recs in singles.items():
-        for cat, s in summarize(recs, plain_records, key="category").items():
-            if cat != OVERALL and (cat not in best or s["speedup"] > best[cat][0]):
-                best[cat] = (s["speedup"], name)
-    choice = {cat: name for cat, (_, name) in sorted(best.items())}
-    recs = [r for name, rs in singles.items() for r in rs if choice.get(r["category"]) == name]
-    return recs, choice
-
-
-def cumulative_regret(policy: list[dict], singles: dict[str, list[dict]], cost: str = "wall_s") -> tuple[list[float], str | None]:
-    """Cumulative regret of a policy run against the best fixed drafter in hindsight (module docstring).
-
-    cost: ``"wall_s"`` (seconds) or ``"steps"``. Requests missing in a single run are left out.
-    Returns (cumulative regret per request in the policy's order, the best fixed drafter d*).
-    """
-    idx = {name: {(r["question_id"], r["turn"]): r for r in rs} for name, rs in singles.items()}
-    rows = [r for r in sorted(policy, key=lambda r: r["index"])
-            if all((r["question_id"], r["turn"]) in d for d in idx.values())]
-    if not rows or not idx:
-        return [], None
-
-    def c(name: str, r: dict) -> float:
-        s = idx[name][(r["question_id"], r["turn"])]
-        return r["new_tokens"] * s[cost] / s["new_tokens"] if s["new_tokens"] else s[cost]
-
-    best = min(idx, key=lambda n: sum(c(n, r) for r in rows))
-    out, acc = [], 0.0
-    for r in rows:
-        acc += r[cost] - c(best, r)
-        out.append(acc)
-    return out, best
-
-
-def _fmt_cell(s: dict | None) -> str:
-    if not s or not math.isfinite(s["speedup"]):
-        return "-"
-    return f"{s['speedup']:.2f}x / {s['tokens_per_step']:.2f}"
-
-
-def results_table(summary: dict[str, Any], title: str = "") -> str:
-    """Spec-Bench-shaped Markdown: rows = methods, columns = category groups + overall."""
-    cols = summary["columns"]
-    lines = []
-    if title:
-        lines += [f"### {title}", ""]
-    lines += ["Cells: speedup over plain decoding of the verifier on the same requests / mean tokens per step "
-              "(bonus token included; plain = 1.00).", ""]
-    lines.append("| method | " + " | ".join(cols) + " |")
-    lines.append("| --- | " + " | ".join("---:" for _ in cols) + " |")
-    for method, per in summary["methods"].items():
-        lines.append(f"| {method} | " + " | ".join(_fmt_cell(per.get(c)) for c in cols) + " |")
-    plain = summary["methods"].get("plain", {}).get(OVERALL)
-    notes = []
-    if plain:
-        notes.append(f"plain decoding: {plain['tokens_per_second']:.2f} tokens/s over {plain['questions']} questions")
-    medians = [f"{m} {per[OVERALL]['median_speedup']:.2f}x" for m, per in summary["methods"].items()
-               if m != "plain" and per.get(OVERALL) and math.isfinite(per[OVERALL].get("median_speedup", float("nan")))]
-    if medians:
-        notes.append("median of per-question speedups, overall: " + ", ".join(medians))
-    if summary.get("plain_outliers"):
-        notes.append("**plain decoding ran over 2x slower than its median on questions "
-                     f"{', '.join(summary['plain_outliers'])}**: their speedups are inflated (another process on the "
-                     "machine?); trust the medians, or rerun on an idle machine")
-    if summary.get("oracle_choice"):
-        notes.append("oracle = best single drafter per Spec-Bench category (finer than the columns' groups) in "
-                     "hindsight: " + ", ".join(f"{c}: {n}" for c, n in summary["oracle_choice"].items()))
-    notes.append("multi-turn questions: each method answers later turns after its own earlier answers (Spec-Bench)")
-    lines += [""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------- MLflow bits
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    if isinstance(obj, dict):
-        if not obj and prefix:
-            out[prefix] = "{}"
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}.{i}"))
-    else:
-        value = obj if isinstance(obj, str) else json.dumps(obj, default=str)
-        out[prefix] = value
-    return out
-
-
-_KEY_BAD = re.compile(r"[^\w\-. /:]")
-
-
-def _key(s: str) -> str:
-    return _KEY_BAD.sub("_", s)[:250]
-
-
-def _params(d: dict[str, Any]) -> list:
-    from mlflow.entities import Param
-
-    return [Param(_key(k), v if len(v) <= _MAX_PARAM_LEN else v[: _MAX_PARAM_LEN - 3] + "...") for k, v in d.items()]
-
-
-def _versions() -> dict[str, str]:
-    import mlflow
-    import torch
-    import transformers
-
-    from . import __version__
-
-    return {"version.metasd": __version__, "version.torch": torch.__version__,
-            "version.transformers": transformers.__version__, "version.mlflow": mlflow.__version__,
-            "version.python": sys.version.split()[0]}
-
-
-def _git() -> dict[str, str]:
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        if commit.returncode != 0:
-            return {}
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10)
-        return {"git.commit": commit.stdout.strip(), "git.dirty": str(bool(dirty.stdout.strip()))}
-    except (OSError, subprocess.SubprocessError):
-        return {}
-
-
-def _model_params(pool: ResolvedPool) -> dict[str, str]:
-    from .bundled import BUNDLED, BUNDLED_PREFIX
-
-    refs = {"verifier": pool.config.verifier.model}
-    refs.update({d.name: d.model for d in pool.config.drafters if d.model})
-    out = {}
-    for who, ref in refs.items():
-        out[f"model.{pool.name}.{who}"] = ref
-        if ref.startswith(BUNDLED_PREFIX) and ref[len(BUNDLED_PREFIX):] in BUNDLED:
-            out[f"model.{pool.name}.{who}.sha256"] = str(BUNDLED[ref[len(BUNDLED_PREFIX):]].sha256)
-    return out
-
-
-def _artifact_location(uri: str, name: str) -> str | None:
-    """For a sqlite store, keep artifacts beside the database (not in the working directory)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = Path(uri[len("sqlite:///"):])
-    root = (db.parent if db.is_absolute() else Path.cwd() / db.parent).resolve() / "mlartifacts"
-    return (root / re.sub(r"[^\w.\-]", "_", name)).as_uri()
-
-
 # ------------------------------------------------------------------------------------------- runner
-
-
-@contextmanager
-def _count_forwards(model):
-    box = [0]
-
-    def hook(*_):
-        box[0] += 1
-
-    handle = model.register_forward_hook(hook)
-    try:
-        yield box
-    finally:
-        handle.remove()
 
 
 def _sha(ids: list[int]) -> str:
@@ -337,162 +82,20 @@ def _sha(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:12]
 
 
-class _Nested:
-    """One nested MLflow run and its request records (the JSONL is rewritten as an artifact per request)."""
-
-    def __init__(self, runner: "_Runner", key: str, method: str, name: str, kind: str, params: dict[str, str],
-                 drafters: list[str]):
-        self.runner, self.key, self.method, self.kind, self.drafters = runner, key, method, kind, drafters
-        client = runner.client
-        existing = runner.children.get(key)
-        self.records: list[dict] = []
-        if existing is not None:
-            self.run_id = existing.info.run_id
-            self.records = runner.load_records(self.run_id)
-            self.finished = existing.info.status == "FINISHED"
-        else:
-            run = client.create_run(runner.experiment_id, run_name=name, tags={
-                "mlflow.parentRunId": runner.parent_id, "metasd.key": key, "metasd.kind": kind, "metasd.method": method,
-                "metasd.pool": params.get("pool", ""), "metasd.dataset": params.get("dataset", ""),
-                "metasd.seed": params.get("seed", "")})
-            self.run_id = run.info.run_id
-            client.log_batch(self.run_id, params=_params(params))
-            self.finished = False
-        if not self.finished:
-            runner.active.add(self)
-        self.done = {(r["question_id"], r["turn"]): r for r in self.records}
-        self.path = runner.workdir / f"{len(runner.run_ids)}" / REQUESTS_ARTIFACT
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._write()
-        runner.run_ids[key] = self.run_id
-        runner.records[key] = self.records
-
-    def _write(self) -> None:
-        with open(self.path, "w") as f:
-            for r in self.records:
-                f.write(json.dumps(r) + "\n")
-
-    def start(self) -> None:
-        self.runner.client.update_run(self.run_id, status="RUNNING")
-        self.runner.active.add(self)
-
-    def add(self, rec: dict, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-
-        self.records.append(rec)
-        self.done[(rec["question_id"], rec["turn"])] = rec
-        self._write()
-        client = self.runner.client
-        client.log_artifact(self.run_id, str(self.path))
-        ts = int(time.time() * 1000)
-        client.log_batch(self.run_id, metrics=[Metric(_key(k), float(v), ts, rec["index"])
-                                               for k, v in metrics.items() if v is not None and math.isfinite(v)])
-
-    def log_json(self, obj: Any, name: str) -> None:
-        p = self.path.parent / name
-        p.write_text(json.dumps(obj, indent=1, default=str))
-        self.runner.client.log_artifact(self.run_id, str(p))
-
-    def end(self, status: str = "FINISHED") -> None:
-        self.runner.client.set_terminated(self.run_id, status)
-        self.finished = status == "FINISHED"
-        self.runner.active.discard(self)
-
-
 class _Runner:
     def __init__(self, exp: Experiment, tracking_uri: str, resume_run_id: str | None, resume: bool,
                  progress: bool, threads: int | None):
-        from mlflow import MlflowClient
-
         self.exp, self.cfg = exp, exp.config
         self.uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        self.store = BenchStore(tracking_uri)
+        self.client = self.store.client
         self.threads = threads or self.cfg.threads
         self.progress = progress
-        self.records: dict[str, list[dict]] = {}
-        self.run_ids: dict[str, str] = {}
         self.summaries: dict[str, dict[str, Any]] = {}
         self.generated = self.skipped = 0
         self._current = None
-        self.active: set[_Nested] = set()  # nested runs not finished yet (ended as KILLED on Ctrl-C)
         self.hash = exp.config_hash()
         self._resume_run_id, self._resume = resume_run_id, resume
-
-    # ---- MLflow experiment and parent run
-    def _experiment(self, resume_run_id: str | None, resume: bool) -> None:
-        exp = self.client.get_experiment_by_name(self.exp.name)
-        if exp is None:
-            self.experiment_id = self.client.create_experiment(
-                self.exp.name, artifact_location=_artifact_location(self.uri, self.exp.name))
-        else:
-            self.experiment_id = exp.experiment_id
-        parent = None
-        if resume and not resume_run_id:
-            found = self.client.search_runs(
-                [self.experiment_id], filter_string=f"tags.`metasd.config_hash` = '{self.hash}' and tags.`metasd.kind` = 'experiment'",
-                order_by=["attributes.start_time DESC"], max_results=1)
-            parent = found[0] if found else None
-            if parent is None:
-                print(f"[metasd bench] nothing to resume for {self.exp.name!r} (config {self.hash}): starting a new run",
-                      file=sys.stderr)
-        elif resume_run_id:
-            from mlflow.exceptions import MlflowException
-
-            try:
-                parent = self.client.get_run(resume_run_id)
-            except MlflowException as e:
-                raise ValueError(f"no MLflow run {resume_run_id!r} in {self.uri}: {e}") from None
-            if parent.info.experiment_id != self.experiment_id:
-                raise ValueError(f"run {resume_run_id} belongs to another MLflow experiment, not {self.exp.name!r}")
-            old = parent.data.tags.get("metasd.config_hash")
-            if old != self.hash:
-                raise ValueError(f"run {resume_run_id} was started from a different experiment config (hash {old}, now "
-                                 f"{self.hash}); start a new run instead of resuming")
-        self.resumed = parent is not None
-        if parent is None:
-            run = self.client.create_run(self.experiment_id, run_name=f"{self.exp.name} {time.strftime('%Y-%m-%d %H:%M')}",
-                                         tags={"metasd.kind": "experiment", "metasd.config_hash": self.hash,
-                                               "metasd.experiment_file": self.exp.source})
-            self.parent_id = run.info.run_id
-            self._log_parent_params()
-        else:
-            self.parent_id = parent.info.run_id
-            self.client.update_run(self.parent_id, status="RUNNING")
-        children = self.client.search_runs([self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'",
-                                           max_results=50000)
-        self.children = {r.data.tags["metasd.key"]: r for r in children if "metasd.key" in r.data.tags}
-
-    def _log_parent_params(self) -> None:
-        params = _flatten(self.exp.resolved_dict())
-        for pool in self.exp.pools:
-            params.update(_model_params(pool))
-        params.update(_versions())
-        params.update(_git())
-        self.client.log_batch(self.parent_id, params=_params(params))
-        d = self.workdir
-        (d / "resolved_config.json").write_text(json.dumps(self.exp.resolved_dict(), indent=1, default=str))
-        self.client.log_artifact(self.parent_id, str(d / "resolved_config.json"), "config")
-        if Path(self.exp.source).is_file():
-            self.client.log_artifact(self.parent_id, self.exp.source, "config")
-
-    def load_records(self, run_id: str) -> list[dict]:
-        from mlflow.artifacts import download_artifacts
-        from mlflow.exceptions import MlflowException
-
-        quiet = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
-        try:
-            local = download_artifacts(run_id=run_id, artifact_path=REQUESTS_ARTIFACT, dst_path=str(self.workdir / "dl" / run_id),
-                                       tracking_uri=self.uri)
-        except (MlflowException, OSError):  # no request finished in that run yet
-            return []
-        finally:
-            if quiet is None:
-                os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
-            else:
-                os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = quiet
-        with open(local) as f:
-            return [json.loads(line) for line in f if line.strip()]
 
     # ---- main loop
     def run(self) -> ExperimentResult:
@@ -506,7 +109,8 @@ class _Runner:
         warn_if_oversubscribed()  # timings of a study on an oversubscribed machine are not comparable
         with tempfile.TemporaryDirectory(prefix="metasd-bench-") as tmp:
             self.workdir = Path(tmp)
-            self._experiment(self._resume_run_id, self._resume)
+            self.store.open(self.exp, self.hash, self.workdir, self._resume_run_id, self._resume)
+            self.parent_id = self.store.parent_id
             self.client.set_tag(self.parent_id, "threads", str(torch.get_num_threads()))
             try:
                 self._loop()
@@ -527,16 +131,14 @@ class _Runner:
                 raise
             table = self._finish()
         self.client.set_terminated(self.parent_id, "FINISHED")
-        return ExperimentResult(self.exp.name, self.parent_id, self.experiment_id, self.uri, "FINISHED", table,
-                                self.summaries, self.records, self.run_ids, self.generated, self.skipped,
+        return ExperimentResult(self.exp.name, self.parent_id, self.store.experiment_id, self.uri, "FINISHED", table,
+                                self.summaries, self.store.records, self.store.run_ids, self.generated, self.skipped,
                                 time.perf_counter() - t0)
 
     def _stop(self, status: str) -> None:
         if getattr(self, "pbar", None) is not None:
             self.pbar.close()
-        for nested in list(self.active):
-            nested.end(status)
-        self.client.set_terminated(self.parent_id, status)
+        self.store.stop(status)
 
     def _loop(self) -> None:
         from tqdm import tqdm
@@ -551,24 +153,23 @@ class _Runner:
         self.pbar = None
 
     def _pool(self, pool: ResolvedPool) -> None:
-        self.engine = None
-        self.pool = pool
+        self.engines = PoolEngine(self.exp, pool, self.pbar.write, self._loaded)
         for ds in self.exp.datasets:
             block = f"{pool.name}/{ds.name}"
-            runs: dict[str, list[_Nested]] = {}
+            runs: dict[str, list[NestedRun]] = {}
             jobs: list[Iterator[None]] = []
             plain = None
             # baselines first (plain = the denominator of the running speedup), then singles, then policies
             for b in sorted(self.cfg.baselines, key=lambda b: b.type != "plain"):
-                nested = _Nested(self, f"{block}/{b.label}", b.label, self._run_name(pool, b.label, ds, None), "baseline",
+                nested = NestedRun(self.store, f"{block}/{b.label}", b.label, self._run_name(pool, b.label, ds, None), "baseline",
                                  self._nested_params(pool, ds, {"method": b.label, "baseline": b.model_dump()}, None), [])
                 runs[b.label] = [nested]
                 plain = plain or nested
-                jobs.append(self._requests(nested, ds, self._baseline_fn(b), plain, None))
+                jobs.append(self._requests(nested, ds, self.engines.baseline_fn(b), plain, None))
             for m in sorted(pool.methods, key=lambda m: m.kind != "single"):
                 runs[m.name] = []
                 for seed in self.cfg.seeds:
-                    nested = _Nested(self, f"{block}/{m.name}/seed{seed}", m.name, self._run_name(pool, m.name, ds, seed), m.kind,
+                    nested = NestedRun(self.store, f"{block}/{m.name}/seed{seed}", m.name, self._run_name(pool, m.name, ds, seed), m.kind,
                                      self._nested_params(pool, ds, m.settings(), seed), m.drafters)
                     runs[m.name].append(nested)
                     fn, finalize = self._method_fns(nested, m, ds, seed)
@@ -595,107 +196,25 @@ class _Runner:
         d = {"pool": pool.name, "dataset": ds.name, "dataset.path": str(ds.path), "turns": ds.turns,
              "questions": len(ds.questions), "seed": seed, "max_new_tokens": c.max_new_tokens,
              "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k, **settings}
-        out = _flatten(d)
-        out.update(_model_params(pool))
+        out = flatten_params(d)
+        out.update(model_params(pool))
         return out
 
-    # ---- engines
-    def _engine(self):
-        if self.engine is None:
-            from .config import ModelCache, build_engine
-
-            pool = self.pool
-            self.pbar.write(f"[metasd bench] loading pool {pool.name!r} ({pool.config.verifier.model})")
-            self.engine = build_engine(pool.config, pool.base_dir, ModelCache(pool.config.verifier.device))
-            v = self.engine.verifier
-            self.client.set_tag(self.parent_id, "device", str(v.device))
-            self.client.set_tag(self.parent_id, "dtype", str(v.dtype).removeprefix("torch."))
-            if self.cfg.warmup:
-                self._warmup()
-        return self.engine
-
-    def _warmup(self) -> None:
-        from . import baselines
-
-        ds = self.exp.datasets[0]
-        ids = self._encode([{"role": "user", "content": ds.questions[0].turns[0]}])
-        n = min(4, self.cfg.max_new_tokens)
-        for d in self.engine.drafters:
-            self.engine.derive(drafters=[d.name], policy=None).generate(ids, max_new_tokens=n)
-        baselines.plain(self.engine.verifier.model, ids, n)
-
-    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
-        eng = self.engine
-        if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None):
-            return eng.encode(messages)
-        return eng.encode("\n\n".join(m["content"] for m in messages))
-
-    def _derive(self, m: Method, ds: ResolvedDataset, seed: int):
-        from .config import PolicyConfig, make_policy_from_config
-
-        eng = self._engine()
-        categories = self.pool.config.categories or sorted({q.category for q in ds.questions})
-        policy = None
-        if m.kind == "policy" and len(m.drafters) > 1:
-            policy = make_policy_from_config(PolicyConfig(name=m.policy.name, params=m.policy.params, seed=seed), len(m.drafters))
-        return eng.derive(drafters=m.drafters, policy=policy, granularity=m.granularity, reward=m.reward,
-                          persistent_policy=m.persistent, categories=categories)
+    def _loaded(self, engine) -> None:
+        v = engine.verifier
+        self.client.set_tag(self.parent_id, "device", str(v.device))
+        self.client.set_tag(self.parent_id, "dtype", str(v.dtype).removeprefix("torch."))
 
     # ---- request loops
-    def _baseline_fn(self, b) -> Callable:
-        from . import baselines
-
-        def run(prompt_ids: list[int], question, index: int) -> dict:
-            eng = self._engine()
-            model = eng.verifier.model
-            n = self.cfg.max_new_tokens
-            with _count_forwards(model) as forwards:
-                if b.type == "plain":
-                    ids, secs = baselines.plain(model, prompt_ids, n)
-                elif b.type == "assisted":
-                    ids, secs = baselines.assisted(model, eng.drafter(b.drafter).model, prompt_ids, n, **b.params)
-                else:
-                    ids, secs = baselines.prompt_lookup(model, prompt_ids, n, **b.params)
-            steps = max(forwards[0], 1)
-            return dict(prompt_tokens=len(prompt_ids), new_tokens=len(ids), steps=steps, committed=len(ids), wall_s=secs,
-                        tokens_per_second=len(ids) / secs if secs else 0.0, mean_tokens_per_step=len(ids) / steps,
-                        acceptance_rate=None, tokens_per_step=[], drafter_per_step=[], rewards=[], selection_counts={},
-                        stop_reason="", text=eng.tokenizer.decode(ids, skip_special_tokens=True) if eng.tokenizer else "",
-                        token_ids=ids)
-
-        return run
-
-    def _method_fns(self, nested: _Nested, m: Method, ds: ResolvedDataset, seed: int):
+    def _method_fns(self, nested: NestedRun, m: Method, ds: ResolvedDataset, seed: int):
         """(generate one request, finalize after the last one) for a method run."""
         if nested.finished and len(nested.records) >= ds.n_requests:
             return None, None  # all done: the request loop only counts them
-        engine = None
-
-        def run(prompt_ids: list[int], question, index: int) -> dict:
-            nonlocal engine
-            if engine is None:
-                engine = self._derive(m, ds, seed)
-                states = [r["policy_state"] for r in nested.records if r.get("policy_state")]
-                if m.persistent and states and len(m.drafters) > 1:
-                    engine.policy.load_state_dict(states[-1])  # resume a persistent policy where it was
-            c = self.cfg
-            res = engine.generate(prompt_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-                                  top_k=c.top_k, seed=seed * 1_000_003 + index, category=question.category)
-            s = res.stats
-            rec = dict(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, steps=s.steps,
-                       committed=sum(s.tokens_per_step), wall_s=s.wall_s, tokens_per_second=s.tokens_per_second,
-                       mean_tokens_per_step=s.mean_tokens_per_step, acceptance_rate=s.acceptance_rate,
-                       tokens_per_step=s.tokens_per_step, drafter_per_step=s.drafter_per_step, rewards=s.rewards,
-                       selection_counts=s.selection_counts, catch_up_tokens=s.catch_up_tokens, prefill_s=s.prefill_s,
-                       draft_s=s.draft_s, verify_s=s.verify_s, stop_reason=s.stop_reason, text=res.text,
-                       token_ids=res.token_ids)
-            if m.persistent:
-                rec["policy_state"] = s.policy_state
-            return rec
+        run = MethodRequests(self.engines, m, ds, seed, nested.records)
 
         def finalize() -> None:
-            if engine is not None and len(m.drafters) > 1:
-                nested.log_json(engine.policy.state_dict(), "policy_state.json")
+            if run.engine is not None and len(m.drafters) > 1:
+                nested.log_json(run.engine.policy.state_dict(), "policy_state.json")
             if m.kind == "policy" and self.cfg.plots and nested.records:
                 from .plots import drafter_choice
 
@@ -705,7 +224,7 @@ class _Runner:
 
         return run, finalize
 
-    def _requests(self, nested: _Nested, ds: ResolvedDataset, fn: Callable | None, plain: _Nested, seed: int | None,
+    def _requests(self, nested: NestedRun, ds: ResolvedDataset, fn: Callable | None, plain: NestedRun, seed: int | None,
                   finalize: Callable | None = None) -> Iterator[None]:
         """Answer the dataset's requests in order, skipping logged ones; yields after each request."""
         started = False
@@ -722,8 +241,8 @@ class _Runner:
                     if not started:
                         nested.start()
                         started = True
-                    self._engine()
-                    prompt_ids = self._encode(messages)
+                    self.engines.get()
+                    prompt_ids = self.engines.encode(messages)
                     rec = fn(prompt_ids, q, index)
                     rec = dict(index=index, question_id=q.question_id, category=q.category, group=q.group, turn=t,
                                seed=seed, method=nested.method, prompt_sha=_sha(prompt_ids), **rec)
@@ -755,24 +274,17 @@ class _Runner:
             m["matches_plain"] = float(rec["matches_plain"])
         return m
 
-    def _progress(self, nested: _Nested, plain: list[dict]) -> None:
+    def _progress(self, nested: NestedRun, plain: list[dict]) -> None:
         s = summarize(nested.records, plain).get(OVERALL) if nested.records else None
         self.pbar.set_postfix_str(f"{nested.method}: speedup {s['speedup']:.2f}x" if s else nested.key, refresh=False)
         self.pbar.update(1)
 
-    def _nested_summary(self, nested: _Nested, plain: list[dict]) -> None:
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        metrics = []
-        for col, s in summarize(nested.records, plain).items():
-            for k in ("speedup", "median_speedup", "tokens_per_step", "tokens_per_second"):
-                if math.isfinite(s[k]):
-                    metrics.append(Metric(_key(f"summary/{k}/{col}"), s[k], ts, 0))
-        self.client.log_batch(nested.run_id, metrics=metrics)
+    def _nested_summary(self, nested: NestedRun, plain: list[dict]) -> None:
+        self.store.log_metrics(nested.run_id, {f"summary/{k}/{col}": s[k] for col, s in summarize(nested.records, plain).items()
+                                               for k in SUMMARY_METRICS})
 
     # ---- per (pool, dataset) summary, plots, table
-    def _block_summary(self, pool: ResolvedPool, ds: ResolvedDataset, runs: dict[str, list[_Nested]], plain: list[dict]):
+    def _block_summary(self, pool: ResolvedPool, ds: ResolvedDataset, runs: dict[str, list[NestedRun]], plain: list[dict]):
         by_method = {name: [r for n in nesteds for r in n.records] for name, nesteds in runs.items()}
         singles = {name: recs for name, recs in by_method.items() if name.startswith("single:")}
         choice = None
@@ -795,10 +307,8 @@ class _Runner:
             parts.append(results_table(summary, title=f"pool `{pool.name}`, dataset `{ds.name}` (partial)"))
         return "\n".join(parts)
 
-    def _summarize(self, block: str, pool: ResolvedPool, ds: ResolvedDataset, runs: dict[str, list[_Nested]],
+    def _summarize(self, block: str, pool: ResolvedPool, ds: ResolvedDataset, runs: dict[str, list[NestedRun]],
                    plain: list[dict]) -> None:
-        from mlflow.entities import Metric
-
         summary, by_method, singles = self._block_summary(pool, ds, runs, plain)
         # regret of each policy run against the single runs of the same seed
         regrets: dict[str, dict[str, list[float]]] = {"wall_s": {}, "steps": {}}
@@ -810,7 +320,6 @@ class _Runner:
                 same_seed = {name: [r for r in recs if r.get("seed") == seed] for name, recs in singles.items()}
                 same_seed = {k: v for k, v in same_seed.items() if k.removeprefix("single:") in m.drafters}
                 label = m.name if len(self.cfg.seeds) == 1 else f"{m.name} seed {seed}"
-                ts = int(time.time() * 1000)
                 for cost, key in (("wall_s", "regret/cumulative_s"), ("steps", "regret/cumulative_steps")):
                     series, d_star = cumulative_regret(nested.records, same_seed, cost)
                     if not series:
@@ -818,15 +327,12 @@ class _Runner:
                     regrets[cost][label] = series
                     best.setdefault(label, {})[cost] = d_star
                     idx = [r["index"] for r in sorted(nested.records, key=lambda r: r["index"])]
-                    self.client.log_batch(nested.run_id, metrics=[Metric(key, v, ts, i) for i, v in zip(idx, series)])
+                    self.store.log_series(nested.run_id, key, idx, series)
                     self.client.set_tag(nested.run_id, f"regret.best_fixed.{cost}", str(d_star))
         summary["regret_best_fixed"] = best
         self.summaries[block] = summary
-        ts = int(time.time() * 1000)
-        metrics = [Metric(_key(f"{block}/{m}/{k}/{col}"), s[k], ts, 0)
-                   for m, per in summary["methods"].items() for col, s in per.items()
-                   for k in ("speedup", "median_speedup", "tokens_per_step", "tokens_per_second") if math.isfinite(s[k])]
-        self.client.log_batch(self.parent_id, metrics=metrics)
+        self.store.log_metrics(self.parent_id, {f"{block}/{m}/{k}/{col}": s[k] for m, per in summary["methods"].items()
+                                                for col, s in per.items() for k in SUMMARY_METRICS})
         if self.cfg.plots:
             self._plots(block, summary, by_method, regrets)
 

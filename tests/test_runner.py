@@ -10,7 +10,8 @@ import metasd.models
 from metasd.config import ConfigError
 from metasd.engine import Engine
 from metasd.experiment import load_experiment
-from metasd.runner import ExperimentInterrupted, cumulative_regret, run_experiment, summarize
+from metasd.report import cumulative_regret, summarize
+from metasd.runner import ExperimentInterrupted, run_experiment
 from tiny import tiny_qwen, tiny_tokenizer
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # offline tests: no usage reporting thread
@@ -288,7 +289,7 @@ def test_builtin_prompts_and_shipped_experiments_validate():
 
 
 def test_median_speedup_and_plain_outliers():
-    from metasd.runner import plain_outliers, results_table, summarize
+    from metasd.report import plain_outliers, results_table, summarize
 
     def rec(q, tokens, wall):
         return {"question_id": q, "turn": 0, "group": "QA", "category": "qa", "new_tokens": tokens, "wall_s": wall,

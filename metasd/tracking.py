@@ -1,0 +1,293 @@
+"""MLflow side of ``metasd bench``: the tracking URI, parameters, and the parent and nested runs of a study.
+
+``BenchStore`` opens (or resumes) one invocation's MLflow experiment and parent run and ends the runs;
+``NestedRun`` is one nested run with its request records, rewritten as the ``requests.jsonl`` artifact after
+every request (a resumed invocation reads them back). What is logged where is the runner's choice
+(``metasd.runner``, whose docstring describes the layout); this module only writes it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .experiment import Experiment, ResolvedPool
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+REQUESTS_ARTIFACT = "requests.jsonl"
+_MAX_PARAM_LEN = 6000
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """--tracking-uri, else $MLFLOW_TRACKING_URI, else ``sqlite:///mlflow.db`` in the working directory."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+# ------------------------------------------------------------------------------------------ parameters
+
+
+def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
+    """A resolved experiment (nested dicts and lists) -> ``{"a.b": value}`` MLflow parameters.
+
+    Not ``metasd.training.common.flatten`` (a trainer's config: dicts of scalars), on purpose: a resolved
+    experiment nests lists of dicts (pools, drafters, methods), so here those are expanded by index
+    (``drafters.0.name``), an empty dict is kept as ``"{}"``, other values are JSON (``null``, ``true``,
+    ``[1, 2]``; the trainers' is Python's ``str``: ``None``, ``True``) and nothing is cut here
+    (``mlflow_params`` cuts at 6000 characters, the trainers' at 500). One copy for both would change the
+    values one of them logs, so both stay.
+    """
+    out: dict[str, str] = {}
+    if isinstance(obj, dict):
+        if not obj and prefix:
+            out[prefix] = "{}"
+        for k, v in obj.items():
+            out.update(flatten_params(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        for i, v in enumerate(obj):
+            out.update(flatten_params(v, f"{prefix}.{i}"))
+    else:
+        value = obj if isinstance(obj, str) else json.dumps(obj, default=str)
+        out[prefix] = value
+    return out
+
+
+_KEY_BAD = re.compile(r"[^\w\-. /:]")
+
+
+def metric_key(s: str) -> str:
+    """A param or metric name MLflow accepts: other characters become ``_``, at most 250 characters."""
+    return _KEY_BAD.sub("_", s)[:250]
+
+
+def mlflow_params(d: dict[str, Any]) -> list:
+    from mlflow.entities import Param
+
+    return [Param(metric_key(k), v if len(v) <= _MAX_PARAM_LEN else v[: _MAX_PARAM_LEN - 3] + "...") for k, v in d.items()]
+
+
+def package_versions() -> dict[str, str]:
+    import mlflow
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"version.metasd": __version__, "version.torch": torch.__version__,
+            "version.transformers": transformers.__version__, "version.mlflow": mlflow.__version__,
+            "version.python": sys.version.split()[0]}
+
+
+def git_params() -> dict[str, str]:
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if commit.returncode != 0:
+            return {}
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        return {"git.commit": commit.stdout.strip(), "git.dirty": str(bool(dirty.stdout.strip()))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def model_params(pool: ResolvedPool) -> dict[str, str]:
+    """The pool's model references, with the sha256 of bundled ones."""
+    from .bundled import BUNDLED, BUNDLED_PREFIX
+
+    refs = {"verifier": pool.config.verifier.model}
+    refs.update({d.name: d.model for d in pool.config.drafters if d.model})
+    out = {}
+    for who, ref in refs.items():
+        out[f"model.{pool.name}.{who}"] = ref
+        if ref.startswith(BUNDLED_PREFIX) and ref[len(BUNDLED_PREFIX):] in BUNDLED:
+            out[f"model.{pool.name}.{who}.sha256"] = str(BUNDLED[ref[len(BUNDLED_PREFIX):]].sha256)
+    return out
+
+
+def artifact_location(uri: str, name: str) -> str | None:
+    """For a sqlite store, keep artifacts beside the database (not in the working directory)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri[len("sqlite:///"):])
+    root = (db.parent if db.is_absolute() else Path.cwd() / db.parent).resolve() / "mlartifacts"
+    return (root / re.sub(r"[^\w.\-]", "_", name)).as_uri()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+class BenchStore:
+    """One invocation's MLflow experiment, parent run and nested runs (``NestedRun``), new or resumed."""
+
+    def __init__(self, tracking_uri: str):
+        from mlflow import MlflowClient
+
+        self.uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        self.records: dict[str, list[dict]] = {}  # nested-run key -> request records
+        self.run_ids: dict[str, str] = {}  # nested-run key -> MLflow run id
+        self.active: set[NestedRun] = set()  # nested runs not finished yet (ended as KILLED on Ctrl-C)
+
+    def open(self, exp: Experiment, config_hash: str, workdir: Path, resume_run_id: str | None, resume: bool) -> None:
+        """Find or create the MLflow experiment, then resume the parent run (``resume_run_id``, or with
+        ``resume`` the latest one of the same config) or start one and log its params and config files."""
+        self.workdir = workdir
+        found_exp = self.client.get_experiment_by_name(exp.name)
+        if found_exp is None:
+            self.experiment_id = self.client.create_experiment(
+                exp.name, artifact_location=artifact_location(self.uri, exp.name))
+        else:
+            self.experiment_id = found_exp.experiment_id
+        parent = None
+        if resume and not resume_run_id:
+            found = self.client.search_runs(
+                [self.experiment_id], filter_string=f"tags.`metasd.config_hash` = '{config_hash}' and tags.`metasd.kind` = 'experiment'",
+                order_by=["attributes.start_time DESC"], max_results=1)
+            parent = found[0] if found else None
+            if parent is None:
+                print(f"[metasd bench] nothing to resume for {exp.name!r} (config {config_hash}): starting a new run",
+                      file=sys.stderr)
+        elif resume_run_id:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                parent = self.client.get_run(resume_run_id)
+            except MlflowException as e:
+                raise ValueError(f"no MLflow run {resume_run_id!r} in {self.uri}: {e}") from None
+            if parent.info.experiment_id != self.experiment_id:
+                raise ValueError(f"run {resume_run_id} belongs to another MLflow experiment, not {exp.name!r}")
+            old = parent.data.tags.get("metasd.config_hash")
+            if old != config_hash:
+                raise ValueError(f"run {resume_run_id} was started from a different experiment config (hash {old}, now "
+                                 f"{config_hash}); start a new run instead of resuming")
+        self.resumed = parent is not None
+        if parent is None:
+            run = self.client.create_run(self.experiment_id, run_name=f"{exp.name} {time.strftime('%Y-%m-%d %H:%M')}",
+                                         tags={"metasd.kind": "experiment", "metasd.config_hash": config_hash,
+                                               "metasd.experiment_file": exp.source})
+            self.parent_id = run.info.run_id
+            self._log_parent_params(exp)
+        else:
+            self.parent_id = parent.info.run_id
+            self.client.update_run(self.parent_id, status="RUNNING")
+        children = self.client.search_runs([self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'",
+                                           max_results=50000)
+        self.children = {r.data.tags["metasd.key"]: r for r in children if "metasd.key" in r.data.tags}
+
+    def _log_parent_params(self, exp: Experiment) -> None:
+        params = flatten_params(exp.resolved_dict())
+        for pool in exp.pools:
+            params.update(model_params(pool))
+        params.update(package_versions())
+        params.update(git_params())
+        self.client.log_batch(self.parent_id, params=mlflow_params(params))
+        d = self.workdir
+        (d / "resolved_config.json").write_text(json.dumps(exp.resolved_dict(), indent=1, default=str))
+        self.client.log_artifact(self.parent_id, str(d / "resolved_config.json"), "config")
+        if Path(exp.source).is_file():
+            self.client.log_artifact(self.parent_id, exp.source, "config")
+
+    def load_records(self, run_id: str) -> list[dict]:
+        from mlflow.artifacts import download_artifacts
+        from mlflow.exceptions import MlflowException
+
+        quiet = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+        try:
+            local = download_artifacts(run_id=run_id, artifact_path=REQUESTS_ARTIFACT, dst_path=str(self.workdir / "dl" / run_id),
+                                       tracking_uri=self.uri)
+        except (MlflowException, OSError):  # no request finished in that run yet
+            return []
+        finally:
+            if quiet is None:
+                os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+            else:
+                os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = quiet
+        with open(local) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:
+        """One batch at ``step``; names through ``metric_key``, None and non-finite values left out."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(metric_key(k), float(v), ts, step)
+                                               for k, v in metrics.items() if v is not None and math.isfinite(v)])
+
+    def log_series(self, run_id: str, key: str, steps: list[int], values: list[float]) -> None:
+        """One metric over many steps, in one batch."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(key, v, ts, i) for i, v in zip(steps, values)])
+
+    def stop(self, status: str) -> None:
+        """End every unfinished nested run and the parent run with ``status`` (KILLED, FAILED)."""
+        for nested in list(self.active):
+            nested.end(status)
+        self.client.set_terminated(self.parent_id, status)
+
+
+class NestedRun:
+    """One nested MLflow run and its request records (the JSONL is rewritten as an artifact per request)."""
+
+    def __init__(self, store: BenchStore, key: str, method: str, name: str, kind: str, params: dict[str, str],
+                 drafters: list[str]):
+        self.store, self.key, self.method, self.kind, self.drafters = store, key, method, kind, drafters
+        client = store.client
+        existing = store.children.get(key)
+        self.records: list[dict] = []
+        if existing is not None:
+            self.run_id = existing.info.run_id
+            self.records = store.load_records(self.run_id)
+            self.finished = existing.info.status == "FINISHED"
+        else:
+            run = client.create_run(store.experiment_id, run_name=name, tags={
+                "mlflow.parentRunId": store.parent_id, "metasd.key": key, "metasd.kind": kind, "metasd.method": method,
+                "metasd.pool": params.get("pool", ""), "metasd.dataset": params.get("dataset", ""),
+                "metasd.seed": params.get("seed", "")})
+            self.run_id = run.info.run_id
+            client.log_batch(self.run_id, params=mlflow_params(params))
+            self.finished = False
+        if not self.finished:
+            store.active.add(self)
+        self.done = {(r["question_id"], r["turn"]): r for r in self.records}
+        self.path = store.workdir / f"{len(store.run_ids)}" / REQUESTS_ARTIFACT
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+        store.run_ids[key] = self.run_id
+        store.records[key] = self.records
+
+    def _write(self) -> None:
+        with open(self.path, "w") as f:
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+
+    def start(self) -> None:
+        self.store.client.update_run(self.run_id, status="RUNNING")
+        self.store.active.add(self)
+
+    def add(self, rec: dict, metrics: dict[str, float | None]) -> None:
+        """Append a request record, rewrite the artifact and log its metrics at step = request index."""
+        self.records.append(rec)
+        self.done[(rec["question_id"], rec["turn"])] = rec
+        self._write()
+        self.store.client.log_artifact(self.run_id, str(self.path))
+        self.store.log_metrics(self.run_id, metrics, rec["index"])
+
+    def log_json(self, obj: Any, name: str) -> None:
+        p = self.path.parent / name
+        p.write_text(json.dumps(obj, indent=1, default=str))
+        self.store.client.log_artifact(self.run_id, str(p))
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.store.client.set_terminated(self.run_id, status)
+        self.finished = status == "FINISHED"
+        self.store.active.discard(self)
