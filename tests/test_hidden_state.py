@@ -255,6 +255,23 @@ def test_checkpoint_round_trip(tmp_path, verifier_model):
     assert da.tokens.tolist() == db.tokens.tolist() and da.parents.tolist() == db.parents.tolist() and len(da) == 7
 
 
+def test_int4_checkpoint_round_trip(tmp_path, verifier_model):
+    net = _net(hidden=64)
+    vocab = DraftVocab(torch.arange(50, 2, -1), 64)
+    save_checkpoint(tmp_path / "q4", net, vocab, {"defaults": {"mode": "chain", "depth": 3}}, dtype="int4", group_size=32)
+    save_checkpoint(tmp_path / "bf16", net, vocab, {"defaults": {"mode": "chain", "depth": 3}}, dtype=torch.bfloat16)
+    sizes = {k: (tmp_path / k / "model.safetensors").stat().st_size for k in ("q4", "bf16")}
+    assert sizes["q4"] < 0.45 * sizes["bf16"]
+    loaded, _, meta = load_checkpoint(tmp_path / "q4")
+    assert meta["weights_dtype"] == "int4" and meta["int4_group_size"] == 32
+    for (name, a), b in zip(net.state_dict().items(), loaded.state_dict().values()):
+        if a.dim() == 2 and a.shape[1] % 32 == 0:  # 4-bit groups: error at most half a step of (max - min) / 15
+            step = (a.reshape(a.shape[0], -1, 32).amax(-1) - a.reshape(a.shape[0], -1, 32).amin(-1)) / 15
+            assert ((a - b).abs().reshape(a.shape[0], -1, 32) <= step[..., None] * 0.51 + 1e-2 * step[..., None]).all(), name
+        else:
+            assert torch.allclose(a, b, atol=1e-2 * a.abs().max().item() + 1e-6), name
+
+
 def test_argument_errors(tmp_path, verifier_model):
     vocab = DraftVocab.full(64)
     with pytest.raises(ValueError, match="mode"):

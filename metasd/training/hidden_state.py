@@ -95,6 +95,8 @@ class TrainHiddenStateConfig(FeatureTrainingConfig):
     reg_weight: float = Field(1.0, ge=0)
     ce_weight: float = Field(1.0, ge=0)
     bf16: bool = Field(True, description="bf16 autocast for matmuls (weights and optimizer stay fp32)")
+    save_dtype: Literal["bf16", "fp32", "int4"] = Field(
+        "bf16", description="exported weights: bf16, fp32, or int4 (4-bit groups of 32, ~1/4 of bf16's bytes)")
     keep_best: bool = True
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=1)
@@ -371,7 +373,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
                              "steps": state["step"], "sequences": state["sequences"], "wall_s": round(state["wall_s"], 1),
                              "best": state["best"], "stopped_by_time": state["stopped_by_time"], "unroll": cfg.unroll,
                              "optim": st.model_dump(), "bf16": cfg.bf16, "seed": cfg.seed, "mlflow_run_id": state["run_id"]}}
-        dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "int4": "int4"}[cfg.save_dtype]
         path = save_checkpoint(out, net, vocab, meta, dtype=dtype)
         (path / "metrics.json").write_text(json.dumps(final, indent=1))
         (path / "MODEL_CARD.md").write_text(model_card(json.loads((path / "config.json").read_text())))
@@ -410,6 +412,8 @@ def model_card(meta: dict) -> str:
         "",
         f"- greedy chain of {meta['defaults']['depth']} tokens, tokens per step (bonus included): "
         f"**{final.get('tau_chain', float('nan')):.3f}** (exact for greedy drafting on on-policy data)",
+        *([f"- measured with the fp32 training weights; this file stores them as 4-bit groups of "
+           f"{meta['int4_group_size']} (loading dequantizes them)"] if meta.get("weights_dtype") == "int4" else []),
         "",
     ]
     return "\n".join(lines)
