@@ -139,6 +139,8 @@ class HiddenStateDrafter(Drafter):
         quantize_model(self.net, mode, name=f"drafter {self.name!r}")
         holder = nn.ModuleDict({"head": self.head})
         quantize_model(holder, mode, name=f"drafter {self.name!r} (draft-vocabulary head)")
+        if holder["head"] is not self.head:  # quantized: the dense slice the head was built from is not read again
+            self.pieces.head_weight = self.pieces.head_bias = None
         self.head = holder["head"]
 
     # ---------------------------------------------------------- per request

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -43,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..machine import warn_if_oversubscribed
-from .common import FeatureTrainingConfig, Tracker, split_shards
+from .common import FeatureTrainingConfig, Tracker, split_shards, write_atomic
 from .features import FeatureSet
 
 STATE_WEIGHTS = "heads_fp32.safetensors"
@@ -197,19 +196,13 @@ def _batch_indices(cfg: TrainBlockConfig, n: int, step: int) -> torch.Tensor:
     return perm[j * cfg.batch_size:(j + 1) * cfg.batch_size]
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _save_state(state_dir: Path, heads, opt, meta: dict) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()}
-    _write_atomic(state_dir / STATE_WEIGHTS, lambda p: save_file(tensors, str(p)))
-    _write_atomic(state_dir / STATE_OPTIM, lambda p: torch.save(opt.state_dict(), p))
+    write_atomic(state_dir / STATE_WEIGHTS, lambda p: save_file(tensors, str(p)))
+    write_atomic(state_dir / STATE_OPTIM, lambda p: torch.save(opt.state_dict(), p))
     heads.vocab.save(state_dir / "draft_vocab.safetensors")
-    _write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps(meta, indent=1)))  # last: marks complete
+    write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps(meta, indent=1)))  # last: marks complete
 
 
 def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print, command: str | None = None) -> dict[str, Any]:

@@ -253,6 +253,13 @@ def load_verifier_parts(ref: str):
     return model.eval().requires_grad_(False)
 
 
+def write_atomic(path: Path, write) -> None:
+    """``write(tmp)`` to a temp file beside ``path``, then rename it over ``path``: readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
 def save_state(state_dir: Path, model, opt, state: dict) -> None:
     """Write a resumable training state so that a kill at any moment leaves the previous one usable: the
     weights and optimizer go to files named by the step (each written to a temp file, then renamed), then
@@ -260,15 +267,11 @@ def save_state(state_dir: Path, model, opt, state: dict) -> None:
     step = int(state["step"])
     files = {"weights": f"model_fp32.step{step}.safetensors", "optimizer": f"optimizer.step{step}.pt" if opt is not None else None}
 
-    def write(name: str, fn) -> None:
-        tmp = state_dir / (name + ".tmp")
-        fn(tmp)
-        os.replace(tmp, state_dir / name)
-
-    write(files["weights"], lambda p: save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(p)))
+    weights = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    write_atomic(state_dir / files["weights"], lambda p: save_file(weights, str(p)))
     if opt is not None:
-        write(files["optimizer"], lambda p: torch.save(opt.state_dict(), p))
-    write(STATE_META, lambda p: p.write_text(json.dumps({**state, "files": files}, indent=1)))
+        write_atomic(state_dir / files["optimizer"], lambda p: torch.save(opt.state_dict(), p))
+    write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps({**state, "files": files}, indent=1)))
     keep = set(files.values()) | {STATE_META}
     for old in [*state_dir.glob("model_fp32*.safetensors"), *state_dir.glob("optimizer*.pt")]:
         if old.name not in keep:
