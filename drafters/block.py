@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from safetensors.torch import load_file, save_file
 
+from metasd.cost import counted_linear
 from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Drafter, DrafterParams, Float, Int, StepContext, register_drafter
 from metasd.kv_cache import cache_length, crop_to
@@ -79,12 +80,12 @@ class BlockHeads(torch.nn.Module):
     def blocks(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, d] -> z [B, k, d] (residual SiLU blocks)."""
         k, d = self.k, self.hidden_size
-        u = F.linear(h, self.weight.reshape(k * d, d), self.bias.reshape(k * d)).view(*h.shape[:-1], k, d)
+        u = counted_linear(h, self.weight.reshape(k * d, d), self.bias.reshape(k * d)).view(*h.shape[:-1], k, d)
         return h.unsqueeze(-2) + F.silu(u)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         z = self.blocks(h)
-        return F.linear(z.to(self.lm_weight.dtype), self.lm_weight)
+        return counted_linear(z.to(self.lm_weight.dtype), self.lm_weight)
 
     # ---------------------------------------------------------------- files
     def config(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metasd.cost import counted_linear
 from metasd.quantize import dense_weight
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
@@ -151,7 +152,7 @@ class VerifierPieces:
         (``norm``: the final norm to use; default the verifier's)."""
         x = (self.norm if norm is None else norm)(h)
         w = self.head_weight
-        return F.linear(x.to(w.dtype), w, self.head_bias)
+        return counted_linear(x.to(w.dtype), w, self.head_bias)
 
 
 # ---------------------------------------------------------------- rotary embeddings

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Iterable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Strict
@@ -108,6 +108,16 @@ class Drafter(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Settings, for logging."""
         return {"kind": self.kind, "name": self.name}
+
+    def modules(self) -> Iterable["torch.nn.Module"]:
+        """The networks this drafter runs; the engine's cost model counts their linear forwards.
+
+        Default: the ``nn.Module`` values among the drafter's attributes (through lists, dicts, inner
+        drafters and helper objects that hold modules). Override when a network is reached another way.
+        """
+        from .cost import module_attributes
+
+        return list(module_attributes(self))
 
     @classmethod
     def from_config(cls, name: str, params: dict[str, Any], build: "BuildContext") -> "Drafter":

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from .acceptance import accept_greedy, accept_match, accept_rejection
+from .cost import CostModel, StepMeter, attach, decode_step_cost
 from .drafter import Drafter, StepContext, StepFeedback
 from .metrics import RequestStats
 from .policy import Policy
@@ -41,8 +42,10 @@ class Engine:
     drafters: the pool (a single drafter, a sequence, or a name -> drafter mapping). Empty: plain
         autoregressive decoding through the same code path (each step verifies the pending token only).
     policy: picks a drafter per ``granularity`` ("step" or "request") from ``reward`` ("throughput",
-        "block_efficiency", "block_divergence"); ``persistent_policy`` keeps what it learnt across
-        requests, else it is reset per request (MetaSD's episodes).
+        "wall_throughput", "block_efficiency", "block_divergence"); ``persistent_policy`` keeps what it
+        learnt across requests, else it is reset per request (MetaSD's episodes).
+    cost_model: prices the work of a step for the (deterministic) throughput reward; default: the
+        calibration for the verifier's device type (``metasd.cost``).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Engine:
         persistent_policy: bool = False,
         categories: Sequence[str] = (),
         check_tokenizers: bool = True,
+        cost_model: CostModel | None = None,
     ):
         self.verifier = verifier
         self.tokenizer = verifier.tokenizer
@@ -73,6 +77,9 @@ class Engine:
         self.policy = self._check_policy(policy)
         if check_tokenizers:
             self._check_tokenizers()
+        self.cost_model = cost_model or CostModel.for_device(verifier.device)
+        attach([verifier.model, *(m for d in self.drafters for m in d.modules())])
+        self.meter = StepMeter(self.cost_model, decode_step_cost(verifier.model, self.cost_model))
         self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
         for layer in self.hidden_layers:
             if not 0 <= layer <= verifier.num_layers:
@@ -90,11 +97,11 @@ class Engine:
         """A new engine sharing this one's verifier and drafter objects (no model is reloaded).
 
         drafters: names of the arms to keep (default: all); policy: its policy (required for a pool of
-        several); settings: granularity, reward, persistent_policy, categories.
+        several); settings: granularity, reward, persistent_policy, categories, cost_model.
         """
         chosen = self.drafters if drafters is None else [self.drafter(n) for n in drafters]
         kwargs = dict(granularity=self.granularity, reward=self.reward_name, persistent_policy=self.persistent_policy,
-                      categories=self.categories, check_tokenizers=False)
+                      categories=self.categories, check_tokenizers=False, cost_model=self.cost_model)
         kwargs.update(settings)
         return Engine(self.verifier, chosen, policy, **kwargs)
 
@@ -288,14 +295,15 @@ class _Request:
                     arm = policy.select(context)
                 drafter = drafters[arm] if drafters else None
                 ctx = StepContext(tokens=torch.tensor(tokens), max_depth=budget - 1, step=stats.steps, **base_ctx)
-                t0 = time.perf_counter()
-                draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
-                if draft.depth > ctx.max_depth:
-                    draft = draft.truncated(ctx.max_depth)
-                t1 = time.perf_counter()
-                start = verifier.cached
-                out = verifier.verify(tokens[-1], draft, layers)
-                t2 = time.perf_counter()
+                with eng.meter as meter:  # counts the modeled cost of drafting and verifying
+                    t0 = time.perf_counter()
+                    draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
+                    if draft.depth > ctx.max_depth:
+                        draft = draft.truncated(ctx.max_depth)
+                    t1 = time.perf_counter()
+                    start = verifier.cached
+                    out = verifier.verify(tokens[-1], draft, layers)
+                    t2 = time.perf_counter()
                 if greedy:
                     target_argmax, target_probs = out.logits.argmax(-1), None
                     acc = accept_greedy(draft, target_argmax)
@@ -307,9 +315,11 @@ class _Request:
                 stats.draft_s += t1 - t0
                 stats.verify_s += t2 - t1
                 stats.catch_up_tokens += draft.catch_up
+                stats.modeled_cost += meter.steps
                 name = drafter.name if drafter is not None else "none"
                 stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed))
-                outcome = StepOutcome(draft, acc.n_accepted, len(committed), t2 - t0, target_probs, target_argmax)
+                outcome = StepOutcome(draft, acc.n_accepted, len(committed), t2 - t0, target_probs, target_argmax,
+                                      cost=meter.steps)
                 reward = eng.reward_fn(outcome)
                 stats.rewards.append(reward)
                 if drafter is not None:
@@ -332,9 +342,12 @@ class _Request:
         stats.policy_state = policy.state_dict() if drafters else None
 
     def _request_reward(self, rewards: list[float]) -> float:
-        if self.engine.reward_name == "throughput":  # tokens per second of the whole request
+        tokens = sum(self.stats.tokens_per_step)
+        if self.engine.reward_name == "throughput":  # tokens per modeled cost of the whole request
+            return tokens / self.stats.modeled_cost if self.stats.modeled_cost > 0 else 0.0
+        if self.engine.reward_name == "wall_throughput":  # tokens per second of the whole request
             busy = self.stats.draft_s + self.stats.verify_s
-            return sum(self.stats.tokens_per_step) / busy if busy > 0 else 0.0
+            return tokens / busy if busy > 0 else 0.0
         return sum(rewards) / len(rewards)
 
     def _commit(self, committed: list[int], eos: set[int]) -> bool:

@@ -26,6 +26,7 @@ class RequestStats:
     drafter_per_step: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     catch_up_tokens: int = 0  # committed tokens drafters had to feed beyond the pending one (switching cost)
+    modeled_cost: float = 0.0  # modeled cost of the steps in verifier decode steps (metasd.cost; plain = steps)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -76,6 +77,11 @@ class RequestStats:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
     @property
+    def modeled_speedup(self) -> float:
+        """Committed tokens per modeled cost: the cost model's estimate of the speedup over plain decoding."""
+        return sum(self.tokens_per_step) / self.modeled_cost if self.modeled_cost else 0.0
+
+    @property
     def overhead_s(self) -> float:
         """Wall time outside drafter and verifier forwards (acceptance, bookkeeping, policy, detokenising)."""
         return max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
@@ -89,6 +95,7 @@ class RequestStats:
             acceptance_histogram=self.acceptance_histogram,
             selection_counts=self.selection_counts,
             tokens_per_second=self.tokens_per_second,
+            modeled_speedup=self.modeled_speedup,
             overhead_s=self.overhead_s,
         )
         return d

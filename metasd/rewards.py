@@ -19,6 +19,7 @@ class StepOutcome:
     seconds: float  # drafting (catch-up included) + verification wall time of the step
     target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities, when computed
     target_argmax: torch.Tensor | None = None  # [n+1] verifier argmax (greedy)
+    cost: float = 0.0  # modeled cost of the same work, in verifier decode steps (metasd.cost)
 
 
 def block_efficiency(o: StepOutcome) -> float:
@@ -50,7 +51,14 @@ def block_divergence(o: StepOutcome) -> float:
 
 
 def throughput(o: StepOutcome) -> float:
-    """Committed tokens per second of the step (drafting, catch-up and verification). Unbounded."""
+    """Committed tokens per modeled cost of the step (drafting, catch-up and verification, in verifier
+    decode steps: plain decoding scores 1). Unbounded; deterministic - no clock is read (metasd.cost)."""
+    return o.committed / o.cost if o.cost > 0 else 0.0
+
+
+def wall_throughput(o: StepOutcome) -> float:
+    """Committed tokens per wall-clock second of the step. Unbounded; carries the machine's timing noise
+    into the policy, so a multi-drafter pool's choices (and bf16 near-ties) differ from run to run."""
     return o.committed / o.seconds if o.seconds > 0 else 0.0
 
 
@@ -58,10 +66,11 @@ REWARDS: dict[str, Callable[[StepOutcome], float]] = {
     "block_efficiency": block_efficiency,
     "block_divergence": block_divergence,
     "throughput": throughput,
+    "wall_throughput": wall_throughput,
 }
 BOUNDED_REWARDS = {"block_efficiency", "block_divergence"}  # in [0, 1]
 #: the reward names pool files, experiment files and the CLI accept: the one list of them
-RewardName = Literal["throughput", "block_efficiency", "block_divergence"]
+RewardName = Literal["throughput", "wall_throughput", "block_efficiency", "block_divergence"]
 assert set(get_args(RewardName)) == set(REWARDS), "RewardName and REWARDS must list the same rewards"
 
 

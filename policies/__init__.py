@@ -29,6 +29,8 @@ from .sequential_halving import SequentialHalving
 from .thompson import ThompsonSampling
 from .ucb import UCB1, DiscountedUCB, SlidingWindowUCB
 
+UCB = UCB1  # the short name (``from metasd.policies import UCB``)
+
 
 def policy_params(name_or_cls: str | type[Policy]) -> list[str]:
     """Hyper-parameter names a policy accepts (its constructor's keywords besides ``n_arms`` and ``seed``)."""
@@ -62,6 +64,6 @@ def make_policy(name: str, n_arms: int, seed: int | None = None, **params: Any) 
 
 __all__ = [
     "POLICIES", "Policy", "register_policy", "make_policy", "policy_params",
-    "UCB1", "DiscountedUCB", "SlidingWindowUCB", "ThompsonSampling", "EXP3", "EpsilonGreedy",
+    "UCB", "UCB1", "DiscountedUCB", "SlidingWindowUCB", "ThompsonSampling", "EXP3", "EpsilonGreedy",
     "SequentialHalving", "LinUCB", "Fixed", "RoundRobin", "RandomPolicy",
 ]

@@ -54,7 +54,7 @@ def _pool(dirs, **over):
      "reward: policy 'exp3' (as configured) needs rewards in [0, 1]; 'throughput' is unbounded"),
     (lambda c: c["policy"].update(name="ucbx"), "policy.name: unknown policy 'ucbx'; registered: ["),
     (lambda c: c["policy"]["params"].update(beta=2), "policy.params: UCB1 has no parameter(s) ['beta']"),
-    (lambda c: c.update(reward="speed"), "reward: Input should be 'throughput', 'block_efficiency' or 'block_divergence'"),
+    (lambda c: c.update(reward="speed"), "reward: Input should be 'throughput', 'wall_throughput', 'block_efficiency' or 'block_divergence'"),
     (lambda c: c.update(granularity="token"), "granularity: Input should be 'step' or 'request'"),
     (lambda c: c["drafters"][1].update(name="good"), "drafters: drafter names must be unique; repeated: ['good']"),
     (lambda c: c.update(extra_field=1), "extra_field: Extra inputs are not permitted"),

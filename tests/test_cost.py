@@ -1,0 +1,168 @@
+"""The modeled step cost behind the throughput reward: its arithmetic, and reproducible output under a noisy clock."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import metasd.engine
+from metasd.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
+from metasd.drafters import NGramDrafter, PretrainedDrafter
+from metasd.engine import Engine
+from metasd.policies import UCB
+from metasd.quantize import quantize_model
+from metasd.verifier import Verifier
+from tiny import tiny_llama, tiny_qwen
+
+PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5, 7, 12, 9]
+
+
+@pytest.fixture(scope="module")
+def verifier_model():
+    return tiny_qwen(seed=0)
+
+
+def test_linear_cost_is_weight_bytes_plus_priced_rows():
+    model = CostModel({"dense": 0.5, "int8": 2.0, "int4": 1.0})
+    assert model.linear_cost(weight_bytes=100, macs_per_row=10, fmt="dense", rows=3) == 100 + 0.5 * 10 * 3
+    assert model.linear_cost(weight_bytes=100, macs_per_row=10, fmt="int8", rows=1) == 100 + 2.0 * 10
+    assert CostModel.for_device("cpu").row_cost == CPU_ROW_COST
+    assert CostModel.for_device("cuda").row_cost["dense"] < CPU_ROW_COST["dense"]
+
+
+def test_decode_step_cost_sums_every_linear_over_one_row():
+    net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 4))  # fp32: 4 bytes a weight
+    model = CostModel({"dense": 0.25, "int8": 0.0, "int4": 0.0})
+    expected = (8 * 16 * 4 + 0.25 * 8 * 16) + ((16 * 4 + 4) * 4 + 0.25 * 16 * 4)
+    assert decode_step_cost(net, model) == pytest.approx(expected)
+
+
+def test_meter_counts_rows_of_hooked_forwards_only_while_open():
+    net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False))
+    model = CostModel({"dense": 1.0, "int8": 0.0, "int4": 0.0})
+    attach([net, net])  # twice: one hook per layer
+    unit = decode_step_cost(net, model)
+    meter = StepMeter(model, unit)
+    net(torch.zeros(5, 8))  # outside the meter: not counted
+    with meter:
+        net(torch.zeros(2, 3, 8))  # 6 rows
+    one_row_bytes = (8 * 16 + 16 * 4) * 4
+    assert meter.total == pytest.approx(one_row_bytes + 6 * (8 * 16 + 16 * 4))
+    assert meter.steps == pytest.approx(meter.total / unit)
+    with pytest.raises(RuntimeError, match="already open"):
+        with meter:
+            with StepMeter(model, unit):
+                pass
+
+
+def test_quantized_layers_are_priced_by_their_stored_bytes_and_kernel():
+    net = nn.Sequential(nn.Linear(64, 32, bias=False))
+    dense_cost = decode_step_cost(net, CostModel())
+    quantize_model(net, "int8", name="test net")
+    (layer,) = linear_layers([net])
+    assert layer.mode == "int8"
+    int8_cost = decode_step_cost(net, CostModel())
+    assert int8_cost == pytest.approx(layer.qweight.numel() + layer.scales.numel() * 4 + CPU_ROW_COST["int8"] * 64 * 32)
+    assert int8_cost < dense_cost  # fp32 weights: 4 bytes each against 1 (+ scales)
+
+
+def test_plain_decoding_costs_one_unit_per_step(verifier_model):
+    engine = Engine(Verifier(verifier_model), check_tokenizers=False)
+    stats = engine.generate(PROMPT, max_new_tokens=6).stats
+    assert stats.rewards == [1.0] * stats.steps  # 1 token per verifier decode step
+    assert stats.modeled_cost == pytest.approx(stats.steps)
+    assert stats.modeled_speedup == pytest.approx(1.0)
+
+
+def test_speculative_step_cost_counts_drafter_and_verify_rows(verifier_model):
+    drafter = PretrainedDrafter(tiny_qwen(seed=0), k=3)  # same weights: every draft accepted
+    engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
+    stats = engine.generate(PROMPT, max_new_tokens=8).stats
+    assert stats.position_drafted == [stats.steps] * 3  # every step drafted 3 tokens
+    # each step: 3 drafter forwards of at least one unit each (the drafter is the verifier's twin) plus a
+    # verify of 4 rows, which costs more than one unit
+    assert stats.modeled_cost > 4 * stats.steps
+    assert sum(4 / r for r in stats.rewards) == pytest.approx(stats.modeled_cost)  # reward = tokens / step cost
+    assert stats.modeled_speedup == pytest.approx(sum(stats.tokens_per_step) / stats.modeled_cost)
+    # a derived engine re-attaches nothing twice: the same request costs the same
+    again = engine.derive().generate(PROMPT, max_new_tokens=8).stats
+    assert again.modeled_cost == pytest.approx(stats.modeled_cost)
+
+
+def _noisy_clock(seed):
+    """A perf_counter stand-in whose step durations are random (a loaded machine)."""
+    rng = np.random.default_rng(seed)
+    now = itertools.accumulate(rng.exponential(0.05, size=100_000))
+    return lambda: next(now)
+
+
+def _pool_run(verifier_model, reward, clock_seed, monkeypatch, **kwargs):
+    monkeypatch.setattr(metasd.engine.time, "perf_counter", _noisy_clock(clock_seed))
+    pool = [PretrainedDrafter(tiny_qwen(seed=0), k=3, name="same"), PretrainedDrafter(tiny_llama(seed=3), k=2, name="other"),
+            NGramDrafter(k=3, name="ngram")]
+    engine = Engine(Verifier(verifier_model), pool, UCB(3, normalize=True), reward=reward, check_tokenizers=False)
+    result = engine.generate(PROMPT, max_new_tokens=40, **kwargs)
+    return result.token_ids, result.stats.drafter_per_step
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "sampled"])
+def test_throughput_reward_gives_the_same_choices_and_tokens_under_a_noisy_clock(verifier_model, monkeypatch, kwargs):
+    first = _pool_run(verifier_model, "throughput", 1, monkeypatch, **kwargs)
+    second = _pool_run(verifier_model, "throughput", 2, monkeypatch, **kwargs)
+    assert first == second
+    assert len(set(first[1])) > 1  # the policy did choose between arms
+
+
+def test_wall_clock_reward_choices_follow_the_noise(verifier_model, monkeypatch):
+    """The control: the same runs with the wall-clock reward choose differently (what the cost model removes)."""
+    first = _pool_run(verifier_model, "wall_throughput", 1, monkeypatch)
+    second = _pool_run(verifier_model, "wall_throughput", 2, monkeypatch)
+    assert first[1] != second[1]
+
+
+def _family_drafters(verifier_model):
+    """One tiny drafter of every model-backed family (built by each family's own test helpers)."""
+    import test_block
+    import test_hidden_state
+    import test_treeflash
+    from metasd.draft_vocab import DraftVocab
+    from metasd.drafters import BlockDrafter, SteeredTreeDrafter, TreeFlashDrafter
+    from metasd.drafters.steered import SteeringModule
+
+    drafter_model = tiny_llama(seed=3)
+    heads = test_block._random_heads(verifier_model)
+    steering = SteeringModule.for_models(drafter_model, 32, guide_layers=[1, 2])  # the 2-layer verifier's states
+    torch.nn.init.normal_(steering.proj.weight, std=0.3)
+    return {
+        "pretrained": PretrainedDrafter(drafter_model, k=3),
+        "block": BlockDrafter(heads, refine="none", paths=3, top_m=4),
+        "block+neural": BlockDrafter(heads, refine="neural", paths=3, top_m=4, model=drafter_model),
+        "steered_tree": SteeredTreeDrafter(drafter_model, steering=steering, mode="dynamic", nodes=6, depth=3, width=2),
+        "treeflash": TreeFlashDrafter(test_treeflash._untrained(), verifier_model, DraftVocab(torch.arange(50, 2, -1), 64),
+                                      mode="chain", m=3, k=3, tree_size=6),
+        "hidden_state": test_hidden_state._drafter(verifier_model),
+    }
+
+
+def test_every_model_backed_family_has_its_drafting_counted(verifier_model):
+    """Each family's networks are found by ``Drafter.modules`` or use ``counted_linear``: a step that drafts
+    costs more than its verify alone."""
+    import metasd.cost
+
+    for family, drafter in _family_drafters(verifier_model).items():
+        costs = []
+        propose = drafter.propose
+
+        def counted(ctx, propose=propose, costs=costs):
+            before = metasd.cost._OPEN.meter.total
+            draft = propose(ctx)
+            if len(draft):
+                costs.append(metasd.cost._OPEN.meter.total - before)
+            return draft
+
+        drafter.propose = counted
+        Engine(Verifier(verifier_model), drafter, check_tokenizers=False).generate(PROMPT, max_new_tokens=8)
+        assert costs and min(costs) > 0, f"{family}: drafting cost nothing in the model ({costs})"
+        if hasattr(drafter, "close"):
+            drafter.close()
