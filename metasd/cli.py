@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import get_args
 
@@ -69,7 +70,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch CPU threads: {allowed('threads')} (default: torch's choice)")
-    p.add_argument("--stream", action="store_true", help="print text as it is committed")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print text as it is committed (default: when the output is a terminal and --json is not given)")
     p.add_argument("--json", action="store_true", help="print the result and per-request stats as JSON")
     p.set_defaults(func=_generate)
 
@@ -165,6 +167,17 @@ def _read_prompt(args) -> str:
     return sys.stdin.read()
 
 
+def _stdout_is_terminal() -> bool:
+    return sys.stdout.isatty()
+
+
+def _should_stream(args) -> bool:
+    """--stream / --no-stream when given; otherwise stream to a terminal (never with --json)."""
+    if args.json:
+        return False
+    return _stdout_is_terminal() if args.stream is None else args.stream
+
+
 def _generate(args) -> int:
     from .config import ConfigError, check_model_references, check_quantization, parse_pool_config
 
@@ -190,10 +203,13 @@ def _generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     warn_if_oversubscribed()
+    print(f"[metasd] loading {source} (a first run converts the bundled models: minutes)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
+    print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)
-    if args.stream and not args.json:
+    if _should_stream(args):
         gen = engine.stream(prompt, **kwargs)
         try:
             while True:

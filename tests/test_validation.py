@@ -211,8 +211,19 @@ def test_generate_help_shows_defaults_and_allowed_values(capsys):
         assert needle in out, needle
 
 
-def test_end_to_end_generate_still_works(tmp_path, monkeypatch, capsys):
-    """A valid pool of tiny local models generates through the CLI (nothing valid is refused)."""
+@pytest.mark.parametrize("flags, terminal, streams", [
+    ([], True, True), ([], False, False), (["--no-stream"], True, False), (["--stream"], False, True),
+    (["--json"], True, False)])
+def test_end_to_end_generate_still_works(tmp_path, monkeypatch, capsys, flags, terminal, streams):
+    """A valid pool of tiny local models generates through the CLI (nothing valid is refused); text streams
+    to a terminal by default, not into a pipe, and never with --json."""
+    from metasd.engine import Engine
+
+    monkeypatch.setattr(metasd.cli, "_stdout_is_terminal", lambda: terminal)
+    calls = []
+    for method in ("stream", "generate"):
+        original = getattr(Engine, method)
+        monkeypatch.setattr(Engine, method, lambda self, *a, _m=method, _f=original, **k: (calls.append(_m), _f(self, *a, **k))[1])
     from tiny import tiny_qwen, tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -234,8 +245,11 @@ def test_end_to_end_generate_still_works(tmp_path, monkeypatch, capsys):
             "policy": {"name": "ucb", "params": {"c": 1.0, "normalize": True}}, "reward": "block_efficiency"}
     (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
     assert main(["generate", "--pool", str(tmp_path / "pool.yaml"), "--raw", "--max-new-tokens", "6", "--threads", "1",
-                 "--json", "w7 w8 w9 w7 w8"]) == 0
-    assert '"token_ids"' in capsys.readouterr().out
+                 *flags, "w7 w8 w9 w7 w8"]) == 0
+    out, err = capsys.readouterr()
+    assert calls[0] == ("stream" if streams else "generate")
+    assert ('"token_ids"' in out) == ("--json" in flags)
+    assert "[metasd] loading" in err and "[metasd] loaded in" in err
 
 
 @pytest.mark.parametrize("kind", sorted(DRAFTERS))
