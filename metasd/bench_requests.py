@@ -2,13 +2,17 @@
 
 ``PoolEngine`` loads a pool's engine on the first request that needs it (a run that is already complete
 loads nothing), warms it up and encodes a chat; its ``baseline_fn`` and ``MethodRequests`` answer one
-request and return its record (the fields of ``requests.jsonl``, less those the runner adds). The order of
-requests, resume and logging are the runner's (``metasd.runner``).
+request and return its record (the fields of ``requests.jsonl``, less those the runner adds);
+``answer_request`` encodes a chat, answers it and adds those fields. Both executors call it: the in-process
+runner (``metasd.runner``) and the Ray workers (``metasd.ray_executor``). The order of requests, resume and
+logging are the runner's.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -135,3 +139,26 @@ class MethodRequests:
         if m.persistent:
             rec["policy_state"] = s.policy_state
         return rec
+
+
+def prompt_sha(ids: list[int]) -> str:
+    """A short hash of prompt ids: two records answer the same prompt when theirs are equal."""
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:12]
+
+
+def answer_request(engines: PoolEngine, fn: Callable, messages: list[dict[str, str]], question, turn: int, index: int,
+                   seed: int | None, method: str, kind: str, plain: dict[str, Any] | None) -> dict[str, Any]:
+    """One request of one run, answered by ``fn(prompt_ids, question, index)``: its full ``requests.jsonl`` record.
+
+    ``plain``: the plain baseline's record of the same request (None for the plain run itself); under greedy
+    decoding, when both prompts are the same, the record says whether the tokens match plain decoding's.
+    """
+    engines.get()
+    prompt_ids = engines.encode(messages)
+    rec = fn(prompt_ids, question, index)
+    rec = dict(index=index, question_id=question.question_id, category=question.category, group=question.group,
+               turn=turn, seed=seed, method=method, prompt_sha=prompt_sha(prompt_ids), **rec)
+    greedy = engines.cfg.temperature == 0 or kind == "baseline"
+    if plain is not None and greedy and plain["prompt_sha"] == rec["prompt_sha"]:
+        rec["matches_plain"] = rec["token_ids"] == plain["token_ids"]
+    return rec

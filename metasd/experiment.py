@@ -36,6 +36,10 @@ Top-level fields (all optional but ``runs``):
 - ``order``: ``interleaved`` (default: request r of every baseline and method, then request r + 1, so
   load drift on a shared machine hits all methods alike) or ``sequential`` (all requests of one method,
   then the next, as Spec-Bench does).
+- ``executor``: where requests are answered - ``inprocess`` (default: this process) or ``ray`` /
+  ``{type: ray, address?, workers?, cpus_per_worker?, questions_per_shard?, max_retries?}`` (Ray actors,
+  ``metasd.ray_executor``; ``pip install -e '.[ray]'``). Not part of the config hash: a study started
+  in-process can be resumed on Ray and back. ``metasd bench --executor/--ray-address/--workers`` override it.
 - ``threads`` (torch CPU threads; default: torch's), ``warmup`` (true: one short untimed generation
   per drafter and baseline before timing), ``plots`` (true).
 
@@ -160,6 +164,30 @@ class BaselineSpec(_Strict):
         return f"assisted:{self.drafter}" if self.type == "assisted" else self.type
 
 
+class ExecutorSpec(_Strict):
+    """Where a study's requests are answered: ``inprocess`` (default) or ``ray`` (``metasd.ray_executor``)."""
+
+    type: Literal["inprocess", "ray"] = "inprocess"
+    address: str | None = None  # ray: None = start a local Ray; "auto" = the running cluster; or HOST:PORT
+    workers: int | None = Field(None, ge=1)  # ray: actors (default: cluster CPUs // cpus_per_worker)
+    cpus_per_worker: int | None = Field(None, ge=1)  # ray: CPUs per actor = its torch threads
+    questions_per_shard: int = Field(1, ge=1)  # ray: questions (all their turns, every method) per task
+    max_retries: int = Field(2, ge=0)  # ray: times a shard whose worker died is retried on a fresh one
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"type": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _ray_fields(self) -> "ExecutorSpec":
+        if self.type == "inprocess":
+            extra = [f for f in ("address", "workers", "cpus_per_worker") if getattr(self, f) is not None]
+            if extra:
+                raise ValueError(f"{extra} apply to the ray executor only (set 'type: ray')")
+        return self
+
+
 class ExperimentConfig(_Strict):
     name: str | None = None
     description: str = ""
@@ -178,6 +206,7 @@ class ExperimentConfig(_Strict):
     baselines: list[BaselineSpec] = Field(default_factory=lambda: [BaselineSpec(type="plain")])
     threads: int | None = Field(None, ge=1)
     order: Literal["interleaved", "sequential"] = "interleaved"
+    executor: ExecutorSpec = Field(default_factory=ExecutorSpec)
     warmup: bool = True
     plots: bool = True
 
@@ -260,6 +289,7 @@ class Experiment:
     def resolved_dict(self, questions: bool = True) -> dict[str, Any]:
         """The experiment with pools expanded to their full validated configs (for logging and hashing)."""
         d = self.config.model_dump(mode="json")
+        d.pop("executor")  # how, not what: logged as parent-run tags, left out of the config hash
         d["name"] = self.name
         d["pools"] = [{"name": p.name, "source": p.source, "config": p.config.model_dump(mode="json"),
                        "methods": [m.settings() for m in p.methods]} for p in self.pools]

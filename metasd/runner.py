@@ -24,6 +24,11 @@ one request with a baseline or a method.
 
 Ctrl-C ends the runs with status KILLED; finished requests stay logged, and ``--run-id ID`` (or
 ``--resume``) continues the same parent run, skipping them.
+
+Executors. ``_Runner`` answers every request in this process (the default). ``metasd.ray_executor.RayRunner``
+(``--executor ray``) subclasses it: Ray actors answer shards of questions with ``answer_request``, as this
+runner does, and this process alone writes to MLflow, through the same ``_log_request`` / ``_end_run`` /
+``_summarize`` / ``_finish``, so both give the same layout.
 """
 from __future__ import annotations
 
@@ -35,12 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .bench_requests import MethodRequests, PoolEngine
-from .experiment import Experiment, ExperimentConfig, Method, ResolvedDataset, ResolvedPool, load_experiment
+from .bench_requests import MethodRequests, PoolEngine, answer_request
+from .experiment import Experiment, ExecutorSpec, ExperimentConfig, Method, ResolvedDataset, ResolvedPool, load_experiment
 from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, plain_outliers, results_table,
                      summarize, table_columns)
-from .tracking import (DEFAULT_TRACKING_URI, BenchStore, NestedRun, flatten_params, model_params,
-                       resolve_tracking_uri)
+from .tracking import BenchStore, NestedRun, flatten_params, model_params, resolve_tracking_uri
 
 _DONE = object()
 
@@ -76,13 +80,11 @@ class ExperimentResult:
 # ------------------------------------------------------------------------------------------- runner
 
 
-def _sha(ids: list[int]) -> str:
-    import hashlib
-
-    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:12]
-
-
 class _Runner:
+    """The in-process executor: every request answered in this process, in the experiment's order."""
+
+    executor_name = "inprocess"
+
     def __init__(self, exp: Experiment, tracking_uri: str, resume_run_id: str | None, resume: bool,
                  progress: bool, threads: int | None):
         self.exp, self.cfg = exp, exp.config
@@ -96,6 +98,7 @@ class _Runner:
         self._current = None
         self.hash = exp.config_hash()
         self._resume_run_id, self._resume = resume_run_id, resume
+        self.notes: list[str] = []  # lines added under the results table (the Ray executor's)
 
     # ---- main loop
     def run(self) -> ExperimentResult:
@@ -112,6 +115,7 @@ class _Runner:
             self.store.open(self.exp, self.hash, self.workdir, self._resume_run_id, self._resume)
             self.parent_id = self.store.parent_id
             self.client.set_tag(self.parent_id, "threads", str(torch.get_num_threads()))
+            self.client.set_tag(self.parent_id, "metasd.executor", self.executor_name)
             try:
                 self._loop()
             except KeyboardInterrupt:
@@ -155,35 +159,50 @@ class _Runner:
     def _pool(self, pool: ResolvedPool) -> None:
         self.engines = PoolEngine(self.exp, pool, self.pbar.write, self._loaded)
         for ds in self.exp.datasets:
-            block = f"{pool.name}/{ds.name}"
-            runs: dict[str, list[NestedRun]] = {}
-            jobs: list[Iterator[None]] = []
-            plain = None
-            # baselines first (plain = the denominator of the running speedup), then singles, then policies
-            for b in sorted(self.cfg.baselines, key=lambda b: b.type != "plain"):
-                nested = NestedRun(self.store, f"{block}/{b.label}", b.label, self._run_name(pool, b.label, ds, None), "baseline",
-                                 self._nested_params(pool, ds, {"method": b.label, "baseline": b.model_dump()}, None), [])
-                runs[b.label] = [nested]
-                plain = plain or nested
-                jobs.append(self._requests(nested, ds, self.engines.baseline_fn(b), plain, None))
-            for m in sorted(pool.methods, key=lambda m: m.kind != "single"):
-                runs[m.name] = []
-                for seed in self.cfg.seeds:
-                    nested = NestedRun(self.store, f"{block}/{m.name}/seed{seed}", m.name, self._run_name(pool, m.name, ds, seed), m.kind,
-                                     self._nested_params(pool, ds, m.settings(), seed), m.drafters)
-                    runs[m.name].append(nested)
-                    fn, finalize = self._method_fns(nested, m, ds, seed)
-                    jobs.append(self._requests(nested, ds, fn, plain, seed, finalize))
+            block, runs, jobs = self._open_block(pool, ds)
+            plain = jobs[0][0]
+            gens: list[Iterator[None]] = []
+            for nested, spec, seed in jobs:
+                if seed is None:
+                    gens.append(self._requests(nested, ds, self.engines.baseline_fn(spec), plain, None))
+                else:
+                    fn, finalize = self._method_fns(nested, spec, ds, seed)
+                    gens.append(self._requests(nested, ds, fn, plain, seed, finalize))
             self._current = (pool, ds, runs, plain)
             if self.cfg.order == "interleaved":  # request r of every method, then request r + 1, ...
-                while jobs:
-                    jobs = [job for job in jobs if next(job, _DONE) is not _DONE]
+                while gens:
+                    gens = [job for job in gens if next(job, _DONE) is not _DONE]
             else:  # every request of a method, then the next method
-                for job in jobs:
+                for job in gens:
                     for _ in job:
                         pass
             self._current = None
             self._summarize(block, pool, ds, runs, plain.records)
+
+    def _open_block(self, pool: ResolvedPool, ds: ResolvedDataset):
+        """The nested runs of one (pool, dataset), opened or resumed: ``(block, runs, jobs)``.
+
+        runs: method name -> its nested runs (one per seed); jobs: ``(nested, spec, seed)`` in the order a
+        request is answered by every run - baselines first (plain first: the denominator of the running
+        speedup, so ``jobs[0][0]`` is plain's run; spec = the ``BaselineSpec``, seed = None), then singles,
+        then policies (spec = the ``Method``).
+        """
+        block = f"{pool.name}/{ds.name}"
+        runs: dict[str, list[NestedRun]] = {}
+        jobs: list[tuple[NestedRun, Any, int | None]] = []
+        for b in sorted(self.cfg.baselines, key=lambda b: b.type != "plain"):
+            nested = NestedRun(self.store, f"{block}/{b.label}", b.label, self._run_name(pool, b.label, ds, None), "baseline",
+                               self._nested_params(pool, ds, {"method": b.label, "baseline": b.model_dump()}, None), [])
+            runs[b.label] = [nested]
+            jobs.append((nested, b, None))
+        for m in sorted(pool.methods, key=lambda m: m.kind != "single"):
+            runs[m.name] = []
+            for seed in self.cfg.seeds:
+                nested = NestedRun(self.store, f"{block}/{m.name}/seed{seed}", m.name, self._run_name(pool, m.name, ds, seed),
+                                   m.kind, self._nested_params(pool, ds, m.settings(), seed), m.drafters)
+                runs[m.name].append(nested)
+                jobs.append((nested, m, seed))
+        return block, runs, jobs
 
     def _run_name(self, pool: ResolvedPool, method: str, ds: ResolvedDataset, seed: int | None) -> str:
         parts = [method, ds.name] + ([f"seed {seed}"] if seed is not None and len(self.cfg.seeds) > 1 else [])
@@ -213,16 +232,21 @@ class _Runner:
         run = MethodRequests(self.engines, m, ds, seed, nested.records)
 
         def finalize() -> None:
-            if run.engine is not None and len(m.drafters) > 1:
-                nested.log_json(run.engine.policy.state_dict(), "policy_state.json")
-            if m.kind == "policy" and self.cfg.plots and nested.records:
-                from .plots import drafter_choice
-
-                p = drafter_choice(nested.records[:3], m.drafters, nested.path.parent / "drafter_choice.png",
-                                   title=f"{m.name}: drafter per step")
-                self.client.log_artifact(nested.run_id, str(p))
+            has_state = run.engine is not None and len(m.drafters) > 1
+            self._finalize_method(nested, m, run.engine.policy.state_dict() if has_state else None)
 
         return run, finalize
+
+    def _finalize_method(self, nested: NestedRun, m: Method, policy_state: Any) -> None:
+        """After a method run's last request: its final policy state and, for a policy, its drafter-choice plot."""
+        if policy_state is not None:
+            nested.log_json(policy_state, "policy_state.json")
+        if m.kind == "policy" and self.cfg.plots and nested.records:
+            from .plots import drafter_choice
+
+            p = drafter_choice(nested.records[:3], m.drafters, nested.path.parent / "drafter_choice.png",
+                               title=f"{m.name}: drafter per step")
+            self.client.log_artifact(nested.run_id, str(p))
 
     def _requests(self, nested: NestedRun, ds: ResolvedDataset, fn: Callable | None, plain: NestedRun, seed: int | None,
                   finalize: Callable | None = None) -> Iterator[None]:
@@ -241,17 +265,10 @@ class _Runner:
                     if not started:
                         nested.start()
                         started = True
-                    self.engines.get()
-                    prompt_ids = self.engines.encode(messages)
-                    rec = fn(prompt_ids, q, index)
-                    rec = dict(index=index, question_id=q.question_id, category=q.category, group=q.group, turn=t,
-                               seed=seed, method=nested.method, prompt_sha=_sha(prompt_ids), **rec)
                     p = plain.done.get((q.question_id, t))
-                    greedy = self.cfg.temperature == 0 or nested.kind == "baseline"
-                    if p is not None and nested is not plain and greedy and p["prompt_sha"] == rec["prompt_sha"]:
-                        rec["matches_plain"] = rec["token_ids"] == p["token_ids"]
-                    nested.add(rec, self._request_metrics(rec, p, nested.drafters))
-                    self.generated += 1
+                    rec = answer_request(self.engines, fn, messages, q, t, index, seed, nested.method, nested.kind,
+                                         None if nested is plain else p)
+                    self._log_request(nested, rec, p)
                 else:
                     self.skipped += 1
                 history = messages + [{"role": "assistant", "content": rec["text"]}]
@@ -261,8 +278,16 @@ class _Runner:
         if started or not nested.finished:
             if finalize is not None:
                 finalize()
-            self._nested_summary(nested, plain.records)
-            nested.end("FINISHED")
+            self._end_run(nested, plain.records)
+
+    def _log_request(self, nested: NestedRun, rec: dict, plain: dict | None) -> None:
+        """Log one answered request in its nested run (JSONL artifact and per-request metrics)."""
+        nested.add(rec, self._request_metrics(rec, plain, nested.drafters))
+        self.generated += 1
+
+    def _end_run(self, nested: NestedRun, plain: list[dict]) -> None:
+        self._nested_summary(nested, plain)
+        nested.end("FINISHED")
 
     def _request_metrics(self, rec: dict, plain: dict | None, drafters: list[str]) -> dict[str, float | None]:
         m = {k: rec[k] for k in ("tokens_per_second", "mean_tokens_per_step", "acceptance_rate", "new_tokens", "wall_s", "steps")}
@@ -360,6 +385,7 @@ class _Runner:
         parts = [f"## {self.exp.name}: results", ""]
         for block, summary in self.summaries.items():
             parts.append(results_table(summary, title=f"pool `{summary['pool']}`, dataset `{summary['dataset']}`"))
+        parts += [f"- {n}" for n in self.notes]
         table = "\n".join(parts)
         (self.workdir / "results.md").write_text(table)
         (self.workdir / "results.json").write_text(json.dumps(self.summaries, indent=1, default=str))
@@ -370,50 +396,23 @@ class _Runner:
 
 def run_experiment(path_or_config: str | Path | dict | ExperimentConfig | Experiment, tracking_uri: str | None = None,
                    resume_run_id: str | None = None, *, resume: bool = False, limit: int | None = None,
-                   progress: bool = True, threads: int | None = None) -> ExperimentResult:
+                   progress: bool = True, threads: int | None = None, executor: ExecutorSpec | str | dict | None = None,
+                   worker_setup: Callable[[], None] | None = None) -> ExperimentResult:
     """Run an experiment and log it to MLflow; return ids, the results table and the request records.
 
     tracking_uri: see ``resolve_tracking_uri``. resume_run_id: continue that parent run, skipping
     requests already logged; ``resume=True``: continue the latest parent run of the same config.
     limit: at most that many questions per dataset. Ctrl-C raises ``ExperimentInterrupted`` (a
     ``KeyboardInterrupt``) after ending the runs as KILLED; its ``run_id`` resumes.
+    executor: ``inprocess`` / ``ray`` / an ``ExecutorSpec`` (default: the experiment's ``executor``);
+    worker_setup: called once in each Ray worker as it starts (tests inject faults with it).
     The experiment is validated, and its datasets read, before any model is loaded.
     """
     exp = path_or_config if isinstance(path_or_config, Experiment) else load_experiment(path_or_config, limit=limit)
     uri = resolve_tracking_uri(tracking_uri)
+    spec = exp.config.executor if executor is None else ExecutorSpec.model_validate(executor)
+    if spec.type == "ray":
+        from .ray_executor import RayRunner
+
+        return RayRunner(exp, uri, resume_run_id, resume, progress, threads, spec=spec, setup=worker_setup).run()
     return _Runner(exp, uri, resume_run_id, resume, progress, threads).run()
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def add_bench_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "bench", help="run an experiment file (policies x rewards x datasets), log to MLflow, print the results table",
-        description="Run an experiment YAML (see metasd.experiment), log every request to MLflow and print a "
-                    "Spec-Bench-shaped results table. Ctrl-C keeps finished requests; resume with --run-id.")
-    p.add_argument("experiment", help="experiment YAML, e.g. experiments/smoke.yaml")
-    p.add_argument("--tracking-uri", help=f"MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else {DEFAULT_TRACKING_URI})")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--run-id", help="resume this parent run: skip requests already logged")
-    g.add_argument("--resume", action="store_true", help="resume the latest parent run of the same experiment config")
-    p.add_argument("--limit", type=int, help="at most N questions per dataset (quick tries)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (overrides the experiment's 'threads')")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_bench)
-
-
-def _bench(args) -> int:
-    if args.limit is not None and args.limit < 1:
-        raise ValueError("--limit must be >= 1")
-    exp = load_experiment(args.experiment, limit=args.limit)  # errors (bad field, missing dataset) before models load
-    try:
-        result = run_experiment(exp, args.tracking_uri, args.run_id, resume=args.resume, progress=not args.no_progress,
-                                threads=args.threads)
-    except ExperimentInterrupted:
-        return 130
-    print(result.table)
-    print(f"[metasd bench] {result.generated} requests generated, {result.skipped} already logged, "
-          f"{result.wall_s:.0f} s; MLflow run {result.parent_run_id} in {result.tracking_uri} "
-          f"(browse: mlflow ui --backend-store-uri {result.tracking_uri})", file=sys.stderr)
-    return 0
