@@ -74,20 +74,27 @@ class BenchWorker:
         torch.set_num_threads(threads)
         if setup is not None:
             setup()
-        self.exp, self.id, self.threads = exp, worker_id, threads
+        import socket
+
+        self.exp, self.id, self.threads, self.host = exp, worker_id, threads, socket.gethostname()
         self.pools = {p.name: p for p in exp.pools}
         self.datasets = {d.name: d for d in exp.datasets}
         self.engines: dict[str, PoolEngine] = {}
         self.fns: dict[str, Callable] = {}  # nested key -> request function
         self.info: dict[str, str] = {}
+        self.states: dict[str, Any] = {}  # final policy states of runs whose pool was released
 
     def ping(self) -> dict[str, Any]:
         import torch
 
-        return {"worker": self.id, "pid": os.getpid(), "threads": torch.get_num_threads()}
+        return {"worker": self.id, "host": self.host, "pid": os.getpid(), "threads": torch.get_num_threads()}
 
     def _engines(self, pool: str) -> PoolEngine:
         if pool not in self.engines:
+            if self.engines:  # shards come pool by pool: hold one pool in memory, as the in-process runner does
+                self.states.update(self.policy_states())
+                self.engines.clear()
+                self.fns.clear()
             def loaded(engine) -> None:
                 v = engine.verifier
                 self.info = {"device": str(v.device), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -128,7 +135,7 @@ class BenchWorker:
                     fn = self._fn(engines, key, kind, name, seed, ds)
                     rec = answer_request(engines, fn, messages, q, t, first + t, seed, name, kind,
                                          None if j == 0 else plain.get(t))
-                    rec["worker"] = self.id
+                    rec["worker"], rec["host"] = self.id, self.host
                     out.append((key, rec))
                 if j == 0:
                     plain[t] = rec
@@ -137,8 +144,9 @@ class BenchWorker:
 
     def policy_states(self) -> dict[str, Any]:
         """Nested key -> this worker's final policy state, for the multi-drafter methods it ran."""
-        return {k: fn.engine.policy.state_dict() for k, fn in self.fns.items()
+        live = {k: fn.engine.policy.state_dict() for k, fn in self.fns.items()
                 if isinstance(fn, MethodRequests) and fn.engine is not None and len(fn.m.drafters) > 1}
+        return {**self.states, **live}
 
 
 class RayRunner(_Runner):
@@ -169,18 +177,19 @@ class RayRunner(_Runner):
         self.pbar = tqdm(total=total, desc=exp.name, unit="req", disable=not self.progress, dynamic_ncols=True)
         shards = self._shards()
         self.touched: set[str] = set()  # nested runs that got a request in this call
-        started = self._init_ray(ray)
         self.actors: dict[int, Any] = {}
-        try:
-            if shards:
+        states: dict[str, dict[str, Any]] = {}
+        if shards:  # else every request is logged already: no Ray needed
+            started = self._init_ray(ray)
+            try:
                 self._start_workers(ray)
                 self._dispatch(ray, deque(shards))
-            states = self._policy_states(ray)
-        finally:
-            for actor in self.actors.values():
-                ray.kill(actor)
-            if started:
-                ray.shutdown()
+                states = self._policy_states(ray)
+            finally:
+                for actor in self.actors.values():
+                    ray.kill(actor)
+                if started:
+                    ray.shutdown()
         self.pbar.close()
         self.pbar = None
         self._finalize(states)
@@ -230,7 +239,9 @@ class RayRunner(_Runner):
                              f"{total} (lower --workers or executor.cpus_per_worker)")
         self.cpus, self.n_workers = cpus, n
         self._actor_cls = ray.remote(BenchWorker).options(num_cpus=cpus, max_restarts=0, max_task_retries=0)
-        self.generation = {}
+        self.generation: dict[int, int] = {}
+        self.live: set[int] = set()  # slots whose current worker has answered
+        self.pings: dict[Any, tuple[int, int]] = {}  # ping ref -> (slot, generation)
         for slot in range(n):
             self._new_actor(slot)
         persistent = sorted({m.name for _, pool, _, _, _ in self.blocks for m in pool.methods if m.persistent})
@@ -246,10 +257,13 @@ class RayRunner(_Runner):
                               "not one across the whole study")
 
     def _new_actor(self, slot: int) -> None:
+        """Start the worker of ``slot`` (again): ids ``"0"``, ``"1"``..., a replacement ``"<slot>.<n>"``."""
         gen = self.generation.get(slot, -1) + 1
         self.generation[slot] = gen
         wid = str(slot) if gen == 0 else f"{slot}.{gen}"
         self.actors[slot] = self._actor_cls.remote(self.exp, wid, self.cpus, self.setup)
+        self.live.discard(slot)
+        self.pings[self.actors[slot].ping.remote()] = (slot, gen)  # live once it answers
 
     def _dispatch(self, ray, pending: deque) -> None:
         """Keep one shard on every worker; log each as it finishes; requeue the shard of a worker that dies."""
@@ -267,7 +281,20 @@ class RayRunner(_Runner):
             submit(slot)
         self._postfix()
         while inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ready, _ = ray.wait(list(inflight) + list(self.pings), num_returns=1)
+            if ready[0] in self.pings:
+                slot, gen = self.pings.pop(ready[0])
+                try:
+                    info = ray.get(ready[0])
+                except (RayActorError, WorkerCrashedError):
+                    continue  # its shard fails too, and is retried there
+                if gen != self.generation[slot]:
+                    continue  # a worker replaced since
+                self.live.add(slot)
+                self.pbar.write(f"[metasd bench] worker {info['worker']} up on {info['host']} (pid {info['pid']}, "
+                                f"{info['threads']} threads)", file=sys.stderr)
+                self._postfix()
+                continue
             slot, shard = inflight.pop(ready[0])
             try:
                 result = ray.get(ready[0])
@@ -279,17 +306,19 @@ class RayRunner(_Runner):
                 self.restarts += 1
                 self.client.set_tag(self.parent_id, "metasd.worker_restarts", str(self.restarts))
                 self.pbar.write(f"[metasd bench] worker {slot} died ({type(e).__name__}); shard {shard.sid} goes to a "
-                                "fresh worker")
+                                "fresh worker", file=sys.stderr)
                 ray.kill(self.actors[slot])
                 self._new_actor(slot)
                 pending.appendleft(shard)
             else:
+                self.live.add(slot)
                 self._take(shard, result)
             submit(slot)
             self._postfix()
 
     def _postfix(self) -> None:
-        self.pbar.set_postfix_str(f"{len(self.actors)} workers live, {self.restarts} restarted", refresh=True)
+        self.pbar.set_postfix_str(f"{len(self.live)}/{len(self.actors)} workers live, {self.restarts} restarted",
+                                  refresh=True)
 
     def _take(self, shard: Shard, result: dict[str, Any]) -> None:
         """Log a finished shard's records; drop any whose request is already logged."""

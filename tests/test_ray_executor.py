@@ -6,6 +6,7 @@ which turns a missing ray into a failure instead.
 """
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -88,7 +89,8 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
 
     from metasd.cli import main
 
-    path = _write(store, "same", plots=True)
+    pool = _experiment(store, "same")["pools"][0]
+    path = _write(store, "same", plots=True, pools=[pool, {**pool, "name": "tiny2"}])  # workers hold one pool at a time
     uri_in, uri_ray = f"sqlite:///{tmp_path}/in.db", f"sqlite:///{tmp_path}/ray.db"
     ref = run_experiment(path, tracking_uri=uri_in, progress=False)
     assert main(["bench", str(path), "--executor", "ray", "--workers", "2", "--tracking-uri", uri_ray, "--no-progress"]) == 0
@@ -97,7 +99,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
     (parent,) = c_ray.search_runs([c_ray.get_experiment_by_name("same").experiment_id], "tags.`metasd.kind` = 'experiment'")
     kids_in = _children(c_in, ref.experiment_id, ref.parent_run_id)
     kids = _children(c_ray, parent.info.experiment_id, parent.info.run_id)
-    assert sorted(kids) == sorted(kids_in) and len(kids) == N_RUNS
+    assert sorted(kids) == sorted(kids_in) and len(kids) == 2 * N_RUNS
     workers = {}
     for key, run in kids.items():
         assert run.info.status == "FINISHED"
@@ -107,7 +109,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
         assert [(r["question_id"], r["turn"], r["index"], r["prompt_sha"], r["token_ids"], r["text"]) for r in mine] == [
             (r["question_id"], r["turn"], r["index"], r["prompt_sha"], r["token_ids"], r["text"]) for r in theirs], key
         for r in mine:
-            workers.setdefault(r["question_id"], set()).add(r["worker"])
+            workers.setdefault((key.split("/")[0], r["question_id"]), set()).add(r["worker"])
             assert r.get("matches_plain", True) is True
         assert {f.path for f in c_ray.list_artifacts(run.info.run_id)} == {
             f.path for f in c_in.list_artifacts(kids_in[key].info.run_id)}, key
@@ -124,12 +126,12 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
     assert tags["metasd.policy_state"] == "per-worker" and tags["dtype"] == "float32"
     # the persistent policy's final state is one per worker, and the table says so
     state = json.load(open(c_ray.download_artifacts(
-        kids["tiny/q/ucb-persistent/seed0"].info.run_id, "policy_state.json", str(tmp_path / "st"))))
+        kids["tiny2/q/ucb-persistent/seed0"].info.run_id, "policy_state.json", str(tmp_path / "st"))))
     assert state["scope"] == "per-worker" and set(state["workers"]) == {"0", "1"}
     assert "persistent policies (ucb-persistent) kept one state per worker (2 workers)" in out
     rows = lambda table: [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]  # noqa: E731
     assert rows(out) == rows(ref.table)  # the same methods (rows) and columns
-    assert "| method | MT | translation | QA | overall |" in out
+    assert "| method | MT | translation | QA | overall |" in out and "### pool `tiny2`, dataset `q`" in out
 
 
 @needs_ray
@@ -190,12 +192,12 @@ def _die_on_second_request(marker: str):
 
 
 @needs_ray
-def test_dead_worker_shard_is_retried_and_every_request_logged_once(store, ray_session, tmp_path):
+def test_dead_worker_shard_is_retried_and_every_request_logged_once(store, ray_session, tmp_path, capsys):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/dead.db"
     marker = tmp_path / "died"
-    res = run_experiment(_write(store, "dead"), tracking_uri=uri, progress=False,
+    res = run_experiment(_write(store, "dead"), tracking_uri=uri, progress=True,
                          executor={"type": "ray", "workers": 2}, worker_setup=_die_on_second_request(str(marker)))
     assert marker.exists()  # a worker did die
     client = MlflowClient(uri)
@@ -205,6 +207,10 @@ def test_dead_worker_shard_is_retried_and_every_request_logged_once(store, ray_s
     _logged_once(client, res, tmp_path)
     # the dead worker's shard was answered by its replacement (id "<slot>.1")
     assert any("." in r["worker"] for recs in res.records.values() for r in recs)
+    # one progress bar over every request, with the live workers; the death and the replacement are reported
+    err = capsys.readouterr().err
+    assert f"{N_REQUESTS * N_RUNS}/{N_REQUESTS * N_RUNS}" in err and "2/2 workers live, 0 restarted" in err
+    assert "1 restarted" in err and re.search(r"worker [01] died \(ActorDiedError\)", err), err
 
 
 def test_ray_executor_without_ray_names_the_extra(store, tmp_path, monkeypatch, capsys):
