@@ -35,7 +35,7 @@ from typing import Any, Literal, Sequence
 
 import torch
 from pydantic import Field
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Drafter, DrafterParams, Int, StepContext, register_drafter
@@ -163,6 +163,22 @@ def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Ten
 
 
 # ---------------------------------------------------------------- checkpoints
+def save_checkpoint(path: str | Path, model: TreeFlashModel, vocab: DraftVocab, meta: dict | None = None,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Write the weights (``dtype``), the draft vocabulary and config.json (``meta`` merged in: e.g.
+    ``defaults`` for drafting, ``verifier``, ``training``) into the directory ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}, str(path / WEIGHTS_FILE),
+              metadata={"format": CHECKPOINT_FORMAT})
+    vocab.save(path / VOCAB_FILE)
+    config = {"format": CHECKPOINT_FORMAT, "version": 1, "model": model.cfg.to_dict(), "weights": WEIGHTS_FILE,
+              "weights_dtype": str(dtype).removeprefix("torch."), "draft_vocab": VOCAB_FILE,
+              "draft_vocab_size": len(vocab), **(meta or {})}
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    return path
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[TreeFlashModel, DraftVocab, dict]:
     """A TreeFlash checkpoint directory -> (model, draft vocabulary, config.json contents)."""
     path = Path(path)

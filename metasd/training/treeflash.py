@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
@@ -555,15 +555,10 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
 def export_checkpoint(cfg: TrainTreeFlashConfig, model, vocab: DraftVocab, layers: list[int], state: dict,
                       final: dict, fs: FeatureSet, train: list[int], val: list[int], command: str | None,
                       t_invocation: float) -> Path:
-    from metasd.drafters.treeflash import CHECKPOINT_FORMAT, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE
+    from metasd.drafters.treeflash import CONFIG_FILE, save_checkpoint
     from metasd.drafters.treeflash_backbone import count_parameters
 
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}, str(out / WEIGHTS_FILE),
-              metadata={"format": CHECKPOINT_FORMAT})
-    vocab.save(out / VOCAB_FILE)
     B = model.cfg.block_size
     training = {
         "command": command, "features": str(fs.path), "feature_manifest": fs.manifest,
@@ -577,11 +572,11 @@ def export_checkpoint(cfg: TrainTreeFlashConfig, model, vocab: DraftVocab, layer
         "stopped_by_time": state.get("stopped_by_time", {}), "bf16": cfg.bf16, "seed": cfg.seed,
         "parameters": count_parameters(model), "mlflow_run_id": state.get("run_id"),
     }
-    meta = {"format": CHECKPOINT_FORMAT, "version": 1, "model": model.cfg.to_dict(), "weights": WEIGHTS_FILE,
-            "weights_dtype": cfg.save_dtype, "draft_vocab": VOCAB_FILE, "draft_vocab_size": len(vocab),
-            "verifier": cfg.verifier, "defaults": cfg.defaults.model_dump(), "training": training,
-            "validation": {"stages": state.get("history", []), "final": final}}
-    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+    save_checkpoint(out, model, vocab, {"weights_dtype": cfg.save_dtype, "verifier": cfg.verifier,
+                                        "defaults": cfg.defaults.model_dump(), "training": training,
+                                        "validation": {"stages": state.get("history", []), "final": final}},
+                    dtype=torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32)
+    meta = json.loads((out / CONFIG_FILE).read_text())
     (out / "metrics.json").write_text(json.dumps(final, indent=1))
     (out / "MODEL_CARD.md").write_text(model_card(meta))
     return out

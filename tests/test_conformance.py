@@ -1,0 +1,182 @@
+"""Conformance of every registered drafter type, built from a pool file on tiny models: the entry loads and its
+settings round-trip through ``describe``, greedy output is the verifier's, and sampled output follows the
+verifier's distribution. A new drafter type fails ``test_every_registered_type_has_an_entry`` until it adds
+its entry to ``ENTRIES`` below (one function that writes what the entry needs and returns it)."""
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import yaml
+from scipy.stats import chisquare
+
+import metasd.drafters  # noqa: F401  (registers the built-in drafter types)
+from metasd.config import load_pool
+from metasd.draft_vocab import DraftVocab
+from metasd.drafter import DRAFTERS
+from tiny import VOCAB, plain_greedy, tiny_qwen, tiny_tokenizer
+
+LAYERS = 4  # verifier layers: hidden states 0..4 for steering, block heads and hidden-state drafters
+PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+SHARPNESS = 20.0  # verifier logit scale: ~300 pairs carry 90% of the two-token mass, so 400 samples test it
+
+
+def _draft_vocab() -> DraftVocab:
+    return DraftVocab(torch.arange(50, 2, -1), VOCAB)  # reduced and permuted: 16 ids can never be drafted
+
+
+def _block(root: Path) -> dict:
+    from metasd.drafters.block import BlockHeads
+
+    verifier = tiny_qwen(seed=0, layers=LAYERS, logit_scale=SHARPNESS)
+    torch.manual_seed(0)
+    vocab = _draft_vocab()
+    heads = BlockHeads(32, 3, vocab.head_weight(verifier.lm_head.weight), vocab, LAYERS, init="normal")
+    heads.save(root / "block", dtype=torch.float32)
+    return {"checkpoint": str(root / "block"), "params": {"paths": 3, "top_m": 4}}
+
+
+def _hidden_state(root: Path) -> dict:
+    from metasd.drafters.hidden_state_net import HiddenStateConfig, HiddenStateNet, save_checkpoint
+
+    torch.manual_seed(0)
+    net = HiddenStateNet(HiddenStateConfig(32, VOCAB, LAYERS, num_heads=4, num_kv_heads=2, intermediate_size=32,
+                                           inject_intermediate_size=16))
+    with torch.no_grad():  # a stand-in for a trained net: depth 1 passes the verifier's last state through, so its
+        net.in_proj.weight.copy_(torch.eye(32))  # drafts are the verifier's own (over the reduced vocabulary);
+        for name, param in net.layer.named_parameters():  # deeper depths differ through the token injection
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        torch.nn.init.normal_(net.inject.down.weight, std=0.5)
+    save_checkpoint(root / "hidden_state", net, _draft_vocab())
+    return {"checkpoint": str(root / "hidden_state"), "params": {"mode": "tree", "depth": 3, "nodes": 6, "k": 2}}
+
+
+def _treeflash(root: Path) -> dict:
+    from metasd.drafters.treeflash import save_checkpoint
+    from metasd.drafters.treeflash_backbone import TreeFlashConfig, TreeFlashModel
+
+    torch.manual_seed(0)
+    cfg = TreeFlashConfig(verifier_hidden_size=32, verifier_vocab_size=VOCAB, context_layers=[1, 2], hidden_size=16,
+                          num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32, ar_intermediate_size=16,
+                          block_size=4, context_window=16)
+    model = TreeFlashModel(cfg)
+    torch.nn.init.normal_(model.ar.down.weight, std=0.5)  # make the AR correction matter
+    save_checkpoint(root / "treeflash", model, _draft_vocab())
+    return {"checkpoint": str(root / "treeflash"), "params": {"mode": "treeflash", "m": 3, "k": 3, "tree_size": 8}}
+
+
+def _steering_checkpoint(root: Path) -> str:
+    from metasd.drafters.steered import SteeringModule, save_steering
+
+    drafter = tiny_qwen(seed=0, layers=LAYERS)
+    steering = SteeringModule.for_models(drafter, 32, guide_layers=[1, 2, 3])
+    torch.nn.init.normal_(steering.proj.weight, std=0.3)  # a trained-like module: it changes the drafts
+    return str(save_steering(root / "steering", steering))
+
+
+ENTRIES: dict[str, Callable[[Path], dict]] = {
+    "pretrained": lambda root: {"model": str(root / "drafter"), "params": {"k": 3}},
+    "pretrained_tree": lambda root: {"model": str(root / "drafter"),
+                                     "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2}},
+    "ngram": lambda root: {"params": {"k": 4, "n_max": 2}},
+    "block": _block,
+    "hidden_state": _hidden_state,
+    "treeflash": _treeflash,
+    "steered": lambda root: {"model": str(root / "drafter"), "checkpoint": _steering_checkpoint(root), "params": {"k": 3}},
+    "steered_tree": lambda root: {"model": str(root / "drafter"), "checkpoint": _steering_checkpoint(root),
+                                  "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2}},
+}
+
+
+def test_every_registered_type_has_an_entry():
+    assert set(ENTRIES) == set(DRAFTERS), f"conformance entries missing for {sorted(set(DRAFTERS) - set(ENTRIES))}"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("conformance")
+    tok = tiny_tokenizer()
+    # the drafter: the verifier's weights with softer next-token distributions, so drafts are often but
+    # not always accepted (an unrelated tiny model's drafts are almost never accepted by a sharp verifier)
+    models = {"verifier": tiny_qwen(seed=0, layers=LAYERS, logit_scale=SHARPNESS),
+              "drafter": tiny_qwen(seed=0, layers=LAYERS, logit_scale=SHARPNESS / 3)}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+def _pool(root: Path, kind: str, entry: dict, name: str = "pool") -> Path:
+    pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32", "device": "cpu"},
+            "drafters": [{"name": kind, "type": kind, **entry}]}
+    path = root / f"{name}_{kind}.yaml"
+    path.write_text(yaml.safe_dump(pool))
+    return path
+
+
+def _engine(root: Path, kind: str):
+    engine = load_pool(_pool(root, kind, ENTRIES[kind](root)))
+    engine.tokenizer = tiny_tokenizer()  # AutoTokenizer reloads the word-level tokenizer as Qwen2's BPE
+    return engine
+
+
+@pytest.mark.parametrize("kind", sorted(ENTRIES))
+def test_pool_entry_round_trips_through_describe(root, kind):
+    """The drafter built from the entry reports the entry's settings, and an entry written from that report
+    builds a drafter that reports the same."""
+    entry = ENTRIES[kind](root)
+    drafter = load_pool(_pool(root, kind, entry)).drafter(kind)
+    assert type(drafter).kind == kind
+    described = drafter.describe()
+    for key, value in entry["params"].items():
+        assert described[key] == value, f"{kind}: describe()[{key!r}] = {described.get(key)!r}, the entry says {value!r}"
+    fields = DRAFTERS[kind].Params.model_fields
+    again_entry = {**entry, "params": {k: v for k, v in described.items() if k in fields and v is not None}}
+    again = load_pool(_pool(root, kind, again_entry, name="again")).drafter(kind)
+    assert again.describe() == described
+
+
+@pytest.mark.parametrize("kind", sorted(ENTRIES))
+def test_greedy_output_is_the_verifiers(root, kind):
+    engine = _engine(root, kind)
+    verifier = engine.verifier.model
+    for n in (1, 9, 30):
+        result = engine.generate(PROMPT, max_new_tokens=n)
+        assert result.token_ids == plain_greedy(verifier, PROMPT, n), f"{kind}: differs at max_new_tokens={n}"
+    assert result.stats.drafted > 0, f"{kind}: drafted nothing, so the check checked nothing"
+
+
+def _two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Tensor:
+    """p(a, b | prompt) over the whole vocabulary, by enumeration: [vocab * vocab]. Generation ends at an EOS
+    first token ``a``: its mass sits in the cell (a, 0)."""
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        seconds = model(torch.tensor([prompt + [a] for a in range(VOCAB)])).logits[:, -1].softmax(-1)  # [V, V]
+    for a in eos:
+        seconds[a] = 0.0
+        seconds[a, 0] = 1.0
+    return (first[:, None] * seconds).flatten()
+
+
+@pytest.mark.parametrize("kind", sorted(ENTRIES))
+def test_sampling_follows_the_verifiers_distribution(root, kind):
+    engine = _engine(root, kind)
+    prompt, n = [0, 7, 12, 9, 33, 7, 12], 400  # ends in a bigram seen before: prompt lookup drafts too
+    counts = torch.zeros(VOCAB * VOCAB)
+    accepted = drafted = 0
+    for seed in range(n):
+        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
+        first, second = (r.token_ids + [0])[:2]  # one token: the first was EOS
+        counts[first * VOCAB + second] += 1
+        accepted += r.stats.accepted
+        drafted += r.stats.drafted
+    p = _two_token_distribution(engine.verifier.model, prompt, engine.eos_ids()).double()  # [V * V]
+    keep = p * n > 5  # pairs expected more than 5 times, each its own cell; the rest pooled into one
+    obs = torch.cat([counts.double()[keep], counts.double()[~keep].sum()[None]])
+    exp = torch.cat([p[keep], p[~keep].sum()[None]]) * n
+    pvalue = float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
+    assert pvalue > 1e-3, f"{kind}: sampled pairs do not follow the verifier (p = {pvalue:.2g})"
+    assert drafted > 0, f"{kind}: nothing was drafted, so acceptance went unchecked"
+    if kind != "ngram":  # the copied n-gram is rarely what the sharp verifier samples: its drafts test rejection
+        assert accepted > 0, f"{kind}: no draft token was ever accepted, so acceptance went unchecked"
