@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import importlib
 import importlib.util
@@ -41,7 +42,9 @@ __all__ = [
 BUNDLED_PREFIX = "bundled:"
 #: file written last into a cache directory; its presence (with matching content) marks it complete
 CACHE_MARKER = "metasd_cache.json"
-CACHE_FORMAT = 1
+#: 2: the marker also lists every converted file with its size, sha256 and mtime (format 1 did not; a format-1
+#: cache is upgraded in place by hashing its files once, see ``_upgrade_marker``)
+CACHE_FORMAT = 2
 #: dtype of the cached safetensors copy of a bundled model
 CACHE_DTYPE = torch.bfloat16
 _CHUNK = 8 * 1024 * 1024
@@ -157,19 +160,83 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _cache_complete(entry: BundledModel, path: Path | None = None) -> bool:
-    """A cache dir counts only if its marker (written last) matches this entry and config.json exists."""
-    path = _cache_path(entry) if path is None else path
-    marker = _read_marker(path)
-    if marker is None:
-        return False
+def _marker_matches(entry: BundledModel, marker: dict[str, Any], formats: tuple[int, ...] = (CACHE_FORMAT,)) -> bool:
     return (
-        marker.get("format") == CACHE_FORMAT
+        marker.get("format") in formats
         and marker.get("name") == entry.name
         and marker.get("sha256") == entry.sha256
         and marker.get("gguf_bytes") == entry.gguf_bytes
-        and (path / "config.json").is_file()
     )
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _file_record(path: Path, digest: str | None = None) -> dict[str, Any]:
+    st = path.stat()
+    return {"bytes": st.st_size, "sha256": digest or _sha256_file(path), "mtime_ns": st.st_mtime_ns}
+
+
+def _cache_problem(entry: BundledModel, path: Path | None = None) -> str | None:
+    """Why the cache dir of ``entry`` cannot be loaded (None: it is complete and intact).
+
+    The marker is written last and lists every converted file with its size, sha256 and mtime. Checking a
+    cache must be cheap, because every load of a bundled model does it and the files are gigabytes: a file
+    whose size differs from the marker's is damaged (truncated or overwritten) without reading it; a file of
+    the recorded size *and* mtime is taken as intact without reading it; only a file of the right size whose
+    mtime changed (touched, copied, or overwritten in place) is hashed in full, and when its sha256 still
+    matches, its new mtime is recorded (``_restamp``) so the next load is cheap again. A write that keeps both
+    the size and the mtime is not detected; nothing in normal use does that.
+    """
+    path = _cache_path(entry) if path is None else path
+    marker = _read_marker(path)
+    if marker is None:
+        return f"no readable {CACHE_MARKER} in {path}" if path.exists() else f"{path} does not exist"
+    if not _marker_matches(entry, marker):
+        return f"{path / CACHE_MARKER} is for other contents (format {marker.get('format')}, sha256 {marker.get('sha256')})"
+    files = marker.get("files")
+    if not isinstance(files, dict) or "config.json" not in files:
+        return f"{path / CACHE_MARKER} lists no converted files"
+    restamp = {}
+    for rel, want in files.items():
+        f = path / rel
+        try:
+            st = f.stat()
+        except OSError:
+            return f"{f} is missing"
+        if st.st_size != want.get("bytes"):
+            return f"{f} has {st.st_size:,} bytes, the marker recorded {want.get('bytes'):,} (truncated or overwritten)"
+        if st.st_mtime_ns != want.get("mtime_ns"):
+            digest = _sha256_file(f)
+            if digest != want.get("sha256"):
+                return f"{f} was modified: its sha256 is {digest}, the marker recorded {want.get('sha256')}"
+            restamp[rel] = st.st_mtime_ns
+    if restamp:
+        _restamp(path, marker, restamp)
+    return None
+
+
+def _restamp(path: Path, marker: dict[str, Any], mtimes: dict[str, int]) -> None:
+    """Record the new mtimes of files whose contents were just verified by hash (best effort: a read-only
+    cache keeps working, it is only hashed again on the next load)."""
+    for rel, mtime in mtimes.items():
+        marker["files"][rel]["mtime_ns"] = mtime
+    try:
+        _replace_marker(path, marker)
+    except OSError as e:
+        logger.info("could not record verified mtimes in %s: %s", path / CACHE_MARKER, e)
+
+
+def _cache_complete(entry: BundledModel, path: Path | None = None) -> bool:
+    """A cache dir counts only if its marker (written last) matches this entry and its files are intact."""
+    return _cache_problem(entry, path) is None
 
 
 def _dir_bytes(path: Path) -> int:
@@ -263,6 +330,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def _write_marker(out: Path, entry: BundledModel, digest: str) -> None:
+    """Write the marker last: fsync every converted file, record its size, sha256 and mtime, then the marker."""
     import transformers
 
     try:
@@ -271,6 +339,12 @@ def _write_marker(out: Path, entry: BundledModel, digest: str) -> None:
         metasd_version = version("metasd")
     except Exception:
         metasd_version = None
+    files = {}
+    for f in sorted(out.rglob("*")):  # the marker must never be on disk before the files it vouches for
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            files[f.relative_to(out).as_posix()] = _file_record(f)
     marker = {
         "format": CACHE_FORMAT,
         "name": entry.name,
@@ -283,14 +357,48 @@ def _write_marker(out: Path, entry: BundledModel, digest: str) -> None:
         "torch": torch.__version__,
         "metasd": metasd_version,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": files,
     }
-    for f in out.iterdir():  # the marker must never be on disk before the files it vouches for
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    tmp = out / (CACHE_MARKER + ".part")
-    tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    _replace_marker(out, marker)
+
+
+def _replace_marker(out: Path, marker: dict[str, Any]) -> None:
+    """Write the marker atomically (a unique temp file, fsync, rename)."""
+    tmp = out / f"{CACHE_MARKER}.{os.getpid()}.part"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(marker, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out / CACHE_MARKER)
+
+
+def _upgrade_marker(entry: BundledModel, path: Path) -> bool:
+    """Give a format-1 cache (its marker did not list the files) a format-2 marker by hashing its files once.
+
+    A format-1 marker was written only after every file was fsynced, so the files were complete then; this
+    records them as they are now, which spares a multi-minute reconversion. Call it while holding the lock.
+    Returns False when the directory is not such a cache (then it is rebuilt).
+    """
+    marker = _read_marker(path)
+    if marker is None or not _marker_matches(entry, marker, formats=(1,)) or not (path / "config.json").is_file():
+        return False
+    logger.warning("recording sizes and sha256 of the cached files of %s in %s (once)", entry.ref, path / CACHE_MARKER)
+    marker["files"] = {f.relative_to(path).as_posix(): _file_record(f) for f in sorted(path.rglob("*"))
+                       if f.is_file() and f.name != CACHE_MARKER and not f.name.startswith(CACHE_MARKER + ".")}
+    marker["format"] = CACHE_FORMAT
+    _replace_marker(path, marker)
+    return True
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) says the disk or the quota is full."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @contextlib.contextmanager
@@ -347,14 +455,31 @@ def prepare_bundled(name: str) -> Path:
 
     First use: assemble the parts into a temp dir inside the cache, check the sha256, dequantize,
     save a bf16 safetensors copy + tokenizer, write the marker last and rename the directory into place.
+    A cache dir whose files no longer match its marker (truncated, overwritten: ``_cache_problem``) is
+    never loaded: it is rebuilt, and when the part packages needed for that are gone the error names the
+    cache dir and the command that fixes it. A full disk during the build removes the partial files and
+    says how much space is needed where.
     """
     name = name.removeprefix(BUNDLED_PREFIX)
     entry = get_bundled(name)
     final = _cache_path(entry)
-    if _cache_complete(entry, final):
+    problem = _cache_problem(entry, final)
+    if problem is None:
         return final
-    parts = _part_paths(entry)  # fail fast on missing packages, before touching the cache
-    _check_conversion_deps(entry)
+    damaged = (final / CACHE_MARKER).exists() and not _upgradable(entry, final)
+    if damaged:
+        logger.warning("the cache of %s at %s is damaged (%s); rebuilding it", entry.ref, final, problem)
+    try:
+        parts = _part_paths(entry)  # fail fast on missing packages, before touching the cache
+    except ModelLoadError as e:
+        if damaged:
+            raise ModelLoadError(
+                f"bundled model {entry.ref!r}: the cache at {final} is damaged ({problem}) and cannot be rebuilt: {e}; "
+                f"then run `metasd models --prepare {entry.name}`"
+            ) from e
+        raise
+    if not _upgradable(entry, final):
+        _check_conversion_deps(entry)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -367,6 +492,8 @@ def prepare_bundled(name: str) -> Path:
         ) from e
     with _file_lock(root / f".{entry.name}.lock") as locked:
         if _cache_complete(entry, final):  # another process finished it while we waited
+            return final
+        if _upgrade_marker(entry, final) and _cache_complete(entry, final):
             return final
         if locked:  # any temp dir of this model is then a leftover of an interrupted run
             _remove_leftovers(root, entry.name)
@@ -393,6 +520,8 @@ def prepare_bundled(name: str) -> Path:
             except MemoryError:
                 raise
             except Exception as e:
+                if _disk_full(e):
+                    raise
                 raise ModelLoadError(f"bundled model {entry.ref!r}: converting the GGUF failed: {e}") from e
             gguf.unlink()
             _write_marker(out, entry, digest)
@@ -401,9 +530,23 @@ def prepare_bundled(name: str) -> Path:
                 "%s: assembled in %.1f s, converted in %.1f s -> %s",
                 entry.ref, t1 - t0, time.perf_counter() - t1, final,
             )
+        except OSError as e:
+            if not _disk_full(e):
+                raise
+            raise ModelLoadError(
+                f"bundled model {entry.ref!r}: the disk holding the model cache {root} is full ({e}); converting "
+                f"needs about {need / 1e9:.1f} GB free there. The partial files were removed and no cache was "
+                f"installed; free space or set METASD_CACHE to another disk, then run "
+                f"`metasd models --prepare {entry.name}`"
+            ) from e
         finally:
             shutil.rmtree(build, ignore_errors=True)
     return final
+
+
+def _upgradable(entry: BundledModel, path: Path) -> bool:
+    marker = _read_marker(path)
+    return marker is not None and _marker_matches(entry, marker, formats=(1,))
 
 
 def bundled_status() -> list[dict]:
@@ -412,7 +555,8 @@ def bundled_status() -> list[dict]:
     for entry in BUNDLED.values():
         missing = _missing_modules(entry)
         path = _cache_path(entry)
-        cached = _cache_complete(entry, path)
+        problem = _cache_problem(entry, path)
+        cached = problem is None or _upgradable(entry, path)  # a format-1 cache is upgraded on its next load
         rows.append(
             {
                 "name": entry.name,
@@ -423,6 +567,7 @@ def bundled_status() -> list[dict]:
                 "packages_installed": not missing,
                 "missing_packages": [entry.packages[i] for i in missing],
                 "cached": cached,
+                "cache_problem": None if cached or not (path / CACHE_MARKER).exists() else problem,
                 "cache_path": str(path),
                 "gguf_bytes": entry.gguf_bytes,
                 "cache_bytes": _dir_bytes(path) if cached else None,

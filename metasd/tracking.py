@@ -4,12 +4,26 @@
 ``NestedRun`` is one nested run with its request records, rewritten as the ``requests.jsonl`` artifact after
 every request (a resumed invocation reads them back). What is logged where is the runner's choice
 (``metasd.runner``, whose docstring describes the layout); this module only writes it.
+
+Faults it survives (``tests/test_faults.py``):
+
+- a process killed at any point (SIGKILL): ``requests.jsonl`` is the commit point of a request (MLflow
+  publishes artifacts atomically), its per-request metrics are journaled in ``request_metrics.jsonl`` before it
+  and logged after it, and a resumed run re-logs the metrics of committed requests that lack them
+  (``NestedRun._relog_missing_metrics``), so every request ends up with one record and one set of metrics;
+- several ``metasd bench`` processes writing to one SQLite store: creating / migrating the database and
+  finding-or-creating the MLflow experiment happen under a file lock beside the database (``_store_lock``),
+  and every MLflow call is retried, boundedly and with backoff, while SQLite says ``database is locked``
+  (``RetryingClient``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -20,9 +34,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .experiment import Experiment, ResolvedPool
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 REQUESTS_ARTIFACT = "requests.jsonl"
+#: per-request metrics as logged, one JSON line per request, uploaded before the record (see the module docstring)
+METRICS_ARTIFACT = "request_metrics.jsonl"
 _MAX_PARAM_LEN = 6000
+#: retries of an MLflow call while SQLite reports the database locked (backoff 0.1 s doubling to 2 s: ~20 s in all)
+LOCKED_RETRIES = 12
 
 
 def resolve_tracking_uri(uri: str | None = None) -> str:
@@ -120,6 +140,94 @@ def artifact_location(uri: str, name: str) -> str | None:
     return (root / re.sub(r"[^\w.\-]", "_", name)).as_uri()
 
 
+# ------------------------------------------------------------------------------- concurrent writers
+
+
+class StoreBusyError(RuntimeError):
+    """The MLflow store stayed locked by other writers through every retry."""
+
+
+def _is_locked_error(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).lower()
+        if "database is locked" in text or "database table is locked" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def call_with_retry(uri: str, what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, retried while SQLite says the database is locked (another process is writing).
+
+    SQLite lets one writer at a time in; a writer that waits longer than the driver's busy timeout gets
+    ``database is locked`` and its transaction is rolled back, so calling again is safe. Bounded: after
+    ``LOCKED_RETRIES`` tries (backoff 0.1 s doubling up to 2 s, with jitter) ``StoreBusyError`` names the store.
+    """
+    delay = 0.1
+    for attempt in range(LOCKED_RETRIES + 1):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if not _is_locked_error(e):
+                raise
+            if attempt == LOCKED_RETRIES:
+                raise StoreBusyError(
+                    f"MLflow store {uri} stayed locked by another writer through {LOCKED_RETRIES + 1} tries of {what} "
+                    f"({e}); run fewer concurrent `metasd bench` processes on one SQLite store, or use an MLflow server"
+                ) from e
+            logger.info("%s: %s is locked, retrying in %.2f s", what, uri, delay)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(2 * delay, 2.0)
+
+
+class RetryingClient:
+    """An ``MlflowClient`` whose every method call goes through ``call_with_retry``."""
+
+    def __init__(self, client, uri: str):
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            return call_with_retry(self._uri, name, attr, *args, **kwargs)
+
+        return call
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for other stores and in-memory SQLite)."""
+    if not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str):
+    """Exclusive lock (POSIX flock on ``<database>.lock``) around what two processes must not do at once on one
+    SQLite store: create and migrate its tables (two processes doing it at once fail with alembic errors) and
+    find-or-create an experiment. A no-op for other stores or where fcntl is unavailable."""
+    db = _sqlite_path(uri)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        fcntl = None
+    if db is None or fcntl is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 # ---------------------------------------------------------------------------------------------- runs
 
 
@@ -130,7 +238,9 @@ class BenchStore:
         from mlflow import MlflowClient
 
         self.uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        with _store_lock(tracking_uri):  # opening a new store creates / migrates its tables
+            self.client = RetryingClient(MlflowClient(tracking_uri), tracking_uri)
+            self.client.search_experiments(max_results=1)
         self.records: dict[str, list[dict]] = {}  # nested-run key -> request records
         self.run_ids: dict[str, str] = {}  # nested-run key -> MLflow run id
         self.active: set[NestedRun] = set()  # nested runs not finished yet (ended as KILLED on Ctrl-C)
@@ -139,12 +249,13 @@ class BenchStore:
         """Find or create the MLflow experiment, then resume the parent run (``resume_run_id``, or with
         ``resume`` the latest one of the same config) or start one and log its params and config files."""
         self.workdir = workdir
-        found_exp = self.client.get_experiment_by_name(exp.name)
-        if found_exp is None:
-            self.experiment_id = self.client.create_experiment(
-                exp.name, artifact_location=artifact_location(self.uri, exp.name))
-        else:
-            self.experiment_id = found_exp.experiment_id
+        with _store_lock(self.uri):  # two processes starting the same experiment: one creates it
+            found_exp = self.client.get_experiment_by_name(exp.name)
+            if found_exp is None:
+                self.experiment_id = self.client.create_experiment(
+                    exp.name, artifact_location=artifact_location(self.uri, exp.name))
+            else:
+                self.experiment_id = found_exp.experiment_id
         parent = None
         if resume and not resume_run_id:
             found = self.client.search_runs(
@@ -194,15 +305,16 @@ class BenchStore:
         if Path(exp.source).is_file():
             self.client.log_artifact(self.parent_id, exp.source, "config")
 
-    def load_records(self, run_id: str) -> list[dict]:
+    def load_records(self, run_id: str, artifact: str = REQUESTS_ARTIFACT) -> list[dict]:
+        """The JSON lines of a run's ``artifact`` (``[]`` when no request of the run has finished yet)."""
         from mlflow.artifacts import download_artifacts
         from mlflow.exceptions import MlflowException
 
         quiet = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
         os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
         try:
-            local = download_artifacts(run_id=run_id, artifact_path=REQUESTS_ARTIFACT, dst_path=str(self.workdir / "dl" / run_id),
-                                       tracking_uri=self.uri)
+            local = call_with_retry(self.uri, "download_artifacts", download_artifacts, run_id=run_id, artifact_path=artifact,
+                                    dst_path=str(self.workdir / "dl" / run_id), tracking_uri=self.uri)
         except (MlflowException, OSError):  # no request finished in that run yet
             return []
         finally:
@@ -219,7 +331,7 @@ class BenchStore:
 
         ts = int(time.time() * 1000)
         self.client.log_batch(run_id, metrics=[Metric(metric_key(k), float(v), ts, step)
-                                               for k, v in metrics.items() if v is not None and math.isfinite(v)])
+                                               for k, v in _finite(metrics).items()])
 
     def log_series(self, run_id: str, key: str, steps: list[int], values: list[float]) -> None:
         """One metric over many steps, in one batch."""
@@ -235,8 +347,19 @@ class BenchStore:
         self.client.set_terminated(self.parent_id, status)
 
 
+def _finite(metrics: dict[str, float | None]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+
 class NestedRun:
-    """One nested MLflow run and its request records (the JSONL is rewritten as an artifact per request)."""
+    """One nested MLflow run and its request records (the JSONL is rewritten as an artifact per request).
+
+    Each request is written in three steps, so that a process killed between any two leaves a state that a
+    resumed run completes without loss or duplicates: (1) its metrics are journaled in ``request_metrics.jsonl``,
+    (2) its record is appended to ``requests.jsonl`` - the commit point: a resumed run skips exactly the
+    requests found there -, (3) its metrics are logged. A resumed run drops journal lines of uncommitted requests
+    (they are generated again) and logs the journaled metrics of committed requests that lack them.
+    """
 
     def __init__(self, store: BenchStore, key: str, method: str, name: str, kind: str, params: dict[str, str],
                  drafters: list[str]):
@@ -244,10 +367,14 @@ class NestedRun:
         client = store.client
         existing = store.children.get(key)
         self.records: list[dict] = []
+        self.journal: dict[tuple, dict] = {}  # (question_id, turn) -> {"index", "metrics"} as logged
         if existing is not None:
             self.run_id = existing.info.run_id
             self.records = store.load_records(self.run_id)
             self.finished = existing.info.status == "FINISHED"
+            committed = {(r["question_id"], r["turn"]) for r in self.records}
+            self.journal = {(m["question_id"], m["turn"]): m for m in store.load_records(self.run_id, METRICS_ARTIFACT)
+                            if (m["question_id"], m["turn"]) in committed}
         else:
             run = client.create_run(store.experiment_id, run_name=name, tags={
                 "mlflow.parentRunId": store.parent_id, "metasd.key": key, "metasd.kind": kind, "metasd.method": method,
@@ -260,15 +387,43 @@ class NestedRun:
             store.active.add(self)
         self.done = {(r["question_id"], r["turn"]): r for r in self.records}
         self.path = store.workdir / f"{len(store.run_ids)}" / REQUESTS_ARTIFACT
+        self.metrics_path = self.path.with_name(METRICS_ARTIFACT)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
         store.run_ids[key] = self.run_id
         store.records[key] = self.records
+        if existing is not None and self.journal:
+            self._relog_missing_metrics()
 
     def _write(self) -> None:
         with open(self.path, "w") as f:
             for r in self.records:
                 f.write(json.dumps(r) + "\n")
+
+    def _write_journal(self) -> None:
+        with open(self.metrics_path, "w") as f:
+            for m in self.journal.values():
+                f.write(json.dumps(m) + "\n")
+
+    def _relog_missing_metrics(self) -> None:
+        """Log the journaled metrics of committed requests whose metrics never reached the store (the process
+        was killed between committing the record and logging them). One metric history read per probe key."""
+        steps: dict[str, set[int]] = {}
+        relogged = 0
+        for r in self.records:
+            entry = self.journal.get((r["question_id"], r["turn"]))
+            metrics = _finite(entry["metrics"]) if entry else {}
+            if not metrics:
+                continue
+            probe = metric_key(next(iter(metrics)))
+            if probe not in steps:
+                steps[probe] = {m.step for m in self.store.client.get_metric_history(self.run_id, probe)}
+            if entry["index"] not in steps[probe]:
+                self.store.log_metrics(self.run_id, metrics, entry["index"])
+                relogged += 1
+        if relogged:
+            logger.warning("%s: logged the metrics of %d request(s) whose process was killed before logging them",
+                           self.key, relogged)
 
     def start(self) -> None:
         self.store.client.update_run(self.run_id, status="RUNNING")
@@ -276,11 +431,16 @@ class NestedRun:
 
     def add(self, rec: dict, metrics: dict[str, float | None]) -> None:
         """Append a request record, rewrite the artifact and log its metrics at step = request index."""
+        qkey = (rec["question_id"], rec["turn"])
+        self.journal[qkey] = {"question_id": rec["question_id"], "turn": rec["turn"], "index": rec["index"],
+                              "metrics": _finite(metrics)}
+        self._write_journal()
+        self.store.client.log_artifact(self.run_id, str(self.metrics_path))  # (1) journal
         self.records.append(rec)
-        self.done[(rec["question_id"], rec["turn"])] = rec
+        self.done[qkey] = rec
         self._write()
-        self.store.client.log_artifact(self.run_id, str(self.path))
-        self.store.log_metrics(self.run_id, metrics, rec["index"])
+        self.store.client.log_artifact(self.run_id, str(self.path))  # (2) commit
+        self.store.log_metrics(self.run_id, metrics, rec["index"])  # (3)
 
     def log_json(self, obj: Any, name: str) -> None:
         p = self.path.parent / name
