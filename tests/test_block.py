@@ -15,6 +15,7 @@ from metasd.drafters.block import BlockDrafter, BlockHeads, NGramLM, merge_paths
 from metasd.engine import Engine
 from metasd.sampling import SamplingParams
 from metasd.training.block import TrainBlockConfig, block_targets, load_train_block_config, train_block
+from metasd.training.common import state_file
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.verifier import HiddenStore, Verifier
@@ -267,8 +268,12 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(cycle_setup, tmp_path):
     assert meta["step"] == 13 and meta["positions_seen"] == 13 * 64
     r2 = train_block(TrainBlockConfig(**common, out=str(tmp_path / "b")), log=lambda *a: None)
     assert r2["step"] == 30 and r2["finished"] and r2["positions_seen"] == straight["positions_seen"]
-    a = load_file(str(tmp_path / "a" / "train_state" / "heads_fp32.safetensors"))
-    b = load_file(str(tmp_path / "b" / "train_state" / "heads_fp32.safetensors"))
+    a, b = (load_file(str(state_file(tmp_path / run / "train_state",
+                                     json.loads((tmp_path / run / "train_state" / "trainer.json").read_text()), "weights")))
+            for run in ("a", "b"))
+    assert sorted((tmp_path / "b" / "train_state").glob("*.safetensors")) == [  # older steps' files are gone
+        tmp_path / "b" / "train_state" / "draft_vocab.safetensors",
+        tmp_path / "b" / "train_state" / "model_fp32.step30.safetensors"]
     assert torch.allclose(a["weight"], b["weight"], atol=1e-6) and torch.allclose(a["bias"], b["bias"], atol=1e-6)
     assert math.isclose(straight["val/loss"], r2["val/loss"], rel_tol=1e-4)
 

@@ -37,17 +37,16 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..machine import warn_if_oversubscribed
-from .common import FeatureTrainingConfig, Tracker, split_shards, write_atomic
+from .common import STATE_META, FeatureTrainingConfig, Tracker, save_state, split_shards, state_file, write_atomic
 from .features import FeatureSet
 
-STATE_WEIGHTS = "heads_fp32.safetensors"
-STATE_OPTIM = "optimizer.pt"
-STATE_META = "trainer.json"
+LEGACY_WEIGHTS, LEGACY_OPTIM = "heads_fp32.safetensors", "optimizer.pt"  # fixed names of states before step-named files
+VOCAB_FILE = "draft_vocab.safetensors"
 
 
 class TrainBlockConfig(FeatureTrainingConfig):
@@ -197,12 +196,18 @@ def _batch_indices(cfg: TrainBlockConfig, n: int, step: int) -> torch.Tensor:
 
 
 def _save_state(state_dir: Path, heads, opt, meta: dict) -> None:
+    """The resumable state: the draft vocabulary, then ``save_state``'s step-named weights and optimizer
+    with trainer.json written last, so a kill at any moment leaves the previous state usable."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()}
-    write_atomic(state_dir / STATE_WEIGHTS, lambda p: save_file(tensors, str(p)))
-    write_atomic(state_dir / STATE_OPTIM, lambda p: torch.save(opt.state_dict(), p))
-    heads.vocab.save(state_dir / "draft_vocab.safetensors")
-    write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps(meta, indent=1)))  # last: marks complete
+    write_atomic(state_dir / VOCAB_FILE, lambda p: heads.vocab.save(p))
+    save_state(state_dir, heads, opt, meta)
+
+
+def _state_path(state_dir: Path, meta: dict, kind: str) -> Path:
+    """A committed state's weights or optimizer file (states written before step-named files: fixed names)."""
+    if "files" not in meta:
+        return state_dir / (LEGACY_WEIGHTS if kind == "weights" else LEGACY_OPTIM)
+    return state_file(state_dir, meta, kind)
 
 
 def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print, command: str | None = None) -> dict[str, Any]:
@@ -234,7 +239,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     meta: dict[str, Any] = {"step": 0, "positions_seen": 0, "targets_seen": 0, "elapsed_s": 0.0, "mlflow_run_id": None}
     if resuming:
         meta.update(json.loads((state_dir / STATE_META).read_text()))
-        vocab = DraftVocab.load(state_dir / "draft_vocab.safetensors")
+        vocab = DraftVocab.load(state_dir / VOCAB_FILE)
         log(f"resuming from {state_dir} at step {meta['step']}")
     elif cfg.draft_vocab:
         vocab = DraftVocab.load(cfg.draft_vocab)
@@ -247,11 +252,11 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     del model, full_lm
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resuming:
-        w = load_file(str(state_dir / STATE_WEIGHTS))
+        w = load_file(str(_state_path(state_dir, meta, "weights")))
         with torch.no_grad():
             heads.weight.copy_(w["weight"])
             heads.bias.copy_(w["bias"])
-        opt.load_state_dict(torch.load(state_dir / STATE_OPTIM, weights_only=True))
+        opt.load_state_dict(torch.load(_state_path(state_dir, meta, "optimizer"), weights_only=True))
 
     t0 = time.time()
     H, Y = load_block_data(fs, train, layer, cfg.k, cfg.target)
