@@ -14,7 +14,8 @@ Faults it survives (``tests/test_faults.py``):
 - several ``metasd bench`` processes writing to one SQLite store: creating / migrating the database and
   finding-or-creating the MLflow experiment happen under a file lock beside the database (``_store_lock``),
   and every MLflow call is retried, boundedly and with backoff, while SQLite says ``database is locked``
-  (``RetryingClient``).
+  (``RetryingClient``); each starts its own parent run, and a ``--resume`` / ``--run-id`` of a parent run that
+  another live process is writing is refused (``RunInUseError``, ``BenchStore._claim``).
 """
 from __future__ import annotations
 
@@ -145,6 +146,47 @@ def artifact_location(uri: str, name: str) -> str | None:
 
 class StoreBusyError(RuntimeError):
     """The MLflow store stayed locked by other writers through every retry."""
+
+
+class RunInUseError(ValueError):
+    """``--resume`` / ``--run-id`` of a parent run that another live ``metasd bench`` process is writing."""
+
+
+OWNER_TAG = "metasd.owner"
+
+
+def _process_start(pid: int) -> str:
+    """The start time of process ``pid`` in clock ticks since boot (Linux ``/proc``; "" elsewhere): with the pid
+    it names one process, so a pid reused by an unrelated process is not taken for the writer."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def owner_token(pid: int | None = None) -> str:
+    """``host:pid:start`` of this (or another local) process, recorded on the parent run it writes."""
+    import socket
+
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_process_start(pid)}"
+
+
+def _owner_alive(token: str) -> bool:
+    """Whether the process named by ``owner_token`` still runs (False for another host: it cannot be checked)."""
+    import socket
+
+    host, _, rest = token.partition(":")
+    pid_s, _, start = rest.partition(":")
+    if host != socket.gethostname() or not pid_s.isdigit() or int(pid_s) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_s), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    return not start or _process_start(int(pid_s)) == start
 
 
 def _is_locked_error(e: BaseException) -> bool:
@@ -282,15 +324,30 @@ class BenchStore:
         if parent is None:
             run = self.client.create_run(self.experiment_id, run_name=f"{exp.name} {time.strftime('%Y-%m-%d %H:%M')}",
                                          tags={"metasd.kind": "experiment", "metasd.config_hash": config_hash,
-                                               "metasd.experiment_file": exp.source})
+                                               "metasd.experiment_file": exp.source, OWNER_TAG: owner_token()})
             self.parent_id = run.info.run_id
             self._log_parent_params(exp)
         else:
             self.parent_id = parent.info.run_id
+            self._claim(parent.info.run_id)
             self.client.update_run(self.parent_id, status="RUNNING")
         children = self.client.search_runs([self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'",
                                            max_results=50000)
         self.children = {r.data.tags["metasd.key"]: r for r in children if "metasd.key" in r.data.tags}
+
+    def _claim(self, run_id: str) -> None:
+        """Record this process as the writer of a resumed parent run, refusing one that another live process
+        on this host is writing (two writers would generate and log the same requests twice). A writer killed
+        with SIGKILL leaves its token behind; its process is gone, so the run is claimed."""
+        with _store_lock(self.uri):  # two resumers at once: one claims, the other sees the claim
+            run = self.client.get_run(run_id)
+            owner = run.data.tags.get(OWNER_TAG, "")
+            if run.info.status == "RUNNING" and owner and _owner_alive(owner):
+                raise RunInUseError(
+                    f"MLflow run {run_id} in {self.uri} is being written by another metasd bench process "
+                    f"(host:pid {owner.rsplit(':', 1)[0]}); wait for it to end, or run without --resume / --run-id "
+                    f"to start a new run")
+            self.client.set_tag(run_id, OWNER_TAG, owner_token())
 
     def _log_parent_params(self, exp: Experiment) -> None:
         params = flatten_params(exp.resolved_dict())

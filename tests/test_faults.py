@@ -5,8 +5,9 @@ Each test injects one fault and checks the protection that handles it:
 1. ``metasd bench`` SIGKILLed between committing a request and logging its metrics, then ``--resume``:
    every (method, request) ends up with one record and one set of metrics (``metasd.tracking.NestedRun``);
 2. two ``metasd bench`` processes starting at once on one new SQLite store both finish
-   (``metasd.tracking._store_lock``), and MLflow calls are retried while SQLite says ``database is locked``
-   (``metasd.tracking.call_with_retry``);
+   (``metasd.tracking._store_lock``), MLflow calls are retried while SQLite says ``database is locked``
+   (``metasd.tracking.call_with_retry``), and resuming a run that a live process writes is refused
+   (``metasd.tracking.BenchStore._claim``);
 3. a converted bundled-model file truncated or overwritten after its marker was written is detected
    cheaply and rebuilt, or refused with the cache dir and the fixing command (``metasd.bundled._cache_problem``);
 4. a full disk during the first conversion leaves no marker and no half cache, and says so
@@ -239,6 +240,30 @@ def test_two_bench_writers_on_one_new_sqlite_store_both_finish(models_dir, tmp_p
     assert len(parents) == 2
     for parent in parents:
         _assert_study_complete(client, parent, tmp_path)
+
+
+def test_resuming_a_run_that_a_live_process_writes_is_refused(models_dir, tmp_path):
+    from mlflow import MlflowClient
+
+    from metasd.experiment import load_experiment
+
+    exp = load_experiment(_experiment(models_dir, tmp_path / "claimed.yaml", "claimed"))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = tracking.BenchStore(uri)
+    first.open(exp, exp.config_hash(), tmp_path, None, resume=False)
+    # the parent run is RUNNING and owned by a live process (a stand-in for another metasd bench)
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        MlflowClient(uri).set_tag(first.parent_id, tracking.OWNER_TAG, tracking.owner_token(writer.pid))
+        with pytest.raises(tracking.RunInUseError, match=rf"run {first.parent_id} in {uri} is being written by another"
+                                                         rf" metasd bench process \(host:pid .*:{writer.pid}\)"):
+            tracking.BenchStore(uri).open(exp, exp.config_hash(), tmp_path, None, resume=True)
+    finally:
+        writer.communicate()  # its stdin closes: it ends
+    second = tracking.BenchStore(uri)  # the writer is gone (as after a SIGKILL): the run is resumed
+    second.open(exp, exp.config_hash(), tmp_path, None, resume=True)
+    assert second.parent_id == first.parent_id
+    assert MlflowClient(uri).get_run(first.parent_id).data.tags[tracking.OWNER_TAG] == tracking.owner_token()
 
 
 def test_locked_sqlite_is_retried_with_backoff_then_refused_clearly(monkeypatch):
