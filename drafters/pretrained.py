@@ -1,15 +1,17 @@
 """SpS: a small pretrained causal LM (same tokenizer as the verifier) drafts a chain autoregressively."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from pydantic import Field, model_validator
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from metasd.drafter import Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
 from metasd.hooks import contiguous_lm_head_input
 from metasd.kv_cache import crop_to
+from metasd.quantize import dense_weight, quantize_model
 from metasd.sampling import process_logits, sample
 from metasd.tree import Draft
 
@@ -22,6 +24,54 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): the LM head computes N rows instead "
+                   "of the whole vocabulary; byte-pair ids come roughly in frequency order (default: all)")
+
+
+class DraftHead(nn.Module):
+    """The drafter's LM head restricted to a draft vocabulary (the first ``n`` ids plus ``extra`` ids): the
+    rows it computes are the only tokens the drafter can propose. The verifier still decides every token, so
+    output stays exact; sampling stays exact because q is zero off the draft vocabulary and the drafted
+    tokens come from q.
+
+    The output is full-vocabulary logits with -inf off the draft vocabulary, so argmax, top-k and
+    ``process_logits`` downstream are unchanged (one fill of a vocabulary-sized row per position).
+    """
+
+    def __init__(self, lm_head: nn.Module, n: int, extra: Sequence[int] = ()):
+        super().__init__()
+        weight = dense_weight(lm_head)  # [V, d] as the head computes (dequantized when quantized)
+        self.vocab_size = int(weight.shape[0])
+        if not 2 <= n < self.vocab_size:
+            raise ValueError(f"head_vocab must be in [2, {self.vocab_size}) (the model's vocabulary), got {n}")
+        ids = sorted(set(range(n)) | {int(i) for i in extra if 0 <= int(i) < self.vocab_size})
+        self.register_buffer("token_ids", torch.tensor(ids, dtype=torch.long, device=weight.device), persistent=False)
+        bias = getattr(lm_head, "bias", None)
+        self.head = nn.Linear(weight.shape[1], len(ids), bias=bias is not None, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            self.head.weight.copy_(weight[self.token_ids])
+            if bias is not None:
+                self.head.bias.copy_(bias[self.token_ids])
+        self.head.requires_grad_(False)
+        mode = getattr(lm_head, "mode", None)  # a quantized LM head: quantize the draft rows the same way
+        if mode is not None:
+            quantize_model(self, mode, name="draft head")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [rows, d] -> logits [rows, vocab]
+        reduced = self.head(h)  # [rows, N]
+        full = reduced.new_full((reduced.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.token_ids, reduced)
+
+
+def eos_ids_of(model: nn.Module) -> set[int]:
+    """EOS ids a model's config and generation config name."""
+    ids: set[int] = set()
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        value = getattr(cfg, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else list(value or []))
+    return ids
+
+
 class PretrainedParams(DrafterParams):
     """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
 
@@ -31,6 +81,7 @@ class PretrainedParams(DrafterParams):
     adaptive_k: Bool = Field(False, description="k += 2 after a fully accepted draft, else k -= 1")
     k_min: Int = Field(1, ge=1, description="lower bound of k (adaptive_k)")
     k_max: Int = Field(16, ge=1, description="upper bound of k (adaptive_k); k may not exceed it")
+    head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
 
     @model_validator(mode="after")
     def _order(self) -> "PretrainedParams":
@@ -67,6 +118,7 @@ class PretrainedDrafter(Drafter):
         adaptive_k: bool = False,
         k_min: int = 1,
         k_max: int = 16,
+        head_vocab: int | None = None,
         name: str | None = None,
         model_ref: str | None = None,
     ):
@@ -78,6 +130,12 @@ class PretrainedDrafter(Drafter):
         if not 1 <= k_min <= k <= k_max:
             raise ValueError(f"{self.name}: need 1 <= k_min <= k <= k_max, got {k_min}, {k}, {k_max}")
         self.model = contiguous_lm_head_input(model.eval())
+        self.head_vocab = head_vocab
+        try:
+            self.draft_head = None if head_vocab is None else DraftHead(model.get_output_embeddings(), head_vocab,
+                                                                         extra=eos_ids_of(model))
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
         self.tokenizer = tokenizer
         self.model_ref = model_ref
         self.k_initial = self.k = k
@@ -103,12 +161,20 @@ class PretrainedDrafter(Drafter):
     def end(self) -> None:
         self.cache, self.cached_ids = None, []
 
+    def _logits(self, last_only: bool, **inputs) -> torch.Tensor:
+        """One forward of the drafter model through its cache; next-token logits [rows, vocab] (the last row
+        only when ``last_only``), from the draft head when there is one."""
+        if self.draft_head is None:
+            return self.model(**inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=int(last_only)).logits[0]
+        h = self.model.base_model(**inputs, past_key_values=self.cache, use_cache=True).last_hidden_state[0]  # [n, d]
+        return self.draft_head(h[-1:] if last_only else h)
+
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]."""
         x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = self._logits(True, input_ids=x)
         self.cached_ids.extend(ids)
-        return out.logits[0, -1]
+        return logits[-1]
 
     @torch.inference_mode()
     def sync(self, tokens: list[int]) -> torch.Tensor:
@@ -163,4 +229,5 @@ class PretrainedDrafter(Drafter):
             "k": self.k_initial,
             "confidence_threshold": self.confidence_threshold,
             "adaptive_k": self.adaptive_k,
+            "head_vocab": self.head_vocab,
         }

@@ -59,7 +59,7 @@ from metasd.kv_cache import cache_length, crop_to, keep_positions
 from metasd.sampling import process_logits
 from metasd.tree import Draft
 
-from .pretrained import PretrainedDrafter
+from .pretrained import HEAD_VOCAB_HELP, PretrainedDrafter
 
 MODES = ("dynamic", "rsd_c", "rsd_s")
 
@@ -169,6 +169,7 @@ class PretrainedTreeParams(DrafterParams):
     min_path_prob: Float = Field(0.0, ge=0.0, lt=1.0, description="dynamic: expand only nodes at least this likely")
     branching: list[Annotated[Int, Field(ge=1)]] | None = Field(
         None, min_length=1, description="rsd_c: children per expanded node at each level (default [3, 2, 1, 1])")
+    head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
 
     @model_validator(mode="after")
     def _mode_fields(self) -> "PretrainedTreeParams":
@@ -211,10 +212,11 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         frontier: int | None = None,
         min_path_prob: float = 0.0,
         branching: Sequence[int] | None = None,
+        head_vocab: int | None = None,
         name: str | None = None,
         model_ref: str | None = None,
     ):
-        super().__init__(model, tokenizer, k=1, name=name, model_ref=model_ref)
+        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, name=name, model_ref=model_ref)
         if mode not in MODES:
             raise ValueError(f"{self.name}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
         for pname, value in (("nodes", nodes), ("depth", depth), ("width", width)):
@@ -298,10 +300,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         mask, positions = tree.inputs(feed)
         device = self.model.device
         ids = torch.tensor([[tree.tokens[i] for i in feed]], dtype=torch.long, device=device)
-        out = self.model(input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device),
-                         past_key_values=self.cache, use_cache=True)
+        logits = self._logits(False, input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device))
         tree.mark_fed(feed)
-        return out.logits[0]
+        return logits
 
     def _log_scores(self, logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Log-probabilities used to rank dynamic-tree nodes (float32, -inf for excluded tokens)."""
@@ -447,6 +448,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             "nodes": self.nodes,
             "depth": self.depth,
             "width": self.width,
+            "head_vocab": self.head_vocab,
         }
         if self.mode == "dynamic":
             out["frontier"] = self.frontier

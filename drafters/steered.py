@@ -461,10 +461,10 @@ class SteeredDrafter(_Steering, PretrainedDrafter):
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, k: int = 5,
                  confidence_threshold: float | None = None, adaptive_k: bool = False, k_min: int = 1,
-                 k_max: int = 16, name: str | None = None, model_ref: str | None = None,
+                 k_max: int = 16, head_vocab: int | None = None, name: str | None = None, model_ref: str | None = None,
                  checkpoint: str | None = None):
         super().__init__(model, tokenizer, k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
-                         k_min=k_min, k_max=k_max, name=name, model_ref=model_ref)
+                         k_min=k_min, k_max=k_max, head_vocab=head_vocab, name=name, model_ref=model_ref)
         self._setup_steering(steering, checkpoint)
 
 
@@ -482,10 +482,11 @@ class SteeredTreeDrafter(_Steering, PretrainedTreeDrafter):
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, mode: str = "dynamic",
                  nodes: int = 16, depth: int = 6, width: int = 4, frontier: int | None = None,
-                 min_path_prob: float = 0.0, branching: Sequence[int] | None = None, name: str | None = None,
-                 model_ref: str | None = None, checkpoint: str | None = None):
+                 min_path_prob: float = 0.0, branching: Sequence[int] | None = None, head_vocab: int | None = None,
+                 name: str | None = None, model_ref: str | None = None, checkpoint: str | None = None):
         super().__init__(model, tokenizer, mode=mode, nodes=nodes, depth=depth, width=width, frontier=frontier,
-                         min_path_prob=min_path_prob, branching=branching, name=name, model_ref=model_ref)
+                         min_path_prob=min_path_prob, branching=branching, head_vocab=head_vocab, name=name,
+                         model_ref=model_ref)
         self._setup_steering(steering, checkpoint)
 
     def _feed(self, tree, feed: list[int]) -> torch.Tensor:

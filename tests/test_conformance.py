@@ -77,13 +77,14 @@ def _steering_checkpoint(root: Path) -> str:
 
 ENTRIES: dict[str, Callable[[Path], dict]] = {
     "pretrained": lambda root: {"model": str(root / "drafter"), "params": {"k": 3}},
-    "pretrained_tree": lambda root: {"model": str(root / "drafter"),
-                                     "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2}},
+    "pretrained_tree": lambda root: {"model": str(root / "drafter"),  # with a draft head over ids < 40 (+ EOS)
+                                     "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2, "head_vocab": 40}},
     "ngram": lambda root: {"params": {"k": 4, "n_max": 2}},
     "block": _block,
     "hidden_state": _hidden_state,
     "treeflash": _treeflash,
-    "steered": lambda root: {"model": str(root / "drafter"), "checkpoint": _steering_checkpoint(root), "params": {"k": 3}},
+    "steered": lambda root: {"model": str(root / "drafter"), "checkpoint": _steering_checkpoint(root),
+                             "params": {"k": 3, "head_vocab": 40}},
     "steered_tree": lambda root: {"model": str(root / "drafter"), "checkpoint": _steering_checkpoint(root),
                                   "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2}},
 }

@@ -1,0 +1,62 @@
+"""The draft head (``head_vocab``): a drafter's LM head restricted to the first N ids plus EOS."""
+import pytest
+import torch
+
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
+from metasd.drafters.pretrained import DraftHead
+from metasd.engine import Engine
+from metasd.quantize import quantize_model
+from metasd.verifier import Verifier
+from tiny import VOCAB, plain_greedy, tiny_qwen
+
+PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+
+
+def test_draft_head_logits_are_the_full_heads_on_its_rows_and_minus_inf_elsewhere():
+    model = tiny_qwen(seed=1)
+    head = DraftHead(model.lm_head, 20, extra=[63, 5])
+    h = torch.randn(3, 32)  # [rows, d]
+    full, reduced = model.lm_head(h), head(h)  # [3, V]
+    assert head.token_ids.tolist() == list(range(20)) + [63]
+    ids = head.token_ids
+    assert torch.allclose(reduced[:, ids], full[:, ids], atol=1e-6)
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[ids] = False
+    assert torch.isinf(reduced[:, off]).all() and (reduced[:, off] < 0).all()
+
+
+def test_draft_head_of_a_quantized_head_is_quantized_the_same_way():
+    model = tiny_qwen(seed=1)
+    quantize_model(model, "int8", name="tiny")
+    head = DraftHead(model.lm_head, 20)
+    assert getattr(head.head, "mode", None) == "int8"
+    h = torch.randn(2, 32)
+    assert torch.allclose(head(h)[:, :20], model.lm_head(h)[:, :20], atol=1e-2)
+
+
+@pytest.mark.parametrize("n", [1, VOCAB, VOCAB + 5])
+def test_head_vocab_out_of_range_names_the_drafter_and_the_vocabulary(n):
+    with pytest.raises(ValueError, match=rf"arm: head_vocab must be in \[2, {VOCAB}\)"):
+        PretrainedDrafter(tiny_qwen(seed=1), head_vocab=n, name="arm")
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: PretrainedDrafter(m, k=4, head_vocab=30),
+    lambda m: PretrainedTreeDrafter(m, mode="dynamic", nodes=8, depth=4, width=3, head_vocab=30),
+], ids=["chain", "tree"])
+def test_drafts_come_from_the_draft_vocabulary_and_output_is_the_verifiers(make):
+    verifier = tiny_qwen(seed=0, logit_scale=4.0)
+    drafter = make(tiny_qwen(seed=0, logit_scale=2.0))  # the verifier's weights, softer: drafts often accepted
+    drafted: list[int] = []
+    propose = drafter.propose
+
+    def recording(ctx):
+        draft = propose(ctx)
+        drafted.extend(draft.tokens.tolist())
+        return draft
+
+    drafter.propose = recording
+    result = Engine(Verifier(verifier), drafter, check_tokenizers=False).generate(PROMPT, max_new_tokens=40)
+    assert result.token_ids == plain_greedy(verifier, PROMPT, 40)
+    assert drafted and max(drafted) < 30
+    assert result.stats.accepted > 0
