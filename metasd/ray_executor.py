@@ -17,7 +17,8 @@ its shard queued again (at most ``max_retries`` times per shard).
 
 A persistent policy (``persistent: true``: state carried across requests) keeps one state per worker; the
 parent run's tag ``metasd.policy_state`` and the results table say so, and ``policy_state.json`` holds
-``{"scope": "per-worker", "workers": {id: state}}``.
+``{"scope": "per-worker", "workers": {id: state}}``. A replacement worker, or a worker of a resumed study,
+starts its persistent policies afresh (the in-process runner resumes from the last logged state).
 """
 from __future__ import annotations
 

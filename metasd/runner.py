@@ -414,5 +414,8 @@ def run_experiment(path_or_config: str | Path | dict | ExperimentConfig | Experi
     if spec.type == "ray":
         from .ray_executor import RayRunner
 
+        if threads and spec.cpus_per_worker is None:  # --threads: each worker's CPUs and torch threads
+            spec = spec.model_copy(update={"cpus_per_worker": threads})
+
         return RayRunner(exp, uri, resume_run_id, resume, progress, threads, spec=spec, setup=worker_setup).run()
     return _Runner(exp, uri, resume_run_id, resume, progress, threads).run()
