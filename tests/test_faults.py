@@ -213,8 +213,9 @@ def test_sigkill_mid_study_then_resume_logs_every_request_once(models_dir, tmp_p
 # ------------------------------------------------------- 2. two bench writers on one SQLite store
 
 
-def _bench_after_barrier(experiment: str, uri: str, barrier: str, me: str) -> None:
-    """Child: import everything, wait until both children are ready, then run ``metasd bench``."""
+def _bench_after_barrier(experiment: str, uri: str, barrier: str, me: str) -> int:
+    """Import everything, wait until both writers are ready, then run ``metasd bench`` (in a child: exit with
+    its status)."""
     import mlflow  # noqa: F401  (imported before the barrier, so both reach the store at the same moment)
     import torch  # noqa: F401
 
@@ -222,7 +223,11 @@ def _bench_after_barrier(experiment: str, uri: str, barrier: str, me: str) -> No
 
     Path(barrier, me).touch()
     _wait_files(Path(barrier), 2)
-    sys.exit(main(["bench", experiment, "--tracking-uri", uri, "--no-progress"]))
+    return main(["bench", experiment, "--tracking-uri", uri, "--no-progress"])
+
+
+def _bench_after_barrier_child(*args: str) -> None:
+    sys.exit(_bench_after_barrier(*args))
 
 
 def test_two_bench_writers_on_one_new_sqlite_store_both_finish(models_dir, tmp_path):
@@ -232,9 +237,13 @@ def test_two_bench_writers_on_one_new_sqlite_store_both_finish(models_dir, tmp_p
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"  # a new store: both create its tables and the experiment
     barrier = tmp_path / "barrier"
     barrier.mkdir()
-    children = [_child("_bench_after_barrier", str(exp), uri, str(barrier), who, cwd=tmp_path) for who in "ab"]
-    outputs = _finish(children)
-    assert [c.returncode for c in children] == [0, 0], "\n\n".join(outputs)
+    # the two writers: a child process and this one (which has torch and mlflow imported already)
+    child = _child("_bench_after_barrier_child", str(exp), uri, str(barrier), "child", cwd=tmp_path)
+    try:
+        here = _bench_after_barrier(str(exp), uri, str(barrier), "here")
+    finally:
+        [output] = _finish([child])
+    assert (here, child.returncode) == (0, 0), output
     client = MlflowClient(uri)
     parents = _parents(client, "shared")
     assert len(parents) == 2
@@ -487,28 +496,32 @@ def test_disk_full_during_first_conversion_leaves_no_cache(fake_bundled, monkeyp
 # -------------------------------------------------- 5. two processes converting one bundled model
 
 
-def _prepare_in_child(root: str, cache: str, name: str, events: str) -> None:
-    """Child: register the fake entry and prepare it. The conversion is logged in ``events/conversions`` and
-    waits until both children have reached the cache lock, so the two really overlap."""
-    root_p, events_p = Path(root), Path(events)
-    os.environ["METASD_CACHE"] = cache
-    sys.path.insert(0, str(root_p / "partmods"))
-    entry = _fake_entry(root_p, name, write=False)  # the test wrote the part files
-    BUNDLED[entry.name] = entry
+def _hook_conversion(events: Path) -> tuple:
+    """(lock, convert) replacing ``bundled._file_lock`` / ``bundled._convert_gguf``: reaching the lock leaves a
+    file in ``events``; a conversion is logged in ``events/../conversions`` and waits until both processes have
+    reached the cache lock, so the two really overlap."""
     real_lock = bundled._file_lock
 
     def lock(path):
-        (events_p / f"at-lock-{os.getpid()}").touch()
+        (events / f"at-lock-{os.getpid()}").touch()
         return real_lock(path)
 
     def convert(gguf, out):
-        with open(events_p.parent / "conversions", "a") as f:
+        with open(events.parent / "conversions", "a") as f:
             f.write(f"{os.getpid()}\n")
-        _wait_files(events_p, 2)  # the other child is at (or in) the lock
+        _wait_files(events, 2)  # the other process is at (or in) the lock
         _tiny_convert(gguf, out)
 
-    bundled._file_lock = lock
-    bundled._convert_gguf = convert
+    return lock, convert
+
+
+def _prepare_in_child(root: str, cache: str, name: str, events: str) -> None:
+    """Child: register the fake entry (the test wrote its part files) and prepare it, conversion hooked."""
+    os.environ["METASD_CACHE"] = cache
+    sys.path.insert(0, str(Path(root) / "partmods"))
+    entry = _fake_entry(Path(root), name, write=False)
+    BUNDLED[entry.name] = entry
+    bundled._file_lock, bundled._convert_gguf = _hook_conversion(Path(events))
     print(f"prepared {prepare_bundled(entry.name)}")
 
 
@@ -517,12 +530,20 @@ def test_two_processes_converting_one_bundled_model_convert_once(tmp_path, monke
     cache = tmp_path / "cache"
     events = tmp_path / "events"
     events.mkdir()
-    _fake_entry(tmp_path, name)  # written once here; each child registers the same entry
-    children = [_child("_prepare_in_child", str(tmp_path), str(cache), name, str(events), cwd=tmp_path) for _ in range(2)]
-    outputs = _finish(children)
-    assert [c.returncode for c in children] == [0, 0], "\n\n".join(outputs)
-    assert all(f"prepared {cache / name}" in out for out in outputs), outputs
+    entry = _fake_entry(tmp_path, name)
+    # the two processes: a child and this one
+    child = _child("_prepare_in_child", str(tmp_path), str(cache), name, str(events), cwd=tmp_path)
+    try:
+        monkeypatch.setenv("METASD_CACHE", str(cache))
+        monkeypatch.syspath_prepend(str(tmp_path / "partmods"))
+        monkeypatch.setitem(BUNDLED, name, entry)
+        lock, convert = _hook_conversion(events)
+        monkeypatch.setattr(bundled, "_file_lock", lock)
+        monkeypatch.setattr(bundled, "_convert_gguf", convert)
+        here = prepare_bundled(name)
+    finally:
+        [output] = _finish([child])
+    assert child.returncode == 0 and f"prepared {cache / name}" in output, output
+    assert here == cache / name
     assert len((tmp_path / "conversions").read_text().split()) == 1
-    entry = _fake_entry(tmp_path, name, write=False)
-    monkeypatch.setenv("METASD_CACHE", str(cache))
     assert bundled._cache_complete(entry) and _leftovers(cache) == []
