@@ -166,7 +166,7 @@ class RayRunner(_Runner):
     def _loop(self) -> None:
         from tqdm import tqdm
 
-        ray = import_ray()  # before any run is opened: a missing extra fails first
+        ray = import_ray()
         exp = self.exp
         self.nested = {}
         for pool in exp.pools:

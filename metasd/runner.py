@@ -412,10 +412,10 @@ def run_experiment(path_or_config: str | Path | dict | ExperimentConfig | Experi
     uri = resolve_tracking_uri(tracking_uri)
     spec = exp.config.executor if executor is None else ExecutorSpec.model_validate(executor)
     if spec.type == "ray":
-        from .ray_executor import RayRunner
+        from .ray_executor import RayRunner, import_ray
 
+        import_ray()  # a missing extra fails here, before any MLflow run is opened
         if threads and spec.cpus_per_worker is None:  # --threads: each worker's CPUs and torch threads
             spec = spec.model_copy(update={"cpus_per_worker": threads})
-
         return RayRunner(exp, uri, resume_run_id, resume, progress, threads, spec=spec, setup=worker_setup).run()
     return _Runner(exp, uri, resume_run_id, resume, progress, threads).run()

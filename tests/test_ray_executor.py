@@ -223,6 +223,9 @@ def test_ray_executor_without_ray_names_the_extra(store, tmp_path, monkeypatch, 
         run_experiment(path, tracking_uri=f"sqlite:///{tmp_path}/x.db", progress=False, executor="ray")
     assert main(["bench", str(path), "--executor", "ray", "--tracking-uri", f"sqlite:///{tmp_path}/x.db"]) == 2
     assert "needs the 'ray' extra: pip install -e '.[ray]'" in capsys.readouterr().err
+    from mlflow import MlflowClient
+
+    assert MlflowClient(f"sqlite:///{tmp_path}/x.db").get_experiment_by_name("noray") is None  # nothing opened
 
 
 def test_executor_field_and_flags_are_checked(store, tmp_path, capsys):
