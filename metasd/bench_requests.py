@@ -14,6 +14,8 @@ import json
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable
 
+from .machine import load_per_core
+
 if TYPE_CHECKING:
     from .engine import Engine
     from .experiment import Experiment, Method, ResolvedDataset, ResolvedPool
@@ -158,6 +160,9 @@ def answer_request(engines: PoolEngine, fn: Callable, messages: list[dict[str, s
     rec = fn(prompt_ids, question, index)
     rec = dict(index=index, question_id=question.question_id, category=question.category, group=question.group,
                turn=turn, seed=seed, method=method, prompt_sha=prompt_sha(prompt_ids), **rec)
+    load = load_per_core()  # sampled on the machine that answered (a Ray worker's, under --executor ray)
+    if load is not None:
+        rec["machine_load"] = round(load, 2)
     greedy = engines.cfg.temperature == 0 or kind == "baseline"
     if plain is not None and greedy and plain["prompt_sha"] == rec["prompt_sha"]:
         rec["matches_plain"] = rec["token_ids"] == plain["token_ids"]

@@ -93,9 +93,23 @@ def warn_if_oversubscribed(threads: int | None = None, cores: int | None = None,
 
     threads = threads or torch.get_num_threads()
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = cores_available()
     message = oversubscription_warning(threads, busy_metasd_processes(), cores)
     if message:
         _warned = True
         print(message, file=stream or sys.stderr)
     return message
+
+
+def cores_available() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average over the cores (> 1: more runnable threads than cores, so timings taken
+    now are slowed by other work); None where the platform has no load average."""
+    try:
+        return os.getloadavg()[0] / cores_available()
+    except (AttributeError, OSError):
+        return None

@@ -79,6 +79,11 @@ def summarize(records: list[dict], plain_records: list[dict], key: str = "group"
     return out
 
 
+def overloaded(records: list[dict], limit: float = 1.0) -> int:
+    """Requests that ended while the machine's 1-minute load average exceeded ``limit`` per core."""
+    return sum(1 for r in records if r.get("machine_load", 0.0) > limit)
+
+
 def plain_outliers(plain_records: list[dict], factor: float = 2.0) -> list[str]:
     """Question ids whose plain decoding ran more than ``factor`` times slower (tokens/s) than the median
     plain request: a request disturbed by another process inflates every speedup measured against it."""
@@ -160,6 +165,9 @@ def results_table(summary: dict[str, Any], title: str = "") -> str:
         notes.append("**plain decoding ran over 2x slower than its median on questions "
                      f"{', '.join(summary['plain_outliers'])}**: their speedups are inflated (another process on the "
                      "machine?); trust the medians, or rerun on an idle machine")
+    if summary.get("overloaded"):
+        notes.append(f"**{summary['overloaded']} requests ended while the machine's load exceeded its cores** "
+                     "(1-minute load average per core > 1): their timings are slowed by other work")
     if summary.get("oracle_choice"):
         notes.append("oracle = best single drafter per Spec-Bench category (finer than the columns' groups) in "
                      "hindsight: " + ", ".join(f"{c}: {n}" for c, n in summary["oracle_choice"].items()))

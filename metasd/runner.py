@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 
 from .bench_requests import MethodRequests, PoolEngine, answer_request
 from .experiment import Experiment, ExecutorSpec, ExperimentConfig, Method, ResolvedDataset, ResolvedPool, load_experiment
-from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, plain_outliers, results_table,
+from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, overloaded, plain_outliers, results_table,
                      summarize, table_columns)
 from .tracking import BenchStore, NestedRun, flatten_params, model_params, resolve_tracking_uri
 
@@ -95,6 +95,7 @@ class _Runner:
         self.progress = progress
         self.summaries: dict[str, dict[str, Any]] = {}
         self.generated = self.skipped = 0
+        self.warned_load = False
         self._current = None
         self.hash = exp.config_hash()
         self._resume_run_id, self._resume = resume_run_id, resume
@@ -284,6 +285,10 @@ class _Runner:
         """Log one answered request in its nested run (JSONL artifact and per-request metrics)."""
         nested.add(rec, self._request_metrics(rec, plain, nested.drafters))
         self.generated += 1
+        if rec.get("machine_load", 0.0) > 1.0 and not self.warned_load:
+            self.warned_load = True  # once per study, on stderr; the results table counts them all
+            print(f"metasd bench: warning: the machine's load is {rec['machine_load']:.1f} per core while requests run "
+                  f"(other processes?): timings taken now are slowed and speedups are not comparable", file=sys.stderr)
 
     def _end_run(self, nested: NestedRun, plain: list[dict]) -> None:
         self._nested_summary(nested, plain)
@@ -318,7 +323,8 @@ class _Runner:
         columns = table_columns(q.group for q in ds.questions)
         summary = {"columns": columns, "methods": {m: summarize(recs, plain) for m, recs in by_method.items()},
                    "oracle_choice": choice, "pool": pool.name, "dataset": ds.name,
-                   "plain_outliers": plain_outliers(plain)}
+                   "plain_outliers": plain_outliers(plain),
+                   "overloaded": overloaded([r for recs in by_method.values() for r in recs])}
         return summary, by_method, singles
 
     def _partial_table(self) -> str:

@@ -305,3 +305,15 @@ def test_median_speedup_and_plain_outliers():
     table = results_table({"columns": ["QA", "overall"], "methods": {"plain": summarize(plain, plain), "m": summarize(method, plain)},
                            "plain_outliers": ["q5"]})
     assert "median of per-question speedups, overall: m 2.00x" in table and "questions q5" in table
+
+
+@pytest.mark.parametrize("load, warned", [(1.7, True), (0.4, False)])
+def test_requests_run_on_an_overloaded_machine_are_flagged(store, uri, monkeypatch, capsys, load, warned):
+    """Each record carries the machine's load per core; above 1 the study warns once and the table counts them."""
+    import metasd.bench_requests
+
+    monkeypatch.setattr(metasd.bench_requests, "load_per_core", lambda: load)
+    res = run_experiment(_write(store, f"load{int(load * 10)}"), tracking_uri=uri, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("the machine's load is") == (1 if warned else 0)
+    assert ("requests ended while the machine's load exceeded its cores" in res.table) == warned
