@@ -28,8 +28,12 @@ HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): t
                    "of the whole vocabulary; byte-pair ids come roughly in frequency order (default: all)")
 
 
+ROW_MULTIPLE = 16  # draft-head rows are padded (with the next ids) to a multiple of this: the int4 kernels need it
+
+
 class DraftHead(nn.Module):
-    """The drafter's LM head restricted to a draft vocabulary (the first ``n`` ids plus ``extra`` ids): the
+    """The drafter's LM head restricted to a draft vocabulary (the first ``n`` ids plus ``extra`` ids, padded
+    with the ids after ``n`` to a multiple of ``ROW_MULTIPLE`` rows): the
     rows it computes are the only tokens the drafter can propose. The verifier still decides every token, so
     output stays exact; sampling stays exact because q is zero off the draft vocabulary and the drafted
     tokens come from q.
@@ -44,7 +48,12 @@ class DraftHead(nn.Module):
         self.vocab_size = int(weight.shape[0])
         if not 2 <= n < self.vocab_size:
             raise ValueError(f"head_vocab must be in [2, {self.vocab_size}) (the model's vocabulary), got {n}")
-        ids = sorted(set(range(n)) | {int(i) for i in extra if 0 <= int(i) < self.vocab_size})
+        chosen = set(range(n)) | {int(i) for i in extra if 0 <= int(i) < self.vocab_size}
+        nxt = n
+        while len(chosen) % ROW_MULTIPLE and nxt < self.vocab_size:  # quantized kernels want rows in multiples
+            chosen.add(nxt)
+            nxt += 1
+        ids = sorted(chosen)
         self.register_buffer("token_ids", torch.tensor(ids, dtype=torch.long, device=weight.device), persistent=False)
         bias = getattr(lm_head, "bias", None)
         self.head = nn.Linear(weight.shape[1], len(ids), bias=bias is not None, dtype=weight.dtype, device=weight.device)
