@@ -4,7 +4,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from metasd.engine import Engine
 from metasd.training.data import (Example, batched_greedy_responder, engine_responder, generate_responses,
