@@ -13,17 +13,17 @@ import errno
 import hashlib
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
-import torch
 
+from .cache_marker import (CACHE_DTYPE, CACHE_FORMAT, CACHE_MARKER, cache_problem, marker_matches,  # noqa: F401
+                           read_marker, upgrade_marker, write_marker)
 from .models import ModelLoadError, load_gguf
 
 logger = logging.getLogger(__name__)
@@ -40,14 +40,7 @@ __all__ = [
 ]
 
 BUNDLED_PREFIX = "bundled:"
-#: file written last into a cache directory; its presence (with matching content) marks it complete
-CACHE_MARKER = "metasd_cache.json"
-#: 2: the marker also lists every converted file with its size, sha256 and mtime (format 1 did not; a format-1
-#: cache is upgraded in place by hashing its files once, see ``_upgrade_marker``)
-CACHE_FORMAT = 2
-#: dtype of the cached safetensors copy of a bundled model
-CACHE_DTYPE = torch.bfloat16
-_CHUNK = 8 * 1024 * 1024
+_CHUNK = 8 * 1024 * 1024  # bytes copied at a time while assembling the parts
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 
@@ -152,86 +145,10 @@ def _cache_path(entry: BundledModel) -> Path:
     return cache_dir() / entry.name
 
 
-def _read_marker(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((path / CACHE_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _marker_matches(entry: BundledModel, marker: dict[str, Any], formats: tuple[int, ...] = (CACHE_FORMAT,)) -> bool:
-    return (
-        marker.get("format") in formats
-        and marker.get("name") == entry.name
-        and marker.get("sha256") == entry.sha256
-        and marker.get("gguf_bytes") == entry.gguf_bytes
-    )
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def _file_record(path: Path, digest: str | None = None) -> dict[str, Any]:
-    st = path.stat()
-    return {"bytes": st.st_size, "sha256": digest or _sha256_file(path), "mtime_ns": st.st_mtime_ns}
-
-
 def _cache_problem(entry: BundledModel, path: Path | None = None) -> str | None:
-    """Why the cache dir of ``entry`` cannot be loaded (None: it is complete and intact).
-
-    The marker is written last and lists every converted file with its size, sha256 and mtime. Checking a
-    cache must be cheap, because every load of a bundled model does it and the files are gigabytes: a file
-    whose size differs from the marker's is damaged (truncated or overwritten) without reading it; a file of
-    the recorded size *and* mtime is taken as intact without reading it; only a file of the right size whose
-    mtime changed (touched, copied, or overwritten in place) is hashed in full, and when its sha256 still
-    matches, its new mtime is recorded (``_restamp``) so the next load is cheap again. A write that keeps both
-    the size and the mtime is not detected; nothing in normal use does that.
-    """
-    path = _cache_path(entry) if path is None else path
-    marker = _read_marker(path)
-    if marker is None:
-        return f"no readable {CACHE_MARKER} in {path}" if path.exists() else f"{path} does not exist"
-    if not _marker_matches(entry, marker):
-        return f"{path / CACHE_MARKER} is for other contents (format {marker.get('format')}, sha256 {marker.get('sha256')})"
-    files = marker.get("files")
-    if not isinstance(files, dict) or "config.json" not in files:
-        return f"{path / CACHE_MARKER} lists no converted files"
-    restamp = {}
-    for rel, want in files.items():
-        f = path / rel
-        try:
-            st = f.stat()
-        except OSError:
-            return f"{f} is missing"
-        if st.st_size != want.get("bytes"):
-            return f"{f} has {st.st_size:,} bytes, the marker recorded {want.get('bytes'):,} (truncated or overwritten)"
-        if st.st_mtime_ns != want.get("mtime_ns"):
-            digest = _sha256_file(f)
-            if digest != want.get("sha256"):
-                return f"{f} was modified: its sha256 is {digest}, the marker recorded {want.get('sha256')}"
-            restamp[rel] = st.st_mtime_ns
-    if restamp:
-        _restamp(path, marker, restamp)
-    return None
-
-
-def _restamp(path: Path, marker: dict[str, Any], mtimes: dict[str, int]) -> None:
-    """Record the new mtimes of files whose contents were just verified by hash (best effort: a read-only
-    cache keeps working, it is only hashed again on the next load)."""
-    for rel, mtime in mtimes.items():
-        marker["files"][rel]["mtime_ns"] = mtime
-    try:
-        _replace_marker(path, marker)
-    except OSError as e:
-        logger.info("could not record verified mtimes in %s: %s", path / CACHE_MARKER, e)
+    """Why the cache dir of ``entry`` (default: its place under ``cache_dir()``) cannot be loaded; None when
+    complete and intact (``metasd.cache_marker.cache_problem``)."""
+    return cache_problem(entry, _cache_path(entry) if path is None else path)
 
 
 def _cache_complete(entry: BundledModel, path: Path | None = None) -> bool:
@@ -327,67 +244,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     del model
-
-
-def _write_marker(out: Path, entry: BundledModel, digest: str) -> None:
-    """Write the marker last: fsync every converted file, record its size, sha256 and mtime, then the marker."""
-    import transformers
-
-    try:
-        from importlib.metadata import version
-
-        metasd_version = version("metasd")
-    except Exception:
-        metasd_version = None
-    files = {}
-    for f in sorted(out.rglob("*")):  # the marker must never be on disk before the files it vouches for
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[f.relative_to(out).as_posix()] = _file_record(f)
-    marker = {
-        "format": CACHE_FORMAT,
-        "name": entry.name,
-        "sha256": entry.sha256,
-        "gguf_sha256": digest,
-        "gguf_bytes": entry.gguf_bytes,
-        "packages": list(entry.packages),
-        "dtype": str(CACHE_DTYPE).removeprefix("torch."),
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "metasd": metasd_version,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "files": files,
-    }
-    _replace_marker(out, marker)
-
-
-def _replace_marker(out: Path, marker: dict[str, Any]) -> None:
-    """Write the marker atomically (a unique temp file, fsync, rename)."""
-    tmp = out / f"{CACHE_MARKER}.{os.getpid()}.part"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(marker, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / CACHE_MARKER)
-
-
-def _upgrade_marker(entry: BundledModel, path: Path) -> bool:
-    """Give a format-1 cache (its marker did not list the files) a format-2 marker by hashing its files once.
-
-    A format-1 marker was written only after every file was fsynced, so the files were complete then; this
-    records them as they are now, which spares a multi-minute reconversion. Call it while holding the lock.
-    Returns False when the directory is not such a cache (then it is rebuilt).
-    """
-    marker = _read_marker(path)
-    if marker is None or not _marker_matches(entry, marker, formats=(1,)) or not (path / "config.json").is_file():
-        return False
-    logger.warning("recording sizes and sha256 of the cached files of %s in %s (once)", entry.ref, path / CACHE_MARKER)
-    marker["files"] = {f.relative_to(path).as_posix(): _file_record(f) for f in sorted(path.rglob("*"))
-                       if f.is_file() and f.name != CACHE_MARKER and not f.name.startswith(CACHE_MARKER + ".")}
-    marker["format"] = CACHE_FORMAT
-    _replace_marker(path, marker)
-    return True
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -525,7 +381,7 @@ def prepare_bundled(name: str) -> Path:
                     raise
                 raise ModelLoadError(f"bundled model {entry.ref!r}: converting the GGUF failed: {e}") from e
             gguf.unlink()
-            _write_marker(out, entry, digest)
+            write_marker(out, entry, digest)
             _install_dir(out, final)
             logger.info(
                 "%s: assembled in %.1f s, converted in %.1f s -> %s",
@@ -554,15 +410,15 @@ def _upgrade_in_place(entry: BundledModel, final: Path) -> bool:
     """
     try:
         with _file_lock(final.parent / f".{entry.name}.lock"):
-            return _cache_complete(entry, final) or (_upgrade_marker(entry, final) and _cache_complete(entry, final))
+            return _cache_complete(entry, final) or (upgrade_marker(entry, final) and _cache_complete(entry, final))
     except OSError as e:
         logger.warning("cannot record file sizes and hashes in %s (%s); loading the cache unverified", final, e)
         return True
 
 
 def _upgradable(entry: BundledModel, path: Path) -> bool:
-    marker = _read_marker(path)
-    return marker is not None and _marker_matches(entry, marker, formats=(1,))
+    marker = read_marker(path)
+    return marker is not None and marker_matches(entry, marker, formats=(1,))
 
 
 def bundled_status() -> list[dict]:

@@ -9,7 +9,7 @@ Each test injects one fault and checks the protection that handles it:
    (``metasd.store_guard.call_with_retry``), and resuming a run that a live process writes is refused
    (``metasd.tracking.BenchStore._claim``);
 3. a converted bundled-model file truncated or overwritten after its marker was written is detected
-   cheaply and rebuilt, or refused with the cache dir and the fixing command (``metasd.bundled._cache_problem``);
+   cheaply and rebuilt, or refused with the cache dir and the fixing command (``metasd.cache_marker.cache_problem``);
 4. a full disk during the first conversion leaves no marker and no half cache, and says so
    (``metasd.bundled.prepare_bundled``);
 5. two processes converting one bundled model at once convert it once (``metasd.bundled._file_lock``).
@@ -36,8 +36,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from metasd import bundled, tracking
-from metasd.bundled import BUNDLED, CACHE_MARKER, BundledModel, prepare_bundled
+from metasd import bundled, cache_marker, tracking
+from metasd.bundled import BUNDLED, BundledModel, prepare_bundled
+from metasd.cache_marker import CACHE_MARKER
 from metasd.models import ModelLoadError, load_model
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -405,8 +406,8 @@ def test_normal_load_reads_no_file_in_full_and_a_touched_file_is_hashed_once(fak
     marker = json.loads((final / CACHE_MARKER).read_text())
     assert marker["format"] == 2 and marker["files"]["model.safetensors"]["bytes"] == (final / "model.safetensors").stat().st_size
     hashed = []
-    real_hash = bundled._sha256_file
-    monkeypatch.setattr(bundled, "_sha256_file", lambda p: (hashed.append(p.name), real_hash(p))[1])
+    real_hash = cache_marker.sha256_file
+    monkeypatch.setattr(cache_marker, "sha256_file", lambda p: (hashed.append(p.name), real_hash(p))[1])
     assert prepare_bundled(entry.name) == final and hashed == []  # sizes and mtimes only
     st = (final / "model.safetensors").stat()
     os.utime(final / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same bytes
@@ -477,7 +478,8 @@ def test_disk_full_during_first_conversion_leaves_no_cache(fake_bundled, monkeyp
             f = real_open(path, mode, *a, **kw)
             return _FillingFile(f, 100) if "w" in mode and Path(path).name.startswith(target) else f
 
-        monkeypatch.setattr(bundled, "open", filling_open, raising=False)
+        monkeypatch.setattr(bundled, "open", filling_open, raising=False)  # the assembled GGUF
+        monkeypatch.setattr(cache_marker, "open", filling_open, raising=False)  # the marker
     with pytest.raises(ModelLoadError) as info:
         prepare_bundled(entry.name)
     msg = str(info.value)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from metasd import bundled, models
+from metasd.cache_marker import CACHE_MARKER
 from metasd.bundled import (
     BUNDLED,
-    CACHE_MARKER,
     BundledModel,
     bundled_status,
     cache_dir,
