@@ -15,8 +15,8 @@ from metasd.drafters.treeflash_backbone import TreeFlashConfig, TreeFlashModel, 
 from metasd.engine import Engine
 from metasd.training.data import Example
 from metasd.training.features import extract_features
-from metasd.training.treeflash import (load_train_treeflash_config,
-                                       tf_accept)
+from metasd.training.treeflash import load_train_treeflash_config
+from metasd.training.treeflash_objective import tf_accept
 from metasd.tree import Draft, ancestor_mask, node_depths
 from metasd.verifier import Verifier
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
