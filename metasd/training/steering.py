@@ -27,7 +27,8 @@ loadable in a pool config as ``type: steered, model: <drafter>, checkpoint: out_
 At every validation that improves the held-out KL (or top-1 agreement, ``log.best_by``), the same export
 also goes to ``out_dir/best/`` (``log.keep_best``), so a run that starts to overfit keeps its best module.
 
-Relative paths in the config are resolved against the current working directory.
+Relative paths in the config are resolved against the current working directory. The config's schema is
+``metasd.training.steering_config``.
 """
 from __future__ import annotations
 
@@ -40,114 +41,19 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from metasd.config import ConfigError, expand_env_path, read_yaml_mapping, validate_config
+from metasd.config import ConfigError
 
 from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                      resolve_steered_layers, save_steering)
 from metasd.machine import warn_if_oversubscribed
 from metasd.training.common import Tracker
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DataConfig(_Strict):
-    features: str = Field(description="feature directory (metasd.training.features)")
-    train_shards: list[int] | None = Field(default=None, description="shard indices; default: all but val_shards")
-    val_shards: list[int] = Field(default_factory=list, description="held-out shard indices for validation")
-    val_sequences: int = Field(default=16, ge=0, description="validation sequences (the first of val_shards)")
-
-    _expand = field_validator("features")(expand_env_path)
-
-
-class SteeringConfig(_Strict):
-    enabled: bool = True
-    guide_layers: list[int] | None = Field(default=None, description="verifier hidden_states indices (low, mid, high)")
-    verifier_layers: int | None = Field(default=None, gt=0, description="verifier depth, for the default guide layers")
-    layers: Literal["all"] | int | list[int] = Field(default="all", description="steered drafter layers: all, last N, or a list")
-    rank: int | None = Field(default=None, gt=0, description="low-rank projection d_v -> rank -> n*d_out; None = full rank")
-    injection: Literal["up", "mlp_out"] = "up"
-    guide_norm: Literal["none", "standardize"] = Field(
-        default="none", description="standardize: z-score each guide input dimension with the training features' "
-                                    "mean and std (computed once, stored in the module)")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the normalised guide during training")
-    train_guide: bool = Field(default=True, description="train W_hml (the guide's [low; mid; high] -> d_v mixing, "
-                              "3 d_v^2 parameters); false keeps it at its [I I I] initialisation")
-
-
-class TrainConfig(_Strict):
-    steps: int = Field(default=1000, gt=0)
-    batch_size: int = Field(default=4, gt=0, description="sequences per optimizer step")
-    lr: float = Field(default=1e-3, gt=0, description="steering module learning rate")
-    drafter_lr: float = Field(default=2e-5, gt=0, description="learning rate of fine-tuned drafter layers")
-    weight_decay: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    grad_clip: float | None = Field(default=1.0, gt=0)
-    k: int = Field(default=5, gt=0, description="maximum guide staleness (draft length)")
-    min_staleness: int = Field(default=1, ge=0, description="smallest guide staleness o; 1 is what inference sees. "
-                               "0 is a diagnostic only: the guide is the verifier state that predicts the very "
-                               "token the drafter is trained on, an upper bound the drafter can never use")
-    loss: Literal["kl", "tvd", "top1"] = Field(
-        default="kl", description="kl: forward KL to the verifier's top-k; tvd: total variation (what sampled "
-                                  "acceptance depends on); top1: cross-entropy on the verifier's most likely token "
-                                  "(what greedy acceptance checks)")
-    seed: int = 0
-    dtype: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="compute dtype of the drafter forward")
-    threads: int | None = Field(default=None, gt=0)
-    wall_limit_s: float | None = Field(default=None, gt=0, description="stop (checkpoint, export) after this long")
-
-
-class LogConfig(_Strict):
-    log_every: int = Field(default=10, gt=0)
-    val_every: int = Field(default=100, gt=0)
-    checkpoint_every: int = Field(default=50, gt=0)
-    keep_checkpoints: int = Field(default=2, gt=0)
-    keep_best: bool = Field(default=True, description="also export the best module so far (``best_by``) to "
-                                                       "out_dir/best/ (validation steps only)")
-    best_by: Literal["kl", "agree"] = Field(default="kl", description="held-out metric keep_best selects on: lowest "
-                                                                        "KL, or highest top-1 agreement")
-    mlflow: bool = True
-    tracking_uri: str | None = Field(default=None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
-    experiment: str = "metasd-steering"
-    run_name: str | None = None
-
-
-class SteeringTrainingConfig(_Strict):
-    """``metasd train steering CONFIG``: the YAML schema."""
-
-    drafter: str = Field(description="drafter model reference (bundled:<name>, a local HF dir, ...)")
-    out_dir: str
-    data: DataConfig
-    steering: SteeringConfig = Field(default_factory=SteeringConfig)
-    finetune: Literal["none", "all"] | int | list[int] = Field(
-        default="none", description="drafter layers trained too: none, all, the last N, or a list")
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-    save_dtype: Literal["fp32", "bf16"] = "fp32"
-
-
-def parse_config(raw: dict[str, Any], source: str = "<config>") -> SteeringTrainingConfig:
-    return validate_config(SteeringTrainingConfig, raw, source, "steering training config")
-
-
-def read_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SteeringTrainingConfig:
-    """Read a steering training file; ``overrides`` set dotted keys (``train.steps``) before validation."""
-    raw = read_yaml_mapping(path, "training config")
-    for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, last = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return parse_config(raw, str(path))
+from metasd.training.steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
+                                             TrainConfig, parse_config, read_config)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -655,7 +561,7 @@ def add_train_steering_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``steering`` under ``metasd train``: ``metasd train steering CONFIG``."""
     p = subparsers.add_parser("steering", help="train an SD² steering module (or a distilled drafter)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="training YAML (schema: metasd.training.steering.SteeringTrainingConfig)")
+    p.add_argument("config", help="training YAML (schema: metasd.training.steering_config.SteeringTrainingConfig)")
     p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in out_dir")
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--wall-limit", type=float, default=None, help="override train.wall_limit_s (seconds)")
