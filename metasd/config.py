@@ -63,6 +63,15 @@ class PolicyConfig(_Strict):
     seed: int | None = 0
 
 
+class CostModelConfig(_Strict):
+    """Prices of the modeled step cost behind the ``throughput`` reward (``metasd.cost``): bytes-equivalent per
+    multiply-accumulate per row, by weight format. Left out: the calibration of the verifier's device type."""
+
+    dense: float = Field(ge=0.0, allow_inf_nan=False)
+    int8: float = Field(ge=0.0, allow_inf_nan=False)
+    int4: float = Field(ge=0.0, allow_inf_nan=False)
+
+
 class PoolConfig(_Strict):
     """A pool: one verifier, named drafters (arms), and how the policy chooses among them."""
 
@@ -74,6 +83,7 @@ class PoolConfig(_Strict):
     persistent: bool = False  # keep policy state across requests
     categories: list[str] = Field(default_factory=list)  # category one-hot layout for contextual policies
     plugins: list[str] = Field(default_factory=list)
+    cost_model: CostModelConfig | None = None  # the throughput reward's prices (default: the device's calibration)
 
     @field_validator("drafters")
     @classmethod
@@ -419,6 +429,10 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
             raise ConfigError(f"drafters.{i} ({d.name!r}): {e}") from e
         drafters.append(drafter)
     policy = make_policy_from_config(config.policy, len(drafters))
+    if config.cost_model is not None:
+        from .cost import CostModel
+
+        engine_kwargs.setdefault("cost_model", CostModel(config.cost_model.model_dump()))
     return Engine(verifier, drafters, policy if len(drafters) > 1 else None, granularity=config.granularity,
                   reward=config.reward, persistent_policy=config.persistent, categories=config.categories,
                   **engine_kwargs)

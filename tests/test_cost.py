@@ -166,3 +166,23 @@ def test_every_model_backed_family_has_its_drafting_counted(verifier_model):
         assert costs and min(costs) > 0, f"{family}: drafting cost nothing in the model ({costs})"
         if hasattr(drafter, "close"):
             drafter.close()
+
+
+def test_pool_file_sets_the_cost_model_and_bad_prices_are_named(tmp_path):
+    import yaml
+
+    from metasd.config import ConfigError, load_pool, parse_pool_config
+    from tiny import tiny_tokenizer
+
+    tiny_qwen(seed=0).save_pretrained(tmp_path / "verifier")
+    tiny_tokenizer().save_pretrained(tmp_path / "verifier")
+    pool = {"verifier": {"model": str(tmp_path / "verifier"), "dtype": "fp32", "device": "cpu"}}
+    (tmp_path / "default.yaml").write_text(yaml.safe_dump(pool))
+    assert load_pool(tmp_path / "default.yaml").cost_model == CostModel.for_device("cpu")
+    prices = {"dense": 0.5, "int8": 1.0, "int4": 2.0}
+    (tmp_path / "priced.yaml").write_text(yaml.safe_dump({**pool, "cost_model": prices}))
+    assert load_pool(tmp_path / "priced.yaml").cost_model == CostModel(prices)
+    with pytest.raises(ConfigError, match=r"cost_model\.int4"):
+        parse_pool_config({**pool, "cost_model": {**prices, "int4": -1.0}})
+    with pytest.raises(ConfigError, match=r"cost_model\.int8"):
+        parse_pool_config({**pool, "cost_model": {"dense": 0.5, "int4": 2.0}})
