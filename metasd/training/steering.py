@@ -48,8 +48,8 @@ import yaml
 
 from metasd.config import ConfigError
 
-from metasd.drafters.steered import (Injector, SteeringModule, decoder_layers, default_guide_layers,
-                                     resolve_steered_layers, save_steering)
+from metasd.drafters.steering_net import (Injector, SteeringModule, decoder_layers, default_guide_layers,
+                                          resolve_steered_layers, save_steering)
 from metasd.machine import warn_if_oversubscribed
 from metasd.training.common import Tracker
 from metasd.training.steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
