@@ -82,14 +82,14 @@ class _OpenMeter(threading.local):
 
 
 _OPEN = _OpenMeter()
-_HOOKED_ATTR = "_metasd_cost_hook"
+_SHAPE_ATTR = "_metasd_cost_shape"  # a hooked layer's costed shape (a plain attribute, refreshed by attach)
 
 
 def _count(module: nn.Module, args: tuple) -> None:
     meter = _OPEN.meter
     if meter is None or not args or not isinstance(args[0], torch.Tensor):
         return
-    shape: _LinearShape = getattr(module, _HOOKED_ATTR)[1]
+    shape: _LinearShape = getattr(module, _SHAPE_ATTR)
     rows = args[0].numel() // shape.in_features  # x: [..., in_features]; numel is shape metadata, no device sync
     meter.total += meter.model.linear_cost(shape.weight_bytes, shape.macs_per_row, shape.fmt, rows)
 
@@ -119,19 +119,14 @@ def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """Put the counting hook on every linear layer of ``modules`` (once per layer, for its lifetime).
 
     The hook does nothing unless a ``StepMeter`` is open on this thread, so layers shared by several
-    engines (``Engine.derive``) or called outside a step (prefill) cost nothing to the meter. A layer whose
-    weights change format (quantized after being hooked) gets its shape re-read.
+    engines (``Engine.derive``) or called outside a step (prefill) cost nothing to the meter. Each call
+    re-reads the layers' shapes (a layer whose weights changed since is priced as it is now).
     """
     layers = linear_layers(modules)
     for layer in layers:
-        shape = _linear_shape(layer)
-        hooked = getattr(layer, _HOOKED_ATTR, None)
-        if hooked is not None:
-            if hooked[1] == shape:
-                continue
-            hooked[0].remove()
-        handle = layer.register_forward_pre_hook(_count)
-        object.__setattr__(layer, _HOOKED_ATTR, (handle, shape))  # not a submodule or buffer: plain attribute
+        object.__setattr__(layer, _SHAPE_ATTR, _linear_shape(layer))  # not a submodule or buffer
+        if not any(hook is _count for hook in layer._forward_pre_hooks.values()):  # a deep copy keeps its hook
+            layer.register_forward_pre_hook(_count)
     return layers
 
 

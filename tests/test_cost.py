@@ -56,6 +56,20 @@ def test_meter_counts_rows_of_hooked_forwards_only_while_open():
                 pass
 
 
+def test_a_deep_copy_of_a_hooked_network_is_counted_once_per_layer():
+    import copy
+
+    net = nn.Sequential(nn.Linear(8, 16, bias=False))
+    model = CostModel({"dense": 0.0, "int8": 0.0, "int4": 0.0})
+    attach([net])
+    twin = copy.deepcopy(net)  # carries the hook along
+    attach([twin])
+    meter = StepMeter(model, 1.0)
+    with meter:
+        twin(torch.zeros(1, 8))
+    assert meter.total == 8 * 16 * 4  # its weight bytes once, not twice
+
+
 def test_quantized_layers_are_priced_by_their_stored_bytes_and_kernel():
     net = nn.Sequential(nn.Linear(64, 32, bias=False))
     dense_cost = decode_step_cost(net, CostModel())
