@@ -39,6 +39,8 @@ from .store_guard import (LOCKED_RETRIES, OWNER_TAG, RetryingClient, RunInUseErr
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+#: tag set on a parent run once its params and config files are logged (a resume completes them otherwise)
+PARAMS_TAG = "metasd.params_logged"
 REQUESTS_ARTIFACT = "requests.jsonl"
 #: per-request metrics as logged, one JSON line per request, uploaded before the record (see the module docstring)
 METRICS_ARTIFACT = "request_metrics.jsonl"
@@ -201,6 +203,8 @@ class BenchStore:
             self.parent_id = parent.info.run_id
             self._claim(parent.info.run_id)
             self.client.update_run(self.parent_id, status="RUNNING")
+            if parent.data.tags.get(PARAMS_TAG) != "1":  # killed between creating the run and logging its params
+                self._log_parent_params(exp, present=parent.data.params)
         children = self.client.search_runs([self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'",
                                            max_results=50000)
         self.children = {r.data.tags["metasd.key"]: r for r in children if "metasd.key" in r.data.tags}
@@ -219,18 +223,24 @@ class BenchStore:
                     f"to start a new run")
             self.client.set_tag(run_id, OWNER_TAG, owner_token())
 
-    def _log_parent_params(self, exp: Experiment) -> None:
+    def _log_parent_params(self, exp: Experiment, present: dict[str, str] | None = None) -> None:
+        """Params and config files of the parent run, then the ``PARAMS_TAG`` that says they are complete.
+        ``present``: params a killed earlier invocation already logged (MLflow params cannot change, so only
+        the missing ones are added)."""
         params = flatten_params(exp.resolved_dict())
         for pool in exp.pools:
             params.update(model_params(pool))
         params.update(package_versions())
         params.update(git_params())
-        self.client.log_batch(self.parent_id, params=mlflow_params(params))
+        batch = [p for p in mlflow_params(params) if p.key not in (present or {})]
+        for i in range(0, len(batch), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.parent_id, params=batch[i:i + 100])
         d = self.workdir
         (d / "resolved_config.json").write_text(json.dumps(exp.resolved_dict(), indent=1, default=str))
         self.client.log_artifact(self.parent_id, str(d / "resolved_config.json"), "config")
         if Path(exp.source).is_file():
             self.client.log_artifact(self.parent_id, exp.source, "config")
+        self.client.set_tag(self.parent_id, PARAMS_TAG, "1")
 
     def load_records(self, run_id: str, artifact: str = REQUESTS_ARTIFACT) -> list[dict]:
         """The JSON lines of a run's ``artifact`` (``[]`` when no request of the run has finished yet)."""

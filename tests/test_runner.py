@@ -317,3 +317,31 @@ def test_requests_run_on_an_overloaded_machine_are_flagged(store, uri, monkeypat
     err = capsys.readouterr().err
     assert err.count("the machine's load is") == (1 if warned else 0)
     assert ("requests ended while the machine's load exceeded its cores" in res.table) == warned
+
+
+def test_parent_run_killed_before_its_params_were_logged_gets_them_on_resume(store, uri, monkeypatch):
+    """A kill between creating the parent run and logging its params leaves a run without params; --resume
+    logs them (and only those missing) before going on."""
+    from mlflow import MlflowClient
+
+    from metasd.tracking import PARAMS_TAG, BenchStore
+
+    real = BenchStore._log_parent_params
+
+    def killed(self, exp, present=None):
+        self.client.log_batch(self.parent_id, params=[])  # the process dies before any param is written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BenchStore, "_log_parent_params", killed)
+    path = _write(store, "params_kill")
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(path, tracking_uri=uri, progress=False)
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name("params_kill").experiment_id
+    (parent,) = client.search_runs([exp_id], filter_string="tags.`metasd.kind` = 'experiment'")
+    assert parent.data.params == {} and PARAMS_TAG not in parent.data.tags
+    monkeypatch.setattr(BenchStore, "_log_parent_params", real)
+    res = run_experiment(path, tracking_uri=uri, resume=True, progress=False)
+    assert res.parent_run_id == parent.info.run_id
+    done = client.get_run(parent.info.run_id)
+    assert done.data.tags[PARAMS_TAG] == "1" and done.data.params["max_new_tokens"] == "6"
