@@ -8,9 +8,11 @@ from pydantic import Field, model_validator
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
 from metasd.hooks import contiguous_lm_head_input
 from metasd.kv_cache import crop_to
+from metasd.models import config_eos_ids
 from metasd.quantize import dense_weight, quantize_model
 from metasd.sampling import process_logits, sample
 from metasd.tree import Draft
@@ -53,12 +55,12 @@ class DraftHead(nn.Module):
         while len(chosen) % ROW_MULTIPLE and nxt < self.vocab_size:  # quantized kernels want rows in multiples
             chosen.add(nxt)
             nxt += 1
-        ids = sorted(chosen)
-        self.register_buffer("token_ids", torch.tensor(ids, dtype=torch.long, device=weight.device), persistent=False)
+        vocab = DraftVocab(torch.tensor(sorted(chosen)), self.vocab_size)
+        self.register_buffer("token_ids", vocab.token_ids.to(weight.device), persistent=False)
         bias = getattr(lm_head, "bias", None)
-        self.head = nn.Linear(weight.shape[1], len(ids), bias=bias is not None, dtype=weight.dtype, device=weight.device)
+        self.head = nn.Linear(weight.shape[1], len(vocab), bias=bias is not None, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
-            self.head.weight.copy_(weight[self.token_ids])
+            self.head.weight.copy_(vocab.head_weight(weight))
             if bias is not None:
                 self.head.bias.copy_(bias[self.token_ids])
         self.head.requires_grad_(False)
@@ -70,15 +72,6 @@ class DraftHead(nn.Module):
         reduced = self.head(h)  # [rows, N]
         full = reduced.new_full((reduced.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.token_ids, reduced)
-
-
-def eos_ids_of(model: nn.Module) -> set[int]:
-    """EOS ids a model's config and generation config name."""
-    ids: set[int] = set()
-    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
-        value = getattr(cfg, "eos_token_id", None)
-        ids.update([value] if isinstance(value, int) else list(value or []))
-    return ids
 
 
 class PretrainedParams(DrafterParams):
@@ -142,7 +135,7 @@ class PretrainedDrafter(Drafter):
         self.head_vocab = head_vocab
         try:
             self.draft_head = None if head_vocab is None else DraftHead(model.get_output_embeddings(), head_vocab,
-                                                                         extra=eos_ids_of(model))
+                                                                         extra=config_eos_ids(model))
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
         self.tokenizer = tokenizer

@@ -365,15 +365,25 @@ def load_model(
     return model, tok
 
 
+def _eos_ids(*sources) -> set[int]:
+    """The ids named by ``eos_token_id`` values (an int, a list of ints, or None)."""
+    ids: set[int] = set()
+    for source in sources:
+        if source is not None:
+            ids.update([source] if isinstance(source, int) else source)
+    return ids
+
+
 def eos_token_ids(model, tokenizer) -> set[int]:
     """Every token that ends a generation: the model's generation config plus the tokenizer's EOS."""
-    ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if source is None:
-            continue
-        ids.update([source] if isinstance(source, int) else source)
-    return ids
+    return _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                    getattr(tokenizer, "eos_token_id", None))
+
+
+def config_eos_ids(model) -> set[int]:
+    """The EOS ids a model's generation config and model config name (no tokenizer needed)."""
+    return _eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                    getattr(getattr(model, "config", None), "eos_token_id", None))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -135,15 +135,6 @@ def build_vocab(counts: torch.Tensor, size: int, always: tuple[int, ...]) -> Dra
     return DraftVocab.from_counts(counts.double() + prior, size, always)
 
 
-def eos_ids(tokenizer, model) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                getattr(tokenizer, "eos_token_id", None)):
-        if src is not None:
-            ids.update([src] if isinstance(src, int) else src)
-    return tuple(sorted(ids))
-
-
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(heads, H: torch.Tensor, Y: torch.Tensor, bf16: bool = True, batch: int = 512) -> dict[str, float]:
@@ -213,7 +204,7 @@ def _state_path(state_dir: Path, meta: dict, kind: str) -> Path:
 def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print, command: str | None = None) -> dict[str, Any]:
     """Train (or resume) block heads; returns the final validation metrics and counters."""
     from metasd.drafters.block import BlockHeads
-    from metasd.models import load_model
+    from metasd.models import eos_token_ids, load_model
 
     t_start = time.time()
     if cfg.threads:
@@ -228,7 +219,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers, d = int(text_cfg.num_hidden_layers), int(text_cfg.hidden_size)
     full_lm = model.get_output_embeddings().weight.detach()
-    eos = eos_ids(tokenizer, model)
+    eos = tuple(sorted(eos_token_ids(model, tokenizer)))
     layer = cfg.hidden_layer if cfg.hidden_layer is not None else num_layers
     if layer not in fs.layers:
         raise ValueError(f"{cfg.features} holds layers {fs.layers}, not {layer}")

@@ -192,12 +192,10 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 def eos_ids(model) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                getattr(model.config, "eos_token_id", None)):
-        if src is not None:
-            ids.update([src] if isinstance(src, int) else src)
-    return tuple(sorted(ids))
+    """``metasd.models.config_eos_ids``, sorted."""
+    from ..models import config_eos_ids
+
+    return tuple(sorted(config_eos_ids(model)))
 
 
 def count_tokens(reader: ShardReader, shards: list[int], vocab_size: int) -> torch.Tensor:
