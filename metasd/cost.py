@@ -67,14 +67,16 @@ def _linear_shape(module: nn.Module) -> _LinearShape | None:
     from .quantize import QuantizedLinear  # core module; no cycle at import time
 
     if isinstance(module, QuantizedLinear):  # the kernel's codes and scales; not a many-row path's dense copy
-        nbytes = sum(b.numel() * b.element_size() for n, b in module.named_buffers() if not n.startswith("gemm_"))
+        nbytes = _nbytes(*(b for n, b in module.named_buffers() if not n.startswith("gemm_")))
         return _LinearShape(nbytes, module.in_features, module.in_features * module.out_features, module.mode)
     if isinstance(module, nn.Linear):
-        nbytes = module.weight.numel() * module.weight.element_size()
-        if module.bias is not None:
-            nbytes += module.bias.numel() * module.bias.element_size()
+        nbytes = _nbytes(module.weight, module.bias)
         return _LinearShape(nbytes, module.in_features, module.in_features * module.out_features, "dense")
     return None
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class _OpenMeter(threading.local):
@@ -99,20 +101,24 @@ def counted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     ``nn.Linear`` layers (a drafter's reduced LM head, stacked block heads). weight: [out, in]."""
     meter = _OPEN.meter
     if meter is not None:
-        nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
         rows = x.numel() // weight.shape[1]
-        meter.total += meter.model.linear_cost(nbytes, weight.numel(), "dense", rows)
+        meter.total += meter.model.linear_cost(_nbytes(weight, bias), weight.numel(), "dense", rows)
     return F.linear(x, weight, bias)
+
+
+def _shaped_layers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, _LinearShape]]:
+    """Every distinct linear layer inside ``modules`` with its costed shape, shared layers once."""
+    seen: dict[int, tuple[nn.Module, _LinearShape]] = {}
+    for root in modules:
+        for m in root.modules():
+            if id(m) not in seen and (shape := _linear_shape(m)) is not None:
+                seen[id(m)] = (m, shape)
+    return list(seen.values())
 
 
 def linear_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """Every distinct linear layer (dense or quantized) inside ``modules``, shared layers once."""
-    seen: dict[int, nn.Module] = {}
-    for root in modules:
-        for m in root.modules():
-            if id(m) not in seen and _linear_shape(m) is not None:
-                seen[id(m)] = m
-    return list(seen.values())
+    return [layer for layer, _ in _shaped_layers(modules)]
 
 
 def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -122,20 +128,17 @@ def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
     engines (``Engine.derive``) or called outside a step (prefill) cost nothing to the meter. Each call
     re-reads the layers' shapes (a layer whose weights changed since is priced as it is now).
     """
-    layers = linear_layers(modules)
-    for layer in layers:
-        object.__setattr__(layer, _SHAPE_ATTR, _linear_shape(layer))  # not a submodule or buffer
+    shaped = _shaped_layers(modules)
+    for layer, shape in shaped:
+        object.__setattr__(layer, _SHAPE_ATTR, shape)  # not a submodule or buffer
         if not any(hook is _count for hook in layer._forward_pre_hooks.values()):  # a deep copy keeps its hook
             layer.register_forward_pre_hook(_count)
-    return layers
+    return [layer for layer, _ in shaped]
 
 
 def decode_step_cost(verifier_model: nn.Module, model: CostModel) -> float:
     """Modeled cost of one verifier forward over one row: the unit every step cost is expressed in."""
-    total = 0.0
-    for layer in linear_layers([verifier_model]):
-        s = _linear_shape(layer)
-        total += model.linear_cost(s.weight_bytes, s.macs_per_row, s.fmt, 1)
+    total = sum(model.linear_cost(s.weight_bytes, s.macs_per_row, s.fmt, 1) for _, s in _shaped_layers([verifier_model]))
     if total <= 0:
         raise ValueError("the verifier has no linear layers to model the cost of a step with")
     return total
