@@ -138,16 +138,20 @@ class DatasetSpec(_Strict):
         return {"path": v} if isinstance(v, str) else v
 
 
-class BaselineSpec(_Strict):
-    type: Literal["plain", "assisted", "prompt_lookup"]
-    name: str | None = None
-    drafter: str | None = None
-    params: dict[str, Any] = Field(default_factory=dict)
+class _TypeShorthand(_Strict):
+    """A spec that may be written as its ``type`` alone (``plain`` for ``{type: plain}``)."""
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, v: Any) -> Any:
         return {"type": v} if isinstance(v, str) else v
+
+
+class BaselineSpec(_TypeShorthand):
+    type: Literal["plain", "assisted", "prompt_lookup"]
+    name: str | None = None
+    drafter: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _drafter_needed(self) -> "BaselineSpec":
@@ -164,7 +168,7 @@ class BaselineSpec(_Strict):
         return f"assisted:{self.drafter}" if self.type == "assisted" else self.type
 
 
-class ExecutorSpec(_Strict):
+class ExecutorSpec(_TypeShorthand):
     """Where a study's requests are answered: ``inprocess`` (default) or ``ray`` (``metasd.ray_executor``)."""
 
     type: Literal["inprocess", "ray"] = "inprocess"
@@ -173,11 +177,6 @@ class ExecutorSpec(_Strict):
     cpus_per_worker: int | None = Field(None, ge=1)  # ray: CPUs per actor = its torch threads
     questions_per_shard: int = Field(1, ge=1)  # ray: questions (all their turns, every method) per task
     max_retries: int = Field(2, ge=0)  # ray: times a shard whose worker died is retried on a fresh one
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, v: Any) -> Any:
-        return {"type": v} if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _ray_fields(self) -> "ExecutorSpec":
