@@ -32,12 +32,13 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from metasd.cost import counted_linear
 from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Drafter, DrafterParams, Float, Int, StepContext, register_drafter
 from metasd.kv_cache import cache_length, crop_to
+from metasd.packed_weights import load_weights
 from metasd.quantize import dense_weight
 from metasd.tree import Draft
 
@@ -116,7 +117,7 @@ class BlockHeads(torch.nn.Module):
             raise ValueError(f"checkpoint {path} was trained for vocab {vocab.full_size} x d {cfg['hidden_size']}; "
                              f"the verifier's LM head is {tuple(full_lm_weight.shape)}")
         dtype = dtype or full_lm_weight.dtype
-        state = load_file(str(path / cfg.get("heads_file", HEADS_FILE)))
+        state = load_weights(path / cfg.get("heads_file", HEADS_FILE))  # plain or packed (metasd pack-weights)
         heads = cls(cfg["hidden_size"], cfg["k"], vocab.head_weight(full_lm_weight).to(dtype), vocab,
                     cfg["hidden_layer"], dtype=dtype)
         with torch.no_grad():

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from metasd.draft_vocab import DraftVocab
-from metasd.quantize import dequantize_int4, quantize_int4
+from metasd.packed_weights import load_weights, pack_int4
 
 from .treeflash_backbone import SwiGLU, apply_rope, rope_cos_sin
 
@@ -201,37 +201,20 @@ def count_parameters(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------- checkpoints
-INT4_SUFFIX, INT4_SCALES_SUFFIX = ".int4", ".int4_scales"
-
-
-def _pack_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """[out, in] weight -> packed 4-bit codes [out, in/2] uint8 (two per byte) and bf16 scales/zeros
-    [in/group, out, 2] (``metasd.quantize.quantize_int4``'s asymmetric groups)."""
-    q, sz = quantize_int4(w, group_size)
-    q = q.to(torch.uint8)
-    return {INT4_SUFFIX: (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), INT4_SCALES_SUFFIX: sz.to(torch.bfloat16)}
-
-
-def _unpack_int4(packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int32)  # [out, in]
-    return dequantize_int4(q, sz.float(), group_size)
-
-
 def save_checkpoint(path: str | Path, net: HiddenStateNet, vocab: DraftVocab, meta: dict | None = None,
                     dtype: torch.dtype | str = torch.float32, group_size: int = 32) -> Path:
     """Write model.safetensors, draft_vocab.safetensors and config.json (``meta`` merged in: e.g.
     ``defaults`` for drafting, ``verifier``, ``training``). ``dtype``: a float dtype for every tensor, or
-    "int4": every 2-D weight whose input size divides by ``group_size`` stored as 4-bit groups (about a
-    quarter of bf16's bytes; loading dequantizes them), the rest in bf16."""
+    "int4": every large weight matrix stored as 4-bit groups of ``group_size`` (``metasd.packed_weights``:
+    about a quarter of bf16's bytes; loading dequantizes them), the rest in bf16."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, v in net.state_dict().items():
-        v = v.detach()
-        if dtype == "int4" and v.dim() == 2 and v.shape[1] % group_size == 0:
-            tensors.update({name + sfx: t for sfx, t in _pack_int4(v.float(), group_size).items()})
-        else:
-            tensors[name] = v.to(torch.bfloat16 if dtype == "int4" else dtype).contiguous()
+    state = {name: v.detach() for name, v in net.state_dict().items()}
+    if dtype == "int4":
+        tensors = pack_int4({k: v.float() for k, v in state.items()}, group_size, rest_dtype=torch.bfloat16,
+                            min_numel=0)  # every weight matrix, however small
+    else:
+        tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": CHECKPOINT_FORMAT})
     vocab.save(path / VOCAB_FILE)
     config = {"format": CHECKPOINT_FORMAT, "version": 1, **(meta or {}), "model": net.cfg.to_dict(),
@@ -252,10 +235,7 @@ def load_checkpoint(path: str | Path) -> tuple[HiddenStateNet, DraftVocab, dict]
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{cfg_path}: format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     net = HiddenStateNet(HiddenStateConfig(**meta["model"]))
-    state = load_file(str(path / meta.get("weights", WEIGHTS_FILE)))
-    for key in [k for k in state if k.endswith(INT4_SUFFIX)]:
-        name = key[:-len(INT4_SUFFIX)]
-        state[name] = _unpack_int4(state.pop(key), state.pop(name + INT4_SCALES_SUFFIX), int(meta["int4_group_size"]))
+    state = load_weights(path / meta.get("weights", WEIGHTS_FILE))
     missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")

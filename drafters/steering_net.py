@@ -16,6 +16,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
+from metasd.packed_weights import load_weights
+
 
 FORMAT = "metasd-steering/1"
 
@@ -262,8 +264,6 @@ def save_steering(path: str | Path, module: SteeringModule | None, drafter_param
 
 def load_steering(path: str | Path) -> tuple[SteeringModule | None, dict[str, torch.Tensor], dict]:
     """Read a checkpoint written by ``save_steering``: (module in fp32 or None, drafter params, config)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if path.is_dir():
         path = path / "steering.safetensors"
@@ -275,7 +275,7 @@ def load_steering(path: str | Path) -> tuple[SteeringModule | None, dict[str, to
     config = json.loads(cpath.read_text())
     if config.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(cpath)!r}: format {config.get('format')!r}, expected {FORMAT!r}")
-    tensors = load_file(str(path))
+    tensors = load_weights(path)  # plain or packed (metasd pack-weights)
     module = None
     if config.get("steering") is not None:
         try:

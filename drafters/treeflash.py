@@ -35,10 +35,11 @@ from typing import Any, Literal, Sequence
 
 import torch
 from pydantic import Field
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from metasd.draft_vocab import DraftVocab
 from metasd.drafter import Drafter, DrafterParams, Int, StepContext, register_drafter
+from metasd.packed_weights import load_weights
 from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
@@ -190,7 +191,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple
         raise ValueError(f"{cfg_path}: format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     cfg = TreeFlashConfig.from_dict(meta["model"])
     model = TreeFlashModel(cfg)
-    state = load_file(str(path / meta.get("weights", WEIGHTS_FILE)))
+    state = load_weights(path / meta.get("weights", WEIGHTS_FILE))  # plain or packed (metasd pack-weights)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")

@@ -329,6 +329,7 @@ def _bench(args) -> int:
 # Subcommands whose modules are imported only when used: (module, parser-adder)
 _LAZY = {
     "bench": ("metasd.cli", "add_bench_parser"),
+    "pack-weights": ("metasd.packed_weights", "add_pack_weights_parser"),
 }
 _TRAIN = {
     "features": ("metasd.training.features", "add_train_features_parser"),

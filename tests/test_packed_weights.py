@@ -1,0 +1,88 @@
+"""Checkpoint weights packed as 4-bit groups (metasd.packed_weights): the round trip's error bound and shapes,
+what stays unpacked, and packed drafter checkpoints that load through a pool and keep greedy identity."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metasd.cli import main
+from metasd.config import load_pool
+from metasd.packed_weights import (INT4_SUFFIX, SCALES_SUFFIX, group_for, is_packed, load_weights, pack_checkpoint,
+                                   pack_file, pack_int4, unpack_int4)
+from test_conformance import ENTRIES, PROMPT, _pool, root  # noqa: F401  (root: the tiny models' fixture)
+from tiny import plain_greedy, tiny_tokenizer
+
+
+def test_round_trip_keeps_shapes_and_bounds_the_error():
+    torch.manual_seed(0)
+    tensors = {"matrix": torch.randn(64, 96), "heads": torch.randn(3, 40, 64), "norm": torch.randn(96),
+               "ids": torch.arange(10), "small": torch.randn(4, 32)}
+    packed = pack_int4(tensors, group_size=32, min_numel=256)
+    assert {"matrix" + INT4_SUFFIX, "heads" + INT4_SUFFIX} <= set(packed)
+    assert torch.equal(packed["norm"], tensors["norm"]) and torch.equal(packed["ids"], tensors["ids"])
+    assert torch.equal(packed["small"], tensors["small"])  # under min_numel: stored as it was
+    out = unpack_int4(packed)
+    assert set(out) == set(tensors)
+    for name in ("matrix", "heads"):
+        w, back = tensors[name], out[name]
+        assert back.shape == w.shape
+        groups = w.reshape(-1, w.shape[-1] // 32, 32)
+        step = (groups.amax(-1) - groups.amin(-1)) / 15  # one quantization step per group
+        err = (back - w).abs().reshape(groups.shape)
+        # half a step from rounding, plus the bf16 rounding of the stored scale and zero
+        assert bool((err <= 0.5 * step[..., None] + 0.02 * groups.abs().amax(-1, keepdim=True)).all()), name
+        assert not torch.equal(back, w)  # it is a lossy format: the test above compares something
+
+
+def test_group_halves_until_it_divides_the_input():
+    assert group_for(torch.zeros(8, 96), 128, min_numel=0) == 32
+    assert group_for(torch.zeros(8, 256), 128, min_numel=0) == 128
+    assert group_for(torch.zeros(8, 24), 128, min_numel=0) is None  # no group of >= 16 divides 24
+    packed = pack_int4({"w": torch.randn(16, 96)}, 128, min_numel=0)
+    assert packed["w" + SCALES_SUFFIX].shape == (3, 16, 2)  # three groups of 32
+
+
+def test_pack_file_shrinks_keeps_metadata_and_refuses_twice(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(256, 256).to(torch.bfloat16), "b": torch.randn(256)}, str(path), metadata={"format": "x/1"})
+    before, after = pack_file(path)
+    assert after < 0.35 * before and is_packed(path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["format"] == "x/1"
+    assert load_weights(path)["w"].shape == (256, 256)
+    with pytest.raises(ValueError, match="already packed"):
+        pack_file(path)
+
+
+def test_cli_packs_a_folder_and_names_a_folder_without_weights(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    save_file({"w": torch.randn(256, 512)}, str(tmp_path / "ckpt" / "model.safetensors"))
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"weights_dtype": "float32"}))
+    assert main(["pack-weights", str(tmp_path / "ckpt")]) == 0
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["weights_dtype"] == "int4"
+    (tmp_path / "empty").mkdir()
+    assert main(["pack-weights", str(tmp_path / "empty")]) == 2
+    assert "no weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["block", "hidden_state", "treeflash", "steered"])
+def test_packed_checkpoint_drafts_and_keeps_greedy_identity(root, kind):  # noqa: F811
+    entry = ENTRIES[kind](root)
+    folder = root / entry["checkpoint"]
+    folder = folder if folder.is_dir() else folder.parent
+    plain = load_pool(_pool(root, kind, entry, name="unpacked")).drafter(kind)
+    plain_state = {k: v.clone() for m in plain.modules() for k, v in m.state_dict().items()}
+    if not is_packed(next(p for p in folder.glob("*.safetensors") if "vocab" not in p.name)):
+        pack_checkpoint(folder, group_size=16, min_numel=0)
+    engine = load_pool(_pool(root, kind, entry, name="packed"))
+    engine.tokenizer = tiny_tokenizer()
+    packed_state = {k: v for m in engine.drafter(kind).modules() for k, v in m.state_dict().items()}
+    changed = [k for k, v in packed_state.items() if v.is_floating_point() and not torch.equal(v, plain_state[k])]
+    assert changed, f"{kind}: the packed checkpoint loaded the same weights: nothing was packed"
+    for n in (9, 30):
+        result = engine.generate(PROMPT, max_new_tokens=n)
+        assert result.token_ids == plain_greedy(engine.verifier.model, PROMPT, n), f"{kind}: differs at {n}"
+    assert result.stats.drafted > 0
