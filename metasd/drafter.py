@@ -38,12 +38,20 @@ class StepContext:
 
 @dataclass
 class StepFeedback:
-    """What the verifier did with a draft."""
+    """One step as the verifier decided it: the record a drafter learns from (``Drafter.observe``) and a
+    reward scores (``metasd.rewards``)."""
 
     draft: Draft
     acceptance: Acceptance
     committed: list[int]  # tokens committed this step: the accepted draft tokens, then the bonus
     target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities (sampling only)
+    target_argmax: torch.Tensor | None = None  # [n+1] verifier argmax (greedy only)
+    seconds: float = 0.0  # drafting (catch-up included) + verification wall time of the step
+    cost: float = 0.0  # modeled cost of the same work, in verifier decode steps (metasd.cost)
+
+    @property
+    def n_accepted(self) -> int:
+        return self.acceptance.n_accepted
 
 
 # Field types for ``DrafterParams``: no coercion (YAML gives ints, floats and booleans; a string "5", a float 4.0

@@ -17,7 +17,7 @@ from .cost import CostModel, StepMeter, attach, decode_step_cost
 from .drafter import Drafter, StepContext, StepFeedback
 from .metrics import RequestStats
 from .policy import Policy
-from .rewards import BOUNDED_REWARDS, StepOutcome, get_reward
+from .rewards import BOUNDED_REWARDS, get_reward
 from .sampling import SamplingParams, process_logits
 from .tree import Draft
 from .verifier import HiddenStore, Verifier
@@ -318,16 +318,16 @@ class _Request:
                 stats.modeled_cost += meter.steps
                 name = drafter.name if drafter is not None else "none"
                 stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed))
-                outcome = StepOutcome(draft, acc.n_accepted, len(committed), t2 - t0, target_probs, target_argmax,
-                                      cost=meter.steps)
-                reward = eng.reward_fn(outcome)
+                feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0,
+                                        cost=meter.steps)
+                reward = eng.reward_fn(feedback)
                 stats.rewards.append(reward)
                 if drafter is not None:
                     if eng.granularity == "step":
                         policy.update(arm, reward, context)
                     else:
                         request_rewards.append(reward)
-                    drafter.observe(StepFeedback(draft, acc, committed, target_probs))
+                    drafter.observe(feedback)
                 done = self._commit(committed, eos)
                 tokens.extend(committed)
                 yield committed

@@ -1,34 +1,18 @@
 """Rewards a policy learns from, computed from what one step already measured (docs/algorithms.md#rewards)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Literal, get_args
 
-import torch
-
-from .tree import Draft
+from .drafter import StepFeedback
 
 
-@dataclass
-class StepOutcome:
-    """What a reward may use about one step."""
-
-    draft: Draft
-    n_accepted: int
-    committed: int  # tokens committed (n_accepted + 1)
-    seconds: float  # drafting (catch-up included) + verification wall time of the step
-    target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities, when computed
-    target_argmax: torch.Tensor | None = None  # [n+1] verifier argmax (greedy)
-    cost: float = 0.0  # modeled cost of the same work, in verifier decode steps (metasd.cost)
-
-
-def block_efficiency(o: StepOutcome) -> float:
+def block_efficiency(o: StepFeedback) -> float:
     """r_BE = n_acc / k (k = draft depth; 0 for an empty draft). In [0, 1]."""
     k = o.draft.depth
     return o.n_accepted / k if k else 0.0
 
 
-def block_divergence(o: StepOutcome) -> float:
+def block_divergence(o: StepFeedback) -> float:
     """r_BD = (1/n) sum_j (1 - TV(p_j, q_j)) over drafted nodes. In [0, 1].
 
     Drafts without probabilities (n-gram, greedy argmax) count q as one-hot on the drafted token, so
@@ -50,19 +34,19 @@ def block_divergence(o: StepOutcome) -> float:
     return float((1 - tv).mean())
 
 
-def throughput(o: StepOutcome) -> float:
+def throughput(o: StepFeedback) -> float:
     """Committed tokens per modeled cost of the step (drafting, catch-up and verification, in verifier
     decode steps: plain decoding scores 1). Unbounded; deterministic - no clock is read (metasd.cost)."""
-    return o.committed / o.cost if o.cost > 0 else 0.0
+    return len(o.committed) / o.cost if o.cost > 0 else 0.0
 
 
-def wall_throughput(o: StepOutcome) -> float:
+def wall_throughput(o: StepFeedback) -> float:
     """Committed tokens per wall-clock second of the step. Unbounded; carries the machine's timing noise
     into the policy, so a multi-drafter pool's choices (and bf16 near-ties) differ from run to run."""
-    return o.committed / o.seconds if o.seconds > 0 else 0.0
+    return len(o.committed) / o.seconds if o.seconds > 0 else 0.0
 
 
-REWARDS: dict[str, Callable[[StepOutcome], float]] = {
+REWARDS: dict[str, Callable[[StepFeedback], float]] = {
     "block_efficiency": block_efficiency,
     "block_divergence": block_divergence,
     "throughput": throughput,
@@ -74,7 +58,7 @@ RewardName = Literal["throughput", "wall_throughput", "block_efficiency", "block
 assert set(get_args(RewardName)) == set(REWARDS), "RewardName and REWARDS must list the same rewards"
 
 
-def get_reward(name: str) -> Callable[[StepOutcome], float]:
+def get_reward(name: str) -> Callable[[StepFeedback], float]:
     try:
         return REWARDS[name]
     except KeyError:
