@@ -261,7 +261,7 @@ class _Request:
     def _context(self) -> Any:
         if not getattr(self.policy, "contextual", False):
             return None
-        from .features import request_features
+        from .request_features import request_features
 
         return request_features(self.prompt_ids, self.category, self.engine.categories)
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-# A context is a fixed-length feature vector of cheap request features (see ``metasd.features``);
+# A context is a fixed-length feature vector of cheap request features (see ``metasd.request_features``);
 # context-free policies ignore it.
 Context = Sequence[float] | np.ndarray | None
 
@@ -24,7 +24,7 @@ class Policy(abc.ABC):
 
     #: name used in configs and on the CLI (``policy: {name: ucb}``)
     name: ClassVar[str] = ""
-    #: True for contextual policies: the engine then passes ``metasd.features.request_features``
+    #: True for contextual policies: the engine then passes ``metasd.request_features.request_features``
     contextual: ClassVar[bool] = False
 
     @property

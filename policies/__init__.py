@@ -21,7 +21,7 @@ from typing import Any
 
 from metasd.policy import POLICIES, Policy, register_policy
 
-from .baselines import Fixed, RandomPolicy, RoundRobin
+from .non_learning import Fixed, RandomPolicy, RoundRobin
 from .epsilon_greedy import EpsilonGreedy
 from .exp3 import EXP3
 from .linucb import LinUCB

@@ -1,4 +1,4 @@
-"""LinUCB: a contextual bandit on cheap request features (``metasd.features.request_features``)."""
+"""LinUCB: a contextual bandit on cheap request features (``metasd.request_features.request_features``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
