@@ -56,6 +56,10 @@ def _add_generate(sub) -> None:
                    help="draft length (an integer >= 1) of the drafters chosen with --drafter: model references, "
                         "'ngram', and the pool's pretrained/steered chain drafters (default: the pool's value, "
                         "else 5 for a model and 10 for ngram)")
+    p.add_argument("--param", action="append", metavar="DRAFTER.KEY=VALUE",
+                   help="set one entry of a drafter's params, for any drafter type, VALUE read as YAML (e.g. "
+                        "--param tree.nodes=48 --param ngram.n_max=3); DRAFTER is a name of the pool, or as given "
+                        "to --drafter; checked like the pool file; repeatable")
     p.add_argument("--policy", help=f"policy name (default: the pool's): one of {_policy_names()}")
     p.add_argument("--granularity", choices=["step", "request"],
                    help="choose a drafter per step or per request (default: the pool's)")
@@ -104,6 +108,12 @@ def _pool_overrides(args) -> dict:
                 d["params"] = {**(d.get("params") or {}), "k": args.k}
             chosen.append(d)
         cfg["drafters"] = chosen
+    entries = _pool_drafters(cfg)
+    for name, key, value in map(parse_param, args.param or []):
+        if name not in entries:
+            raise ValueError(f"--param {name}.{key}: no drafter named {name!r} in the pool "
+                             f"(drafters: {', '.join(entries) or 'none'})")
+        entries[name]["params"] = {**(entries[name].get("params") or {}), key: value}
     if args.policy:
         old = cfg.get("policy") if isinstance(cfg.get("policy"), dict) else {}
         cfg["policy"] = {"name": args.policy, "params": {}, "seed": old.get("seed", 0)}
@@ -112,6 +122,20 @@ def _pool_overrides(args) -> dict:
     if args.reward:
         cfg["reward"] = args.reward
     return cfg
+
+
+def parse_param(item: str) -> tuple[str, str, object]:
+    """``--param DRAFTER.KEY=VALUE`` -> (drafter name, key, YAML value); ``ValueError`` naming the option."""
+    import yaml
+
+    target, sep, value = item.partition("=")
+    name, dot, key = target.strip().rpartition(".")
+    if not (sep and dot and name and key):
+        raise ValueError(f"--param {item!r}: expected DRAFTER.KEY=VALUE, e.g. --param tree.nodes=48")
+    try:
+        return name, key, yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--param {item!r}: VALUE is not YAML: {e}") from None
 
 
 def _pool_drafters(cfg: dict) -> dict:
@@ -129,6 +153,8 @@ def _check_options(args) -> None:
                   top_p=args.top_p, top_k=args.top_k, threads=args.threads)
     if args.k is not None and args.k < 1:
         raise ValueError(f"--k must be an integer >= 1, got {args.k}")
+    for item in args.param or []:
+        parse_param(item)
     if args.policy:
         from .config import resolve_policy_class
 
@@ -184,6 +210,8 @@ def _generate(args) -> int:
     # everything that can be checked without a model is checked first: options, pool file, references, devices
     _check_options(args)
     source = args.pool or "default pool"
+    if args.param:
+        source += " with --param " + " ".join(args.param)  # so a refused value is traced to the option
     config = parse_pool_config(_pool_overrides(args), source=source)
     check_model_references(config, source, Path(args.pool).resolve().parent if args.pool else None)
     try:

@@ -16,7 +16,7 @@ import metasd.drafters  # noqa: F401  (registers the drafter types before anythi
 import metasd.models
 import metasd.policies  # noqa: F401
 from metasd.cli import main
-from metasd.config import read_pool_config
+from metasd.config import parse_pool_config, read_pool_config
 from metasd.drafter import DRAFTERS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,6 +151,14 @@ ROWS = {
     "unknown --policy": _option_row(["--policy", "ucbx"], "--policy: unknown policy 'ucbx'; registered: ["),
     "bad --dtype": _option_row(["--dtype", "fp8"], "--dtype: dtype 'fp8' is not valid; allowed: 'auto', "),
     "nonexistent --drafter path": _missing_drafter_path,
+    "--param without KEY=VALUE": _option_row(["--param", "ngram"], "--param 'ngram': expected DRAFTER.KEY=VALUE"),
+    "--param for a drafter not in the pool": lambda tmp_path: (
+        ["--pool", str(_pool_file(tmp_path)), "--param", "tree.nodes=4"],
+        ["--param tree.nodes: no drafter named 'tree' in the pool (drafters: ngram, ngram2)"]),
+    "--param with a key the type lacks": lambda tmp_path: (
+        ["--pool", str(_pool_file(tmp_path)), "--param", "ngram2.nodes=4"], ["drafters.1.params.nodes: NGramDrafter has no parameter 'nodes'"]),
+    "--param with a value out of range": lambda tmp_path: (
+        ["--pool", str(_pool_file(tmp_path)), "--param", "ngram.k=0"], ["drafters.0.params.k"]),
     "unknown bundled --drafter": _option_row(["--drafter", "bundled:nope"],
                                              "--drafter 'bundled:nope' is not a drafter of the pool",
                                              "unknown bundled model 'bundled:nope'; bundled models are: bundled:"),
@@ -315,3 +323,18 @@ def test_hub_id_out_of_reach_and_not_cached_is_refused(tmp_path, monkeypatch, no
             "reference: cannot load model 'no-org/no-model': it is not a local path or a bundled: reference, and the "
             "Hugging Face hub is disabled (HF_HUB_OFFLINE=1) and the model is not in the local Hugging Face cache") in err
     assert no_model_load == []
+
+
+def test_param_sets_params_of_any_drafter_type(tmp_path):
+    """``--param NAME.KEY=VALUE`` reaches the named entry's params (any type; the value read as YAML), also
+    for a drafter chosen with --drafter, and leaves the other entries alone."""
+    from metasd.cli import _pool_overrides, build_parser
+
+    argv = ["generate", "--pool", str(_pool_file(tmp_path)), "--param", "ngram2.n_max=3", "--param", "ngram2.latest=true"]
+    cfg = parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv)))
+    params = {d.name: d.params for d in cfg.drafters}
+    assert params["ngram2"]["n_max"] == 3 and params["ngram2"]["latest"] is True
+    assert "latest" not in params["ngram"]
+    argv = ["generate", "--pool", str(_pool_file(tmp_path)), "--drafter", "ngram", "--param", "ngram.n_min=2"]
+    cfg = parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv)))
+    assert [(d.name, d.params["n_min"]) for d in cfg.drafters] == [("ngram", 2)]
