@@ -33,7 +33,6 @@ step did not commit: the prompt, other drafters' steps; as TreeFlash counts them
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -41,13 +40,14 @@ from pydantic import Field
 from torch import nn
 
 from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Bool, Drafter, DrafterParams, Int, StepContext, register_drafter
+from metasd.drafter import Bool, DrafterParams, Int, StepContext, register_drafter
 from metasd.quantize import quantize_model
 from metasd.sampling import process_logits, sample
 from metasd.tree import Draft
 
 from .hidden_state_net import HiddenStateNet, load_checkpoint
 from .treeflash_backbone import VerifierPieces
+from .verifier_state import VerifierStateDrafter
 
 MODES = ("chain", "tree")
 
@@ -64,7 +64,7 @@ class HiddenStateParams(DrafterParams):
 
 
 @register_drafter
-class HiddenStateDrafter(Drafter):
+class HiddenStateDrafter(VerifierStateDrafter):
     """Token-free hidden-state recurrence + token injection, with reuse of earlier drafts' states.
 
     net: a ``HiddenStateNet``; verifier_model: the verifier (its embeddings and LM head are used, frozen);
@@ -74,7 +74,7 @@ class HiddenStateDrafter(Drafter):
     """
 
     kind = "hidden_state"
-    model_field, checkpoint_field = "never", "required"
+    load_checkpoint = staticmethod(load_checkpoint)
     Params = HiddenStateParams
 
     def __init__(self, net: HiddenStateNet, verifier_model, vocab: DraftVocab, mode: str = "chain", depth: int = 4,
@@ -115,23 +115,6 @@ class HiddenStateDrafter(Drafter):
         self.counters: dict[str, int] = {}
         self.last_states: torch.Tensor | None = None  # [D, d] depth states of the last draft (tests, analysis)
         self._reset()
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, verifier_model, **params) -> "HiddenStateDrafter":
-        net, vocab, meta = load_checkpoint(path)
-        defaults = dict(meta.get("defaults", {}))
-        defaults.update(params)
-        return cls(net, verifier_model, vocab, checkpoint=str(path), **defaults)
-
-    @classmethod
-    def from_config(cls, name: str, params: dict[str, Any], build) -> "HiddenStateDrafter":
-        if not build.checkpoint:
-            raise ValueError(f"drafter {name!r} of type 'hidden_state' needs a checkpoint directory (field 'checkpoint')")
-        if build.model:
-            raise ValueError(f"drafter {name!r} of type 'hidden_state' takes no model: it uses the verifier's embeddings and head")
-        drafter = cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
-        drafter.quantize(build.quantize)
-        return drafter
 
     def quantize(self, mode: str) -> None:
         """Weight-only quantization of the drafter's own layers and of its draft-vocabulary head slice (a

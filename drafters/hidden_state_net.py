@@ -29,9 +29,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from metasd.draft_vocab import DraftVocab
-from metasd.packed_weights import load_weights, pack_int4
+from metasd.packed_weights import pack_int4
 
-from .treeflash_backbone import SwiGLU, apply_rope, rope_cos_sin
+from .treeflash_backbone import SwiGLU, apply_rope, init_linears, rope_cos_sin
+from .verifier_state import load_network_weights, read_checkpoint_config
 
 CHECKPOINT_FORMAT = "metasd-hidden-state"
 WEIGHTS_FILE = "model.safetensors"
@@ -144,11 +145,7 @@ class HiddenStateNet(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                nn.init.normal_(mod.weight, std=std)
-                if mod.bias is not None:
-                    nn.init.zeros_(mod.bias)
+        init_linears(self, std)
         nn.init.zeros_(self.inject.down.weight)
 
     @property
@@ -228,16 +225,8 @@ def save_checkpoint(path: str | Path, net: HiddenStateNet, vocab: DraftVocab, me
 def load_checkpoint(path: str | Path) -> tuple[HiddenStateNet, DraftVocab, dict]:
     """A checkpoint directory -> (fp32 network in eval mode, draft vocabulary, config.json contents)."""
     path = Path(path)
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{path} is not a hidden-state drafter checkpoint: {CONFIG_FILE} is missing")
-    meta = json.loads(cfg_path.read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{cfg_path}: format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    meta = read_checkpoint_config(path, CONFIG_FILE, CHECKPOINT_FORMAT, "hidden-state drafter")
     net = HiddenStateNet(HiddenStateConfig(**meta["model"]))
-    state = load_weights(path / meta.get("weights", WEIGHTS_FILE))
-    missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    load_network_weights(net, path / meta.get("weights", WEIGHTS_FILE))
     vocab = DraftVocab.load(path / meta.get("draft_vocab", VOCAB_FILE))
     return net.eval().requires_grad_(False), vocab, meta

@@ -38,12 +38,12 @@ from pydantic import Field
 from safetensors.torch import save_file
 
 from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Drafter, DrafterParams, Int, StepContext, register_drafter
-from metasd.packed_weights import load_weights
+from metasd.drafter import DrafterParams, Int, StepContext, register_drafter
 from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
 from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
+from .verifier_state import VerifierStateDrafter, load_network_weights, read_checkpoint_config
 
 MODES = ("chain", "marginal", "treeflash")
 CHECKPOINT_FORMAT = "metasd-treeflash"
@@ -183,18 +183,9 @@ def save_checkpoint(path: str | Path, model: TreeFlashModel, vocab: DraftVocab, 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[TreeFlashModel, DraftVocab, dict]:
     """A TreeFlash checkpoint directory -> (model, draft vocabulary, config.json contents)."""
     path = Path(path)
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{path} is not a TreeFlash checkpoint: {CONFIG_FILE} is missing")
-    meta = json.loads(cfg_path.read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{cfg_path}: format is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
-    cfg = TreeFlashConfig.from_dict(meta["model"])
-    model = TreeFlashModel(cfg)
-    state = load_weights(path / meta.get("weights", WEIGHTS_FILE))  # plain or packed (metasd pack-weights)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    meta = read_checkpoint_config(path, CONFIG_FILE, CHECKPOINT_FORMAT, "TreeFlash")
+    model = TreeFlashModel(TreeFlashConfig.from_dict(meta["model"]))
+    load_network_weights(model, path / meta.get("weights", WEIGHTS_FILE))  # plain or packed (metasd pack-weights)
     vocab = DraftVocab.load(path / meta.get("draft_vocab", VOCAB_FILE))
     if dtype is not None:
         model.to(dtype)
@@ -214,7 +205,7 @@ class TreeFlashParams(DrafterParams):
 
 
 @register_drafter
-class TreeFlashDrafter(Drafter):
+class TreeFlashDrafter(VerifierStateDrafter):
     """One-shot block drafter with the TreeFlash tree construction (see module docstring).
 
     model: a trained ``TreeFlashModel``; verifier_model: the verifier (transformers causal LM) whose
@@ -224,7 +215,7 @@ class TreeFlashDrafter(Drafter):
     """
 
     kind = "treeflash"
-    model_field, checkpoint_field = "never", "required"
+    load_checkpoint = staticmethod(load_checkpoint)
     Params = TreeFlashParams
 
     def __init__(self, model: TreeFlashModel, verifier_model, vocab: DraftVocab, mode: str = "treeflash",
@@ -263,22 +254,9 @@ class TreeFlashDrafter(Drafter):
         self._own_rows = 0  # rows the verifier added for this drafter's own last step (not catch-up)
         self._last_catch_up = 0
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, verifier_model, **params) -> "TreeFlashDrafter":
-        model, vocab, meta = load_checkpoint(path)
-        defaults = dict(meta.get("defaults", {}))
-        defaults.update(params)
-        return cls(model, verifier_model, vocab, checkpoint=str(path), **defaults)
-
-    @classmethod
-    def from_config(cls, name: str, params: dict[str, Any], build) -> "TreeFlashDrafter":
-        if not build.checkpoint:
-            raise ValueError(f"drafter {name!r} of type 'treeflash' needs a checkpoint directory (field 'checkpoint')")
-        if build.model:
-            raise ValueError(f"drafter {name!r} of type 'treeflash' takes no model: it uses the verifier's embeddings and head")
-        drafter = cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
-        quantize_model(drafter.model, build.quantize, name=f"drafter {name!r}")  # its own layers (not the head slice)
-        return drafter
+    def quantize(self, mode: str) -> None:
+        """Weight-only quantization of the drafter's own layers (not the verifier's head slice)."""
+        quantize_model(self.model, mode, name=f"drafter {self.name!r}")
 
     # ---------------------------------------------------------- per request
     def begin(self, ctx: StepContext) -> None:

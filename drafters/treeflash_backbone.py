@@ -280,11 +280,7 @@ class TreeFlashModel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                nn.init.normal_(mod.weight, std=std)
-                if mod.bias is not None:
-                    nn.init.zeros_(mod.bias)
+        init_linears(self, std)
         nn.init.normal_(self.mask_embedding, std=std)
         nn.init.zeros_(self.ar.down.weight)  # an untrained AR correction changes nothing
         if self.skip is not None:
@@ -350,6 +346,16 @@ class TreeFlashModel(nn.Module):
     def ar_hidden(self, h: torch.Tensor, prev_emb: torch.Tensor, pieces: VerifierPieces) -> torch.Tensor:
         """h [..., d] marginal state, prev_emb [..., d] embedding of the previous token -> corrected h~ [..., d]."""
         return self.ar(h, self.output_norm(pieces)(h).to(h.dtype), prev_emb.to(h.dtype))
+
+
+@torch.no_grad()
+def init_linears(module: nn.Module, std: float = 0.02) -> None:
+    """Every ``nn.Linear`` inside ``module``: weight ~ N(0, std^2), bias 0 (the drafter networks' init)."""
+    for mod in module.modules():
+        if isinstance(mod, nn.Linear):
+            nn.init.normal_(mod.weight, std=std)
+            if mod.bias is not None:
+                nn.init.zeros_(mod.bias)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -19,7 +19,6 @@ loader calls it instead of ``safetensors.torch.load_file``; ``metasd pack-weight
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 

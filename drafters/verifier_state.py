@@ -1,0 +1,60 @@
+"""What drafters that run on the verifier's own states share: built from a trained checkpoint directory
+(whose ``config.json`` ``defaults`` are the drafting parameters a pool entry's ``params`` override) and
+from the verifier's embeddings and LM head, so a pool entry gives a ``checkpoint`` and no ``model``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from torch import nn
+
+from metasd.drafter import Drafter
+from metasd.packed_weights import load_weights
+
+
+class VerifierStateDrafter(Drafter):
+    """Base of the TreeFlash and hidden-state drafters: ``from_checkpoint`` / ``from_config`` once.
+
+    A subclass sets ``load_checkpoint`` (path -> (network, draft vocabulary, config.json contents)), takes
+    ``(network, verifier_model, vocab, ..., name=, checkpoint=)`` in its constructor and quantizes its own
+    layers in ``quantize``."""
+
+    model_field, checkpoint_field = "never", "required"
+    load_checkpoint: ClassVar[Callable[[str | Path], tuple[Any, Any, dict]]]
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, verifier_model, **params) -> "VerifierStateDrafter":
+        """The drafter of a checkpoint directory over ``verifier_model``; ``params`` override its defaults."""
+        network, vocab, meta = cls.load_checkpoint(path)
+        return cls(network, verifier_model, vocab, checkpoint=str(path), **{**meta.get("defaults", {}), **params})
+
+    @classmethod
+    def from_config(cls, name: str, params: dict[str, Any], build) -> "VerifierStateDrafter":
+        drafter = cls.from_checkpoint(build.checkpoint, build.verifier.model, name=name, **params)
+        drafter.quantize(build.quantize)
+        return drafter
+
+    def quantize(self, mode: str) -> None:
+        """Weight-only quantization (``metasd.quantize``) of the drafter's own layers."""
+        raise NotImplementedError
+
+
+def read_checkpoint_config(path: str | Path, config_file: str, fmt: str, what: str) -> dict:
+    """``path/config_file`` of a checkpoint directory, checked to be of format ``fmt`` (``what``: for errors)."""
+    cfg_path = Path(path) / config_file
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} is not a {what} checkpoint: {config_file} is missing")
+    meta = json.loads(cfg_path.read_text())
+    if meta.get("format") != fmt:
+        raise ValueError(f"{cfg_path}: format is {meta.get('format')!r}, expected {fmt!r}")
+    return meta
+
+
+def load_network_weights(net: nn.Module, weights_path: str | Path) -> None:
+    """Load a checkpoint's weights (plain or packed, see ``metasd.packed_weights``) into ``net`` as fp32,
+    refusing a file whose tensors do not match the network the config describes."""
+    state = load_weights(weights_path)
+    missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights_path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
