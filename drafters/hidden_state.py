@@ -47,7 +47,7 @@ from metasd.tree import Draft
 
 from .hidden_state_net import HiddenStateNet, load_checkpoint
 from .treeflash_backbone import VerifierPieces
-from .verifier_state import VerifierStateDrafter
+from .verifier_state import VerifierStateDrafter, check_verifier_fit
 
 MODES = ("chain", "tree")
 
@@ -88,14 +88,7 @@ class HiddenStateDrafter(VerifierStateDrafter):
                              f"nodes={nodes}, k={k}, max_stale={max_stale}")
         cfg = net.cfg
         where = f"{self.name}: checkpoint {checkpoint or '(in memory)'}"
-        vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
-        n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
-        if width != cfg.verifier_hidden_size:
-            raise ValueError(f"{where} was trained for a verifier of width {cfg.verifier_hidden_size}; this verifier has {width}")
-        vocab_size = verifier_model.get_input_embeddings().weight.shape[0]
-        if vocab.full_size != cfg.verifier_vocab_size or vocab_size < vocab.full_size:
-            raise ValueError(f"{where} has a draft vocabulary over {vocab.full_size} tokens (trained for "
-                             f"{cfg.verifier_vocab_size}); this verifier embeds {vocab_size}")
+        n_layers = check_verifier_fit(where, cfg, verifier_model, vocab)
         if not 0 <= cfg.state_layer <= n_layers:
             raise ValueError(f"{where} reads verifier layer {cfg.state_layer}; this verifier has hidden states 0..{n_layers}")
         self.mode, self.depth, self.nodes, self.k = mode, int(depth), int(nodes), int(k)

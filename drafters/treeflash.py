@@ -43,7 +43,7 @@ from metasd.quantize import quantize_model
 from metasd.tree import Draft
 
 from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
-from .verifier_state import VerifierStateDrafter, load_network_weights, read_checkpoint_config
+from .verifier_state import VerifierStateDrafter, check_verifier_fit, load_network_weights, read_checkpoint_config
 
 MODES = ("chain", "marginal", "treeflash")
 CHECKPOINT_FORMAT = "metasd-treeflash"
@@ -230,13 +230,7 @@ class TreeFlashDrafter(VerifierStateDrafter):
             raise ValueError(f"{self.name}: block_size must be in [2, {cfg.block_size}] (trained with {cfg.block_size}), got {block_size}")
         if m < 1 or k < 1 or tree_size < 1:
             raise ValueError(f"{self.name}: m, k and tree_size must be >= 1, got m={m}, k={k}, tree_size={tree_size}")
-        vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
-        n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
-        if width != cfg.verifier_hidden_size:
-            raise ValueError(f"{self.name}: trained for a verifier of width {cfg.verifier_hidden_size}, this one has {width}")
-        vocab_size = verifier_model.get_input_embeddings().weight.shape[0]
-        if vocab.full_size != cfg.verifier_vocab_size or vocab_size < vocab.full_size:
-            raise ValueError(f"{self.name}: draft vocabulary for {vocab.full_size} tokens, verifier embeds {vocab_size}")
+        n_layers = check_verifier_fit(f"{self.name}: checkpoint {checkpoint or '(in memory)'}", cfg, verifier_model, vocab)
         bad = [layer for layer in cfg.context_layers if not 0 <= layer <= n_layers]
         if bad:
             raise ValueError(f"{self.name}: context layers {bad} outside the verifier's hidden states 0..{n_layers}")

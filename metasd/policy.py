@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from .registry import registrar
+
 # A context is a fixed-length feature vector of cheap request features (see ``metasd.request_features``);
 # context-free policies ignore it.
 Context = Sequence[float] | np.ndarray | None
@@ -82,11 +84,5 @@ class Policy(abc.ABC):
 
 # Registry of policy classes by name; ``register_policy`` is also used for user classes.
 POLICIES: dict[str, type[Policy]] = {}
-
-
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy available by its ``name`` in configs and on the CLI."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    POLICIES[cls.name] = cls
-    return cls
+register_policy = registrar(POLICIES, "name", "Class decorator: make a policy available by its ``name`` in configs "
+                                              "and on the CLI.")

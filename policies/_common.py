@@ -31,13 +31,7 @@ class BasePolicy(Policy):
         return index
 
     def _check_reward(self, reward: Any) -> float:
-        try:
-            value = float(reward)
-        except (TypeError, ValueError):
-            raise ValueError(f"{self._label()}: reward must be a number, got {reward!r}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"{self._label()}: reward must be finite, got {reward!r}")
-        return value
+        return finite_number(reward, f"{self._label()}: reward")
 
     def _check_unit_reward(self, reward: Any) -> float:
         value = self._check_reward(reward)
@@ -72,17 +66,22 @@ def check_param(cls_name: str, name: str, value: Any, ok: bool, requirement: str
         raise ValueError(f"{cls_name}: parameter {name!r} must be {requirement}, got {value!r}")
 
 
-def as_number(cls_name: str, name: str, value: Any) -> float:
-    """``float(value)`` for a real, finite number (bools rejected), else a ``ValueError`` naming the parameter."""
+def finite_number(value: Any, what: str) -> float:
+    """``float(value)`` for a real, finite number (bools rejected), else a ``ValueError``: "``what`` must be ..."."""
     if isinstance(value, bool):
-        raise ValueError(f"{cls_name}: parameter {name!r} must be a number, got {value!r}")
+        raise ValueError(f"{what} must be a number, got {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{cls_name}: parameter {name!r} must be a number, got {value!r}") from None
+        raise ValueError(f"{what} must be a number, got {value!r}") from None
     if not math.isfinite(number):
-        raise ValueError(f"{cls_name}: parameter {name!r} must be finite, got {value!r}")
+        raise ValueError(f"{what} must be finite, got {value!r}")
     return number
+
+
+def as_number(cls_name: str, name: str, value: Any) -> float:
+    """``finite_number`` naming the policy and the parameter."""
+    return finite_number(value, f"{cls_name}: parameter {name!r}")
 
 
 def as_int(cls_name: str, name: str, value: Any) -> int:
@@ -103,4 +102,4 @@ def first_unplayed(counts: np.ndarray) -> int:
     return int(zero[0]) if zero.size else -1
 
 
-__all__ = ["BasePolicy", "Context", "as_int", "as_number", "check_param", "first_unplayed"]
+__all__ = ["BasePolicy", "Context", "as_int", "as_number", "check_param", "finite_number", "first_unplayed"]
