@@ -63,9 +63,11 @@ class DraftVocab:
         return float(counts[self.token_ids].sum() / counts.sum())
 
     def save(self, path: str | Path) -> None:
-        save_file({"token_ids": self.token_ids.contiguous(), "full_size": torch.tensor([self.full_size])}, str(path))
+        """Token ids as int32 (half of int64's bytes; vocabularies stay far below 2^31), read back as int64."""
+        save_file({"token_ids": self.token_ids.to(torch.int32).contiguous(), "full_size": torch.tensor([self.full_size])},
+                  str(path))
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftVocab":
         d = load_file(str(path))
-        return cls(d["token_ids"], int(d["full_size"][0]))
+        return cls(d["token_ids"].long(), int(d["full_size"][0]))
