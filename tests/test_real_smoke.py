@@ -25,15 +25,9 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-def threads() -> int:
-    """2 threads alone; 1 per worker when pytest-xdist runs this beside other tests on the same cores."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, (os.cpu_count() or 2) // workers) if workers > 1 else 2
-
-
 @pytest.fixture(scope="module")
 def pair():
-    torch.set_num_threads(threads())
+    torch.set_num_threads(2)
     try:
         vm, vt = load_model("bundled:qwen2.5-coder-1.5b-instruct", dtype="fp32")
         dm, dt = load_model("bundled:qwen2.5-coder-0.5b-instruct", dtype="fp32")
