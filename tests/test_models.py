@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from metasd import bundled, models
+from metasd import bundled, devices, models
 from metasd.cache_marker import CACHE_MARKER
 from metasd.bundled import (
     BUNDLED,
@@ -376,9 +376,9 @@ def test_resolve_dtype_rejects_bad_values(bad):
 
 
 def test_resolve_dtype_auto(monkeypatch):
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") is torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16  # no CUDA needed to decide
@@ -398,8 +398,8 @@ def test_resolve_dtype_auto(monkeypatch):
     ],
 )
 def test_cpu_bf16_detection(monkeypatch, cpuinfo, expected):
-    monkeypatch.setattr(models, "_read_cpuinfo", lambda: cpuinfo)
-    assert models.cpu_has_native_bf16() is expected
+    monkeypatch.setattr(devices, "_read_cpuinfo", lambda: cpuinfo)
+    assert devices.cpu_has_native_bf16() is expected
 
 
 def test_resolve_device():
