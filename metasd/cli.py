@@ -315,7 +315,7 @@ def add_bench_parser(subparsers) -> None:
 
 def _bench_executor(args, exp):
     """The experiment's executor with --executor / --ray-address / --workers applied; ValueError naming the flag."""
-    from .experiment import ExecutorSpec
+    from .experiment_schema import ExecutorSpec
 
     d = exp.config.executor.model_dump()
     if args.executor:

@@ -185,7 +185,8 @@ def resolve_policy_class(name: str, where: str = "policy.name") -> type[Policy]:
     return _resolve_class(name, where, POLICIES, Policy, "policy", "metasd.policies")
 
 
-def _check_params(cls: type, params: dict[str, Any], where: str, skip: tuple[str, ...]) -> None:
+def check_param_names(cls: type, params: dict[str, Any], where: str, skip: tuple[str, ...]) -> None:
+    """Refuse ``params`` names that ``cls.__init__`` does not take (a class with ``**kwargs`` takes any)."""
     sig = inspect.signature(cls.__init__)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
@@ -221,7 +222,7 @@ def _validate_params(cls: type, params: dict[str, Any], loc: tuple, errors: list
     model = params_model(cls)
     if model is None:
         try:
-            _check_params(cls, params, ".".join(map(str, loc)), skip)
+            check_param_names(cls, params, ".".join(map(str, loc)), skip)
         except ValueError as e:
             errors.append(_line_error(loc, str(e).partition(": ")[2], params))
         return params

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .bench_requests import MethodRequests, PoolEngine, answer_request
-from .experiment import ExecutorSpec
+from .experiment_schema import ExecutorSpec
 from .runner import _Runner
 
 EXTRA = "pip install -e '.[ray]'"

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .bench_requests import MethodRequests, PoolEngine, answer_request
-from .experiment import Experiment, ExecutorSpec, ExperimentConfig, Method, ResolvedDataset, ResolvedPool, load_experiment
+from .experiment import Experiment, Method, ResolvedDataset, ResolvedPool, load_experiment
+from .experiment_schema import ExecutorSpec, ExperimentConfig
 from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, overloaded, plain_outliers, results_table,
                      summarize, table_columns)
 from .tracking import BenchStore, NestedRun, flatten_params, model_params, resolve_tracking_uri
