@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from .bench_requests import MethodRequests, PoolEngine, answer_request
 from .experiment_schema import ExecutorSpec
-from .runner import _Runner
+from .runner import StudyRunner
 
 EXTRA = "pip install -e '.[ray]'"
 
@@ -150,8 +150,8 @@ class BenchWorker:
         return {**self.states, **live}
 
 
-class RayRunner(_Runner):
-    """``_Runner`` with requests answered by Ray actors (module docstring); MLflow writes stay here."""
+class RayRunner(StudyRunner):
+    """``StudyRunner`` with requests answered by Ray actors (module docstring); MLflow writes stay here."""
 
     executor_name = "ray"
 

@@ -25,7 +25,7 @@ one request with a baseline or a method.
 Ctrl-C ends the runs with status KILLED; finished requests stay logged, and ``--run-id ID`` (or
 ``--resume``) continues the same parent run, skipping them.
 
-Executors. ``_Runner`` answers every request in this process (the default). ``metasd.ray_executor.RayRunner``
+Executors. ``StudyRunner`` answers every request in this process (the default). ``metasd.ray_executor.RayRunner``
 (``--executor ray``) subclasses it: Ray actors answer shards of questions with ``answer_request``, as this
 runner does, and this process alone writes to MLflow, through the same ``_log_request`` / ``_end_run`` /
 ``_summarize`` / ``_finish``, so both give the same layout.
@@ -81,7 +81,7 @@ class ExperimentResult:
 # ------------------------------------------------------------------------------------------- runner
 
 
-class _Runner:
+class StudyRunner:
     """The in-process executor: every request answered in this process, in the experiment's order."""
 
     executor_name = "inprocess"
@@ -425,4 +425,4 @@ def run_experiment(path_or_config: str | Path | dict | ExperimentConfig | Experi
         if threads and spec.cpus_per_worker is None:  # --threads: each worker's CPUs and torch threads
             spec = spec.model_copy(update={"cpus_per_worker": threads})
         return RayRunner(exp, uri, resume_run_id, resume, progress, threads, spec=spec, setup=worker_setup).run()
-    return _Runner(exp, uri, resume_run_id, resume, progress, threads).run()
+    return StudyRunner(exp, uri, resume_run_id, resume, progress, threads).run()
