@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from metasd.acceptance import Acceptance
 from metasd.drafter import DRAFTERS, BuildContext, StepContext, StepFeedback
 from metasd.drafters import PretrainedTreeDrafter
-from metasd.drafters.pretrained_tree import GrowingTree, conditional_gumbel, gumbel_top_k
+from metasd.drafters.growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k
 from metasd.engine import Engine
 from metasd.sampling import SamplingParams
 from metasd.tree import Draft, children_lists
