@@ -151,7 +151,7 @@ class PretrainedDrafter(Drafter):
     @classmethod
     def from_config(cls, name, params, build):
         if not build.model:
-            raise ValueError(f"drafter {name!r} of type 'pretrained' needs a model reference (field 'model')")
+            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
         model, tokenizer = build.load_model(build.model)
         return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 

@@ -152,13 +152,6 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         self.branching = branching
         self._pending: tuple[Draft, GrowingTree, list[int]] | None = None
 
-    @classmethod
-    def from_config(cls, name, params, build):
-        if not build.model:
-            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
-        model, tokenizer = build.load_model(build.model)
-        return cls(model, tokenizer, name=name, model_ref=build.model, **params)
-
     # ---------------------------------------------------------------- request life cycle
     def begin(self, ctx: StepContext) -> None:
         super().begin(ctx)

@@ -134,19 +134,14 @@ def load_experiment(source: str | Path | dict[str, Any] | ExperimentConfig, base
     def fail(loc: str, msg: str) -> None:
         raise ConfigError(f"{where}: invalid experiment\n  {loc}: {msg}")
 
-    pools = []
-    for i, spec in enumerate(cfg.pools):
-        pools.append(_resolve_pool(i, spec, cfg, base, where, fail))
-    names = [p.name for p in pools]
-    if len(set(names)) != len(names):
-        fail("pools", f"pool names must be unique, got {names} (give each a 'name')")
+    def unique(field: str, items: list) -> list:
+        names = [x.name for x in items]
+        if len(set(names)) != len(names):
+            fail(field, f"{field[:-1]} names must be unique, got {names} (give each a 'name')")
+        return items
 
-    datasets = []
-    for i, spec in enumerate(cfg.datasets):
-        datasets.append(_resolve_dataset(i, spec, cfg, base, fail, limit))
-    names = [d.name for d in datasets]
-    if len(set(names)) != len(names):
-        fail("datasets", f"dataset names must be unique, got {names} (give each a 'name')")
+    pools = unique("pools", [_resolve_pool(i, spec, cfg, base, where, fail) for i, spec in enumerate(cfg.pools)])
+    datasets = unique("datasets", [_resolve_dataset(i, spec, cfg, base, fail, limit) for i, spec in enumerate(cfg.datasets)])
 
     return Experiment(cfg, cfg.name or default_name, where, base, pools, datasets, any(r.oracle for r in cfg.runs))
 
