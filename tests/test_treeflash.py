@@ -423,7 +423,7 @@ def test_tree_sample_and_match_is_exact():
 def test_training_loads_only_the_verifier_parts_it_needs(tmp_path, tied):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from metasd.training.treeflash import load_verifier_parts
+    from metasd.training.common import load_verifier_parts
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

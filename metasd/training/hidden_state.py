@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,10 +34,8 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
-from ..machine import warn_if_oversubscribed
-from .common import (STATE_META, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
-                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards, state_file)
-from .features import FeatureSet
+from .common import FeatureTrainingConfig, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
+from .loop import FeatureRun, StepLoop
 
 BEST_WEIGHTS = "best_fp32.safetensors"
 
@@ -240,51 +237,25 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
     from metasd.drafters.hidden_state_net import HiddenStateConfig, HiddenStateNet, count_parameters, save_checkpoint
     from metasd.drafters.treeflash_backbone import VerifierPieces
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
-    fs = FeatureSet(cfg.features)
-    train, val = split_shards(cfg, fs)
-    if verifier_model is None:
-        log(f"loading the verifier's embeddings and LM head from {cfg.verifier}")
-        verifier_model = load_verifier_parts(cfg.verifier)
-    vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
-    n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
-    full_vocab = int(verifier_model.get_input_embeddings().weight.shape[0])
-    layer = n_layers if cfg.model.state_layer is None else cfg.model.state_layer
+    run = FeatureRun.start(cfg, verifier_model, log)
+    fs, train, val, state_dir, state = run.fs, run.train, run.val, run.state_dir, run.state
+    layer = run.n_layers if cfg.model.state_layer is None else cfg.model.state_layer
     if layer not in fs.layers:
         raise ValueError(f"{cfg.features} stores verifier layers {fs.layers}, not state_layer {layer} "
                          f"(extract features with --layers including {layer})")
-
-    out = Path(cfg.out)
-    state_dir = Path(cfg.state_dir) if cfg.state_dir else out / "train_state"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    meta_path = state_dir / STATE_META
-    state = json.loads(meta_path.read_text()) if cfg.resume and meta_path.exists() else None
     reader = ShardReader(fs, [layer])
-    vocab_path = state_dir / "draft_vocab.safetensors"
-    if state is not None and vocab_path.exists():
-        vocab = DraftVocab.load(vocab_path)
-    elif cfg.draft_vocab:
-        vocab = DraftVocab.load(cfg.draft_vocab)
-    elif cfg.vocab_size == 0 or cfg.vocab_size >= full_vocab:
-        vocab = DraftVocab.full(full_vocab)
-    else:
-        prior = 0.5 * (1.0 - torch.arange(full_vocab, dtype=torch.float64) / full_vocab)  # ties: lower ids first
-        vocab = DraftVocab.from_counts(count_tokens(reader, train, full_vocab) + prior, cfg.vocab_size,
-                                       eos_ids(verifier_model))
-    vocab.save(vocab_path)
+    vocab = run.draft_vocab(cfg, reader)
 
     m = cfg.model
-    net_cfg = HiddenStateConfig(verifier_hidden_size=width, verifier_vocab_size=full_vocab, state_layer=layer,
+    net_cfg = HiddenStateConfig(verifier_hidden_size=run.width, verifier_vocab_size=run.full_vocab, state_layer=layer,
                                 num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                 intermediate_size=m.intermediate_size,
                                 inject_intermediate_size=m.inject_intermediate_size, rope_theta=m.rope_theta)
     torch.manual_seed(cfg.seed)
     net = HiddenStateNet(net_cfg)
-    pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids, dtype=torch.float32)
+    pieces = VerifierPieces.from_model(run.verifier_model, vocab.token_ids, dtype=torch.float32)
     pieces.embed_weight = pieces.embed_weight.float()
-    del verifier_model
+    run.verifier_model = None
     if state is None:
         state = {"step": 0, "run_id": None, "wall_s": 0.0, "sequences": 0, "history": [], "best": None,
                  "stopped_by_time": None}
@@ -300,12 +271,14 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
     sched = Schedule(counts, cfg.seed)
     val_set = [(s, j) for s in val for j in range(reader.n_sequences(s))][:cfg.val_sequences]
     tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"),
-                       {**flatten(cfg.model_dump()), "state_layer_resolved": layer, "draft_vocab_size": len(vocab),
-                        "parameters": count_parameters(net)})
+                      {**flatten(cfg.model_dump()), "state_layer_resolved": layer, "draft_vocab_size": len(vocab),
+                       "parameters": count_parameters(net)})
     state["run_id"] = tracker.run_id
     log(f"hidden-state drafter: {count_parameters(net):,} parameters, draft vocab {len(vocab)}, layer {layer}, "
         f"{sum(counts.values())} training sequences, {len(val_set)} validation sequences")
     w = depth_weights(cfg.unroll + 1, cfg.gamma)
+    loop = StepLoop(st.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, until_step=until_step,
+                    max_minutes=st.max_minutes, elapsed=state["wall_s"])
 
     def validate(step: int) -> None:
         metrics = evaluate(net, pieces, reader, val_set, vocab, cfg, layer)
@@ -317,50 +290,42 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
             state["best"] = {"step": step, "acc": metrics["acc"], "tau_chain": metrics["tau_chain"]}
             save_file({k: v.detach().float().contiguous() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
 
+    def train_step(step: int) -> dict[str, float]:
+        lr = lr_at(step, st)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        batch = [_crop(reader.sequence(s, j), cfg.max_len) for s, j in sched.batch(step, st.sequences_per_step)]
+        loss_sum = 0.0
+        for seq in batch:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                res = sequence_losses(net, pieces, seq, vocab, cfg, layer)
+            loss = sum(wk * (cfg.reg_weight * r["reg"] / r["n_reg"].clamp(min=1) + cfg.ce_weight * r["ce"] / r["n_ce"].clamp(min=1))
+                       for wk, r in zip(w, res)) / len(batch)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        gnorm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), st.grad_clip or float("inf")))
+        opt.step()
+        state["step"] = step + 1
+        state["sequences"] += len(batch)
+        return {"loss": loss_sum, "lr": lr, "grad_norm": gnorm}
+
+    def save(step: int) -> None:
+        state["wall_s"] = loop.wall()
+        save_state(state_dir, net, opt, state)
+
     try:
         if val_set and not state["history"]:
             validate(0)  # the untrained drafter, for reference
         net.train()
-        t_run, wall0 = time.time(), state["wall_s"]
-        while state["step"] < st.steps:
-            step = state["step"]
-            if until_step is not None and step >= until_step:
-                state["wall_s"] = wall0 + time.time() - t_run
-                save_state(state_dir, net, opt, state)
-                log(f"stopped at step {step} (resumable from {state_dir})")
-                return out
-            if st.max_minutes and wall0 + time.time() - t_run > st.max_minutes * 60:
-                state["stopped_by_time"] = step
-                log(f"time budget of {st.max_minutes} min reached at step {step}/{st.steps}")
-                break
-            t0 = time.time()
-            lr = lr_at(step, st)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.zero_grad(set_to_none=True)
-            batch = [_crop(reader.sequence(s, j), cfg.max_len) for s, j in sched.batch(step, st.sequences_per_step)]
-            loss_sum = 0.0
-            for seq in batch:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                    res = sequence_losses(net, pieces, seq, vocab, cfg, layer)
-                loss = sum(wk * (cfg.reg_weight * r["reg"] / r["n_reg"].clamp(min=1) + cfg.ce_weight * r["ce"] / r["n_ce"].clamp(min=1))
-                           for wk, r in zip(w, res)) / len(batch)
-                loss.backward()
-                loss_sum += float(loss.detach())
-            gnorm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), st.grad_clip or float("inf")))
-            opt.step()
-            state["step"] = step + 1
-            state["sequences"] += len(batch)
-            if (step + 1) % cfg.log_every == 0 or step == 0:
-                tracker.metrics({"train/loss": loss_sum, "train/lr": lr, "train/grad_norm": gnorm,
-                                 "train/step_s": time.time() - t0}, step + 1)
-                log(f"step {step + 1}/{st.steps} loss {loss_sum:.4f} lr {lr:.2e} |g| {gnorm:.2f} {time.time() - t0:.2f}s")
-            if val_set and (step + 1) % cfg.eval_every == 0 and step + 1 < st.steps:
-                validate(step + 1)
-            if (step + 1) % cfg.save_every == 0:
-                state["wall_s"] = wall0 + time.time() - t_run
-                save_state(state_dir, net, opt, state)
-        state["wall_s"] = wall0 + time.time() - t_run
+        why, step = loop.run(state["step"], train_step, save, validate if val_set else None)
+        if why == "interrupted":
+            save(step)
+            log(f"stopped at step {step} (resumable from {state_dir})")
+            return run.out
+        if why == "time":
+            state["stopped_by_time"] = step
+        state["wall_s"] = loop.wall()
         if val_set and (not state["history"] or state["history"][-1]["step"] != state["step"]):
             validate(state["step"])
         save_state(state_dir, net, opt, state)
@@ -374,7 +339,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
                              "best": state["best"], "stopped_by_time": state["stopped_by_time"], "unroll": cfg.unroll,
                              "optim": st.model_dump(), "bf16": cfg.bf16, "seed": cfg.seed, "mlflow_run_id": state["run_id"]}}
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "int4": "int4"}[cfg.save_dtype]
-        path = save_checkpoint(out, net, vocab, meta, dtype=dtype)
+        path = save_checkpoint(run.out, net, vocab, meta, dtype=dtype)
         (path / "metrics.json").write_text(json.dumps(final, indent=1))
         (path / "MODEL_CARD.md").write_text(model_card(json.loads((path / "config.json").read_text())))
         tracker.artifact(path / "config.json")

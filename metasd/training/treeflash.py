@@ -68,9 +68,8 @@ from safetensors.torch import load_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
-from ..machine import warn_if_oversubscribed
-from .common import (STATE_META, FeatureTrainingConfig, Schedule, ShardReader, Tracker,
-                     count_tokens, eos_ids, flatten, load_verifier_parts, lr_at, save_state, split_shards, state_file)
+from .common import FeatureTrainingConfig, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
+from .loop import FeatureRun, StepLoop
 from .features import FeatureSet
 from .treeflash_objective import (ar_logp, block_states, block_targets, evaluate, marginal_logp, position_loss,
                                   position_weights, sample_anchors, val_anchor_set)
@@ -163,46 +162,17 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
     """
     from metasd.drafters.treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces, count_parameters
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
     t_invocation = time.time()
-    fs = FeatureSet(cfg.features)
-    train, val = split_shards(cfg, fs)
-
-    if verifier_model is None:
-        log(f"loading the verifier's embeddings, final norm and LM head from {cfg.verifier}")
-        verifier_model = load_verifier_parts(cfg.verifier)
-    vcfg = verifier_model.config.get_text_config() if hasattr(verifier_model.config, "get_text_config") else verifier_model.config
-    n_layers, width = int(vcfg.num_hidden_layers), int(vcfg.hidden_size)
-    full_vocab = int(verifier_model.get_input_embeddings().weight.shape[0])
-    layers = cfg.model.context_layers or [l for l in fs.layers if l < n_layers]
+    run = FeatureRun.start(cfg, verifier_model, log)
+    fs, train, val, state_dir, state = run.fs, run.train, run.val, run.state_dir, run.state
+    layers = cfg.model.context_layers or [l for l in fs.layers if l < run.n_layers]
     missing = [l for l in layers if l not in fs.layers]
     if missing:
         raise ValueError(f"context layers {missing} are not in the feature set (layers {fs.layers})")
-
-    out = Path(cfg.out)
-    state_dir = Path(cfg.state_dir) if cfg.state_dir else out / "train_state"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    meta_path = state_dir / STATE_META
-    state = json.loads(meta_path.read_text()) if cfg.resume and meta_path.exists() else None
-
     reader = ShardReader(fs, layers)
-    vocab_path = state_dir / "draft_vocab.safetensors"
-    if state is not None and vocab_path.exists():
-        vocab = DraftVocab.load(vocab_path)
-    elif cfg.draft_vocab:
-        vocab = DraftVocab.load(cfg.draft_vocab)
-    else:
-        counts = count_tokens(reader, train, full_vocab)
-        if cfg.vocab_size == 0 or cfg.vocab_size >= full_vocab:
-            vocab = DraftVocab.full(full_vocab)
-        else:
-            prior = 0.5 * (1.0 - torch.arange(full_vocab, dtype=torch.float64) / full_vocab)  # ties: lower ids first
-            vocab = DraftVocab.from_counts(counts + prior, cfg.vocab_size, eos_ids(verifier_model))
-    vocab.save(vocab_path)
+    vocab = run.draft_vocab(cfg, reader)
 
-    mcfg = TreeFlashConfig(verifier_hidden_size=width, verifier_vocab_size=full_vocab, context_layers=layers,
+    mcfg = TreeFlashConfig(verifier_hidden_size=run.width, verifier_vocab_size=run.full_vocab, context_layers=layers,
                            hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
                            num_heads=cfg.model.num_heads, num_kv_heads=cfg.model.num_kv_heads,
                            intermediate_size=cfg.model.intermediate_size,
@@ -213,11 +183,11 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
     torch.manual_seed(cfg.seed)
     model = TreeFlashModel(mcfg)
     head_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids, copy_norm=True, dtype=torch.float32)
+    pieces = VerifierPieces.from_model(run.verifier_model, vocab.token_ids, copy_norm=True, dtype=torch.float32)
     pieces.head_weight = pieces.head_weight.to(head_dtype)
     if pieces.head_bias is not None:
         pieces.head_bias = pieces.head_bias.to(head_dtype)
-    del verifier_model
+    run.verifier_model = None
 
     if state is None:
         state = {"stage": 1, "step": 0, "run_id": None, "wall_s": {"1": 0.0, "2": 0.0}, "anchors": {"1": 0, "2": 0},
@@ -242,7 +212,6 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
         log(f"untrained: acc_marg {metrics['acc_marg']:.3f} loss_marg {metrics['loss_marg']:.3f}")
     stages = {1: cfg.stage1, 2: cfg.stage2}
     w = position_weights(mcfg.block_size, cfg.gamma)
-    interrupted = False
     try:
         while state["stage"] <= 2:
             stage = state["stage"]
@@ -259,18 +228,11 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
             sched = Schedule(counts_per_shard, cfg.seed + 1000 * stage)
             base = cfg.stage1.steps if stage == 2 else 0
             model.train()
-            t_stage = time.time()
-            wall0 = state["wall_s"][str(stage)]
-            while state["step"] < st.steps:
-                step = state["step"]
-                if until_step is not None and base + step >= until_step:
-                    interrupted = True
-                    break
-                if st.max_minutes and wall0 + time.time() - t_stage > st.max_minutes * 60:
-                    state["stopped_by_time"][str(stage)] = step
-                    log(f"stage {stage}: time budget of {st.max_minutes} min reached at step {step}/{st.steps}")
-                    break
-                t0 = time.time()
+            loop = StepLoop(st.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, until_step=until_step,
+                            max_minutes=st.max_minutes, elapsed=state["wall_s"][str(stage)], offset=base,
+                            label=f"stage {stage} ")
+
+            def train_step(step: int) -> dict[str, float]:
                 lr = lr_at(step, st)
                 for group in opt.param_groups:
                     group["lr"] = lr
@@ -280,12 +242,10 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                     seq = reader.sequence(s, j)
                     a = sample_anchors(seq["ids"], seq["loss_mask"], st.anchors_per_sequence, g)
                     if len(a):
-                        tgt = block_targets(seq, a, mcfg.block_size, vocab, cfg.target)
-                        batch.append((seq, a, tgt))
+                        batch.append((seq, a, block_targets(seq, a, mcfg.block_size, vocab, cfg.target)))
                 total_w = sum(float((t["valid"].float() * w).sum()) for _, _, t in batch)
                 opt.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                n_targets = 0
+                loss_sum, n_targets, gnorm = 0.0, 0, 0.0
                 if total_w > 0:
                     for seq, a, tgt in batch:
                         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -301,30 +261,29 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                         n_targets += int(tgt["valid"].sum())
                     gnorm = float(torch.nn.utils.clip_grad_norm_(trainable, st.grad_clip or float("inf")))
                     opt.step()
-                else:
-                    gnorm = 0.0
                 state["step"] = step + 1
                 state["anchors"][str(stage)] += sum(len(a) for _, a, _ in batch)
                 state["targets"][str(stage)] += n_targets
-                gstep = base + step + 1
-                if (step + 1) % cfg.log_every == 0 or step == 0:
-                    tracker.metrics({f"train/loss_stage{stage}": loss_sum, "train/lr": lr, "train/grad_norm": gnorm,
-                                     "train/step_s": time.time() - t0}, gstep)
-                    log(f"stage {stage} step {step + 1}/{st.steps} loss {loss_sum:.4f} lr {lr:.2e} "
-                        f"|g| {gnorm:.2f} {time.time() - t0:.2f}s")
-                if val_set and (step + 1) % cfg.eval_every == 0 and step + 1 < st.steps:
-                    metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)
-                    tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, gstep)
-                    log(f"  val: acc_marg {metrics['acc_marg']:.3f} acc_ar {metrics['acc_ar']:.3f} "
-                        f"tau_argmax_marg_tf {metrics['tau_argmax_marg_tf']:.3f}")
-                if (step + 1) % cfg.save_every == 0:
-                    state["wall_s"][str(stage)] = wall0 + time.time() - t_stage
-                    save_state(state_dir, model, opt, state)
-            state["wall_s"][str(stage)] = wall0 + time.time() - t_stage
-            if interrupted:
+                return {f"loss_stage{stage}": loss_sum, "lr": lr, "grad_norm": gnorm}
+
+            def validate(step: int) -> None:
+                metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)
+                tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, base + step)
+                log(f"  val: acc_marg {metrics['acc_marg']:.3f} acc_ar {metrics['acc_ar']:.3f} "
+                    f"tau_argmax_marg_tf {metrics['tau_argmax_marg_tf']:.3f}")
+
+            def save(step: int) -> None:
+                state["wall_s"][str(stage)] = loop.wall()
+                save_state(state_dir, model, opt, state)
+
+            why, step = loop.run(state["step"], train_step, save, validate if val_set else None)
+            state["wall_s"][str(stage)] = loop.wall()
+            if why == "interrupted":
                 save_state(state_dir, model, opt, state)
                 log(f"stopped at global step {until_step} (resumable from {state_dir})")
-                return out
+                return run.out
+            if why == "time":
+                state["stopped_by_time"][str(stage)] = step
             # stage done: record validation, move on
             if val_set:
                 metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)
@@ -347,8 +306,6 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
         return path
     finally:
         tracker.end()
-
-
 
 
 def export_checkpoint(cfg: TrainTreeFlashConfig, model, vocab: DraftVocab, layers: list[int], state: dict,
