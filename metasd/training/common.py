@@ -47,6 +47,23 @@ class FeatureTrainingConfig(BaseModel):
     _expand = field_validator("features", "draft_vocab", "state_dir", "out")(expand_env_path)
 
 
+class OptimSection(BaseModel):
+    """AdamW schedule of a trainer (or of one TreeFlash stage): linear warmup, then cosine decay to
+    ``min_lr_ratio * lr`` (``lr_at``); gradient clipping; a wall budget summed over resumed invocations."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(500, ge=0, description="optimizer steps (sets the LR schedule)")
+    lr: float = Field(5e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    sequences_per_step: int = Field(4, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="stop after this much training wall time "
+                                      "(summed over resumed invocations)")
+
+
 def split_shards(cfg: FeatureTrainingConfig, fs: FeatureSet) -> tuple[list[int], list[int]]:
     """(train, validation) shard indices of ``fs`` from ``cfg``; checks completeness and overlap."""
     n = len(fs.shards)

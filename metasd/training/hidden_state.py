@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
-from .common import FeatureTrainingConfig, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
+from .common import FeatureTrainingConfig, OptimSection, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
 from .loop import FeatureRun, StepLoop
 
 BEST_WEIGHTS = "best_fp32.safetensors"
@@ -54,17 +54,6 @@ class ModelSection(_Strict):
     intermediate_size: int = Field(4096, ge=1)
     inject_intermediate_size: int = Field(1024, ge=1)
     rope_theta: float = 10000.0
-
-
-class OptimSection(_Strict):
-    steps: int = Field(500, ge=0)
-    lr: float = Field(5e-4, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup: int = Field(20, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
-    sequences_per_step: int = Field(4, ge=1)
-    max_minutes: float | None = Field(None, gt=0, description="stop after this much training wall time (summed over resumes)")
 
 
 class DraftDefaults(_Strict):

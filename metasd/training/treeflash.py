@@ -68,7 +68,7 @@ from safetensors.torch import load_file
 
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
-from .common import FeatureTrainingConfig, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
+from .common import FeatureTrainingConfig, OptimSection, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
 from .loop import FeatureRun, StepLoop
 from .features import FeatureSet
 from .treeflash_objective import (ar_logp, block_states, block_targets, evaluate, marginal_logp, position_loss,
@@ -102,17 +102,12 @@ class ModelSection(_Strict):
                                           "verifier layer's last committed state to the output (one of context_layers)")
 
 
-class StageSection(_Strict):
+class StageSection(OptimSection):
+    """One stage's schedule, plus the block anchors sampled per sequence."""
+
     steps: int = Field(200, ge=0, description="optimizer steps of the stage (sets the LR schedule)")
     lr: float = Field(6e-4, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup: int = Field(20, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
-    sequences_per_step: int = Field(4, ge=1)
     anchors_per_sequence: int = Field(16, ge=1)
-    max_minutes: float | None = Field(None, gt=0, description="end the stage after this much training wall time "
-                                      "(summed over resumed invocations)")
 
 
 class DraftDefaults(_Strict):
