@@ -361,7 +361,7 @@ _LAZY = {
 }
 _TRAIN = {
     "features": ("metasd.training.features", "add_train_features_parser"),
-    "steering": ("metasd.training.steering", "add_train_steering_parser"),
+    "steering": ("metasd.training.steering_config", "add_train_steering_parser"),
     "treeflash": ("metasd.training.treeflash", "add_train_treeflash_parser"),
     "block": ("metasd.training.block", "add_train_block_parser"),
     "hidden_state": ("metasd.training.hidden_state", "add_train_hidden_state_parser"),

@@ -19,8 +19,8 @@ from metasd.engine import Engine
 from metasd.sampling import SamplingParams
 from metasd.training.data import Example
 from metasd.training.features import extract_features
-from metasd.training.steering import (ConfigError, SteeringTrainer, add_train_steering_parser, parse_config,
-                                      train_steering)
+from metasd.training.steering import ConfigError, SteeringTrainer, parse_config, train_steering
+from metasd.training.steering_config import add_train_steering_parser
 from metasd.verifier import HiddenStore, Verifier
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 

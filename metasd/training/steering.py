@@ -32,19 +32,14 @@ Relative paths in the config are resolved against the current working directory.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import shutil
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
 
 from metasd.config import ConfigError
 
@@ -54,66 +49,8 @@ from metasd.machine import warn_if_oversubscribed
 from metasd.training.common import Tracker
 from metasd.training.steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
                                              TrainConfig, parse_config, read_config)
-
-
-# ---------------------------------------------------------------------------------------------- data
-class _Sequences:
-    """Sequences of some shards of a feature directory, loading one shard at a time (only needed keys)."""
-
-    def __init__(self, path: Path, shard_paths: list[Path], layers: list[int]):
-        from safetensors import safe_open
-
-        self.paths = shard_paths
-        self.keys = ["ids", "loss_mask", "topk_ids", "topk_logp"] + [f"hidden_{layer}" for layer in sorted(set(layers))]
-        self.index: list[tuple[int, int, int]] = []  # (shard, start row, end row)
-        for s, p in enumerate(shard_paths):
-            with safe_open(str(p), framework="pt") as f:
-                off = f.get_tensor("offsets").tolist()
-            self.index += [(s, a, b) for a, b in zip(off[:-1], off[1:])]
-        self._shard, self._data = -1, None
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        s, a, b = self.index[i]
-        return {k: v[a:b] for k, v in self.shard(s).items()}
-
-    def shard(self, s: int) -> dict[str, torch.Tensor]:
-        """Every row of shard ``s`` (the one kept in memory)."""
-        from safetensors import safe_open
-
-        if s != self._shard:
-            with safe_open(str(self.paths[s]), framework="pt") as f:
-                self._data = {k: f.get_tensor(k) for k in self.keys}
-            self._shard = s
-        return self._data
-
-    def epoch_order(self, seed: int, epoch: int) -> list[int]:
-        """Shards in random order, sequences shuffled inside each shard (one shard load per shard)."""
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        by_shard: dict[int, list[int]] = {}
-        for i, (s, _, _) in enumerate(self.index):
-            by_shard.setdefault(s, []).append(i)
-        order = []
-        for s in torch.randperm(len(self.paths), generator=g).tolist():
-            seqs = by_shard.get(s, [])
-            order += [seqs[j] for j in torch.randperm(len(seqs), generator=g).tolist()]
-        return order
-
-
-def guide_input_stats(data: "_Sequences", layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-dimension mean and std of the concatenated guide input over every position of ``data``."""
-    total, total_sq, n = None, None, 0
-    for shard in range(len(data.paths)):
-        rows = data.shard(shard)
-        x = torch.cat([rows[f"hidden_{layer}"] for layer in layers], dim=-1).double()  # [rows, n_in * d_v]
-        total = x.sum(0) if total is None else total + x.sum(0)
-        total_sq = (x * x).sum(0) if total_sq is None else total_sq + (x * x).sum(0)
-        n += x.shape[0]
-    mean = total / n
-    var = (total_sq / n - mean * mean).clamp_min(0)
-    return mean.float(), var.sqrt().float()
+from metasd.training.steering_data import SteeringSequences, guide_input_stats
+from metasd.training.steering_state import load_trainer_state, save_trainer_state
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -172,8 +109,8 @@ class SteeringTrainer:
                                   f"(it has {fs.layers})")
         elif cfg.finetune == "none":
             raise ConfigError("finetune: steering.enabled is false and finetune is 'none': nothing to train")
-        self.train_set = _Sequences(fs.path, [fs.shards[i] for i in train_idx], self.guide_layers)
-        self.val_set = _Sequences(fs.path, [fs.shards[i] for i in cfg.data.val_shards], self.guide_layers)
+        self.train_set = SteeringSequences(fs.path, [fs.shards[i] for i in train_idx], self.guide_layers)
+        self.val_set = SteeringSequences(fs.path, [fs.shards[i] for i in cfg.data.val_shards], self.guide_layers)
         self.n_val = min(cfg.data.val_sequences, len(self.val_set))
 
         # drafter
@@ -377,54 +314,12 @@ class SteeringTrainer:
         return state
 
     def save_checkpoint(self) -> Path:
-        from safetensors.torch import save_file
-
-        root = Path(self.cfg.out_dir) / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step_{self.step:07d}"
-        tmp = root / f".tmp_step_{self.step:07d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file({k: v.float().contiguous() for k, v in self.trainable_state().items()}, str(tmp / "trainable.safetensors"))
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tokens_seen": self.loss_tokens_seen,
-                 "wall_s": self.wall_s, "mlflow_run_id": self.run_id, "history": self.history,
-                 "config": _resume_key(self.cfg)}
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
-        for old in sorted(root.glob("step_*"))[: -self.cfg.log.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        """A resumable checkpoint of this run (``metasd.training.steering_state``)."""
+        return save_trainer_state(self)
 
     def load_checkpoint(self) -> bool:
         """Resume from ``out_dir/checkpoints/latest`` if it exists; return whether it did."""
-        from safetensors.torch import load_file
-
-        root = Path(self.cfg.out_dir) / "checkpoints"
-        if not (root / "latest").is_file():
-            return False
-        path = root / (root / "latest").read_text().strip()
-        state = json.loads((path / "state.json").read_text())
-        mine = _resume_key(self.cfg)
-        diff = sorted(k for k in set(mine) | set(state["config"]) if mine.get(k) != state["config"].get(k))
-        if diff:
-            raise ConfigError(f"{path} was trained with different settings ({', '.join(diff)}); "
-                              "use another out_dir or start fresh (--fresh)")
-        tensors = load_file(str(path / "trainable.safetensors"))
-        with torch.no_grad():
-            if self.module is not None:
-                self.module.load_state_dict({k[9:]: v for k, v in tensors.items() if k.startswith("steering.")})
-            for k, p in self.drafter_params.items():
-                p.copy_(tensors[f"drafter.{k}"].to(p.dtype))
-        self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.loss_tokens_seen, self.wall_s = state.get("loss_tokens_seen", 0), state["wall_s"]
-        self.run_id, self.history = state.get("mlflow_run_id"), state.get("history", [])
-        return True
+        return load_trainer_state(self)
 
     def export(self, extra: dict | None = None, folder: Path | None = None) -> Path:
         """Write the loadable result: out_dir (or ``folder``)/steering.safetensors + config.json."""
@@ -448,16 +343,6 @@ def _compute_dtype(name: str) -> torch.dtype:
     from metasd.models import cpu_has_native_bf16
 
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def _resume_key(cfg: SteeringTrainingConfig) -> dict[str, Any]:
-    """Settings that must not change across a resume (steps, wall limit and logging may)."""
-    d = cfg.model_dump()
-    t = dict(d["train"])
-    for k in ("steps", "wall_limit_s", "threads"):
-        t.pop(k)
-    return {"drafter": d["drafter"], "data": {k: v for k, v in d["data"].items() if k != "val_sequences"},
-            "steering": d["steering"], "finetune": d["finetune"], "train": t}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -555,42 +440,3 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         logf.close()
         tracker.end(status)
         tr.close()
-
-
-def add_train_steering_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``steering`` under ``metasd train``: ``metasd train steering CONFIG``."""
-    p = subparsers.add_parser("steering", help="train an SD² steering module (or a distilled drafter)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="training YAML (schema: metasd.training.steering_config.SteeringTrainingConfig)")
-    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in out_dir")
-    p.add_argument("--steps", type=int, default=None, help="override train.steps")
-    p.add_argument("--wall-limit", type=float, default=None, help="override train.wall_limit_s (seconds)")
-    p.add_argument("--out-dir", default=None, help="override out_dir")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any dotted key, VALUE read as YAML (e.g. --set train.lr=1e-2 --set steering.rank=null); "
-                        "repeatable")
-    p.set_defaults(func=train_steering_main)
-    return p
-
-
-def train_steering_main(args: argparse.Namespace) -> int:
-    overrides = {}
-    if args.steps is not None:
-        overrides["train.steps"] = args.steps
-    if args.wall_limit is not None:
-        overrides["train.wall_limit_s"] = args.wall_limit
-    if args.out_dir is not None:
-        overrides["out_dir"] = args.out_dir
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            print(f"error: --set {item!r}: expected KEY=VALUE with a dotted key, e.g. train.lr=1e-2", file=sys.stderr)
-            return 2
-        overrides[key.strip()] = yaml.safe_load(value)
-    try:
-        cfg = read_config(args.config, overrides)
-        train_steering(cfg, fresh=args.fresh)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
