@@ -1,4 +1,8 @@
-"""Drafters: one family per module. Each registers itself by ``kind`` for pool configs."""
+"""Drafters: one family per module. Each registers itself by ``kind`` for pool configs; every module of this
+package is imported here, so a new drafter file needs no other edit to be available in pool files."""
+import importlib
+import pkgutil
+
 from metasd.drafter import DRAFTERS, Drafter, StepContext, StepFeedback, register_drafter
 
 from .block import BlockDrafter
@@ -11,3 +15,6 @@ from .steered import SteeredDrafter, SteeredTreeDrafter
 
 __all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "HiddenStateDrafter", "NGramDrafter", "PretrainedDrafter", "PretrainedTreeDrafter", "SteeredDrafter", "SteeredTreeDrafter", "StepContext", "StepFeedback", "TreeFlashDrafter",
            "register_drafter"]
+
+for _module in pkgutil.iter_modules(__path__):  # the built-ins above, and any drafter file added beside them
+    importlib.import_module(f"{__name__}.{_module.name}")

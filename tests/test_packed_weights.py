@@ -70,7 +70,7 @@ def test_cli_packs_a_folder_and_names_a_folder_without_weights(tmp_path, capsys)
 
 @pytest.mark.parametrize("kind", ["block", "hidden_state", "treeflash", "steered"])
 def test_packed_checkpoint_drafts_and_keeps_greedy_identity(root, kind):  # noqa: F811
-    entry = ENTRIES[kind](root)
+    entry = ENTRIES[kind](root)  # the checkpoint types all have one
     folder = root / entry["checkpoint"]
     folder = folder if folder.is_dir() else folder.parent
     plain = load_pool(_pool(root, kind, entry, name="unpacked")).drafter(kind)
