@@ -46,11 +46,11 @@ def hook_cost(drafter: SteeredDrafter, prompt: list[int], delta: torch.Tensor, r
         for i in range(2 * repeats + 2):
             mode = "on" if i % 2 else "off"
             if mode == "on":
-                drafter.injector.set(delta)
+                drafter.steering.injector.set(delta)
             t = time.perf_counter()
             model(input_ids=last, past_key_values=cache, use_cache=True)
             dt = time.perf_counter() - t
-            drafter.injector.clear()
+            drafter.steering.injector.clear()
             crop_to(cache, len(prompt) - 1)
             if i >= 2:  # the first pair warms up
                 times[mode].append(dt)

@@ -1,6 +1,7 @@
 """SpS: a small pretrained causal LM (same tokenizer as the verifier) drafts a chain autoregressively."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -147,6 +148,7 @@ class PretrainedDrafter(Drafter):
         self.cache: DynamicCache | None = None
         self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
+        self.steering = None  # a composed ``metasd.drafters.steered.Steering`` (the steered types set it)
 
     @classmethod
     def from_config(cls, name, params, build):
@@ -174,7 +176,8 @@ class PretrainedDrafter(Drafter):
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]."""
         x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
-        logits = self._logits(True, input_ids=x)
+        with self.steering.feeding(len(self.cached_ids), ids) if self.steering is not None else nullcontext():
+            logits = self._logits(True, input_ids=x)
         self.cached_ids.extend(ids)
         return logits[-1]
 
@@ -189,8 +192,17 @@ class PretrainedDrafter(Drafter):
         self.last_catch_up = len(tokens) - keep - 1
         return self._forward(tokens[keep:])
 
+    def steered_step(self, ctx: StepContext):
+        """Context of one drafting step: the steering component's guide for every forward in it, if any."""
+        return self.steering.step(ctx) if self.steering is not None else nullcontext()
+
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
+        with self.steered_step(ctx):
+            return self.make_draft(ctx)
+
+    def make_draft(self, ctx: StepContext) -> Draft:
+        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``."""
         depth = min(self.k, ctx.max_depth)
         if depth <= 0:
             return Draft.empty()
@@ -224,6 +236,10 @@ class PretrainedDrafter(Drafter):
         else:
             self.k = max(self.k - 1, self.k_min)
 
+    def close(self) -> None:
+        if self.steering is not None:
+            self.steering.close()
+
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
@@ -232,4 +248,5 @@ class PretrainedDrafter(Drafter):
             "confidence_threshold": self.confidence_threshold,
             "adaptive_k": self.adaptive_k,
             "head_vocab": self.head_vocab,
+            **(self.steering.describe() if self.steering is not None else {}),
         }

@@ -48,6 +48,7 @@ replacement makes no sense for argmax verification; the fallback is recorded as 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Annotated, Any, Literal, Sequence
 
 import torch
@@ -168,8 +169,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         self._pending = None
 
     # ---------------------------------------------------------------- drafting
-    @torch.inference_mode()
-    def propose(self, ctx: StepContext) -> Draft:
+    def make_draft(self, ctx: StepContext) -> Draft:
         depth = min(self.depth, ctx.max_depth)
         if depth <= 0:
             return Draft.empty()
@@ -199,8 +199,10 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             raise RuntimeError(f"{self.name}: drafter cache holds {cache_length(self.cache)} positions, expected {expected}")
         mask, positions = tree.inputs(feed)
         device = self.model.device
-        ids = torch.tensor([[tree.tokens[i] for i in feed]], dtype=torch.long, device=device)
-        logits = self._logits(False, input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device))
+        tokens = [tree.tokens[i] for i in feed]
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        with self.steering.feeding_tree(expected, tokens) if self.steering is not None else nullcontext():
+            logits = self._logits(False, input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device))
         tree.mark_fed(feed)
         return logits
 

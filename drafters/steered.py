@@ -44,118 +44,132 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 
 from metasd.drafter import StepContext, register_drafter
 from metasd.quantize import quantize_model
-from metasd.tree import Draft
 
 from .pretrained import PretrainedDrafter, PretrainedParams
 from .steering_net import (FORMAT, Injector, SteeringModule, SteeringSpec, decoder_layers,  # noqa: F401
                            default_guide_layers, load_steering, remove_handles, resolve_steered_layers, save_steering)
 from .pretrained_tree import PretrainedTreeDrafter, PretrainedTreeParams
 
-class _Steering:
-    """The SD² part of a steered drafter: hooks on the drafter model, one guide per step, the timing rules
-    of the module docstring. Mixed into a pretrained chain or tree drafter (``SteeredDrafter``,
-    ``SteeredTreeDrafter``); every drafter forward of a step goes through ``_forward`` (catch-up and chain
-    drafts) or ``_feed`` (tree levels)."""
+class Steering:
+    """The SD² part of a steered drafter, composed into a pretrained chain or tree drafter as its ``steering``:
+    hooks on the drafter model, one guide per step and the timing rules of the module docstring. The drafter
+    brackets a step's forwards with ``step(ctx)`` and each forward with ``feeding`` (catch-up and chain
+    tokens) or ``feeding_tree`` (one tree level).
 
-    def _setup_steering(self, steering: SteeringModule | None, checkpoint: str | None) -> None:
-        self.steering = steering.eval() if steering is not None else None
+    module: the ``SteeringModule`` (None: a plain drafter that still reads no verifier layers).
+    trace: set to a list to record ``(position, token, guide_row)`` for every fed position (guide_row None =
+        unsteered), e.g. to check the guide timing described in the module docstring.
+    """
+
+    def __init__(self, module: SteeringModule | None, model, checkpoint: str | None = None):
+        self.module = module.eval() if module is not None else None
         self.checkpoint = checkpoint
         self.trace: list[tuple[int, int, int | None]] | None = None
         self.injector: Injector | None = None
-        self.hidden_layers = ()
-        if self.steering is not None:
-            self.steering.check_drafter(self.model)
-            self.hidden_layers = tuple(sorted(set(self.steering.spec.guide_layers)))
-            self.injector = Injector(self.model, self.steering.spec)
+        self.hidden_layers: tuple[int, ...] = ()
+        if self.module is not None:
+            self.module.check_drafter(model)
+            self.hidden_layers = tuple(sorted(set(self.module.spec.guide_layers)))
+            self.injector = Injector(model, self.module.spec)
             weakref.finalize(self, remove_handles, self.injector.handles)
-        self._delta: torch.Tensor | None = None
-        self._guide_row: int | None = None
-        self._steer_from = 0
+        self.delta: torch.Tensor | None = None  # [n_steered, d_out] of the current step
+        self.guide_row: int | None = None
+        self.steer_from = 0  # first steered position: the last prompt token
 
-    @classmethod
-    def from_config(cls, name, params, build):
-        """Load the drafter model and the steering checkpoint, checked against the drafter and the verifier."""
-        if not build.model:
-            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
-        if not build.checkpoint:
-            raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a steering checkpoint (field 'checkpoint')")
-        module, drafter_params, _ = load_steering(build.checkpoint)
-        if drafter_params:  # a fine-tuned drafter: never modify weights other arms may share
-            # fine-tuned weights go into a copy of the unquantized model, quantized afterwards if asked
-            model, tokenizer = build.load_model(build.model, quantize="none")
-            model = copy.deepcopy(model)
-            own = dict(model.named_parameters())
-            unknown = sorted(set(drafter_params) - set(own))
-            if unknown:
-                raise ValueError(f"checkpoint {build.checkpoint!r}: drafter parameters {unknown[:3]} not in {build.model!r}")
-            with torch.no_grad():
-                for k, v in drafter_params.items():
-                    own[k].copy_(v.to(own[k].dtype))
-            quantize_model(model, build.quantize, name=f"drafter {name!r}")
-        else:
-            model, tokenizer = build.load_model(build.model)
-        if module is not None:
-            v = build.verifier
-            if v is not None:
-                if module.spec.d_verifier != v.hidden_size:
-                    raise ValueError(f"checkpoint {build.checkpoint!r} was trained for a verifier of hidden size "
-                                     f"{module.spec.d_verifier}; {v.name} has {v.hidden_size}")
-                bad = [layer for layer in module.spec.guide_layers if layer > v.num_layers]
-                if bad:
-                    raise ValueError(f"checkpoint {build.checkpoint!r} reads verifier layers {bad}; {v.name} has "
-                                     f"hidden states 0..{v.num_layers}")
-            module.check_drafter(model)
-        return cls(model, tokenizer, module, name=name, model_ref=build.model, checkpoint=build.checkpoint, **params)
+    @contextmanager
+    def step(self, ctx: StepContext):
+        """One drafting step: the guide of verifier row T-2 (``ctx.hidden.last``) for every forward in it."""
+        self.delta, self.guide_row = None, None
+        self.steer_from = ctx.prompt_len - 1
+        if self.module is not None and ctx.hidden is not None and len(ctx.hidden):
+            self.delta = self.module(self.module.guide_input(ctx.hidden))  # [n_steered, d_out]
+            self.guide_row = len(ctx.hidden) - 1
+        try:
+            yield
+        finally:
+            self.delta = None
 
-    def end(self) -> None:
-        super().end()
-        self._delta = None
+    def feeding(self, start: int, ids: list[int]):
+        """Context of a forward feeding ``ids`` at positions ``start..``: steered from ``steer_from`` on."""
+        n_plain = len(ids) if self.delta is None else min(max(self.steer_from - start, 0), len(ids))
+        if self.trace is not None:
+            self.trace.extend((start + i, t, None if i < n_plain else self.guide_row) for i, t in enumerate(ids))
+        if n_plain == len(ids):
+            return nullcontext()
+        mask = (torch.arange(len(ids), device=self.delta.device) >= n_plain)[:, None] if n_plain else None
+        return self.injector.active(self.delta, mask)
+
+    def feeding_tree(self, start: int, tokens: list[int]):
+        """Context of one tree level's forward (nodes at cache positions ``start..``): all with the step's guide."""
+        if self.trace is not None:
+            self.trace.extend((start + i, t, self.guide_row if self.delta is not None else None) for i, t in enumerate(tokens))
+        return nullcontext() if self.delta is None else self.injector.active(self.delta)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"checkpoint": self.checkpoint}
+        if self.module is not None:
+            s = self.module.spec
+            out.update(guide_layers=s.guide_layers, steered_layers=s.steered_layers, rank=s.rank, injection=s.injection)
+        return out
 
     def close(self) -> None:
         """Remove the hooks from the (possibly shared) model."""
         if self.injector is not None:
             self.injector.remove()
 
-    @torch.inference_mode()
-    def propose(self, ctx: StepContext) -> Draft:
-        self._delta, self._guide_row = None, None
-        self._steer_from = ctx.prompt_len - 1
-        if self.steering is not None and ctx.hidden is not None and len(ctx.hidden):
-            self._delta = self.steering(self.steering.guide_input(ctx.hidden))  # [n_steered, d_out]
-            self._guide_row = len(ctx.hidden) - 1
-        try:
-            return super().propose(ctx)
-        finally:
-            self._delta = None
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        start = len(self.cached_ids)
-        n_plain = 0 if self._delta is None else min(max(self._steer_from - start, 0), len(ids))
-        if self._delta is None:
-            n_plain = len(ids)
-        if self.trace is not None:
-            self.trace.extend((start + i, t, None if i < n_plain else self._guide_row) for i, t in enumerate(ids))
-        if n_plain == len(ids):
-            return super()._forward(ids)
-        mask = None
-        if n_plain:
-            mask = (torch.arange(len(ids), device=self.model.device) >= n_plain)[:, None]
-        with self.injector.active(self._delta, mask):
-            return super()._forward(ids)
+def load_steered(cls, name: str, params: dict[str, Any], build):
+    """``from_config`` of both steered types: the drafter model and the steering checkpoint, checked against the
+    drafter and the verifier; fine-tuned drafter weights go into a private copy of the model."""
+    module, drafter_params, _ = load_steering(build.checkpoint)
+    if drafter_params:  # a fine-tuned drafter: never modify weights other arms may share
+        # fine-tuned weights go into a copy of the unquantized model, quantized afterwards if asked
+        model, tokenizer = build.load_model(build.model, quantize="none")
+        model = copy.deepcopy(model)
+        own = dict(model.named_parameters())
+        unknown = sorted(set(drafter_params) - set(own))
+        if unknown:
+            raise ValueError(f"checkpoint {build.checkpoint!r}: drafter parameters {unknown[:3]} not in {build.model!r}")
+        with torch.no_grad():
+            for k, v in drafter_params.items():
+                own[k].copy_(v.to(own[k].dtype))
+        quantize_model(model, build.quantize, name=f"drafter {name!r}")
+    else:
+        model, tokenizer = build.load_model(build.model)
+    if module is not None:
+        v = build.verifier
+        if v is not None:
+            if module.spec.d_verifier != v.hidden_size:
+                raise ValueError(f"checkpoint {build.checkpoint!r} was trained for a verifier of hidden size "
+                                 f"{module.spec.d_verifier}; {v.name} has {v.hidden_size}")
+            bad = [layer for layer in module.spec.guide_layers if layer > v.num_layers]
+            if bad:
+                raise ValueError(f"checkpoint {build.checkpoint!r} reads verifier layers {bad}; {v.name} has "
+                                 f"hidden states 0..{v.num_layers}")
+        module.check_drafter(model)
+    return cls(model, tokenizer, module, name=name, model_ref=build.model, checkpoint=build.checkpoint, **params)
 
-    def describe(self) -> dict[str, Any]:
-        out = super().describe()
-        if self.steering is not None:
-            s = self.steering.spec
-            out.update(guide_layers=s.guide_layers, steered_layers=s.steered_layers, rank=s.rank, injection=s.injection)
-        out["checkpoint"] = self.checkpoint
-        return out
+
+class SteeredType:
+    """What both steered drafter types add to their pretrained drafter: a ``Steering`` component built from the
+    ``steering`` argument (a ``SteeringModule``) and the ``checkpoint``, and ``from_config``. Other arguments
+    are the pretrained drafter's."""
+
+    model_field, checkpoint_field = "required", "required"
+    from_config = classmethod(load_steered)
+
+    def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, checkpoint: str | None = None,
+                 **params):
+        super().__init__(model, tokenizer, **params)
+        self.steering = Steering(steering, self.model, checkpoint)
+        self.hidden_layers = self.steering.hidden_layers
 
 
 class SteeredParams(PretrainedParams):
@@ -168,56 +182,18 @@ class SteeredTreeParams(PretrainedTreeParams):
 
 
 @register_drafter
-class SteeredDrafter(_Steering, PretrainedDrafter):
-    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², docs/algorithms.md#steered-drafters); drafts
-    a chain.
-
-    steering: a ``SteeringModule`` (None: a plain drafter that still declares no hidden layers).
-    trace: set to a list to record ``(position, token, guide_row)`` for every fed position
-        (guide_row None = unsteered), e.g. to check the guide timing described in the module docstring.
-    Other arguments as ``PretrainedDrafter``.
-    """
+class SteeredDrafter(SteeredType, PretrainedDrafter):
+    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², docs/algorithms.md#steered-drafters);
+    drafts a chain."""
 
     kind = "steered"
-    model_field, checkpoint_field = "required", "required"
     Params = SteeredParams
-
-    def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, k: int = 5,
-                 confidence_threshold: float | None = None, adaptive_k: bool = False, k_min: int = 1,
-                 k_max: int = 16, head_vocab: int | None = None, name: str | None = None, model_ref: str | None = None,
-                 checkpoint: str | None = None):
-        super().__init__(model, tokenizer, k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
-                         k_min=k_min, k_max=k_max, head_vocab=head_vocab, name=name, model_ref=model_ref)
-        self._setup_steering(steering, checkpoint)
 
 
 @register_drafter
-class SteeredTreeDrafter(_Steering, PretrainedTreeDrafter):
-    """The steered drafter drafting trees (``PretrainedTreeDrafter`` modes: dynamic, RSD-C, RSD-S).
-
-    One guide per step, as for the chain: it steers the catch-up tokens and every tree level's batched
-    forward (all nodes of the step's tree). Arguments as ``PretrainedTreeDrafter`` plus ``steering``.
-    """
+class SteeredTreeDrafter(SteeredType, PretrainedTreeDrafter):
+    """The steered drafter drafting trees (``PretrainedTreeDrafter`` modes: dynamic, RSD-C, RSD-S). One guide
+    per step, as for the chain: it steers the catch-up tokens and every tree level's batched forward."""
 
     kind = "steered_tree"
-    model_field, checkpoint_field = "required", "required"
     Params = SteeredTreeParams
-
-    def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, mode: str = "dynamic",
-                 nodes: int = 16, depth: int = 6, width: int = 4, frontier: int | None = None,
-                 min_path_prob: float = 0.0, branching: Sequence[int] | None = None, head_vocab: int | None = None,
-                 name: str | None = None, model_ref: str | None = None, checkpoint: str | None = None):
-        super().__init__(model, tokenizer, mode=mode, nodes=nodes, depth=depth, width=width, frontier=frontier,
-                         min_path_prob=min_path_prob, branching=branching, head_vocab=head_vocab, name=name,
-                         model_ref=model_ref)
-        self._setup_steering(steering, checkpoint)
-
-    def _feed(self, tree, feed: list[int]) -> torch.Tensor:
-        if self.trace is not None:
-            start = tree.base + tree.n_fed
-            self.trace.extend((start + i, tree.tokens[n], self._guide_row if self._delta is not None else None)
-                              for i, n in enumerate(feed))
-        if self._delta is None:
-            return super()._feed(tree, feed)
-        with self.injector.active(self._delta):
-            return super()._feed(tree, feed)

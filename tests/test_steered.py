@@ -128,17 +128,17 @@ def test_guide_timing_hand_built(drafter_model):
         store.append({layer: torch.randn(n, 32, generator=g) for layer in GUIDE})
 
     def step(tokens):
-        sd.trace, added[:] = [], []
+        sd.steering.trace, added[:] = [], []
         ctx = StepContext(tokens=torch.tensor(tokens), prompt_len=PROMPT_LEN, max_depth=10, sampling=SamplingParams(),
                           hidden=store)
         draft = sd.propose(ctx).tokens.tolist()
         # every fed position got exactly the bias of its recorded guide row (or none)
         deltas = torch.cat(added)
-        assert len(deltas) == len(sd.trace)
-        for (pos, tok, row), d in zip(sd.trace, deltas):
+        assert len(deltas) == len(sd.steering.trace)
+        for (pos, tok, row), d in zip(sd.steering.trace, deltas):
             want = torch.zeros_like(d) if row is None else module(module.guide_input(store, row))[0]
             torch.testing.assert_close(d, want, rtol=1e-5, atol=1e-5)
-        return draft, [(p, r) for p, _, r in sd.trace], [t for _, t, _ in sd.trace]
+        return draft, [(p, r) for p, _, r in sd.steering.trace], [t for _, t, _ in sd.steering.trace]
 
     prompt = [0, 11, 12, 13, 14, 15]
     commit_rows(PROMPT_LEN - 1)  # the verifier prefill caches the prompt but its last token
@@ -187,12 +187,12 @@ def test_steered_tree_drafter(verifier_model, drafter_model, mode):
     zero.close()
 
     steered = SteeredTreeDrafter(drafter_model, steering=_random_module(drafter_model), **tree)
-    steered.trace, steps = [], []
+    steered.steering.trace, steps = [], []
     inner = steered.propose
 
     def recording(ctx):  # where each step's entries start in the trace, the committed length T, the guide
-        guide = steered.steering.guide_input(ctx.hidden).clone() if ctx.hidden is not None and len(ctx.hidden) else None
-        steps.append((len(steered.trace), len(ctx.tokens), guide))
+        guide = steered.steering.module.guide_input(ctx.hidden).clone() if ctx.hidden is not None and len(ctx.hidden) else None
+        steps.append((len(steered.steering.trace), len(ctx.tokens), guide))
         return inner(ctx)
     steered.propose = recording
     up = decoder_layers(drafter_model)[0].mlp.up_proj  # steered layer 0: capture what was really added
@@ -204,16 +204,16 @@ def test_steered_tree_drafter(verifier_model, drafter_model, mode):
     assert result.token_ids == plain_greedy(verifier_model, prompt, 24)
     # every position fed in a step (catch-up and all tree levels) uses guide row T-2, the verifier state
     # that produced the bonus token; only the prompt prefill is unsteered
-    deltas = torch.cat(added)[-len(steered.trace):]  # the engine's warm-up-free run: one row per fed position
-    bounds = [b for b, _, _ in steps] + [len(steered.trace)]
+    deltas = torch.cat(added)[-len(steered.steering.trace):]  # the engine's warm-up-free run: one row per fed position
+    bounds = [b for b, _, _ in steps] + [len(steered.steering.trace)]
     for (begin, T, guide), end in zip(steps, bounds[1:]):
         for i in range(begin, end):  # none if nothing was left to draft
-            pos, _, row = steered.trace[i]
+            pos, _, row = steered.steering.trace[i]
             assert row == (None if pos < len(prompt) - 1 else T - 2)
             with torch.inference_mode():  # the guide was recorded inside the drafter's inference mode
-                want = torch.zeros_like(deltas[i]) if row is None else steered.steering(guide)[0]
+                want = torch.zeros_like(deltas[i]) if row is None else steered.steering.module(guide)[0]
             torch.testing.assert_close(deltas[i], want, rtol=1e-5, atol=1e-5)
-    assert len(steps) >= result.stats.steps > 1 and sum(row is not None for _, _, row in steered.trace) > 10
+    assert len(steps) >= result.stats.steps > 1 and sum(row is not None for _, _, row in steered.steering.trace) > 10
     assert steered.describe()["kind"] == "steered_tree" and steered.describe()["mode"] == mode
     # the steering changes the trees (otherwise this test could not tell steered from plain)
     plain_engine = Engine(Verifier(verifier_model), PretrainedTreeDrafter(drafter_model, **tree), check_tokenizers=False)
@@ -297,7 +297,7 @@ def test_pool_config_loads_the_checkpoint(trained, verifier_model, drafter_model
     engine = load_pool(tmp_path / "pool.yaml")
     sd2 = engine.drafter("sd2")
     assert isinstance(sd2, SteeredDrafter) and sd2.hidden_layers == tuple(GUIDE) and engine.hidden_layers == tuple(GUIDE)
-    assert all(torch.equal(a, b) for a, b in zip(sd2.steering.state_dict().values(), trained.module.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(sd2.steering.module.state_dict().values(), trained.module.state_dict().values()))
     tree = engine.drafter("sd2-tree")
     assert isinstance(tree, SteeredTreeDrafter) and tree.model is sd2.model and tree.describe()["nodes"] == 8
     prompt = [0, 7, 12, 9, 33, 12, 9, 41, 5]

@@ -265,10 +265,24 @@ def test_params_models_match_the_constructors(kind):
     """Each built-in drafter's Params declares only constructor keywords, with the constructor's defaults."""
     cls = DRAFTERS[kind]
     assert cls.Params is not None and cls.Params.model_config.get("extra") == "forbid"
-    sig = inspect.signature(cls.__init__).parameters
+    sig = constructor_keywords(cls)
     for name, field in cls.Params.model_fields.items():
         assert name in sig, f"{kind}: Params.{name} is not an __init__ keyword"
         assert field.default == sig[name].default, f"{kind}: Params.{name} default {field.default!r} != {sig[name].default!r}"
+
+
+def constructor_keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """The keywords ``cls(...)`` takes: its ``__init__``'s, and through ``**kwargs`` its parents' (a steered
+    drafter forwards the pretrained drafter's parameters without repeating them)."""
+    out: dict[str, inspect.Parameter] = {}
+    for owner in cls.__mro__:
+        if "__init__" not in owner.__dict__:
+            continue
+        params = inspect.signature(owner.__init__).parameters
+        out = {**{k: p for k, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}, **out}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return out
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "*.yaml")) + glob.glob(str(REPO / "benchmarks" / "pools" / "*.yaml"))
