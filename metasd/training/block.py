@@ -26,7 +26,6 @@ the current directory; a resumed run continues the same MLflow run.
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 import time
@@ -42,7 +41,8 @@ from safetensors.torch import load_file
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from ..machine import warn_if_oversubscribed
-from .common import STATE_META, FeatureTrainingConfig, Tracker, save_state, split_shards, state_file, write_atomic
+from .common import STATE_META, FeatureTrainingConfig, Tracker, lr_at, save_state, split_shards, state_file, write_atomic
+from .loop import StepLoop
 from .features import FeatureSet
 
 LEGACY_WEIGHTS, LEGACY_OPTIM = "heads_fp32.safetensors", "optimizer.pt"  # fixed names of states before step-named files
@@ -65,7 +65,7 @@ class TrainBlockConfig(FeatureTrainingConfig):
     head_decay: float = Field(1.0, gt=0, description="loss weight of head i is head_decay**i")
     init: Literal["zero", "normal"] = "zero"
     bf16: bool = Field(True, description="bf16 autocast for the matmuls (weights and optimizer stay fp32)")
-    max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this wall time per invocation")
+    max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this much training wall time per invocation")
     log_every: int = Field(20, ge=1)
     eval_every: int = Field(200, ge=1)
     save_every: int = Field(200, ge=1)
@@ -170,13 +170,6 @@ def evaluate(heads, H: torch.Tensor, Y: torch.Tensor, bf16: bool = True, batch: 
 
 
 # ------------------------------------------------------------------------------------------- training
-def _lr_at(cfg: TrainBlockConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
 def _batch_indices(cfg: TrainBlockConfig, n: int, step: int) -> torch.Tensor:
     """Rows of the batch of ``step``: epochs are seeded permutations, so the order depends on the step only."""
     per_epoch = max(1, n // cfg.batch_size)
@@ -206,7 +199,6 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     from metasd.drafters.block import BlockHeads
     from metasd.models import eos_token_ids, load_model
 
-    t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
@@ -264,27 +256,23 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, meta.get("mlflow_run_id"), cfg.model_dump(), log=log)
     meta["mlflow_run_id"] = tracker.run_id
     head_w = torch.tensor([cfg.head_decay ** i for i in range(cfg.k)])
-    end_step = min(cfg.steps, until_step) if until_step is not None else cfg.steps
     step = int(meta["step"])
-    metrics: dict[str, float] = {}
     run_t0 = time.time()
     elapsed0 = float(meta["elapsed_s"])
 
-    def save(final: bool = False) -> None:
-        meta.update(step=step, elapsed_s=elapsed0 + time.time() - run_t0)
+    def save(at: int) -> None:
+        meta.update(step=at, elapsed_s=elapsed0 + time.time() - run_t0)
         _save_state(state_dir, heads, opt, meta)
         heads.save(out, torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32,
-                   extra={"verifier": cfg.verifier, "num_layers": num_layers, "step": step, "target": cfg.target,
+                   extra={"verifier": cfg.verifier, "num_layers": num_layers, "step": at, "target": cfg.target,
                           "features": str(cfg.features)})
 
-    heads.train()
-    stopped_by_time = False
-    running = []
-    while step < end_step:
+    def train_step(step: int) -> dict[str, float]:
         idx = _batch_indices(cfg, len(H), step)
         h, y = H[idx], Yr[idx]
+        lr = lr_at(step, cfg)
         for g in opt.param_groups:
-            g["lr"] = _lr_at(cfg, step)
+            g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = heads(h)  # [B, k, N]
         logits = logits.float()
@@ -297,33 +285,26 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        step += 1
         meta["positions_seen"] += len(idx)
         meta["targets_seen"] += int((y >= 0).sum())
-        running.append(float(loss.detach()))
-        if step % cfg.log_every == 0 or step == end_step:
-            m = {"train/loss": sum(running) / len(running), "train/lr": _lr_at(cfg, step - 1)}
-            m.update({f"train/loss_head{i}": float(l.detach()) for i, l in enumerate(per_head)})
-            running = []
-            log(f"step {step}/{cfg.steps} loss {m['train/loss']:.4f} lr {m['train/lr']:.2e} "
-                f"({time.time() - run_t0:.0f}s)")
-            tracker.metrics(m, step)
-        if step % cfg.eval_every == 0 and step != end_step:
-            heads.eval()
-            metrics = evaluate(heads, Hv, Yv, cfg.bf16)
-            heads.train()
-            log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
-        if step % cfg.save_every == 0:
-            save()
-        if cfg.max_minutes is not None and time.time() - t_start > cfg.max_minutes * 60:
-            log(f"time limit of {cfg.max_minutes} min reached at step {step}; saving (resume to continue)")
-            stopped_by_time = True
-            break
+        return {"loss": float(loss.detach()), "lr": lr, **{f"loss_head{i}": float(l.detach()) for i, l in enumerate(per_head)}}
+
+    def validate(step: int) -> None:
+        heads.eval()
+        metrics = evaluate(heads, Hv, Yv, cfg.bf16)
+        heads.train()
+        log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
+
+    heads.train()
+    loop = StepLoop(cfg.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, until_step=until_step,
+                    max_minutes=cfg.max_minutes)
+    why, step = loop.run(step, train_step, save, validate)  # at until_step the run ends like a finished one
+    stopped_by_time = why == "time"
     heads.eval()
     metrics = evaluate(heads, Hv, Yv, cfg.bf16)
     log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    save()
+    save(step)
     result = {**{f"val/{k}": v for k, v in metrics.items()}, "step": step, "steps": cfg.steps,
               "positions_seen": meta["positions_seen"], "targets_seen": meta["targets_seen"],
               "wall_s": meta["elapsed_s"], "train_positions": len(H), "val_positions": len(Hv),

@@ -77,8 +77,9 @@ class FeatureRun:
 @dataclass
 class StepLoop:
     """Steps ``start .. steps - 1`` of one schedule (a stage): ``run`` calls ``train_step(step) -> metrics``
-    (it sets its own learning rate), logs ``train/<metric>`` every ``log_every`` steps and after the first,
-    validates every ``eval_every`` steps (not after the last: the caller does), saves every ``save_every``.
+    (it sets its own learning rate), logs ``train/<metric>`` after the first step and every ``log_every`` steps
+    (each metric's mean over the steps since the last log; ``lr``: its latest value), validates every
+    ``eval_every`` steps (not after the last: the caller does) and saves every ``save_every``.
 
     Steps are numbered from 0 within the loop; ``offset`` turns them into the run's global step (MLflow,
     ``until_step``). ``elapsed`` is the wall time spent in earlier invocations; the budget counts it."""
@@ -105,7 +106,7 @@ class StepLoop:
     def run(self, start: int, train_step: Callable[[int], dict[str, float]], save: Callable[[int], None],
             validate: Callable[[int], None] | None = None) -> tuple[str, int]:
         """Returns (why it stopped: "finished" | "interrupted" | "time", the next step)."""
-        step = start
+        step, window = start, []
         while step < self.steps:
             if self.until_step is not None and self.offset + step >= self.until_step:
                 return "interrupted", step
@@ -113,9 +114,11 @@ class StepLoop:
                 self.log(f"{self.label}time budget of {self.max_minutes} min reached at step {step}/{self.steps}")
                 return "time", step
             t0 = time.time()
-            metrics = train_step(step)
+            window.append(train_step(step))
             step += 1
             if step % self.log_every == 0 or step == 1:
+                metrics = {k: v if k == "lr" else sum(m[k] for m in window) / len(window) for k, v in window[-1].items()}
+                window = []
                 self.tracker.metrics({**{f"train/{k}": v for k, v in metrics.items()}, "train/step_s": time.time() - t0},
                                      self.offset + step)
                 self.log(f"{self.label}step {step}/{self.steps} " + " ".join(_fmt(k, v) for k, v in metrics.items())
