@@ -111,6 +111,9 @@ def pack_checkpoint(folder: str | Path, group_size: int = 32,
     files = [p for p in sorted(folder.glob("*.safetensors")) if "vocab" not in p.name]
     if not files:
         raise FileNotFoundError(f"{folder}: no weights (*.safetensors) to pack")
+    for p in files:  # all checked before any is rewritten
+        if is_packed(p):
+            raise ValueError(f"{p} is already packed")
     done = [(p, *pack_file(p, group_size, min_numel)) for p in files]
     cfg_path = folder / "config.json"
     if cfg_path.is_file():
