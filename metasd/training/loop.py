@@ -77,8 +77,9 @@ class FeatureRun:
 @dataclass
 class StepLoop:
     """Steps ``start .. steps - 1`` of one schedule (a stage): ``run`` calls ``train_step(step) -> metrics``
-    (it sets its own learning rate), logs ``train/<metric>`` after the first step and every ``log_every`` steps
-    (each metric's mean over the steps since the last log; ``lr``: its latest value), validates every
+    (it sets its own learning rate), reports every ``log_every`` steps, after the last and (``log_first``) after
+    the first - each metric's mean over the steps since the last report (``lr``: its latest value), by default
+    as ``train/<metric>`` to MLflow and a log line, else through ``report(step, metrics)`` - validates every
     ``eval_every`` steps (not after the last: the caller does) and saves every ``save_every``.
 
     Steps are numbered from 0 within the loop; ``offset`` turns them into the run's global step (MLflow,
@@ -95,6 +96,8 @@ class StepLoop:
     elapsed: float = 0.0
     offset: int = 0
     label: str = ""  # prefix of the log lines, e.g. "stage 1 "
+    log_first: bool = True
+    report: Callable[[int, dict[str, float]], None] | None = None
 
     def __post_init__(self) -> None:
         self._t0 = time.time()
@@ -116,13 +119,16 @@ class StepLoop:
             t0 = time.time()
             window.append(train_step(step))
             step += 1
-            if step % self.log_every == 0 or step == 1:
+            if step % self.log_every == 0 or step == self.steps or (step == 1 and self.log_first):
                 metrics = {k: v if k == "lr" else sum(m[k] for m in window) / len(window) for k, v in window[-1].items()}
                 window = []
-                self.tracker.metrics({**{f"train/{k}": v for k, v in metrics.items()}, "train/step_s": time.time() - t0},
-                                     self.offset + step)
-                self.log(f"{self.label}step {step}/{self.steps} " + " ".join(_fmt(k, v) for k, v in metrics.items())
-                         + f" {time.time() - t0:.2f}s")
+                if self.report is not None:
+                    self.report(step, metrics)
+                else:
+                    self.tracker.metrics({**{f"train/{k}": v for k, v in metrics.items()}, "train/step_s": time.time() - t0},
+                                         self.offset + step)
+                    self.log(f"{self.label}step {step}/{self.steps} " + " ".join(_fmt(k, v) for k, v in metrics.items())
+                             + f" {time.time() - t0:.2f}s")
             if validate is not None and self.eval_every and step % self.eval_every == 0 and step < self.steps:
                 validate(step)
             if step % self.save_every == 0:

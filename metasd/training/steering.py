@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from metasd.drafters.steering_net import (Injector, SteeringModule, decoder_laye
                                           resolve_steered_layers, save_steering)
 from metasd.machine import warn_if_oversubscribed
 from metasd.training.common import Tracker
+from metasd.training.loop import StepLoop
 from metasd.training.steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
                                              TrainConfig, parse_config, read_config)
 from metasd.training.steering_data import SteeringSequences, guide_input_stats
@@ -374,10 +374,8 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train_log.jsonl", "a")
     status = "FINISHED"
-    t_start = time.perf_counter()
     wall0 = tr.wall_s
     limit = cfg.train.wall_limit_s
-    window: list[dict[str, float]] = []
 
     def record(values: dict[str, float]) -> None:
         entry = {"step": tr.step, "tokens_seen": tr.tokens_seen, "wall_s": round(tr.wall_s, 1), **values}
@@ -402,33 +400,34 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
                 path = tr.export({"selected_by": f"{word} {key} over validations so far"}, Path(cfg.out_dir) / "best")
                 log(f"best so far ({key} {v[key]:.4f}): exported {path}")
 
+    def report(step: int, metrics: dict[str, float]) -> None:
+        avg = {f"train_{k}": v for k, v in metrics.items()}
+        record(avg)
+        log(f"step {tr.step}/{cfg.train.steps} loss {avg['train_loss']:.4f} agree {avg['train_agree']:.3f} "
+            f"tokens {tr.tokens_seen} {tr.wall_s:.0f}s")
+
+    def train_step(step: int) -> dict[str, float]:
+        metrics = tr.train_step()  # advances tr.step to step + 1
+        tr.wall_s = wall0 + loop.wall()
+        return metrics
+
+    # a wall limit per invocation (elapsed 0); stop_at_step ends like an interruption: checkpoint, no export
+    loop = StepLoop(cfg.train.steps, cfg.log.log_every, cfg.log.val_every, cfg.log.checkpoint_every, tracker, log,
+                    until_step=stop_at_step, max_minutes=limit / 60 if limit is not None else None, log_first=False,
+                    report=report)
     try:
         if not resumed and tr.n_val:
             validate()
-        while tr.step < cfg.train.steps:
-            m = tr.train_step()
-            tr.wall_s = wall0 + time.perf_counter() - t_start
-            window.append(m)
-            if tr.step % cfg.log.log_every == 0 or tr.step == cfg.train.steps:
-                avg = {f"train_{k}": sum(w[k] for w in window) / len(window) for k in window[0]}
-                record(avg)
-                log(f"step {tr.step}/{cfg.train.steps} loss {avg['train_loss']:.4f} agree {avg['train_agree']:.3f} "
-                    f"tokens {tr.tokens_seen} {tr.wall_s:.0f}s")
-                window = []
-            if tr.step % cfg.log.val_every == 0 and tr.step < cfg.train.steps:
-                validate()
-            if tr.step % cfg.log.checkpoint_every == 0:
-                tr.save_checkpoint()
-            if stop_at_step is not None and tr.step >= stop_at_step:
-                tr.save_checkpoint()
-                status = "KILLED"
-                return tr
-            if limit is not None and time.perf_counter() - t_start > limit:
-                log(f"wall limit of {limit:.0f}s reached at step {tr.step}; rerun the same command to resume")
-                status = "KILLED"
-                break
+        why, _ = loop.run(tr.step, train_step, lambda step: tr.save_checkpoint(), lambda step: validate())
+        if why == "interrupted":
+            tr.save_checkpoint()
+            status = "KILLED"
+            return tr
+        if why == "time":  # the loop said so; the run stays resumable
+            log(f"wall limit of {limit:.0f}s: rerun the same command to resume from step {tr.step}")
+            status = "KILLED"
         validate()
-        tr.wall_s = wall0 + time.perf_counter() - t_start
+        tr.wall_s = wall0 + loop.wall()
         tr.save_checkpoint()
         path = tr.export()
         log(f"exported {path} (step {tr.step}, {tr.tokens_seen} tokens, {tr.wall_s:.0f}s)")
