@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from metasd import bundled, devices, models
+from metasd import bundled, devices
 from metasd.cache_marker import CACHE_MARKER
 from metasd.bundled import (
     BUNDLED,
