@@ -1,7 +1,8 @@
-"""The scaffold the trainers on cached verifier features fill in: the run's setup (threads, feature set and
-split, the verifier's embedding/head pieces, resumable state, the draft vocabulary) and the step loop
-(stop at ``until_step`` or at the wall budget, learning-rate schedule, train-metric logging to the log and
-MLflow, periodic validation and state saving). A trainer supplies its own step, validation and saving."""
+"""The scaffold the trainers fill in. ``StepLoop`` - stop at ``until_step`` or at the wall budget, report
+train metrics to the log and MLflow, validate and save periodically - runs every trainer (steering,
+block, TreeFlash, hidden-state); each supplies its own step, validation and saving. ``FeatureRun`` - threads,
+feature set and split, the verifier's embedding/head pieces, resumable state, the draft vocabulary - sets
+up the trainers of networks on the verifier's states (TreeFlash, hidden-state)."""
 from __future__ import annotations
 
 import json
