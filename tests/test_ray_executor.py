@@ -208,8 +208,9 @@ def test_dead_worker_shard_is_retried_and_every_request_logged_once(store, ray_s
     # the dead worker's shard was answered by its replacement (id "<slot>.1")
     assert any("." in r["worker"] for recs in res.records.values() for r in recs)
     # one progress bar over every request, with the live workers; the death and the replacement are reported
+    # (whether a shard finishes before the death is seen - a "0 restarted" refresh - depends on timing)
     err = capsys.readouterr().err
-    assert f"{N_REQUESTS * N_RUNS}/{N_REQUESTS * N_RUNS}" in err and "2/2 workers live, 0 restarted" in err
+    assert f"{N_REQUESTS * N_RUNS}/{N_REQUESTS * N_RUNS}" in err and re.search(r"[12]/2 workers live", err), err
     assert "1 restarted" in err and re.search(r"worker [01] died \(ActorDiedError\)", err), err
 
 
