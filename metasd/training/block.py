@@ -289,28 +289,26 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
         meta["targets_seen"] += int((y >= 0).sum())
         return {"loss": float(loss.detach()), "lr": lr, **{f"loss_head{i}": float(l.detach()) for i, l in enumerate(per_head)}}
 
-    def validate(step: int) -> None:
+    def validate(step: int) -> dict[str, float]:
         heads.eval()
         metrics = evaluate(heads, Hv, Yv, cfg.bf16)
         heads.train()
         log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
+        return metrics
 
     heads.train()
-    loop = StepLoop(cfg.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, until_step=until_step,
-                    max_minutes=cfg.max_minutes)
-    why, step = loop.run(step, train_step, save, validate)  # at until_step the run ends like a finished one
+    loop = StepLoop(cfg.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, train_step=train_step,
+                    save=save, validate=validate, until_step=until_step, max_minutes=cfg.max_minutes)
+    why, step = loop.run(step)  # at until_step the run ends like a finished one
     stopped_by_time = why == "time"
-    heads.eval()
-    metrics = evaluate(heads, Hv, Yv, cfg.bf16)
-    log("val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    metrics = loop.validation(step)
     save(step)
     result = {**{f"val/{k}": v for k, v in metrics.items()}, "step": step, "steps": cfg.steps,
               "positions_seen": meta["positions_seen"], "targets_seen": meta["targets_seen"],
               "wall_s": meta["elapsed_s"], "train_positions": len(H), "val_positions": len(Hv),
               "train_shards": train, "val_shards": val, "draft_vocab": len(vocab), "train_targets_in_vocab": in_vocab,
               "stopped_by_time": stopped_by_time, "finished": step >= cfg.steps}
-    tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
     tracker.metrics({"positions_seen": meta["positions_seen"], "wall_s": meta["elapsed_s"]}, step)
     tracker.end()
     (out / "metrics.json").write_text(json.dumps(result, indent=1))

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from ..config import read_yaml_mapping, validate_config
 from ..draft_vocab import DraftVocab
 from .common import FeatureTrainingConfig, OptimSection, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
-from .loop import FeatureRun, StepLoop
+from .loop import FeatureRun, KeepBest, StepLoop
 
 BEST_WEIGHTS = "best_fp32.safetensors"
 
@@ -266,18 +266,18 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
     log(f"hidden-state drafter: {count_parameters(net):,} parameters, draft vocab {len(vocab)}, layer {layer}, "
         f"{sum(counts.values())} training sequences, {len(val_set)} validation sequences")
     w = depth_weights(cfg.unroll + 1, cfg.gamma)
-    loop = StepLoop(st.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, until_step=until_step,
-                    max_minutes=st.max_minutes, elapsed=state["wall_s"])
 
-    def validate(step: int) -> None:
+    def validate(step: int) -> dict[str, float]:
         metrics = evaluate(net, pieces, reader, val_set, vocab, cfg, layer)
         tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, step)
         state["history"].append({"step": step, **metrics})
         log(f"  val step {step}: acc {metrics['acc']:.3f} acc_1 {metrics['acc_1']:.3f} loss_ce {metrics['loss_ce']:.3f} "
             f"tau_chain {metrics['tau_chain']:.3f}")
-        if cfg.keep_best and (state["best"] is None or metrics["tau_chain"] > state["best"].get("tau_chain", -1.0)):
-            state["best"] = {"step": step, "acc": metrics["acc"], "tau_chain": metrics["tau_chain"]}
-            save_file({k: v.detach().float().contiguous() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
+        return metrics
+
+    def on_best(step: int, metrics: dict[str, float]) -> None:
+        state["best"] = {"step": step, "acc": metrics["acc"], "tau_chain": metrics["tau_chain"]}
+        save_file({k: v.detach().float().contiguous() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
 
     def train_step(step: int) -> dict[str, float]:
         lr = lr_at(step, st)
@@ -303,11 +303,15 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
         state["wall_s"] = loop.wall()
         save_state(state_dir, net, opt, state)
 
+    best = state["best"].get("tau_chain", -1.0) if state["best"] else None  # states before tau_chain was kept: -1
+    loop = StepLoop(st.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, train_step=train_step, save=save,
+                    validate=validate if val_set else None, until_step=until_step, max_minutes=st.max_minutes,
+                    elapsed=state["wall_s"], keep_best=KeepBest("tau_chain", "max", on_best, best) if cfg.keep_best else None)
     try:
         if val_set and not state["history"]:
-            validate(0)  # the untrained drafter, for reference
+            loop.validation(0)  # the untrained drafter, for reference
         net.train()
-        why, step = loop.run(state["step"], train_step, save, validate if val_set else None)
+        why, step = loop.run(state["step"])
         if why == "interrupted":
             save(step)
             log(f"stopped at step {step} (resumable from {state_dir})")
@@ -316,7 +320,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
             state["stopped_by_time"] = step
         state["wall_s"] = loop.wall()
         if val_set and (not state["history"] or state["history"][-1]["step"] != state["step"]):
-            validate(state["step"])
+            loop.validation(state["step"])
         save_state(state_dir, net, opt, state)
         final = state["history"][-1] if state["history"] else {}
         if cfg.keep_best and state["best"] is not None and (state_dir / BEST_WEIGHTS).exists():

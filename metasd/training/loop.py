@@ -1,6 +1,7 @@
 """The scaffold the trainers fill in. ``StepLoop`` - stop at ``until_step`` or at the wall budget, report
-train metrics to the log and MLflow, validate and save periodically - runs every trainer (steering,
-block, TreeFlash, hidden-state); each supplies its own step, validation and saving. ``FeatureRun`` - threads,
+train metrics to the log and MLflow, validate (with ``KeepBest``: call back on each improvement) and save
+periodically - runs every trainer (steering, block, TreeFlash, hidden-state); each supplies its own step,
+validation, saving and what keeping the best means to it. ``FeatureRun`` - threads,
 feature set and split, the verifier's embedding/head pieces, resumable state, the draft vocabulary - sets
 up the trainers of networks on the verifier's states (TreeFlash, hidden-state)."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -76,12 +77,33 @@ class FeatureRun:
 
 
 @dataclass
+class KeepBest:
+    """Keep-best: ``on_best(step, metrics)`` after each validation whose ``key`` is strictly lower (``mode="min"``)
+    or higher (``"max"``) than every earlier one; ``best`` is the best value so far (None: none yet), which a
+    resumed run restores from its own state."""
+
+    key: str
+    mode: Literal["min", "max"]
+    on_best: Callable[[int, dict[str, float]], None]
+    best: float | None = None
+
+    def offer(self, step: int, metrics: dict[str, float]) -> None:
+        """Call ``on_best`` if ``metrics`` improve on the best so far."""
+        value = metrics[self.key]
+        if self.best is None or (value < self.best if self.mode == "min" else value > self.best):
+            self.best = value
+            self.on_best(step, metrics)
+
+
+@dataclass
 class StepLoop:
-    """Steps ``start .. steps - 1`` of one schedule (a stage): ``run`` calls ``train_step(step) -> metrics``
-    (it sets its own learning rate), reports every ``log_every`` steps, after the last and (``log_first``) after
-    the first - each metric's mean over the steps since the last report (``lr``: its latest value), by default
-    as ``train/<metric>`` to MLflow and a log line, else through ``report(step, metrics)`` - validates every
-    ``eval_every`` steps (not after the last: the caller does) and saves every ``save_every``.
+    """Steps ``start .. steps - 1`` of one schedule (a stage) of a trainer that supplies ``train_step(step) ->
+    metrics`` (it sets its own learning rate), ``save(step)`` and optionally ``validate(step) -> metrics`` and
+    ``keep_best``. ``run`` reports every ``log_every`` steps, after the last and (``log_first``) after the first -
+    each metric's mean over the steps since the last report (``lr``: its latest value), by default as
+    ``train/<metric>`` to MLflow and a log line, else through ``report(step, metrics)`` - validates every
+    ``eval_every`` steps (not after the last: the caller does, through ``validation``) and saves every
+    ``save_every``.
 
     Steps are numbered from 0 within the loop; ``offset`` turns them into the run's global step (MLflow,
     ``until_step``). ``elapsed`` is the wall time spent in earlier invocations; the budget counts it."""
@@ -92,6 +114,10 @@ class StepLoop:
     save_every: int
     tracker: Tracker
     log: Callable[[str], None]
+    train_step: Callable[[int], dict[str, float]]
+    save: Callable[[int], None]
+    validate: Callable[[int], dict[str, float] | None] | None = None
+    keep_best: KeepBest | None = None
     until_step: int | None = None
     max_minutes: float | None = None
     elapsed: float = 0.0
@@ -107,9 +133,15 @@ class StepLoop:
         """Wall seconds of this schedule so far, earlier invocations included."""
         return self.elapsed + time.time() - self._t0
 
-    def run(self, start: int, train_step: Callable[[int], dict[str, float]], save: Callable[[int], None],
-            validate: Callable[[int], None] | None = None) -> tuple[str, int]:
-        """Returns (why it stopped: "finished" | "interrupted" | "time", the next step)."""
+    def validation(self, step: int) -> dict[str, float] | None:
+        """``validate(step)``, then ``keep_best``; returns its metrics (None or {}: nothing validated)."""
+        metrics = self.validate(step)
+        if metrics and self.keep_best is not None:
+            self.keep_best.offer(step, metrics)
+        return metrics
+
+    def run(self, start: int) -> tuple[str, int]:
+        """Train from step ``start``; returns (why it stopped: "finished" | "interrupted" | "time", the next step)."""
         step, window = start, []
         while step < self.steps:
             if self.until_step is not None and self.offset + step >= self.until_step:
@@ -118,7 +150,7 @@ class StepLoop:
                 self.log(f"{self.label}time budget of {self.max_minutes} min reached at step {step}/{self.steps}")
                 return "time", step
             t0 = time.time()
-            window.append(train_step(step))
+            window.append(self.train_step(step))
             step += 1
             if step % self.log_every == 0 or step == self.steps or (step == 1 and self.log_first):
                 metrics = {k: v if k == "lr" else sum(m[k] for m in window) / len(window) for k, v in window[-1].items()}
@@ -130,10 +162,10 @@ class StepLoop:
                                          self.offset + step)
                     self.log(f"{self.label}step {step}/{self.steps} " + " ".join(_fmt(k, v) for k, v in metrics.items())
                              + f" {time.time() - t0:.2f}s")
-            if validate is not None and self.eval_every and step % self.eval_every == 0 and step < self.steps:
-                validate(step)
+            if self.validate is not None and self.eval_every and step % self.eval_every == 0 and step < self.steps:
+                self.validation(step)
             if step % self.save_every == 0:
-                save(step)
+                self.save(step)
         return "finished", step
 
 

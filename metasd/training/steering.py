@@ -46,7 +46,7 @@ from metasd.drafters.steering_net import (Injector, SteeringModule, decoder_laye
                                           resolve_steered_layers, save_steering)
 from metasd.machine import warn_if_oversubscribed
 from metasd.training.common import Tracker
-from metasd.training.loop import StepLoop
+from metasd.training.loop import KeepBest, StepLoop
 from metasd.training.steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
                                              TrainConfig, parse_config, read_config)
 from metasd.training.steering_data import SteeringSequences, guide_input_stats
@@ -386,19 +386,25 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         tracker.metrics({k.replace("/", "_"): v for k, v in {**values, "tokens_seen": tr.tokens_seen, "wall_s": tr.wall_s}.items()},
                         tr.step)
 
-    key = f"val_{cfg.log.best_by}_{'steered' if tr.module is not None else 'plain'}"
-    better = (lambda v, best: v < best) if cfg.log.best_by == "kl" else (lambda v, best: v > best)
+    def validate(step: int) -> dict[str, float] | None:
+        if not tr.n_val or (tr.history and tr.history[-1]["step"] == tr.step):
+            return None
+        v = tr.validate()
+        record(v)
+        log(f"step {tr.step}: " + ", ".join(f"{k} {x:.4f}" for k, x in v.items()))
+        return v
 
-    def validate() -> None:
-        if tr.n_val and not (tr.history and tr.history[-1]["step"] == tr.step):
-            earlier = [h[key] for h in tr.history if key in h]
-            v = tr.validate()
-            record(v)
-            log(f"step {tr.step}: " + ", ".join(f"{k} {x:.4f}" for k, x in v.items()))
-            if cfg.log.keep_best and (not earlier or all(better(v[key], e) for e in earlier)):
-                word = "lowest" if cfg.log.best_by == "kl" else "highest"
-                path = tr.export({"selected_by": f"{word} {key} over validations so far"}, Path(cfg.out_dir) / "best")
-                log(f"best so far ({key} {v[key]:.4f}): exported {path}")
+    key = f"val_{cfg.log.best_by}_{'steered' if tr.module is not None else 'plain'}"
+    lowest = cfg.log.best_by == "kl"
+
+    def on_best(step: int, v: dict[str, float]) -> None:
+        path = tr.export({"selected_by": f"{'lowest' if lowest else 'highest'} {key} over validations so far"},
+                         Path(cfg.out_dir) / "best")
+        log(f"best so far ({key} {v[key]:.4f}): exported {path}")
+
+    earlier = [h[key] for h in tr.history if key in h]
+    keep_best = (KeepBest(key, "min" if lowest else "max", on_best, (min if lowest else max)(earlier, default=None))
+                 if cfg.log.keep_best else None)
 
     def report(step: int, metrics: dict[str, float]) -> None:
         avg = {f"train_{k}": v for k, v in metrics.items()}
@@ -413,12 +419,13 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
 
     # a wall limit per invocation (elapsed 0); stop_at_step ends like an interruption: checkpoint, no export
     loop = StepLoop(cfg.train.steps, cfg.log.log_every, cfg.log.val_every, cfg.log.checkpoint_every, tracker, log,
+                    train_step=train_step, save=lambda step: tr.save_checkpoint(), validate=validate, keep_best=keep_best,
                     until_step=stop_at_step, max_minutes=limit / 60 if limit is not None else None, log_first=False,
                     report=report)
     try:
-        if not resumed and tr.n_val:
-            validate()
-        why, _ = loop.run(tr.step, train_step, lambda step: tr.save_checkpoint(), lambda step: validate())
+        if not resumed:
+            loop.validation(tr.step)
+        why, _ = loop.run(tr.step)
         if why == "interrupted":
             tr.save_checkpoint()
             status = "KILLED"
@@ -426,7 +433,7 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
         if why == "time":  # the loop said so; the run stays resumable
             log(f"wall limit of {limit:.0f}s: rerun the same command to resume from step {tr.step}")
             status = "KILLED"
-        validate()
+        loop.validation(tr.step)
         tr.wall_s = wall0 + loop.wall()
         tr.save_checkpoint()
         path = tr.export()

@@ -223,9 +223,6 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
             sched = Schedule(counts_per_shard, cfg.seed + 1000 * stage)
             base = cfg.stage1.steps if stage == 2 else 0
             model.train()
-            loop = StepLoop(st.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, until_step=until_step,
-                            max_minutes=st.max_minutes, elapsed=state["wall_s"][str(stage)], offset=base,
-                            label=f"stage {stage} ")
 
             def train_step(step: int) -> dict[str, float]:
                 lr = lr_at(step, st)
@@ -261,17 +258,22 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                 state["targets"][str(stage)] += n_targets
                 return {f"loss_stage{stage}": loss_sum, "lr": lr, "grad_norm": gnorm}
 
-            def validate(step: int) -> None:
+            def validate(step: int) -> dict[str, float]:
                 metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)
                 tracker.metrics({f"val/{k}": v for k, v in metrics.items()}, base + step)
                 log(f"  val: acc_marg {metrics['acc_marg']:.3f} acc_ar {metrics['acc_ar']:.3f} "
                     f"tau_argmax_marg_tf {metrics['tau_argmax_marg_tf']:.3f}")
+                return metrics
 
             def save(step: int) -> None:
                 state["wall_s"][str(stage)] = loop.wall()
                 save_state(state_dir, model, opt, state)
 
-            why, step = loop.run(state["step"], train_step, save, validate if val_set else None)
+            loop = StepLoop(st.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, train_step=train_step,
+                            save=save, validate=validate if val_set else None, until_step=until_step,
+                            max_minutes=st.max_minutes, elapsed=state["wall_s"][str(stage)], offset=base,
+                            label=f"stage {stage} ")
+            why, step = loop.run(state["step"])
             state["wall_s"][str(stage)] = loop.wall()
             if why == "interrupted":
                 save_state(state_dir, model, opt, state)
