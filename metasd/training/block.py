@@ -298,9 +298,11 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
         return metrics
 
     heads.train()
-    loop = StepLoop(cfg.steps, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, train_step=train_step,
-                    save=save, validate=validate, until_step=until_step, max_minutes=cfg.max_minutes)
-    why, step = loop.run(step)  # at until_step the run ends like a finished one
+    # at until_step the run ends like a finished one: a report, no validation in the loop, the final one after
+    end_step = min(cfg.steps, until_step) if until_step is not None else cfg.steps
+    loop = StepLoop(end_step, cfg.log_every, cfg.eval_every, cfg.save_every, tracker, log, train_step=train_step,
+                    save=save, validate=validate, max_minutes=cfg.max_minutes)
+    why, step = loop.run(step)
     stopped_by_time = why == "time"
     metrics = loop.validation(step)
     save(step)
