@@ -52,7 +52,7 @@ def test_until_step_interrupts_and_a_resume_continues_where_it_stopped():
 
 def test_until_step_counts_global_steps_with_an_offset():
     loop, seen = _loop(until_step=12, offset=10)  # a second stage starting at global step 10
-    assert loop.run(0) == ("interrupted", 2)
+    assert loop.run(0) == ("interrupted", 2) and seen["steps"] == [0, 1]
 
 
 def test_wall_budget_counts_earlier_invocations():
@@ -75,7 +75,7 @@ def test_wall_budget_stops_a_running_loop(monkeypatch):
 
     loop.train_step = slow_step
     assert loop.run(0) == ("time", 3)  # 5 + 3 * 10 s > 30 s before step 3
-    assert loop.wall() == 35.0
+    assert seen["steps"] == [0, 1, 2] and loop.wall() == 35.0
 
 
 @pytest.mark.parametrize("mode,scores,best_at", [
