@@ -44,7 +44,7 @@ def owner_token(pid: int | None = None) -> str:
     return f"{socket.gethostname()}:{pid}:{_process_start(pid)}"
 
 
-def _owner_alive(token: str) -> bool:
+def owner_alive(token: str) -> bool:
     """Whether the process named by ``owner_token`` still runs (False for another host: it cannot be checked)."""
     import socket
 
@@ -121,7 +121,7 @@ def _sqlite_path(uri: str) -> Path | None:
 
 
 @contextlib.contextmanager
-def _store_lock(uri: str):
+def store_lock(uri: str):
     """Exclusive lock (POSIX flock on ``<database>.lock``) around what two processes must not do at once on one
     SQLite store: create and migrate its tables (two processes doing it at once fail with alembic errors) and
     find-or-create an experiment. A no-op for other stores or where fcntl is unavailable."""

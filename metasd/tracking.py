@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .experiment import Experiment, ResolvedPool
 
 from .store_guard import (LOCKED_RETRIES, OWNER_TAG, RetryingClient, RunInUseError, StoreBusyError,  # noqa: F401
-                          _owner_alive, _store_lock, call_with_retry, owner_token)
+                          owner_alive, store_lock, call_with_retry, owner_token)
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class BenchStore:
         from mlflow import MlflowClient
 
         self.uri = tracking_uri
-        with _store_lock(tracking_uri):  # opening a new store creates / migrates its tables
+        with store_lock(tracking_uri):  # opening a new store creates / migrates its tables
             self.client = RetryingClient(MlflowClient(tracking_uri), tracking_uri)
             self.client.search_experiments(max_results=1)
         self.records: dict[str, list[dict]] = {}  # nested-run key -> request records
@@ -163,7 +163,7 @@ class BenchStore:
         """Find or create the MLflow experiment, then resume the parent run (``resume_run_id``, or with
         ``resume`` the latest one of the same config) or start one and log its params and config files."""
         self.workdir = workdir
-        with _store_lock(self.uri):  # two processes starting the same experiment: one creates it
+        with store_lock(self.uri):  # two processes starting the same experiment: one creates it
             found_exp = self.client.get_experiment_by_name(exp.name)
             if found_exp is None:
                 self.experiment_id = self.client.create_experiment(
@@ -213,10 +213,10 @@ class BenchStore:
         """Record this process as the writer of a resumed parent run, refusing one that another live process
         on this host is writing (two writers would generate and log the same requests twice). A writer killed
         with SIGKILL leaves its token behind; its process is gone, so the run is claimed."""
-        with _store_lock(self.uri):  # two resumers at once: one claims, the other sees the claim
+        with store_lock(self.uri):  # two resumers at once: one claims, the other sees the claim
             run = self.client.get_run(run_id)
             owner = run.data.tags.get(OWNER_TAG, "")
-            if run.info.status == "RUNNING" and owner and _owner_alive(owner):
+            if run.info.status == "RUNNING" and owner and owner_alive(owner):
                 raise RunInUseError(
                     f"MLflow run {run_id} in {self.uri} is being written by another metasd bench process "
                     f"(host:pid {owner.rsplit(':', 1)[0]}); wait for it to end, or run without --resume / --run-id "

@@ -5,7 +5,7 @@ Each test injects one fault and checks the protection that handles it:
 1. ``metasd bench`` SIGKILLed between committing a request and logging its metrics, then ``--resume``:
    every (method, request) ends up with one record and one set of metrics (``metasd.tracking.NestedRun``);
 2. two ``metasd bench`` processes starting at once on one new SQLite store both finish
-   (``metasd.store_guard._store_lock``), MLflow calls are retried while SQLite says ``database is locked``
+   (``metasd.store_guard.store_lock``), MLflow calls are retried while SQLite says ``database is locked``
    (``metasd.store_guard.call_with_retry``), and resuming a run that a live process writes is refused
    (``metasd.tracking.BenchStore._claim``);
 3. a converted bundled-model file truncated or overwritten after its marker was written is detected
