@@ -77,7 +77,7 @@ def test_quantized_layers_are_priced_by_their_stored_bytes_and_kernel():
     (layer,) = linear_layers([net])
     assert layer.mode == "int8"
     int8_cost = decode_step_cost(net, CostModel())
-    assert int8_cost == pytest.approx(layer.qweight.numel() + layer.scales.numel() * 4 + CPU_ROW_COST["int8"] * 64 * 32)
+    assert int8_cost == pytest.approx(layer.qweight.numel() + layer.scales.numel() * layer.scales.element_size() + CPU_ROW_COST["int8"] * 64 * 32)
     assert int8_cost < dense_cost  # fp32 weights: 4 bytes each against 1 (+ scales)
 
 
