@@ -10,26 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
 import torch
+from timing import median_ms  # benchmarks/timing.py (this folder is on sys.path)
 from transformers import DynamicCache, StaticCache
 
 from metasd.models import load_model
 from metasd.quantize import quantize_model
 
 PROMPT_TOKENS = 200
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 @torch.inference_mode()

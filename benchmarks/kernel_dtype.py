@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
+from timing import median_ms  # benchmarks/timing.py (this folder is on sys.path)
 from torch import nn
 
 from metasd.quantize import QuantizedLinear
@@ -22,15 +22,12 @@ from metasd.quantize import QuantizedLinear
 IN, OUT = 896, 4864
 
 
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+def raw_kernel(layer: QuantizedLinear, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The layer's kernel called on ``x`` as it is, with ``scales`` in ``x``'s dtype (what metasd did before
+    it cast CPU activations to bf16)."""
+    if layer.mode == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, layer.group_size, scales)
 
 
 def main() -> None:
@@ -46,19 +43,12 @@ def main() -> None:
     for mode in ("int8", "int4"):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             layer = QuantizedLinear(nn.Linear(IN, OUT, bias=False).to(dtype), mode)
-            # the raw kernel called with this dtype's activations and scales (what metasd did before)
-            if mode == "int8":
-                scales = layer.scales.to(dtype)
-                raw = lambda x: torch.ops.aten._weight_int8pack_mm(x, layer.qweight, scales)  # noqa: E731
-            else:
-                scales = layer.scales_and_zeros.to(dtype)
-                raw = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(  # noqa: E731
-                    x, layer.qweight, layer.group_size, scales)
+            scales = (layer.scales if mode == "int8" else layer.scales_and_zeros).to(dtype)
             for rows in args.rows:
                 x = torch.randn(rows, IN, dtype=dtype)
                 row = {"mode": mode, "dtype": str(dtype).removeprefix("torch."), "rows": rows,
-                       "raw_kernel_ms": median_ms(lambda: raw(x), args.repeats),
-                       "quantized_linear_ms": median_ms(lambda: layer(x), args.repeats)}
+                       "raw_kernel_ms": median_ms(partial(raw_kernel, layer, scales, x), args.repeats, warmup=3),
+                       "quantized_linear_ms": median_ms(partial(layer, x), args.repeats, warmup=3)}
                 results.append(row)
                 print(f"{mode} {row['dtype']:>8} {rows:>3} rows: kernel on {row['dtype']} activations "
                       f"{row['raw_kernel_ms']:.2f} ms, QuantizedLinear {row['quantized_linear_ms']:.2f} ms", flush=True)

@@ -24,7 +24,7 @@ Kernels (chosen by the device of the weight, not by a flag):
   dequantizes its weight and uses the dense matmul instead (the same weights, faster). An int4 layer has
   no cheap way back to a dense weight; a drafter's int4 model (``prefill_copy=True``) keeps an int8 copy
   of its decoder-layer weights for that path, a verifier's runs its int4 kernel on every input.
-  Both kernels are fast for bf16 activations only: with fp32 or fp16 ones they run 15-65x slower (896 x
+  Both kernels are fast for bf16 activations only: with fp32 or fp16 ones they run 15-90x slower (896 x
   4864 layer, 8 rows: int4 31 ms fp32 / 40 ms fp16 against 0.5 ms bf16; int8 16 / 18 ms against 0.5 ms),
   so on CPU a quantized layer of an fp32 or fp16 model casts its input to bf16 for the kernel (its scales
   are stored in bf16) and its output back to the model's dtype. What such a layer computes is fixed (the
