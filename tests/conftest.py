@@ -14,3 +14,19 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def verifier_model():
     return tiny_qwen(seed=0)
+
+
+
+#: files of the longest tests (real models; Ray workers; subprocesses), run first
+LONGEST_FIRST = ("test_real_smoke.py", "test_ray_executor.py", "test_faults.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first, so that under the README's `-n 2 --dist worksteal` they start at once and the
+    short tests fill in around them (collected in file order, they came last and made a tail). The order is
+    otherwise kept."""
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
