@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .experiment import Experiment, ResolvedPool
 
 from .store_guard import (LOCKED_RETRIES, OWNER_TAG, RetryingClient, RunInUseError, StoreBusyError,  # noqa: F401
-                          owner_alive, store_lock, call_with_retry, owner_token)
+                          call_with_retry, owner_alive, owner_token, store_lock)
 
 logger = logging.getLogger(__name__)
 

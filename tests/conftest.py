@@ -16,7 +16,6 @@ def verifier_model():
     return tiny_qwen(seed=0)
 
 
-
 #: files of the longest tests (real models; Ray workers; subprocesses), run first
 LONGEST_FIRST = ("test_real_smoke.py", "test_ray_executor.py", "test_faults.py")
 

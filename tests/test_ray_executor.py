@@ -100,7 +100,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
     kids_in = _children(c_in, ref.experiment_id, ref.parent_run_id)
     kids = _children(c_ray, parent.info.experiment_id, parent.info.run_id)
     assert sorted(kids) == sorted(kids_in) and len(kids) == 2 * N_RUNS
-    workers = {}
+    workers, served = {}, {}  # (pool, question) -> workers; method key -> the workers that answered its requests
     for key, run in kids.items():
         assert run.info.status == "FINISHED"
         mine = _artifact_lines(c_ray, run.info.run_id, tmp_path / "ray")
@@ -108,6 +108,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
         # per request and method: the same prompt, tokens and text as in-process, in the same order
         assert [(r["question_id"], r["turn"], r["index"], r["prompt_sha"], r["token_ids"], r["text"]) for r in mine] == [
             (r["question_id"], r["turn"], r["index"], r["prompt_sha"], r["token_ids"], r["text"]) for r in theirs], key
+        served[key] = {r["worker"] for r in mine}
         for r in mine:
             workers.setdefault((key.split("/")[0], r["question_id"]), set()).add(r["worker"])
             assert r.get("matches_plain", True) is True
@@ -128,8 +129,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
     state = json.load(open(c_ray.download_artifacts(
         kids["tiny2/q/ucb-persistent/seed0"].info.run_id, "policy_state.json", str(tmp_path / "st"))))
     # one state per worker that served this method's requests (which worker takes which shard depends on timing)
-    served = {r["worker"] for r in _artifact_lines(c_ray, kids["tiny2/q/ucb-persistent/seed0"].info.run_id, tmp_path / "w")}
-    assert state["scope"] == "per-worker" and set(state["workers"]) == served
+    assert state["scope"] == "per-worker" and set(state["workers"]) == served["tiny2/q/ucb-persistent/seed0"]
     assert "persistent policies (ucb-persistent) kept one state per worker (2 workers)" in out
     rows = lambda table: [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]  # noqa: E731
     assert rows(out) == rows(ref.table)  # the same methods (rows) and columns
