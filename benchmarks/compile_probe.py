@@ -1,7 +1,7 @@
 """Would ``torch.compile`` make the drafter's step cheaper? One-token forward of the bundled 0.5B after a
 200-token prompt: eager over transformers' DynamicCache (what the drafters use), eager over a StaticCache,
 and ``torch.compile`` of the forward over the StaticCache (the shape a compiled step needs), for bf16 and
-int4 weights (``metasd.quantize``). Median ms of --repeats calls; the compile time of the first call.
+int4 weights (``metasd.models.quantize``). Median ms of --repeats calls; the compile time of the first call.
 
     python benchmarks/compile_probe.py --out benchmarks/results/compile_probe.json
 """
@@ -18,7 +18,7 @@ from timing import median_ms  # benchmarks/timing.py (this folder is on sys.path
 from transformers import DynamicCache, StaticCache
 
 from metasd.models import load_model
-from metasd.quantize import quantize_model
+from metasd.models.quantize import quantize_model
 
 PROMPT_TOKENS = 200
 

@@ -31,7 +31,7 @@ def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> 
     from transformers import DynamicCache
 
     from metasd.models import load_model
-    from metasd.quantize import quantize_model
+    from metasd.models.quantize import quantize_model
 
     torch.set_num_threads(threads)
     model, _ = load_model(ref, dtype=dtype)

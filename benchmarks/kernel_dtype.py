@@ -1,6 +1,6 @@
 """Which activation dtype do torch's weight-only CPU kernels want? Median ms of ``_weight_int8pack_mm`` and
 ``_weight_int4pack_mm_for_cpu`` on one of the bundled 0.5B's MLP shapes (896 -> 4864) for fp32, fp16 and
-bf16 activations, and of a ``metasd.quantize.QuantizedLinear`` built from a layer of each dtype (which runs
+bf16 activations, and of a ``metasd.models.quantize.QuantizedLinear`` built from a layer of each dtype (which runs
 the kernel on bf16 activations on CPU). Random weights: the kernels' cost does not depend on the values.
 
     python benchmarks/kernel_dtype.py --out benchmarks/results/kernel_dtype.json
@@ -17,7 +17,7 @@ import torch
 from timing import median_ms  # benchmarks/timing.py (this folder is on sys.path)
 from torch import nn
 
-from metasd.quantize import QuantizedLinear
+from metasd.models.quantize import QuantizedLinear
 
 IN, OUT = 896, 4864
 

@@ -5,7 +5,7 @@ dtype, threads and max_new_tokens; the order of methods rotates from prompt to p
 the machine does not favour one method. Wall time includes the prefill.
 
 transformers is timed twice where it matters: "as shipped", and "+fix" with metasd's LM-head stride fix
-(``metasd.hooks.contiguous_lm_head_input``) applied to its models, because the slow path that fix avoids
+(``metasd.core.hooks.contiguous_lm_head_input``) applied to its models, because the slow path that fix avoids
 also hits transformers' assistant and prefill forwards.
 
     python benchmarks/speed.py --per-group 2 --max-new-tokens 64 --out benchmarks/results/speed.json
@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from metasd import Engine, Verifier, baselines
+from metasd import Engine, Verifier
+from metasd.study import baselines
 from metasd.config import resolve_drafter_class  # noqa: F401  (registers drafters)
-from metasd.datasets import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
+from metasd.data import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import NGramDrafter, PretrainedDrafter
-from metasd.hooks import contiguous_lm_head_input, remove_lm_head_hook
+from metasd.core.hooks import contiguous_lm_head_input, remove_lm_head_hook
 from metasd.models import load_model
 
 

@@ -28,10 +28,10 @@ import torch
 from transformers import DynamicCache
 
 from metasd import Engine, Verifier
-from metasd.datasets import SPEC_BENCH_DEFAULT, load_questions
+from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import SteeredDrafter
 from metasd.drafters.steered import load_steering
-from metasd.kv_cache import crop_to
+from metasd.core.kv_cache import crop_to
 from metasd.models import load_model
 
 

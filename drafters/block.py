@@ -34,13 +34,13 @@ import torch.nn.functional as F
 from pydantic import Field
 from safetensors.torch import save_file
 
-from metasd.cost import counted_linear
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Drafter, DrafterParams, Float, Int, StepContext, register_drafter
-from metasd.kv_cache import cache_length, crop_to
-from metasd.packed_weights import load_weights
-from metasd.quantize import dense_weight
-from metasd.tree import Draft
+from metasd.core.cost import counted_linear
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import Drafter, DrafterParams, Float, Int, StepContext, register_drafter
+from metasd.core.kv_cache import cache_length, crop_to
+from metasd.models.packed_weights import load_weights
+from metasd.models.quantize import dense_weight
+from metasd.core.tree import Draft
 
 from .pretrained import PretrainedDrafter
 

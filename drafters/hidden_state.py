@@ -39,11 +39,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Bool, DrafterParams, Int, StepContext, register_drafter
-from metasd.quantize import quantize_model
-from metasd.sampling import process_logits, sample
-from metasd.tree import Draft
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import Bool, DrafterParams, Int, StepContext, register_drafter
+from metasd.models.quantize import quantize_model
+from metasd.core.sampling import process_logits, sample
+from metasd.core.tree import Draft
 
 from .hidden_state_net import HiddenStateNet, load_checkpoint
 from .treeflash_backbone import VerifierPieces

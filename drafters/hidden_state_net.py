@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from metasd.draft_vocab import DraftVocab
-from metasd.packed_weights import pack_int4
+from metasd.models.draft_vocab import DraftVocab
+from metasd.models.packed_weights import pack_int4
 
 from .treeflash_backbone import SwiGLU, apply_rope, init_linears, rope_cos_sin
 from .verifier_state import load_network_weights, read_checkpoint_config
@@ -202,7 +202,7 @@ def save_checkpoint(path: str | Path, net: HiddenStateNet, vocab: DraftVocab, me
                     dtype: torch.dtype | str = torch.float32, group_size: int = 32) -> Path:
     """Write model.safetensors, draft_vocab.safetensors and config.json (``meta`` merged in: e.g.
     ``defaults`` for drafting, ``verifier``, ``training``). ``dtype``: a float dtype for every tensor, or
-    "int4": every large weight matrix stored as 4-bit groups of ``group_size`` (``metasd.packed_weights``:
+    "int4": every large weight matrix stored as 4-bit groups of ``group_size`` (``metasd.models.packed_weights``:
     about a quarter of bf16's bytes; loading dequantizes them), the rest in bf16."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from metasd.drafter import Bool, Drafter, DrafterParams, Int, StepContext, register_drafter
-from metasd.tree import Draft
+from metasd.core.drafter import Bool, Drafter, DrafterParams, Int, StepContext, register_drafter
+from metasd.core.tree import Draft
 
 
 def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int, latest: bool = True) -> torch.Tensor:

@@ -9,14 +9,14 @@ from pydantic import Field, model_validator
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
-from metasd.hooks import contiguous_lm_head_input
-from metasd.kv_cache import crop_to
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
+from metasd.core.hooks import contiguous_lm_head_input
+from metasd.core.kv_cache import crop_to
 from metasd.models import config_eos_ids
-from metasd.quantize import dense_weight, quantize_model
-from metasd.sampling import process_logits, sample
-from metasd.tree import Draft
+from metasd.models.quantize import dense_weight, quantize_model
+from metasd.core.sampling import process_logits, sample
+from metasd.core.tree import Draft
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -55,10 +55,10 @@ import torch
 from pydantic import Field, model_validator
 from transformers import PreTrainedModel
 
-from metasd.drafter import DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
-from metasd.kv_cache import cache_length, crop_to, keep_positions
-from metasd.sampling import process_logits
-from metasd.tree import Draft
+from metasd.core.drafter import DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
+from metasd.core.kv_cache import cache_length, crop_to, keep_positions
+from metasd.core.sampling import process_logits
+from metasd.core.tree import Draft
 
 from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k
 from .pretrained import HEAD_VOCAB_HELP, PretrainedDrafter

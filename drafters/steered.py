@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from metasd.drafter import StepContext, register_drafter
-from metasd.quantize import quantize_model
+from metasd.core.drafter import StepContext, register_drafter
+from metasd.models.quantize import quantize_model
 
 from .pretrained import PretrainedDrafter, PretrainedParams
 from .steering_net import (FORMAT, Injector, SteeringModule, SteeringSpec, decoder_layers,  # noqa: F401

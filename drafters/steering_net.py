@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
-from metasd.packed_weights import load_weights
+from metasd.models.packed_weights import load_weights
 
 
 FORMAT = "metasd-steering/1"

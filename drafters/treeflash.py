@@ -37,10 +37,10 @@ import torch
 from pydantic import Field
 from safetensors.torch import save_file
 
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import DrafterParams, Int, StepContext, register_drafter
-from metasd.quantize import quantize_model
-from metasd.tree import Draft
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import DrafterParams, Int, StepContext, register_drafter
+from metasd.models.quantize import quantize_model
+from metasd.core.tree import Draft
 
 from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
 from .verifier_state import VerifierStateDrafter, check_verifier_fit, load_network_weights, read_checkpoint_config

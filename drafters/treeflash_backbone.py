@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metasd.cost import counted_linear
-from metasd.quantize import dense_weight
+from metasd.core.cost import counted_linear
+from metasd.models.quantize import dense_weight
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
 

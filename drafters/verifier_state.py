@@ -9,8 +9,8 @@ from typing import Any, Callable, ClassVar
 
 from torch import nn
 
-from metasd.drafter import Drafter
-from metasd.packed_weights import load_weights
+from metasd.core.drafter import Drafter
+from metasd.models.packed_weights import load_weights
 
 
 class VerifierStateDrafter(Drafter):
@@ -36,7 +36,7 @@ class VerifierStateDrafter(Drafter):
         return drafter
 
     def quantize(self, mode: str) -> None:
-        """Weight-only quantization (``metasd.quantize``) of the drafter's own layers."""
+        """Weight-only quantization (``metasd.models.quantize``) of the drafter's own layers."""
         raise NotImplementedError
 
 
@@ -52,7 +52,7 @@ def read_checkpoint_config(path: str | Path, config_file: str, fmt: str, what: s
 
 
 def load_network_weights(net: nn.Module, weights_path: str | Path) -> None:
-    """Load a checkpoint's weights (plain or packed, see ``metasd.packed_weights``) into ``net`` as fp32,
+    """Load a checkpoint's weights (plain or packed, see ``metasd.models.packed_weights``) into ``net`` as fp32,
     refusing a file whose tensors do not match the network the config describes."""
     state = load_weights(weights_path)
     missing, unexpected = net.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)

@@ -1,17 +1,16 @@
 """metasd: lossless speculative decoding with a pool of drafters and a bandit policy.
 
->>> from metasd import Engine
->>> engine = Engine.from_config()            # the embedded default pool (bundled Qwen pair)
+>>> import metasd
+>>> engine = metasd.load_pool()              # the embedded default pool (bundled Qwen pair); = Engine.from_config()
 >>> engine.generate("Write a haiku about caches.", max_new_tokens=64, chat=True).text
+
+Layers, lowest first (docs/architecture.md): ``metasd.core`` (one request), ``metasd.models`` (loading, cache,
+quantization), ``metasd.drafters`` and ``metasd.policies`` (the plugins), ``metasd.config`` (pool files),
+``metasd.study`` (``metasd bench``) and ``metasd.training``, ``metasd.cli``.
 """
-from .config import ConfigError, load_pool
-from .drafter import Drafter, StepContext, StepFeedback, register_drafter
-from .engine import Engine, GenerationResult
-from .metrics import RequestStats
-from .policy import Policy, register_policy
-from .sampling import SamplingParams
-from .tree import Draft
-from .verifier import Verifier
+from metasd.config import ConfigError, load_pool
+from metasd.core import (Draft, Drafter, Engine, GenerationResult, Policy, RequestStats, SamplingParams, StepContext,
+                         StepFeedback, Verifier, register_drafter, register_policy)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
-from .rewards import RewardName
+from metasd.core.rewards import RewardName
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -21,14 +21,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# generate's request options, as the CLI spells them in errors (the checks: metasd.sampling.check_request)
+# generate's request options, as the CLI spells them in errors (the checks: metasd.core.sampling.check_request)
 _REQUEST_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "top_k": "--top-k", "threads": "--threads"}
 
 
 def _policy_names() -> str:
     try:
-        from .policy import POLICIES
+        from metasd.core.policy import POLICIES
         importlib.import_module("metasd.policies")
         return ", ".join(sorted(POLICIES))
     except ImportError:  # pragma: no cover - a broken install still gets a parser
@@ -36,7 +36,7 @@ def _policy_names() -> str:
 
 
 def _add_generate(sub) -> None:
-    from .sampling import REQUEST_LIMITS
+    from metasd.core.sampling import REQUEST_LIMITS
 
     def allowed(key: str) -> str:
         return REQUEST_LIMITS[key][1]
@@ -82,7 +82,7 @@ def _add_generate(sub) -> None:
 
 def _pool_overrides(args) -> dict:
     """The pool file's mapping with the command-line overrides applied (validated once, by the caller)."""
-    from .config import default_pool_path, read_yaml_mapping
+    from metasd.config import default_pool_path, read_yaml_mapping
 
     cfg = read_yaml_mapping(args.pool if args.pool else default_pool_path(), "pool config")
     if args.verifier or args.dtype:
@@ -146,8 +146,8 @@ def _pool_drafters(cfg: dict) -> dict:
 def _check_options(args) -> None:
     """Request options, then --drafter / --verifier references: ``ValueError`` naming the option and what it
     accepts. Cheap (no model, no network), so it runs before the pool is built."""
-    from .models import ModelLoadError, check_model_reference
-    from .sampling import check_request
+    from metasd.models import ModelLoadError, check_model_reference
+    from metasd.core.sampling import check_request
 
     check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, threads=args.threads)
@@ -156,11 +156,11 @@ def _check_options(args) -> None:
     for item in args.param or []:
         parse_param(item)
     if args.policy:
-        from .config import resolve_policy_class
+        from metasd.config import resolve_policy_class
 
         resolve_policy_class(args.policy, where="--policy")
     if args.dtype:
-        from .models import resolve_dtype
+        from metasd.models import resolve_dtype
 
         try:
             resolve_dtype(args.dtype, "cpu")
@@ -172,7 +172,7 @@ def _check_options(args) -> None:
         except ModelLoadError as e:
             raise ValueError(f"--verifier {args.verifier!r}: {e}") from None
     if args.drafter:
-        from .config import default_pool_path, read_yaml_mapping
+        from metasd.config import default_pool_path, read_yaml_mapping
 
         names = sorted(_pool_drafters(read_yaml_mapping(args.pool or default_pool_path(), "pool config")))
         for ref in args.drafter:
@@ -205,7 +205,7 @@ def _should_stream(args) -> bool:
 
 
 def _generate(args) -> int:
-    from .config import ConfigError, check_model_references, check_quantization, parse_pool_config
+    from metasd.config import ConfigError, check_model_references, check_quantization, parse_pool_config
 
     # everything that can be checked without a model is checked first: options, pool file, references, devices
     _check_options(args)
@@ -225,8 +225,8 @@ def _generate(args) -> int:
 
     import torch
 
-    from .config import build_engine
-    from .machine import warn_if_oversubscribed
+    from metasd.config import build_engine
+    from metasd.models.machine import warn_if_oversubscribed
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -248,7 +248,8 @@ def _generate(args) -> int:
     else:
         result = engine.generate(prompt, **kwargs)
         if args.json:
-            print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+            record = result.to_record()  # the per-request record metasd bench logs too
+            print(json.dumps({"text": record.pop("text"), "token_ids": record.pop("token_ids"), "stats": record}))
             return 0
         print(result.text)
     print(f"[metasd] {result.stats.summary()}", file=sys.stderr)
@@ -262,7 +263,7 @@ def _add_models(sub) -> None:
 
 
 def _models(args) -> int:
-    from .bundled import bundled_status, cache_dir, prepare_bundled
+    from metasd.models.bundled import bundled_status, cache_dir, prepare_bundled
 
     if args.prepare:
         print(prepare_bundled(args.prepare.removeprefix("bundled:")))
@@ -287,11 +288,11 @@ def model_cache_state(row: dict) -> str:
 
 
 def add_bench_parser(subparsers) -> None:
-    from .tracking import DEFAULT_TRACKING_URI
+    from metasd.study.tracking import DEFAULT_TRACKING_URI
 
     p = subparsers.add_parser(
         "bench", help="run an experiment file (policies x rewards x datasets), log to MLflow, print the results table",
-        description="Run an experiment YAML (see metasd.experiment), log every request to MLflow and print a "
+        description="Run an experiment YAML (see metasd.study.experiment), log every request to MLflow and print a "
                     "Spec-Bench-shaped results table. Ctrl-C keeps finished requests; resume with --run-id.")
     p.add_argument("experiment", help="experiment YAML, e.g. experiments/smoke.yaml")
     p.add_argument("--tracking-uri", help=f"MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else {DEFAULT_TRACKING_URI}); "
@@ -315,7 +316,7 @@ def add_bench_parser(subparsers) -> None:
 
 def _bench_executor(args, exp):
     """The experiment's executor with --executor / --ray-address / --workers applied; ValueError naming the flag."""
-    from .experiment_schema import ExecutorSpec
+    from metasd.study.schema import ExecutorSpec
 
     d = exp.config.executor.model_dump()
     if args.executor:
@@ -335,8 +336,9 @@ def _bench_executor(args, exp):
 
 
 def _bench(args) -> int:
-    from .experiment import load_experiment
-    from .runner import ExperimentInterrupted, run_experiment
+    from metasd.study.experiment import load_experiment
+    from metasd.study.run import run_experiment
+    from metasd.study.runner import ExperimentInterrupted
 
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")
@@ -357,11 +359,11 @@ def _bench(args) -> int:
 # Subcommands whose modules are imported only when used: (module, parser-adder)
 _LAZY = {
     "bench": ("metasd.cli", "add_bench_parser"),
-    "pack-weights": ("metasd.packed_weights", "add_pack_weights_parser"),
+    "pack-weights": ("metasd.models.packed_weights", "add_pack_weights_parser"),
 }
 _TRAIN = {
     "features": ("metasd.training.features", "add_train_features_parser"),
-    "steering": ("metasd.training.steering_config", "add_train_steering_parser"),
+    "steering": ("metasd.training.steering_cli", "add_train_steering_parser"),
     "treeflash": ("metasd.training.treeflash", "add_train_treeflash_parser"),
     "block": ("metasd.training.block", "add_train_block_parser"),
     "hidden_state": ("metasd.training.hidden_state", "add_train_hidden_state_parser"),
@@ -397,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         print(f"metasd {args.command}: this command is not available in this installation", file=sys.stderr)
         return 2
-    from .config import ConfigError
-    from .models import ModelLoadError, TokenizerMismatchError
+    from metasd.config import ConfigError
+    from metasd.models import ModelLoadError, TokenizerMismatchError
 
     try:
         return int(args.func(args) or 0)

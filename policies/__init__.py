@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from metasd.policy import POLICIES, Policy, register_policy
+from metasd.core.policy import POLICIES, Policy, register_policy
 
 from .non_learning import Fixed, RandomPolicy, RoundRobin
 from .epsilon_greedy import EpsilonGreedy

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from metasd.policy import Context, Policy
+from metasd.core.policy import Context, Policy
 
 
 class BasePolicy(Policy):

@@ -1,11 +1,11 @@
-"""LinUCB: a contextual bandit on cheap request features (``metasd.request_features.request_features``)."""
+"""LinUCB: a contextual bandit on cheap request features (``metasd.core.request_features.request_features``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 import numpy as np
 
-from metasd.policy import register_policy
+from metasd.core.policy import register_policy
 
 from ._common import BasePolicy, Context, as_int, as_number, check_param, first_unplayed
 

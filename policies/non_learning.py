@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metasd.policy import register_policy
+from metasd.core.policy import register_policy
 
 from ._common import BasePolicy, Context, as_int, check_param
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from metasd.policy import register_policy
+from metasd.core.policy import register_policy
 
 from ._common import BasePolicy, Context, as_int, check_param
 

@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metasd.acceptance import accept_greedy, accept_match, accept_rejection
-from metasd.tree import Draft, children_lists
-from metasd.verifier import Verifier
+from metasd.core.acceptance import accept_greedy, accept_match, accept_rejection
+from metasd.core.tree import Draft, children_lists
+from metasd.core.verifier import Verifier
 from tiny import tiny_qwen
 
 V = 5  # vocabulary of the random distributions; at most V children per node (distinct sibling tokens)
@@ -132,7 +132,6 @@ def test_the_kv_cache_keeps_exactly_the_committed_tokens(data):
     draft = Draft(tokens, parents)
     verifier = Verifier(model)
     verifier.prefill(torch.tensor(prompt[:-1]))
-    start = verifier.cached
     out = verifier.verify(prompt[-1], draft)
     # any root path may be committed (greedy picks one by the logits; take the drafted one the data says)
     node_choices = [[]]
@@ -143,7 +142,7 @@ def test_the_kv_cache_keeps_exactly_the_committed_tokens(data):
             j = parents[j]
         node_choices.append(chain[::-1])
     path = data.draw(st.sampled_from(node_choices))
-    verifier.commit(start, path)
+    verifier.commit(path)
     committed = [tokens[i] for i in path]
     fresh = Verifier(model)
     fresh.prefill(torch.tensor(prompt + committed))

@@ -9,16 +9,16 @@ import yaml
 from safetensors.torch import load_file
 
 from metasd.config import build_engine, parse_pool_config
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import StepContext
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import StepContext
 from metasd.drafters.block import BlockDrafter, BlockHeads, NGramLM, merge_paths, p_best_paths
-from metasd.engine import Engine
-from metasd.sampling import SamplingParams
+from metasd.core.engine import Engine
+from metasd.core.sampling import SamplingParams
 from metasd.training.block import TrainBlockConfig, block_targets, load_train_block_config, train_block
 from metasd.training.common import state_file
 from metasd.training.data import Example
 from metasd.training.features import extract_features
-from metasd.verifier import HiddenStore, Verifier
+from metasd.core import Verifier
 from tiny import VOCAB, plain_greedy, tiny_qwen
 
 CYCLE = [10, 17, 23, 31, 12, 40, 26]
@@ -116,9 +116,9 @@ def test_head_i_predicts_pending_plus_1_plus_i(cycle_setup, trained):
     verifier = Verifier(model)
     for start in range(len(CYCLE)):
         tokens = [0] + cyc(start, 9)  # the last one is the pending token
-        store = HiddenStore([2])
-        store.append(verifier.prefill(torch.tensor(tokens[:-1]), [2]))
-        ctx = StepContext(torch.tensor(tokens), len(tokens), max_depth=10, sampling=SamplingParams(), hidden=store)
+        verifier.prefill(torch.tensor(tokens[:-1]), [2])
+        ctx = StepContext(torch.tensor(tokens), len(tokens), max_depth=10, sampling=SamplingParams(),
+                          hidden=verifier.hidden)
         draft = drafter.propose(ctx)
         assert draft.is_chain and draft.tokens.tolist() == cyc(start + 9, K)
 
@@ -228,9 +228,8 @@ def test_neural_rescoring_restores_the_lm_cache_and_uses_the_lm():
     lm_model = tiny_qwen(seed=1)
     drafter = _drafter("neural", _random_heads(model), paths=3, lm_model=lm_model)
     verifier = Verifier(model)
-    store = HiddenStore([2])
-    store.append(verifier.prefill(torch.tensor(PROMPT[:-1]), [2]))
-    ctx = StepContext(torch.tensor(PROMPT), len(PROMPT), max_depth=10, sampling=SamplingParams(), hidden=store)
+    verifier.prefill(torch.tensor(PROMPT[:-1]), [2])
+    ctx = StepContext(torch.tensor(PROMPT), len(PROMPT), max_depth=10, sampling=SamplingParams(), hidden=verifier.hidden)
     drafter.begin(ctx)
     draft = drafter.propose(ctx)
     assert draft.depth == 4 and len(draft) <= 12
@@ -240,12 +239,12 @@ def test_neural_rescoring_restores_the_lm_cache_and_uses_the_lm():
     strong.weight = 1e3
     strong.begin(ctx)
     first = int(strong.propose(ctx).tokens[0])
-    cand, _ = strong.lattice(store.last(2), 1)
+    cand, _ = strong.lattice(verifier.hidden.last(2), 1)
     with torch.no_grad():
         lm_logits = lm_model(torch.tensor([PROMPT])).logits[0, -1]
     assert first == max(cand[0].tolist(), key=lambda t: float(lm_logits[t]))
     # beam scores (LM scored through tree forwards on its cache) equal a full recomputation
-    cand, logp = drafter.lattice(store.last(2), 4)
+    cand, logp = drafter.lattice(verifier.hidden.last(2), 4)
     best = drafter._beam_search(PROMPT, cand.tolist(), logp.tolist())
     assert len(best) == 3 and drafter.lm.cache.get_seq_length() == len(PROMPT)
     for score, path in best:

@@ -7,9 +7,9 @@ import yaml
 
 from metasd.config import ConfigError, load_pool, parse_pool_config, read_pool_config
 from metasd.drafters import PretrainedDrafter
-from metasd.engine import Engine
+from metasd.core.engine import Engine
 from metasd.policies import UCB1, ThompsonSampling
-from metasd.verifier import Verifier
+from metasd.core.verifier import Verifier
 from tiny import plain_greedy, tiny_llama, tiny_qwen, tiny_tokenizer
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -59,7 +59,7 @@ def _pool(dirs, **over):
     (lambda c: c["drafters"][1].update(name="good"), "drafters: drafter names must be unique; repeated: ['good']"),
     (lambda c: c.update(extra_field=1), "extra_field: Extra inputs are not permitted"),
     (lambda c: c.pop("verifier"), "verifier: Field required"),
-    (lambda c: c["drafters"][0].update(type="os.path:join"), "drafters.0.type: 'os.path:join' is not a metasd.drafter.Drafter subclass"),
+    (lambda c: c["drafters"][0].update(type="os.path:join"), "drafters.0.type: 'os.path:join' is not a metasd.core.drafter.Drafter subclass"),
 ])
 def test_bad_fields_are_named(model_dirs, mutate, needle):
     cfg = _pool(model_dirs)

@@ -14,8 +14,8 @@ from scipy.stats import chisquare
 
 import metasd.drafters  # noqa: F401  (registers the built-in drafter types)
 from metasd.config import load_pool
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import DRAFTERS
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import DRAFTERS
 from tiny import VOCAB, plain_greedy, tiny_qwen, tiny_tokenizer
 
 LAYERS = 4  # verifier layers: hidden states 0..4 for steering, block heads and hidden-state drafters

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-import metasd.engine
-from metasd.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
+import metasd.core.request
+from metasd.core.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
 from metasd.drafters import NGramDrafter, PretrainedDrafter
-from metasd.engine import Engine
+from metasd.core.engine import Engine
 from metasd.policies import UCB
-from metasd.quantize import quantize_model
-from metasd.verifier import Verifier
+from metasd.models.quantize import quantize_model
+from metasd.core.verifier import Verifier
 from tiny import tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5, 7, 12, 9]
@@ -112,7 +112,7 @@ def _noisy_clock(seed):
 
 
 def _pool_run(verifier_model, reward, clock_seed, monkeypatch, **kwargs):
-    monkeypatch.setattr(metasd.engine.time, "perf_counter", _noisy_clock(clock_seed))
+    monkeypatch.setattr(metasd.core.request.time, "perf_counter", _noisy_clock(clock_seed))
     pool = [PretrainedDrafter(tiny_qwen(seed=0), k=3, name="same"), PretrainedDrafter(tiny_llama(seed=3), k=2, name="other"),
             NGramDrafter(k=3, name="ngram")]
     engine = Engine(Verifier(verifier_model), pool, UCB(3, normalize=True), reward=reward, check_tokenizers=False)
@@ -140,7 +140,7 @@ def _family_drafters(verifier_model):
     import test_block
     import test_hidden_state
     import test_treeflash
-    from metasd.draft_vocab import DraftVocab
+    from metasd.models.draft_vocab import DraftVocab
     from metasd.drafters import BlockDrafter, SteeredTreeDrafter, TreeFlashDrafter
     from metasd.drafters.steered import SteeringModule
 
@@ -162,17 +162,17 @@ def _family_drafters(verifier_model):
 def test_every_model_backed_family_has_its_drafting_counted(verifier_model):
     """Each family's networks are found by ``Drafter.modules`` or use ``counted_linear``: a step that drafts
     costs more than its verify alone."""
-    import metasd.cost
+    import metasd.core.cost
 
     for family, drafter in _family_drafters(verifier_model).items():
         costs = []
         propose = drafter.propose
 
         def counted(ctx, propose=propose, costs=costs):
-            before = metasd.cost._OPEN.meter.total
+            before = metasd.core.cost._OPEN.meter.total
             draft = propose(ctx)
             if len(draft):
-                costs.append(metasd.cost._OPEN.meter.total - before)
+                costs.append(metasd.core.cost._OPEN.meter.total - before)
             return draft
 
         drafter.propose = counted

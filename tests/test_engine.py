@@ -5,13 +5,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import metasd.engine
-from metasd.drafter import Drafter
+import metasd.core.request
+from metasd.core.drafter import Drafter
 from metasd.drafters import NGramDrafter, PretrainedDrafter
-from metasd.engine import Engine
-from metasd.policy import Policy
-from metasd.tree import Draft
-from metasd.verifier import Verifier
+from metasd.core.engine import Engine
+from metasd.core.policy import Policy
+from metasd.core.tree import Draft
+from metasd.core.verifier import Verifier
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -110,10 +110,9 @@ def test_per_step_switching_stays_identical(model):
 def test_tree_commit_keeps_exactly_the_accepted_path(model):
     verifier = Verifier(model)
     verifier.prefill(torch.tensor(PROMPT[:-1]))
-    start = verifier.cached
     draft = Draft(tokens=[3, 4, 5, 6, 7], parents=[-1, -1, 1, 1, 3])
     verifier.verify(PROMPT[-1], draft)
-    verifier.commit(start, [1, 3, 4])  # tokens 4, 6, 7
+    verifier.commit([1, 3, 4])  # tokens 4, 6, 7
     # the cache must equal a fresh prefill of the prompt and the accepted tokens (the bonus stays pending)
     fresh = Verifier(model)
     fresh.prefill(torch.tensor(PROMPT + [4, 6, 7]))
@@ -231,12 +230,12 @@ def test_speculative_sampling_matches_the_verifier_distribution(small_pair):
 
 
 def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
-    from metasd.acceptance import Acceptance
+    from metasd.core.acceptance import Acceptance
 
     def accept_all(draft, p, generator=None):  # deliberately wrong: keeps every draft token
         return Acceptance(list(range(len(draft))), int(torch.multinomial(p[-1], 1, generator=generator)))
 
-    monkeypatch.setattr(metasd.engine, "accept_rejection", accept_all)
+    monkeypatch.setattr(metasd.core.request, "accept_rejection", accept_all)
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
     assert _sampling_pvalue(engine, verifier) < 1e-6

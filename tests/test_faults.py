@@ -3,16 +3,16 @@
 Each test injects one fault and checks the protection that handles it:
 
 1. ``metasd bench`` SIGKILLed between committing a request and logging its metrics, then ``--resume``:
-   every (method, request) ends up with one record and one set of metrics (``metasd.tracking.NestedRun``);
+   every (method, request) ends up with one record and one set of metrics (``metasd.study.tracking.NestedRun``);
 2. two ``metasd bench`` processes starting at once on one new SQLite store both finish
-   (``metasd.store_guard.store_lock``), MLflow calls are retried while SQLite says ``database is locked``
-   (``metasd.store_guard.call_with_retry``), and resuming a run that a live process writes is refused
-   (``metasd.tracking.BenchStore._claim``);
+   (``metasd.study.store_guard.store_lock``), MLflow calls are retried while SQLite says ``database is locked``
+   (``metasd.study.store_guard.call_with_retry``), and resuming a run that a live process writes is refused
+   (``metasd.study.tracking.BenchStore._claim``);
 3. a converted bundled-model file truncated or overwritten after its marker was written is detected
-   cheaply and rebuilt, or refused with the cache dir and the fixing command (``metasd.cache_marker.cache_problem``);
+   cheaply and rebuilt, or refused with the cache dir and the fixing command (``metasd.models.cache_marker.cache_problem``);
 4. a full disk during the first conversion leaves no marker and no half cache, and says so
-   (``metasd.bundled.prepare_bundled``);
-5. two processes converting one bundled model at once convert it once (``metasd.bundled._file_lock``).
+   (``metasd.models.bundled.prepare_bundled``);
+5. two processes converting one bundled model at once convert it once (``metasd.models.bundled._file_lock``).
 
 Models are the tiny random ones of ``tests/tiny.py``; a bundled model is faked by part modules written here
 and a conversion step that saves a tiny model, so no real GGUF is needed. Subprocesses run functions of this
@@ -36,9 +36,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from metasd import bundled, cache_marker, tracking
-from metasd.bundled import BUNDLED, BundledModel, prepare_bundled
-from metasd.cache_marker import CACHE_MARKER
+from metasd.models import bundled, cache_marker
+from metasd.study import tracking
+from metasd.models.bundled import BUNDLED, BundledModel, prepare_bundled
+from metasd.models.cache_marker import CACHE_MARKER
 from metasd.models import ModelLoadError, load_model
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -255,7 +256,7 @@ def test_two_bench_writers_on_one_new_sqlite_store_both_finish(models_dir, tmp_p
 def test_resuming_a_run_that_a_live_process_writes_is_refused(models_dir, tmp_path):
     from mlflow import MlflowClient
 
-    from metasd.experiment import load_experiment
+    from metasd.study.experiment import load_experiment
 
     exp = load_experiment(_experiment(models_dir, tmp_path / "claimed.yaml", "claimed"))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -378,7 +379,7 @@ def test_damaged_cache_file_is_detected_and_rebuilt(fake_bundled, damage, caplog
     else:
         weights.unlink()
     assert not bundled._cache_complete(entry)
-    with caplog.at_level(logging.WARNING, logger="metasd.bundled"):
+    with caplog.at_level(logging.WARNING, logger="metasd.models.bundled"):
         model, _ = load_model(entry.ref, dtype="fp32")
     assert len(conversions) == 2  # rebuilt, never loaded half
     assert f"the cache of {entry.ref} at {final} is damaged" in caplog.text and str(weights) in caplog.text

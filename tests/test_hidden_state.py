@@ -8,17 +8,17 @@ import yaml
 from scipy.stats import chisquare
 
 from metasd.config import ConfigError, build_engine, parse_pool_config
-from metasd.draft_vocab import DraftVocab
-from metasd.drafter import StepContext
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.drafter import StepContext
 from metasd.drafters import HiddenStateDrafter
 from metasd.drafters.hidden_state_net import HiddenStateConfig, HiddenStateNet, load_checkpoint, save_checkpoint
-from metasd.packed_weights import group_for
-from metasd.engine import Engine
-from metasd.sampling import SamplingParams
+from metasd.models.packed_weights import group_for
+from metasd.core.engine import Engine
+from metasd.core.sampling import SamplingParams
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.hidden_state import load_train_hidden_state_config, train_hidden_state
-from metasd.verifier import HiddenStore, Verifier
+from metasd.core import HiddenStore, Verifier
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]

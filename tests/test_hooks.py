@@ -1,6 +1,6 @@
 import torch
 
-from metasd.hooks import _canonical, contiguous_lm_head_input
+from metasd.core.hooks import _canonical, contiguous_lm_head_input
 from tiny import tiny_qwen
 
 
@@ -25,13 +25,13 @@ def test_lm_head_receives_canonical_input_with_logits_to_keep():
     assert seen == [(32, 32, 1)]
     assert torch.allclose(out.logits, ref, atol=1e-6)
     assert len(model.get_output_embeddings()._forward_pre_hooks) == 1
-    from metasd.hooks import remove_lm_head_hook
+    from metasd.core.hooks import remove_lm_head_hook
     remove_lm_head_hook(model)
     assert len(model.get_output_embeddings()._forward_pre_hooks) == 0
 
 
 def test_draft_vocab_round_trip(tmp_path):
-    from metasd.draft_vocab import DraftVocab
+    from metasd.models.draft_vocab import DraftVocab
 
     counts = torch.tensor([5.0, 0.0, 9.0, 1.0, 7.0, 0.0])
     vocab = DraftVocab.from_counts(counts, 3, always=(5,))

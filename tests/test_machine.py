@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from metasd import machine
-from metasd.machine import BusyProcess, busy_metasd_processes, oversubscription_warning
+from metasd.models import machine
+from metasd.models.machine import BusyProcess, busy_metasd_processes, oversubscription_warning
 
 
 def test_warning_text_names_the_fix():

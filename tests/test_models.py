@@ -1,4 +1,4 @@
-"""Tests for metasd.models (references, dtypes, tokenizer checks) and metasd.bundled (the bundled-model cache).
+"""Tests for metasd.models (references, dtypes, tokenizer checks) and metasd.models.bundled (the bundled-model cache).
 
 No real model is loaded: bundled models are faked with part modules (written to a tmp dir on sys.path)
 whose parts concatenate to a tiny GGUF written here with the ``gguf`` package.
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from metasd import bundled, devices
-from metasd.cache_marker import CACHE_MARKER
-from metasd.bundled import (
+from metasd.models import bundled, devices
+from metasd.models.cache_marker import CACHE_MARKER
+from metasd.models.bundled import (
     BUNDLED,
     BundledModel,
     bundled_status,

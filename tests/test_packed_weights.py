@@ -1,4 +1,4 @@
-"""Checkpoint weights packed as 4-bit groups (metasd.packed_weights): the round trip's error bound and shapes,
+"""Checkpoint weights packed as 4-bit groups (metasd.models.packed_weights): the round trip's error bound and shapes,
 what stays unpacked, and packed drafter checkpoints that load through a pool and keep greedy identity."""
 import json
 
@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from metasd.cli import main
 from metasd.config import load_pool
-from metasd.packed_weights import (INT4_SUFFIX, SCALES_SUFFIX, group_for, is_packed, load_weights, pack_checkpoint,
+from metasd.models.packed_weights import (INT4_SUFFIX, SCALES_SUFFIX, group_for, is_packed, load_weights, pack_checkpoint,
                                    pack_file, pack_int4, unpack_int4)
 from test_conformance import ENTRIES, PROMPT, _pool, root  # noqa: F401  (root: the tiny models' fixture)
 from tiny import plain_greedy, tiny_tokenizer

@@ -6,14 +6,14 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
-from metasd.acceptance import Acceptance
-from metasd.drafter import DRAFTERS, BuildContext, StepContext, StepFeedback
+from metasd.core.acceptance import Acceptance
+from metasd.core.drafter import DRAFTERS, BuildContext, StepContext, StepFeedback
 from metasd.drafters import PretrainedTreeDrafter
 from metasd.drafters.growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k
-from metasd.engine import Engine
-from metasd.sampling import SamplingParams
-from metasd.tree import Draft, children_lists
-from metasd.verifier import Verifier
+from metasd.core.engine import Engine
+from metasd.core.sampling import SamplingParams
+from metasd.core.tree import Draft, children_lists
+from metasd.core.verifier import Verifier
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]

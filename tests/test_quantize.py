@@ -10,12 +10,12 @@ from torch import nn
 
 from metasd.config import ConfigError, ModelCache, build_engine, parse_pool_config
 from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
-from metasd.engine import Engine
-from metasd.quantize import (
+from metasd.core.engine import Engine
+from metasd.models.quantize import (
     KERNELS, QuantizedLinear, check_quantize, dense_weight, dequantize_int4, kernel_for, quantize_int4,
     quantize_int8, quantize_model,
 )
-from metasd.verifier import Verifier
+from metasd.core.verifier import Verifier
 from test_engine import PROMPT, _sampling_pvalue
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
@@ -86,7 +86,7 @@ def test_quantized_linear_keeps_no_dense_weight():
 
 
 def test_int4_prefill_copy_is_for_many_rows_and_never_for_lm_heads(monkeypatch):
-    import metasd.quantize as mq
+    import metasd.models.quantize as mq
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
@@ -282,7 +282,7 @@ def test_pool_quantize_errors_name_the_field(tiny_dir):
 
 
 def test_ngram_drafter_from_python_has_nothing_to_quantize():
-    from metasd.drafter import BuildContext
+    from metasd.core.drafter import BuildContext
 
     with pytest.raises(ValueError, match="field 'quantize' is 'int8'"):
         NGramDrafter.from_config("ng", {}, BuildContext(None, None, None, None, quantize="int8"))

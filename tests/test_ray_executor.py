@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from metasd.config import ConfigError
-from metasd.experiment import load_experiment
-from metasd.runner import ExperimentInterrupted, run_experiment
+from metasd.study.experiment import load_experiment
+from metasd.study import ExperimentInterrupted, run_experiment
 from test_runner import N_REQUESTS, _artifact_lines, _children, _experiment
 from tiny import tiny_qwen, tiny_tokenizer
 
@@ -140,7 +140,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
 def test_ctrl_c_on_driver_then_resume_completes_without_duplicates(store, ray_session, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from metasd.ray_executor import RayRunner
+    from metasd.study.ray_executor import RayRunner
 
     real_take, taken = RayRunner._take, []
 
@@ -173,7 +173,7 @@ def test_ctrl_c_on_driver_then_resume_completes_without_duplicates(store, ray_se
 def _die_on_second_request(marker: str):
     """Worker setup: the first worker to reach its second engine request exits at once (only one ever does)."""
     def setup():
-        from metasd.engine import Engine
+        from metasd.core.engine import Engine
 
         real, calls = Engine.generate, []
 
@@ -218,7 +218,7 @@ def test_dead_worker_shard_is_retried_and_every_request_logged_once(store, ray_s
 
 def test_ray_executor_without_ray_names_the_extra(store, tmp_path, monkeypatch, capsys):
     from metasd.cli import main
-    from metasd.ray_executor import RayNotInstalledError
+    from metasd.study.ray_executor import RayNotInstalledError
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     path = _write(store, "noray")
@@ -283,4 +283,4 @@ def test_killed_driver_then_resume_completes_without_duplicates(store, ray_sessi
         lines = _artifact_lines(client, run.info.run_id, tmp_path / "dl")
         assert [r["index"] for r in lines] == list(range(len(questions))), key  # each request once, in order
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_second"))
-        assert steps == list(range(len(questions))), key  # one metric point per request (metasd.tracking's journal)
+        assert steps == list(range(len(questions))), key  # one metric point per request (metasd.study.tracking's journal)

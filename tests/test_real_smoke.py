@@ -11,10 +11,11 @@ import os
 import pytest
 import torch
 
-from metasd import Engine, Verifier, baselines
+from metasd import Engine, Verifier
+from metasd.study import baselines
 from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
 from metasd.models import ModelLoadError, load_model
-from metasd.quantize import quantize_model
+from metasd.models.quantize import quantize_model
 
 pytestmark = pytest.mark.real_model
 

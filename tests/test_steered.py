@@ -12,16 +12,16 @@ from safetensors.torch import load_file
 
 from metasd.config import ConfigError as PoolConfigError
 from metasd.config import load_pool
-from metasd.drafter import BuildContext, StepContext
+from metasd.core.drafter import BuildContext, StepContext
 from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, SteeredDrafter, SteeredTreeDrafter
 from metasd.drafters.steered import SteeringModule, decoder_layers, load_steering
-from metasd.engine import Engine
-from metasd.sampling import SamplingParams
+from metasd.core.engine import Engine
+from metasd.core.sampling import SamplingParams
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.steering import ConfigError, SteeringTrainer, parse_config, train_steering
-from metasd.training.steering_config import add_train_steering_parser
-from metasd.verifier import HiddenStore, Verifier
+from metasd.training.steering_cli import add_train_steering_parser
+from metasd.core import HiddenStore, Verifier
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 GUIDE = [1, 2, 3]  # hidden_states of the 4-layer tiny verifier (low, mid, high)

@@ -8,17 +8,17 @@ import torch
 import yaml
 from scipy.stats import chisquare
 
-from metasd.draft_vocab import DraftVocab
+from metasd.models.draft_vocab import DraftVocab
 from metasd.drafters import TreeFlashDrafter
 from metasd.drafters.treeflash import TransitionTable, build_tree, marginal_tables, treeflash_tables
 from metasd.drafters.treeflash_backbone import TreeFlashConfig, TreeFlashModel, final_norm_of
-from metasd.engine import Engine
+from metasd.core.engine import Engine
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.treeflash import load_train_treeflash_config
 from metasd.training.treeflash_objective import tf_accept
-from metasd.tree import Draft, ancestor_mask, node_depths
-from metasd.verifier import Verifier
+from metasd.core.tree import Draft, ancestor_mask, node_depths
+from metasd.core.verifier import Verifier
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -201,9 +201,9 @@ def test_drafter_shapes_and_context_cache(verifier_model):
     assert drafts and all(len(d) <= 7 and d.depth <= 3 and d.probs is None for d in drafts)
     assert drafter._ctx_rows == 0 or drafter._ctx_kv is None  # end() freed the request state
     # context keys/values built incrementally equal a fresh projection of every row
-    from metasd.drafter import StepContext
-    from metasd.sampling import SamplingParams
-    from metasd.verifier import HiddenStore
+    from metasd.core.drafter import StepContext
+    from metasd.core.sampling import SamplingParams
+    from metasd.core import HiddenStore
 
     tokens = PROMPT + result.token_ids
     store = HiddenStore(drafter.hidden_layers)

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import metasd.bundled
+import metasd.models.bundled
 import metasd.config
 import metasd.drafters  # noqa: F401  (registers the drafter types before anything is timed)
 import metasd.models
 import metasd.policies  # noqa: F401
 from metasd.cli import main
 from metasd.config import parse_pool_config, read_pool_config
-from metasd.drafter import DRAFTERS
+from metasd.core.drafter import DRAFTERS
 
 REPO = Path(__file__).resolve().parents[1]
 # a pool that is valid and loads nothing while it is checked: the verifier is a directory holding only a
@@ -41,8 +41,8 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(metasd.models, "load_model", refuse("load_model"))
     monkeypatch.setattr(metasd.models, "load_tokenizer", refuse("load_tokenizer"))
-    # looked up in metasd.bundled at call time, by metasd.models.resolve_model and by `metasd models --prepare`
-    monkeypatch.setattr(metasd.bundled, "prepare_bundled", refuse("prepare_bundled"))
+    # looked up in metasd.models.bundled at call time, by metasd.models.resolve_model and by `metasd models --prepare`
+    monkeypatch.setattr(metasd.models.bundled, "prepare_bundled", refuse("prepare_bundled"))
     monkeypatch.setattr(metasd.config.ModelCache, "load", refuse("ModelCache.load"))
     monkeypatch.setattr(metasd.config, "build_engine", refuse("build_engine"))
     return calls
@@ -225,7 +225,7 @@ def test_generate_help_shows_defaults_and_allowed_values(capsys):
 def test_end_to_end_generate_still_works(tmp_path, monkeypatch, capsys, flags, terminal, streams):
     """A valid pool of tiny local models generates through the CLI (nothing valid is refused); text streams
     to a terminal by default, not into a pipe, and never with --json."""
-    from metasd.engine import Engine
+    from metasd.core.engine import Engine
 
     monkeypatch.setattr(metasd.cli, "_stdout_is_terminal", lambda: terminal)
     calls = []
@@ -299,8 +299,8 @@ def test_shipped_pools_stay_valid(path):
 def test_engine_api_checks_sampling_arguments_before_any_forward(monkeypatch):
     from tiny import tiny_qwen, tiny_tokenizer
 
-    from metasd.engine import Engine
-    from metasd.verifier import Verifier
+    from metasd.core.engine import Engine
+    from metasd.core.verifier import Verifier
 
     engine = Engine(Verifier(tiny_qwen(seed=0), tiny_tokenizer()))
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import torch
 
 from metasd.drafters.block import BlockDrafter, BlockHeads
-from metasd.engine import Engine
+from metasd.core.engine import Engine
 from metasd.models import load_model
-from metasd.verifier import Verifier
+from metasd.core.verifier import Verifier
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",

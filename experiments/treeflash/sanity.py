@@ -14,9 +14,9 @@ import json
 import torch
 
 from metasd.drafters import TreeFlashDrafter
-from metasd.engine import Engine
+from metasd.core.engine import Engine
 from metasd.models import load_model
-from metasd.verifier import Verifier
+from metasd.core.verifier import Verifier
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",

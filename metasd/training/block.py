@@ -38,9 +38,9 @@ from pydantic import Field
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..config import read_yaml_mapping, validate_config
-from ..draft_vocab import DraftVocab
-from ..machine import warn_if_oversubscribed
+from metasd.config import read_yaml_mapping, validate_config
+from metasd.models.draft_vocab import DraftVocab
+from metasd.models.machine import warn_if_oversubscribed
 from .common import STATE_META, FeatureTrainingConfig, Tracker, lr_at, save_state, split_shards, state_file, write_atomic
 from .loop import StepLoop
 from .features import FeatureSet

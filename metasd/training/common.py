@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config import expand_env_path
+from metasd.config import expand_env_path
 from .features import FeatureSet, parse_shards
 
 STATE_WEIGHTS = "model_fp32.safetensors"
@@ -210,7 +210,7 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 def eos_ids(model) -> tuple[int, ...]:
     """``metasd.models.config_eos_ids``, sorted."""
-    from ..models import config_eos_ids
+    from metasd.models import config_eos_ids
 
     return tuple(sorted(config_eos_ids(model)))
 

@@ -166,7 +166,7 @@ def add_train_features_parser(subparsers):
 def train_features_main(args) -> int:
     import sys
 
-    from metasd.datasets import SPEC_BENCH_DEFAULT
+    from metasd.data import SPEC_BENCH_DEFAULT
     from metasd.models import eos_token_ids, load_model
 
     from .data import (batched_greedy_responder, benchmark_turns, chat_examples, engine_responder, generate_responses,

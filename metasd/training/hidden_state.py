@@ -32,8 +32,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
-from ..config import read_yaml_mapping, validate_config
-from ..draft_vocab import DraftVocab
+from metasd.config import read_yaml_mapping, validate_config
+from metasd.models.draft_vocab import DraftVocab
 from .common import FeatureTrainingConfig, OptimSection, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
 from .loop import FeatureRun, KeepBest, StepLoop
 

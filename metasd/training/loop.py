@@ -14,8 +14,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from ..draft_vocab import DraftVocab
-from ..machine import warn_if_oversubscribed
+from metasd.models.draft_vocab import DraftVocab
+from metasd.models.machine import warn_if_oversubscribed
 from .common import (STATE_META, FeatureTrainingConfig, ShardReader, Tracker, count_tokens, eos_ids, load_verifier_parts,
                      split_shards)
 from .features import FeatureSet

@@ -44,13 +44,13 @@ from metasd.config import ConfigError
 
 from metasd.drafters.steering_net import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                           resolve_steered_layers, save_steering)
-from metasd.machine import warn_if_oversubscribed
-from metasd.training.common import Tracker
-from metasd.training.loop import KeepBest, StepLoop
-from metasd.training.steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
+from metasd.models.machine import warn_if_oversubscribed
+from .common import Tracker
+from .loop import KeepBest, StepLoop
+from .steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
                                              TrainConfig, parse_config, read_config)
-from metasd.training.steering_data import SteeringSequences, guide_input_stats
-from metasd.training.steering_state import load_trainer_state, save_trainer_state
+from .steering_data import SteeringSequences, guide_input_stats
+from .steering_state import load_trainer_state, save_trainer_state
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -67,7 +67,7 @@ class SteeringTrainer:
     """Holds the drafter, the steering module, the optimizer and the data of one training run."""
 
     def __init__(self, cfg: SteeringTrainingConfig, model=None, log=print):
-        from metasd.training.features import FeatureSet
+        from .features import FeatureSet
 
         self.cfg, self.log = cfg, log
         t = cfg.train

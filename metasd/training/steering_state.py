@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metasd.config import ConfigError
-from metasd.training.steering_config import SteeringTrainingConfig
+from .steering_config import SteeringTrainingConfig
 
 
 def resume_key(cfg: SteeringTrainingConfig) -> dict[str, Any]:

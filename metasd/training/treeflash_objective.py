@@ -5,16 +5,15 @@ Used by ``metasd.training.treeflash`` (configuration, training loop, export, CLI
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..draft_vocab import DraftVocab
-from ..tree import children_lists
+from metasd.models.draft_vocab import DraftVocab
+from metasd.core.tree import children_lists
+from metasd.drafters.treeflash import draft_from_block
 from .common import ShardReader
+from .treeflash_config import TrainTreeFlashConfig
 
-if TYPE_CHECKING:
-    from .treeflash import TrainTreeFlashConfig
 
 MODES = ("chain", "marginal", "treeflash")  # drafting modes the evaluation measures
 
@@ -163,8 +162,6 @@ def val_anchor_set(reader: ShardReader, shards: list[int], total: int, per_seq: 
 def evaluate(model, pieces, reader: ShardReader, anchors, vocab: DraftVocab, cfg: TrainTreeFlashConfig,
              trees: int = 0) -> dict[str, float]:
     """Validation figures at fixed held-out anchors (``trees``: how many anchors also get tree drafts)."""
-    from metasd.drafters.treeflash import draft_from_block
-
     B = model.cfg.block_size
     w = position_weights(B, cfg.gamma)
     sums: dict[str, torch.Tensor] = {k: torch.zeros(B - 1) for k in ("marg_hit", "ar_hit", "n")}

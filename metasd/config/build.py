@@ -1,0 +1,151 @@
+"""Building an engine from a pool file: read and validate it, check its model references and quantization before
+anything loads, load each model once (``ModelCache``), build each drafter and the policy, compose the ``Engine``."""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from metasd.core import engine as _engine
+from metasd.core.cost import CostModel
+from metasd.core.drafter import BuildContext
+from metasd.core.engine import Engine
+from metasd.core.policy import Policy
+from metasd.core.verifier import Verifier
+from metasd.models import ModelLoadError, check_model_reference, check_quantize, load_model, resolve_device, resolve_dtype
+
+from .files import ConfigError, read_yaml_mapping, validate_config
+from .plugins import resolve_drafter_class, resolve_policy_class
+from .schema import PolicyConfig, PoolConfig
+
+DEFAULT_POOL = "default.yaml"
+
+
+def default_pool_path() -> Path:
+    """The embedded default pool (``configs/default.yaml``: the bundled Qwen pair, the 0.5B drafter in int4)."""
+    return Path(str(resources.files("metasd.configs") / DEFAULT_POOL))
+
+
+def read_pool_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PoolConfig:
+    """Parse and validate a pool file (default: the embedded one); ``overrides`` replace top-level keys."""
+    path = Path(path) if path is not None else default_pool_path()
+    raw = read_yaml_mapping(path, "pool config")
+    raw.update(overrides or {})
+    return parse_pool_config(raw, source=str(path))
+
+
+def parse_pool_config(raw: dict[str, Any], source: str = "<pool>") -> PoolConfig:
+    return validate_config(PoolConfig, raw, source, "pool config")
+
+
+class ModelCache:
+    """Loads each (model reference, dtype, quantization) once, so arms with the same settings share weights.
+
+    A model is quantized only through its own key: an arm asking for int8 weights gets its own copy and
+    never changes the bf16 weights another arm (or the verifier) uses.
+    """
+
+    def __init__(self, device: str | None):
+        self.device = device
+        self._models: dict[tuple[str, str, str, bool], Any] = {}
+
+    def load(self, ref: str, dtype: str, quantize: str = "none", drafter: bool = False):
+        """(model, tokenizer); ``drafter``: an int4 drafter keeps int8 copies for prefills (never a verifier)."""
+        prefill_copy = drafter and quantize == "int4"
+        key = (ref, str(dtype), quantize, prefill_copy)
+        if key not in self._models:
+            self._models[key] = load_model(ref, dtype=dtype, device=self.device, quantize=quantize,
+                                           prefill_copy=prefill_copy)
+        return self._models[key]
+
+    def put(self, ref: str, dtype: str, loaded, quantize: str = "none") -> None:
+        """Register an already loaded (model, tokenizer) pair (benchmarks reuse models they loaded)."""
+        self._models[(ref, str(dtype), quantize, False)] = loaded
+
+
+def check_quantization(config: PoolConfig) -> None:
+    """Every ``quantize`` of a pool against its device and dtype, before any model is loaded."""
+    device = resolve_device(config.verifier.device)
+    check_quantize(config.verifier.quantize, name=f"verifier {config.verifier.model!r}", field="verifier.quantize",
+                   dtype=resolve_dtype(config.verifier.dtype, device), device=device)
+    for i, d in enumerate(config.drafters):
+        check_quantize(d.quantize, name=f"drafter {d.name!r}", field=f"drafters.{i}.quantize",
+                       dtype=resolve_dtype(d.dtype or config.verifier.dtype, device), device=device)
+
+
+def check_model_references(config: PoolConfig, source: str = "<pool>", base_dir: Path | None = None) -> None:
+    """Every model reference of a pool (``verifier.model``, ``drafters.i.model``) can be loaded - a known
+    ``bundled:`` name, an existing model directory or .gguf file, or a hub id (not looked up) - and every
+    ``drafters.i.checkpoint`` exists (relative to ``base_dir``, as ``build_engine`` resolves it). Cheap: nothing
+    is loaded, downloaded or assembled. A ``ConfigError`` naming ``source`` and each bad field otherwise."""
+    refs = [("verifier.model", config.verifier.model)]
+    refs += [(f"drafters.{i}.model", d.model) for i, d in enumerate(config.drafters) if d.model is not None]
+    lines = []
+    for where, ref in refs:
+        try:
+            check_model_reference(ref)
+        except ModelLoadError as e:
+            lines.append(f"  {where}: {e}")
+    for i, d in enumerate(config.drafters):
+        if d.checkpoint:
+            path = Path(d.checkpoint).expanduser()
+            if base_dir is not None and not path.is_absolute():
+                path = base_dir / path
+            if not path.exists():
+                lines.append(f"  drafters.{i}.checkpoint: {str(path)!r} does not exist")
+    if lines:
+        raise ConfigError("\n".join([f"{source}: invalid pool config", *lines]))
+
+
+def build_engine(config: PoolConfig, base_dir: Path | None = None, models: ModelCache | None = None, **engine_kwargs):
+    """Load the models of a validated pool config and compose the engine."""
+    try:
+        check_quantization(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    models = models or ModelCache(config.verifier.device)
+    v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype, config.verifier.quantize)
+    verifier = Verifier(v_model, v_tok, name=config.verifier.model)
+    drafters = []
+    for i, d in enumerate(config.drafters):
+        cls = resolve_drafter_class(d.type, where=f"drafters.{i}.type")
+        checkpoint = d.checkpoint
+        if checkpoint and base_dir is not None and not Path(checkpoint).is_absolute():
+            checkpoint = str((base_dir / checkpoint).resolve())
+        dtype = d.dtype or config.verifier.dtype
+        def load(ref, quantize=None, _dtype=dtype, _quantize=d.quantize):
+            return models.load(ref, _dtype, _quantize if quantize is None else quantize, drafter=True)
+
+        build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
+                             quantize=d.quantize)
+        try:
+            drafter = cls.from_config(d.name, dict(d.params), build)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"drafters.{i} ({d.name!r}): {e}") from e
+        drafters.append(drafter)
+    policy = make_policy_from_config(config.policy, len(drafters))
+    if config.cost_model is not None:
+        engine_kwargs.setdefault("cost_model", CostModel(config.cost_model.model_dump()))
+    return Engine(verifier, drafters, policy if len(drafters) > 1 else None, granularity=config.granularity,
+                  reward=config.reward, persistent_policy=config.persistent, categories=config.categories,
+                  **engine_kwargs)
+
+
+def make_policy_from_config(policy: PolicyConfig, n_arms: int) -> Policy:
+    cls = resolve_policy_class(policy.name)
+    try:
+        return cls(max(n_arms, 1), seed=policy.seed, **policy.params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"policy ({policy.name!r}): {e}") from e
+
+
+def load_pool(path: str | Path | None = None, overrides: dict[str, Any] | None = None, **engine_kwargs):
+    """Read a pool file (default: the embedded default pool) and build its ``Engine``."""
+    config = read_pool_config(path, overrides)
+    base = Path(path).resolve().parent if path is not None else None
+    if engine_kwargs.get("models") is None:  # a caller's own ModelCache may hold models under any name
+        check_model_references(config, str(path) if path is not None else "default pool", base)
+    return build_engine(config, base, **engine_kwargs)
+
+
+_engine.set_pool_loader(load_pool)  # Engine.from_config reads pool files through this layer

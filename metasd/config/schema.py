@@ -1,0 +1,135 @@
+"""The pool file's schema (YAML): the verifier, the named drafters, the policy, the reward.
+
+Errors name the file, the field path (``drafters.1.params.k``) and the allowed values. Drafter and policy types are
+looked up in their registries (``metasd.drafters``, ``metasd.policies``) or given as an import path
+``package.module:ClassName`` for user classes; ``plugins`` lists modules to import first (for classes that register
+themselves). ``metasd.config.build`` loads the models of a validated pool and builds its ``Engine``.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from metasd.core.policy import Policy
+from metasd.core.rewards import BOUNDED_REWARDS, REWARDS, RewardName
+
+from .plugins import import_plugins, line_error, resolve_drafter_class, resolve_policy_class, validate_params
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+Quantize = Literal["none", "int8", "int4"]
+
+
+class VerifierConfig(_Strict):
+    model: str = Field(description="model reference: bundled:<name>, a local HF directory or .gguf file, or a hub id")
+    dtype: str = "auto"
+    device: str | None = None
+    #: weight-only quantization of the verifier: the output is then exactly the quantized model's
+    quantize: Quantize = "none"
+
+
+class DrafterConfig(_Strict):
+    name: str
+    type: str = Field(description="registered drafter kind, or package.module:ClassName")
+    model: str | None = None
+    dtype: str | None = None  # default: the verifier's
+    #: weight-only quantization of the drafter's own weights (never inherited from the verifier)
+    quantize: Quantize = "none"
+    checkpoint: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PolicyConfig(_Strict):
+    name: str = "ucb"
+    params: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = 0
+
+
+class CostModelConfig(_Strict):
+    """Prices of the modeled step cost behind the ``throughput`` reward (``metasd.core.cost``): bytes-equivalent per
+    multiply-accumulate per row, by weight format. Left out: the calibration of the verifier's device type."""
+
+    dense: float = Field(ge=0.0, allow_inf_nan=False)
+    int8: float = Field(ge=0.0, allow_inf_nan=False)
+    int4: float = Field(ge=0.0, allow_inf_nan=False)
+
+
+class PoolConfig(_Strict):
+    """A pool: one verifier, named drafters (arms), and how the policy chooses among them."""
+
+    verifier: VerifierConfig
+    drafters: list[DrafterConfig] = Field(default_factory=list)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    reward: RewardName = "throughput"
+    granularity: Literal["step", "request"] = "step"
+    persistent: bool = False  # keep policy state across requests
+    categories: list[str] = Field(default_factory=list)  # category one-hot layout for contextual policies
+    plugins: list[str] = Field(default_factory=list)
+    cost_model: CostModelConfig | None = None  # the throughput reward's prices (default: the device's calibration)
+
+    @field_validator("drafters")
+    @classmethod
+    def _unique_names(cls, drafters: list[DrafterConfig]) -> list[DrafterConfig]:
+        names = [d.name for d in drafters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"drafter names must be unique; repeated: {dup}")
+        return drafters
+
+    @model_validator(mode="after")
+    def _types_exist(self) -> "PoolConfig":
+        """Drafter types and policy names exist; every ``params`` mapping is valid for its class (names, types,
+        ranges: ``Drafter.Params``; built-in policies are constructed once, without any model). All problems
+        are reported together, each under its own field path (``drafters.0.params.k``)."""
+        errors: list[dict[str, Any]] = []
+        try:
+            import_plugins(self.plugins)
+        except ValueError as e:
+            errors.append(line_error(("plugins",), str(e).removeprefix("plugins: "), self.plugins))
+        for i, d in enumerate(self.drafters):
+            where = f"drafters.{i}.type"
+            try:
+                cls = resolve_drafter_class(d.type, where=where)
+            except ValueError as e:
+                errors.append(line_error(("drafters", i, "type"), str(e).removeprefix(f"{where}: "), d.type))
+                continue
+            for fld, noun in (("model", "a model reference"), ("checkpoint", "a checkpoint")):
+                rule, given = getattr(cls, f"{fld}_field", None), getattr(d, fld) is not None
+                if rule == "required" and not given:
+                    errors.append(line_error(("drafters", i, fld), f"drafter type {d.type!r} needs {noun}", None))
+                elif rule == "never" and given:
+                    errors.append(line_error(("drafters", i, fld), f"drafter type {d.type!r} takes no {fld}", getattr(d, fld)))
+            d.params = validate_params(cls, d.params, ("drafters", i, "params"), errors,
+                                        skip=("self", "name", "model", "tokenizer", "model_ref"))
+        try:
+            cls = resolve_policy_class(self.policy.name, where="policy.name")
+        except ValueError as e:
+            errors.append(line_error(("policy", "name"), str(e).removeprefix("policy.name: "), self.policy.name))
+        else:
+            n_before = len(errors)
+            validate_params(cls, self.policy.params, ("policy", "params"), errors, skip=("self", "n_arms", "seed"))
+            if len(errors) == n_before and cls.__module__.startswith("metasd.policies."):
+                self._probe_policy(cls, errors)
+        if self.reward not in REWARDS:  # guarded by Literal; kept for user-registered rewards
+            errors.append(line_error(("reward",), f"unknown {self.reward!r}; choose one of {sorted(REWARDS)}", self.reward))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+    def _probe_policy(self, cls: type[Policy], errors: list[dict[str, Any]]) -> None:
+        """Build a built-in policy as ``build_engine`` will (cheap: no model) so that a bad value, or a policy that
+        needs rewards in [0, 1] with an unbounded reward, is refused now and not after the models load."""
+        try:
+            probe = cls(max(len(self.drafters), 1), seed=self.policy.seed, **self.policy.params)
+        except (TypeError, ValueError) as e:
+            errors.append(line_error(("policy", "params"), str(e), self.policy.params))
+            return
+        # the engine uses the policy only with several drafters, and checks the reward then (Engine._check_policy)
+        if len(self.drafters) > 1 and self.reward not in BOUNDED_REWARDS and getattr(probe, "requires_bounded_rewards", False):
+            errors.append(line_error(("reward",), f"policy {self.policy.name!r} (as configured) needs rewards in [0, 1]; "
+                                      f"{self.reward!r} is unbounded: use one of {sorted(BOUNDED_REWARDS)}",
+                                      self.reward))

@@ -1,0 +1,171 @@
+"""A deterministic cost model of a step, so that the throughput reward does not read the wall clock.
+
+The bandit's throughput reward is committed tokens per unit of cost. Measured in seconds, the cost
+carries the machine's timing noise into the policy: two runs of one greedy command pick different
+drafters, verify different trees, and bf16 near-ties then flip different tokens. Here the cost of a
+step is *modeled* from the work it did instead (docs/algorithms.md#rewards):
+
+    cost(linear forward over r rows) = weight_bytes + row_cost[format] * in_features * out_features * r
+
+summed over every linear layer of the verifier and the drafters that ran during the step (counted by a
+forward pre-hook on each layer), in units of one decode step of the verifier (its linears over one row),
+so that plain decoding costs 1.0 per token and the reward reads as a modeled speedup over it.
+
+The first term is the weights a memory-bound forward streams; the second the per-row multiply work,
+whose price depends on the kernel the weight format runs on. Attention over the context, embeddings
+lookups and Python overhead are not modeled. Every term depends only on the models and on the shapes
+of the step, so the same command gives the same costs, choices and tokens on every run.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: CPU calibration (benchmarks/forward_cost.py, BENCHMARKS.md "Forward cost per model and weight
+#: quantization"): a bf16 verify costs ~0.02-0.03 of a one-token forward per extra row, the int4 and int8
+#: weight-only kernels ~0.2-0.3 (they are matrix-vector kernels: every row re-reads its weights).
+#: In bytes-equivalent per multiply-accumulate per row.
+CPU_ROW_COST = {"dense": 0.06, "int8": 0.3, "int4": 0.2}
+#: On CUDA a forward of a few dozen rows is bound by the weights it reads, whatever their format.
+CUDA_ROW_COST = {"dense": 0.004, "int8": 0.01, "int4": 0.01}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices of the two terms of a linear layer's forward (see the module docstring).
+
+    row_cost: bytes-equivalent per multiply-accumulate per row, by weight format ("dense" for an
+    ``nn.Linear`` in any float dtype, "int8" / "int4" for ``metasd.models.quantize.QuantizedLinear``).
+    """
+
+    row_cost: Mapping[str, float] = field(default_factory=lambda: dict(CPU_ROW_COST))
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> "CostModel":
+        """The calibrated default for a device type (CUDA or anything else)."""
+        return cls(dict(CUDA_ROW_COST if torch.device(device).type == "cuda" else CPU_ROW_COST))
+
+    def linear_cost(self, weight_bytes: float, macs_per_row: float, fmt: str, rows: int) -> float:
+        return weight_bytes + self.row_cost[fmt] * macs_per_row * rows
+
+
+@dataclass(frozen=True)
+class _LinearShape:
+    weight_bytes: int
+    in_features: int
+    macs_per_row: int  # in_features * out_features
+    fmt: str
+
+
+def _linear_shape(module: nn.Module) -> _LinearShape | None:
+    """The costed shape of a linear layer, or None for any other module.
+
+    A layer with its own weight format says so through two attributes (``metasd.models.quantize.QuantizedLinear``
+    does): ``weight_format`` (a key of ``CostModel.row_cost``) and ``kernel_bytes`` (the bytes its kernel reads),
+    beside ``in_features`` and ``out_features``.
+    """
+    fmt = getattr(module, "weight_format", None)
+    if isinstance(fmt, str):
+        return _LinearShape(int(module.kernel_bytes), module.in_features, module.in_features * module.out_features, fmt)
+    if isinstance(module, nn.Linear):
+        nbytes = _nbytes(module.weight, module.bias)
+        return _LinearShape(nbytes, module.in_features, module.in_features * module.out_features, "dense")
+    return None
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _OpenMeter(threading.local):
+    meter: "StepMeter | None" = None
+
+
+_OPEN = _OpenMeter()
+_SHAPE_ATTR = "_metasd_cost_shape"  # a hooked layer's costed shape (a plain attribute, refreshed by attach)
+
+
+def _count(module: nn.Module, args: tuple) -> None:
+    meter = _OPEN.meter
+    if meter is None or not args or not isinstance(args[0], torch.Tensor):
+        return
+    shape: _LinearShape = getattr(module, _SHAPE_ATTR)
+    rows = args[0].numel() // shape.in_features  # x: [..., in_features]; numel is shape metadata, no device sync
+    meter.total += meter.model.linear_cost(shape.weight_bytes, shape.macs_per_row, shape.fmt, rows)
+
+
+def counted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that an open step meter counts, for networks that keep raw weight tensors instead of
+    ``nn.Linear`` layers (a drafter's reduced LM head, stacked block heads). weight: [out, in]."""
+    meter = _OPEN.meter
+    if meter is not None:
+        rows = x.numel() // weight.shape[1]
+        meter.total += meter.model.linear_cost(_nbytes(weight, bias), weight.numel(), "dense", rows)
+    return F.linear(x, weight, bias)
+
+
+def _shaped_layers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, _LinearShape]]:
+    """Every distinct linear layer inside ``modules`` with its costed shape, shared layers once."""
+    seen: dict[int, tuple[nn.Module, _LinearShape]] = {}
+    for root in modules:
+        for m in root.modules():
+            if id(m) not in seen and (shape := _linear_shape(m)) is not None:
+                seen[id(m)] = (m, shape)
+    return list(seen.values())
+
+
+def linear_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every distinct linear layer (dense or quantized) inside ``modules``, shared layers once."""
+    return [layer for layer, _ in _shaped_layers(modules)]
+
+
+def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Put the counting hook on every linear layer of ``modules`` (once per layer, for its lifetime).
+
+    The hook does nothing unless a ``StepMeter`` is open on this thread, so layers shared by several
+    engines (``Engine.derive``) or called outside a step (prefill) cost nothing to the meter. Each call
+    re-reads the layers' shapes (a layer whose weights changed since is priced as it is now).
+    """
+    shaped = _shaped_layers(modules)
+    for layer, shape in shaped:
+        object.__setattr__(layer, _SHAPE_ATTR, shape)  # not a submodule or buffer
+        if not any(hook is _count for hook in layer._forward_pre_hooks.values()):  # a deep copy keeps its hook
+            layer.register_forward_pre_hook(_count)
+    return [layer for layer, _ in shaped]
+
+
+def decode_step_cost(verifier_model: nn.Module, model: CostModel) -> float:
+    """Modeled cost of one verifier forward over one row: the unit every step cost is expressed in."""
+    total = sum(model.linear_cost(s.weight_bytes, s.macs_per_row, s.fmt, 1) for _, s in _shaped_layers([verifier_model]))
+    if total <= 0:
+        raise ValueError("the verifier has no linear layers to model the cost of a step with")
+    return total
+
+
+class StepMeter:
+    """Sums the modeled cost of the hooked linear forwards that run while it is open (``with meter:``)."""
+
+    def __init__(self, model: CostModel, unit: float):
+        self.model = model
+        self.unit = unit  # cost of one verifier decode step
+        self.total = 0.0
+
+    def __enter__(self) -> "StepMeter":
+        if _OPEN.meter is not None:
+            raise RuntimeError("a step meter is already open on this thread (nested engine steps?)")
+        self.total = 0.0
+        _OPEN.meter = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPEN.meter = None
+
+    @property
+    def steps(self) -> float:
+        """What was counted, in verifier decode steps."""
+        return self.total / self.unit

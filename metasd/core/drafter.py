@@ -1,0 +1,190 @@
+"""The drafter interface: what the engine and the policies need from anything that proposes tokens.
+
+Two calls per step, as in transformers' candidate generators: ``propose`` a draft from the committed
+tokens, then ``observe`` what the verifier accepted. Concrete drafters live in ``metasd.drafters``.
+
+A drafter holds its own per-request state (a KV cache, an index) and must bring it up to date with
+``ctx.tokens`` inside ``propose``: tokens committed since it last drafted, including steps where another
+drafter of the pool was chosen (catch-up), are fed there, and their cost is charged to this drafter.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Iterable, Iterator
+
+import torch
+from pydantic import BaseModel, ConfigDict, Strict
+from torch import nn
+
+from .acceptance import Acceptance
+from .hidden import HiddenStore
+from .registry import registrar
+from .sampling import SamplingParams
+from .tree import Draft
+
+
+@dataclass
+class StepContext:
+    """Everything a drafter may read when it drafts."""
+
+    tokens: torch.Tensor  # [T] int64, every committed token (prompt included); the last is the pending one
+    prompt_len: int
+    max_depth: int  # drafts deeper than this are cut (token budget and context length)
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    hidden: HiddenStore | None = None  # verifier states at positions 0..T-2 for the layers drafters asked for
+    step: int = 0
+    request: dict[str, Any] = field(default_factory=dict)  # e.g. {"category": ...}
+
+
+@dataclass
+class StepFeedback:
+    """One step as the verifier decided it: the record a drafter learns from (``Drafter.observe``) and a
+    reward scores (``metasd.core.rewards``)."""
+
+    draft: Draft
+    acceptance: Acceptance
+    committed: list[int]  # tokens committed this step: the accepted draft tokens, then the bonus
+    target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities (sampling only)
+    target_argmax: torch.Tensor | None = None  # [n+1] verifier argmax (greedy only)
+    seconds: float = 0.0  # drafting (catch-up included) + verification wall time of the step
+    cost: float = 0.0  # modeled cost of the same work, in verifier decode steps (metasd.core.cost)
+
+    @property
+    def n_accepted(self) -> int:
+        return self.acceptance.n_accepted
+
+
+# Field types for ``DrafterParams``: no coercion (YAML gives ints, floats and booleans; a string "5", a float 4.0
+# for a count or 1 for a flag is refused rather than guessed), an int is accepted where a float is expected.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
+class DrafterParams(BaseModel):
+    """Base of a drafter type's ``Params``: the ``params`` mapping of a pool-config entry, checked (names,
+    types, ranges, modes) when the pool file is read, before any model loads. Unknown names are refused.
+
+    Declare each keyword of the drafter's ``__init__`` that a pool config may set, with the constructor's
+    default and its allowed values (``Field(ge=1)``, ``Literal[...]``). Only the keys the user gave reach
+    ``from_config`` (``model_dump(exclude_unset=True)``), so the constructor (or a checkpoint's defaults)
+    still supplies every other value; constraints that need the loaded model (e.g. ``k`` <= the trained
+    heads) stay in the constructor.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Drafter(abc.ABC):
+    """Anything that proposes draft tokens for the verifier to check.
+
+    Subclasses set ``kind`` (the type name used in pool configs) and implement ``propose``; ``Params`` (a
+    ``DrafterParams`` subclass) lets pool files be checked before loading (without it only the parameter
+    names are checked, against ``__init__``). ``name``
+    identifies an instance inside a pool (two instances of one kind with different settings are two
+    arms). ``hidden_layers`` lists the verifier layers (index into transformers' ``hidden_states``:
+    0 = embeddings, i = output of layer i, num_layers = after the final norm) the drafter reads from
+    ``ctx.hidden``; the verifier returns them from the verification forward it runs anyway.
+    """
+
+    kind: ClassVar[str] = ""
+    #: whether a pool entry of this type gives ``model`` / ``checkpoint``: "required", "optional" or "never",
+    #: checked when the pool file is read, before any model loads (None: not declared, not checked)
+    model_field: ClassVar[str | None] = None
+    checkpoint_field: ClassVar[str | None] = None
+    #: the pool-config ``params`` model (see ``DrafterParams``); None: names checked against ``__init__``
+    Params: ClassVar[type[DrafterParams] | None] = None
+    hidden_layers: tuple[int, ...] = ()
+    tokenizer = None  # set by drafters with their own tokenizer, checked against the verifier's
+
+    def __init__(self, name: str | None = None):
+        self.name = name or self.kind or type(self).__name__
+
+    def begin(self, ctx: StepContext) -> None:
+        """A new request starts; drop per-request state. The prompt is fed lazily in ``propose``."""
+
+    @abc.abstractmethod
+    def propose(self, ctx: StepContext) -> Draft:
+        """Draft continuations of ``ctx.tokens`` (depth <= ctx.max_depth). May return an empty draft."""
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """The verifier accepted ``feedback.acceptance.path``; adapt (draft length, caches) if useful."""
+
+    def end(self) -> None:
+        """The request is over: free per-request memory."""
+
+    def describe(self) -> dict[str, Any]:
+        """Settings, for logging."""
+        return {"kind": self.kind, "name": self.name}
+
+    def modules(self) -> Iterable["torch.nn.Module"]:
+        """The networks this drafter runs; the engine's cost model counts their linear forwards.
+
+        Default: the ``nn.Module`` values among the drafter's attributes (through lists, dicts, inner
+        drafters and helper objects that hold modules). Override when a network is reached another way.
+        """
+        return list(module_attributes(self))
+
+    @classmethod
+    def from_config(cls, name: str, params: dict[str, Any], build: "BuildContext") -> "Drafter":
+        """Build from a pool-config entry. Drafters that load models or checkpoints override this and use
+        ``build`` (the shared verifier, a model loader that shares weights between arms, the config's folder)."""
+        if build.model is not None:
+            raise ValueError(f"drafter type {cls.kind!r} takes no model")
+        if build.checkpoint is not None:
+            raise ValueError(f"drafter type {cls.kind!r} takes no checkpoint")
+        build.refuse_quantize(name, cls.kind)
+        return cls(name=name, **params)
+
+
+@dataclass
+class BuildContext:
+    """What a drafter may use to build itself from a pool config."""
+
+    verifier: Any  # metasd.core.verifier.Verifier
+    model: str | None  # the entry's model reference
+    checkpoint: str | None  # the entry's checkpoint path (resolved against the config's folder)
+    #: callable(ref, quantize=None) -> (model, tokenizer), cached per (ref, dtype, quantize) so arms with the
+    #: same settings share weights; quantize None means the entry's ``quantize``
+    load_model: Any
+    quantize: str = "none"  # the entry's weight-only quantization: "none", "int8" or "int4"
+
+    def refuse_quantize(self, name: str, kind: str) -> None:
+        """For drafters with no weights of their own: a ``quantize`` other than "none" is an error."""
+        if self.quantize != "none":
+            raise ValueError(f"drafter {name!r} of type {kind!r} has no model weights to quantize "
+                             f"(field 'quantize' is {self.quantize!r}; remove it)")
+
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+register_drafter = registrar(DRAFTERS, "kind", "Class decorator: make a drafter available by its ``kind`` in pool configs.")
+
+
+def module_attributes(obj: Any, depth: int = 3) -> Iterator[nn.Module]:
+    """``nn.Module`` values reachable from ``obj``'s attributes through modules' owners, lists, tuples and
+    dicts (``depth`` levels), without walking into any other object (tokenizers, configs)."""
+    def walk(value: Any, level: int) -> Iterator[nn.Module]:
+        if isinstance(value, nn.Module):
+            yield value
+        elif level <= 0:
+            return
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from walk(v, level - 1)
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from walk(v, level - 1)
+        elif isinstance(value, Drafter) or _owns_modules(value):
+            for v in vars(value).values():
+                yield from walk(v, level - 1)
+
+    for v in vars(obj).values():
+        yield from walk(v, depth)
+
+
+def _owns_modules(value: Any) -> bool:
+    """A plain helper object of a drafter holding modules directly (e.g. a steering component)."""
+    d = getattr(value, "__dict__", None)
+    return isinstance(d, dict) and any(isinstance(v, nn.Module) for v in d.values())

@@ -1,0 +1,203 @@
+"""The engine: speculative decoding with a pool of drafters, one shared verifier and a policy.
+
+One step (docs/algorithms.md#steps-and-metrics): the policy picks a drafter, the drafter proposes a chain or tree,
+the verifier scores it in one forward, an exact acceptance rule keeps a prefix (a root-to-node path)
+plus one bonus token, and the verifier's cache keeps exactly what was committed.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from .cost import CostModel, StepMeter, attach, decode_step_cost
+from .drafter import Drafter
+from .policy import Policy
+from .request import GenerationResult, Prompt, Request
+from .rewards import get_reward
+from .tokens import check_tokenizers_compatible, eos_token_ids
+from .verifier import Verifier
+
+#: ``Engine.from_config`` reads pool files through the config layer (``metasd.config``), which registers its loader
+#: here when imported (``import metasd`` does): the core itself imports no YAML and no layer above it.
+_POOL_LOADER: Callable[..., "Engine"] | None = None
+
+
+def set_pool_loader(loader: Callable[..., "Engine"]) -> None:
+    """Register the function ``Engine.from_config`` builds engines with (``metasd.config.load_pool``)."""
+    global _POOL_LOADER
+    _POOL_LOADER = loader
+
+
+class Engine:
+    """Lossless speculative decoding over a pool of drafters chosen by a bandit policy.
+
+    drafters: the pool (a single drafter, a sequence, or a name -> drafter mapping). Empty: plain
+        autoregressive decoding through the same code path (each step verifies the pending token only).
+    policy: picks a drafter per ``granularity`` ("step" or "request") from ``reward`` ("throughput",
+        "wall_throughput", "block_efficiency", "block_divergence"); ``persistent_policy`` keeps what it
+        learnt across requests, else it is reset per request (MetaSD's episodes). Needed for a pool of two or
+        more drafters; with one drafter (or none) there is nothing to choose and it may be left out.
+    cost_model: prices the work of a step for the (deterministic) throughput reward; default: the
+        calibration for the verifier's device type (``metasd.core.cost``).
+    """
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        drafters: Drafter | Sequence[Drafter] | Mapping[str, Drafter] | None = None,
+        policy: Policy | None = None,
+        *,
+        granularity: str = "step",
+        reward: str = "throughput",
+        persistent_policy: bool = False,
+        categories: Sequence[str] = (),
+        check_tokenizers: bool = True,
+        cost_model: CostModel | None = None,
+    ):
+        self.verifier = verifier
+        self.tokenizer = verifier.tokenizer
+        self.drafters = _as_list(drafters)
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names in a pool must be unique, got {names}")
+        if granularity not in ("step", "request"):
+            raise ValueError(f"granularity must be 'step' or 'request', got {granularity!r}")
+        self.granularity = granularity
+        self.reward_name = reward
+        self.reward = get_reward(reward)
+        self.persistent_policy = persistent_policy
+        self.categories = tuple(categories)
+        self.policy = self._check_policy(policy)
+        if check_tokenizers:
+            self._check_tokenizers()
+        self.cost_model = cost_model or CostModel.for_device(verifier.device)
+        attach([verifier.model, *(m for d in self.drafters for m in d.modules())])
+        self.meter = StepMeter(self.cost_model, decode_step_cost(verifier.model, self.cost_model))
+        self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
+        for layer in self.hidden_layers:
+            if not 0 <= layer <= verifier.num_layers:
+                raise ValueError(f"a drafter asks for verifier layer {layer}; {verifier.name} has hidden states 0..{verifier.num_layers}")
+
+    # ---------------------------------------------------------------- public API
+    @classmethod
+    def from_config(cls, path=None, overrides: Mapping[str, Any] | None = None) -> "Engine":
+        """Build the engine of a pool config file (default: the embedded default pool); the same as
+        ``metasd.load_pool(path, overrides)``."""
+        if _POOL_LOADER is None:
+            raise RuntimeError("Engine.from_config needs metasd.config: import metasd (or metasd.config) first")
+        return _POOL_LOADER(path, dict(overrides or {}))
+
+    def derive(self, drafters: Sequence[str] | None = None, policy: Policy | None = None, **settings) -> "Engine":
+        """A new engine sharing this one's verifier and drafter objects (no model is reloaded).
+
+        drafters: names of the arms to keep (default: all); policy: its policy (required for a pool of
+        several); settings: granularity, reward, persistent_policy, categories, cost_model.
+        """
+        chosen = self.drafters if drafters is None else [self.drafter(n) for n in drafters]
+        kwargs = dict(granularity=self.granularity, reward=self.reward_name, persistent_policy=self.persistent_policy,
+                      categories=self.categories, check_tokenizers=False, cost_model=self.cost_model)
+        kwargs.update(settings)
+        return Engine(self.verifier, chosen, policy, **kwargs)
+
+    def drafter(self, name: str) -> Drafter:
+        for d in self.drafters:
+            if d.name == name:
+                return d
+        raise KeyError(f"no drafter named {name!r} in the pool; drafters: {[d.name for d in self.drafters]}")
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats.
+
+        Keyword arguments: temperature (0 = greedy), top_p, top_k, stop (strings; the text ends before
+        the first one), seed (sampling reproducible), policy (overrides the engine's for this call),
+        chat (apply the chat template to a string prompt; default: only for message lists),
+        category (request feature for contextual policies).
+        """
+        run = self._run(prompt, max_new_tokens, **kwargs)
+        for _ in run.steps():
+            pass
+        return run.result()
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
+        """Yield text as tokens commit; the full ``GenerationResult`` is the generator's return value."""
+        run = self._run(prompt, max_new_tokens, **kwargs)
+        emitted = ""
+        for _ in run.steps():
+            text = run.text()
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next step
+                continue
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+                emitted = text
+        result = run.result()
+        if len(result.text) > len(emitted):
+            yield result.text[len(emitted):]
+        return result
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Prompt -> token ids. Message lists always get the chat template; strings when ``chat``."""
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if chat:
+                return self.encode([{"role": "user", "content": prompt}])
+            return self._tokenizer_or_fail().encode(prompt, add_special_tokens=True)
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if all(isinstance(t, int) for t in prompt):
+            return prompt
+        if all(isinstance(m, Mapping) for m in prompt):
+            tok = self._tokenizer_or_fail()
+            if not getattr(tok, "chat_template", None):
+                raise ValueError(f"{self.verifier.name}'s tokenizer has no chat template; pass a string prompt")
+            text = tok.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=False)
+            return tok.encode(text, add_special_tokens=False)
+        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+    # ---------------------------------------------------------------- internals
+    def _run(self, prompt: Prompt, max_new_tokens: int, **kwargs) -> Request:
+        return Request(self, prompt, max_new_tokens, **kwargs)
+
+    def _tokenizer_or_fail(self):
+        if self.tokenizer is None:
+            raise ValueError(f"{self.verifier.name} has no tokenizer: pass token ids")
+        return self.tokenizer
+
+    def _check_policy(self, policy: Policy | None) -> Policy | None:
+        """The policy checked against the pool; None (one drafter or none: nothing to choose)."""
+        if policy is None:
+            if len(self.drafters) > 1:
+                raise ValueError(f"a pool of {len(self.drafters)} drafters needs a policy (see metasd.policies)")
+            return None
+        n = max(len(self.drafters), 1)
+        if policy.n_arms != n:
+            raise ValueError(f"policy {policy.name!r} has {policy.n_arms} arms but the pool has {n} drafters")
+        if not self.reward.bounded and getattr(policy, "requires_bounded_rewards", False):
+            raise ValueError(f"policy {policy.name!r} needs rewards in [0, 1]; reward {self.reward_name!r} is unbounded")
+        return policy
+
+    def _check_tokenizers(self) -> None:
+        for d in self.drafters:
+            if d.tokenizer is not None and self.tokenizer is not None:
+                check_tokenizers_compatible(self.tokenizer, d.tokenizer, self.verifier.name, d.name)
+
+    def eos_ids(self) -> set[int]:
+        return eos_token_ids(self.verifier.model, self.tokenizer)
+
+
+def _as_list(drafters) -> list[Drafter]:
+    if drafters is None:
+        return []
+    if isinstance(drafters, Drafter):
+        return [drafters]
+    if isinstance(drafters, Mapping):
+        out = []
+        for name, d in drafters.items():
+            d.name = name
+            out.append(d)
+        return out
+    return list(drafters)

@@ -1,0 +1,88 @@
+"""The policy interface: a multi-armed bandit that picks which drafter (arm) drafts next.
+
+Concrete policies live in ``metasd.policies`` (one family per file) and depend only on this module.
+The engine calls ``select`` before a step (or a request), then ``update`` with the reward it measured.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from .registry import registrar
+
+# A context is a fixed-length feature vector of cheap request features (see ``metasd.core.request_features``);
+# context-free policies ignore it.
+Context = Sequence[float] | np.ndarray | None
+
+
+class Policy(abc.ABC):
+    """A bandit over ``n_arms`` arms (drafters, indexed 0..n_arms-1).
+
+    Subclasses keep all learnt state in plain Python / numpy values so that ``state_dict`` can return
+    JSON-serialisable data. ``select`` must be cheap (the engine calls it every step: < 1 ms).
+    """
+
+    #: name used in configs and on the CLI (``policy: {name: ucb}``)
+    name: ClassVar[str] = ""
+    #: True for contextual policies: the engine then passes ``metasd.core.request_features.request_features``
+    contextual: ClassVar[bool] = False
+
+    @property
+    def requires_bounded_rewards(self) -> bool:
+        """True when this policy (as configured) only accepts rewards in [0, 1]; the engine then refuses
+        an unbounded reward such as throughput at construction time instead of failing mid-request."""
+        return False
+
+    def __init__(self, n_arms: int, seed: int | None = None):
+        if n_arms < 1:
+            raise ValueError(f"{type(self).__name__}: n_arms must be >= 1, got {n_arms}")
+        self.n_arms = int(n_arms)
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.reset()
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget everything learnt (called per request when the policy does not persist)."""
+
+    @abc.abstractmethod
+    def select(self, context: Context = None) -> int:
+        """Return the arm to play next."""
+
+    @abc.abstractmethod
+    def update(self, arm: int, reward: float, context: Context = None) -> None:
+        """Record the reward observed for ``arm`` (the arm returned by the last ``select``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Learnt state as JSON-serialisable values (numpy arrays become lists)."""
+        out: dict[str, Any] = {"name": self.name, "n_arms": self.n_arms}
+        for key, value in self._state_items().items():
+            out[key] = value.tolist() if isinstance(value, np.ndarray) else value
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state.get("n_arms", self.n_arms) != self.n_arms:
+            raise ValueError(f"{type(self).__name__}: state has n_arms={state.get('n_arms')}, policy has {self.n_arms}")
+        current = self._state_items()
+        for key in current:
+            if key not in state:
+                raise KeyError(f"{type(self).__name__}: state is missing {key!r}")
+            value = state[key]
+            setattr(self, key, np.asarray(value, dtype=current[key].dtype) if isinstance(current[key], np.ndarray) else value)
+
+    def _state_items(self) -> dict[str, Any]:
+        """Attributes that make up the learnt state; override to list them."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """Hyper-parameters, for logging."""
+        return {"name": self.name}
+
+
+# Registry of policy classes by name; ``register_policy`` is also used for user classes.
+POLICIES: dict[str, type[Policy]] = {}
+register_policy = registrar(POLICIES, "name", "Class decorator: make a policy available by its ``name`` in configs "
+                                              "and on the CLI.")

@@ -1,0 +1,187 @@
+"""One request: the step loop of speculative decoding (docs/architecture.md#a-step).
+
+Each step: the policy picks a drafter (per step, or once per request), the drafter proposes a chain or a tree, the
+verifier scores it in one forward, an exact acceptance rule keeps a root-to-node path plus one bonus token, the
+verifier's cache keeps exactly what was committed, the reward scores the step and the policy and the drafter learn
+from it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from .acceptance import accept_greedy, accept_match, accept_rejection
+from .drafter import StepContext, StepFeedback
+from .metrics import RequestStats
+from .policy import Policy
+from .request_features import request_features
+from .sampling import SamplingParams, process_logits
+from .tree import Draft
+
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class GenerationResult:
+    """Output of one request: the new text and tokens, and how they were produced."""
+
+    text: str
+    token_ids: list[int]  # new tokens only (EOS included when generation stopped on it)
+    prompt_ids: list[int]
+    stats: RequestStats
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """The request's record (``RequestStats.to_record``) with its text and token ids."""
+        return {**self.stats.to_record(), "text": self.text, "token_ids": list(self.token_ids)}
+
+
+class Request:
+    """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
+    token lists (``steps``)."""
+
+    def __init__(self, engine, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
+                 seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
+                 category: str | None = None):
+        self.engine = engine
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.prompt_ids = engine.encode(prompt, chat)
+        if not self.prompt_ids:
+            raise ValueError("prompt is empty after tokenisation")
+        ctx_len = engine.verifier.context_length
+        if ctx_len and len(self.prompt_ids) + max_new_tokens > ctx_len:
+            raise ValueError(
+                f"prompt of {len(self.prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+                f"{engine.verifier.name} ({ctx_len} tokens)"
+            )
+        self.max_new_tokens = max_new_tokens
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        self.policy = engine._check_policy(policy) if policy is not None else engine.policy
+        self.category = category
+        self.generator = None
+        if not self.sampling.greedy:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+        self.new_ids: list[int] = []
+        self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
+        self._text_cut: int | None = None
+
+    # text of the new tokens, cut before a stop string
+    def text(self) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return ""
+        text = tok.decode(self.new_ids, skip_special_tokens=True)
+        return text if self._text_cut is None else text[: self._text_cut]
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.text(), list(self.new_ids), list(self.prompt_ids), self.stats)
+
+    def _context(self) -> Any:
+        if not getattr(self.policy, "contextual", False):
+            return None
+        return request_features(self.prompt_ids, self.category, self.engine.categories)
+
+    def _select(self, context: Any) -> int:
+        return self.policy.select(context) if self.policy is not None else 0
+
+    def steps(self) -> Iterator[list[int]]:
+        eng, verifier, stats = self.engine, self.engine.verifier, self.stats
+        drafters, policy, reward = eng.drafters, self.policy, eng.reward
+        eos = eng.eos_ids()
+        greedy = self.sampling.greedy
+        if policy is not None and not eng.persistent_policy:
+            policy.reset()
+        context = self._context()
+        t_start = time.perf_counter()
+        with torch.inference_mode():
+            verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), eng.hidden_layers)
+            stats.prefill_s = time.perf_counter() - t_start
+            tokens = list(self.prompt_ids)
+            base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
+                            hidden=verifier.hidden, request={"category": self.category})
+            for d in drafters:
+                d.begin(StepContext(tokens=torch.tensor(tokens), max_depth=0, **base_ctx))
+            arm = self._select(context) if eng.granularity == "request" else 0
+            step_rewards: list[float] = []
+            while True:
+                budget = self.max_new_tokens - len(self.new_ids)
+                if eng.granularity == "step":
+                    arm = self._select(context)
+                drafter = drafters[arm] if drafters else None
+                ctx = StepContext(tokens=torch.tensor(tokens), max_depth=budget - 1, step=stats.steps, **base_ctx)
+                with eng.meter as meter:  # counts the modeled cost of drafting and verifying
+                    t0 = time.perf_counter()
+                    draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
+                    if draft.depth > ctx.max_depth:
+                        draft = draft.truncated(ctx.max_depth)
+                    t1 = time.perf_counter()
+                    out = verifier.verify(tokens[-1], draft)
+                    t2 = time.perf_counter()
+                if greedy:
+                    target_argmax, target_probs = out.logits.argmax(-1), None
+                    acc = accept_greedy(draft, target_argmax)
+                else:
+                    target_argmax, target_probs = None, process_logits(out.logits, self.sampling)
+                    acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
+                verifier.commit(acc.path, out)
+                committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
+                stats.draft_s += t1 - t0
+                stats.verify_s += t2 - t1
+                stats.catch_up_tokens += draft.catch_up
+                stats.modeled_cost += meter.steps
+                name = drafter.name if drafter is not None else "none"
+                stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
+                feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0,
+                                        cost=meter.steps)
+                value = reward.step(feedback)
+                stats.rewards.append(value)
+                step_rewards.append(value)
+                if drafter is not None:
+                    if policy is not None and eng.granularity == "step":
+                        policy.update(arm, value, context)
+                    drafter.observe(feedback)
+                done = self._commit(committed, eos)
+                tokens.extend(committed)
+                yield committed
+                if done:
+                    break
+            if policy is not None and drafters and eng.granularity == "request" and step_rewards:
+                policy.update(arm, reward.request(stats, step_rewards), context)
+            for d in drafters:
+                d.end()
+        stats.new_tokens = len(self.new_ids)
+        stats.wall_s = time.perf_counter() - t_start
+        stats.policy_state = policy.state_dict() if policy is not None else None
+
+    def _commit(self, committed: list[int], eos: set[int]) -> bool:
+        """Append committed tokens; return True when generation is over (EOS, budget or stop string)."""
+        for i, t in enumerate(committed):
+            if t in eos:
+                self.new_ids.extend(committed[: i + 1])
+                self.stats.stop_reason = "eos"
+                return True
+        self.new_ids.extend(committed)
+        if self.stop and self._hit_stop():
+            self.stats.stop_reason = "stop"
+            return True
+        if len(self.new_ids) >= self.max_new_tokens:
+            self.stats.stop_reason = "length"
+            return True
+        return False
+
+    def _hit_stop(self) -> bool:
+        text = self.engine.tokenizer.decode(self.new_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if not cuts:
+            return False
+        self._text_cut = min(cuts)
+        return True

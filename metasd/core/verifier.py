@@ -1,0 +1,140 @@
+"""The verifier: the target LLM that scores a whole draft (chain or tree) in one forward pass.
+
+Cache convention: the verifier's KV cache holds every committed token except the last one (the
+"pending" token, the bonus of the previous step). A step forwards [pending] + draft nodes, so row 0 of
+the output is the distribution after the pending token and row i+1 the distribution after node i.
+After acceptance, ``commit`` keeps the pending token and the accepted nodes in the cache; the new bonus
+becomes the pending token. Committed tokens are never recomputed. The verifier remembers where the block it
+verified starts, and keeps the hidden states drafters read (``hidden``) in step with its cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .hidden import HiddenStore
+from .hooks import contiguous_lm_head_input
+from .kv_cache import cache_kwargs, cache_length, keep_positions
+from .tree import Draft, ancestor_mask
+
+
+@dataclass
+class VerifierOutput:
+    """What one verification forward returns."""
+
+    logits: torch.Tensor  # [n+1, vocab] raw logits: row 0 after the pending token, row i+1 after node i
+    hidden: dict[int, torch.Tensor]  # layer -> [n+1, d] residual stream at the same rows
+
+
+class Verifier:
+    """Wraps a transformers causal LM with its KV cache: prefill, verify a draft, commit the accepted path.
+
+    ``hidden`` holds, for the layers asked for at ``prefill``, the verifier's hidden states at every cached
+    position (None when no layer was asked for): drafters that read verifier states get it as ``ctx.hidden``.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "verifier"):
+        self.model = contiguous_lm_head_input(model.eval())
+        self.tokenizer = tokenizer
+        self.name = name
+        self.cache: DynamicCache | None = None
+        self.hidden: HiddenStore | None = None
+        self.hidden_layers: tuple[int, ...] = ()
+        self._block_start: int | None = None  # cached positions before the block last verified, until its commit
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.context_length = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def cached(self) -> int:
+        """Number of positions in the KV cache (committed tokens minus the pending one)."""
+        return 0 if self.cache is None else cache_length(self.cache)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.hidden = None
+        self._block_start = None
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = ()) -> None:
+        """Start a request: cache ``token_ids`` (every prompt token but the last, which stays pending) and, for
+        ``hidden_layers``, their hidden states in ``self.hidden``. token_ids: [T] int64."""
+        self.reset()
+        self.hidden_layers = tuple(sorted(set(hidden_layers)))
+        self.hidden = HiddenStore(self.hidden_layers) if self.hidden_layers else None
+        if len(token_ids) == 0:
+            if self.hidden is not None:
+                self.hidden.append({layer: torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+                                    for layer in self.hidden_layers})
+            return
+        out = self.model(
+            input_ids=token_ids.to(self.device)[None],
+            **cache_kwargs(self.model, self.cache),
+            use_cache=True,
+            logits_to_keep=1,  # nothing reads prefill logits: the pending token is scored in the first step
+            output_hidden_states=bool(self.hidden_layers),
+        )
+        if self.hidden is not None:
+            self.hidden.append(self._select_hidden(out))
+
+    @torch.inference_mode()
+    def verify(self, pending: int, draft: Draft) -> VerifierOutput:
+        """Score [pending] + draft in one forward; a tree uses an ancestor-only 4-D mask.
+
+        The cache grows by n+1 positions until ``commit`` keeps the accepted ones.
+        """
+        if self.cache is None:
+            raise RuntimeError("Verifier.verify called before prefill")
+        if self._block_start is not None:
+            raise RuntimeError("Verifier.verify called twice without a commit in between")
+        past = self._block_start = self.cached
+        ids = torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens]).to(self.device)[None]  # [1, n+1]
+        kwargs = {}
+        if len(draft) and not draft.is_chain:
+            depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
+            tree = ancestor_mask(draft.parents)  # [n+1, n+1]
+            mask = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree], dim=1)  # [n+1, past+n+1]
+            kwargs["attention_mask"] = mask.to(self.device)[None, None]
+            kwargs["position_ids"] = (past + depth).to(self.device)[None]
+        out = self.model(
+            input_ids=ids,
+            **cache_kwargs(self.model, self.cache),
+            use_cache=True,
+            output_hidden_states=bool(self.hidden_layers),
+            **kwargs,
+        )
+        return VerifierOutput(out.logits[0], self._select_hidden(out))
+
+    @torch.inference_mode()
+    def commit(self, path: Sequence[int], out: VerifierOutput | None = None) -> torch.Tensor:
+        """Keep the pending token and the accepted nodes ``path`` of the block last verified in the KV cache and,
+        given the verify output ``out``, their hidden states in ``hidden``, so both hold exactly the committed
+        positions. Returns the kept rows [n_acc + 1] of the verified block."""
+        if self._block_start is None:
+            raise RuntimeError("Verifier.commit called without a verified block")
+        rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)
+        keep_positions(self.cache, self._block_start, rows)
+        self._block_start = None
+        if self.hidden is not None:
+            if out is None:
+                raise ValueError("Verifier.commit: the verify output is needed to keep the hidden states in step")
+            self.hidden.append(out.hidden, rows.to(self.device))
+        return rows
+
+    def _select_hidden(self, out) -> dict[int, torch.Tensor]:
+        if not self.hidden_layers:
+            return {}
+        states = out.hidden_states  # tuple of num_layers+1: [0] embeddings, [i] output of layer i-1, [-1] after the final norm
+        return {layer: states[layer][0] for layer in self.hidden_layers}

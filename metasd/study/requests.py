@@ -1,0 +1,169 @@
+"""Answering one ``metasd bench`` request: a pool's engine and the request functions of baselines and methods.
+
+``PoolEngine`` loads a pool's engine on the first request that needs it (a run that is already complete
+loads nothing), warms it up and encodes a chat; its ``baseline_fn`` and ``MethodRequests`` answer one
+request and return its record (the fields of ``requests.jsonl``, less those the runner adds);
+``answer_request`` encodes a chat, answers it and adds those fields. Both executors call it: the in-process
+runner (``metasd.study.runner``) and the Ray workers (``metasd.study.ray_executor``). The order of requests, resume and
+logging are the runner's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable
+
+from metasd.models.machine import load_per_core
+
+if TYPE_CHECKING:
+    from metasd.core.engine import Engine
+    from .experiment import Experiment, Method, ResolvedDataset, ResolvedPool
+
+
+@contextmanager
+def count_forwards(model):
+    """Count the forward calls of ``model`` inside the block (``box[0]``)."""
+    box = [0]
+
+    def hook(*_):
+        box[0] += 1
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+class PoolEngine:
+    """One pool's engine for a study: built on first use (``log`` the loading line, then ``on_load(engine)``)."""
+
+    def __init__(self, exp: Experiment, pool: ResolvedPool, log: Callable[[str], None],
+                 on_load: Callable[[Engine], None]):
+        self.exp, self.cfg, self.pool = exp, exp.config, pool
+        self.log, self.on_load = log, on_load
+        self.engine = None
+
+    def get(self) -> Engine:
+        if self.engine is None:
+            from metasd.config import ModelCache, build_engine
+
+            pool = self.pool
+            self.log(f"[metasd bench] loading pool {pool.name!r} ({pool.config.verifier.model})")
+            self.engine = build_engine(pool.config, pool.base_dir, ModelCache(pool.config.verifier.device))
+            self.on_load(self.engine)
+            if self.cfg.warmup:
+                self._warmup()
+        return self.engine
+
+    def _warmup(self) -> None:
+        from . import baselines
+
+        ds = self.exp.datasets[0]
+        ids = self.encode([{"role": "user", "content": ds.questions[0].turns[0]}])
+        n = min(4, self.cfg.max_new_tokens)
+        for d in self.engine.drafters:
+            self.engine.derive(drafters=[d.name], policy=None).generate(ids, max_new_tokens=n)
+        baselines.plain(self.engine.verifier.model, ids, n)
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat as prompt ids: the chat template if the tokenizer has one, else the turns joined."""
+        eng = self.engine
+        if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None):
+            return eng.encode(messages)
+        return eng.encode("\n\n".join(m["content"] for m in messages))
+
+    def derive(self, m: Method, ds: ResolvedDataset, seed: int) -> Engine:
+        """The method's engine: its drafters, a fresh policy seeded with ``seed``, its reward and granularity."""
+        from metasd.config import PolicyConfig, make_policy_from_config
+
+        eng = self.get()
+        categories = self.pool.config.categories or sorted({q.category for q in ds.questions})
+        policy = None
+        if m.kind == "policy" and len(m.drafters) > 1:
+            policy = make_policy_from_config(PolicyConfig(name=m.policy.name, params=m.policy.params, seed=seed), len(m.drafters))
+        return eng.derive(drafters=m.drafters, policy=policy, granularity=m.granularity, reward=m.reward,
+                          persistent_policy=m.persistent, categories=categories)
+
+    def baseline_fn(self, b) -> Callable:
+        """Answer a request with a transformers baseline (plain, assisted, prompt lookup); a step is one forward."""
+        from . import baselines
+
+        def run(prompt_ids: list[int], question, index: int) -> dict:
+            eng = self.get()
+            model = eng.verifier.model
+            n = self.cfg.max_new_tokens
+            with count_forwards(model) as forwards:
+                if b.type == "plain":
+                    ids, secs = baselines.plain(model, prompt_ids, n)
+                elif b.type == "assisted":
+                    ids, secs = baselines.assisted(model, eng.drafter(b.drafter).model, prompt_ids, n, **b.params)
+                else:
+                    ids, secs = baselines.prompt_lookup(model, prompt_ids, n, **b.params)
+            steps = max(forwards[0], 1)
+            return dict(prompt_tokens=len(prompt_ids), new_tokens=len(ids), steps=steps, committed=len(ids), wall_s=secs,
+                        tokens_per_second=len(ids) / secs if secs else 0.0, mean_tokens_per_step=len(ids) / steps,
+                        acceptance_rate=None, tokens_per_step=[], drafter_per_step=[], rewards=[], selection_counts={},
+                        stop_reason="", text=eng.tokenizer.decode(ids, skip_special_tokens=True) if eng.tokenizer else "",
+                        token_ids=ids)
+
+        return run
+
+
+class MethodRequests:
+    """Answer a method run's requests (called as ``run(prompt_ids, question, index)``) with its own engine,
+    derived on the first request; a persistent policy resumes from the last ``policy_state`` in ``records``
+    (the run's records so far, the list the runner appends to)."""
+
+    def __init__(self, engines: PoolEngine, m: Method, ds: ResolvedDataset, seed: int, records: list[dict]):
+        self.engines, self.m, self.ds, self.seed, self.records = engines, m, ds, seed, records
+        self.engine: Engine | None = None
+
+    def __call__(self, prompt_ids: list[int], question, index: int) -> dict:
+        m, seed = self.m, self.seed
+        if self.engine is None:
+            self.engine = self.engines.derive(m, self.ds, seed)
+            states = [r["policy_state"] for r in self.records if r.get("policy_state")]
+            if m.persistent and states and len(m.drafters) > 1:
+                self.engine.policy.load_state_dict(states[-1])  # resume a persistent policy where it was
+        c = self.engines.cfg
+        res = self.engine.generate(prompt_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+                                   top_k=c.top_k, seed=seed * 1_000_003 + index, category=question.category)
+        s = res.stats
+        rec = dict(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, steps=s.steps,
+                   committed=sum(s.tokens_per_step), wall_s=s.wall_s, tokens_per_second=s.tokens_per_second,
+                   mean_tokens_per_step=s.mean_tokens_per_step, acceptance_rate=s.acceptance_rate,
+                   tokens_per_step=s.tokens_per_step, drafter_per_step=s.drafter_per_step, rewards=s.rewards,
+                   selection_counts=s.selection_counts, catch_up_tokens=s.catch_up_tokens, prefill_s=s.prefill_s,
+                   draft_s=s.draft_s, verify_s=s.verify_s, stop_reason=s.stop_reason, text=res.text,
+                   token_ids=res.token_ids)
+        if m.persistent:
+            rec["policy_state"] = s.policy_state
+        return rec
+
+
+def prompt_sha(ids: list[int]) -> str:
+    """A short hash of prompt ids: two records answer the same prompt when theirs are equal."""
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:12]
+
+
+def answer_request(engines: PoolEngine, fn: Callable, messages: list[dict[str, str]], question, turn: int, index: int,
+                   seed: int | None, method: str, kind: str, plain: dict[str, Any] | None) -> dict[str, Any]:
+    """One request of one run, answered by ``fn(prompt_ids, question, index)``: its full ``requests.jsonl`` record.
+
+    ``plain``: the plain baseline's record of the same request (None for the plain run itself); under greedy
+    decoding, when both prompts are the same, the record says whether the tokens match plain decoding's.
+    """
+    engines.get()
+    prompt_ids = engines.encode(messages)
+    rec = fn(prompt_ids, question, index)
+    rec = dict(index=index, question_id=question.question_id, category=question.category, group=question.group,
+               turn=turn, seed=seed, method=method, prompt_sha=prompt_sha(prompt_ids), **rec)
+    load = load_per_core()  # sampled on the machine that answered (a Ray worker's, under --executor ray)
+    if load is not None:
+        rec["machine_load"] = round(load, 2)
+    greedy = engines.cfg.temperature == 0 or kind == "baseline"
+    if plain is not None and greedy and plain["prompt_sha"] == rec["prompt_sha"]:
+        rec["matches_plain"] = rec["token_ids"] == plain["token_ids"]
+    return rec
