@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from metasd import Engine, Verifier
-from metasd.study import baselines
+from metasd.bench import baselines
 from metasd.config import resolve_drafter_class  # noqa: F401  (registers drafters)
 from metasd.data import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import NGramDrafter, PretrainedDrafter
@@ -49,10 +49,14 @@ def sampling(args) -> dict:
     return {"temperature": args.temperature, "seed": args.seed} if args.temperature > 0 else {}
 
 
+ENGINE_FIGURES = ("steps", "drafted", "accepted", "prefill_s", "draft_s", "verify_s", "drafter_counts")
+
+
 def engine_figures(stats) -> dict:
-    """What a metasd run adds to a row: steps, drafted/accepted tokens and where the time went."""
-    return {"steps": stats.steps, "drafted": stats.drafted, "accepted": stats.accepted,
-            "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s}
+    """What a metasd run adds to a row, from its request record: steps, drafted/accepted tokens, where the time went
+    and each drafter's own counts (e.g. the hidden-state drafter's reused states)."""
+    record = stats.to_record()
+    return {key: record[key] for key in ENGINE_FIGURES}
 
 
 def build_methods(args, vm, vt, dm, dt):
@@ -108,11 +112,7 @@ def build_methods(args, vm, vt, dm, dt):
 
         def run(ids, engine=engine):
             r = engine.generate(ids, max_new_tokens=n, **sampling(args))
-            figures = engine_figures(r.stats)
-            counters = {d.name: dict(d.counters) for d in engine.drafters if getattr(d, "counters", None)}
-            if counters:  # per-drafter counts of its own (hidden-state drafter: reused states, forwards)
-                figures["drafter_counters"] = counters
-            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, figures
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         methods[name] = run
         if cfg.verifier.quantize != args.verifier_quantize:  # outputs are that quantized verifier's
             plain_q = f"plain {cfg.verifier.quantize} verifier (transformers +fix)"
@@ -280,12 +280,12 @@ def reuse_table(rows) -> str:
     taken from an earlier draft, the drafter's layer forwards, and the share of steps that refreshed."""
     lines = []
     for m in rows[0]["methods"]:
-        per = [r["methods"][m].get("drafter_counters") or {} for r in rows]
+        per = [r["methods"][m].get("drafter_counts") or {} for r in rows]
         for d in sorted({name for c in per for name, v in c.items() if "reused_states" in v}):
-            tot = {k: sum(c.get(d, {}).get(k, 0) for c in per) for k in ("steps", "reused_states", "drafter_forwards", "refreshes")}
+            tot = {k: sum(c.get(d, {}).get(k, 0) for c in per) for k in ("steps", "reused_states", "drafter_forwards", "refreshed")}
             steps = max(tot["steps"], 1)
             lines.append(f"| {m} | {d} | {tot['steps']} | {tot['reused_states'] / steps:.2f} | "
-                         f"{tot['drafter_forwards'] / steps:.2f} | {tot['refreshes'] / steps:.0%} |")
+                         f"{tot['drafter_forwards'] / steps:.2f} | {tot['refreshed'] / steps:.0%} |")
     if not lines:
         return ""
     return "\n".join(["| method | drafter | drafted steps | reused states/step | layer forwards/step | steps refreshed |",

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from metasd.core.cost import counted_linear
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import Drafter, DrafterParams, Float, Int, StepContext, register_drafter
+from metasd.core.drafter import Drafter, DrafterParams, Float, Int, StepContext, check_params, register_drafter
 from metasd.core.kv_cache import cache_length, crop_to
 from metasd.models.packed_weights import load_weights
 from metasd.models.quantize import dense_weight
@@ -292,15 +292,11 @@ class BlockDrafter(Drafter):
                  corpus: str | None = None, model=None, tokenizer=None, verifier_tokenizer=None,
                  name: str | None = None, model_ref: str | None = None):
         super().__init__(name)
-        if refine not in REFINEMENTS:
-            raise ValueError(f"{self.name}: refine must be one of {list(REFINEMENTS)}, got {refine!r}")
+        check_params(BlockParams, dict(k=k, top_m=top_m, paths=paths, refine=refine, weight=weight,
+                                       ngram_order=ngram_order, corpus=corpus), self.name)
         k = heads.k if k is None else k
-        if not 1 <= k <= heads.k:
+        if k > heads.k:  # needs the loaded heads
             raise ValueError(f"{self.name}: k must be in 1..{heads.k} (the trained heads), got {k}")
-        if top_m < 1 or paths < 1:
-            raise ValueError(f"{self.name}: top_m and paths must be >= 1, got top_m={top_m}, paths={paths}")
-        if ngram_order < 1:
-            raise ValueError(f"{self.name}: ngram_order must be >= 1, got {ngram_order}")
         self.heads = heads.eval().requires_grad_(False)
         self.hidden_layers = (heads.hidden_layer,)
         self.k, self.top_m, self.paths, self.refine = k, min(top_m, len(heads.vocab)), paths, refine

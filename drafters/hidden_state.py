@@ -29,7 +29,7 @@ x_{T-1} has none. Per step, depth D = min(depth, ctx.max_depth):
 ``draft.meta``: ``reused_states`` (depth states taken from an earlier draft), ``drafter_forwards`` (layer
 forwards this step), ``refreshed``, ``catch_up`` (tokens committed since this drafter's last step that its own
 step did not commit: the prompt, other drafters' steps; as TreeFlash counts them).
-``counters`` sums them per request.
+The request's ``RequestStats.drafter_counts`` sums them (``refreshed``: steps that refreshed).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from pydantic import Field
 from torch import nn
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import Bool, DrafterParams, Int, StepContext, register_drafter
+from metasd.core.drafter import Bool, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
 from metasd.core.sampling import process_logits, sample
 from metasd.core.tree import Draft
@@ -81,11 +81,8 @@ class HiddenStateDrafter(VerifierStateDrafter):
                  nodes: int = 16, k: int = 4, reuse: bool = True, max_stale: int = 8, name: str | None = None,
                  checkpoint: str | None = None):
         super().__init__(name)
-        if mode not in MODES:
-            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {mode!r}")
-        if depth < 1 or nodes < 1 or k < 1 or max_stale < 0:
-            raise ValueError(f"{self.name}: depth, nodes, k must be >= 1 and max_stale >= 0, got depth={depth}, "
-                             f"nodes={nodes}, k={k}, max_stale={max_stale}")
+        check_params(HiddenStateParams, dict(mode=mode, depth=depth, nodes=nodes, k=k, reuse=reuse, max_stale=max_stale),
+                     self.name)
         cfg = net.cfg
         where = f"{self.name}: checkpoint {checkpoint or '(in memory)'}"
         n_layers = check_verifier_fit(where, cfg, verifier_model, vocab)
@@ -105,7 +102,6 @@ class HiddenStateDrafter(VerifierStateDrafter):
             self.head.bias = nn.Parameter(self.pieces.head_bias, requires_grad=False)
         self.hidden_layers = (cfg.state_layer,)
         self.checkpoint = checkpoint
-        self.counters: dict[str, int] = {}
         self.last_states: torch.Tensor | None = None  # [D, d] depth states of the last draft (tests, analysis)
         self._reset()
 
@@ -129,10 +125,9 @@ class HiddenStateDrafter(VerifierStateDrafter):
 
     def begin(self, ctx: StepContext) -> None:
         self._reset()
-        self.counters = {"steps": 0, "reused_states": 0, "drafter_forwards": 0, "refreshes": 0, "catch_up": 0}
 
     def end(self) -> None:
-        self._reset()  # counters stay readable until the next request
+        self._reset()
 
     def observe(self, feedback) -> None:
         self._own_rows = len(feedback.committed)
@@ -242,11 +237,6 @@ class HiddenStateDrafter(VerifierStateDrafter):
         draft = self._chain(states, root, ctx) if self.mode == "chain" else self._tree(states, root)
         draft.meta.update(meta)
         draft.catch_up = int(meta["catch_up"])
-        c = self.counters
-        c["steps"] = c.get("steps", 0) + 1
-        for key in ("reused_states", "drafter_forwards", "catch_up"):
-            c[key] = c.get(key, 0) + int(meta[key])
-        c["refreshes"] = c.get("refreshes", 0) + int(meta["refreshed"])
         return draft
 
     def describe(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from metasd.core.drafter import Bool, Drafter, DrafterParams, Int, StepContext, register_drafter
+from metasd.core.drafter import Bool, Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.core.tree import Draft
 
 
@@ -54,10 +54,7 @@ class NGramDrafter(Drafter):
 
     def __init__(self, k: int = 10, n_min: int = 1, n_max: int = 3, latest: bool = True, name: str | None = None):
         super().__init__(name)
-        if k < 1:
-            raise ValueError(f"{self.name}: k must be >= 1, got {k}")
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"{self.name}: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        check_params(NGramParams, dict(k=k, n_min=n_min, n_max=n_max, latest=latest), self.name)
         self.k, self.n_min, self.n_max, self.latest = k, n_min, n_max, latest
 
     def propose(self, ctx: StepContext) -> Draft:

@@ -10,7 +10,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
+from metasd.core.drafter import (Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, check_params,
+                                 register_drafter)
 from metasd.core.hooks import contiguous_lm_head_input
 from metasd.core.kv_cache import crop_to
 from metasd.models import config_eos_ids
@@ -126,12 +127,8 @@ class PretrainedDrafter(Drafter):
         model_ref: str | None = None,
     ):
         super().__init__(name)
-        if k < 1:
-            raise ValueError(f"{self.name}: k must be >= 1, got {k}")
-        if confidence_threshold is not None and not 0.0 <= confidence_threshold < 1.0:
-            raise ValueError(f"{self.name}: confidence_threshold must be in [0, 1), got {confidence_threshold}")
-        if not 1 <= k_min <= k <= k_max:
-            raise ValueError(f"{self.name}: need 1 <= k_min <= k <= k_max, got {k_min}, {k}, {k_max}")
+        check_params(PretrainedParams, dict(k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
+                                            k_min=k_min, k_max=k_max, head_vocab=head_vocab), self.name)
         self.model = contiguous_lm_head_input(model.eval())
         self.head_vocab = head_vocab
         try:

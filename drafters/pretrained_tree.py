@@ -55,7 +55,7 @@ import torch
 from pydantic import Field, model_validator
 from transformers import PreTrainedModel
 
-from metasd.core.drafter import DrafterParams, Float, Int, StepContext, StepFeedback, register_drafter
+from metasd.core.drafter import DrafterParams, Float, Int, StepContext, StepFeedback, check_params, register_drafter
 from metasd.core.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.sampling import process_logits
 from metasd.core.tree import Draft
@@ -125,27 +125,11 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         model_ref: str | None = None,
     ):
         super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, name=name, model_ref=model_ref)
-        if mode not in MODES:
-            raise ValueError(f"{self.name}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-        for pname, value in (("nodes", nodes), ("depth", depth), ("width", width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{self.name}: {pname} must be an integer >= 1, got {value!r}")
-        if frontier is None:
-            frontier = width
-        if not isinstance(frontier, int) or isinstance(frontier, bool) or frontier < 1:
-            raise ValueError(f"{self.name}: frontier must be an integer >= 1, got {frontier!r}")
-        if isinstance(min_path_prob, bool) or not isinstance(min_path_prob, (int, float)) or not 0 <= min_path_prob < 1:
-            raise ValueError(f"{self.name}: min_path_prob must be a number in [0, 1), got {min_path_prob!r}")
-        if min_path_prob and mode != "dynamic":
-            raise ValueError(f"{self.name}: min_path_prob is only used by mode 'dynamic' (mode is {mode!r})")
-        if branching is not None and mode != "rsd_c":
-            raise ValueError(f"{self.name}: branching is only used by mode 'rsd_c' (mode is {mode!r}); use width")
-        if branching is None:
-            branching = [3, 2, 1, 1]
-        branching = list(branching) if isinstance(branching, (list, tuple)) else branching
-        if (not isinstance(branching, list) or not branching
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in branching)):
-            raise ValueError(f"{self.name}: branching must be a non-empty list of integers >= 1, got {branching!r}")
+        check_params(PretrainedTreeParams, dict(mode=mode, nodes=nodes, depth=depth, width=width, frontier=frontier,
+                                                min_path_prob=min_path_prob, head_vocab=head_vocab,
+                                                branching=None if branching is None else list(branching)), self.name)
+        frontier = width if frontier is None else frontier
+        branching = [3, 2, 1, 1] if branching is None else list(branching)
         self.mode = mode
         self.nodes, self.depth, self.width, self.frontier = nodes, depth, width, frontier
         self.min_log_path_prob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")

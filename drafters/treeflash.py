@@ -38,7 +38,7 @@ from pydantic import Field
 from safetensors.torch import save_file
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import DrafterParams, Int, StepContext, register_drafter
+from metasd.core.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
 from metasd.core.tree import Draft
 
@@ -222,14 +222,12 @@ class TreeFlashDrafter(VerifierStateDrafter):
                  block_size: int | None = None, m: int = 8, k: int = 8, tree_size: int = 32,
                  context_window: int | None = None, name: str | None = None, checkpoint: str | None = None):
         super().__init__(name)
-        if mode not in MODES:
-            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {mode!r}")
+        check_params(TreeFlashParams, dict(mode=mode, block_size=block_size, m=m, k=k, tree_size=tree_size,
+                                           context_window=context_window), self.name)
         cfg = model.cfg
-        block_size = cfg.block_size if block_size is None else int(block_size)
-        if not 2 <= block_size <= cfg.block_size:
+        block_size = cfg.block_size if block_size is None else block_size
+        if block_size > cfg.block_size:  # needs the checkpoint
             raise ValueError(f"{self.name}: block_size must be in [2, {cfg.block_size}] (trained with {cfg.block_size}), got {block_size}")
-        if m < 1 or k < 1 or tree_size < 1:
-            raise ValueError(f"{self.name}: m, k and tree_size must be >= 1, got m={m}, k={k}, tree_size={tree_size}")
         n_layers = check_verifier_fit(f"{self.name}: checkpoint {checkpoint or '(in memory)'}", cfg, verifier_model, vocab)
         bad = [layer for layer in cfg.context_layers if not 0 <= layer <= n_layers]
         if bad:

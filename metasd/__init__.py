@@ -6,7 +6,7 @@
 
 Layers, lowest first (docs/architecture.md): ``metasd.core`` (one request), ``metasd.models`` (loading, cache,
 quantization), ``metasd.drafters`` and ``metasd.policies`` (the plugins), ``metasd.config`` (pool files),
-``metasd.study`` (``metasd bench``) and ``metasd.training``, ``metasd.cli``.
+``metasd.bench`` (``metasd bench``) and ``metasd.training``, ``metasd.cli``.
 """
 from metasd.config import ConfigError, load_pool
 from metasd.core import (Draft, Drafter, Engine, GenerationResult, Policy, RequestStats, SamplingParams, StepContext,

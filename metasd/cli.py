@@ -288,11 +288,11 @@ def model_cache_state(row: dict) -> str:
 
 
 def add_bench_parser(subparsers) -> None:
-    from metasd.study.tracking import DEFAULT_TRACKING_URI
+    from metasd.bench.tracking import DEFAULT_TRACKING_URI
 
     p = subparsers.add_parser(
         "bench", help="run an experiment file (policies x rewards x datasets), log to MLflow, print the results table",
-        description="Run an experiment YAML (see metasd.study.experiment), log every request to MLflow and print a "
+        description="Run an experiment YAML (see metasd.bench.experiment), log every request to MLflow and print a "
                     "Spec-Bench-shaped results table. Ctrl-C keeps finished requests; resume with --run-id.")
     p.add_argument("experiment", help="experiment YAML, e.g. experiments/smoke.yaml")
     p.add_argument("--tracking-uri", help=f"MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else {DEFAULT_TRACKING_URI}); "
@@ -316,7 +316,7 @@ def add_bench_parser(subparsers) -> None:
 
 def _bench_executor(args, exp):
     """The experiment's executor with --executor / --ray-address / --workers applied; ValueError naming the flag."""
-    from metasd.study.schema import ExecutorSpec
+    from metasd.bench.schema import ExecutorSpec
 
     d = exp.config.executor.model_dump()
     if args.executor:
@@ -336,9 +336,9 @@ def _bench_executor(args, exp):
 
 
 def _bench(args) -> int:
-    from metasd.study.experiment import load_experiment
-    from metasd.study.run import run_experiment
-    from metasd.study.runner import ExperimentInterrupted
+    from metasd.bench.experiment import load_experiment
+    from metasd.bench.run import run_experiment
+    from metasd.bench.runner import ExperimentInterrupted
 
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")

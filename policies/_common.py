@@ -60,12 +60,6 @@ class BasePolicy(Policy):
         self.rng.bit_generator.state = state
 
 
-def check_param(cls_name: str, name: str, value: Any, ok: bool, requirement: str) -> None:
-    """Raise ``ValueError`` naming the policy and the parameter unless ``ok``."""
-    if not ok:
-        raise ValueError(f"{cls_name}: parameter {name!r} must be {requirement}, got {value!r}")
-
-
 def finite_number(value: Any, what: str) -> float:
     """``float(value)`` for a real, finite number (bools rejected), else a ``ValueError``: "``what`` must be ..."."""
     if isinstance(value, bool):
@@ -79,27 +73,10 @@ def finite_number(value: Any, what: str) -> float:
     return number
 
 
-def as_number(cls_name: str, name: str, value: Any) -> float:
-    """``finite_number`` naming the policy and the parameter."""
-    return finite_number(value, f"{cls_name}: parameter {name!r}")
-
-
-def as_int(cls_name: str, name: str, value: Any) -> int:
-    """``int(value)`` for an integral number (bools rejected), else a ``ValueError`` naming the parameter."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer, float, np.floating))
-        or not math.isfinite(value)
-        or int(value) != value
-    ):
-        raise ValueError(f"{cls_name}: parameter {name!r} must be an integer, got {value!r}")
-    return int(value)
-
-
 def first_unplayed(counts: np.ndarray) -> int:
     """Index of the first arm with a zero count, or -1."""
     zero = np.flatnonzero(counts == 0)
     return int(zero[0]) if zero.size else -1
 
 
-__all__ = ["BasePolicy", "Context", "as_int", "as_number", "check_param", "finite_number", "first_unplayed"]
+__all__ = ["BasePolicy", "Context", "finite_number", "first_unplayed"]

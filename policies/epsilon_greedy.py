@@ -5,9 +5,18 @@ from typing import Any
 
 import numpy as np
 
-from metasd.core.policy import register_policy
+from pydantic import Field
 
-from ._common import BasePolicy, Context, as_number, check_param, first_unplayed
+from metasd.core.policy import Float, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context, first_unplayed
+
+
+class EpsilonGreedyParams(PolicyParams):
+    """Hyper-parameters of epsilon-greedy."""
+
+    epsilon: Float = Field(0.1, ge=0.0, le=1.0, description="exploration probability (at t = 0)")
+    decay: Float = Field(0.0, ge=0.0, allow_inf_nan=False, description="epsilon_t = epsilon / (1 + decay * t)")
 
 
 @register_policy
@@ -24,14 +33,7 @@ class EpsilonGreedy(BasePolicy):
     """
 
     name = "epsilon_greedy"
-
-    def __init__(self, n_arms: int, seed: int | None = None, epsilon: float = 0.1, decay: float = 0.0):
-        cls = type(self).__name__
-        self.epsilon = as_number(cls, "epsilon", epsilon)
-        check_param(cls, "epsilon", epsilon, 0.0 <= self.epsilon <= 1.0, "in [0, 1]")
-        self.decay = as_number(cls, "decay", decay)
-        check_param(cls, "decay", decay, self.decay >= 0.0, ">= 0")
-        super().__init__(n_arms, seed)
+    Params = EpsilonGreedyParams
 
     def reset(self) -> None:
         self.counts = np.zeros(self.n_arms, dtype=np.int64)
@@ -55,9 +57,6 @@ class EpsilonGreedy(BasePolicy):
 
     def _state_items(self) -> dict[str, Any]:
         return {"counts": self.counts, "sums": self.sums, "t": self.t, "rng_state": self.rng_state}
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "epsilon": self.epsilon, "decay": self.decay}
 
 
 __all__ = ["EpsilonGreedy"]

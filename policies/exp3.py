@@ -5,9 +5,21 @@ from typing import Any
 
 import numpy as np
 
-from metasd.core.policy import register_policy
+from typing import Annotated, Literal
 
-from ._common import BasePolicy, Context, as_number, check_param
+from pydantic import Field
+
+from metasd.core.policy import Float, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context
+
+
+class EXP3Params(PolicyParams):
+    """Hyper-parameters of EXP3 (see the class docstring)."""
+
+    gamma: Float = Field(0.1, gt=0.0, le=1.0, description="exploration rate")
+    reward_scale: Annotated[Float, Field(gt=0.0, allow_inf_nan=False)] | Literal["running_max"] | None = Field(
+        None, description="None, a positive ceiling, or 'running_max' (rewards divided by the largest seen)")
 
 
 @register_policy
@@ -32,25 +44,11 @@ class EXP3(BasePolicy):
     """
 
     name = "exp3"
+    Params = EXP3Params
 
     @property
     def requires_bounded_rewards(self) -> bool:
         return self.reward_scale is None
-
-    def __init__(self, n_arms: int, seed: int | None = None, gamma: float = 0.1,
-                 reward_scale: float | str | None = None):
-        cls = type(self).__name__
-        self.gamma = as_number(cls, "gamma", gamma)
-        check_param(cls, "gamma", gamma, 0.0 < self.gamma <= 1.0, "in (0, 1]")
-        if reward_scale is None or reward_scale == "running_max":
-            self.reward_scale = reward_scale
-        else:
-            check_param(cls, "reward_scale", reward_scale, not isinstance(reward_scale, str),
-                        "None, 'running_max' or a positive number")
-            self.reward_scale = as_number(cls, "reward_scale", reward_scale)
-            check_param(cls, "reward_scale", reward_scale, self.reward_scale > 0.0,
-                        "None, 'running_max' or a positive number")
-        super().__init__(n_arms, seed)
 
     def reset(self) -> None:
         self.log_weights = np.zeros(self.n_arms, dtype=np.float64)
@@ -88,9 +86,6 @@ class EXP3(BasePolicy):
 
     def _state_items(self) -> dict[str, Any]:
         return {"log_weights": self.log_weights, "running_max": self.running_max, "rng_state": self.rng_state}
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "gamma": self.gamma, "reward_scale": self.reward_scale}
 
 
 __all__ = ["EXP3"]

@@ -5,9 +5,19 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from metasd.core.policy import register_policy
+from pydantic import Field
 
-from ._common import BasePolicy, Context, as_int, as_number, check_param, first_unplayed
+from metasd.core.policy import Float, Int, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context, first_unplayed
+
+
+class LinUCBParams(PolicyParams):
+    """Hyper-parameters of LinUCB."""
+
+    alpha: Float = Field(1.0, ge=0.0, allow_inf_nan=False, description="exploration weight")
+    d: Int | None = Field(None, ge=1, description="context dimension (None: from the first context)")
+    reg: Float = Field(1.0, gt=0.0, allow_inf_nan=False, description="ridge regularisation of A_a")
 
 
 @register_policy
@@ -36,17 +46,11 @@ class LinUCB(BasePolicy):
 
     name = "linucb"
     contextual = True
+    Params = LinUCBParams
 
-    def __init__(self, n_arms: int, seed: int | None = None, alpha: float = 1.0, d: int | None = None,
-                 reg: float = 1.0):
-        cls = type(self).__name__
-        self.alpha = as_number(cls, "alpha", alpha)
-        check_param(cls, "alpha", alpha, self.alpha >= 0.0, ">= 0")
-        self.reg = as_number(cls, "reg", reg)
-        check_param(cls, "reg", reg, self.reg > 0.0, "> 0")
-        self.d_param = None if d is None else as_int(cls, "d", d)
-        check_param(cls, "d", d, self.d_param is None or self.d_param >= 1, ">= 1 or None")
-        super().__init__(n_arms, seed)
+    def configure(self, params: LinUCBParams) -> None:
+        self.alpha, self.reg = params.alpha, params.reg
+        self.d_param = params.d  # ``d`` itself is learnt state: the dimension in use
 
     def reset(self) -> None:
         self.d: int | None = None

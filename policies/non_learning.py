@@ -3,9 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from metasd.core.policy import register_policy
+from pydantic import Field
 
-from ._common import BasePolicy, Context, as_int, check_param
+from metasd.core.policy import Int, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context
+
+
+class FixedParams(PolicyParams):
+    arm: Int = Field(0, ge=0, description="the arm always played (< n_arms)")
 
 
 @register_policy
@@ -16,11 +22,12 @@ class Fixed(BasePolicy):
     """
 
     name = "fixed"
+    Params = FixedParams
 
-    def __init__(self, n_arms: int, seed: int | None = None, arm: int = 0):
-        self.arm = as_int(type(self).__name__, "arm", arm)
-        super().__init__(n_arms, seed)
-        check_param(type(self).__name__, "arm", arm, 0 <= self.arm < self.n_arms, f"in [0, n_arms={self.n_arms})")
+    def configure(self, params: FixedParams) -> None:
+        if params.arm >= self.n_arms:  # needs n_arms
+            raise ValueError(f"{type(self).__name__}: parameter 'arm' must be in [0, n_arms={self.n_arms}), got {params.arm}")
+        self.arm = params.arm
 
     def reset(self) -> None:
         pass
@@ -31,9 +38,6 @@ class Fixed(BasePolicy):
     def update(self, arm: int, reward: float, context: Context = None) -> None:
         self._check_arm(arm)
         self._check_reward(reward)
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "arm": self.arm}
 
 
 @register_policy

@@ -6,9 +6,17 @@ from typing import Any
 
 import numpy as np
 
-from metasd.core.policy import register_policy
+from pydantic import Field
 
-from ._common import BasePolicy, Context, as_int, check_param
+from metasd.core.policy import Int, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context
+
+
+class SequentialHalvingParams(PolicyParams):
+    """Hyper-parameters of Sequential Halving."""
+
+    budget: Int = Field(200, ge=1, description="rounds per episode spent exploring (T)")
 
 
 @register_policy
@@ -32,11 +40,7 @@ class SequentialHalving(BasePolicy):
     """
 
     name = "sequential_halving"
-
-    def __init__(self, n_arms: int, seed: int | None = None, budget: int = 200):
-        self.budget = as_int(type(self).__name__, "budget", budget)
-        check_param(type(self).__name__, "budget", budget, self.budget >= 1, ">= 1")
-        super().__init__(n_arms, seed)
+    Params = SequentialHalvingParams
 
     @property
     def n_phases(self) -> int:
@@ -89,9 +93,6 @@ class SequentialHalving(BasePolicy):
     def _state_items(self) -> dict[str, Any]:
         return {"counts": self.counts, "sums": self.sums, "phase_counts": self.phase_counts,
                 "survivors": list(self.survivors), "phase": self.phase, "best": self.best, "t": self.t}
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "budget": self.budget}
 
 
 __all__ = ["SequentialHalving"]

@@ -5,11 +5,25 @@ from typing import Any
 
 import numpy as np
 
-from metasd.core.policy import register_policy
+from typing import Literal
 
-from ._common import BasePolicy, Context, as_number, check_param, first_unplayed
+from pydantic import Field
 
-_LIKELIHOODS = ("bernoulli", "gaussian")
+from metasd.core.policy import Float, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context, first_unplayed
+
+
+class ThompsonParams(PolicyParams):
+    """Hyper-parameters of Thompson sampling (see the class docstring)."""
+
+    likelihood: Literal["bernoulli", "gaussian"] = Field("bernoulli", description="reward model")
+    prior_alpha: Float = Field(1.0, gt=0.0, allow_inf_nan=False, description="bernoulli: Beta prior alpha")
+    prior_beta: Float = Field(1.0, gt=0.0, allow_inf_nan=False, description="bernoulli: Beta prior beta")
+    prior_mean: Float = Field(0.0, allow_inf_nan=False, description="gaussian: prior mean of each arm's mean")
+    prior_std: Float | None = Field(None, gt=0.0, allow_inf_nan=False, description="gaussian: prior std (None: flat)")
+    noise_std: Float | None = Field(None, gt=0.0, allow_inf_nan=False,
+                                    description="gaussian: reward noise std (None: estimated)")
 
 
 @register_policy
@@ -34,27 +48,11 @@ class ThompsonSampling(BasePolicy):
     """
 
     name = "thompson"
+    Params = ThompsonParams
 
     @property
     def requires_bounded_rewards(self) -> bool:
         return self.likelihood == "bernoulli"
-
-    def __init__(self, n_arms: int, seed: int | None = None, likelihood: str = "bernoulli",
-                 prior_alpha: float = 1.0, prior_beta: float = 1.0, prior_mean: float = 0.0,
-                 prior_std: float | None = None, noise_std: float | None = None):
-        cls = type(self).__name__
-        check_param(cls, "likelihood", likelihood, likelihood in _LIKELIHOODS, f"one of {list(_LIKELIHOODS)}")
-        self.likelihood = likelihood
-        self.prior_alpha = as_number(cls, "prior_alpha", prior_alpha)
-        check_param(cls, "prior_alpha", prior_alpha, self.prior_alpha > 0.0, "> 0")
-        self.prior_beta = as_number(cls, "prior_beta", prior_beta)
-        check_param(cls, "prior_beta", prior_beta, self.prior_beta > 0.0, "> 0")
-        self.prior_mean = as_number(cls, "prior_mean", prior_mean)
-        self.prior_std = None if prior_std is None else as_number(cls, "prior_std", prior_std)
-        check_param(cls, "prior_std", prior_std, self.prior_std is None or self.prior_std > 0.0, "> 0 or None")
-        self.noise_std = None if noise_std is None else as_number(cls, "noise_std", noise_std)
-        check_param(cls, "noise_std", noise_std, self.noise_std is None or self.noise_std > 0.0, "> 0 or None")
-        super().__init__(n_arms, seed)
 
     def reset(self) -> None:
         # Bernoulli model: Beta posterior parameters.

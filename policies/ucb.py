@@ -16,21 +16,32 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from metasd.core.policy import register_policy
+from pydantic import Field
 
-from ._common import BasePolicy, Context, as_int, as_number, check_param, first_unplayed
+from metasd.core.policy import Bool, Float, Int, PolicyParams, register_policy
+
+from ._common import BasePolicy, Context, first_unplayed
+
+
+class UCBParams(PolicyParams):
+    """Hyper-parameters of UCB1 (and, extended, of its discounted and sliding-window variants)."""
+
+    c: Float = Field(1.0, ge=0.0, allow_inf_nan=False, description="exploration weight (beta)")
+    normalize: Bool = Field(False, description="scale the bonus by 2 x the observed reward std (unbounded rewards)")
+
+
+class DiscountedUCBParams(UCBParams):
+    gamma: Float = Field(0.995, gt=0.0, le=1.0, description="discount per round (memory ~ 1 / (1 - gamma) rounds)")
+
+
+class SlidingWindowUCBParams(UCBParams):
+    window: Int = Field(200, ge=1, description="rounds the statistics cover")
 
 
 class _UCBBase(BasePolicy):
     """Exploration weight, optional reward-scale normalisation (running Welford std), index argmax."""
 
-    def __init__(self, n_arms: int, seed: int | None = None, c: float = 1.0, normalize: bool = False):
-        cls = type(self).__name__
-        self.c = as_number(cls, "c", c)
-        check_param(cls, "c", c, self.c >= 0.0, ">= 0")
-        check_param(cls, "normalize", normalize, isinstance(normalize, (bool, np.bool_)), "True or False")
-        self.normalize = bool(normalize)
-        super().__init__(n_arms, seed)
+    Params = UCBParams
 
     def _reset_scale(self) -> None:
         self.r_n = 0
@@ -57,9 +68,6 @@ class _UCBBase(BasePolicy):
 
     def _scale_items(self) -> dict[str, Any]:
         return {"r_n": self.r_n, "r_mean": self.r_mean, "r_m2": self.r_m2}
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "c": self.c, "normalize": self.normalize}
 
 
 @register_policy
@@ -112,12 +120,7 @@ class DiscountedUCB(_UCBBase):
     """
 
     name = "discounted_ucb"
-
-    def __init__(self, n_arms: int, seed: int | None = None, gamma: float = 0.995, c: float = 1.0,
-                 normalize: bool = False):
-        self.gamma = as_number(type(self).__name__, "gamma", gamma)
-        check_param(type(self).__name__, "gamma", gamma, 0.0 < self.gamma <= 1.0, "in (0, 1]")
-        super().__init__(n_arms, seed, c=c, normalize=normalize)
+    Params = DiscountedUCBParams
 
     def reset(self) -> None:
         self.counts = np.zeros(self.n_arms, dtype=np.float64)
@@ -144,9 +147,6 @@ class DiscountedUCB(_UCBBase):
     def _state_items(self) -> dict[str, Any]:
         return {"counts": self.counts, "sums": self.sums, "total": self.total, **self._scale_items()}
 
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "gamma": self.gamma}
-
 
 @register_policy
 class SlidingWindowUCB(_UCBBase):
@@ -162,12 +162,7 @@ class SlidingWindowUCB(_UCBBase):
     """
 
     name = "sliding_window_ucb"
-
-    def __init__(self, n_arms: int, seed: int | None = None, window: int = 200, c: float = 1.0,
-                 normalize: bool = False):
-        self.window = as_int(type(self).__name__, "window", window)
-        check_param(type(self).__name__, "window", window, self.window >= 1, ">= 1")
-        super().__init__(n_arms, seed, c=c, normalize=normalize)
+    Params = SlidingWindowUCBParams
 
     def reset(self) -> None:
         self.counts = np.zeros(self.n_arms, dtype=np.int64)
@@ -205,6 +200,3 @@ class SlidingWindowUCB(_UCBBase):
             old_arm, old_reward = self.history.popleft()
             self.counts[old_arm] -= 1
             self.sums[old_arm] = self.sums[old_arm] - old_reward if self.counts[old_arm] else 0.0
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "window": self.window}

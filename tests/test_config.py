@@ -49,11 +49,11 @@ def _pool(dirs, **over):
     (lambda c: c["drafters"][0]["params"].update(k=-3), "drafters.0.params.k: Input should be greater than or equal to 1 (got -3)"),
     (lambda c: c["drafters"][0]["params"].update(k=20), "drafters.0.params: need 1 <= k_min <= k <= k_max, got k_min=1, k=20"),
     (lambda c: c["drafters"][2]["params"].update(k="4"), "drafters.2.params.k: Input should be a valid integer (got '4')"),
-    (lambda c: c["policy"]["params"].update(c=-1.0), "policy.params: UCB1: parameter 'c' must be >= 0, got -1.0"),
+    (lambda c: c["policy"]["params"].update(c=-1.0), "policy.params.c: Input should be greater than or equal to 0 (got -1.0)"),
     (lambda c: c["policy"].update(name="exp3", params={}) or c.update(reward="throughput"),
      "reward: policy 'exp3' (as configured) needs rewards in [0, 1]; 'throughput' is unbounded"),
     (lambda c: c["policy"].update(name="ucbx"), "policy.name: unknown policy 'ucbx'; registered: ["),
-    (lambda c: c["policy"]["params"].update(beta=2), "policy.params: UCB1 has no parameter(s) ['beta']"),
+    (lambda c: c["policy"]["params"].update(beta=2), "policy.params.beta: UCB1 has no parameter 'beta'; allowed: c, normalize"),
     (lambda c: c.update(reward="speed"), "reward: Input should be 'throughput', 'wall_throughput', 'block_efficiency' or 'block_divergence'"),
     (lambda c: c.update(granularity="token"), "granularity: Input should be 'step' or 'request'"),
     (lambda c: c["drafters"][1].update(name="good"), "drafters: drafter names must be unique; repeated: ['good']"),
@@ -78,8 +78,8 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_bad_policy_value_names_the_parameter(model_dirs):
-    # refused with the pool file (the policy is built once to check it), not after the models load
-    with pytest.raises(ConfigError, match=r"pool\.yaml: invalid pool config\n  policy\.params: EXP3: parameter 'gamma'"):
+    # refused with the pool file (checked by the policy's Params), not after the models load
+    with pytest.raises(ConfigError, match=r"pool\.yaml: invalid pool config\n  policy\.params\.gamma: Input should be less than or equal to 1"):
         parse_pool_config(_pool(model_dirs, policy={"name": "exp3", "params": {"gamma": 5.0}}), source="pool.yaml")
 
 

@@ -3,11 +3,11 @@
 Each test injects one fault and checks the protection that handles it:
 
 1. ``metasd bench`` SIGKILLed between committing a request and logging its metrics, then ``--resume``:
-   every (method, request) ends up with one record and one set of metrics (``metasd.study.tracking.NestedRun``);
+   every (method, request) ends up with one record and one set of metrics (``metasd.bench.tracking.NestedRun``);
 2. two ``metasd bench`` processes starting at once on one new SQLite store both finish
-   (``metasd.study.store_guard.store_lock``), MLflow calls are retried while SQLite says ``database is locked``
-   (``metasd.study.store_guard.call_with_retry``), and resuming a run that a live process writes is refused
-   (``metasd.study.tracking.BenchStore._claim``);
+   (``metasd.bench.store_guard.store_lock``), MLflow calls are retried while SQLite says ``database is locked``
+   (``metasd.bench.store_guard.call_with_retry``), and resuming a run that a live process writes is refused
+   (``metasd.bench.tracking.BenchStore._claim``);
 3. a converted bundled-model file truncated or overwritten after its marker was written is detected
    cheaply and rebuilt, or refused with the cache dir and the fixing command (``metasd.models.cache_marker.cache_problem``);
 4. a full disk during the first conversion leaves no marker and no half cache, and says so
@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from metasd.models import bundled, cache_marker
-from metasd.study import tracking
+from metasd.bench import tracking
 from metasd.models.bundled import BUNDLED, BundledModel, prepare_bundled
 from metasd.models.cache_marker import CACHE_MARKER
 from metasd.models import ModelLoadError, load_model
@@ -195,7 +195,7 @@ def test_sigkill_mid_study_then_resume_logs_every_request_once(models_dir, tmp_p
         _wait_for(pause.exists, "the third request", [child])
         client = MlflowClient(uri)
         [parent] = _parents(client, "killed")
-        assert parent.info.status == "RUNNING"  # the study has not ended
+        assert parent.info.status == "RUNNING"  # the experiment has not ended
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -256,7 +256,7 @@ def test_two_bench_writers_on_one_new_sqlite_store_both_finish(models_dir, tmp_p
 def test_resuming_a_run_that_a_live_process_writes_is_refused(models_dir, tmp_path):
     from mlflow import MlflowClient
 
-    from metasd.study.experiment import load_experiment
+    from metasd.bench.experiment import load_experiment
 
     exp = load_experiment(_experiment(models_dir, tmp_path / "claimed.yaml", "claimed"))
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -61,7 +61,8 @@ def test_greedy_identical(verifier_model, mode, reuse):
         result = engine.generate(PROMPT, max_new_tokens=n)
         assert result.token_ids == plain_greedy(verifier_model, PROMPT, n)
         assert result.stats.new_tokens == n == sum(result.stats.tokens_per_step)
-    assert drafter.counters["steps"] > 0 and (drafter.counters["reused_states"] > 0) == reuse
+    counts = result.stats.drafter_counts[drafter.name]  # the drafter's figures reach the request's record
+    assert counts["steps"] == result.stats.steps and (counts["reused_states"] > 0) == reuse
 
 
 def test_tree_is_beam_expanded_with_one_head_call_per_depth(verifier_model):
@@ -199,10 +200,12 @@ def test_reuse_skips_recomputation(verifier_model):
         engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
         result = engine.generate(PROMPT, max_new_tokens=40)
         assert result.token_ids == plain_greedy(verifier_model, PROMPT, 40)
-        assert len(forwards) == drafter.counters["drafter_forwards"] == sum(m.meta["drafter_forwards"] for m in metas)
-        runs[reuse] = (len(forwards), drafter.counters, metas)
+        counts = result.stats.drafter_counts[drafter.name]
+        assert len(forwards) == counts["drafter_forwards"] == sum(m.meta["drafter_forwards"] for m in metas)
+        runs[reuse] = (len(forwards), counts, metas)
     on, off = runs[True], runs[False]
-    assert off[1]["reused_states"] == 0 and off[1]["refreshes"] == off[1]["steps"]
+    drafted = sum(1 for m in off[2] if len(m))  # steps with a draft (the last may have no depth left)
+    assert off[1]["reused_states"] == 0 and off[1]["refreshed"] == drafted > 0
     assert on[1]["reused_states"] > 0 and on[0] < off[0]
     # without reuse every step costs one catch-up forward plus one per depth beyond the first
     assert all(m.meta["drafter_forwards"] == m.depth for m in off[2])
@@ -235,8 +238,9 @@ def test_reused_state_is_the_rejected_depth_state(verifier_model):
 
 def test_max_stale_forces_refresh(verifier_model):
     d = _drafter(verifier_model, reuse=True, max_stale=0)
-    Engine(Verifier(verifier_model), d, check_tokenizers=False).generate(PROMPT, max_new_tokens=20)
-    assert d.counters["reused_states"] == 0 and d.counters["refreshes"] == d.counters["steps"]
+    stats = Engine(Verifier(verifier_model), d, check_tokenizers=False).generate(PROMPT, max_new_tokens=20).stats
+    counts, drafted = stats.drafter_counts[d.name], stats.position_drafted[0]  # steps whose draft reached depth 1
+    assert counts["reused_states"] == 0 and counts["refreshed"] == drafted > 0
 
 
 # ---------------------------------------------------------------- checkpoints and configs

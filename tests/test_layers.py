@@ -1,5 +1,5 @@
 """The package's shape: layers that import one way (import-linter's contracts in pyproject.toml, checked on the
-installed layout), no import cycles, a core without function-level imports, ``import metasd`` without the study
+installed layout), no import cycles, a core without function-level imports, ``import metasd`` without the experiment
 layer's heavy dependencies, and no package file over 450 lines."""
 import ast
 import importlib.util
@@ -57,7 +57,7 @@ def test_import_metasd_leaves_the_study_layer_and_its_dependencies_alone():
                          check=True).stderr
     modules = {line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")}
     assert "metasd.core.engine" in modules  # the parse reads the real list
-    heavy = sorted(m for m in modules if m.split(".")[0] in ("mlflow", "ray") or m.startswith(("metasd.study",
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("mlflow", "ray") or m.startswith(("metasd.bench",
                                                                                                 "metasd.training")))
     assert not heavy, f"import metasd imports {heavy}"
 

@@ -102,7 +102,7 @@ def test_make_policy_unexpected_parameter_lists_accepted():
     assert "beta" in message and "'c'" in message and "normalize" in message
     with pytest.raises(ValueError, match="window"):
         make_policy("discounted_ucb", 3, window=10)  # a sliding-window parameter
-    assert policy_params("sliding_window_ucb") == ["window", "c", "normalize"]
+    assert policy_params("sliding_window_ucb") == ["c", "normalize", "window"]
 
 
 @pytest.mark.parametrize("name, params, bad", [

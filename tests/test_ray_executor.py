@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from metasd.config import ConfigError
-from metasd.study.experiment import load_experiment
-from metasd.study import ExperimentInterrupted, run_experiment
+from metasd.bench.experiment import load_experiment
+from metasd.bench import ExperimentInterrupted, run_experiment
 from test_runner import N_REQUESTS, _artifact_lines, _children, _experiment
 from tiny import tiny_qwen, tiny_tokenizer
 
@@ -140,7 +140,7 @@ def test_ray_gives_inprocess_tokens_and_mlflow_layout(store, ray_session, tmp_pa
 def test_ctrl_c_on_driver_then_resume_completes_without_duplicates(store, ray_session, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from metasd.study.ray_executor import RayRunner
+    from metasd.bench.ray_executor import RayRunner
 
     real_take, taken = RayRunner._take, []
 
@@ -218,7 +218,7 @@ def test_dead_worker_shard_is_retried_and_every_request_logged_once(store, ray_s
 
 def test_ray_executor_without_ray_names_the_extra(store, tmp_path, monkeypatch, capsys):
     from metasd.cli import main
-    from metasd.study.ray_executor import RayNotInstalledError
+    from metasd.bench.ray_executor import RayNotInstalledError
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     path = _write(store, "noray")
@@ -236,7 +236,7 @@ def test_executor_field_and_flags_are_checked(store, tmp_path, capsys):
 
     exp = load_experiment(_write(store, "exec", executor={"type": "ray", "workers": 3, "address": "auto"}))
     assert exp.config.executor.workers == 3 and exp.config.executor.address == "auto"
-    # how a study runs is not what it is: the executor leaves the config hash (resume across executors) alone
+    # how an experiment runs is not what it is: the executor leaves the config hash (resume across executors) alone
     assert exp.config_hash() == load_experiment(_write(store, "exec")).config_hash()
     with pytest.raises(ConfigError, match=r"executor: .*'workers'.* apply to the ray executor only"):
         load_experiment(_write(store, "exec-bad", executor={"type": "inprocess", "workers": 2}))
@@ -246,7 +246,7 @@ def test_executor_field_and_flags_are_checked(store, tmp_path, capsys):
 
 @needs_ray
 def test_killed_driver_then_resume_completes_without_duplicates(store, ray_session, tmp_path):
-    """SIGKILL the `metasd bench --executor ray` process mid-study (no Ctrl-C handler runs), then --resume."""
+    """SIGKILL the `metasd bench --executor ray` process mid-experiment (no Ctrl-C handler runs), then --resume."""
     import signal
     import subprocess
     import time
@@ -276,11 +276,11 @@ def test_killed_driver_then_resume_completes_without_duplicates(store, ray_sessi
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait(60)
-    assert proc.returncode == -signal.SIGKILL, "the study ended before it could be killed"
+    assert proc.returncode == -signal.SIGKILL, "the experiment ended before it could be killed"
     done = run_experiment(path, tracking_uri=uri, resume=True, progress=False, executor="ray")
     assert 0 < done.skipped < len(questions) * N_RUNS and done.generated + done.skipped == len(questions) * N_RUNS
     for key, run in _children(client, done.experiment_id, done.parent_run_id).items():
         lines = _artifact_lines(client, run.info.run_id, tmp_path / "dl")
         assert [r["index"] for r in lines] == list(range(len(questions))), key  # each request once, in order
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_second"))
-        assert steps == list(range(len(questions))), key  # one metric point per request (metasd.study.tracking's journal)
+        assert steps == list(range(len(questions))), key  # one metric point per request (metasd.bench.tracking's journal)

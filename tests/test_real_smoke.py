@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from metasd import Engine, Verifier
-from metasd.study import baselines
+from metasd.bench import baselines
 from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
 from metasd.models import ModelLoadError, load_model
 from metasd.models.quantize import quantize_model

@@ -9,9 +9,9 @@ import yaml
 import metasd.models
 from metasd.config import ConfigError
 from metasd.core.engine import Engine
-from metasd.study.experiment import load_experiment
-from metasd.study.report import cumulative_regret, summarize
-from metasd.study import ExperimentInterrupted, run_experiment
+from metasd.bench.experiment import load_experiment
+from metasd.bench.report import cumulative_regret, summarize
+from metasd.bench import ExperimentInterrupted, run_experiment
 from tiny import tiny_qwen, tiny_tokenizer
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # offline tests: no usage reporting thread
@@ -289,7 +289,7 @@ def test_builtin_prompts_and_shipped_experiments_validate():
 
 
 def test_median_speedup_and_plain_outliers():
-    from metasd.study.report import plain_outliers, results_table, summarize
+    from metasd.bench.report import plain_outliers, results_table, summarize
 
     def rec(q, tokens, wall):
         return {"question_id": q, "turn": 0, "group": "QA", "category": "qa", "new_tokens": tokens, "wall_s": wall,
@@ -309,10 +309,10 @@ def test_median_speedup_and_plain_outliers():
 
 @pytest.mark.parametrize("load, warned", [(1.7, True), (0.4, False)])
 def test_requests_run_on_an_overloaded_machine_are_flagged(store, uri, monkeypatch, capsys, load, warned):
-    """Each record carries the machine's load per core; above 1 the study warns once and the table counts them."""
-    import metasd.study.requests
+    """Each record carries the machine's load per core; above 1 the experiment warns once and the table counts them."""
+    import metasd.bench.requests
 
-    monkeypatch.setattr(metasd.study.requests, "load_per_core", lambda: load)
+    monkeypatch.setattr(metasd.bench.requests, "load_per_core", lambda: load)
     res = run_experiment(_write(store, f"load{int(load * 10)}"), tracking_uri=uri, progress=False)
     err = capsys.readouterr().err
     assert err.count("the machine's load is") == (1 if warned else 0)
@@ -324,7 +324,7 @@ def test_parent_run_killed_before_its_params_were_logged_gets_them_on_resume(sto
     logs them (and only those missing) before going on."""
     from mlflow import MlflowClient
 
-    from metasd.study.tracking import PARAMS_TAG, BenchStore
+    from metasd.bench.tracking import PARAMS_TAG, BenchStore
 
     real = BenchStore._log_parent_params
 

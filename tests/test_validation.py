@@ -135,7 +135,7 @@ ROWS = {
     "unknown policy": _pool_row(lambda c: c["policy"].update(name="ucbx"),
                                 "  policy.name: unknown policy 'ucbx'; registered: ['discounted_ucb', "),
     "policy param out of range": _pool_row(lambda c: c["policy"]["params"].update(c=-1),
-                                           "  policy.params: UCB1: parameter 'c' must be >= 0, got -1"),
+                                           "  policy.params.c: Input should be greater than or equal to 0 (got -1)"),
     "non-UTF-8 pool file": _not_utf8,
     "directory as pool file": _directory,
     "missing pool file": _missing,

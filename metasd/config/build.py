@@ -10,7 +10,7 @@ from metasd.core import engine as _engine
 from metasd.core.cost import CostModel
 from metasd.core.drafter import BuildContext
 from metasd.core.engine import Engine
-from metasd.core.policy import Policy
+from metasd.core.policy import Policy, make_policy
 from metasd.core.verifier import Verifier
 from metasd.models import ModelLoadError, check_model_reference, check_quantize, load_model, resolve_device, resolve_dtype
 
@@ -134,7 +134,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
 def make_policy_from_config(policy: PolicyConfig, n_arms: int) -> Policy:
     cls = resolve_policy_class(policy.name)
     try:
-        return cls(max(n_arms, 1), seed=policy.seed, **policy.params)
+        return make_policy(cls, max(n_arms, 1), seed=policy.seed, **policy.params)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"policy ({policy.name!r}): {e}") from e
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from metasd.core.policy import Policy
+from metasd.core.policy import Policy, make_policy
 from metasd.core.rewards import BOUNDED_REWARDS, REWARDS, RewardName
 
 from .plugins import import_plugins, line_error, resolve_drafter_class, resolve_policy_class, validate_params
@@ -124,7 +124,7 @@ class PoolConfig(_Strict):
         """Build a built-in policy as ``build_engine`` will (cheap: no model) so that a bad value, or a policy that
         needs rewards in [0, 1] with an unbounded reward, is refused now and not after the models load."""
         try:
-            probe = cls(max(len(self.drafters), 1), seed=self.policy.seed, **self.policy.params)
+            probe = make_policy(cls, max(len(self.drafters), 1), seed=self.policy.seed, **self.policy.params)
         except (TypeError, ValueError) as e:
             errors.append(line_error(("policy", "params"), str(e), self.policy.params))
             return

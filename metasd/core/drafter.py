@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 import torch
-from pydantic import BaseModel, ConfigDict, Strict
 from torch import nn
 
 from .acceptance import Acceptance
 from .hidden import HiddenStore
+from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (drafters import them here)
 from .registry import registrar
 from .sampling import SamplingParams
 from .tree import Draft
@@ -56,16 +56,10 @@ class StepFeedback:
         return self.acceptance.n_accepted
 
 
-# Field types for ``DrafterParams``: no coercion (YAML gives ints, floats and booleans; a string "5", a float 4.0
-# for a count or 1 for a flag is refused rather than guessed), an int is accepted where a float is expected.
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = Annotated[bool, Strict()]
-
-
-class DrafterParams(BaseModel):
-    """Base of a drafter type's ``Params``: the ``params`` mapping of a pool-config entry, checked (names,
-    types, ranges, modes) when the pool file is read, before any model loads. Unknown names are refused.
+class DrafterParams(PluginParams):
+    """Base of a drafter type's ``Params``: the ``params`` mapping of a pool-config entry, checked (names, types,
+    ranges, modes) when the pool file is read, before any model loads - and by the drafter's constructor with the
+    same model (``check_params``), so Python callers get the same checks. Unknown names are refused.
 
     Declare each keyword of the drafter's ``__init__`` that a pool config may set, with the constructor's
     default and its allowed values (``Field(ge=1)``, ``Literal[...]``). Only the keys the user gave reach
@@ -73,8 +67,6 @@ class DrafterParams(BaseModel):
     still supplies every other value; constraints that need the loaded model (e.g. ``k`` <= the trained
     heads) stay in the constructor.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class Drafter(abc.ABC):

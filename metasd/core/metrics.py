@@ -36,14 +36,15 @@ class RequestStats:
     wall_s: float = 0.0
     stop_reason: str = ""
     policy_state: dict[str, Any] | None = None
-    #: drafter name -> its own figures summed over the steps it drafted (``Draft.meta``: numbers summed, a
-    #: flag counted when true, any other value counted as "key=value"), e.g. {"tree": {"drafter_forwards": 52}}
+    #: drafter name -> "steps" it drafted and its own figures summed over them (``Draft.meta``: numbers summed, a
+    #: flag counted when true, any other value counted as "key=value"), e.g. {"tree": {"steps": 9, "drafter_forwards": 52}}
     drafter_counts: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def record_step(self, drafter: str, draft_depth: int, draft_nodes: int, n_accepted: int, committed: int,
                     meta: Mapping[str, Any] | None = None) -> None:
+        counts = self.drafter_counts.setdefault(drafter, {})
+        counts["steps"] = counts.get("steps", 0) + 1
         if meta:
-            counts = self.drafter_counts.setdefault(drafter, {})
             for key, value in meta.items():
                 if isinstance(value, bool):
                     counts[key] = counts.get(key, 0) + int(value)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (policies import them here)
 from .registry import registrar
 
 # A context is a fixed-length feature vector of cheap request features (see ``metasd.core.request_features``);
@@ -17,17 +18,27 @@ from .registry import registrar
 Context = Sequence[float] | np.ndarray | None
 
 
+class PolicyParams(PluginParams):
+    """Base of a policy's ``Params``: its hyper-parameters, checked by the constructor - for a pool file, an
+    experiment file and a Python caller alike - before anything else runs. Unknown names are refused."""
+
+
 class Policy(abc.ABC):
     """A bandit over ``n_arms`` arms (drafters, indexed 0..n_arms-1).
 
-    Subclasses keep all learnt state in plain Python / numpy values so that ``state_dict`` can return
-    JSON-serialisable data. ``select`` must be cheap (the engine calls it every step: < 1 ms).
+    Hyper-parameters are declared once, as the class's ``Params`` model (a ``PolicyParams``): the constructor
+    checks the keyword arguments it is given against it (``Policy(n_arms, seed, **params)``) and ``configure``
+    takes them (by default, each as an attribute of the same name). Subclasses keep all learnt state in plain
+    Python / numpy values so that ``state_dict`` can return JSON-serialisable data. ``select`` must be cheap
+    (the engine calls it every step: < 1 ms).
     """
 
     #: name used in configs and on the CLI (``policy: {name: ucb}``)
     name: ClassVar[str] = ""
     #: True for contextual policies: the engine then passes ``metasd.core.request_features.request_features``
     contextual: ClassVar[bool] = False
+    #: the hyper-parameters (see the class docstring); the base declares none
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
 
     @property
     def requires_bounded_rewards(self) -> bool:
@@ -35,13 +46,21 @@ class Policy(abc.ABC):
         an unbounded reward such as throughput at construction time instead of failing mid-request."""
         return False
 
-    def __init__(self, n_arms: int, seed: int | None = None):
-        if n_arms < 1:
-            raise ValueError(f"{type(self).__name__}: n_arms must be >= 1, got {n_arms}")
+    def __init__(self, n_arms: int, seed: int | None = None, **params: Any):
+        if isinstance(n_arms, bool) or not isinstance(n_arms, (int, np.integer)) or n_arms < 1:
+            raise ValueError(f"{type(self).__name__}: n_arms must be an integer >= 1, got {n_arms!r}")
         self.n_arms = int(n_arms)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self.params = check_params(type(self).Params, params, type(self).__name__)
+        self.configure(self.params)
         self.reset()
+
+    def configure(self, params: PolicyParams) -> None:
+        """Take the checked hyper-parameters (default: each as an attribute of the same name); a policy checks here
+        what needs ``n_arms`` as well."""
+        for name in type(params).model_fields:
+            setattr(self, name, getattr(params, name))
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -79,10 +98,34 @@ class Policy(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Hyper-parameters, for logging."""
-        return {"name": self.name}
+        return {"name": self.name, **self.params.model_dump()}
 
 
 # Registry of policy classes by name; ``register_policy`` is also used for user classes.
 POLICIES: dict[str, type[Policy]] = {}
 register_policy = registrar(POLICIES, "name", "Class decorator: make a policy available by its ``name`` in configs "
                                               "and on the CLI.")
+
+
+def policy_params(name_or_cls: str | type[Policy]) -> list[str]:
+    """Hyper-parameter names a registered policy (or a policy class) accepts: its ``Params`` fields."""
+    return list(resolve_policy(name_or_cls).Params.model_fields)
+
+
+def resolve_policy(name_or_cls: str | type[Policy]) -> type[Policy]:
+    """A registered policy name (or a ``Policy`` class, returned as it is) -> the class; ``ValueError`` listing the
+    registered names."""
+    if isinstance(name_or_cls, type):
+        return name_or_cls
+    if name_or_cls not in POLICIES:
+        raise ValueError(f"unknown policy {name_or_cls!r}; registered policies: {sorted(POLICIES)}")
+    return POLICIES[name_or_cls]
+
+
+def make_policy(name_or_cls: str | type[Policy], n_arms: int, seed: int | None = None, **params: Any) -> Policy:
+    """The one policy factory: the registered policy ``name`` (or a ``Policy`` class) over ``n_arms`` arms.
+
+    ``ValueError`` for an unknown name (listing the registered ones), an unknown parameter (listing the accepted
+    ones) and a bad value (naming the parameter and what it must be).
+    """
+    return resolve_policy(name_or_cls)(n_arms, seed=seed, **params)

@@ -1,6 +1,6 @@
 """Models: loading verifiers and drafters from a reference, the bundled-model cache, devices and dtypes, weight-only
 quantization, packed checkpoint weights and reduced draft vocabularies. Builds on ``metasd.core``; knows nothing of
-pool files, studies or training.
+pool files, experiments or training.
 
 >>> from metasd.models import load_model
 >>> model, tokenizer = load_model("bundled:qwen2.5-coder-0.5b-instruct", quantize="int4")

@@ -1,7 +1,7 @@
 """Summaries of ``metasd bench`` runs: speedups, regret and the results table, from request records.
 
-Pure functions of the per-request records the runner logs (``metasd.study.runner``): no MLflow, no torch, so a
-study can be re-summarized from its ``requests.jsonl`` artifacts.
+Pure functions of the per-request records the runner logs (``metasd.bench.runner``): no MLflow, no torch, so a
+experiment can be re-summarized from its ``requests.jsonl`` artifacts.
 
 Speedup (Spec-Bench's ``speed.py``, docs/algorithms.md#speedup): a question's speed is its new tokens over
 its wall time summed over its turns (prefill included); a group's speedup = mean question speed of the

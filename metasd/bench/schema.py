@@ -38,7 +38,7 @@ Top-level fields (all optional but ``runs``):
   then the next, as Spec-Bench does).
 - ``executor``: where requests are answered - ``inprocess`` (default: this process) or ``ray`` /
   ``{type: ray, address?, workers?, cpus_per_worker?, questions_per_shard?, max_retries?}`` (Ray actors,
-  ``metasd.study.ray_executor``; ``pip install -e '.[ray]'``). Not part of the config hash: a study started
+  ``metasd.bench.ray_executor``; ``pip install -e '.[ray]'``). Not part of the config hash: an experiment started
   in-process can be resumed on Ray and back. ``metasd bench --executor/--ray-address/--workers`` override it.
 - ``threads`` (torch CPU threads; default: torch's), ``warmup`` (true: one short untimed generation
   per drafter and baseline before timing), ``plots`` (true).
@@ -153,7 +153,7 @@ class BaselineSpec(_TypeShorthand):
 
 
 class ExecutorSpec(_TypeShorthand):
-    """Where a study's requests are answered: ``inprocess`` (default) or ``ray`` (``metasd.study.ray_executor``)."""
+    """Where an experiment's requests are answered: ``inprocess`` (default) or ``ray`` (``metasd.bench.ray_executor``)."""
 
     type: Literal["inprocess", "ray"] = "inprocess"
     address: str | None = None  # ray: None = start a local Ray; "auto" = the running cluster; or HOST:PORT

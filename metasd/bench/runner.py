@@ -18,14 +18,14 @@ with the method's *own* earlier answers as assistant messages (Spec-Bench's conv
 baseline answers later turns after its own answers and each method after its own; under greedy
 lossless decoding these are the same texts up to floating-point ties.
 
-Speedup, mean tokens per step and cumulative regret are defined in ``metasd.study.report``, which computes them
-and the results table; ``metasd.study.tracking`` writes the MLflow runs and ``metasd.study.requests`` answers
+Speedup, mean tokens per step and cumulative regret are defined in ``metasd.bench.report``, which computes them
+and the results table; ``metasd.bench.tracking`` writes the MLflow runs and ``metasd.bench.requests`` answers
 one request with a baseline or a method.
 
 Ctrl-C ends the runs with status KILLED; finished requests stay logged, and ``--run-id ID`` (or
 ``--resume``) continues the same parent run, skipping them.
 
-Executors. ``StudyRunner`` answers every request in this process (the default). ``metasd.study.ray_executor.RayRunner``
+Executors. ``ExperimentRunner`` answers every request in this process (the default). ``metasd.bench.ray_executor.RayRunner``
 (``--executor ray``) subclasses it: Ray actors answer shards of questions with ``answer_request``, as this
 runner does, and this process alone writes to MLflow, through the same ``_log_request`` / ``_end_run`` /
 ``_summarize`` / ``_finish``, so both give the same layout.
@@ -80,7 +80,7 @@ class ExperimentResult:
 # ------------------------------------------------------------------------------------------- runner
 
 
-class StudyRunner:
+class ExperimentRunner:
     """The in-process executor: every request answered in this process, in the experiment's order."""
 
     executor_name = "inprocess"
@@ -110,7 +110,7 @@ class StudyRunner:
         t0 = time.perf_counter()
         if self.threads:
             torch.set_num_threads(self.threads)
-        warn_if_oversubscribed()  # timings of a study on an oversubscribed machine are not comparable
+        warn_if_oversubscribed()  # timings of an experiment on an oversubscribed machine are not comparable
         with tempfile.TemporaryDirectory(prefix="metasd-bench-") as tmp:
             self.workdir = Path(tmp)
             self.store.open(self.exp, self.hash, self.workdir, self._resume_run_id, self._resume)
@@ -286,7 +286,7 @@ class StudyRunner:
         nested.add(rec, self._request_metrics(rec, plain, nested.drafters))
         self.generated += 1
         if rec.get("machine_load", 0.0) > 1.0 and not self.warned_load:
-            self.warned_load = True  # once per study, on stderr; the results table counts them all
+            self.warned_load = True  # once per experiment, on stderr; the results table counts them all
             print(f"metasd bench: warning: the machine's load is {rec['machine_load']:.1f} per core while requests run "
                   f"(other processes?): timings taken now are slowed and speedups are not comparable", file=sys.stderr)
 

@@ -1,9 +1,9 @@
-"""MLflow side of ``metasd bench``: the tracking URI, parameters, and the parent and nested runs of a study.
+"""MLflow side of ``metasd bench``: the tracking URI, parameters, and the parent and nested runs of an experiment.
 
 ``BenchStore`` opens (or resumes) one invocation's MLflow experiment and parent run and ends the runs;
 ``NestedRun`` is one nested run with its request records, rewritten as the ``requests.jsonl`` artifact after
 every request (a resumed invocation reads them back). What is logged where is the runner's choice
-(``metasd.study.runner``, whose docstring describes the layout); this module only writes it.
+(``metasd.bench.runner``, whose docstring describes the layout); this module only writes it.
 
 Faults it survives (``tests/test_faults.py``):
 
@@ -14,7 +14,7 @@ Faults it survives (``tests/test_faults.py``):
 - several ``metasd bench`` processes writing to one SQLite store: creating / migrating the database and
   finding-or-creating the MLflow experiment happen under a file lock beside the database, and every MLflow
   call is retried, boundedly and with backoff, while SQLite says ``database is locked`` (both in
-  ``metasd.study.store_guard``); each starts its own parent run, and a ``--resume`` / ``--run-id`` of a parent run
+  ``metasd.bench.store_guard``); each starts its own parent run, and a ``--resume`` / ``--run-id`` of a parent run
   that another live process is writing is refused (``RunInUseError``, ``BenchStore._claim``).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Several processes on one MLflow store: bounded retries while SQLite is locked, a lock file around creating a
-store, and an owner tag so that a run another live process writes is not resumed (``metasd.study.tracking`` uses
+store, and an owner tag so that a run another live process writes is not resumed (``metasd.bench.tracking`` uses
 these; ``tests/test_faults.py`` injects each fault)."""
 from __future__ import annotations
 

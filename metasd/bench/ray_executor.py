@@ -1,4 +1,4 @@
-"""``metasd bench --executor ray``: a study's requests answered by Ray actors, logged by this process alone.
+"""``metasd bench --executor ray``: an experiment's requests answered by Ray actors, logged by this process alone.
 
 Sharding keeps every comparison honest. A shard is a set of questions of one (pool, dataset); its worker
 answers every turn of each with every baseline and method, interleaved per request as the in-process runner
@@ -8,7 +8,7 @@ are never split between workers.
 
 Workers (``BenchWorker``, Ray actors) load each pool once and serve many shards; each reserves
 ``cpus_per_worker`` CPUs and runs that many torch threads. They only compute: a shard comes back as its
-request records (``metasd.study.requests.answer_request``, tagged with the worker's id), and the driver
+request records (``metasd.bench.requests.answer_request``, tagged with the worker's id), and the driver
 (``RayRunner``) logs them into the nested runs with the in-process runner's own methods. One writer, so a
 SQLite store stays safe, and resume and de-duplication live in one place: a record whose (run, question,
 turn) is already logged is dropped. Only finished shards are logged, so Ctrl-C loses the shards in flight
@@ -17,7 +17,7 @@ its shard queued again (at most ``max_retries`` times per shard).
 
 A persistent policy (``persistent: true``: state carried across requests) keeps one state per worker; the
 parent run's tag ``metasd.policy_state`` and the results table say so, and ``policy_state.json`` holds
-``{"scope": "per-worker", "workers": {id: state}}``. A replacement worker, or a worker of a resumed study,
+``{"scope": "per-worker", "workers": {id: state}}``. A replacement worker, or a worker of a resumed experiment,
 starts its persistent policies afresh (the in-process runner resumes from the last logged state).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from .requests import MethodRequests, PoolEngine, answer_request
 from .schema import ExecutorSpec
-from .runner import StudyRunner
+from .runner import ExperimentRunner
 
 EXTRA = "pip install -e '.[ray]'"
 
@@ -150,8 +150,8 @@ class BenchWorker:
         return {**self.states, **live}
 
 
-class RayRunner(StudyRunner):
-    """``StudyRunner`` with requests answered by Ray actors (module docstring); MLflow writes stay here."""
+class RayRunner(ExperimentRunner):
+    """``ExperimentRunner`` with requests answered by Ray actors (module docstring); MLflow writes stay here."""
 
     executor_name = "ray"
 
@@ -255,7 +255,7 @@ class RayRunner(StudyRunner):
                           "question ran on the same worker")
         if persistent:
             self.notes.append(f"persistent policies ({', '.join(persistent)}) kept one state per worker ({n} workers), "
-                              "not one across the whole study")
+                              "not one across the whole experiment")
 
     def _new_actor(self, slot: int) -> None:
         """Start the worker of ``slot`` (again): ids ``"0"``, ``"1"``..., a replacement ``"<slot>.<n>"``."""

@@ -1,4 +1,4 @@
-"""Experiment files resolved: ``load_experiment`` validates a file against ``metasd.study.schema`` (the
+"""Experiment files resolved: ``load_experiment`` validates a file against ``metasd.bench.schema`` (the
 format is documented there) and everything that can be checked without loading a model - pool files,
 policy names and parameters, drafter names, dataset files and their questions - into an ``Experiment``,
 raising ``metasd.config.ConfigError`` naming the file and the field path (``runs.2.policy.params``).
@@ -14,16 +14,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from metasd.config import (
-    ConfigError,
-    PoolConfig,
-    check_param_names,
-    format_validation_error,
-    read_yaml_mapping,
-    parse_pool_config,
-    read_pool_config,
-    resolve_policy_class,
-)
+from metasd.config import (ConfigError, PoolConfig, format_validation_error, parse_pool_config, read_pool_config,
+                           read_yaml_mapping, resolve_policy_class)
+from metasd.core.policy import make_policy
 from metasd.data import Question, load_questions
 from .schema import BUILTIN, DatasetSpec, ExperimentConfig, PoolSpec, RunPolicy
 from metasd.core.rewards import BOUNDED_REWARDS
@@ -190,12 +183,11 @@ def _resolve_pool(i: int, spec: PoolSpec, cfg: ExperimentConfig, base: Path, whe
             fail(rloc, f"pool {name!r} has no drafters to choose among")
         try:
             cls = resolve_policy_class(run.policy.name, where=f"{rloc}.policy.name")
-            check_param_names(cls, run.policy.params, f"{rloc}.policy.params", skip=("self", "n_arms", "seed"))
         except ValueError as e:
             field_path, _, msg = str(e).partition(": ")
             fail(field_path, msg)
-        try:
-            probe = cls(max(len(arms), 1), seed=0, **run.policy.params)  # parameter values (cheap, no model)
+        try:  # the policy's own parameter check (names, types, ranges), as the run will build it: cheap, no model
+            probe = make_policy(cls, max(len(arms), 1), seed=0, **run.policy.params)
         except (TypeError, ValueError) as e:
             fail(f"{rloc}.policy.params", str(e))
         reward = run.reward or pool.reward

@@ -4,7 +4,7 @@
 loads nothing), warms it up and encodes a chat; its ``baseline_fn`` and ``MethodRequests`` answer one
 request and return its record (the fields of ``requests.jsonl``, less those the runner adds);
 ``answer_request`` encodes a chat, answers it and adds those fields. Both executors call it: the in-process
-runner (``metasd.study.runner``) and the Ray workers (``metasd.study.ray_executor``). The order of requests, resume and
+runner (``metasd.bench.runner``) and the Ray workers (``metasd.bench.ray_executor``). The order of requests, resume and
 logging are the runner's.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable
 
+from metasd.core.metrics import RequestStats
 from metasd.models.machine import load_per_core
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def count_forwards(model):
 
 
 class PoolEngine:
-    """One pool's engine for a study: built on first use (``log`` the loading line, then ``on_load(engine)``)."""
+    """One pool's engine for an experiment: built on first use (``log`` the loading line, then ``on_load(engine)``)."""
 
     def __init__(self, exp: Experiment, pool: ResolvedPool, log: Callable[[str], None],
                  on_load: Callable[[Engine], None]):
@@ -101,12 +102,12 @@ class PoolEngine:
                     ids, secs = baselines.assisted(model, eng.drafter(b.drafter).model, prompt_ids, n, **b.params)
                 else:
                     ids, secs = baselines.prompt_lookup(model, prompt_ids, n, **b.params)
-            steps = max(forwards[0], 1)
-            return dict(prompt_tokens=len(prompt_ids), new_tokens=len(ids), steps=steps, committed=len(ids), wall_s=secs,
-                        tokens_per_second=len(ids) / secs if secs else 0.0, mean_tokens_per_step=len(ids) / steps,
-                        acceptance_rate=None, tokens_per_step=[], drafter_per_step=[], rewards=[], selection_counts={},
-                        stop_reason="", text=eng.tokenizer.decode(ids, skip_special_tokens=True) if eng.tokenizer else "",
-                        token_ids=ids)
+            steps = max(forwards[0], 1)  # a step of a transformers baseline: one verifier forward
+            stats = RequestStats(prompt_tokens=len(prompt_ids), new_tokens=len(ids), steps=steps, wall_s=secs)
+            text = eng.tokenizer.decode(ids, skip_special_tokens=True) if eng.tokenizer else ""
+            # committed tokens: all it generated (tokens per step = tokens / forwards), no per-step lists
+            return {**stats.to_record(), "committed": len(ids), "mean_tokens_per_step": len(ids) / steps,
+                    "text": text, "token_ids": ids}
 
         return run
 
@@ -130,16 +131,9 @@ class MethodRequests:
         c = self.engines.cfg
         res = self.engine.generate(prompt_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
                                    top_k=c.top_k, seed=seed * 1_000_003 + index, category=question.category)
-        s = res.stats
-        rec = dict(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, steps=s.steps,
-                   committed=sum(s.tokens_per_step), wall_s=s.wall_s, tokens_per_second=s.tokens_per_second,
-                   mean_tokens_per_step=s.mean_tokens_per_step, acceptance_rate=s.acceptance_rate,
-                   tokens_per_step=s.tokens_per_step, drafter_per_step=s.drafter_per_step, rewards=s.rewards,
-                   selection_counts=s.selection_counts, catch_up_tokens=s.catch_up_tokens, prefill_s=s.prefill_s,
-                   draft_s=s.draft_s, verify_s=s.verify_s, stop_reason=s.stop_reason, text=res.text,
-                   token_ids=res.token_ids)
-        if m.persistent:
-            rec["policy_state"] = s.policy_state
+        rec = res.to_record()  # the same record as `metasd generate --json`'s
+        if not m.persistent:
+            rec.pop("policy_state")  # a per-request policy's state is not needed to resume anything
         return rec
 
 

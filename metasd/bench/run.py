@@ -1,5 +1,5 @@
 """``metasd bench``'s entry point: validate an experiment, then answer it with the executor it names - in this process
-(``StudyRunner``) or on Ray workers (``RayRunner``) - logging to MLflow the same way."""
+(``ExperimentRunner``) or on Ray workers (``RayRunner``) - logging to MLflow the same way."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from typing import Callable
 
 from .experiment import Experiment, load_experiment
 from .ray_executor import RayRunner, import_ray
-from .runner import ExperimentResult, StudyRunner
+from .runner import ExperimentResult, ExperimentRunner
 from .schema import ExecutorSpec, ExperimentConfig
 from .tracking import resolve_tracking_uri
 
@@ -34,4 +34,4 @@ def run_experiment(path_or_config: str | Path | dict | ExperimentConfig | Experi
         if threads and spec.cpus_per_worker is None:  # --threads: each worker's CPUs and torch threads
             spec = spec.model_copy(update={"cpus_per_worker": threads})
         return RayRunner(exp, uri, resume_run_id, resume, progress, threads, spec=spec, setup=worker_setup).run()
-    return StudyRunner(exp, uri, resume_run_id, resume, progress, threads).run()
+    return ExperimentRunner(exp, uri, resume_run_id, resume, progress, threads).run()
