@@ -19,6 +19,7 @@ from transformers import DynamicCache, StaticCache
 
 from metasd.models import load_model
 from metasd.models.quantize import quantize_model
+from metasd.core.kv_cache import cache_kwargs
 
 PROMPT_TOKENS = 200
 
@@ -30,24 +31,24 @@ def probe(ref: str, quantize: str, repeats: int) -> dict:
     prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     x = torch.tensor([[5]])
     dynamic = DynamicCache(config=model.config)
-    model(prompt, past_key_values=dynamic, use_cache=True)
+    model(prompt, **cache_kwargs(model, dynamic), use_cache=True)
 
     def eager_dynamic():
-        model(x, past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        model(x, **cache_kwargs(model, dynamic), use_cache=True, logits_to_keep=1)
         dynamic.crop(-1)  # back to the prompt, so every call sees the same cache
 
     static = StaticCache(config=model.config, max_cache_len=1024)
-    model(prompt, past_key_values=static, use_cache=True, cache_position=torch.arange(PROMPT_TOKENS))
+    model(prompt, **cache_kwargs(model, static), use_cache=True, cache_position=torch.arange(PROMPT_TOKENS))
     pos = torch.tensor([PROMPT_TOKENS])
     out = {"eager_dynamic_ms": median_ms(eager_dynamic, repeats),
-           "eager_static_ms": median_ms(lambda: model(x, past_key_values=static, use_cache=True, cache_position=pos,
+           "eager_static_ms": median_ms(lambda: model(x, **cache_kwargs(model, static), use_cache=True, cache_position=pos,
                                                       logits_to_keep=1), repeats)}
     compiled = torch.compile(model.forward, dynamic=False)
     t = time.perf_counter()
-    reference = model(x, past_key_values=static, use_cache=True, cache_position=pos, logits_to_keep=1).logits
-    got = compiled(x, past_key_values=static, use_cache=True, cache_position=pos, logits_to_keep=1).logits
+    reference = model(x, **cache_kwargs(model, static), use_cache=True, cache_position=pos, logits_to_keep=1).logits
+    got = compiled(x, **cache_kwargs(model, static), use_cache=True, cache_position=pos, logits_to_keep=1).logits
     out["compile_s"] = time.perf_counter() - t
-    out["compiled_static_ms"] = median_ms(lambda: compiled(x, past_key_values=static, use_cache=True,
+    out["compiled_static_ms"] = median_ms(lambda: compiled(x, **cache_kwargs(model, static), use_cache=True,
                                                            cache_position=pos, logits_to_keep=1), repeats)
     out["same_argmax"] = bool(reference.argmax() == got.argmax())
     return out

@@ -32,6 +32,7 @@ def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> 
 
     from metasd.models import load_model
     from metasd.models.quantize import quantize_model
+    from metasd.core.kv_cache import cache_kwargs
 
     torch.set_num_threads(threads)
     model, _ = load_model(ref, dtype=dtype)
@@ -45,14 +46,14 @@ def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> 
     with torch.inference_mode():
         for length in CACHES:
             cache = DynamicCache(config=model.config)
-            model(input_ids=torch.randint(0, vocab, (1, length), generator=gen), past_key_values=cache, use_cache=True,
+            model(input_ids=torch.randint(0, vocab, (1, length), generator=gen), **cache_kwargs(model, cache), use_cache=True,
                   logits_to_keep=1)
             for width in WIDTHS:
                 times = []
                 for i in range(repeats + 2):  # two warm-up calls
                     ids = torch.randint(0, vocab, (1, width), generator=gen)
                     t = time.perf_counter()
-                    model(input_ids=ids, past_key_values=cache, use_cache=True)  # logits at every row, as a verify
+                    model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)  # logits at every row, as a verify
                     if i >= 2:
                         times.append(time.perf_counter() - t)
                     cache.crop(-width)

@@ -31,7 +31,7 @@ from metasd import Engine, Verifier
 from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import SteeredDrafter
 from metasd.drafters.steered import load_steering
-from metasd.core.kv_cache import crop_to
+from metasd.core.kv_cache import cache_kwargs, crop_to
 from metasd.models import load_model
 
 
@@ -40,7 +40,7 @@ def hook_cost(drafter: SteeredDrafter, prompt: list[int], delta: torch.Tensor, r
     model = drafter.model
     cache = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt[:-1]]), **cache_kwargs(model, cache), use_cache=True)
         last = torch.tensor([prompt[-1:]])
         times = {"off": [], "on": []}
         for i in range(2 * repeats + 2):
@@ -48,7 +48,7 @@ def hook_cost(drafter: SteeredDrafter, prompt: list[int], delta: torch.Tensor, r
             if mode == "on":
                 drafter.steering.injector.set(delta)
             t = time.perf_counter()
-            model(input_ids=last, past_key_values=cache, use_cache=True)
+            model(input_ids=last, **cache_kwargs(model, cache), use_cache=True)
             dt = time.perf_counter() - t
             drafter.steering.injector.clear()
             crop_to(cache, len(prompt) - 1)

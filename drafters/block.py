@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from metasd.core.cost import counted_linear
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import Drafter, DrafterParams, Float, Int, StepContext, check_params, register_drafter
-from metasd.core.kv_cache import cache_length, crop_to
+from metasd.core.kv_cache import cache_kwargs, cache_length, crop_to
 from metasd.models.packed_weights import load_weights
 from metasd.models.quantize import dense_weight
 from metasd.core.tree import Draft
@@ -431,7 +431,7 @@ class BlockDrafter(Drafter):
         out = model(input_ids=torch.tensor([[t for t, _ in new]], device=model.device),
                     attention_mask=mask[None, None].to(model.device),
                     position_ids=torch.full((1, n_new), committed + depth, device=model.device),
-                    past_key_values=self.lm.cache, use_cache=True)
+                    **cache_kwargs(model, self.lm.cache), use_cache=True)
         return out.logits[0].float().log_softmax(-1)
 
     def describe(self) -> dict[str, Any]:

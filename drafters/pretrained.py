@@ -13,7 +13,7 @@ from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import (Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, check_params,
                                  register_drafter)
 from metasd.core.hooks import contiguous_lm_head_input
-from metasd.core.kv_cache import crop_to
+from metasd.core.kv_cache import cache_kwargs, crop_to
 from metasd.models import config_eos_ids
 from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.sampling import process_logits, sample
@@ -166,8 +166,10 @@ class PretrainedDrafter(Drafter):
         """One forward of the drafter model through its cache; next-token logits [rows, vocab] (the last row
         only when ``last_only``), from the draft head when there is one."""
         if self.draft_head is None:
-            return self.model(**inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=int(last_only)).logits[0]
-        h = self.model.base_model(**inputs, past_key_values=self.cache, use_cache=True).last_hidden_state[0]  # [n, d]
+            return self.model(**inputs, **cache_kwargs(self.model, self.cache), use_cache=True,
+                              logits_to_keep=int(last_only)).logits[0]
+        base = self.model.base_model
+        h = base(**inputs, **cache_kwargs(base, self.cache), use_cache=True).last_hidden_state[0]  # [n, d]
         return self.draft_head(h[-1:] if last_only else h)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:

@@ -107,6 +107,22 @@ def test_per_step_switching_stays_identical(model):
     assert result.stats.catch_up_tokens > 0  # idle drafters caught up on tokens committed without them
 
 
+def test_no_deprecation_warning_reaches_the_user(model):
+    """transformers 5.23+ deprecates the ``past_key_values`` argument (removed in 5.40): metasd hands caches over by
+    the keyword the installed transformers takes, so no FutureWarning lands in the middle of a user's answer."""
+    import warnings
+
+    from metasd.drafters import PretrainedTreeDrafter
+
+    pool = [PretrainedDrafter(tiny_qwen(seed=1), k=3, name="chain"),
+            PretrainedTreeDrafter(tiny_qwen(seed=1), nodes=6, depth=3, name="tree", head_vocab=40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        for drafter in pool:
+            Engine(Verifier(model), drafter).generate(PROMPT, max_new_tokens=8)
+
+
 def test_tree_commit_keeps_exactly_the_accepted_path(model):
     verifier = Verifier(model)
     verifier.prefill(torch.tensor(PROMPT[:-1]))

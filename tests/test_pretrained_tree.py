@@ -14,6 +14,7 @@ from metasd.core.engine import Engine
 from metasd.core.sampling import SamplingParams
 from metasd.core.tree import Draft, children_lists
 from metasd.core.verifier import Verifier
+from metasd.core.kv_cache import cache_kwargs
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -181,7 +182,7 @@ def test_tree_forward_matches_plain_forward_per_path(make):
 def _fresh_cache(model, ids):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True)
     return cache
 
 

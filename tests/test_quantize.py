@@ -53,7 +53,14 @@ def test_quantized_linear_computes_with_its_dequantized_weight(mode, dtype, rows
     ql = QuantizedLinear(lin, mode, group_size=32)
     x = torch.randn(2, rows, 64, dtype=dtype)
     dense_path = ql.has_gemm_path and rows > ql.gemm_rows
-    w = (ql.gemm_weight() if dense_path else ql.dense_weight()).float()
+    # the reference weight is dequantized here by plain arithmetic, independently of the kernel, from the codes and
+    # the scales (rounded to the kernel's dtype, as stored) of the module's own quantizers
+    if mode == "int8":
+        q, s = quantize_int8(lin.weight.detach())
+        w = q.float() * s.to(ql.kernel_dtype).float()[:, None]  # scales stored in the kernel's dtype
+    else:
+        q, sz = quantize_int4(lin.weight.detach(), 32)
+        w = dequantize_int4(q, sz.to(ql.kernel_dtype), 32)
     x_in = x if dense_path else x.to(ql.kernel_dtype)  # the CPU kernels take bf16 activations (fp32 ones are slow)
     ref = x_in.float() @ w.t() + lin.bias.float()
     tol = 1e-4 if dtype == torch.float32 and dense_path else 0.1 if dtype == torch.bfloat16 else 0.02
@@ -97,7 +104,10 @@ def test_int4_prefill_copy_is_for_many_rows_and_never_for_lm_heads(monkeypatch):
     many, few = torch.randn(ql.gemm_rows + 1, 64), torch.randn(ql.gemm_rows, 64)
     assert torch.allclose(ql(many), many @ ql.gemm_weight().t() + lin.bias, atol=1e-5)
     # few rows: the int4 kernel (bf16 activations on CPU)
-    assert torch.allclose(ql(few), few.bfloat16().float() @ ql.dense_weight().t() + lin.bias, atol=2e-2)
+    q, sz = quantize_int4(lin.weight.detach(), 32)
+    w4 = dequantize_int4(q, sz.to(ql.kernel_dtype), 32)  # dequantized by plain arithmetic, not by the kernel
+    assert torch.allclose(ql(few), few.bfloat16().float() @ w4.t() + lin.bias, atol=2e-2)
+    assert torch.allclose(ql.dense_weight().float(), w4, atol=1e-2)  # the kernel's packed layout holds those codes
     assert torch.equal(ql(few), plain(few))  # the kernel path is the same int4 weight
     monkeypatch.setattr(mq, "_LARGE_WEIGHT", 64 * 32 - 1)  # this layer now counts as an LM head
     head = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)

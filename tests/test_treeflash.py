@@ -19,6 +19,7 @@ from metasd.training.treeflash import load_train_treeflash_config
 from metasd.training.treeflash_objective import tf_accept
 from metasd.core.tree import Draft, ancestor_mask, node_depths
 from metasd.core.verifier import Verifier
+from metasd.core.kv_cache import cache_kwargs
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -233,7 +234,7 @@ def _examples(model, n, seed, prompt_len=6, new=40):
     for _ in range(new):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         seqs = torch.cat([seqs, nxt], 1)
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, **cache_kwargs(model, cache), use_cache=True)
     return [Example(s.tolist(), [False] * prompt_len + [True] * new) for s in seqs]
 
 
