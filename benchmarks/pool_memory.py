@@ -1,6 +1,6 @@
 """Peak RSS of a pool: load it, decode one short request, print the process's peak resident memory.
 
-    python benchmarks/pool_memory.py benchmarks/pools/default_int4.yaml
+    python benchmarks/pool_memory.py configs/pools/default_int4.yaml
 """
 from __future__ import annotations
 

@@ -185,6 +185,21 @@ def _check_options(args) -> None:
                                  f"'ngram' or 'none', nor a model reference: {e}") from None
 
 
+def _check_context(verifier: str, prompt: str, args) -> None:
+    """Refuse, before any model loads, a prompt and ``--max-new-tokens`` that do not fit the verifier's context, when
+    its config and tokenizer can be read without loading it (a prepared bundled model, a local directory)."""
+    from metasd.core.request import check_context, encode_prompt
+    from metasd.models import context_length, load_tokenizer
+
+    limit = context_length(verifier)
+    if limit is None:
+        return  # checked by the engine once the model is loaded
+    if args.max_new_tokens >= limit:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} does not fit the context of {verifier} ({limit} tokens)")
+    ids = encode_prompt(load_tokenizer(verifier), prompt, chat=not args.raw, model_name=verifier)
+    check_context(len(ids), args.max_new_tokens, limit, verifier)
+
+
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
@@ -220,18 +235,24 @@ def _generate(args) -> int:
         raise ConfigError(f"{source}: {e}") from None
     prompt = _read_prompt(args)
     if not prompt.strip():
-        print("metasd generate: the prompt is empty", file=sys.stderr)
-        return 2
+        raise ValueError("the prompt is empty")
+    _check_context(config.verifier.model, prompt, args)
 
     import torch
 
     from metasd.config import build_engine
+    from metasd.models import needs_preparing
     from metasd.models.machine import warn_if_oversubscribed
 
     if args.threads:
         torch.set_num_threads(args.threads)
     warn_if_oversubscribed()
-    print(f"[metasd] loading {source} (a first run converts the bundled models: minutes)", file=sys.stderr, flush=True)
+    first = [ref for ref in dict.fromkeys([config.verifier.model, *(d.model for d in config.drafters if d.model)])
+             if needs_preparing(ref)]
+    if first:
+        print(f"[metasd] first use of {', '.join(first)}: assembling and converting into the model cache (a few minutes "
+              f"and about 6 GB of RAM, once)", file=sys.stderr, flush=True)
+    print(f"[metasd] loading {source}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
     print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -288,7 +309,7 @@ def model_cache_state(row: dict) -> str:
 
 
 def add_bench_parser(subparsers) -> None:
-    from metasd.bench.tracking import DEFAULT_TRACKING_URI
+    from metasd.config.tracking import DEFAULT_TRACKING_URI
 
     p = subparsers.add_parser(
         "bench", help="run an experiment file (policies x rewards x datasets), log to MLflow, print the results table",

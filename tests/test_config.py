@@ -57,7 +57,9 @@ def _pool(dirs, **over):
     (lambda c: c.update(reward="speed"), "reward: Input should be 'throughput', 'wall_throughput', 'block_efficiency' or 'block_divergence'"),
     (lambda c: c.update(granularity="token"), "granularity: Input should be 'step' or 'request'"),
     (lambda c: c["drafters"][1].update(name="good"), "drafters: drafter names must be unique; repeated: ['good']"),
-    (lambda c: c.update(extra_field=1), "extra_field: Extra inputs are not permitted"),
+    (lambda c: c.update(extra_field=1), "extra_field: unknown field; allowed here: verifier, drafters,"),
+    (lambda c: c.update(drafter=c.pop("drafters")), "drafter: unknown field (did you mean 'drafters'?)"),
+    (lambda c: c["policy"].update(parms={}), "policy.parms: unknown field (did you mean 'params'?); allowed here: name, params, seed"),
     (lambda c: c.pop("verifier"), "verifier: Field required"),
     (lambda c: c["drafters"][0].update(type="os.path:join"), "drafters.0.type: 'os.path:join' is not a metasd.core.drafter.Drafter subclass"),
 ])

@@ -111,3 +111,17 @@ def test_without_report_it_logs_lines_and_no_first_report_when_asked():
     loop, seen = _loop(report=None, log_first=False)
     loop.run(0)
     assert [line.split()[1] for line in seen["log"]] == ["4/10", "8/10", "10/10"]
+
+
+def test_a_trainers_mlflow_artifacts_go_beside_its_sqlite_store(tmp_path, monkeypatch):
+    """Not into ./mlruns of the working directory (MLflow's default for a SQLite store), as metasd bench does."""
+    store, work = tmp_path / "store", tmp_path / "work"
+    store.mkdir(), work.mkdir()
+    monkeypatch.chdir(work)
+    tracker = Tracker(True, "artifact-place", "run", None, {"a": 1}, uri=f"sqlite:///{store / 'mlflow.db'}")
+    card = tmp_path / "card.md"
+    card.write_text("a model card")
+    tracker.artifact(card)
+    tracker.end()
+    assert list(store.glob("mlartifacts/artifact-place/*/artifacts/card.md"))
+    assert not any(work.iterdir()), f"the working directory got {sorted(p.name for p in work.iterdir())}"

@@ -39,12 +39,15 @@ def no_model_load(monkeypatch):
             raise AssertionError(f"model loaded ({what})")
         return fail
 
-    monkeypatch.setattr(metasd.models, "load_model", refuse("load_model"))
-    monkeypatch.setattr(metasd.models, "load_tokenizer", refuse("load_tokenizer"))
-    # looked up in metasd.models.bundled at call time, by metasd.models.resolve_model and by `metasd models --prepare`
-    monkeypatch.setattr(metasd.models.bundled, "prepare_bundled", refuse("prepare_bundled"))
+    # every module's binding of each loader (``from ... import`` copies the name into the importing module)
+    loaders = {metasd.models.loading.load_model: "load_model", metasd.models.loading.load_tokenizer: "load_tokenizer",
+               metasd.models.loading._from_pretrained: "from_pretrained", metasd.models.bundled.prepare_bundled:
+               "prepare_bundled", metasd.config.build.build_engine: "build_engine"}
+    for module in [m for name, m in sys.modules.items() if name.startswith("metasd")]:
+        for attr, value in list(vars(module).items()):
+            if callable(value) and value in loaders:
+                monkeypatch.setattr(module, attr, refuse(loaders[value]))
     monkeypatch.setattr(metasd.config.ModelCache, "load", refuse("ModelCache.load"))
-    monkeypatch.setattr(metasd.config, "build_engine", refuse("build_engine"))
     return calls
 
 
@@ -131,7 +134,7 @@ ROWS = {
     "entry with a checkpoint its type ignores": _pool_row(
         lambda c: c["drafters"][1].update(checkpoint="ck"), "  drafters.1.checkpoint: drafter type 'ngram' takes no checkpoint"),
     "unknown pool field": _pool_row(lambda c: c.update(speed="fast"),
-                                    "  speed: Extra inputs are not permitted (got 'fast')"),
+                                    "  speed: unknown field; allowed here: verifier, drafters, policy, reward, "),
     "unknown policy": _pool_row(lambda c: c["policy"].update(name="ucbx"),
                                 "  policy.name: unknown policy 'ucbx'; registered: ['discounted_ucb', "),
     "policy param out of range": _pool_row(lambda c: c["policy"]["params"].update(c=-1),
@@ -205,7 +208,7 @@ def test_tty_prompt_notice(monkeypatch, no_model_load, capsys):
     assert main(["generate"]) == 2
     err = capsys.readouterr().err
     assert "metasd generate: reading the prompt from stdin (end with Ctrl-D)" in err
-    assert "the prompt is empty" in err
+    assert "metasd generate: error: the prompt is empty" in err
 
 
 def test_generate_help_shows_defaults_and_allowed_values(capsys):
@@ -285,10 +288,18 @@ def constructor_keywords(cls: type) -> dict[str, inspect.Parameter]:
     return out
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "*.yaml")) + glob.glob(str(REPO / "benchmarks" / "pools" / "*.yaml"))
-                                        + glob.glob(str(REPO / "experiments" / "**" / "pool*.yaml"), recursive=True)
-                                        + glob.glob(str(REPO / "experiments" / "pools" / "*.yaml"))),
-                         ids=lambda p: str(Path(p).relative_to(REPO)))
+SHIPPED_POOLS = sorted(glob.glob(str(REPO / "configs" / "*.yaml")) + glob.glob(str(REPO / "configs" / "pools" / "*.yaml")))
+
+
+def test_every_pool_file_lives_under_configs():
+    assert len(SHIPPED_POOLS) > 40
+    elsewhere = [p for p in glob.glob(str(REPO / "**" / "*.yaml"), recursive=True)
+                 if "/configs/" not in p and "/.venv/" not in p and "verifier" in Path(p).read_text()
+                 and "drafters" in Path(p).read_text() and "datasets" not in Path(p).read_text()]
+    assert not elsewhere, f"pool files outside configs/: {elsewhere}"
+
+
+@pytest.mark.parametrize("path", SHIPPED_POOLS, ids=lambda p: str(Path(p).relative_to(REPO)))
 def test_shipped_pools_stay_valid(path):
     raw = yaml.safe_load(Path(path).read_text())
     config = read_pool_config(path)
@@ -352,3 +363,26 @@ def test_param_sets_params_of_any_drafter_type(tmp_path):
     argv = ["generate", "--pool", str(_pool_file(tmp_path)), "--drafter", "ngram", "--param", "ngram.n_min=2"]
     cfg = parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv)))
     assert [(d.name, d.params["n_min"]) for d in cfg.drafters] == [("ngram", 2)]
+
+
+def test_prompt_and_max_new_tokens_beyond_the_context_are_refused_before_the_models_load(tmp_path, monkeypatch, capsys):
+    """The verifier's context length is in its config and the prompt's length needs only its tokenizer, so neither
+    waits for the weights (tiny verifier: a context of 256 tokens)."""
+    from tiny import tiny_qwen, tiny_tokenizer
+
+    folder = tmp_path / "verifier"
+    tiny_qwen(seed=0, context=256).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({"verifier": {"model": str(folder), "dtype": "fp32", "device": "cpu"},
+                                    "drafters": [{"name": "ngram", "type": "ngram"}]}))
+    loaded = []
+    monkeypatch.setattr(metasd.config.ModelCache, "load", lambda *a, **k: loaded.append(a) or 1 / 0)
+    # AutoTokenizer reloads the tiny word-level tokenizer as Qwen2's BPE (transformers 5): hand over the original
+    monkeypatch.setattr(metasd.models, "load_tokenizer", lambda ref: tiny_tokenizer())
+    assert main(["generate", "--pool", str(pool), "--raw", "--max-new-tokens", "256", "w7"]) == 2
+    assert "--max-new-tokens 256 does not fit the context of" in capsys.readouterr().err
+    long_prompt = " ".join(["w7"] * 300)
+    assert main(["generate", "--pool", str(pool), "--raw", "--max-new-tokens", "8", long_prompt]) == 2
+    assert f"prompt of 300 tokens + max_new_tokens=8 exceeds the context of {folder} (256 tokens)" in capsys.readouterr().err
+    assert loaded == []

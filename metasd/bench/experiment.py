@@ -143,7 +143,7 @@ def _validate(raw: dict[str, Any], where: str) -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
-        text = format_validation_error(e, where, "experiment")
+        text = format_validation_error(e, where, "experiment", ExperimentConfig)
         # model-level checks say "field: message"; show them under that field, not under "(top level)"
         text = re.sub(r"^  (\(top level\)|[\w.]+): ([a-z_][\w.]*): ", r"  \2: ", text, flags=re.M)
         raise ConfigError(text) from None

@@ -9,7 +9,7 @@ from .experiment import Experiment, load_experiment
 from .ray_executor import RayRunner, import_ray
 from .runner import ExperimentResult, ExperimentRunner
 from .schema import ExecutorSpec, ExperimentConfig
-from .tracking import resolve_tracking_uri
+from metasd.config.tracking import resolve_tracking_uri
 
 
 def run_experiment(path_or_config: str | Path | dict | ExperimentConfig | Experiment, tracking_uri: str | None = None,

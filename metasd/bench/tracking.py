@@ -33,23 +33,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .experiment import Experiment, ResolvedPool
 
+from metasd.config.tracking import artifact_location
+
 from .store_guard import (LOCKED_RETRIES, OWNER_TAG, RetryingClient, RunInUseError, StoreBusyError,  # noqa: F401
                           call_with_retry, owner_alive, owner_token, store_lock)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 #: tag set on a parent run once its params and config files are logged (a resume completes them otherwise)
 PARAMS_TAG = "metasd.params_logged"
 REQUESTS_ARTIFACT = "requests.jsonl"
 #: per-request metrics as logged, one JSON line per request, uploaded before the record (see the module docstring)
 METRICS_ARTIFACT = "request_metrics.jsonl"
 _MAX_PARAM_LEN = 6000
-
-
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """--tracking-uri, else $MLFLOW_TRACKING_URI, else ``sqlite:///mlflow.db`` in the working directory."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -131,15 +127,6 @@ def model_params(pool: ResolvedPool) -> dict[str, str]:
         if ref.startswith(BUNDLED_PREFIX) and ref[len(BUNDLED_PREFIX):] in BUNDLED:
             out[f"model.{pool.name}.{who}.sha256"] = str(BUNDLED[ref[len(BUNDLED_PREFIX):]].sha256)
     return out
-
-
-def artifact_location(uri: str, name: str) -> str | None:
-    """For a sqlite store, keep artifacts beside the database (not in the working directory)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = Path(uri[len("sqlite:///"):])
-    root = (db.parent if db.is_absolute() else Path.cwd() / db.parent).resolve() / "mlartifacts"
-    return (root / re.sub(r"[^\w.\-]", "_", name)).as_uri()
 
 
 # ---------------------------------------------------------------------------------------------- runs

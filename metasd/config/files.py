@@ -2,8 +2,10 @@
 turned into messages that name the file and the field path, and ``${VAR}`` paths from the environment."""
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +24,54 @@ _SHOW_INPUT = {"literal_error", "extra_forbidden", "greater_than", "greater_than
                "bool_type", "bool_parsing", "string_type", "list_type", "enum"}
 
 
-def format_validation_error(err: ValidationError, source: str, what: str = "pool config") -> str:
-    """pydantic errors as ``source: invalid <what>`` then one ``  field.path: message`` line per error."""
+def format_validation_error(err: ValidationError, source: str, what: str = "pool config",
+                            model: type[BaseModel] | None = None) -> str:
+    """pydantic errors as ``source: invalid <what>`` then one ``  field.path: message`` line per error. Given the
+    ``model`` that was validated, an unknown field gets the closest known name ("did you mean") and the names
+    allowed there, instead of its whole value."""
     lines = [f"{source}: invalid {what}"]
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not _UNION_TAG.match(str(x))) or "(top level)"
+        path = [x for x in e["loc"] if not _UNION_TAG.match(str(x))]
+        loc = ".".join(map(str, path)) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] in _SHOW_INPUT and "input" in e:
-            msg = f"{msg} (got {e['input']!r})"
+        if e["type"] == "extra_forbidden" and model is not None and (allowed := _fields_at(model, path[:-1])):
+            close = difflib.get_close_matches(str(path[-1]), allowed, n=1)
+            msg = f"unknown field{f' (did you mean {close[0]!r}?)' if close else ''}; allowed here: {', '.join(allowed)}"
+        elif e["type"] in _SHOW_INPUT and "input" in e:
+            msg = f"{msg} (got {_short(e['input'])})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(dict.fromkeys(lines))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to about ``limit`` characters (a whole list of drafters is not a useful echo)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _fields_at(model: type[BaseModel], path: list) -> list[str]:
+    """The field names of the (nested) pydantic model at ``path`` inside ``model``; [] when it is not a model."""
+    for key in path:
+        if isinstance(key, int):  # a list item: the model stays the list's item type
+            continue
+        field = model.model_fields.get(str(key))
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (``X``, ``list[X]``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def validate_config(model: type[BaseModel], raw: dict[str, Any], source: str, what: str) -> Any:
@@ -39,7 +79,7 @@ def validate_config(model: type[BaseModel], raw: dict[str, Any], source: str, wh
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source, what)) from None
+        raise ConfigError(format_validation_error(e, source, what, model)) from None
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import torch
 
 from .cost import CostModel, StepMeter, attach, decode_step_cost
 from .drafter import Drafter
 from .policy import Policy
-from .request import GenerationResult, Prompt, Request
+from .request import GenerationResult, Prompt, Request, encode_prompt
 from .rewards import get_reward
 from .tokens import check_tokenizers_compatible, eos_token_ids
 from .verifier import Verifier
@@ -137,35 +136,11 @@ class Engine:
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt -> token ids. Message lists always get the chat template; strings when ``chat``."""
-        if isinstance(prompt, torch.Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if chat:
-                return self.encode([{"role": "user", "content": prompt}])
-            return self._tokenizer_or_fail().encode(prompt, add_special_tokens=True)
-        prompt = list(prompt)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if all(isinstance(t, int) for t in prompt):
-            return prompt
-        if all(isinstance(m, Mapping) for m in prompt):
-            tok = self._tokenizer_or_fail()
-            if not getattr(tok, "chat_template", None):
-                raise ValueError(f"{self.verifier.name}'s tokenizer has no chat template; pass a string prompt")
-            text = tok.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=False)
-            return tok.encode(text, add_special_tokens=False)
-        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+        return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name)
 
     # ---------------------------------------------------------------- internals
     def _run(self, prompt: Prompt, max_new_tokens: int, **kwargs) -> Request:
         return Request(self, prompt, max_new_tokens, **kwargs)
-
-    def _tokenizer_or_fail(self):
-        if self.tokenizer is None:
-            raise ValueError(f"{self.verifier.name} has no tokenizer: pass token ids")
-        return self.tokenizer
 
     def _check_policy(self, policy: Policy | None) -> Policy | None:
         """The policy checked against the pool; None (one drafter or none: nothing to choose)."""

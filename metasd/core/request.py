@@ -39,6 +39,44 @@ class GenerationResult:
         return {**self.stats.to_record(), "text": self.text, "token_ids": list(self.token_ids)}
 
 
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier") -> list[int]:
+    """Prompt -> token ids, as ``Engine.encode`` does: token ids as given, message lists through the chat template,
+    strings through it when ``chat`` (else encoded as they are). Needs no model, only its tokenizer, so a command can
+    check a prompt's length before any model loads."""
+    def tokenizer_or_fail():
+        if tokenizer is None:
+            raise ValueError(f"{model_name} has no tokenizer: pass token ids")
+        return tokenizer
+
+    if isinstance(prompt, torch.Tensor):
+        return [int(t) for t in prompt.reshape(-1).tolist()]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if chat:
+            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name)
+        return tokenizer_or_fail().encode(prompt, add_special_tokens=True)
+    prompt = list(prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if all(isinstance(t, int) for t in prompt):
+        return prompt
+    if all(isinstance(m, Mapping) for m in prompt):
+        tok = tokenizer_or_fail()
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"{model_name}'s tokenizer has no chat template; pass a string prompt")
+        text = tok.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+    raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int | None, model_name: str) -> None:
+    """``ValueError`` when the prompt and the new tokens do not fit the verifier's context."""
+    if context_length and prompt_tokens + max_new_tokens > context_length:
+        raise ValueError(f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+                         f"{model_name} ({context_length} tokens)")
+
+
 class Request:
     """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
     token lists (``steps``)."""
@@ -54,12 +92,7 @@ class Request:
         self.prompt_ids = engine.encode(prompt, chat)
         if not self.prompt_ids:
             raise ValueError("prompt is empty after tokenisation")
-        ctx_len = engine.verifier.context_length
-        if ctx_len and len(self.prompt_ids) + max_new_tokens > ctx_len:
-            raise ValueError(
-                f"prompt of {len(self.prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
-                f"{engine.verifier.name} ({ctx_len} tokens)"
-            )
+        check_context(len(self.prompt_ids), max_new_tokens, engine.verifier.context_length, engine.verifier.name)
         self.max_new_tokens = max_new_tokens
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in self.stop):

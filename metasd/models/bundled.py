@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from tqdm.auto import tqdm
+
 
 from .cache_marker import (CACHE_DTYPE, CACHE_FORMAT, CACHE_MARKER, cache_problem, marker_matches,  # noqa: F401
                            read_marker, upgrade_marker, write_marker)
@@ -133,7 +135,9 @@ def _assemble(entry: BundledModel, parts: list[Path], dest: Path) -> str:
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(dest, "wb") as out:
+    # a progress bar on stderr: copying and hashing a GB takes tens of seconds on a slow disk
+    with open(dest, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {entry.name}",
+                                       leave=False, disable=None) as bar:
         for part in parts:
             with open(part, "rb", buffering=0) as f:
                 while True:
@@ -142,6 +146,7 @@ def _assemble(entry: BundledModel, parts: list[Path], dest: Path) -> str:
                         break
                     h.update(view[:n])
                     out.write(view[:n])
+                    bar.update(n)
     digest = h.hexdigest()
     if entry.sha256 is not None and digest != entry.sha256:
         raise ModelLoadError(
@@ -333,6 +338,21 @@ def _upgrade_in_place(entry: BundledModel, final: Path) -> bool:
 def _upgradable(entry: BundledModel, path: Path) -> bool:
     marker = read_marker(path)
     return marker is not None and marker_matches(entry, marker, formats=(1,))
+
+
+def needs_preparing(ref: str) -> bool:
+    """Whether loading ``ref`` must first assemble and convert a bundled model (minutes, once): False for a bundled
+    model whose cache is complete (or only needs its marker upgraded) and for every other kind of reference."""
+    if not ref.startswith(BUNDLED_PREFIX):
+        return False
+    entry = get_bundled(ref[len(BUNDLED_PREFIX):])
+    path = _cache_path(entry)
+    return _cache_problem(entry, path) is not None and not _upgradable(entry, path)
+
+
+def prepared_dir(ref: str) -> Path | None:
+    """The cached model directory of a bundled ``ref`` when it is ready to load, else None (nothing is prepared)."""
+    return None if needs_preparing(ref) or not ref.startswith(BUNDLED_PREFIX) else _cache_path(get_bundled(ref[len(BUNDLED_PREFIX):]))
 
 
 def bundled_status() -> list[dict]:

@@ -15,6 +15,7 @@ model's weights are the same from the first run on.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .bundled import prepare_bundled
+from .bundled import prepare_bundled, prepared_dir
 from .catalog import BUNDLED_PREFIX, bundled_names, get_bundled
 from .devices import resolve_device, resolve_dtype
 from .errors import ModelLoadError
@@ -182,6 +183,27 @@ def _wrap_local(src: ModelSource, what: str, fn):
         raise
     except Exception as e:
         raise ModelLoadError(f"cannot load the {what} of {src.ref!r} ({src.kind} at {src.path}): {type(e).__name__}: {e}") from e
+
+
+def local_config_dir(ref: str) -> Path | None:
+    """The directory holding the config.json and tokenizer of ``ref`` when they can be read now without a download,
+    a GGUF parse or a bundled model's conversion: a local model directory or a prepared bundled model; else None."""
+    src = _locate(ref)
+    if src.kind == "dir":
+        return Path(src.path)
+    return prepared_dir(ref) if src.kind == "bundled" else None
+
+
+def context_length(ref: str) -> int | None:
+    """The context length (``max_position_embeddings``) the config of ``ref`` names, read without loading weights;
+    None when the config cannot be read cheaply (see ``local_config_dir``) or names none."""
+    folder = local_config_dir(ref)
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs keep the language model's apart
+    value = cfg.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def load_tokenizer(ref: str) -> "PreTrainedTokenizerBase":

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from metasd.config import expand_env_path
+from metasd.config.tracking import DEFAULT_TRACKING_URI, artifact_location, resolve_tracking_uri
 from .features import FeatureSet, parse_shards
 
 STATE_WEIGHTS = "model_fp32.safetensors"
@@ -148,7 +149,8 @@ def lr_at(step: int, st) -> float:
 
 def tracking_uri(explicit: str | None = None) -> str:
     """MLflow store of a trainer: ``explicit``, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here."""
-    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    uri = resolve_tracking_uri(explicit)
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}" if uri == DEFAULT_TRACKING_URI else uri
 
 
 class Tracker:
@@ -168,6 +170,8 @@ class Tracker:
 
         self.mlflow = mlflow
         mlflow.set_tracking_uri(tracking_uri(uri))
+        if mlflow.get_experiment_by_name(experiment) is None:  # artifacts beside a SQLite store, not in ./mlruns
+            mlflow.create_experiment(experiment, artifact_location=artifact_location(tracking_uri(uri), experiment))
         mlflow.set_experiment(experiment)
         run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
         self.run_id = run.info.run_id
