@@ -144,6 +144,7 @@ class PretrainedDrafter(Drafter):
         self.k_min, self.k_max = k_min, k_max
         self.cache: DynamicCache | None = None
         self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
+        self._unread = 0  # draft tokens fed from the device and not read yet (they follow cached_ids in the cache)
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
         self.steering = None  # a composed ``metasd.drafters.steered.Steering`` (the steered types set it)
 
@@ -172,12 +173,17 @@ class PretrainedDrafter(Drafter):
         h = base(**inputs, **cache_kwargs(base, self.cache), use_cache=True).last_hidden_state[0]  # [n, d]
         return self.draft_head(h[-1:] if last_only else h)
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]."""
-        x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
-        with self.steering.feeding(len(self.cached_ids), ids) if self.steering is not None else nullcontext():
+    def _forward(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]. ``ids``: host ints, or a device
+        tensor [n] of draft tokens not read yet (their ids join ``cached_ids`` once the draft is read)."""
+        x = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=self.model.device)
+        start = len(self.cached_ids) + self._unread
+        with self.steering.feeding(start, ids) if self.steering is not None else nullcontext():
             logits = self._logits(True, input_ids=x)
-        self.cached_ids.extend(ids)
+        if isinstance(ids, torch.Tensor):
+            self._unread += ids.numel()
+        else:
+            self.cached_ids.extend(ids)
         return logits[-1]
 
     @torch.inference_mode()
@@ -201,28 +207,36 @@ class PretrainedDrafter(Drafter):
             return self.make_draft(ctx)
 
     def make_draft(self, ctx: StepContext) -> Draft:
-        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``."""
+        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``.
+
+        The chain is drafted on the model's device and read by the host once, at the end: each draft token is fed to
+        the next forward as a device tensor. Only the confidence stop reads each token's probability as it goes (to
+        save the forwards after an unsure token)."""
         depth = min(self.k, ctx.max_depth)
         if depth <= 0:
             return Draft.empty()
-        logits = self.sync(ctx.tokens.tolist())
+        logits = self.sync(ctx.tokens.tolist())  # [vocab]
         greedy = ctx.sampling.greedy
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
+        drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
+        probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
         for i in range(depth):
             if greedy:
-                x = int(logits.argmax())
+                x = logits.argmax(-1, keepdim=True)
             else:
                 q = process_logits(logits, ctx.sampling)  # [vocab]
-                x = int(sample(q, ctx.generator))
+                x = sample(q, ctx.generator).view(1)
                 probs.append(q)
-            tokens.append(x)
+            drafted.append(x)
             if i == depth - 1 or self._unsure(logits, x):
                 break
-            logits = self._forward([x])
+            logits = self._forward(x)
+        tokens = torch.cat(drafted).tolist()  # the step's one read of the draft
+        self.cached_ids.extend(tokens[: self._unread])  # the draft tokens fed above, now known to the host
+        self._unread = 0
         return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
 
-    def _unsure(self, logits: torch.Tensor, token: int) -> bool:
+    def _unsure(self, logits: torch.Tensor, token: torch.Tensor) -> bool:
+        """Whether the drafted ``token`` ([1]) had a drafter probability below ``confidence_threshold`` (a host read)."""
         if self.confidence_threshold is None:
             return False
         return float(logits.float().softmax(-1)[token]) < self.confidence_threshold

@@ -96,10 +96,12 @@ class Steering:
         finally:
             self.delta = None
 
-    def feeding(self, start: int, ids: list[int]):
-        """Context of a forward feeding ``ids`` at positions ``start..``: steered from ``steer_from`` on."""
+    def feeding(self, start: int, ids: list[int] | torch.Tensor):
+        """Context of a forward feeding ``ids`` (host ints, or a device tensor [n] of unread draft tokens) at positions
+        ``start..``: steered from ``steer_from`` on."""
         n_plain = len(ids) if self.delta is None else min(max(self.steer_from - start, 0), len(ids))
         if self.trace is not None:
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids  # a host read, for the trace only
             self.trace.extend((start + i, t, None if i < n_plain else self.guide_row) for i, t in enumerate(ids))
         if n_plain == len(ids):
             return nullcontext()

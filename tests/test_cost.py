@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import metasd.core.request
+import metasd.core.clock
 from metasd.core.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 from metasd.core.engine import Engine
@@ -112,7 +112,7 @@ def _noisy_clock(seed):
 
 
 def _pool_run(verifier_model, reward, clock_seed, monkeypatch, **kwargs):
-    monkeypatch.setattr(metasd.core.request.time, "perf_counter", _noisy_clock(clock_seed))
+    monkeypatch.setattr(metasd.core.clock.time, "perf_counter", _noisy_clock(clock_seed))  # every step clock
     pool = [PretrainedDrafter(tiny_qwen(seed=0), k=3, name="same"), PretrainedDrafter(tiny_llama(seed=3), k=2, name="other"),
             NGramDrafter(k=3, name="ngram")]
     engine = Engine(Verifier(verifier_model), pool, UCB(3, normalize=True), reward=reward, check_tokenizers=False)

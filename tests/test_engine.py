@@ -255,3 +255,38 @@ def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
     assert _sampling_pvalue(engine, verifier) < 1e-6
+
+
+def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(model, tokenizer):
+    """Two streams opened on one engine (or on engines sharing its verifier through ``derive``), or two threads: the
+    second request is refused while the first holds the verifier and drafters; the first finishes unharmed."""
+    import threading
+
+    from metasd.core import EngineBusyError
+
+    engine = Engine(Verifier(model, tokenizer), PretrainedDrafter(tiny_qwen(seed=1), k=3, name="d"), check_tokenizers=False)
+    expected = plain_greedy(model, PROMPT, 12)
+    first = engine.stream(PROMPT, max_new_tokens=12)
+    next(first)  # the first request has started
+    with pytest.raises(EngineBusyError, match="verifier is in use by another request"):
+        engine.generate(PROMPT, max_new_tokens=4)
+    with pytest.raises(EngineBusyError):
+        next(engine.derive().stream(PROMPT, max_new_tokens=4))  # shares the verifier
+    for _ in first:
+        pass
+    assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected  # usable again, cache intact
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(engine.generate(PROMPT, max_new_tokens=12).token_ids)
+        except EngineBusyError as e:
+            errors.append(e)
+
+    started = engine.stream(PROMPT, max_new_tokens=12)
+    next(started)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and not results  # refused in the other thread while this one holds the engine
+    assert "".join(started) is not None and engine.generate(PROMPT, max_new_tokens=12).token_ids == expected

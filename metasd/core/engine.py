@@ -6,6 +6,8 @@ plus one bonus token, and the verifier's cache keeps exactly what was committed.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 
@@ -20,6 +22,23 @@ from .verifier import Verifier
 #: ``Engine.from_config`` reads pool files through the config layer (``metasd.config``), which registers its loader
 #: here when imported (``import metasd`` does): the core itself imports no YAML and no layer above it.
 _POOL_LOADER: Callable[..., "Engine"] | None = None
+
+
+class EngineBusyError(RuntimeError):
+    """A request was started on a verifier or drafter that another request is still using (their KV caches hold one
+    request at a time)."""
+
+
+_LOCKS = threading.Lock()  # guards the creation of the per-object locks below
+
+
+def _use_lock(owner: Any) -> threading.Lock:
+    """The lock a request holds on ``owner`` (a verifier or a drafter) while it runs, created on first use."""
+    with _LOCKS:
+        lock = owner.__dict__.get("_metasd_in_use")
+        if lock is None:
+            lock = owner.__dict__["_metasd_in_use"] = threading.Lock()
+    return lock
 
 
 def set_pool_loader(loader: Callable[..., "Engine"]) -> None:
@@ -159,6 +178,26 @@ class Engine:
         for d in self.drafters:
             if d.tokenizer is not None and self.tokenizer is not None:
                 check_tokenizers_compatible(self.tokenizer, d.tokenizer, self.verifier.name, d.name)
+
+    @contextmanager
+    def exclusive_use(self):
+        """Hold the verifier and every drafter for one request. Their KV caches and per-request state hold one request
+        at a time, and engines made by ``derive`` share them: a second request on any of them while the first runs (from
+        another thread, or a second ``stream`` opened before the first ended) is refused with ``EngineBusyError`` rather
+        than corrupting a cache. Run concurrent requests on separate engines (separate model copies)."""
+        held = []
+        try:
+            for owner in (self.verifier, *self.drafters):
+                lock = _use_lock(owner)
+                if not lock.acquire(blocking=False):
+                    what = "verifier" if owner is self.verifier else f"drafter {owner.name!r}"
+                    raise EngineBusyError(f"the {what} is in use by another request: metasd runs one request at a time "
+                                          f"per verifier and per drafter; wait for it to finish, or use another engine")
+                held.append(lock)
+            yield
+        finally:
+            for lock in held:
+                lock.release()
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)

@@ -7,13 +7,13 @@ from it.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from .acceptance import accept_greedy, accept_match, accept_rejection
+from .clock import now
 from .drafter import StepContext, StepFeedback
 from .metrics import RequestStats
 from .policy import Policy
@@ -99,9 +99,9 @@ class Request:
             raise ValueError("stop strings must be non-empty")
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
         self.category = category
-        self.generator = None
+        self.generator = None  # sampling draws on the verifier's device, from this request's own stream
         if not self.sampling.greedy:
-            self.generator = torch.Generator(device="cpu")
+            self.generator = torch.Generator(device=engine.verifier.device)
             self.generator.manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
@@ -127,72 +127,98 @@ class Request:
         return self.policy.select(context) if self.policy is not None else 0
 
     def steps(self) -> Iterator[list[int]]:
+        """Run the request: yield the tokens each step commits. Holds the engine's verifier and drafters for the whole
+        request (a second request on them meanwhile is refused: ``EngineBusyError``); gradients are off inside each
+        step, never around the caller's code between steps."""
+        with self.engine.exclusive_use():
+            try:
+                with torch.inference_mode():
+                    self._start()
+                while True:
+                    with torch.inference_mode():
+                        committed, done = self._step()
+                    yield committed
+                    if done:
+                        break
+                with torch.inference_mode():
+                    self._finish()
+            finally:
+                for d in self.engine.drafters:
+                    d.end()
+
+    def _start(self) -> None:
+        """Prefill the verifier, lay out the context buffer, start the drafters and the policy's episode."""
         eng, verifier, stats = self.engine, self.engine.verifier, self.stats
-        drafters, policy, reward = eng.drafters, self.policy, eng.reward
-        eos = eng.eos_ids()
-        greedy = self.sampling.greedy
-        if policy is not None and not eng.persistent_policy:
-            policy.reset()
-        context = self._context()
-        t_start = time.perf_counter()
-        with torch.inference_mode():
-            verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), eng.hidden_layers)
-            stats.prefill_s = time.perf_counter() - t_start
-            tokens = list(self.prompt_ids)
-            base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
-                            hidden=verifier.hidden, request={"category": self.category})
-            for d in drafters:
-                d.begin(StepContext(tokens=torch.tensor(tokens), max_depth=0, **base_ctx))
-            arm = self._select(context) if eng.granularity == "request" else 0
-            step_rewards: list[float] = []
-            while True:
-                budget = self.max_new_tokens - len(self.new_ids)
-                if eng.granularity == "step":
-                    arm = self._select(context)
-                drafter = drafters[arm] if drafters else None
-                ctx = StepContext(tokens=torch.tensor(tokens), max_depth=budget - 1, step=stats.steps, **base_ctx)
-                with eng.meter as meter:  # counts the modeled cost of drafting and verifying
-                    t0 = time.perf_counter()
-                    draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
-                    if draft.depth > ctx.max_depth:
-                        draft = draft.truncated(ctx.max_depth)
-                    t1 = time.perf_counter()
-                    out = verifier.verify(tokens[-1], draft)
-                    t2 = time.perf_counter()
-                if greedy:
-                    target_argmax, target_probs = out.logits.argmax(-1), None
-                    acc = accept_greedy(draft, target_argmax)
-                else:
-                    target_argmax, target_probs = None, process_logits(out.logits, self.sampling)
-                    acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
-                verifier.commit(acc.path, out)
-                committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
-                stats.draft_s += t1 - t0
-                stats.verify_s += t2 - t1
-                stats.catch_up_tokens += draft.catch_up
-                stats.modeled_cost += meter.steps
-                name = drafter.name if drafter is not None else "none"
-                stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
-                feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0,
-                                        cost=meter.steps)
-                value = reward.step(feedback)
-                stats.rewards.append(value)
-                step_rewards.append(value)
-                if drafter is not None:
-                    if policy is not None and eng.granularity == "step":
-                        policy.update(arm, value, context)
-                    drafter.observe(feedback)
-                done = self._commit(committed, eos)
-                tokens.extend(committed)
-                yield committed
-                if done:
-                    break
-            if policy is not None and drafters and eng.granularity == "request" and step_rewards:
-                policy.update(arm, reward.request(stats, step_rewards), context)
-            for d in drafters:
-                d.end()
+        if self.policy is not None and not eng.persistent_policy:
+            self.policy.reset()
+        self.context = self._context()
+        self.eos = eng.eos_ids()
+        self.t_start = now(verifier.device)
+        verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), eng.hidden_layers)
+        stats.prefill_s = now(verifier.device) - self.t_start
+        # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
+        # a view of its first T entries); the last committed token is the pending one
+        self.buffer = torch.empty(len(self.prompt_ids) + self.max_new_tokens + 1, dtype=torch.long)
+        self.length = len(self.prompt_ids)
+        self.buffer[: self.length] = torch.tensor(self.prompt_ids, dtype=torch.long)
+        self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
+                             hidden=verifier.hidden, request={"category": self.category})
+        for d in eng.drafters:
+            d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))
+        self.arm = self._select(self.context) if eng.granularity == "request" else 0
+        self.step_rewards: list[float] = []
+
+    def _step(self) -> tuple[list[int], bool]:
+        """One step: select, draft, verify, accept, commit, reward, learn. Returns the committed tokens and whether the
+        request is over."""
+        eng, verifier, stats, policy = self.engine, self.engine.verifier, self.stats, self.policy
+        device = verifier.device
+        budget = self.max_new_tokens - len(self.new_ids)
+        if eng.granularity == "step":
+            self.arm = self._select(self.context)
+        drafter = eng.drafters[self.arm] if eng.drafters else None
+        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=budget - 1, step=stats.steps, **self.base_ctx)
+        with eng.meter as meter:  # counts the modeled cost of drafting and verifying
+            t0 = now(device)
+            draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
+            if draft.depth > ctx.max_depth:
+                draft = draft.truncated(ctx.max_depth)
+            t1 = now(device)
+            out = verifier.verify(int(self.buffer[self.length - 1]), draft)
+            t2 = now(device)
+        if self.sampling.greedy:
+            target_argmax, target_probs = out.logits.argmax(-1), None  # [n+1] on the verifier's device
+            acc = accept_greedy(draft, target_argmax)
+        else:
+            target_argmax, target_probs = None, process_logits(out.logits, self.sampling)  # [n+1, vocab]
+            acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
+        verifier.commit(acc.path, out)
+        committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.catch_up_tokens += draft.catch_up
+        stats.modeled_cost += meter.steps
+        name = drafter.name if drafter is not None else "none"
+        stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
+        feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0, cost=meter.steps)
+        value = eng.reward.step(feedback)
+        stats.rewards.append(value)
+        self.step_rewards.append(value)
+        if drafter is not None:
+            if policy is not None and eng.granularity == "step":
+                policy.update(self.arm, value, self.context)
+            drafter.observe(feedback)
+        done = self._commit(committed, self.eos)
+        self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
+        self.length += len(committed)
+        return committed, done
+
+    def _finish(self) -> None:
+        eng, stats, policy = self.engine, self.stats, self.policy
+        if policy is not None and eng.drafters and eng.granularity == "request" and self.step_rewards:
+            policy.update(self.arm, eng.reward.request(stats, self.step_rewards), self.context)
         stats.new_tokens = len(self.new_ids)
-        stats.wall_s = time.perf_counter() - t_start
+        stats.wall_s = now(eng.verifier.device) - self.t_start
         stats.policy_state = policy.state_dict() if policy is not None else None
 
     def _commit(self, committed: list[int], eos: set[int]) -> bool:
