@@ -4,6 +4,7 @@ load_questions reads back."""
 import ast
 import json
 import platform
+import random
 import re
 import subprocess
 import sys
@@ -167,12 +168,18 @@ def test_a_module_missing_from_this_python_is_skipped(sets, monkeypatch):
 
 def test_too_long_candidates_are_skipped(monkeypatch):
     code = {m: ch._functions(m) for m in ch.CODE_MODULES}
+    passage = next(w for ws in ch._passages("os") for w in ws)  # from os.walk's docstring
     assert any(ch.estimate_tokens(f.code) > 300 for fs in code.values() for f in fs)  # some a budget of 300 skips
     monkeypatch.setattr(ch, "TOKEN_BUDGET", 300)
     qs = ch._pick(ch.CODE_EDIT, code, ch.CODE_TEMPLATES, 20, 0, ch._code_question)
     assert len(qs) == 20 and all(ch.estimate_tokens(q.turns[0]) <= 300 for q in qs)
     with pytest.raises(ValueError, match="quote_qa: only 0 prompts"):  # no passage of 250+ words fits in 300
         ch.build_copy_heavy(1, 0)
+    size = ch.estimate_tokens(passage.text)
+    for budget, fits in ((size + 20, False), (size + 200, True)):
+        monkeypatch.setattr(ch, "TOKEN_BUDGET", budget)  # the passage fits; with the question, only the larger
+        made = [ch._quote_question(passage, t, random.Random(0), 0) for t in ch.QUOTE_TEMPLATES]
+        assert any(q is not None for q in made) == fits
 
 
 def test_the_command_line_writes_jsonl_that_load_questions_reads_back(sets, tmp_path):
