@@ -1,5 +1,6 @@
 """Prompt sets: Spec-Bench JSONL (or any JSONL with ``turns`` or ``prompt``), their category groups, and the built-in
-prompts (``prompts.jsonl`` beside this file). Imports nothing of metasd."""
+prompts (``prompts.jsonl`` beside this file); ``metasd.data.copy_heavy`` generates a copy-heavy set from the
+installed Python's standard library. Imports nothing of metasd."""
 from __future__ import annotations
 
 import json
@@ -7,13 +8,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Spec-Bench reports one column per group; the eight MT-bench categories form the "MT" column.
+# Spec-Bench reports one column per group; the eight MT-bench categories form the "MT" column. The copy-heavy
+# set's two categories (metasd.data.copy_heavy) are a column each, after Spec-Bench's.
 CATEGORY_GROUPS = {
     "writing": "MT", "roleplay": "MT", "reasoning": "MT", "math": "MT", "coding": "MT", "extraction": "MT",
     "stem": "MT", "humanities": "MT", "translation": "translation", "summarization": "summarization",
-    "qa": "QA", "math_reasoning": "math", "rag": "RAG",
+    "qa": "QA", "math_reasoning": "math", "rag": "RAG", "code_edit": "code_edit", "quote_qa": "quote_qa",
 }
-GROUP_ORDER = ["MT", "translation", "summarization", "QA", "math", "RAG"]
+GROUP_ORDER = ["MT", "translation", "summarization", "QA", "math", "RAG", "code_edit", "quote_qa"]
 SPEC_BENCH_DEFAULT = Path("../shared/data/spec_bench/question.jsonl")
 
 
@@ -33,7 +35,8 @@ class Question:
 
 def load_questions(path: str | Path, groups: list[str] | None = None, per_group: int | None = None,
                    categories: list[str] | None = None) -> list[Question]:
-    """Read a JSONL of ``{"question_id", "category", "turns": [...]}`` or ``{"prompt": ...}`` lines.
+    """Read a JSONL of ``{"question_id", "category", "turns": [...]}`` or ``{"prompt": ...}`` lines (an optional
+    ``meta`` object is kept in ``Question.meta``).
 
     groups / categories filter; per_group keeps the first n questions of each group, taken round-robin
     over the group's categories (so 2 MT questions are a writing and a roleplay one, not two writing).
@@ -53,7 +56,11 @@ def load_questions(path: str | Path, groups: list[str] | None = None, per_group:
             turns = row.get("turns") or ([row["prompt"]] if "prompt" in row else None)
             if not turns or not all(isinstance(t, str) and t for t in turns):
                 raise ValueError(f"{path}:{i + 1}: needs a non-empty 'turns' list or a 'prompt' string")
-            questions.append(Question(str(row.get("question_id", i)), row.get("category", "default"), list(turns)))
+            meta = row.get("meta", {})
+            if not isinstance(meta, dict):
+                raise ValueError(f"{path}:{i + 1}: 'meta' must be an object")
+            questions.append(Question(str(row.get("question_id", i)), row.get("category", "default"), list(turns),
+                                      meta))
     if categories:
         questions = [q for q in questions if q.category in categories]
     if groups:
