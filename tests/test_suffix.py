@@ -292,6 +292,22 @@ def test_begin_and_end_reset_per_request_state():
     assert drafter.longest_match([8, 9, 5]) == 0 and drafter.trie._stamp == 3
     # a context that does not extend the one fed (no begin) starts over too
     assert drafter.longest_match([5, 6, 7, 5]) == 1 and drafter.trie._stamp == 4
+    # a next turn whose prompt extends the last context: begin still drops the state, the prompt is fed anew
+    drafter.begin(ctx([5, 6, 7, 5, 6, 8]))
+    assert drafter.trie is None
+    assert drafter.propose(ctx([5, 6, 7, 5, 6, 8])).catch_up == 5 and drafter.trie._stamp == 6
+
+
+def test_cache_gets_the_whole_request_including_the_last_steps_tokens():
+    drafter = SuffixDrafter(cross_request=True)
+    drafter.begin(ctx([1, 2, 3]))
+    drafter.end()  # never drafted: the prompt is cached
+    drafter.begin(ctx([4, 5, 6]))
+    drafter.propose(ctx([4, 5, 6, 7]))
+    drafter.observe(SimpleNamespace(committed=[8, 9]))  # the last step: never fed to a propose
+    drafter.end()
+    assert list(drafter.cache.requests) == [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    assert drafter.propose(ctx([0, 7, 8])).tokens.tolist() == [9]
 
 
 def test_catch_up_counts_the_prompt_and_tokens_other_drafters_committed():
