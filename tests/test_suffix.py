@@ -148,6 +148,8 @@ def test_min_prob_bounds_the_product_along_the_path():
     assert drafted(0.41) == {(3,)}  # 4 and 5 follow "1 2 3" half the time each, but P(3, 4) = 0.4
     assert drafted(0.39) == {(3,), (3, 4), (3, 5)}
     assert drafted(0.21) == {(3,), (3, 4), (3, 5)}
+    chain = SuffixDrafter(mode="chain", max_depth=2, spec_factor=10.0, min_prob=0.41).propose(ctx(tokens))
+    assert chain.tokens.tolist() == [3]  # the chain too: 0.8 * 0.5 < 0.41
     assert drafted(0.19) == {(3,), (3, 4), (3, 5), (6,), (6, 1)}  # 1 always followed "1 2 6": P(6, 1) = 0.2
 
 
@@ -244,6 +246,26 @@ def test_request_text_wins_a_tie_and_a_longer_cached_match_wins():
     # "2 3 4" in the request (then 99), "1 2 3 4" in the cache (then 20): the longer match
     draft = drafter.propose(ctx([2, 3, 4, 99, 1, 2, 3, 4]))
     assert draft.tokens.tolist()[0] == 20 and draft.meta == {"match_len": 4, "from_cache": True}
+
+
+def test_cache_match_follows_suffix_links_and_is_the_longest():
+    drafter = SuffixDrafter(mode="chain", cross_request=True)
+    request(drafter, [1, 2, 3, 4, 3, 9, 10, 11])
+    # "1 2 3" matched, then 9: the cache has no "1 2 3 9" nor "2 3 9", but "3 9" (then 10, 11)
+    assert drafter.longest_match([1, 2, 3, 9]) == 2
+    assert drafter.propose(ctx([1, 2, 3, 9])).tokens.tolist() == [10, 11]
+    rng = random.Random(3)  # random cached requests and requests: the match is the brute-force longest
+    drafter = SuffixDrafter(cross_request=True, max_match=5, max_depth=2)
+    cached = [random_tokens(rng, rng.randint(5, 30), 4) for _ in range(4)]
+    for tokens in cached:
+        request(drafter, tokens)
+    for _ in range(5):
+        tokens = random_tokens(rng, 40, 4)
+        drafter.begin(ctx(tokens[:3]))
+        for n in range(3, len(tokens) + 1):
+            in_cache = max((L for L in range(1, min(5, n) + 1) for x in cached
+                            if any(x[i:i + L] == tokens[n - L:n] for i in range(len(x) - L))), default=0)
+            assert drafter.longest_match(tokens[:n]) == max(in_cache, brute_longest(tokens[:n], 5))
 
 
 def test_cache_memory_bound_holds_and_evicts_the_oldest_requests():
