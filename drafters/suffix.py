@@ -220,14 +220,14 @@ class SuffixCache:
 class SuffixParams(DrafterParams):
     """Pool-config ``params`` of the suffix drafter."""
 
-    mode: Literal["tree", "chain"] = Field("tree", description="draft a frequency-ranked tree, or the most frequent chain")
+    mode: Literal["tree", "chain"] = Field("tree", description="a frequency-ranked tree, or the most frequent chain")
     max_match: Int = Field(16, ge=1, description="longest context suffix matched")
     max_depth: Int = Field(8, ge=1, description="deepest draft token")
     max_nodes: Int = Field(16, ge=1, description="tree: most draft nodes")
     spec_factor: Float = Field(1.0, gt=0.0, description="at most spec_factor * match length draft tokens")
-    min_prob: Float = Field(0.1, ge=0.0, le=1.0, description="draft a node only if its estimated probability is at least this")
+    min_prob: Float = Field(0.1, ge=0.0, le=1.0, description="draft a node only if its estimated probability >= this")
     cross_request: Bool = Field(False, description="also match the tokens of earlier requests")
-    max_cached_tokens: Int = Field(20_000, ge=1, description="cross_request: tokens of earlier requests kept (oldest evicted)")
+    max_cached_tokens: Int = Field(20_000, ge=1, description="cross_request: cached tokens, oldest evicted")
 
 
 @register_drafter
@@ -315,7 +315,9 @@ class SuffixDrafter(Drafter):
     def _sync(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Feed the committed tokens (``tokens``: [T] int64) not in the request's trie yet; return how many.
 
-        A context that does not extend the one fed so far (a new request without ``begin``) starts over."""
+        Within a request the engine only appends to ``tokens``; a context shorter than the one fed, or whose token at
+        the last fed position differs (a new request without ``begin``), starts over. Only that token is compared,
+        so the check costs O(1): a different context that agrees there is taken for an extension."""
         n = len(self._seen)
         if self.trie is None or len(tokens) < n or (n and int(tokens[n - 1]) != self._seen[-1]):
             prompt = self._prompt
