@@ -82,6 +82,8 @@ ENTRIES: dict[str, Callable[[Path], dict]] = {
     "pretrained_tree": lambda root: {"model": str(root / "drafter"),  # with a draft head over ids < 40 (+ EOS)
                                      "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2, "head_vocab": 40}},
     "ngram": lambda root: {"params": {"k": 4, "n_max": 2}},
+    # drafts from earlier requests too: under sampling, the answers the verifier sampled before (accepted often)
+    "suffix": lambda root: {"params": {"cross_request": True, "max_cached_tokens": 2000}},
     "block": _block,
     "hidden_state": _hidden_state,
     "treeflash": _treeflash,
