@@ -123,7 +123,7 @@ class BlockHeads(torch.nn.Module):
         with torch.no_grad():
             heads.weight.copy_(state["weight"])
             heads.bias.copy_(state["bias"])
-        return heads.eval().requires_grad_(False)
+        return heads.to(full_lm_weight.device).eval().requires_grad_(False)  # beside the verifier's head
 
 
 # ------------------------------------------------------------------------------------------- n-gram LM
@@ -360,8 +360,9 @@ class BlockDrafter(Drafter):
         depth = min(self.k, ctx.max_depth)
         if depth <= 0 or ctx.hidden is None or len(ctx.hidden) == 0:
             return Draft.empty()
-        cand, logp = self.lattice(ctx.hidden.last(self.heads.hidden_layer), depth)
-        cand_l, logp_l = cand.tolist(), logp.tolist()
+        cand, logp = self.lattice(ctx.hidden.last(self.heads.hidden_layer), depth)  # [depth, m] each
+        both = torch.stack([cand.float(), logp]).tolist()  # the lattice in one host read (ids < 2**24: exact)
+        cand_l, logp_l = [[int(x) for x in row] for row in both[0]], both[1]
         catch_up = 0
         if self.refine == "neural":
             best = self._beam_search(ctx.tokens.tolist(), cand_l, logp_l)
@@ -403,9 +404,11 @@ class BlockDrafter(Drafter):
         try:
             for i in range(depth):
                 grown = []
-                for score, path, node, lp in beams:
-                    for x, hl in zip(cand[i], logp[i]):
-                        lm_lp = float(lp[x]) if x < vocab else -1e4
+                ids = torch.tensor([min(x, vocab - 1) for x in cand[i]], device=first.device)  # [m]
+                lm_rows = torch.stack([lp[ids] for _, _, _, lp in beams]).tolist()  # the depth's one host read
+                for (score, path, node, _), row in zip(beams, lm_rows):
+                    for x, hl, lm_lp in zip(cand[i], logp[i], row):
+                        lm_lp = lm_lp if x < vocab else -1e4
                         grown.append((score + hl + self.weight * lm_lp, path + (x,), node))
                 grown = heapq.nlargest(self.paths, grown, key=lambda g: g[0])
                 if i == depth - 1:

@@ -72,17 +72,31 @@ class GrowingTree:
         self.forwards += 1
 
 
+def read_topk(scores: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The ``k`` best entries of each row of ``scores`` [rows, vocab] (values, indices), read by the host in one
+    transfer: both go in one float32 tensor (token ids below 2**24 are exact in float32)."""
+    vals, idx = scores.topk(k, dim=-1)  # [rows, k] each, on the device
+    both = torch.stack([vals.float(), idx.float()]).tolist()
+    return both[0], [[int(i) for i in row] for row in both[1]]
+
+
 def gumbel_top_k(logq: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
     """Indices of k draws without replacement from softmax(logq), in draw order (Gumbel-top-k).
 
     Zero-probability entries (-inf) are never drawn: k is capped at the number of finite entries.
     """
-    k = min(k, int(torch.isfinite(logq).sum()))
-    if k <= 0:
-        return []
-    # log q + Gumbel = log q - log E with E ~ Exp(1)
-    keys = logq.double() - torch.empty(logq.shape, dtype=torch.float64).exponential_(generator=generator).log()
-    return keys.topk(k).indices.tolist()
+    # log q + Gumbel = log q - log E with E ~ Exp(1), drawn on logq's device (from the request's generator)
+    noise = torch.empty(logq.shape, dtype=noise_dtype(logq.device), device=logq.device).exponential_(generator=generator)
+    keys = logq.to(noise.dtype) - noise.log()
+    k = min(k, logq.shape[-1])
+    top = keys.topk(k)
+    vals, idx = torch.stack([top.values, top.indices.to(noise.dtype)]).tolist()  # one host read
+    return [int(i) for v, i in zip(vals, idx) if v != float("-inf")]  # zero-probability tokens are never drawn
+
+
+def noise_dtype(device: torch.device) -> torch.dtype:
+    """float64 for Gumbel keys where the device has it (ties between near-equal keys stay rare), else float32."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _log1mexp(a: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ class HiddenStateDrafter(VerifierStateDrafter):
             raise ValueError(f"{where} reads verifier layer {cfg.state_layer}; this verifier has hidden states 0..{n_layers}")
         self.mode, self.depth, self.nodes, self.k = mode, int(depth), int(nodes), int(k)
         self.reuse, self.max_stale = bool(reuse), int(max_stale)
-        self.net = net.to(verifier_model.dtype).eval().requires_grad_(False)
+        self.net = net.to(verifier_model.device, verifier_model.dtype).eval().requires_grad_(False)  # beside the verifier
         self.vocab = vocab
         self.pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids)
         # the verifier's head restricted to the draft vocabulary, as a layer of its own (a copy: quantizing it
@@ -134,7 +134,7 @@ class HiddenStateDrafter(VerifierStateDrafter):
 
     def _forward(self, h: torch.Tensor, start: int) -> torch.Tensor:
         """Feed inputs h [n, d] at positions start.. (= the cache length); returns predicted states [n, d]."""
-        s, (k, v) = self.net.step(h, torch.arange(start, start + len(h)), self._kv)
+        s, (k, v) = self.net.step(h, torch.arange(start, start + len(h), device=h.device), self._kv)
         self._kv = (k, v) if self._kv is None else (torch.cat([self._kv[0], k], 1), torch.cat([self._kv[1], v], 1))
         return s
 
@@ -174,23 +174,27 @@ class HiddenStateDrafter(VerifierStateDrafter):
         return self.head(self.net.inject(states, emb)).float()
 
     def _chain(self, states: torch.Tensor, root: int, ctx: StepContext) -> Draft:
+        """One token per depth, drafted on the device (each depth injects the previous depth's token) and read once."""
         greedy = ctx.sampling.greedy
-        prev, toks, rows = root, [], []
+        device = states.device
+        token_ids = self.vocab.token_ids.to(device)  # [N] reduced index -> full id
+        prev = torch.tensor([root], device=device)  # [1] full id injected at the next depth
+        toks, rows = [], []
         for d in range(len(states)):
-            logits = self._logits(states[d:d + 1], torch.tensor([prev]))[0]
+            logits = self._logits(states[d:d + 1], prev)[0]  # [N]
             if greedy:
-                tok = int(logits.argmax())
+                tok = logits.argmax(-1, keepdim=True)
             else:
-                q = process_logits(logits, ctx.sampling)
-                tok = int(sample(q, ctx.generator))
+                q = process_logits(logits, ctx.sampling)  # [N]
+                tok = sample(q, ctx.generator).view(1)
                 rows.append(q)
-            prev = int(self.vocab.token_ids[tok])
+            prev = token_ids[tok]
             toks.append(prev)
         probs = None
-        if rows:
-            probs = torch.zeros(len(rows), self.vocab.full_size)
-            probs[:, self.vocab.token_ids] = torch.stack(rows)
-        return Draft.chain(toks, probs)
+        if rows:  # q over the full vocabulary: zero outside the draft vocabulary
+            probs = torch.zeros(len(rows), self.vocab.full_size, device=device)
+            probs[:, token_ids] = torch.stack(rows)
+        return Draft.chain(torch.cat(toks).tolist(), probs)  # the chain's one host read
 
     def _tree(self, states: torch.Tensor, root: int) -> Draft:
         """Beam-expanded tree (as EAGLE-2 grows its trees), one batched head call per depth: at depth d the
@@ -203,13 +207,15 @@ class HiddenStateDrafter(VerifierStateDrafter):
         parents: list[int] = []  # candidate index of the parent, -1 for depth 1
         depths: list[int] = []
         frontier = [-1]  # candidates expanded at the next depth (-1: the root)
+        device = states.device
+        token_ids = self.vocab.token_ids.to(device)  # [N] reduced index -> full id
         for d in range(D):
-            toks = torch.tensor([root if i < 0 else tokens[i] for i in frontier])
+            toks = torch.tensor([root if i < 0 else tokens[i] for i in frontier], device=device)  # [F]
             logits = self._logits(states[d:d + 1].expand(len(frontier), -1), toks)  # [F, N]
             top = logits.log_softmax(-1).topk(k)
-            base = torch.tensor([0.0 if i < 0 else scores[i] for i in frontier])[:, None]
-            path = (base + top.values).flatten().tolist()
-            ids = self.vocab.token_ids[top.indices.flatten()].tolist()
+            base = torch.tensor([0.0 if i < 0 else scores[i] for i in frontier], device=device)[:, None]  # [F, 1]
+            # path log-probs and full ids of the level's candidates in one host read (ids < 2**24: exact in float32)
+            path, ids = torch.stack([(base + top.values).flatten(), token_ids[top.indices.flatten()].float()]).tolist()
             first = len(tokens)
             for j, (sc, tok) in enumerate(zip(path, ids)):
                 scores.append(sc)

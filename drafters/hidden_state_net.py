@@ -159,7 +159,7 @@ class HiddenStateNet(nn.Module):
         n = h.shape[0]
         if mask is None:
             L = 0 if past is None else past[0].shape[1]
-            mask = torch.ones(n, L + n, dtype=torch.bool).tril(L)
+            mask = torch.ones(n, L + n, dtype=torch.bool, device=h.device).tril(L)
         x = self.in_proj(self.in_norm(h.to(self.dtype)))
         y, kv = self.layer(x, positions, past, mask)
         return self.out_norm(y), kv
@@ -170,7 +170,7 @@ class HiddenStateNet(nn.Module):
         (rows t < k are meaningless). out[0] is teacher-forced; the input of step k at position p is
         out[k-1][p-1]."""
         n = h.shape[0]
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=h.device)
         outs: list[torch.Tensor] = []
         keys: list[torch.Tensor] = []
         vals: list[torch.Tensor] = []

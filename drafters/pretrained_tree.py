@@ -60,7 +60,7 @@ from metasd.core.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.sampling import process_logits
 from metasd.core.tree import Draft
 
-from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k
+from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k, noise_dtype, read_topk
 from .pretrained import HEAD_VOCAB_HELP, PretrainedDrafter
 
 MODES = ("dynamic", "rsd_c", "rsd_s")
@@ -201,11 +201,11 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         scores: list[float] = []
 
         def add_children(parents: list[int], logp: torch.Tensor) -> list[int]:
-            vals, idx = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
+            vals, idx = read_topk(logp, min(self.width, logp.shape[-1]))  # the level's one host read
             new = []
             for row, parent in enumerate(parents):
                 base = scores[parent] if parent >= 0 else 0.0
-                for v, t in zip(vals[row].tolist(), idx[row].tolist()):
+                for v, t in zip(vals[row], idx[row]):
                     if v == float("-inf"):
                         break
                     new.append(tree.add(t, parent))
@@ -237,11 +237,13 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         logq: list[float] = []
 
         def add_children(parent: int, q: torch.Tensor, k: int) -> list[int]:
+            drawn = self._sample_siblings(q, k, ctx.generator)
+            q_drawn = q[drawn].tolist() if drawn else []  # their probabilities: the group's second host read
             new = []
-            for t in self._sample_siblings(q, k, ctx.generator):
+            for t, q_t in zip(drawn, q_drawn):
                 new.append(tree.add(t, parent))
                 rows.append(q)
-                logq.append((logq[parent] if parent >= 0 else 0.0) + math.log(max(float(q[t]), 1e-45)))
+                logq.append((logq[parent] if parent >= 0 else 0.0) + math.log(max(q_t, 1e-45)))
             return new
 
         q_root = process_logits(root_logits, ctx.sampling)
@@ -269,16 +271,14 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         processed drafter log-probabilities of the next token. Returns up to k (beam row, token,
         phi of the extension, perturbed value of the extension), best first.
         """
-        cand = phi[:, None] + logq.double()  # [B, V]
-        gumbel = -torch.empty(cand.shape, dtype=torch.float64).exponential_(generator=generator).log()
-        perturbed = conditional_gumbel(value[:, None], cand + gumbel)
-        k = min(k, int(torch.isfinite(perturbed).sum()))
-        if k <= 0:
-            return []
-        top = perturbed.flatten().topk(k).indices
+        dtype = noise_dtype(logq.device)
+        cand = phi.to(logq.device, dtype)[:, None] + logq.to(dtype)  # [B, V]
+        gumbel = -torch.empty(cand.shape, dtype=dtype, device=cand.device).exponential_(generator=generator).log()
+        perturbed = conditional_gumbel(value.to(cand.device, dtype)[:, None], cand + gumbel)
+        top = perturbed.flatten().topk(min(k, perturbed.numel()))  # -inf entries (zero probability) sort last
+        picked = torch.stack([top.indices.to(dtype), cand.flatten()[top.indices], top.values]).tolist()  # one read
         vocab = logq.shape[-1]
-        return [(int(i) // vocab, int(i) % vocab, float(cand.flatten()[i]), float(perturbed.flatten()[i]))
-                for i in top.tolist()]
+        return [(int(i) // vocab, int(i) % vocab, c, v) for i, c, v in zip(*picked) if v != float("-inf")]
 
     def _grow_rsd_s(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[torch.Tensor]:
         """RSD-S (stochastic beam search): returns the probs row of every node (its parent's processed q)."""

@@ -69,7 +69,8 @@ class Steering:
     """
 
     def __init__(self, module: SteeringModule | None, model, checkpoint: str | None = None):
-        self.module = module.eval() if module is not None else None
+        # the module runs beside the drafter model it steers (its biases are added to that model's activations)
+        self.module = module.to(model.device).eval() if module is not None else None
         self.checkpoint = checkpoint
         self.trace: list[tuple[int, int, int | None]] | None = None
         self.injector: Injector | None = None
@@ -89,7 +90,8 @@ class Steering:
         self.delta, self.guide_row = None, None
         self.steer_from = ctx.prompt_len - 1
         if self.module is not None and ctx.hidden is not None and len(ctx.hidden):
-            self.delta = self.module(self.module.guide_input(ctx.hidden))  # [n_steered, d_out]
+            guide = self.module.guide_input(ctx.hidden).to(self.module.guide.weight.device)  # from the verifier's device
+            self.delta = self.module(guide)  # [n_steered, d_out]
             self.guide_row = len(ctx.hidden) - 1
         try:
             yield

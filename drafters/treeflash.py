@@ -62,15 +62,30 @@ class TransitionTable:
     next_src: torch.Tensor  # [R, k] row of the next depth's table for a node with this token; -1: no children
 
 
+def read_tables(tables: Sequence[TransitionTable]) -> tuple[list, list, list]:
+    """Every table's tokens, log-probs and next rows as nested lists, read by the host in one transfer (one float32
+    tensor: reduced token ids and row numbers are far below 2**24, so they stay exact)."""
+    flat = torch.cat([torch.cat([t.tokens.float().flatten(), t.logp.float().flatten(), t.next_src.float().flatten()])
+                      for t in tables]).tolist()
+    toks, lps, nxt, at = [], [], [], 0
+    for t in tables:
+        rows, cols = t.tokens.shape
+        n = rows * cols
+        parts = [flat[at + i * n: at + (i + 1) * n] for i in range(3)]
+        at += 3 * n
+        toks.append([[int(x) for x in parts[0][r * cols:(r + 1) * cols]] for r in range(rows)])
+        lps.append([parts[1][r * cols:(r + 1) * cols] for r in range(rows)])
+        nxt.append([[int(x) for x in parts[2][r * cols:(r + 1) * cols]] for r in range(rows)])
+    return toks, lps, nxt
+
+
 def build_tree(tables: Sequence[TransitionTable], tree_size: int) -> tuple[list[int], list[int], list[float]]:
     """Best-first tree over path scores sum log q. ``tables[i]`` holds the transitions into depth i+1; the
     root's children come from row 0 of ``tables[0]``. Returns (tokens, parents, path scores) in pop order
     (a topological order: a parent pops before its children, siblings in decreasing score)."""
     if tree_size <= 0 or not tables:
         return [], [], []
-    toks = [t.tokens.tolist() for t in tables]
-    lps = [t.logp.float().tolist() for t in tables]
-    nxt = [t.next_src.tolist() for t in tables]
+    toks, lps, nxt = read_tables(tables)
     n_depth = len(tables)
     tokens: list[int] = []
     parents: list[int] = []
@@ -106,7 +121,7 @@ def marginal_tables(logp: torch.Tensor, k: int) -> list[TransitionTable]:
     D = logp.shape[0]
     out = []
     for d in range(D):
-        nxt = torch.zeros(1, k, dtype=torch.long) if d + 1 < D else torch.full((1, k), -1, dtype=torch.long)
+        nxt = torch.full((1, k), 0 if d + 1 < D else -1, dtype=torch.long, device=logp.device)
         out.append(TransitionTable(top.indices[d:d + 1], top.values[d:d + 1], nxt))
     return out
 
@@ -150,7 +165,7 @@ def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Ten
     m = min(m, logp.shape[-1])
     cand = logp[: depth - 1].topk(m, dim=-1).indices if depth > 1 else logp.new_zeros(0, m, dtype=torch.long)
     dt = h.dtype
-    root_emb = pieces.embed(torch.tensor([root]), dt)  # [1, d]
+    root_emb = pieces.embed(torch.tensor([root], device=h.device), dt)  # [1, d]
     prev = [root_emb]
     rows = [hd[0:1]]
     if depth > 1:
@@ -235,7 +250,8 @@ class TreeFlashDrafter(VerifierStateDrafter):
         self.mode, self.block_size, self.m, self.k, self.tree_size = mode, block_size, int(m), int(k), int(tree_size)
         self.context_window = cfg.context_window if context_window is None else int(context_window)
         dtype = verifier_model.dtype
-        self.model = model.to(dtype).eval().requires_grad_(False)
+        self.device = verifier_model.device  # the network runs beside the verifier whose states it reads
+        self.model = model.to(self.device, dtype).eval().requires_grad_(False)
         self.vocab = vocab
         self.pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids)
         self.hidden_layers = tuple(cfg.context_layers)
@@ -274,7 +290,7 @@ class TreeFlashDrafter(VerifierStateDrafter):
             hidden = torch.cat([ctx.hidden.get(layer)[self._ctx_rows:n] for layer in self.hidden_layers], dim=-1)
             proj = self.model.project_context(hidden)
             self._ctx_last = proj[-1:]
-            kv = self.model.context_kv(proj, torch.arange(self._ctx_rows, n))
+            kv = self.model.context_kv(proj, torch.arange(self._ctx_rows, n, device=proj.device))
             if self._ctx_kv is None:
                 self._ctx_kv = [[k, v] for k, v in kv]
             else:
@@ -290,7 +306,8 @@ class TreeFlashDrafter(VerifierStateDrafter):
 
     def _context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._ctx_kv is None:  # no committed row has a verifier state yet (one-token prompt)
-            empty = torch.zeros(1, self.model.cfg.num_kv_heads, 0, self.model.cfg.head_dim, dtype=self.model.dtype)
+            empty = torch.zeros(1, self.model.cfg.num_kv_heads, 0, self.model.cfg.head_dim, dtype=self.model.dtype,
+                                device=self.device)
             return [(empty, empty) for _ in self.model.layers]
         C = self.context_window
         return [(k[:, :, -C:], v[:, :, -C:]) if C else (k, v) for k, v in self._ctx_kv]
@@ -302,9 +319,9 @@ class TreeFlashDrafter(VerifierStateDrafter):
         self._own_rows = 0
         T = len(ctx.tokens)
         root = int(ctx.tokens[-1])
-        emb = self.pieces.embed(torch.tensor([root]), self.model.dtype)
+        emb = self.pieces.embed(torch.tensor([root], device=self.device), self.model.dtype)
         block = self.model.block_inputs(emb, self.block_size)
-        positions = torch.arange(T - 1, T - 1 + self.block_size)[None]
+        positions = torch.arange(T - 1, T - 1 + self.block_size, device=self.device)[None]
         skip = None
         L = self.model.cfg.output_skip_layer
         if L is not None and T >= 2:

@@ -74,7 +74,7 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
         raise ValueError("accept_rejection needs drafter probabilities (Draft.probs); use accept_match")
     kids = children_lists(draft.parents)
     tokens = draft.tokens.tolist()
-    q_all = draft.probs.float()
+    q_all = draft.probs.to(p.device).float()  # [n, vocab] beside the verifier's p
     path: list[int] = []
     row = 0
     while True:
@@ -86,7 +86,7 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
             if q is None or not draft.without_replacement:
                 q = q_all[child]
             qx, rx = float(q[x]), float(r[x])
-            u = float(torch.rand((), generator=generator))
+            u = float(torch.rand((), generator=generator, device=p.device))
             if qx > 0 and u * qx < rx:  # u < r(x)/q(x), written without division
                 accepted = child
                 break

@@ -14,11 +14,15 @@ import torch
 class Draft:
     """One proposal of a drafter: a chain or a tree of tokens.
 
-    tokens:  [n] int64 draft tokens
-    parents: [n] int64 parent node index, -1 for children of the root (the last committed token)
-    probs:   [n, vocab] float or None. Row i is the (processed) drafter distribution q that node i's token
-             was drawn from, before removing siblings drawn earlier. None: the draft has no probabilities
-             (n-gram, argmax drafts) and is verified by sample-and-match.
+    tokens:  [n] int64 draft tokens, on the host (CPU)
+    parents: [n] int64 parent node index, -1 for children of the root (the last committed token), on the host
+    probs:   [n, vocab] float or None, on the drafter's device. Row i is the (processed) drafter distribution q that
+             node i's token was drawn from, before removing siblings drawn earlier. None: the draft has no
+             probabilities (n-gram, argmax drafts) and is verified by sample-and-match.
+
+    Where tensors live (docs/architecture.md#where-tensors-live): the tree's shape is small and read by the host
+    anyway (masks, acceptance), so tokens and parents are host tensors - a drafter working on a device reads its draft
+    once and hands over host values (device tensors given here are copied to the host: a host read).
     without_replacement: siblings were drawn without replacement from ``probs`` (RSD trees); recursive
              rejection then renormalises q after each rejected sibling.
     catch_up: committed tokens the drafter had to feed this step beyond the pending one (tokens committed by
@@ -34,8 +38,8 @@ class Draft:
     catch_up: int = 0
 
     def __post_init__(self):
-        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
-        self.parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1).cpu()
+        self.parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1).cpu()
         if self.tokens.shape != self.parents.shape:
             raise ValueError(f"Draft: tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} differ in length")
         n = len(self.tokens)
@@ -46,7 +50,7 @@ class Draft:
 
     @classmethod
     def chain(cls, tokens, probs: torch.Tensor | None = None, catch_up: int = 0, **meta) -> "Draft":
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
         return cls(tokens, torch.arange(len(tokens)) - 1, probs, meta=dict(meta), catch_up=catch_up)
 
     @classmethod
@@ -77,7 +81,7 @@ class Draft:
         remap[keep] = torch.arange(len(keep))
         parents = self.parents[keep]
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        probs = None if self.probs is None else self.probs[keep]
+        probs = None if self.probs is None else self.probs[keep.to(self.probs.device)]
         return Draft(self.tokens[keep], parents, probs, self.without_replacement, dict(self.meta), self.catch_up)
 
 
