@@ -23,15 +23,18 @@ How it works. torch's PrivateUse1 backend is renamed ``metasd_dev`` and driven f
   one of its arguments, in-place or ``out=``, gives that argument back, its sizes updated if the op resized it).
 - CUDA's device rule: every tensor of an op is on the device, except (1) copies between devices (``copy_``,
   ``_to_copy``: ``.to``, ``.cpu()``), (2) 0-dim CPU tensors read as scalars: inputs of pointwise ops
-  (TensorIterator), the value of ``masked_fill``/``fill_``/``index_put_``, (3) the indices of advanced indexing
-  (``t[cpu_index]``, ``t[cpu_index] = v``), which CUDA moves to the device itself. Anything else raises a
-  ``RuntimeError`` naming both devices (CUDA's "Expected all tensors to be on the same device"), the op and the
-  argument.
+  (TensorIterator; not ``masked_fill``'s mask), the value of ``masked_fill``/``fill_``/``index_put_``, (3) the
+  indices of advanced indexing (``t[cpu_index]``, ``t[cpu_index] = v``), which CUDA moves to the device itself.
+  Anything else raises a ``RuntimeError`` naming both devices (CUDA's "Expected all tensors to be on the same
+  device"), the op and the argument.
 - Random numbers: the device has its own default generator (seeded by ``torch.manual_seed``; CPU draws do not
   move it, as on CUDA), and ``torch.Generator(device=dev)`` makes a generator of the device (``torch.Generator``
   becomes a subclass that builds one; ``isinstance(g, torch.Generator)`` still holds for every generator). A
   random op on device tensors given a generator of another device raises, as on CUDA ("Expected a 'metasd_dev'
-  device type for generator but found 'cpu'"). Unlike CUDA, a generator of the device seeded with s draws the
+  device type for generator but found 'cpu'"), and so does a generator of the device given to a random op on
+  the CPU ("Expected a 'cpu' device type for generator but found 'metasd_dev'": below Python that generator is a
+  CPU one, so ``enable`` wraps torch's random functions and ``Tensor`` methods that take a generator,
+  ``_GENERATOR_FUNCTIONS``, with that check). Unlike CUDA, a generator of the device seeded with s draws the
   numbers a CPU generator seeded with s draws, so a seeded computation on the device equals it on the CPU.
 - Numerics: every op runs on the CPU, except that ``scaled_dot_product_attention`` takes its math path (torch
   gives a PrivateUse1 device no fused kernel): attention agrees with the CPU's to ~1e-7 in fp32, not bit for bit.
@@ -43,19 +46,21 @@ Host reads (``count_host_reads``) are counted in the same dispatch layer, one pe
 the host: see ``count_host_reads`` for what is counted and what cannot be seen.
 
 Known gaps:
-- A generator of the device handed to an op on CPU tensors only is used as a CPU generator (CUDA raises): it is
-  a CPU generator underneath, and ops on CPU tensors never reach this module.
+- A generator of the device given to a CPU op other than through the wrapped functions (``torch.ops.aten.*``
+  called directly, a C++ extension) is used as a CPU generator, where CUDA raises.
 - ``t.numpy()`` raises (as on CUDA); ``t.data_ptr()``, ``t.untyped_storage()`` and so ``torch.save`` of a device
   tensor raise; ``pin_memory()`` raises (the Python backend API gives no pinned allocator); ``non_blocking=True``
   copies are synchronous (nothing is asynchronous here, so missing synchronisations go unnoticed).
 - One device (index 0); no streams, events, memory statistics or autocast; autograd works as on the CPU but is
   not tested here.
 - ``enable`` is for the whole process and cannot be undone: torch then reports ``metasd_dev`` as its current
-  accelerator (``torch.accelerator.current_accelerator()``), and ``torch.Generator`` is the subclass above.
+  accelerator (``torch.accelerator.current_accelerator()``), ``torch.Generator`` is the subclass above and the
+  random functions are wrapped (a check of their generator argument, nothing else).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import traceback
 import weakref
@@ -64,7 +69,6 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 NAME = "metasd_dev"
 DEVICE: torch.device | None = None  # torch.device(NAME, 0), once enable() has renamed the backend
@@ -176,6 +180,7 @@ class DeviceGenerator(Generator):
 
 
 _device_twins: set = set()  # ids of the torch-made Python objects of the C++ generators of the device
+_GENERATOR_TYPES = (_ORIG_GENERATOR, DeviceGenerator)
 
 
 class _CaptureGenerators(TorchDispatchMode):
@@ -184,7 +189,7 @@ class _CaptureGenerators(TorchDispatchMode):
         self.seen = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen += [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, _ORIG_GENERATOR)]
+        self.seen += [x for x in _leaves(args, kwargs or {}) if isinstance(x, _ORIG_GENERATOR)]
         return args[0]  # nothing runs: the generator's state is untouched
 
 
@@ -192,7 +197,7 @@ def _twin_of(g: torch.Generator) -> torch.Generator:
     """The object an op's ``__torch_dispatch__`` gets for ``g`` (one op on an empty CPU tensor, not run)."""
     empty = torch.empty(0)
     with _CaptureGenerators() as capture:
-        empty.exponential_(generator=g)
+        aten.exponential_.default(empty, generator=g)  # not Tensor.exponential_, which enable() wraps
     (twin,) = capture.seen
     return twin
 
@@ -211,6 +216,43 @@ class _DeviceRNG:
     def __exit__(self, *exc):
         _device_default_generator.set_state(torch.default_generator.get_state())
         torch.default_generator.set_state(self.cpu_state)
+
+
+#: the Python functions and methods that take a ``generator``: enable() wraps them to refuse a generator of the
+#: device for an op on the CPU (CUDA raises there; below the Python layer the generator is a CPU one and would be
+#: used silently, as ops on CPU tensors never reach this module)
+_GENERATOR_FUNCTIONS = ("multinomial", "normal", "poisson", "rand", "rand_like", "randint", "randint_like", "randn",
+                        "randn_like", "randperm", "bernoulli", "binomial")
+_GENERATOR_METHODS = ("bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_",
+                      "multinomial", "normal_", "random_", "uniform_")
+
+
+def _check_generator_placement(fn):
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        flat = _leaves(args, kwargs)
+        if any(isinstance(g, DeviceGenerator) for g in flat):
+            device = kwargs.get("device")
+            if device is None:
+                tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+                on_device = bool(tensors) and isinstance(tensors[0], DeviceTensor)
+            else:
+                on_device = _is_fake_device(device)
+            if not on_device:
+                raise RuntimeError(f"Expected a 'cpu' device type for generator but found '{NAME}' (in {fn.__name__} "
+                                   "on the CPU)")
+        return fn(*args, **kwargs)
+
+    checked.__wrapped_by_second_device__ = True
+    return checked
+
+
+def _wrap_generator_functions() -> None:
+    for owner, names in ((torch, _GENERATOR_FUNCTIONS), (torch.Tensor, _GENERATOR_METHODS)):
+        for name in names:
+            fn = getattr(owner, name, None)
+            if fn is not None and not getattr(fn, "__wrapped_by_second_device__", False):
+                setattr(owner, name, _check_generator_placement(fn))
 
 
 class _DeviceModule:
@@ -357,18 +399,17 @@ def _record_host_read(kind: str, op: str) -> None:
 _HOST_READ_OPS: dict = {}  # OpOverloadPacket -> kind (filled by enable)
 
 
-def _host_read_kind(func, args, kwargs, flat, on_device: bool) -> str | None:
-    packet = func.overloadpacket
-    kind = _HOST_READ_OPS.get(packet)
-    if kind is None or not any(isinstance(x, DeviceTensor) for x in flat):
+def _host_read_kind(info: "_OpInfo", args, kwargs, leaves, on_device: bool) -> str | None:
+    kind = info.read_kind
+    if kind is None or not any(type(x) is DeviceTensor for x in leaves):
         return None
     if kind == "to_cpu":
         return None if on_device else kind
-    if packet in _INDEX_OPS:  # data-dependent only through a bool mask on the device
-        indices = dict((n, v) for n, v, _ in _bind(func, args, kwargs)).get("indices") or []
-        if not any(isinstance(i, DeviceTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+    if info.indexing:  # data-dependent only through a bool mask on the device
+        indices = info.argument(args, kwargs, "indices") or []
+        if not any(type(i) is DeviceTensor and i.dtype in (torch.bool, torch.uint8) for i in indices):
             return None
-    if packet is aten.repeat_interleave and kwargs.get("output_size") is not None:
+    if info.packet is aten.repeat_interleave and kwargs.get("output_size") is not None:
         return None
     return kind
 
@@ -378,36 +419,18 @@ def _host_read_kind(func, args, kwargs, flat, on_device: bool) -> str | None:
 _TRANSFER_OPS: set = set()  # copies between devices (filled by enable)
 _INDEX_OPS: set = set()  # advanced indexing: CPU indices allowed
 _SCALAR_VALUE_ARGS: dict = {}  # op packet -> names of the arguments that may be 0-dim CPU tensors
+_NEVER_SCALAR_ARGS: dict = {}  # pointwise op packet -> names of arguments CUDA wants on the device all the same
 _COPY_DESTINATION: dict = {}  # transfer op packet -> index of the argument whose device the result has
-
-
-def _bind(func, args, kwargs) -> list[tuple[str, object, bool]]:
-    """(argument name, value, written by the op) for the arguments given, in schema order."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            v = args[i]
-        elif a.name in kwargs:
-            v = kwargs[a.name]
-        else:
-            continue
-        out.append((a.name, v, a.alias_info is not None and a.alias_info.is_write))
-    return out
-
-
-_pointwise_cache: dict = {}
 
 
 def _is_pointwise(func) -> bool:
     """A TensorIterator op (CUDA takes CPU scalars there): tagged pointwise, or the in-place or out= variant of an
     op tagged pointwise (torch leaves some of those untagged, e.g. ``eq_.Tensor``, ``where.self_out``)."""
-    if func not in _pointwise_cache:
-        packet, overload = func.overloadpacket, func._overloadname
-        base = getattr(aten, packet.__name__.rstrip("_"), packet) if packet.__name__.endswith("_") else packet
-        names = {overload, overload.removesuffix("_out"), "default" if overload == "out" else overload}
-        candidates = [func] + [getattr(base, n) for n in names if n in base.overloads()]
-        _pointwise_cache[func] = any(torch.Tag.pointwise in c.tags for c in candidates)
-    return _pointwise_cache[func]
+    packet, overload = func.overloadpacket, func._overloadname
+    base = getattr(aten, packet.__name__.rstrip("_"), packet) if packet.__name__.endswith("_") else packet
+    names = {overload, overload.removesuffix("_out"), "default" if overload == "out" else overload}
+    candidates = [func] + [getattr(base, n) for n in names if n in base.overloads()]
+    return any(torch.Tag.pointwise in c.tags for c in candidates)
 
 
 _decomposing = threading.local()  # the CompositeImplicitAutograd ops being decomposed by _run (for messages)
@@ -424,31 +447,29 @@ def _mix_error(func, name: str, other: torch.Tensor, written: bool) -> RuntimeEr
     )
 
 
-def _check_devices(func, args, kwargs) -> None:
-    """CUDA's rule for an op that touches the device (see the module docstring); raises on a mix."""
-    packet = func.overloadpacket
-    if packet in _TRANSFER_OPS:
-        return
-    pointwise = _is_pointwise(func)
-    for name, value, written in _bind(func, args, kwargs):
+def _check_devices(func, info: "_OpInfo", args, kwargs) -> None:
+    """CUDA's rule for an op that touches the device and has CPU tensors (see the module docstring)."""
+    for i, (name, value) in enumerate(info.bound(args, kwargs)):
         if isinstance(value, torch.Tensor):
-            tensors = [value]
+            tensors = (value,)
         elif isinstance(value, (list, tuple)):
             tensors = [v for v in value if isinstance(v, torch.Tensor)]
         else:
             continue
+        written = info.written[i]
         for t in tensors:
-            if isinstance(t, DeviceTensor):
+            if type(t) is DeviceTensor:
                 continue
-            if packet in _INDEX_OPS and name == "indices":
+            if info.indexing and name == "indices":
                 continue  # CUDA moves CPU indices of advanced indexing to the device itself
-            if t.dim() == 0 and t.device.type == "cpu" and not written and (
-                    pointwise or name in _SCALAR_VALUE_ARGS.get(packet, ())):
+            if t.dim() == 0 and t.device.type == "cpu" and not written and name not in info.never_scalar and (
+                    info.pointwise or name in info.scalar_values):
                 continue  # a CPU scalar
             raise _mix_error(func, name, t, written)
 
 
 def _check_generators(func, generators) -> None:
+    """A random op on the device takes a generator of the device only."""
     for g in generators:
         if not _is_device_generator(g):
             raise RuntimeError(
@@ -457,24 +478,79 @@ def _check_generators(func, generators) -> None:
 
 # ------------------------------------------------------------------------------------------------------ running ops
 
+class _OpInfo:
+    """What ``_run`` needs to know of one op overload (worked out once)."""
+
+    def __init__(self, func):
+        schema = func._schema
+        self.packet = packet = func.overloadpacket
+        self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+        self.names = [a.name for a in schema.arguments]
+        self.written = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+        self.mutable = schema.is_mutable
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.pointwise = _is_pointwise(func)
+        self.transfer = packet in _TRANSFER_OPS
+        self.copy_destination = _COPY_DESTINATION.get(packet)
+        self.indexing = packet in _INDEX_OPS
+        self.scalar_values = _SCALAR_VALUE_ARGS.get(packet, ())
+        self.never_scalar = _NEVER_SCALAR_ARGS.get(packet, ())
+        self.read_kind = _HOST_READ_OPS.get(packet)
+
+    def bound(self, args, kwargs):
+        """(argument name, value) in schema order, None for an argument not given."""
+        return [(n, args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(self.names)]
+
+    def argument(self, args, kwargs, name: str):
+        i = self.names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name)
+
+
+_infos: dict = {}
+
+
+def _info(func) -> _OpInfo:
+    info = _infos.get(func)
+    if info is None:
+        info = _infos[func] = _OpInfo(func)
+    return info
+
+
+def _leaves(args, kwargs) -> list:
+    """The arguments, with lists and tuples (aten's only nesting: Tensor[], Tensor?[], int[]) opened."""
+    out = []
+    for v in (*args, *kwargs.values()):
+        if type(v) in (list, tuple):
+            out.extend(v)
+        else:
+            out.append(v)
+    return out
+
+
+_CPU = torch.device("cpu")
+
+
 def _unwrap(x):
-    if isinstance(x, DeviceTensor):
+    t = type(x)
+    if t is DeviceTensor:
         return x.elem
-    if isinstance(x, torch.device) and x.type == NAME:
-        return torch.device("cpu")
+    if t in (list, tuple):
+        return t(_unwrap(v) for v in x)
+    if t is torch.device and x.type == NAME:
+        return _CPU
     return x
 
 
-def _result_on_device(func, args, kwargs, flat) -> bool:
+def _result_on_device(info: _OpInfo, args, kwargs, leaves) -> bool:
     """Whether the op's results are on the device: a copy's destination's, else its ``device`` argument if
     given, else whether any input is on the device."""
-    where = _COPY_DESTINATION.get(func.overloadpacket)
+    where = info.copy_destination
     if where is not None and len(args) > where:
-        return isinstance(args[where], DeviceTensor)
+        return type(args[where]) is DeviceTensor
     d = kwargs.get("device")
     if d is not None:
         return _is_fake_device(d)
-    return any(isinstance(x, DeviceTensor) or _is_fake_device(x) for x in flat)
+    return any(type(x) is DeviceTensor or (type(x) is torch.device and x.type == NAME) for x in leaves)
 
 
 def _sync_metadata(t: DeviceTensor) -> None:
@@ -486,7 +562,8 @@ def _sync_metadata(t: DeviceTensor) -> None:
 
 def _run(func, args, kwargs):
     """Run one aten op that touches the device (see the module docstring)."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+    info = _info(func)
+    if info.composite:
         stack = _decomposing.__dict__.setdefault("stack", [])
         stack.append(func)
         try:
@@ -495,41 +572,45 @@ def _run(func, args, kwargs):
             stack.pop()
         if out is not NotImplemented:
             return out
-    flat, spec = tree_flatten((args, kwargs))
-    on_device = _result_on_device(func, args, kwargs, flat)
-    touches_device = on_device or any(isinstance(x, DeviceTensor) for x in flat)
-    if not touches_device:
+    leaves = _leaves(args, kwargs)
+    on_device = _result_on_device(info, args, kwargs, leaves)
+    device_inputs = {id(x.elem): x for x in leaves if type(x) is DeviceTensor}
+    if not on_device and not device_inputs:
         raise RuntimeError(f"{func} reached the {NAME} backend with neither a {NAME} tensor nor device")
-    _check_devices(func, args, kwargs)
-    generators = [g for g in flat if isinstance(g, _ORIG_GENERATOR)]
+    cpu_inputs = {id(x) for x in leaves if isinstance(x, torch.Tensor) and type(x) is not DeviceTensor}
+    if cpu_inputs and not info.transfer:
+        _check_devices(func, info, args, kwargs)
+    generators = [g for g in leaves if type(g) in _GENERATOR_TYPES]
     if on_device:
         _check_generators(func, generators)
-    kind = _host_read_kind(func, args, kwargs, flat, on_device)
+    kind = _host_read_kind(info, args, kwargs, leaves, on_device)
     if kind is not None:
         _record_host_read(kind, str(func))
 
-    by_elem = {id(x.elem): x for x in flat if isinstance(x, DeviceTensor)}
-    cpu_inputs = {id(x) for x in flat if isinstance(x, torch.Tensor) and not isinstance(x, DeviceTensor)}
-    uargs, ukwargs = tree_unflatten([_unwrap(x) for x in flat], spec)
-    device_rng = on_device and not generators and torch.Tag.nondeterministic_seeded in func.tags
-    with _DeviceRNG() if device_rng else contextlib.nullcontext():
+    uargs = tuple(_unwrap(a) for a in args)
+    ukwargs = {k: _unwrap(v) for k, v in kwargs.items()}
+    if on_device and info.random and not generators:
+        with _DeviceRNG():
+            out = func(*uargs, **ukwargs)
+    else:
         out = func(*uargs, **ukwargs)
 
-    if func._schema.is_mutable:  # an in-place or out= op may have resized or restrided a device argument
-        for x in flat:
-            if isinstance(x, DeviceTensor):
-                _sync_metadata(x)
+    if info.mutable:  # an in-place or out= op may have resized or restrided a device argument
+        for x in device_inputs.values():
+            _sync_metadata(x)
 
     def wrap(t):
+        if type(t) in (list, tuple):
+            return type(t)(wrap(v) for v in t)
         if not isinstance(t, torch.Tensor):
             return t
-        if id(t) in by_elem:  # the op returned one of its arguments (in-place, out=, a no-op .to)
-            return by_elem[id(t)] if on_device else t.clone()  # a CPU result must not alias device data
+        if id(t) in device_inputs:  # the op returned one of its arguments (in-place, out=)
+            return device_inputs[id(t)] if on_device else t.clone()  # a CPU result must not alias device data
         if id(t) in cpu_inputs or not on_device:
             return t
         return DeviceTensor(t)
 
-    return tree_map(wrap, out)
+    return wrap(out)
 
 
 def _kernel(qualname: str):
@@ -579,6 +660,8 @@ def _fill_tables() -> None:
         aten.index_fill: ("value",), aten.index_fill_: ("value",),
         aten.index_put: ("values",), aten.index_put_: ("values",), aten._index_put_impl_: ("values",),
     })
+    # masked_fill's CUDA kernel checks "expected self and mask to be on the same device" (a 0-dim mask too)
+    _NEVER_SCALAR_ARGS.update({aten.masked_fill: ("mask",), aten.masked_fill_: ("mask",)})
     for packet in (aten._local_scalar_dense, aten.equal, aten.allclose):
         _HOST_READ_OPS[packet] = "item"
     for packet in (aten._to_copy, aten.copy_, aten.copy, aten._copy_from, aten._copy_from_and_resize):
@@ -612,5 +695,6 @@ def enable() -> torch.device:
         _device_default_generator = type.__call__(DeviceGenerator)
         _device_default_generator.manual_seed(torch.initial_seed())
         torch.Generator = Generator
+        _wrap_generator_functions()
         _enabled = True
         return DEVICE
