@@ -51,8 +51,8 @@ Known gaps:
 - ``t.numpy()`` raises (as on CUDA); ``t.data_ptr()``, ``t.untyped_storage()`` and so ``torch.save`` of a device
   tensor raise; ``pin_memory()`` raises (the Python backend API gives no pinned allocator); ``non_blocking=True``
   copies are synchronous (nothing is asynchronous here, so missing synchronisations go unnoticed).
-- One device (index 0); no streams, events, memory statistics or autocast; autograd works as on the CPU but is
-  not tested here.
+- One device (index 0); no streams, events, memory statistics or autocast. Autograd and optimizers work (a
+  backward and an AdamW step are tested), nothing more of training is.
 - ``enable`` is for the whole process and cannot be undone: torch then reports ``metasd_dev`` as its current
   accelerator (``torch.accelerator.current_accelerator()``), ``torch.Generator`` is the subclass above and the
   random functions are wrapped (a check of their generator argument, nothing else).
@@ -355,8 +355,8 @@ def count_host_reads():
 
     - ``item``: ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``, ``if t:``, ``f"{t:.2f}"`` of a 0-dim tensor
       (all ``aten._local_scalar_dense``), ``torch.equal``, ``torch.allclose`` (a Python bool);
-    - ``to_cpu``: ``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``cpu_t.copy_(t)``, ``torch.tensor(t)``
-      (``aten._to_copy``/``aten.copy_`` with a CPU result);
+    - ``to_cpu``: ``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``cpu_t.copy_(t)``,
+      ``torch.tensor(t, device="cpu")`` (``aten._to_copy``/``aten.copy_`` with a CPU result);
     - ``data_dependent``: ops whose output size depends on device data, which CUDA must read before it can
       allocate: ``nonzero`` (and ``torch.where(cond)``, ``argwhere``), ``masked_select``, ``t[mask]`` and
       ``t[mask] = v`` with a device bool mask, ``unique*``, ``repeat_interleave`` without ``output_size``,

@@ -15,13 +15,20 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+import second_device
 from second_device import DeviceTensor, count_host_reads, enable
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 pytestmark = pytest.mark.second_device
 
-DEV = enable()
-NAME = DEV.type
+NAME = second_device.NAME
+DEV: torch.device = None  # set by _enable: not at import, so collecting this file leaves torch as it is
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _enable():
+    global DEV
+    DEV = enable()
 
 
 def on_dev(t: torch.Tensor) -> bool:
@@ -119,6 +126,19 @@ def test_modules_move_and_deepcopy():
     again = copy.deepcopy(dlin)  # drafters/steered.py deep-copies a (device) model
     assert all(on_dev(p) for p in again.parameters()) and torch.allclose(again(x.to(DEV)).cpu(), want)
     assert all(p.device.type == "cpu" for p in again.cpu().parameters())
+
+
+def test_backward_and_an_optimizer_step_on_the_device_equal_the_cpu():
+    torch.manual_seed(0)
+    cpu = torch.nn.Linear(4, 3)
+    dev = copy.deepcopy(cpu).to(DEV)
+    x = torch.randn(2, 4)
+    for model, inp in ((cpu, x), (dev, x.to(DEV))):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(inp).pow(2).sum().backward()
+        opt.step()
+    assert on_dev(dev.weight) and on_dev(dev.weight.grad)
+    assert torch.allclose(dev.weight.grad.cpu(), cpu.weight.grad) and torch.allclose(dev.weight.cpu(), cpu.weight)
 
 
 def test_tolist_numpy_and_printing_behave_as_on_cuda():
@@ -334,7 +354,7 @@ HOST_READS = {
     "to_cpu": (lambda t: t.to("cpu"), {"to_cpu": 1}),
     "to_cpu_dtype": (lambda t: t.to("cpu", torch.float64), {"to_cpu": 1}),
     "copy_to_host": (lambda t: torch.empty(4).copy_(t), {"to_cpu": 1}),
-    "torch_tensor_of_it": (lambda t: torch.as_tensor(t, device="cpu"), {"to_cpu": 1}),
+    "as_tensor_cpu": (lambda t: torch.as_tensor(t, device="cpu"), {"to_cpu": 1}),
     "nonzero": (lambda t: torch.nonzero(t), {"data_dependent": 1}),
     "where_cond": (lambda t: torch.where(t > 0), {"data_dependent": 1}),
     "argwhere": (lambda t: torch.argwhere(t), {"data_dependent": 1}),
@@ -350,6 +370,7 @@ HOST_READS = {
     "mixed": (lambda t: (t.argmax().item(), t.tolist(), t[t > 0]), {"item": 1, "to_cpu": 1, "data_dependent": 1}),
     # not reads: work on the device, metadata, uploads, CPU data
     "device_ops": (lambda t: torch.multinomial((t + 3).softmax(-1), 2).sort().values.cumsum(0), {}),
+    "device_copies": (lambda t: (t.clone(), t.repeat_interleave(2), torch.nonzero_static(t, size=2), t.topk(2)), {}),
     "metadata": (lambda t: (t.shape, len(t), t.dtype, t.device, t.numel(), t.dim(), t.stride()), {}),
     "to_device": (lambda t: (t.to(DEV), torch.ones(2).to(DEV), torch.tensor([1, 2], device=DEV)), {}),
     "cpu_index": (lambda t: (t[torch.tensor([0, 2])], t.index_select(0, torch.tensor([1], device=DEV))), {}),
