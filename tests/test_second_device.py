@@ -331,6 +331,20 @@ def test_the_device_default_generator_is_its_own_stream_seeded_by_manual_seed():
     assert torch.equal(torch.rand(4), cpu_first)
 
 
+def test_cpu_work_is_unchanged_once_the_device_is_enabled():
+    """enable() is for the whole process (other test files may run after this one in the same worker)."""
+    gen = torch.Generator()
+    assert type(gen) is torch._C.Generator and gen.device.type == "cpu"
+    torch.manual_seed(0)
+    a = (torch.rand(3), torch.multinomial(torch.ones(8), 3), torch.empty(2).exponential_())
+    g = torch.Generator().manual_seed(0)
+    b = (torch.rand(3, generator=g), torch.multinomial(torch.ones(8), 3, generator=g),
+         torch.empty(2).exponential_(generator=g))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    x = torch.randn(3, 4)
+    assert type(x @ x.T) is torch.Tensor and (x + torch.ones(4)).device.type == "cpu"
+
+
 # ------------------------------------------------------------------------------------------- host reads
 
 def _dev_vector() -> torch.Tensor:
