@@ -608,6 +608,11 @@ def _run(func, args, kwargs):
             return device_inputs[id(t)] if on_device else t.clone()  # a CPU result must not alias device data
         if id(t) in cpu_inputs or not on_device:
             return t
+        if torch.is_inference_mode_enabled() and not t.is_inference():
+            # a view of a normal tensor made under inference mode is a normal tensor (autograd sets its version
+            # counter): its wrapper must be one too, as on CUDA
+            with torch.inference_mode(False):
+                return DeviceTensor(t)
         return DeviceTensor(t)
 
     return wrap(out)

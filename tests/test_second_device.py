@@ -438,34 +438,7 @@ def test_host_read_counters_nest_close_and_see_other_threads():
 #: where metasd's engine crashes on the device today, per (drafter type, mode): (file, statement) of the innermost
 #: frame in the repository, and why. Fixing one makes its test fail with "fixed": remove its line (it may then
 #: crash further on: the test reports where).
-KNOWN_CRASHES: dict[tuple[str, str], tuple[str, str, str]] = {
-    **{("block", mode): (
-        "metasd/core/cost.py", "return F.linear(x, weight, bias)",
-        "called from drafters/block.py:84 (BlockHeads.blocks): BlockHeads.__init__ makes weight and bias with "
-        "torch.zeros on the CPU (block.py:73-74) and neither BlockHeads.load nor from_config (block.py:322) moves "
-        "them to the verifier's device; h and the lm_weight buffer (the verifier's head) are on the device")
-       for mode in ("greedy", "sampled")},
-    **{("hidden_state", mode): (
-        "drafters/hidden_state_net.py", "x = self.in_proj(self.in_norm(h.to(self.dtype)))",
-        "the HiddenStateNet is loaded on the CPU and HiddenStateDrafter.__init__ moves it to the verifier's dtype "
-        "only (drafters/hidden_state.py:93 net.to(verifier_model.dtype)); h, the verifier's state, is on the device")
-       for mode in ("greedy", "sampled")},
-    **{(kind, mode): (
-        "drafters/steering_net.py", "g = self.norm(self.guide(x))",
-        "called from drafters/steered.py:92: the SteeringModule from load_steering (steered.py:131) stays on the "
-        "CPU; its input, the verifier's hidden states, is on the device")
-       for kind in ("steered", "steered_tree") for mode in ("greedy", "sampled")},
-    **{("treeflash", mode): (
-        "drafters/treeflash_backbone.py", "return self.ctx_norm(self.fc(hidden))",
-        "called from drafters/treeflash.py:275: the TreeFlashModel is loaded on the CPU and TreeFlashDrafter moves "
-        "it to the verifier's dtype only (treeflash.py:238 model.to(dtype)); the verifier's states are on the device")
-       for mode in ("greedy", "sampled")},
-    **{(kind, "sampled"): (
-        "metasd/core/sampling.py", "return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])",
-        "called from metasd/core/acceptance.py:46: the request's generator is a CPU one (metasd/core/request.py:71 "
-        "torch.Generator(device=\"cpu\")); the verifier's probabilities are on the device")
-       for kind in ("ngram", "pretrained", "pretrained_tree")},
-}
+KNOWN_CRASHES: dict[tuple[str, str], tuple[str, str, str]] = {}  # every drafter type runs on the device
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -540,3 +513,85 @@ def test_engine_on_the_device(pool_root, kind, mode):
         want = _engine(pool_root, kind, "cpu").generate(tc.PROMPT, max_new_tokens=10, **kwargs).token_ids
     assert result.token_ids == want
     assert result.stats.drafted > 0, f"{kind}: drafted nothing, so the device path of drafting went unchecked"
+
+
+# ---------------------------------------------------------------------------------------------- host reads per step
+def _reads_per_step(engine, prompt, **kwargs) -> tuple[list[int], list, list[int], str]:
+    """Host reads of each decoding step (one ``next`` of the request's step loop each), the steps' drafts, and the
+    drafter's own forwards per step (a tree: one per level; ``Draft.meta``); plus the reads' report."""
+    drafter = engine.drafters[0]
+    drafts: list = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
+    steps = engine._run(prompt, **kwargs).steps()
+    per_step, report = [], []
+    while True:
+        with count_host_reads() as reads:
+            try:
+                next(steps)
+            except StopIteration:
+                break
+        per_step.append(reads.total)
+        report.append(reads.report())
+    per_step[-1] = per_step[-1]  # the last step's count includes the end of the request (no reads there)
+    levels = [int(d.meta.get("drafter_forwards", 1)) for d in drafts]
+    return per_step, drafts, levels, "\n---\n".join(report)
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree", "ngram", "suffix"])
+def test_greedy_steps_stay_within_the_host_read_budget(pool_root, kind):
+    """Greedy: at most 3 host reads per step with a chain drafter (the chain is drafted on the device and read
+    once; acceptance reads the verifier's choice once), at most 3 + one per tree level with a tree drafter."""
+    import test_conformance as tc
+
+    engine = _engine(pool_root, kind, NAME)
+    per_step, drafts, levels, report = _reads_per_step(engine, tc.PROMPT, max_new_tokens=24)
+    assert len(per_step) == len(drafts) > 3 and sum(len(d) for d in drafts) > 0
+    tree = any(not d.is_chain for d in drafts)
+    budgets = [3 + (lv if tree else 0) for lv in levels]
+    over = [(i, n, b) for i, (n, b) in enumerate(zip(per_step, budgets)) if n > b]
+    assert not over, f"{kind}: steps over budget (step, reads, budget): {over}\n{report}"
+
+
+def test_host_reads_per_step_reported_for_sampling(pool_root, capsys):
+    """Sampling reads more (each sample-and-match row and each rejection test reads a draw): the figures, reported,
+    not budgeted."""
+    import test_conformance as tc
+
+    figures = {}
+    for kind in ("pretrained", "pretrained_tree", "ngram"):
+        per_step, _, _, _ = _reads_per_step(_engine(pool_root, kind, NAME), tc.PROMPT, max_new_tokens=24,
+                                            temperature=1.0, seed=0)
+        figures[kind] = sum(per_step) / len(per_step)
+    with capsys.disabled():
+        print("\nhost reads per sampled step:", {k: round(v, 1) for k, v in figures.items()})
+    assert all(v > 0 for v in figures.values())
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("reward", ["throughput", "wall_throughput", "block_efficiency", "block_divergence"])
+def test_the_engine_under_each_reward_on_the_device(pool_root, reward, mode):
+    """A two-arm pool (a model chain with probabilities, prompt lookup without) chosen by UCB from each reward: on the
+    device as on the CPU (the wall-clock reward reads the clock, so only its run completing is compared)."""
+    import test_conformance as tc
+    from metasd.config import load_pool
+
+    def engine(device):
+        pool = {"verifier": {"model": str(pool_root / "verifier"), "dtype": "fp32", "device": device},
+                "drafters": [{"name": "chain", "type": "pretrained", "model": str(pool_root / "drafter"), "params": {"k": 3}},
+                             {"name": "ngram", "type": "ngram", "params": {"k": 4, "n_max": 2}}],
+                "policy": {"name": "ucb", "params": {"c": 1.0, "normalize": True}}, "reward": reward}
+        path = pool_root / f"pool_reward_{reward}_{device}.yaml"
+        path.write_text(yaml.safe_dump(pool))
+        e = load_pool(path)
+        e.tokenizer = tiny_tokenizer()
+        return e
+
+    kwargs = {} if mode == "greedy" else {"temperature": 1.0, "seed": 3}
+    on_device = engine(NAME).generate(tc.PROMPT, max_new_tokens=16, **kwargs)
+    assert len(on_device.stats.rewards) == on_device.stats.steps and all(r >= 0 for r in on_device.stats.rewards)
+    if reward != "wall_throughput":
+        on_cpu = engine("cpu").generate(tc.PROMPT, max_new_tokens=16, **kwargs)
+        assert on_device.token_ids == on_cpu.token_ids
+        assert on_device.stats.drafter_per_step == on_cpu.stats.drafter_per_step
+        assert on_device.stats.rewards == pytest.approx(on_cpu.stats.rewards, rel=1e-5)
