@@ -35,7 +35,7 @@ class StepContext:
     generator: torch.Generator | None = None
     hidden: HiddenStore | None = None  # verifier states at positions 0..T-2 for the layers drafters asked for
     step: int = 0
-    request: dict[str, Any] = field(default_factory=dict)  # e.g. {"category": ...}
+    request: dict[str, Any] = field(default_factory=dict)  # {"category": ..., "max_new_tokens": ...}
 
 
 @dataclass

@@ -162,7 +162,8 @@ class Request:
         self.length = len(self.prompt_ids)
         self.buffer[: self.length] = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
-                             hidden=verifier.hidden, request={"category": self.category})
+                             hidden=verifier.hidden,
+                             request={"category": self.category, "max_new_tokens": self.max_new_tokens})
         for d in eng.drafters:
             d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))
         self.arm = self._select(self.context) if eng.granularity == "request" else 0

@@ -1,0 +1,46 @@
+"""The replay drafter: a draft whose acceptance is known in advance (accept + 1 tokens per greedy step)."""
+import pytest
+import torch
+
+from metasd.core import Engine, Verifier
+from metasd.drafters.replay import ReplayDrafter
+from tiny import plain_greedy, tiny_qwen
+
+PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
+
+
+@pytest.mark.parametrize("accept", [0, 1, 3, 5])
+def test_greedy_steps_commit_accept_plus_one_tokens_and_the_verifiers_output(accept):
+    model = tiny_qwen(seed=0)
+    engine = Engine(Verifier(model), ReplayDrafter(model, accept=accept, wrong=1))
+    result = engine.generate(PROMPT, max_new_tokens=30)
+    assert result.token_ids == plain_greedy(model, PROMPT, 30)
+    taus = result.stats.tokens_per_step
+    assert set(taus[:-1]) == {accept + 1} and taus[-1] <= accept + 1  # the last step is cut by the budget
+    assert result.stats.drafted == sum(min(accept + 1, 30 - sum(taus[:i]) - 1) for i in range(len(taus)))
+
+
+def test_the_recording_is_made_outside_the_steps_and_costs_nothing_in_them():
+    """Recorded when the request begins: the step's modeled cost is the verifier's verify alone."""
+    model = tiny_qwen(seed=0)
+    replay = Engine(Verifier(model), ReplayDrafter(model, accept=2, wrong=0)).generate(PROMPT, max_new_tokens=12).stats
+    none = Engine(Verifier(model)).generate(PROMPT, max_new_tokens=12).stats
+    assert none.modeled_cost == pytest.approx(12.0)  # plain decoding: one decode step per token
+    # a 3-row verify costs a little more than a 1-row one, and nothing else is counted
+    per_step = replay.modeled_cost / replay.steps
+    assert 1.0 < per_step < 1.2
+
+
+def test_a_given_recording_is_replayed_and_a_wrong_one_is_recorded_again():
+    model = tiny_qwen(seed=0)
+    drafter = ReplayDrafter(None, accept=2)
+    truth = plain_greedy(model, PROMPT, 16)
+    drafter.record(PROMPT, truth)
+    assert Engine(Verifier(model), drafter).generate(PROMPT, max_new_tokens=16).stats.tokens_per_step[:3] == [3, 3, 3]
+    with pytest.raises(ValueError, match="no verifier model to record"):
+        drafter.record(PROMPT, [(t + 1) % 64 for t in truth])  # wrong: the drafter would record again, but has no model
+        Engine(Verifier(model), drafter).generate(PROMPT, max_new_tokens=16)
+    fixed = ReplayDrafter(model, accept=2)
+    fixed.record(PROMPT, [(t + 1) % 64 for t in truth])
+    result = Engine(Verifier(model), fixed).generate(PROMPT, max_new_tokens=16)
+    assert result.token_ids == truth and result.stats.tokens_per_step[1] == 3  # re-recorded after the first step
