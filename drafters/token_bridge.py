@@ -140,6 +140,10 @@ class TokenBridge:
         full = list(drafter_tokenizer("a", add_special_tokens=True)["input_ids"])
         self.prefix = full[: len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
         self.stop_ids = frozenset(int(i) for i in stop_ids)
+        #: stop ids whose token the verifier has as a special token of its own (a shared chat format's end of turn,
+        #: '<|im_end|>'): a draft keeps it, in the verifier's id, and ends there
+        self.shared_stops = frozenset(i for i in self.stop_ids if _special_content(drafter_tokenizer, i)
+                                      in _special_tokens(verifier_tokenizer))
         self.begin()
 
     # ---------------------------------------------------------------- the drafter's view of the committed text
@@ -208,13 +212,14 @@ class TokenBridge:
     # ---------------------------------------------------------------- drafts: drafter ids -> text -> verifier ids
     def draft_text(self, view: Sequence[int], drafted: Sequence[int]) -> tuple[str, bool]:
         """(text of ``drafted``, the drafter ids drafted after ``view``; whether it is complete). The text ends before
-        the first stop id (the drafter's EOS or another special token): then nothing follows it and it is complete.
-        A trailing part of a character is cut off."""
+        the first stop id (the drafter's EOS or another special token), or after it when the verifier has the same
+        special token (``shared_stops``): then nothing follows and it is complete. A trailing part of a character is
+        cut off."""
         drafted = list(drafted)
         stop = next((i for i, t in enumerate(drafted) if t in self.stop_ids), None)
         complete = stop is not None
         if complete:
-            drafted = drafted[:stop]
+            drafted = drafted[:stop + (drafted[stop] in self.shared_stops)]
         if not drafted:
             return "", complete
         ctx = list(view[-self.lookback:]) if view else []
@@ -269,6 +274,19 @@ class TokenBridge:
             if part.startswith(base) and text.startswith(part[len(base):]) and not part.endswith(REPLACEMENT):
                 return ids[:n], False
         return [], False
+
+
+def _special_content(tokenizer, token_id: int) -> str | None:
+    token = tokenizer.convert_ids_to_tokens(int(token_id))
+    return token if isinstance(token, str) else None
+
+
+def _special_tokens(tokenizer) -> set[str]:
+    """The verifier's special tokens and the added tokens it matches in text as a whole ('<|im_end|>')."""
+    out = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out.update(str(t) for t in decoder.values())
+    return out
 
 
 def _first_difference(expected: str, got: str) -> str:

@@ -173,6 +173,23 @@ def test_translation_cuts_ids_that_do_not_spell_the_drafted_text():
     assert bridge.to_verifier(committed, " w33 w4", complete=False) == [33]  # 'w4' cut ('w6'), 'w33' is complete
 
 
+def test_a_special_token_both_tokenizers_have_ends_the_draft_in_the_verifiers_id():
+    """A drafter's special token the verifier also has as a special token (a shared chat format's end of turn) is
+    kept, in the verifier's id, and ends the draft; one the verifier lacks ends it before."""
+    v, d = tiny_tokenizer(), char_tokenizer()
+    eos = d.convert_tokens_to_ids("</s>")
+    bridge = _bridge(v, d, stop_ids=[eos, d.convert_tokens_to_ids("<s>")])
+    assert bridge.shared_stops == bridge.stop_ids  # '<s>' and '</s>' are special tokens of both
+    committed = v("<s> w7 w12", add_special_tokens=False)["input_ids"]
+    view = bridge.view(committed)
+    drafted = d(" w33 w40 ", add_special_tokens=False)["input_ids"] + [eos] + d(" w9", add_special_tokens=False)["input_ids"]
+    text, complete = bridge.draft_text(view, drafted)
+    assert (text, complete) == (" w33 w40 </s>", True)
+    assert bridge.to_verifier(committed, text, complete) == [33, 40, 1]
+    bridge.shared_stops = frozenset()  # a special token the verifier does not have: the draft ends before it
+    assert bridge.draft_text(view, drafted) == (" w33 w40 ", True)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_a_drafter_tokenizer_that_cannot_round_trip_is_refused():
     no_six = _bpe_tokenizer([c for c in _chars(VOCAB) if c != "6"], [])  # BPE without '6' drops it
