@@ -219,6 +219,32 @@ def test_a_verifier_tokenizer_that_encodes_nothing_is_refused():
         _bridge(Mute(), char_tokenizer())
 
 
+def test_a_verifier_tokenizer_that_changes_its_own_text_is_refused():
+    growing = tiny_tokenizer()
+    growing.decode = lambda ids, **kw: tiny_tokenizer().decode(ids, **kw) + " w7"  # decode(encode(t)) != t
+    with pytest.raises(TokenBridgeError, match="the verifier's tokenizer does not give its own text back after an "
+                                               "encode and a decode"):
+        _bridge(growing, char_tokenizer())
+
+
+def test_a_drafter_tokenizer_without_offsets_is_refused():
+    class Slow:  # a slow tokenizer: no character offsets
+        def __init__(self):
+            self.inner = char_tokenizer()
+
+        def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+            if return_offsets_mapping:
+                raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+            return self.inner(text, add_special_tokens=add_special_tokens)
+
+        def decode(self, ids, **kw):
+            return self.inner.decode(ids, **kw)
+
+    with pytest.raises(TokenBridgeError, match=r"the drafter's tokenizer \(Slow\) gives no character offsets .*needs a "
+                                               r"fast tokenizer"):
+        _bridge(tiny_tokenizer(), Slow())
+
+
 # ------------------------------------------------------------------------------------------------ in the engine
 def _spaced_drafter(scale: float, seed: int = 0):
     """A drafter over ``spaced_word_tokenizer``'s ids computing what the verifier's weights compute (at logit scale
