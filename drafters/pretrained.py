@@ -262,10 +262,11 @@ class PretrainedDrafter(Drafter):
         tokens, probs = self._draft_chain(logits, depth, ctx)
         return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
 
-    def _draft_chain(self, logits: torch.Tensor, depth: int, ctx: StepContext,
-                     stop_ids: frozenset[int] = frozenset()) -> tuple[list[int], list[torch.Tensor]]:
+    def _draft_chain(self, logits: torch.Tensor, depth: int, ctx: StepContext, stop_ids: frozenset[int] = frozenset(),
+                     keep_probs: bool = True) -> tuple[list[int], list[torch.Tensor]]:
         """Up to ``depth`` tokens drawn one by one from the logits after the synced tokens (greedy: argmax; else
-        sampled from the processed q, whose rows are returned too). A token in ``stop_ids`` ends the chain."""
+        sampled from the processed q, whose rows are returned when ``keep_probs``). A token in ``stop_ids`` ends
+        the chain."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(depth):
@@ -274,7 +275,8 @@ class PretrainedDrafter(Drafter):
             else:
                 q = process_logits(logits, ctx.sampling)  # [vocab]
                 x = int(sample(q, ctx.generator))
-                probs.append(q)
+                if keep_probs:
+                    probs.append(q)
             tokens.append(x)
             if i == depth - 1 or x in stop_ids or self._unsure(logits, x):
                 break
@@ -293,7 +295,7 @@ class PretrainedDrafter(Drafter):
         if view is None:  # the committed ids end inside a character: draft again next step
             return Draft.empty()
         logits = self.sync(view)
-        drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids)
+        drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
         text, complete = self.bridge.draft_text(view, drafted)
         tokens = self.bridge.to_verifier(committed, text, complete)[: ctx.max_depth]
         return Draft.chain(tokens, None, catch_up=self.last_catch_up, drafter_tokens=len(drafted),

@@ -108,7 +108,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
 
     kind = "pretrained_tree"
     Params = PretrainedTreeParams
-    cross_tokenizer = False  # drafts in the verifier's tokens only (the tree's nodes are kept in the cache by id)
+    cross_tokenizer = False  # accepted nodes are kept in the cache by drafter id (docs/algorithms.md#cross-tokenizer-drafting)
 
     def __init__(
         self,

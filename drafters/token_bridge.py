@@ -161,6 +161,7 @@ class TokenBridge:
     def view(self, committed: Sequence[int]) -> list[int] | None:
         """The drafter's ids of the text of ``committed`` (the verifier's committed ids of this request, which only
         grow between calls); None while the last committed ids end inside a character (nothing to draft from)."""
+        self.reencoded = 0
         fed = self.decoder.ids
         if len(committed) < len(fed) or list(committed[len(fed) - 1: len(fed)]) != fed[len(fed) - 1:]:
             self.begin()  # not a continuation of what was fed (a new request without begin)
