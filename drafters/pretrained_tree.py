@@ -108,7 +108,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
 
     kind = "pretrained_tree"
     Params = PretrainedTreeParams
-    cross_tokenizer = False  # accepted nodes are kept in the cache by drafter id (docs/algorithms.md#cross-tokenizer-drafting)
+    cross_tokenizer = False  # keeps accepted nodes in its cache by id (docs/algorithms.md#cross-tokenizer-drafting)
 
     def __init__(
         self,

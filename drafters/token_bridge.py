@@ -31,7 +31,8 @@ REPLACEMENT = "\ufffd"  # what decoding gives for the bytes of a character that 
 
 
 class TokenBridgeError(ValueError):
-    """A drafter cannot draft with its own tokenizer for this verifier (the message names the drafter and both models)."""
+    """A drafter cannot draft with its own tokenizer for this verifier (the message names the drafter and both
+    models)."""
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:
@@ -124,13 +125,14 @@ class TokenBridge:
                                    f"nothing, so drafted text cannot be translated into its tokens")
         back = _decode(verifier_tokenizer, _encode(verifier_tokenizer, probe))
         if back != probe:
-            raise TokenBridgeError(f"{who}: the verifier's tokenizer does not give its own text back after an encode and a "
-                                   f"decode ({_first_difference(probe, back)})")
+            raise TokenBridgeError(f"{who}: the verifier's tokenizer does not give its own text back after an encode "
+                                   f"and a decode ({_first_difference(probe, back)})")
         try:
             _encode_offsets(drafter_tokenizer, probe)
         except (NotImplementedError, ValueError, TypeError, KeyError) as e:
             raise TokenBridgeError(f"{who}: the drafter's tokenizer ({type(drafter_tokenizer).__name__}) gives no "
-                                   f"character offsets ({e}); cross-tokenizer drafting needs a fast tokenizer") from None
+                                   f"character offsets ({e}); cross-tokenizer drafting needs a fast tokenizer"
+                                   ) from None
         back = _decode(drafter_tokenizer, _encode(drafter_tokenizer, probe))
         if back != probe:
             raise TokenBridgeError(f"{who}: the drafter's tokenizer cannot round-trip the verifier's text: "
@@ -199,7 +201,10 @@ class TokenBridge:
 
     def _clean_boundary(self, r: int, n_prefix: int) -> int:
         """The last index <= r where a token starts after the end of the one before it (not inside a character)."""
-        while r > n_prefix + 1 and not (self.spans[r - 1][1] <= self.spans[r][0] and self.spans[r - 1][0] < self.spans[r][0]):
+        while r > n_prefix + 1:
+            (start0, end0), (start1, _) = self.spans[r - 1], self.spans[r]
+            if end0 <= start1 and start0 < start1:
+                break
             r -= 1
         return r
 

@@ -156,8 +156,9 @@ class BuildContext:
         if self.tokenizer not in ("shared", "own"):
             raise ValueError(f"drafter {name!r}: tokenizer must be 'shared' or 'own', got {self.tokenizer!r}")
         if self.tokenizer == "own" and not cls.cross_tokenizer:
+            able = sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)
             raise ValueError(f"drafter {name!r}: drafter type {cls.kind!r} cannot draft with a tokenizer of its own "
-                             f"(tokenizer: own); types that can: {sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)}")
+                             f"(tokenizer: own); types that can: {able}")
         return self.tokenizer == "own"
 
     def refuse_quantize(self, name: str, kind: str) -> None:

@@ -191,8 +191,8 @@ class Engine:
             label = f"{d.name} (model {model})" if model and model != d.name else d.name
             advice = ""
             if d.target_tokenizer is None and type(d).cross_tokenizer:
-                advice = ("; a drafter of another model family can draft with its own tokenizer: `tokenizer: own` in its "
-                          "pool entry (in Python: verifier_tokenizer=...)")
+                advice = ("; a drafter of another model family can draft with its own tokenizer: `tokenizer: own` "
+                          "in its pool entry (in Python: verifier_tokenizer=...)")
             check_tokenizers_compatible(self.tokenizer, theirs, self.verifier.name, label, advice=advice)
 
     def eos_ids(self) -> set[int]:
