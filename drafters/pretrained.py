@@ -1,4 +1,6 @@
-"""SpS: a small pretrained causal LM (same tokenizer as the verifier) drafts a chain autoregressively."""
+"""SpS: a small pretrained causal LM drafts a chain autoregressively - in the verifier's tokens when it shares the
+verifier's tokenizer, or in its own tokens translated into the verifier's through text (cross-tokenizer drafting,
+``verifier_tokenizer``; ``metasd.drafters.token_bridge``)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -14,10 +16,12 @@ from metasd.core.drafter import (Bool, Drafter, DrafterParams, Float, Int, StepC
                                  register_drafter)
 from metasd.core.hooks import contiguous_lm_head_input
 from metasd.core.kv_cache import cache_kwargs, crop_to
-from metasd.models import config_eos_ids
+from metasd.models import ModelLoadError, config_eos_ids
 from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.sampling import process_logits, sample
 from metasd.core.tree import Draft
+
+from .token_bridge import TokenBridge
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -76,6 +80,29 @@ class DraftHead(nn.Module):
         return full.index_copy_(1, self.token_ids, reduced)
 
 
+def new_cache(model) -> DynamicCache:
+    """A KV cache for ``model``'s forwards. Its sliding-window layers (Gemma 3) keep the positions past the window
+    until a crop, so that drafted positions can be cropped away once the window is full."""
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
+    return cache
+
+
+def can_crop(cache: DynamicCache, remove: int) -> bool:
+    """Whether ``remove`` positions can be cropped from the end of ``cache``: a sliding-window layer that has filled
+    its window must still hold every position the window keeps after the crop (it drops older ones at a crop)."""
+    for layer in cache.layers:
+        window = getattr(layer, "sliding_window", None)
+        if not getattr(layer, "is_sliding", False) or window is None or getattr(layer, "keys", None) is None:
+            continue
+        total = int(getattr(layer, "cumulative_length", 0))
+        if total >= window and layer.keys.shape[-2] - remove < min(window - 1, total - remove):
+            return False
+    return True
+
+
 class PretrainedParams(DrafterParams):
     """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
 
@@ -112,6 +139,7 @@ class PretrainedDrafter(Drafter):
     kind = "pretrained"
     model_field, checkpoint_field = "required", "never"
     Params = PretrainedParams
+    cross_tokenizer = True
 
     def __init__(
         self,
@@ -125,10 +153,22 @@ class PretrainedDrafter(Drafter):
         head_vocab: int | None = None,
         name: str | None = None,
         model_ref: str | None = None,
+        verifier_tokenizer=None,
+        verifier_name: str = "verifier",
     ):
         super().__init__(name)
         check_params(PretrainedParams, dict(k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
                                             k_min=k_min, k_max=k_max, head_vocab=head_vocab), self.name)
+        self.bridge: TokenBridge | None = None
+        if verifier_tokenizer is not None:  # cross-tokenizer drafting: draft in the model's own tokens, translate
+            if not type(self).cross_tokenizer:
+                raise ValueError(f"{self.name}: drafter type {self.kind!r} cannot draft with a tokenizer of its own "
+                                 f"(verifier_tokenizer given)")
+            self.bridge = TokenBridge(
+                verifier_tokenizer, tokenizer, drafter=self.name, verifier_model=verifier_name,
+                drafter_model=model_ref or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                stop_ids=set(getattr(tokenizer, "all_special_ids", None) or ()) | config_eos_ids(model))
+            self.target_tokenizer = verifier_tokenizer
         self.model = contiguous_lm_head_input(model.eval())
         self.head_vocab = head_vocab
         try:
@@ -152,13 +192,24 @@ class PretrainedDrafter(Drafter):
     def from_config(cls, name, params, build):
         if not build.model:
             raise ValueError(f"drafter {name!r} of type {cls.kind!r} needs a model reference (field 'model')")
-        model, tokenizer = build.load_model(build.model)
+        own = build.own_tokenizer(name, cls)
+        try:
+            model, tokenizer = build.load_model(build.model)
+        except ModelLoadError as e:
+            if not own:
+                raise
+            raise ModelLoadError(f"drafter {name!r} (model {build.model!r}, tokenizer: own) for verifier "
+                                 f"{build.verifier.name!r}: {e}") from e
+        if own:
+            params = {**params, "verifier_tokenizer": build.verifier.tokenizer, "verifier_name": build.verifier.name}
         return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 
     def begin(self, ctx: StepContext) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model)
         self.cached_ids = []
         self.k = self.k_initial
+        if self.bridge is not None:
+            self.bridge.begin()
 
     def end(self) -> None:
         self.cache, self.cached_ids = None, []
@@ -192,6 +243,8 @@ class PretrainedDrafter(Drafter):
         if self.cache is None:
             self.begin(None)  # type: ignore[arg-type]
         keep = min(common_prefix_len(self.cached_ids, tokens), len(tokens) - 1)
+        if not can_crop(self.cache, len(self.cached_ids) - keep):  # a sliding window dropped what a crop needs
+            self.cache, self.cached_ids, keep = new_cache(self.model), [], 0
         crop_to(self.cache, keep)
         del self.cached_ids[keep:]
         self.last_catch_up = len(tokens) - keep - 1
@@ -207,33 +260,61 @@ class PretrainedDrafter(Drafter):
             return self.make_draft(ctx)
 
     def make_draft(self, ctx: StepContext) -> Draft:
-        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``.
-
-        The chain is drafted on the model's device and read by the host once, at the end: each draft token is fed to
-        the next forward as a device tensor. Only the confidence stop reads each token's probability as it goes (to
-        save the forwards after an unsure token)."""
+        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``."""
+        if self.bridge is not None:
+            return self.make_translated_draft(ctx)
         depth = min(self.k, ctx.max_depth)
         if depth <= 0:
             return Draft.empty()
         logits = self.sync(ctx.tokens.tolist())  # [vocab]
-        greedy = ctx.sampling.greedy
+        tokens, probs = self._draft_chain(logits, depth, ctx)
+        return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
+
+    def _draft_chain(self, logits: torch.Tensor, depth: int, ctx: StepContext, stop_ids: frozenset[int] = frozenset(),
+                     keep_probs: bool = True) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``depth`` tokens drawn one by one from the logits after the synced tokens (greedy: argmax; else
+        sampled from the processed q, whose rows are returned when ``keep_probs``). A token in ``stop_ids`` ends
+        the chain.
+
+        The chain is drafted on the model's device and read by the host once, at the end: each token is fed to the
+        next forward as a device tensor. Only a stop rule reads each token as it goes, to save the forwards after it:
+        the confidence stop (the token's probability) and ``stop_ids`` (the token itself)."""
         drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
         probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
         for i in range(depth):
-            if greedy:
+            if ctx.sampling.greedy:
                 x = logits.argmax(-1, keepdim=True)
             else:
                 q = process_logits(logits, ctx.sampling)  # [vocab]
                 x = sample(q, ctx.generator).view(1)
-                probs.append(q)
+                if keep_probs:
+                    probs.append(q)
             drafted.append(x)
-            if i == depth - 1 or self._unsure(logits, x):
+            if i == depth - 1 or (stop_ids and int(x) in stop_ids) or self._unsure(logits, x):
                 break
             logits = self._forward(x)
         tokens = torch.cat(drafted).tolist()  # the step's one read of the draft
         self.cached_ids.extend(tokens[: self._unread])  # the draft tokens fed above, now known to the host
         self._unread = 0
-        return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
+        return tokens, probs
+
+    def make_translated_draft(self, ctx: StepContext) -> Draft:
+        """Cross-tokenizer drafting (docs/algorithms.md#cross-tokenizer-drafting): bring the drafter's own ids of the
+        committed text up to date (a tail window re-encoded), catch the cache up on them, draft ``k`` tokens of its
+        own, and translate their text into the verifier's ids (a trailing partial token dropped). The draft carries
+        no probabilities: it is verified by sample-and-match (greedy: argmax matching), exact for any draft."""
+        if ctx.max_depth <= 0:
+            return Draft.empty()
+        committed = ctx.tokens.tolist()
+        view = self.bridge.view(committed)
+        if view is None:  # the committed ids end inside a character: draft again next step
+            return Draft.empty()
+        logits = self.sync(view)
+        drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
+        text, complete = self.bridge.draft_text(view, drafted)
+        tokens = self.bridge.to_verifier(committed, text, complete)[: ctx.max_depth]
+        return Draft.chain(tokens, None, catch_up=self.last_catch_up, drafter_tokens=len(drafted),
+                           reencoded=self.bridge.reencoded)
 
     def _unsure(self, logits: torch.Tensor, token: torch.Tensor) -> bool:
         """Whether the drafted ``token`` ([1]) had a drafter probability below ``confidence_threshold`` (a host read)."""
@@ -261,5 +342,6 @@ class PretrainedDrafter(Drafter):
             "confidence_threshold": self.confidence_threshold,
             "adaptive_k": self.adaptive_k,
             "head_vocab": self.head_vocab,
+            **({"tokenizer": "own"} if self.bridge is not None else {}),
             **(self.steering.describe() if self.steering is not None else {}),
         }

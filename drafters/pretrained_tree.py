@@ -108,6 +108,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
 
     kind = "pretrained_tree"
     Params = PretrainedTreeParams
+    cross_tokenizer = False  # keeps accepted nodes in its cache by id (docs/algorithms.md#cross-tokenizer-drafting)
 
     def __init__(
         self,

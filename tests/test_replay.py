@@ -1,6 +1,5 @@
 """The replay drafter: a draft whose acceptance is known in advance (accept + 1 tokens per greedy step)."""
 import pytest
-import torch
 
 from metasd.core import Engine, Verifier
 from metasd.drafters.replay import ReplayDrafter

@@ -11,7 +11,7 @@ from metasd.core.sampling import SamplingParams
 from metasd.core.drafter import StepContext
 from metasd.core.verifier import Verifier
 from metasd.drafters.suffix import ROOT, SuffixDrafter, SuffixTrie
-from tiny import plain_greedy, tiny_qwen
+from tiny import plain_greedy
 
 
 def ctx(tokens, max_depth: int = 32) -> StepContext:

@@ -131,6 +131,10 @@ ROWS = {
     "entry missing its model": _pool_row(
         lambda c: c["drafters"].append({"name": "t", "type": "pretrained_tree"}),
         "  drafters.2.model: drafter type 'pretrained_tree' needs a model reference"),
+    "tokenizer: own on a type that cannot translate": _pool_row(
+        lambda c: c["drafters"][1].update(tokenizer="own"),
+        "  drafters.1.tokenizer: drafter type 'ngram' cannot draft with a tokenizer of its own; types that can: "
+        "pretrained"),
     "entry with a checkpoint its type ignores": _pool_row(
         lambda c: c["drafters"][1].update(checkpoint="ck"), "  drafters.1.checkpoint: drafter type 'ngram' takes no checkpoint"),
     "unknown pool field": _pool_row(lambda c: c.update(speed="fast"),

@@ -117,7 +117,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
             return models.load(ref, _dtype, _quantize if quantize is None else quantize, drafter=True)
 
         build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
-                             quantize=d.quantize)
+                             quantize=d.quantize, tokenizer=d.tokenizer)
         try:
             drafter = cls.from_config(d.name, dict(d.params), build)
         except (TypeError, ValueError) as e:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from metasd.core.drafter import DRAFTERS
 from metasd.core.policy import Policy, make_policy
 from metasd.core.rewards import BOUNDED_REWARDS, REWARDS, RewardName
 
@@ -40,6 +41,10 @@ class DrafterConfig(_Strict):
     #: weight-only quantization of the drafter's own weights (never inherited from the verifier)
     quantize: Quantize = "none"
     checkpoint: str | None = None
+    #: "shared": the drafter's tokenizer must be the verifier's (checked when the pool loads); "own": the drafter
+    #: drafts in its model's own tokenizer and translates its drafts into the verifier's ids (cross-tokenizer
+    #: drafting: a model of another family; types with ``cross_tokenizer``, e.g. pretrained)
+    tokenizer: Literal["shared", "own"] = "shared"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -103,6 +108,11 @@ class PoolConfig(_Strict):
                     errors.append(line_error(("drafters", i, fld), f"drafter type {d.type!r} needs {noun}", None))
                 elif rule == "never" and given:
                     errors.append(line_error(("drafters", i, fld), f"drafter type {d.type!r} takes no {fld}", getattr(d, fld)))
+            if d.tokenizer == "own" and not cls.cross_tokenizer:
+                able = sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)
+                errors.append(line_error(("drafters", i, "tokenizer"),
+                                         f"drafter type {d.type!r} cannot draft with a tokenizer of its own; types that "
+                                         f"can: {', '.join(able)}", d.tokenizer))
             d.params = validate_params(cls, d.params, ("drafters", i, "params"), errors,
                                         skip=("self", "name", "model", "tokenizer", "model_ref"))
         try:

@@ -88,8 +88,14 @@ class Drafter(abc.ABC):
     checkpoint_field: ClassVar[str | None] = None
     #: the pool-config ``params`` model (see ``DrafterParams``); None: names checked against ``__init__``
     Params: ClassVar[type[DrafterParams] | None] = None
+    #: whether the type can draft in its model's own tokenizer and translate each draft into the verifier's ids
+    #: (cross-tokenizer drafting; a pool entry's ``tokenizer: own``), checked when the pool file is read
+    cross_tokenizer: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
     tokenizer = None  # set by drafters with their own tokenizer, checked against the verifier's
+    #: set by a drafter that drafts in ``tokenizer``'s ids and translates its drafts (cross-tokenizer drafting): the
+    #: tokenizer whose ids its drafts are in, checked against the verifier's instead of ``tokenizer``
+    target_tokenizer = None
 
     def __init__(self, name: str | None = None):
         self.name = name or self.kind or type(self).__name__
@@ -128,6 +134,7 @@ class Drafter(abc.ABC):
         if build.checkpoint is not None:
             raise ValueError(f"drafter type {cls.kind!r} takes no checkpoint")
         build.refuse_quantize(name, cls.kind)
+        build.own_tokenizer(name, cls)
         return cls(name=name, **params)
 
 
@@ -142,6 +149,17 @@ class BuildContext:
     #: same settings share weights; quantize None means the entry's ``quantize``
     load_model: Any
     quantize: str = "none"  # the entry's weight-only quantization: "none", "int8" or "int4"
+    tokenizer: str = "shared"  # the entry's tokenizer: "shared" (the verifier's) or "own" (cross-tokenizer drafting)
+
+    def own_tokenizer(self, name: str, cls: type[Drafter]) -> bool:
+        """Whether the entry drafts with its model's own tokenizer; an error for a type that cannot."""
+        if self.tokenizer not in ("shared", "own"):
+            raise ValueError(f"drafter {name!r}: tokenizer must be 'shared' or 'own', got {self.tokenizer!r}")
+        if self.tokenizer == "own" and not cls.cross_tokenizer:
+            able = sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)
+            raise ValueError(f"drafter {name!r}: drafter type {cls.kind!r} cannot draft with a tokenizer of its own "
+                             f"(tokenizer: own); types that can: {able}")
+        return self.tokenizer == "own"
 
     def refuse_quantize(self, name: str, kind: str) -> None:
         """For drafters with no weights of their own: a ``quantize`` other than "none" is an error."""

@@ -175,9 +175,19 @@ class Engine:
         return policy
 
     def _check_tokenizers(self) -> None:
+        """Every drafter's ids mean what the verifier's mean: its own tokenizer's, or - for a drafter that translates
+        its drafts (cross-tokenizer drafting) - the tokenizer it translates into."""
         for d in self.drafters:
-            if d.tokenizer is not None and self.tokenizer is not None:
-                check_tokenizers_compatible(self.tokenizer, d.tokenizer, self.verifier.name, d.name)
+            theirs = d.target_tokenizer if d.target_tokenizer is not None else d.tokenizer
+            if theirs is None or self.tokenizer is None or theirs is self.tokenizer:
+                continue
+            model = d.describe().get("model")
+            label = f"{d.name} (model {model})" if model and model != d.name else d.name
+            advice = ""
+            if d.target_tokenizer is None and type(d).cross_tokenizer:
+                advice = ("; a drafter of another model family can draft with its own tokenizer: `tokenizer: own` "
+                          "in its pool entry (in Python: verifier_tokenizer=...)")
+            check_tokenizers_compatible(self.tokenizer, theirs, self.verifier.name, label, advice=advice)
 
     @contextmanager
     def exclusive_use(self):

