@@ -6,6 +6,15 @@ from tiny import tiny_qwen, tiny_tokenizer
 torch.set_num_threads(1)  # tiny models: threads only add overhead
 
 
+def pytest_configure(config):
+    """Register the second device (tests/second_device.py) before any test runs: torch's autograd engine sizes its
+    per-device queues at the first backward of the process, so a device registered after a CPU backward (a trainer's
+    test) would be unknown to it. Registering changes nothing for CPU work (test_second_device checks that)."""
+    import second_device
+
+    second_device.enable()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
