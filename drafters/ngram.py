@@ -6,8 +6,19 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from metasd.core.drafter import Bool, Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
+from metasd.core.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Int, StepContext, StepFeedback, check_params,
+                                 counterfactual_of, register_drafter)
 from metasd.core.tree import Draft
+
+
+def longest_suffix_match(tokens: torch.Tensor, n_min: int, n_max: int) -> int:
+    """The largest n in n_min..n_max whose suffix n-gram of ``tokens`` [T] occurred earlier with a token after it;
+    0 when none does."""
+    T = len(tokens)
+    for n in range(min(n_max, T - 1), n_min - 1, -1):
+        if bool((tokens[: T - 1].unfold(0, n, 1) == tokens[T - n:]).all(dim=1).any()):
+            return n
+    return 0
 
 
 def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int, latest: bool = True) -> torch.Tensor:
@@ -62,6 +73,13 @@ class NGramDrafter(Drafter):
         if depth <= 0:
             return Draft.empty()
         return Draft.chain(lookup(ctx.tokens, self.n_min, self.n_max, depth, self.latest))
+
+    def longest_match(self, tokens: torch.Tensor) -> int:
+        return longest_suffix_match(tokens, self.n_min, self.n_max)
+
+    def counterfactual(self, ctx: StepContext, feedback: StepFeedback) -> Counterfactual:
+        """Lookup costs no model: propose for the step's context and follow the committed tokens through the draft."""
+        return counterfactual_of(self.propose(ctx), feedback)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "k": self.k, "n_min": self.n_min, "n_max": self.n_max, "latest": self.latest}

@@ -12,8 +12,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import (Bool, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback, check_params,
-                                 register_drafter)
+from metasd.core.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback,
+                                 check_params, register_drafter)
 from metasd.core.hooks import contiguous_lm_head_input
 from metasd.core.kv_cache import cache_kwargs, crop_to
 from metasd.models import ModelLoadError, config_eos_ids
@@ -22,6 +22,7 @@ from metasd.core.sampling import process_logits, sample
 from metasd.core.tree import Draft
 
 from .token_bridge import TokenBridge
+from .tracking import chain_acceptance
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -35,6 +36,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): the LM head computes N rows instead "
                    "of the whole vocabulary; byte-pair ids come roughly in frequency order (default: all)")
 
+
+TRACK_HELP = ("full-information feedback: feed the committed tokens every step, also when another arm drafted (priced "
+              "as the pool's work), so this arm is scored on every step")
 
 ROW_MULTIPLE = 16  # draft-head rows are padded (with the next ids) to a multiple of this: the int4 kernels need it
 
@@ -113,6 +117,7 @@ class PretrainedParams(DrafterParams):
     k_min: Int = Field(1, ge=1, description="lower bound of k (adaptive_k)")
     k_max: Int = Field(16, ge=1, description="upper bound of k (adaptive_k); k may not exceed it")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
+    track: Bool = Field(False, description=TRACK_HELP)
 
     @model_validator(mode="after")
     def _order(self) -> "PretrainedParams":
@@ -151,6 +156,7 @@ class PretrainedDrafter(Drafter):
         k_min: int = 1,
         k_max: int = 16,
         head_vocab: int | None = None,
+        track: bool = False,
         name: str | None = None,
         model_ref: str | None = None,
         verifier_tokenizer=None,
@@ -158,7 +164,10 @@ class PretrainedDrafter(Drafter):
     ):
         super().__init__(name)
         check_params(PretrainedParams, dict(k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
-                                            k_min=k_min, k_max=k_max, head_vocab=head_vocab), self.name)
+                                            k_min=k_min, k_max=k_max, head_vocab=head_vocab, track=track), self.name)
+        if track and verifier_tokenizer is not None:
+            raise ValueError(f"{self.name}: track is not available with tokenizer: own (its logits are over other ids)")
+        self.track = track
         self.bridge: TokenBridge | None = None
         if verifier_tokenizer is not None:  # cross-tokenizer drafting: draft in the model's own tokens, translate
             if not type(self).cross_tokenizer:
@@ -187,6 +196,7 @@ class PretrainedDrafter(Drafter):
         self._unread = 0  # draft tokens fed from the device and not read yet (they follow cached_ids in the cache)
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
         self.steering = None  # a composed ``metasd.drafters.steered.Steering`` (the steered types set it)
+        self._root: tuple[int, torch.Tensor] | None = None  # (cached tokens, logits after them) from tracking
 
     @classmethod
     def from_config(cls, name, params, build):
@@ -207,6 +217,7 @@ class PretrainedDrafter(Drafter):
     def begin(self, ctx: StepContext) -> None:
         self.cache = new_cache(self.model)
         self.cached_ids = []
+        self._root = None
         self.k = self.k_initial
         if self.bridge is not None:
             self.bridge.begin()
@@ -242,6 +253,10 @@ class PretrainedDrafter(Drafter):
         """Bring the cache up to ``tokens`` (all committed); return the logits after the last one [vocab]."""
         if self.cache is None:
             self.begin(None)  # type: ignore[arg-type]
+        root, self._root = self._root, None
+        if root is not None and root[0] == len(tokens) == len(self.cached_ids) and self.cached_ids == tokens:
+            self.last_catch_up = 0  # tracking fed them all already (counted in the steps where it ran)
+            return root[1]
         keep = min(common_prefix_len(self.cached_ids, tokens), len(tokens) - 1)
         if not can_crop(self.cache, len(self.cached_ids) - keep):  # a sliding window dropped what a crop needs
             self.cache, self.cached_ids, keep = new_cache(self.model), [], 0
@@ -249,6 +264,54 @@ class PretrainedDrafter(Drafter):
         del self.cached_ids[keep:]
         self.last_catch_up = len(tokens) - keep - 1
         return self._forward(tokens[keep:])
+
+    @torch.inference_mode()
+    def counterfactual(self, ctx: StepContext, feedback: StepFeedback) -> Counterfactual | None:
+        """With ``track``: feed the pending token and the step's committed tokens (the catch-up this drafter would run
+        when it drafts next, so nothing is computed twice) and read from their logits what it would have had accepted
+        (``metasd.drafters.tracking``). Without: None (bandit feedback)."""
+        if not self.track:
+            return None
+        tokens = ctx.tokens.tolist()
+        committed = feedback.committed
+        rows = self._feed_all(tokens + committed, len(tokens) - 1)[-(len(committed) + 1):]  # [m + 1, vocab]
+        self._root = (len(self.cached_ids), rows[-1])  # after c_m: the next step's root, already computed
+        c = torch.tensor(committed, device=rows.device)
+        p = None if feedback.target_probs is None else feedback.target_probs[[0] + [i + 1 for i in feedback.acceptance.path]]
+        return self._counterfactual_of(rows[:-1], c, ctx, p)
+
+    def _counterfactual_of(self, rows: torch.Tensor, committed: torch.Tensor, ctx: StepContext, p) -> Counterfactual:
+        """The chain's counterfactual (the tree drafter overrides it)."""
+        depth = min(self.k, ctx.max_depth)
+        n, censored = chain_acceptance(rows, committed, depth, ctx.sampling, p)
+        return Counterfactual(n, depth, depth, self._draft_forwards([1] * max(depth - 1, 0)), censored)
+
+    def _draft_forwards(self, rows: list[int]) -> list[tuple[nn.Module, int]]:
+        """The networks a drafting step runs for forwards of ``rows`` each, for pricing from shapes."""
+        if self.draft_head is None:
+            return [(self.model, r) for r in rows]
+        return [(m, r) for r in rows for m in (self.model.base_model, self.draft_head)]
+
+    def _feed_all(self, tokens: list[int], keep_at_most: int) -> torch.Tensor:
+        """Bring the cache up to ``tokens``, refeeding from ``keep_at_most`` at the latest; logits [fed, vocab]."""
+        if self.cache is None:
+            self.begin(None)  # type: ignore[arg-type]
+        self._root = None
+        keep = min(common_prefix_len(self.cached_ids, tokens), keep_at_most)
+        if not can_crop(self.cache, len(self.cached_ids) - keep):
+            self.cache, self.cached_ids, keep = new_cache(self.model), [], 0
+        crop_to(self.cache, keep)
+        del self.cached_ids[keep:]
+        ids = tokens[keep:]
+        logits = self._logits(False, input_ids=torch.tensor([ids], dtype=torch.long, device=self.model.device))
+        self.cached_ids.extend(ids)
+        return logits
+
+    def confidence(self) -> float | None:
+        """With ``track``: the probability of its own top token after the last committed token (one host read)."""
+        if not self.track or self._root is None:
+            return None
+        return float(self._root[1].float().softmax(-1).max())
 
     def steered_step(self, ctx: StepContext):
         """Context of one drafting step: the steering component's guide for every forward in it, if any."""
@@ -342,6 +405,7 @@ class PretrainedDrafter(Drafter):
             "confidence_threshold": self.confidence_threshold,
             "adaptive_k": self.adaptive_k,
             "head_vocab": self.head_vocab,
+            "track": self.track,
             **({"tokenizer": "own"} if self.bridge is not None else {}),
             **(self.steering.describe() if self.steering is not None else {}),
         }

@@ -55,13 +55,15 @@ import torch
 from pydantic import Field, model_validator
 from transformers import PreTrainedModel
 
-from metasd.core.drafter import DrafterParams, Float, Int, StepContext, StepFeedback, check_params, register_drafter
+from metasd.core.drafter import (Bool, Counterfactual, DrafterParams, Float, Int, StepContext, StepFeedback, check_params,
+                                 register_drafter)
 from metasd.core.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.sampling import process_logits
 from metasd.core.tree import Draft
 
 from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k, noise_dtype, read_topk
-from .pretrained import HEAD_VOCAB_HELP, PretrainedDrafter
+from .pretrained import HEAD_VOCAB_HELP, TRACK_HELP, PretrainedDrafter
+from .tracking import tree_acceptance
 
 MODES = ("dynamic", "rsd_c", "rsd_s")
 
@@ -78,6 +80,7 @@ class PretrainedTreeParams(DrafterParams):
     branching: list[Annotated[Int, Field(ge=1)]] | None = Field(
         None, min_length=1, description="rsd_c: children per expanded node at each level (default [3, 2, 1, 1])")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
+    track: Bool = Field(False, description=TRACK_HELP)
 
     @model_validator(mode="after")
     def _mode_fields(self) -> "PretrainedTreeParams":
@@ -122,12 +125,13 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         min_path_prob: float = 0.0,
         branching: Sequence[int] | None = None,
         head_vocab: int | None = None,
+        track: bool = False,
         name: str | None = None,
         model_ref: str | None = None,
     ):
-        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, name=name, model_ref=model_ref)
+        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, track=track, name=name, model_ref=model_ref)
         check_params(PretrainedTreeParams, dict(mode=mode, nodes=nodes, depth=depth, width=width, frontier=frontier,
-                                                min_path_prob=min_path_prob, head_vocab=head_vocab,
+                                                min_path_prob=min_path_prob, head_vocab=head_vocab, track=track,
                                                 branching=None if branching is None else list(branching)), self.name)
         frontier = width if frontier is None else frontier
         branching = [3, 2, 1, 1] if branching is None else list(branching)
@@ -306,6 +310,15 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             value = torch.tensor(new_value, dtype=torch.float64)
         return rows
 
+    def _counterfactual_of(self, rows: torch.Tensor, committed: torch.Tensor, ctx: StepContext, p) -> Counterfactual:
+        """The tree's counterfactual along the committed path (``tracking.tree_acceptance``: every mode is scored as
+        the dynamic tree it would have grown greedy, the committed tokens standing for sample-and-match's draws)."""
+        depth = min(self.depth, ctx.max_depth)
+        floor = self.min_path_prob if self.mode == "dynamic" else 0.0
+        n, censored = tree_acceptance(rows, committed, depth, self.width, floor, ctx.sampling)
+        levels = [1] + [self.frontier] * max(depth - 1, 0)  # the root's children, then one level per depth
+        return Counterfactual(n, self.nodes, depth, self._draft_forwards(levels[1:]), censored)
+
     # ---------------------------------------------------------------- after verification
     @torch.inference_mode()
     def observe(self, feedback: StepFeedback) -> None:
@@ -336,6 +349,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             "depth": self.depth,
             "width": self.width,
             "head_vocab": self.head_vocab,
+            "track": self.track,
         }
         if self.mode == "dynamic":
             out["frontier"] = self.frontier

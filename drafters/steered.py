@@ -45,9 +45,10 @@ from __future__ import annotations
 import copy
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 
 from metasd.core.drafter import StepContext, register_drafter
 from metasd.models.quantize import quantize_model
@@ -172,6 +173,8 @@ class SteeredType:
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, checkpoint: str | None = None,
                  **params):
+        if params.get("track"):  # a tracked forward runs outside a drafting step: it would feed unsteered positions
+            raise ValueError(f"{params.get('name') or self.kind}: track is not available for steered drafters")
         super().__init__(model, tokenizer, **params)
         self.steering = Steering(steering, self.model, checkpoint)
         self.hidden_layers = self.steering.hidden_layers
@@ -179,11 +182,15 @@ class SteeredType:
 
 class SteeredParams(PretrainedParams):
     """Pool-config ``params`` of the steered chain drafter: those of ``pretrained`` (the steering module and
-    its checkpoint come from the entry's ``checkpoint`` field, not from ``params``)."""
+    its checkpoint come from the entry's ``checkpoint`` field, not from ``params``), without ``track``."""
+
+    track: Literal[False] = Field(False, description="not available: a tracked forward would run unsteered")
 
 
 class SteeredTreeParams(PretrainedTreeParams):
-    """Pool-config ``params`` of the steered tree drafter: those of ``pretrained_tree``."""
+    """Pool-config ``params`` of the steered tree drafter: those of ``pretrained_tree``, without ``track``."""
+
+    track: Literal[False] = Field(False, description="not available: a tracked forward would run unsteered")
 
 
 @register_drafter

@@ -7,6 +7,7 @@ One family per module, each class registered by name in ``POLICIES`` (the name u
 - ``sliding_window_ucb`` (SlidingWindowUCB): abruptly changing rewards (``window``);
 - ``thompson`` (ThompsonSampling): Beta-Bernoulli for [0, 1] rewards, Gaussian for tokens/s;
 - ``exp3`` (EXP3): adversarial rewards;
+- ``hedge`` (Hedge): exponential weights for full-information feedback (``feedback: full``);
 - ``epsilon_greedy`` (EpsilonGreedy): simple baseline;
 - ``sequential_halving`` (SequentialHalving): few drafter switches, fixed exploration budget;
 - ``linucb`` (LinUCB): contextual, request features -> drafter;
@@ -22,6 +23,7 @@ from metasd.core.policy import POLICIES, Policy, PolicyParams, make_policy, poli
 from .non_learning import Fixed, RandomPolicy, RoundRobin
 from .epsilon_greedy import EpsilonGreedy
 from .exp3 import EXP3
+from .hedge import Hedge
 from .linucb import LinUCB
 from .sequential_halving import SequentialHalving
 from .thompson import ThompsonSampling
@@ -33,5 +35,5 @@ UCB = UCB1  # the short name (``from metasd.policies import UCB``)
 __all__ = [
     "POLICIES", "Policy", "PolicyParams", "register_policy", "make_policy", "policy_params",
     "UCB", "UCB1", "DiscountedUCB", "SlidingWindowUCB", "ThompsonSampling", "EXP3", "EpsilonGreedy",
-    "SequentialHalving", "LinUCB", "Fixed", "RoundRobin", "RandomPolicy",
+    "SequentialHalving", "LinUCB", "Fixed", "RoundRobin", "RandomPolicy", "Hedge",
 ]

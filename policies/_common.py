@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -49,6 +49,19 @@ class BasePolicy(Policy):
         self.sums[arm] += reward
         self.t += 1
         return arm, reward
+
+    def _record_round(self, arm: Any, rewards: Mapping[Any, Any]) -> list[tuple[int, float]]:
+        """Full information (sample-mean policies): one round (``t`` + 1) in which every arm of ``rewards`` got a
+        sample - the chosen ``arm``'s reward and the others' counterfactuals. Returns the checked (arm, reward)s."""
+        self._check_arm(arm)
+        if arm not in rewards:
+            raise ValueError(f"{self._label()}: the chosen arm {arm} has no reward among {sorted(rewards)}")
+        samples = [(self._check_arm(a), self._check_reward(r)) for a, r in sorted(rewards.items())]
+        for a, r in samples:
+            self.counts[a] += 1
+            self.sums[a] += r
+        self.t += 1
+        return samples
 
     # -- RNG state ---------------------------------------------------------------------------------
     @property

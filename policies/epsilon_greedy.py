@@ -1,7 +1,7 @@
 """Epsilon-greedy: the simplest explore/exploit baseline."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -54,6 +54,12 @@ class EpsilonGreedy(BasePolicy):
 
     def update(self, arm: int, reward: float, context: Context = None) -> None:
         arm, reward = self._record_sample(arm, reward)
+
+    uses_counterfactuals = True
+
+    def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
+        """Full information: every scored arm's mean takes its sample; ``t`` (epsilon's decay) counts rounds."""
+        self._record_round(arm, rewards)
 
     def _state_items(self) -> dict[str, Any]:
         return {"counts": self.counts, "sums": self.sums, "t": self.t, "rng_state": self.rng_state}

@@ -105,6 +105,16 @@ class LinUCB(BasePolicy):
         self.theta[arm] = a_inv @ self.b[arm]
         self.counts[arm] += 1
 
+    uses_counterfactuals = True
+
+    def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
+        """Full information: every scored arm's linear model learns its sample in the same context."""
+        self._check_arm(arm)
+        if arm not in rewards:
+            raise ValueError(f"{self._label()}: the chosen arm {arm} has no reward among {sorted(rewards)}")
+        for a, r in sorted(rewards.items()):
+            self.update(a, r, context)
+
     def _state_items(self) -> dict[str, Any]:
         return {"d": self.d, "A_inv": self.A_inv, "b": self.b, "counts": self.counts}
 

@@ -1,7 +1,7 @@
 """Thompson sampling with a Beta-Bernoulli or a Normal model of each arm's mean reward."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -100,6 +100,17 @@ class ThompsonSampling(BasePolicy):
         return int(np.argmax(samples))
 
     # -- update ------------------------------------------------------------------------------------
+    uses_counterfactuals = True
+
+    def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
+        """Full information: every scored arm's posterior takes its sample (arms in index order, so the random stream
+        is the same whatever order the rewards came in)."""
+        self._check_arm(arm)
+        if arm not in rewards:
+            raise ValueError(f"{self._label()}: the chosen arm {arm} has no reward among {sorted(rewards)}")
+        for a, r in sorted(rewards.items()):
+            self.update(a, r, context)
+
     def update(self, arm: int, reward: float, context: Context = None) -> None:
         arm = self._check_arm(arm)
         if self.likelihood == "bernoulli":

@@ -100,6 +100,14 @@ class UCB1(_UCBBase):
         arm, reward = self._record_sample(arm, reward)
         self._track_scale(reward)
 
+    uses_counterfactuals = True
+
+    def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
+        """Full information: every scored arm's mean takes its sample (its count grows), ``t`` counts rounds, so the
+        bonus of an arm scored every step shrinks as if it were played every step - without being played."""
+        for _, reward in self._record_round(arm, rewards):
+            self._track_scale(reward)
+
     def _state_items(self) -> dict[str, Any]:
         return {"counts": self.counts, "sums": self.sums, "t": self.t, **self._scale_items()}
 

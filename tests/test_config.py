@@ -149,8 +149,12 @@ def test_bounded_policy_refuses_unbounded_reward_and_linucb_gets_features():
     policy.select = lambda context=None: seen.append(context) or original(context)
     engine = Engine(Verifier(tiny_qwen(seed=0)), pool, policy, reward="block_efficiency",
                     categories=["code", "chat"], check_tokenizers=False)
-    engine.generate(PROMPT, max_new_tokens=5, category="chat")
-    assert seen and all(c is not None and len(c) == 3 + 2 and c[-1] == 1.0 for c in seen)
+    engine.generate(PROMPT[:7], max_new_tokens=5, category="chat")  # ends in a bigram seen before: a lookup match
+    # the request's features (bias, length, overlap, category one-hot: chat), then the step's (lookup match, model
+    # confidence, each arm's recent acceptance)
+    assert seen and all(c is not None and len(c) == (3 + 2) + (2 + 2) and c[4] == 1.0 for c in seen)
+    assert seen[0][5] == 2 / 8 and seen[0][6] == 0.0  # the n-gram arms match 2 tokens; no tracked model drafter
+    assert list(seen[0][7:]) == [0.5, 0.5] and list(seen[-1][7:]) != [0.5, 0.5]  # acceptance learnt as steps go
 
 
 def test_committed_training_configs_validate_and_name_no_machine_path(monkeypatch):

@@ -83,6 +83,11 @@ def _steering_checkpoint(root: Path) -> str:
 
 
 ENTRIES: dict[str, Callable[[Path], dict]] = {
+    # a model tree and a lookup merged (they are not arms themselves: the fused drafter is the pool's one arm)
+    "fused": lambda root: {"before": [{"name": "tree", "type": "pretrained_tree", "model": str(root / "drafter"),
+                                       "arm": False, "params": {"nodes": 6, "depth": 3, "width": 2}},
+                                      {"name": "lookup", "type": "ngram", "arm": False, "params": {"k": 4, "n_max": 2}}],
+                           "params": {"arms": ["tree", "lookup"], "nodes": [6, 4]}},
     "pretrained": lambda root: {"model": str(root / "drafter"), "params": {"k": 3}},
     "pretrained_tree": lambda root: {"model": str(root / "drafter"),  # with a draft head over ids < 40 (+ EOS)
                                      "params": {"mode": "dynamic", "nodes": 8, "depth": 3, "width": 2, "head_vocab": 40}},
@@ -161,9 +166,12 @@ def root(tmp_path_factory) -> Path:
 
 
 def _pool(root: Path, case: str, entry: dict, name: str = "pool") -> Path:
+    """A pool whose one arm is the entry (``before``: entries it drafts with, placed before it, not arms)."""
     kind = kind_of(case)
+    entry = dict(entry)
+    before = entry.pop("before", [])
     pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32", "device": "cpu"},
-            "drafters": [{"name": kind, "type": kind, **entry}]}
+            "drafters": [*before, {"name": kind, "type": kind, **entry}]}
     path = root / f"{name}_{case.replace(', ', '_').replace(': ', '_')}.yaml"
     path.write_text(yaml.safe_dump(pool))
     return path

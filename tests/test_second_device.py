@@ -471,8 +471,10 @@ def _engine(root: Path, kind: str, device: str):
     import test_conformance as tc
     from metasd.config import load_pool
 
+    entry = dict(tc.entry(kind)(root))
+    before = entry.pop("before", [])  # entries the arm drafts with (a fused drafter's)
     pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32", "device": device},
-            "drafters": [{"name": kind, "type": kind, **tc.entry(kind)(root)}]}
+            "drafters": [*before, {"name": kind, "type": kind, **entry}]}
     path = root / f"pool_{kind}_{device}.yaml"
     path.write_text(yaml.safe_dump(pool))
     engine = load_pool(path)

@@ -275,6 +275,9 @@ def test_params_models_match_the_constructors(kind):
     sig = constructor_keywords(cls)
     for name, field in cls.Params.model_fields.items():
         assert name in sig, f"{kind}: Params.{name} is not an __init__ keyword"
+        if field.is_required():  # required in the file, positional in Python (a fused drafter's arms)
+            assert sig[name].default is inspect.Parameter.empty, f"{kind}: Params.{name} is required, __init__ has a default"
+            continue
         assert field.default == sig[name].default, f"{kind}: Params.{name} default {field.default!r} != {sig[name].default!r}"
 
 

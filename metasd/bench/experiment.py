@@ -19,7 +19,7 @@ from metasd.config import (ConfigError, PoolConfig, format_validation_error, par
 from metasd.core.policy import make_policy
 from metasd.data import Question, load_questions
 from .schema import BUILTIN, DatasetSpec, ExperimentConfig, PoolSpec, RunPolicy
-from metasd.core.rewards import BOUNDED_REWARDS
+from metasd.core.rewards import BOUNDED_REWARDS, REWARDS
 
 # ------------------------------------------------------------------------------------------- resolved
 
@@ -35,11 +35,12 @@ class Method:
     reward: str
     granularity: str
     persistent: bool
+    feedback: str = "bandit"
 
     def settings(self) -> dict[str, Any]:
         return {"method": self.name, "kind": self.kind, "drafters": self.drafters,
                 "policy": self.policy.model_dump() if self.policy else None, "reward": self.reward,
-                "granularity": self.granularity, "persistent": self.persistent}
+                "granularity": self.granularity, "persistent": self.persistent, "feedback": self.feedback}
 
 
 @dataclass
@@ -165,7 +166,7 @@ def _resolve_pool(i: int, spec: PoolSpec, cfg: ExperimentConfig, base: Path, whe
         pool = read_pool_config(path)
         name, pool_base, source = spec.name or path.stem, path.resolve().parent, str(path)
 
-    drafters = [d.name for d in pool.drafters]
+    drafters = [d.name for d in pool.drafters if d.arm]  # the arms (entries only other entries draft with are not)
     methods: list[Method] = []
     for j, run in enumerate(cfg.runs):
         rloc = f"runs.{j}"
@@ -197,11 +198,17 @@ def _resolve_pool(i: int, spec: PoolSpec, cfg: ExperimentConfig, base: Path, whe
             fail(f"{rloc}.reward" if run.reward else rloc, f"policy {run.policy.name!r} cannot take reward {reward!r}"
                  f"{' (tokens/s, unbounded)' if reward == 'throughput' else ''}: {e}")
         granularity = run.granularity or pool.granularity
+        feedback = run.feedback or pool.feedback
+        if feedback == "full" and not REWARDS[reward].counterfactual_values:
+            fail(f"{rloc}.feedback" if run.feedback else rloc, f"feedback 'full' needs a reward other arms can be scored "
+                 f"by without running them (throughput or block_efficiency), not {reward!r}")
         persistent = pool.persistent if run.persistent is None else run.persistent
-        default = f"{run.policy.name}-{reward}-{granularity}" + ("-persistent" if persistent else "")
+        default = f"{run.policy.name}-{reward}-{granularity}" + ("-full" if feedback == "full" else "") + \
+            ("-persistent" if persistent else "")
         if run.drafters:
             default += "[" + ",".join(run.drafters) + "]"
-        methods.append(Method(run.name or default, "policy", list(arms), run.policy, reward, granularity, persistent))
+        methods.append(Method(run.name or default, "policy", list(arms), run.policy, reward, granularity, persistent,
+                              feedback))
     labels = [m.name for m in methods] + [b.label for b in cfg.baselines] + (["oracle"] if any(r.oracle for r in cfg.runs) else [])
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:

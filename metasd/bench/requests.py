@@ -84,7 +84,7 @@ class PoolEngine:
         policy = None
         if m.kind == "policy" and len(m.drafters) > 1:
             policy = make_policy_from_config(PolicyConfig(name=m.policy.name, params=m.policy.params, seed=seed), len(m.drafters))
-        return eng.derive(drafters=m.drafters, policy=policy, granularity=m.granularity, reward=m.reward,
+        return eng.derive(drafters=m.drafters, policy=policy, granularity=m.granularity, reward=m.reward, feedback=m.feedback,
                           persistent_policy=m.persistent, categories=categories)
 
     def baseline_fn(self, b) -> Callable:

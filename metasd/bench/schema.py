@@ -21,7 +21,7 @@ Top-level fields (all optional but ``runs``):
 - ``pool`` / ``pools``: one pool, or a list of ``{name, config}``; ``config`` is ``default`` (the embedded
   pool), a pool YAML path (relative to the experiment file) or an inline pool mapping (metasd.config).
 - ``runs``: a list of entries of three kinds:
-    * policy run ``{name?, policy: {name, params}, reward?, granularity?, persistent?, drafters?}``;
+    * policy run ``{name?, policy: {name, params}, reward?, granularity?, feedback?, persistent?, drafters?}``;
       unset fields take the pool's values; ``drafters`` restricts the arms; the policy's seed is the
       experiment seed;
     * ``{single: true, drafters?}``: one run per drafter of the pool, alone (method ``single:<name>``);
@@ -89,6 +89,7 @@ class RunSpec(_Strict):
     policy: RunPolicy | None = None
     reward: Reward | None = None
     granularity: Literal["step", "request"] | None = None
+    feedback: Literal["bandit", "full"] | None = None
     persistent: bool | None = None
     drafters: list[str] | None = None
 
@@ -98,7 +99,7 @@ class RunSpec(_Strict):
             raise ValueError("an entry is either 'single: true' or 'oracle: true', not both")
         if self.single or self.oracle:
             kind = "single" if self.single else "oracle"
-            extra = [f for f in ("policy", "reward", "granularity", "persistent") if getattr(self, f) is not None]
+            extra = [f for f in ("policy", "reward", "granularity", "feedback", "persistent") if getattr(self, f) is not None]
             if self.oracle and self.drafters is not None:
                 extra.append("drafters")
             if extra:

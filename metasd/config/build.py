@@ -106,7 +106,8 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
     models = models or ModelCache(config.verifier.device)
     v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype, config.verifier.quantize)
     verifier = Verifier(v_model, v_tok, name=config.verifier.model)
-    drafters = []
+    drafters = []  # the arms the policy chooses among
+    built: dict[str, Any] = {}  # every entry, by name (entries that others draft with included)
     for i, d in enumerate(config.drafters):
         cls = resolve_drafter_class(d.type, where=f"drafters.{i}.type")
         checkpoint = d.checkpoint
@@ -117,18 +118,20 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
             return models.load(ref, _dtype, _quantize if quantize is None else quantize, drafter=True)
 
         build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
-                             quantize=d.quantize, tokenizer=d.tokenizer)
+                             quantize=d.quantize, tokenizer=d.tokenizer, pool=dict(built))
         try:
             drafter = cls.from_config(d.name, dict(d.params), build)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"drafters.{i} ({d.name!r}): {e}") from e
-        drafters.append(drafter)
+        built[d.name] = drafter
+        if d.arm:
+            drafters.append(drafter)
     policy = make_policy_from_config(config.policy, len(drafters))
     if config.cost_model is not None:
         engine_kwargs.setdefault("cost_model", CostModel(config.cost_model.model_dump()))
     return Engine(verifier, drafters, policy if len(drafters) > 1 else None, granularity=config.granularity,
                   reward=config.reward, persistent_policy=config.persistent, categories=config.categories,
-                  **engine_kwargs)
+                  feedback=config.feedback, **engine_kwargs)
 
 
 def make_policy_from_config(policy: PolicyConfig, n_arms: int) -> Policy:

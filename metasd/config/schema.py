@@ -45,6 +45,8 @@ class DrafterConfig(_Strict):
     #: drafts in its model's own tokenizer and translates its drafts into the verifier's ids (cross-tokenizer
     #: drafting: a model of another family; types with ``cross_tokenizer``, e.g. pretrained)
     tokenizer: Literal["shared", "own"] = "shared"
+    #: whether the policy chooses this entry; false: built only for the entries that draft with it (a fused drafter's)
+    arm: bool = True
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -63,6 +65,14 @@ class CostModelConfig(_Strict):
     int4: float = Field(ge=0.0, allow_inf_nan=False)
 
 
+def _refers_to(kind: str) -> str:
+    """The ``params`` key a drafter type names other entries by ('' when it has none or is unknown)."""
+    try:
+        return resolve_drafter_class(kind).refers_to or ""
+    except ValueError:
+        return ""
+
+
 class PoolConfig(_Strict):
     """A pool: one verifier, named drafters (arms), and how the policy chooses among them."""
 
@@ -71,6 +81,8 @@ class PoolConfig(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     reward: RewardName = "throughput"
     granularity: Literal["step", "request"] = "step"
+    #: bandit: the policy learns from the chosen arm; full: also from what the others would have earned (counterfactuals)
+    feedback: Literal["bandit", "full"] = "bandit"
     persistent: bool = False  # keep policy state across requests
     categories: list[str] = Field(default_factory=list)  # category one-hot layout for contextual policies
     plugins: list[str] = Field(default_factory=list)
@@ -84,6 +96,11 @@ class PoolConfig(_Strict):
         if dup:
             raise ValueError(f"drafter names must be unique; repeated: {dup}")
         return drafters
+
+    @property
+    def n_arms(self) -> int:
+        """Entries the policy chooses among (``arm: true``)."""
+        return sum(d.arm for d in self.drafters)
 
     @model_validator(mode="after")
     def _types_exist(self) -> "PoolConfig":
@@ -115,6 +132,14 @@ class PoolConfig(_Strict):
                                          f"can: {', '.join(able)}", d.tokenizer))
             d.params = validate_params(cls, d.params, ("drafters", i, "params"), errors,
                                         skip=("self", "name", "model", "tokenizer", "model_ref"))
+            referred = d.params.get(cls.refers_to) if cls.refers_to else None
+            if isinstance(referred, list):
+                earlier = [e.name for e in self.drafters[:i]]
+                missing = [n for n in referred if n not in earlier]
+                if missing:
+                    errors.append(line_error(("drafters", i, "params", cls.refers_to),
+                                             f"{missing} are not earlier entries of the pool (entries before it: "
+                                             f"{earlier})", referred))
         try:
             cls = resolve_policy_class(self.policy.name, where="policy.name")
         except ValueError as e:
@@ -124,6 +149,17 @@ class PoolConfig(_Strict):
             validate_params(cls, self.policy.params, ("policy", "params"), errors, skip=("self", "n_arms", "seed"))
             if len(errors) == n_before and cls.__module__.startswith("metasd.policies."):
                 self._probe_policy(cls, errors)
+        unused = [d.name for d in self.drafters if not d.arm and not any(
+            d.name in (e.params.get(_refers_to(e.type)) or []) for e in self.drafters)]
+        if unused:
+            errors.append(line_error(("drafters",), f"entries {unused} have arm: false and no entry drafts with them",
+                                     unused))
+        if not any(d.arm for d in self.drafters) and self.drafters:
+            errors.append(line_error(("drafters",), "no entry is an arm (arm: false on every one)", None))
+        if self.feedback == "full" and self.reward in REWARDS and not REWARDS[self.reward].counterfactual_values:
+            errors.append(line_error(("feedback",), f"feedback 'full' needs a reward other arms can be scored by without "
+                                     f"running them (throughput or block_efficiency); reward is {self.reward!r}",
+                                     self.feedback))
         if self.reward not in REWARDS:  # guarded by Literal; kept for user-registered rewards
             errors.append(line_error(("reward",), f"unknown {self.reward!r}; choose one of {sorted(REWARDS)}", self.reward))
         if errors:
@@ -134,12 +170,12 @@ class PoolConfig(_Strict):
         """Build a built-in policy as ``build_engine`` will (cheap: no model) so that a bad value, or a policy that
         needs rewards in [0, 1] with an unbounded reward, is refused now and not after the models load."""
         try:
-            probe = make_policy(cls, max(len(self.drafters), 1), seed=self.policy.seed, **self.policy.params)
+            probe = make_policy(cls, max(self.n_arms, 1), seed=self.policy.seed, **self.policy.params)
         except (TypeError, ValueError) as e:
             errors.append(line_error(("policy", "params"), str(e), self.policy.params))
             return
         # the engine uses the policy only with several drafters, and checks the reward then (Engine._check_policy)
-        if len(self.drafters) > 1 and self.reward not in BOUNDED_REWARDS and getattr(probe, "requires_bounded_rewards", False):
+        if self.n_arms > 1 and self.reward not in BOUNDED_REWARDS and getattr(probe, "requires_bounded_rewards", False):
             errors.append(line_error(("reward",), f"policy {self.policy.name!r} (as configured) needs rewards in [0, 1]; "
                                       f"{self.reward!r} is unbounded: use one of {sorted(BOUNDED_REWARDS)}",
                                       self.reward))

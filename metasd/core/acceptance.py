@@ -60,6 +60,27 @@ def _walk(draft: Draft, choose) -> Acceptance:
         row = nxt + 1
 
 
+def follow(draft: Draft, committed: list[int]) -> tuple[list[int], bool]:
+    """The nodes of ``draft`` that the committed tokens would have accepted: from the root, the child whose token is
+    the next committed token, as long as there is one. Returns (node path, censored): ``censored`` when the path
+    used every committed token, so a longer draft may have had more accepted beyond what was verified.
+
+    This is exactly what greedy verification of ``draft`` would have accepted (the committed tokens are the verifier's
+    argmax along their path). Under sampling it is what sample-and-match would have accepted with the same draws (the
+    committed tokens are samples of p along their path): a sample of the counterfactual, by common random numbers."""
+    kids = children_lists(draft.parents)
+    tokens = draft.tokens.tolist()
+    path: list[int] = []
+    row = 0
+    for c in committed:
+        nxt = next((k for k in kids[row] if tokens[k] == c), None)
+        if nxt is None:
+            return path, False
+        path.append(nxt)
+        row = nxt + 1
+    return path, True
+
+
 def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
     """Speculative (rejection) sampling with drafter probabilities; recursive over siblings for trees.
 

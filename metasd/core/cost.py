@@ -139,6 +139,24 @@ def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return [layer for layer, _ in shaped]
 
 
+@dataclass(frozen=True)
+class ForwardCost:
+    """The modeled cost of one forward of a network, from its linear layers' shapes alone: ``fixed + per_row * rows``
+    (the weights it streams, and the per-row work of each weight format). No hook runs: the price of a forward that
+    did not happen (a counterfactual draft) or of a graph-captured one."""
+
+    fixed: float
+    per_row: float
+
+    @classmethod
+    def of(cls, module: nn.Module, model: CostModel) -> "ForwardCost":
+        shapes = [s for _, s in _shaped_layers([module])]
+        return cls(sum(s.weight_bytes for s in shapes), sum(model.row_cost[s.fmt] * s.macs_per_row for s in shapes))
+
+    def __call__(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
 def decode_step_cost(verifier_model: nn.Module, model: CostModel) -> float:
     """Modeled cost of one verifier forward over one row: the unit every step cost is expressed in."""
     total = sum(model.linear_cost(s.weight_bytes, s.macs_per_row, s.fmt, 1) for _, s in _shaped_layers([verifier_model]))
@@ -148,12 +166,21 @@ def decode_step_cost(verifier_model: nn.Module, model: CostModel) -> float:
 
 
 class StepMeter:
-    """Sums the modeled cost of the hooked linear forwards that run while it is open (``with meter:``)."""
+    """Sums the modeled cost of the hooked linear forwards that run while it is open (``with meter:``); prices
+    forwards that did not run from shapes (``price``)."""
 
     def __init__(self, model: CostModel, unit: float):
         self.model = model
         self.unit = unit  # cost of one verifier decode step
         self.total = 0.0
+        self._forward_costs: dict[int, ForwardCost] = {}
+
+    def price(self, module: nn.Module, rows: int) -> float:
+        """Modeled cost of a forward of ``module`` over ``rows`` rows, in verifier decode steps (from shapes)."""
+        cost = self._forward_costs.get(id(module))
+        if cost is None:
+            cost = self._forward_costs[id(module)] = ForwardCost.of(module, self.model)
+        return cost(rows) / self.unit
 
     def __enter__(self) -> "StepMeter":
         if _OPEN.meter is not None:

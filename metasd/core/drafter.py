@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Iterable, Iterator
 import torch
 from torch import nn
 
-from .acceptance import Acceptance
+from .acceptance import Acceptance, follow
 from .hidden import HiddenStore
 from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (drafters import them here)
 from .registry import registrar
@@ -56,6 +56,33 @@ class StepFeedback:
         return self.acceptance.n_accepted
 
 
+@dataclass
+class Counterfactual:
+    """What a drafter that was not chosen would have earned in a step, computed from the verified text with no extra
+    verifier forward (full-information feedback, docs/algorithms.md#full-information-feedback).
+
+    n_accepted: draft tokens the verifier would have accepted (an expectation under sampling for a drafter with
+        probabilities; a lower bound when ``censored``: the verified text ran out before its draft did).
+    drafted / depth: nodes and depth of the draft it would have proposed.
+    forwards: the forwards its drafting would have run, as (network, rows), priced from shapes by the engine;
+        forwards it ran anyway to stay in step (``track``) are counted in the step's own cost instead.
+    """
+
+    n_accepted: float
+    drafted: int
+    depth: int
+    forwards: list[tuple[Any, int]] = field(default_factory=list)
+    censored: bool = False
+
+
+def counterfactual_of(draft: Draft, feedback: "StepFeedback", forwards: list[tuple[Any, int]] | None = None
+                      ) -> Counterfactual:
+    """The counterfactual of a ``draft`` a drafter would have proposed: the nodes the committed tokens accept
+    (``follow``: exact under greedy, a common-random-numbers sample under sampling)."""
+    path, censored = follow(draft, feedback.committed)
+    return Counterfactual(len(path), len(draft), draft.depth, list(forwards or []), censored)
+
+
 class DrafterParams(PluginParams):
     """Base of a drafter type's ``Params``: the ``params`` mapping of a pool-config entry, checked (names, types,
     ranges, modes) when the pool file is read, before any model loads - and by the drafter's constructor with the
@@ -88,6 +115,9 @@ class Drafter(abc.ABC):
     checkpoint_field: ClassVar[str | None] = None
     #: the pool-config ``params`` model (see ``DrafterParams``); None: names checked against ``__init__``
     Params: ClassVar[type[DrafterParams] | None] = None
+    #: a ``params`` key naming other entries of the pool this type drafts with (a fused drafter's ``arms``): each
+    #: must be an earlier entry, checked when the pool file is read; ``BuildContext.pool`` hands them over
+    refers_to: ClassVar[str | None] = None
     #: whether the type can draft in its model's own tokenizer and translate each draft into the verifier's ids
     #: (cross-tokenizer drafting; a pool entry's ``tokenizer: own``), checked when the pool file is read
     cross_tokenizer: ClassVar[bool] = False
@@ -110,8 +140,29 @@ class Drafter(abc.ABC):
     def observe(self, feedback: StepFeedback) -> None:
         """The verifier accepted ``feedback.acceptance.path``; adapt (draft length, caches) if useful."""
 
+    def counterfactual(self, ctx: StepContext, feedback: StepFeedback) -> Counterfactual | None:
+        """When another drafter drafted this step (``ctx``, verified as ``feedback``): what this one would have had
+        accepted, if it can say so cheaply (a lookup drafter proposes again; a model drafter kept in step reads its own
+        catch-up forward). None (the default): it learns only from the steps it drafts (bandit feedback)."""
+        return None
+
     def end(self) -> None:
         """The request is over: free per-request memory."""
+
+    def components(self) -> list["Drafter"]:
+        """Drafters this one drafts with (a fused drafter's arms): the engine starts, ends and locks each once, with
+        the pool's own, and reads the verifier layers they ask for."""
+        return []
+
+    def longest_match(self, tokens: torch.Tensor) -> int | None:
+        """A lookup drafter: the length of the longest suffix of ``tokens`` ([T] int64, host) it could continue from
+        now, without drafting - a cheap per-step feature for contextual policies. None: not a lookup drafter."""
+        return None
+
+    def confidence(self) -> float | None:
+        """A model drafter kept in step (``track``): its probability of its own next token at the pending position,
+        from the forward it ran to stay in step - a per-step feature. None: nothing known without drafting."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Settings, for logging."""
@@ -150,6 +201,8 @@ class BuildContext:
     load_model: Any
     quantize: str = "none"  # the entry's weight-only quantization: "none", "int8" or "int4"
     tokenizer: str = "shared"  # the entry's tokenizer: "shared" (the verifier's) or "own" (cross-tokenizer drafting)
+    #: the drafters built from the pool's earlier entries, by name (for a type with ``refers_to``)
+    pool: dict[str, Any] = field(default_factory=dict)
 
     def own_tokenizer(self, name: str, cls: type[Drafter]) -> bool:
         """Whether the entry drafts with its model's own tokenizer; an error for a type that cannot."""

@@ -58,6 +58,11 @@ class Engine:
         more drafters; with one drafter (or none) there is nothing to choose and it may be left out.
     cost_model: prices the work of a step for the (deterministic) throughput reward; default: the
         calibration for the verifier's device type (``metasd.core.cost``).
+    feedback: "bandit" (the policy learns from the chosen arm's reward) or "full": after each step every other arm
+        that can say what it would have had accepted (``Drafter.counterfactual``: lookup drafters, model drafters
+        kept in step with ``track``) is scored too, without another verifier forward, and the policy learns from all
+        of them (``Policy.observe``; docs/algorithms.md#full-information-feedback). Needs a reward with
+        counterfactual values (``throughput``, ``block_efficiency``).
     """
 
     def __init__(
@@ -72,10 +77,12 @@ class Engine:
         categories: Sequence[str] = (),
         check_tokenizers: bool = True,
         cost_model: CostModel | None = None,
+        feedback: str = "bandit",
     ):
         self.verifier = verifier
         self.tokenizer = verifier.tokenizer
         self.drafters = _as_list(drafters)
+        self.all_drafters = _with_components(self.drafters)  # the pool's arms and what they draft with, each once
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"drafter names in a pool must be unique, got {names}")
@@ -86,13 +93,19 @@ class Engine:
         self.reward = get_reward(reward)
         self.persistent_policy = persistent_policy
         self.categories = tuple(categories)
+        if feedback not in ("bandit", "full"):
+            raise ValueError(f"feedback must be 'bandit' or 'full', got {feedback!r}")
+        if feedback == "full" and not self.reward.counterfactual_values:
+            raise ValueError(f"feedback 'full' needs a reward other arms can be scored by without running them "
+                             f"(throughput or block_efficiency); reward {reward!r} has no counterfactual values")
+        self.feedback = feedback
         self.policy = self._check_policy(policy)
         if check_tokenizers:
             self._check_tokenizers()
         self.cost_model = cost_model or CostModel.for_device(verifier.device)
-        attach([verifier.model, *(m for d in self.drafters for m in d.modules())])
+        attach([verifier.model, *(m for d in self.all_drafters for m in d.modules())])
         self.meter = StepMeter(self.cost_model, decode_step_cost(verifier.model, self.cost_model))
-        self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
+        self.hidden_layers = tuple(sorted({layer for d in self.all_drafters for layer in d.hidden_layers}))
         for layer in self.hidden_layers:
             if not 0 <= layer <= verifier.num_layers:
                 raise ValueError(f"a drafter asks for verifier layer {layer}; {verifier.name} has hidden states 0..{verifier.num_layers}")
@@ -110,11 +123,12 @@ class Engine:
         """A new engine sharing this one's verifier and drafter objects (no model is reloaded).
 
         drafters: names of the arms to keep (default: all); policy: its policy (required for a pool of
-        several); settings: granularity, reward, persistent_policy, categories, cost_model.
+        several); settings: granularity, reward, persistent_policy, categories, cost_model, feedback.
         """
         chosen = self.drafters if drafters is None else [self.drafter(n) for n in drafters]
         kwargs = dict(granularity=self.granularity, reward=self.reward_name, persistent_policy=self.persistent_policy,
-                      categories=self.categories, check_tokenizers=False, cost_model=self.cost_model)
+                      categories=self.categories, check_tokenizers=False, cost_model=self.cost_model,
+                      feedback=self.feedback)
         kwargs.update(settings)
         return Engine(self.verifier, chosen, policy, **kwargs)
 
@@ -177,7 +191,7 @@ class Engine:
     def _check_tokenizers(self) -> None:
         """Every drafter's ids mean what the verifier's mean: its own tokenizer's, or - for a drafter that translates
         its drafts (cross-tokenizer drafting) - the tokenizer it translates into."""
-        for d in self.drafters:
+        for d in self.all_drafters:
             theirs = d.target_tokenizer if d.target_tokenizer is not None else d.tokenizer
             if theirs is None or self.tokenizer is None or theirs is self.tokenizer:
                 continue
@@ -197,7 +211,7 @@ class Engine:
         than corrupting a cache. Run concurrent requests on separate engines (separate model copies)."""
         held = []
         try:
-            for owner in (self.verifier, *self.drafters):
+            for owner in (self.verifier, *self.all_drafters):
                 lock = _use_lock(owner)
                 if not lock.acquire(blocking=False):
                     what = "verifier" if owner is self.verifier else f"drafter {owner.name!r}"
@@ -211,6 +225,21 @@ class Engine:
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)
+
+
+def _with_components(drafters: Sequence[Drafter]) -> list[Drafter]:
+    """``drafters`` and, recursively, their components, each once (by identity), in first-seen order."""
+    seen: dict[int, Drafter] = {}
+
+    def add(d: Drafter) -> None:
+        if id(d) not in seen:
+            seen[id(d)] = d
+            for c in d.components():
+                add(c)
+
+    for d in drafters:
+        add(d)
+    return list(seen.values())
 
 
 def _as_list(drafters) -> list[Drafter]:

@@ -74,6 +74,16 @@ class Policy(abc.ABC):
     def update(self, arm: int, reward: float, context: Context = None) -> None:
         """Record the reward observed for ``arm`` (the arm returned by the last ``select``)."""
 
+    #: True when ``observe`` learns from other arms' counterfactual rewards too (full-information feedback)
+    uses_counterfactuals: ClassVar[bool] = False
+
+    def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
+        """One round with feedback for several arms: ``rewards[arm]`` is what the chosen ``arm`` earned, the others
+        what those arms would have earned (counterfactuals from the verified text: no extra verifier call).
+        Default: bandit feedback, ``update(arm, rewards[arm])``; a policy that can use the others overrides this
+        and sets ``uses_counterfactuals``."""
+        self.update(arm, rewards[arm], context)
+
     def state_dict(self) -> dict[str, Any]:
         """Learnt state as JSON-serialisable values (numpy arrays become lists)."""
         out: dict[str, Any] = {"name": self.name, "n_arms": self.n_arms}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .acceptance import accept_greedy, accept_match, accept_rejection
@@ -17,7 +18,7 @@ from .clock import now
 from .drafter import StepContext, StepFeedback
 from .metrics import RequestStats
 from .policy import Policy
-from .request_features import request_features
+from .request_features import request_features, step_features
 from .sampling import SamplingParams, process_logits
 from .tree import Draft
 
@@ -143,7 +144,7 @@ class Request:
                 with torch.inference_mode():
                     self._finish()
             finally:
-                for d in self.engine.drafters:
+                for d in self.engine.all_drafters:
                     d.end()
 
     def _start(self) -> None:
@@ -164,8 +165,10 @@ class Request:
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
                              hidden=verifier.hidden,
                              request={"category": self.category, "max_new_tokens": self.max_new_tokens})
-        for d in eng.drafters:
+        for d in eng.all_drafters:
             d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))
+        self.recent = [0.5] * len(eng.drafters)  # recent acceptance per arm (a step feature)
+        self.context_used = self.context
         self.arm = self._select(self.context) if eng.granularity == "request" else 0
         self.step_rewards: list[float] = []
 
@@ -175,10 +178,10 @@ class Request:
         eng, verifier, stats, policy = self.engine, self.engine.verifier, self.stats, self.policy
         device = verifier.device
         budget = self.max_new_tokens - len(self.new_ids)
-        if eng.granularity == "step":
-            self.arm = self._select(self.context)
-        drafter = eng.drafters[self.arm] if eng.drafters else None
         ctx = StepContext(tokens=self.buffer[: self.length], max_depth=budget - 1, step=stats.steps, **self.base_ctx)
+        if eng.granularity == "step":
+            self.arm = self._select(self._step_context(ctx))
+        drafter = eng.drafters[self.arm] if eng.drafters else None
         with eng.meter as meter:  # counts the modeled cost of drafting and verifying
             t0 = now(device)
             draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
@@ -187,6 +190,7 @@ class Request:
             t1 = now(device)
             out = verifier.verify(int(self.buffer[self.length - 1]), draft)
             t2 = now(device)
+        cost = meter.steps
         if self.sampling.greedy:
             target_argmax, target_probs = out.logits.argmax(-1), None  # [n+1] on the verifier's device
             acc = accept_greedy(draft, target_argmax)
@@ -195,24 +199,55 @@ class Request:
             acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
         verifier.commit(acc.path, out)
         committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
+        feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0, cost=cost)
+        rewards: dict[int, float] = {}
+        if drafter is not None and eng.feedback == "full":
+            with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
+                counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(eng.drafters) if j != self.arm}
+            feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
+            for j, c in counterfactuals.items():
+                if c is not None:
+                    own = sum(eng.meter.price(module, rows) for module, rows in c.forwards)
+                    rewards[j] = eng.reward.counterfactual(c, own + eng.meter.price(verifier.model, c.drafted + 1)
+                                                           + tracking.steps)
+                    self._track_acceptance(j, c.n_accepted, c.depth)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.catch_up_tokens += draft.catch_up
-        stats.modeled_cost += meter.steps
+        stats.modeled_cost += cost
         name = drafter.name if drafter is not None else "none"
         stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
-        feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0, cost=meter.steps)
         value = eng.reward.step(feedback)
         stats.rewards.append(value)
         self.step_rewards.append(value)
         if drafter is not None:
+            self._track_acceptance(self.arm, acc.n_accepted, draft.depth)
             if policy is not None and eng.granularity == "step":
-                policy.update(self.arm, value, self.context)
+                rewards[self.arm] = value
+                policy.observe(self.arm, rewards, self.context_used)
             drafter.observe(feedback)
         done = self._commit(committed, self.eos)
         self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
         self.length += len(committed)
         return committed, done
+
+    def _track_acceptance(self, arm: int, n_accepted: float, depth: int) -> None:
+        """Recent acceptance of each arm (exponential average of n_acc / depth), a per-step context feature."""
+        if depth:
+            self.recent[arm] = 0.7 * self.recent[arm] + 0.3 * min(n_accepted / depth, 1.0)
+
+    def _step_context(self, ctx: StepContext) -> Any:
+        """What a contextual policy reads before this step: the request's features, then the step's
+        (``step_features``: the longest lookup match now, a tracked model drafter's confidence, recent acceptance)."""
+        self.context_used = self.context
+        if self.context is None:
+            return None
+        drafters = self.engine.drafters
+        matches = [m for d in drafters if (m := d.longest_match(ctx.tokens)) is not None]
+        confidences = [c for d in drafters if (c := d.confidence()) is not None]
+        self.context_used = np.concatenate([self.context, step_features(max(matches, default=0),
+                                                                         max(confidences, default=0.0), self.recent)])
+        return self.context_used
 
     def _finish(self) -> None:
         eng, stats, policy = self.engine, self.stats, self.policy

@@ -16,6 +16,18 @@ index  feature
 ====== ================================================================================================
 
 Everything is O(prompt_len) and needs only the token ids, so it can run before the first step.
+
+Per step, a contextual policy reads these followed by ``step_features`` (``3 + len(categories) + 2 + n_arms`` values
+in all):
+
+====== ================================================================================================
+index  step feature
+====== ================================================================================================
+0      ``min(longest lookup match / 8, 1)``: the longest suffix of the context a lookup drafter (n-gram, suffix)
+       could continue from now (0 without one)
+1      a tracked model drafter's probability of its own next token (0 without one)
+2..    each arm's recent acceptance (exponential average, weight 0.3, of accepted / drafted depth; starts at 0.5)
+====== ================================================================================================
 """
 from __future__ import annotations
 
@@ -73,3 +85,8 @@ def request_features(
 
 
 __all__ = ["NGRAM", "N_BASE_FEATURES", "n_features", "ngram_self_overlap", "request_features"]
+
+
+def step_features(longest_match: int, confidence: float, recent_acceptance: Sequence[float]) -> np.ndarray:
+    """The per-step part of a contextual policy's features (module docstring): [2 + n_arms] float64."""
+    return np.array([min(longest_match / 8.0, 1.0), float(confidence), *recent_acceptance], dtype=np.float64)

@@ -8,18 +8,27 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Sequence, get_args
 
-from .drafter import StepFeedback
+from .drafter import Counterfactual, StepFeedback
 from .metrics import RequestStats
 
 
 class Reward:
-    """A reward: a value per step, and a value per request (default: the mean of its step values)."""
+    """A reward: a value per step, a value per request (default: the mean of its step values) and, where the reward
+    can be had from a ``Counterfactual`` (what an arm that was not chosen would have accepted and cost), its value for
+    that arm (full-information feedback)."""
 
     name: ClassVar[str] = ""
     bounded: ClassVar[bool] = False  # every value in [0, 1]
+    #: whether ``counterfactual`` gives values (a reward that needs the arm's own distributions or its wall time
+    #: cannot be had without running it)
+    counterfactual_values: ClassVar[bool] = False
 
     def step(self, o: StepFeedback) -> float:
         raise NotImplementedError
+
+    def counterfactual(self, c: Counterfactual, cost: float) -> float | None:
+        """The value for an arm that would have had ``c`` accepted at modeled ``cost``; None when not available."""
+        return None
 
     def request(self, stats: RequestStats, step_rewards: Sequence[float]) -> float:
         return sum(step_rewards) / len(step_rewards) if step_rewards else 0.0
@@ -31,11 +40,14 @@ class Reward:
 class BlockEfficiency(Reward):
     """r_BE = n_acc / k (k = draft depth; 0 for an empty draft). In [0, 1]."""
 
-    name, bounded = "block_efficiency", True
+    name, bounded, counterfactual_values = "block_efficiency", True, True
 
     def step(self, o: StepFeedback) -> float:
         k = o.draft.depth
         return o.n_accepted / k if k else 0.0
+
+    def counterfactual(self, c: Counterfactual, cost: float) -> float | None:
+        return min(c.n_accepted / c.depth, 1.0) if c.depth else 0.0
 
 
 class BlockDivergence(Reward):
@@ -72,10 +84,13 @@ class Throughput(Reward):
     decoding scores 1). Unbounded; deterministic - no clock is read (``metasd.core.cost``). A request's value is
     its tokens over its whole modeled cost."""
 
-    name = "throughput"
+    name, counterfactual_values = "throughput", True
 
     def step(self, o: StepFeedback) -> float:
         return len(o.committed) / o.cost if o.cost > 0 else 0.0
+
+    def counterfactual(self, c: Counterfactual, cost: float) -> float | None:
+        return (c.n_accepted + 1) / cost if cost > 0 else 0.0
 
     def request(self, stats: RequestStats, step_rewards: Sequence[float]) -> float:
         return stats.committed / stats.modeled_cost if stats.modeled_cost > 0 else 0.0
