@@ -9,12 +9,13 @@ are never split between workers.
 Workers (``BenchWorker``, Ray actors) load each pool once and serve many shards; each reserves
 ``cpus_per_worker`` CPUs and runs that many torch threads, and ``gpus_per_worker`` GPUs (Ray's ``num_gpus``,
 fractions allowed) if set: Ray then shows the worker its GPU (``CUDA_VISIBLE_DEVICES``) and the worker builds its
-pools with ``device: cuda`` unless a pool names its device (``worker_device``); with none set, nothing of the
-device changes. Each request record names the worker's device, and the progress line its GPUs. They only compute: a shard comes back as its
-request records (``metasd.bench.requests.answer_request``, tagged with the worker's id), and the driver
-(``RayRunner``) logs them into the nested runs with the in-process runner's own methods. One writer, so a
-SQLite store stays safe, and resume and de-duplication live in one place: a record whose (run, question,
-turn) is already logged is dropped. Only finished shards are logged, so Ctrl-C loses the shards in flight
+pools with ``device: cuda`` unless a pool names its device (``worker_device``); with none set, the devices are
+left as they were. Each request record names the worker's device, and the progress line its GPUs.
+
+Workers only compute: a shard comes back as its request records (``metasd.bench.requests.answer_request``,
+tagged with the worker's id), and the driver (``RayRunner``) logs them into the nested runs with the in-process
+runner's own methods. One writer, so a SQLite store stays safe, and resume and de-duplication live in one place:
+a record whose (run, question, turn) is already logged is dropped. Only finished shards are logged, so Ctrl-C loses the shards in flight
 and ``--resume`` answers them again. A worker that dies (``RayActorError``) is replaced by a fresh actor and
 its shard queued again (at most ``max_retries`` times per shard).
 
@@ -114,9 +115,8 @@ class BenchWorker:
         self.states: dict[str, Any] = {}  # final policy states of runs whose pool was released
 
     def ping(self) -> dict[str, Any]:
-        import torch
-
         import ray
+        import torch
 
         return {"worker": self.id, "host": self.host, "pid": os.getpid(), "threads": torch.get_num_threads(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()] if self.gpus else []}
@@ -275,8 +275,8 @@ class RayRunner(ExperimentRunner):
             raise ValueError(f"executor: {n} workers x {gpus:g} GPUs each need {n * gpus:g} GPUs; the Ray cluster has "
                              f"{total_gpus:g} (lower --workers or executor.gpus_per_worker)")
         self.cpus, self.gpus, self.n_workers = cpus, gpus, n
-        self._actor_options = dict(num_cpus=cpus, max_restarts=0, max_task_retries=0, **({"num_gpus": gpus} if gpus else {}))
-        self._actor_cls = ray.remote(BenchWorker).options(**self._actor_options)
+        options = dict(num_cpus=cpus, max_restarts=0, max_task_retries=0, **({"num_gpus": gpus} if gpus else {}))
+        self._actor_cls = ray.remote(BenchWorker).options(**options)
         self.generation: dict[int, int] = {}
         self.live: set[int] = set()  # slots whose current worker has answered
         self.pings: dict[Any, tuple[int, int]] = {}  # ping ref -> (slot, generation)
