@@ -98,7 +98,8 @@ class BlockHeads(torch.nn.Module):
         """Write heads (``dtype``), draft vocab and config.json into ``out_dir``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {"weight": self.weight.detach().to(dtype).contiguous(), "bias": self.bias.detach().to(dtype).contiguous()}
+        tensors = {"weight": self.weight.detach().to(dtype).contiguous().cpu(),
+                   "bias": self.bias.detach().to(dtype).contiguous().cpu()}
         save_file(tensors, str(out / HEADS_FILE))
         self.vocab.save(out / VOCAB_FILE)
         (out / CONFIG_FILE).write_text(json.dumps({**self.config(), **(extra or {})}, indent=1))

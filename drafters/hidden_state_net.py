@@ -206,7 +206,7 @@ def save_checkpoint(path: str | Path, net: HiddenStateNet, vocab: DraftVocab, me
     about a quarter of bf16's bytes; loading dequantizes them), the rest in bf16."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {name: v.detach() for name, v in net.state_dict().items()}
+    state = {name: v.detach().cpu() for name, v in net.state_dict().items()}  # written from the host, whatever the device
     if dtype == "int4":
         tensors = pack_int4({k: v.float() for k, v in state.items()}, group_size, rest_dtype=torch.bfloat16,
                             min_numel=0)  # every weight matrix, however small

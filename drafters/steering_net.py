@@ -249,10 +249,10 @@ def save_steering(path: str | Path, module: SteeringModule | None, drafter_param
     tensors = {}
     if module is not None:
         buffers = {name for name, _ in module.named_buffers()}  # statistics stay fp32
-        tensors.update({f"steering.{k}": v.detach().to(torch.float32 if k in buffers else dtype).contiguous()
+        tensors.update({f"steering.{k}": v.detach().to(torch.float32 if k in buffers else dtype).contiguous().cpu()
                         for k, v in module.state_dict().items()})
     for k, v in (drafter_params or {}).items():
-        tensors[f"drafter.{k}"] = v.detach().to(dtype).contiguous()
+        tensors[f"drafter.{k}"] = v.detach().to(dtype).contiguous().cpu()
     if not tensors:
         raise ValueError("nothing to save: no steering module and no fine-tuned drafter parameters")
     save_file(tensors, str(path), metadata={"format": FORMAT})

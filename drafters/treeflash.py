@@ -185,7 +185,7 @@ def save_checkpoint(path: str | Path, model: TreeFlashModel, vocab: DraftVocab, 
     ``defaults`` for drafting, ``verifier``, ``training``) into the directory ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}, str(path / WEIGHTS_FILE),
+    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}, str(path / WEIGHTS_FILE),
               metadata={"format": CHECKPOINT_FORMAT})
     vocab.save(path / VOCAB_FILE)
     config = {"format": CHECKPOINT_FORMAT, "version": 1, "model": model.cfg.to_dict(), "weights": WEIGHTS_FILE,

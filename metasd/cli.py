@@ -331,18 +331,22 @@ def add_bench_parser(subparsers) -> None:
                                          "--head') or HOST:PORT (default: start a local Ray on this machine)")
     p.add_argument("--workers", type=int, help="with --executor ray: worker actors, one pool copy each (default: the "
                                                "cluster's CPUs // CPUs per worker)")
+    p.add_argument("--gpus-per-worker", type=float, help="with --executor ray: GPUs each worker reserves (Ray's num_gpus; "
+                                                         "fractions share a GPU); its pools then run on cuda unless a "
+                                                         "pool names its device (default: the experiment's, else none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
 
 
 def _bench_executor(args, exp):
-    """The experiment's executor with --executor / --ray-address / --workers applied; ValueError naming the flag."""
+    """The experiment's executor with --executor / --ray-address / --workers / --gpus-per-worker applied; ValueError
+    naming the flag."""
     from metasd.bench.schema import ExecutorSpec
 
     d = exp.config.executor.model_dump()
     if args.executor:
         d["type"] = args.executor
-    for flag, key in (("ray_address", "address"), ("workers", "workers")):
+    for flag, key in (("ray_address", "address"), ("workers", "workers"), ("gpus_per_worker", "gpus_per_worker")):
         value = getattr(args, flag)
         if value is None:
             continue
@@ -350,6 +354,8 @@ def _bench_executor(args, exp):
             raise ValueError(f"--{flag.replace('_', '-')} needs --executor ray (or 'executor: ray' in the experiment)")
         if key == "workers" and value < 1:
             raise ValueError("--workers must be >= 1")
+        if key == "gpus_per_worker" and value < 0:
+            raise ValueError("--gpus-per-worker must be >= 0")
         d[key] = value
     if d["type"] == "inprocess":
         d = {"type": "inprocess", "questions_per_shard": d["questions_per_shard"], "max_retries": d["max_retries"]}

@@ -56,8 +56,10 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray (2 CPUs) for the module: starting one costs seconds."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 * 1024, logging_level="ERROR",
+    """One local Ray (2 CPUs) for the module: starting one costs seconds. It also declares one GPU, which this
+    machine need not have: Ray schedules it as a resource (an actor reserving it is shown it as
+    CUDA_VISIBLE_DEVICES=0), so reservations are tested; workers that reserve none never see it."""
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024, logging_level="ERROR",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
@@ -284,3 +286,79 @@ def test_killed_driver_then_resume_completes_without_duplicates(store, ray_sessi
         assert [r["index"] for r in lines] == list(range(len(questions))), key  # each request once, in order
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_second"))
         assert steps == list(range(len(questions))), key  # one metric point per request (metasd.bench.tracking's journal)
+
+
+# ---------------------------------------------------------------------------------------------------- GPUs
+
+@needs_ray
+def test_workers_reserve_their_gpu_share_and_report_it(store, ray_session, tmp_path, capsys):
+    """--gpus-per-worker 0.5: two workers share the cluster's one GPU (Ray's num_gpus reaches the actors: each is
+    shown GPU 0); the pool names its device (cpu, this machine has no GPU), so they build it there; every record
+    names the device it ran on."""
+    from mlflow import MlflowClient
+
+    from metasd.cli import main
+
+    pool = _experiment(store, "gpu")["pools"][0]
+    pool["config"]["verifier"]["device"] = "cpu"
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(_experiment(store, "gpu", pools=[pool], runs=[{"single": True}])))
+    uri = f"sqlite:///{tmp_path}/gpu.db"
+    assert main(["bench", str(path), "--executor", "ray", "--workers", "2", "--gpus-per-worker", "0.5",
+                 "--tracking-uri", uri, "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert len(re.findall(r"worker [01] up on .*, 1 threads, GPU 0\)", captured.err)) == 2, captured.err
+    assert "2 workers x 1 CPUs (torch threads) and 0.5 GPU each" in captured.out
+    client = MlflowClient(uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("gpu").experiment_id], "tags.`metasd.kind` = 'experiment'")
+    assert parent.data.tags["metasd.gpus_per_worker"] == "0.5" and parent.data.tags["device"] == "cpu"
+    kids = _children(client, parent.info.experiment_id, parent.info.run_id)
+    records = [r for run in kids.values() for r in _artifact_lines(client, run.info.run_id, tmp_path / "dl")]
+    assert records and {r["device"] for r in records} == {"cpu"}
+
+
+@needs_ray
+def test_gpu_reservations_beyond_the_cluster_are_refused(store, ray_session, tmp_path):
+    path = _write(store, "gpu-over")
+    with pytest.raises(ValueError, match=r"2 workers x 1 GPUs each need 2 GPUs; the Ray cluster has 1"):
+        run_experiment(path, tracking_uri=f"sqlite:///{tmp_path}/o.db", progress=False,
+                       executor={"type": "ray", "workers": 2, "gpus_per_worker": 1})
+
+
+def test_gpus_per_worker_is_checked(store, tmp_path, capsys):
+    from pydantic import ValidationError
+
+    from metasd.bench.schema import ExecutorSpec
+    from metasd.cli import main
+
+    assert ExecutorSpec(type="ray", gpus_per_worker=0.25).gpus_per_worker == 0.25  # fractions share a GPU, as in Ray
+    assert ExecutorSpec(type="ray", gpus_per_worker=2).gpus_per_worker == 2
+    for bad, why in ((-1, "greater than or equal to 0"), (0.00001, "precision of 0.0001")):
+        with pytest.raises(ValidationError, match=why):
+            ExecutorSpec(type="ray", gpus_per_worker=bad)
+    with pytest.raises(ConfigError, match=r"executor: .*'gpus_per_worker'.* apply to the ray executor only"):
+        load_experiment(_write(store, "gpu-bad", executor={"type": "inprocess", "gpus_per_worker": 1}))
+    uri = f"sqlite:///{tmp_path}/g.db"
+    assert main(["bench", str(_write(store, "gpu-flag")), "--gpus-per-worker", "1", "--tracking-uri", uri]) == 2
+    assert "--gpus-per-worker needs --executor ray" in capsys.readouterr().err
+    assert main(["bench", str(_write(store, "gpu-flag")), "--executor", "ray", "--gpus-per-worker", "-1",
+                 "--tracking-uri", uri]) == 2
+    assert "--gpus-per-worker must be >= 0" in capsys.readouterr().err
+
+
+def test_a_worker_with_a_gpu_builds_its_pools_on_cuda(store, monkeypatch):
+    import torch
+
+    from metasd.bench.ray_executor import on_worker_device, worker_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as in a worker Ray showed its GPU
+    assert worker_device(None, 1) == "cuda" and worker_device("auto", 0.5) == "cuda"
+    assert worker_device("cpu", 1) == "cpu" and worker_device("cuda:0", 1) == "cuda:0"  # the pool says otherwise
+    assert worker_device(None, None) is None and worker_device(None, 0) is None  # no GPU: nothing changes
+    pool = load_experiment(_write(store, "gpu-pool")).pools[0]
+    moved = on_worker_device(pool, 1)
+    assert moved.config.verifier.device == "cuda" and pool.config.verifier.device is None
+    assert moved.config.drafters == pool.config.drafters and on_worker_device(pool, None) is pool
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU reserved but torch sees none: refused
+    with pytest.raises(ValueError, match="reserved 1 GPU .* torch sees no CUDA device"):
+        worker_device(None, 1)

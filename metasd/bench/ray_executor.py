@@ -7,11 +7,15 @@ one machine. A later turn is prompted with the run's own earlier answers, which 
 are never split between workers.
 
 Workers (``BenchWorker``, Ray actors) load each pool once and serve many shards; each reserves
-``cpus_per_worker`` CPUs and runs that many torch threads. They only compute: a shard comes back as its
-request records (``metasd.bench.requests.answer_request``, tagged with the worker's id), and the driver
-(``RayRunner``) logs them into the nested runs with the in-process runner's own methods. One writer, so a
-SQLite store stays safe, and resume and de-duplication live in one place: a record whose (run, question,
-turn) is already logged is dropped. Only finished shards are logged, so Ctrl-C loses the shards in flight
+``cpus_per_worker`` CPUs and runs that many torch threads, and ``gpus_per_worker`` GPUs (Ray's ``num_gpus``,
+fractions allowed) if set: Ray then shows the worker its GPU (``CUDA_VISIBLE_DEVICES``) and the worker builds its
+pools with ``device: cuda`` unless a pool names its device (``worker_device``); with none set, the devices are
+left as they were. Each request record names the worker's device, and the progress line its GPUs.
+
+Workers only compute: a shard comes back as its request records (``metasd.bench.requests.answer_request``,
+tagged with the worker's id), and the driver (``RayRunner``) logs them into the nested runs with the in-process
+runner's own methods. One writer, so a SQLite store stays safe, and resume and de-duplication live in one place:
+a record whose (run, question, turn) is already logged is dropped. Only finished shards are logged, so Ctrl-C loses the shards in flight
 and ``--resume`` answers them again. A worker that dies (``RayActorError``) is replaced by a fresh actor and
 its shard queued again (at most ``max_retries`` times per shard).
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .requests import MethodRequests, PoolEngine, answer_request
@@ -62,6 +66,30 @@ class Shard:
     n_requests: int = 0  # requests in the shard, logged ones included
 
 
+def worker_device(pool_device: str | None, gpus: float | None) -> str | None:
+    """The device a worker builds a pool on: the pool's own when the worker reserved no GPU or the pool names one
+    (``cpu``, ``cuda:0``...); else, a GPU reserved (Ray shows the worker that GPU alone), ``cuda``. Refused when
+    torch in the worker sees no CUDA device: the run would silently go to the CPU."""
+    if not gpus or pool_device not in (None, "auto"):
+        return pool_device
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"this Ray worker reserved {gpus:g} GPU (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}) but torch sees no CUDA device (a CPU-only torch "
+                         "build, or no driver): name the pool's verifier.device, or drop executor.gpus_per_worker")
+    return "cuda"
+
+
+def on_worker_device(pool, gpus: float | None):
+    """``pool`` (a ``ResolvedPool``) with its verifier's device as ``worker_device`` resolves it for this worker."""
+    device = worker_device(pool.config.verifier.device, gpus)
+    if device == pool.config.verifier.device:
+        return pool
+    verifier = pool.config.verifier.model_copy(update={"device": device})
+    return replace(pool, config=pool.config.model_copy(update={"verifier": verifier}))
+
+
 class BenchWorker:
     """A Ray actor's state: each pool's engine (loaded on first use), one request function per run.
 
@@ -69,7 +97,8 @@ class BenchWorker:
     across the requests this worker answers, and only those.
     """
 
-    def __init__(self, exp, worker_id: str, threads: int, setup: Callable[[], None] | None = None):
+    def __init__(self, exp, worker_id: str, threads: int, setup: Callable[[], None] | None = None,
+                 gpus: float | None = None):
         import torch
 
         torch.set_num_threads(threads)
@@ -77,7 +106,7 @@ class BenchWorker:
             setup()
         import socket
 
-        self.exp, self.id, self.threads, self.host = exp, worker_id, threads, socket.gethostname()
+        self.exp, self.id, self.threads, self.host, self.gpus = exp, worker_id, threads, socket.gethostname(), gpus
         self.pools = {p.name: p for p in exp.pools}
         self.datasets = {d.name: d for d in exp.datasets}
         self.engines: dict[str, PoolEngine] = {}
@@ -86,9 +115,11 @@ class BenchWorker:
         self.states: dict[str, Any] = {}  # final policy states of runs whose pool was released
 
     def ping(self) -> dict[str, Any]:
+        import ray
         import torch
 
-        return {"worker": self.id, "host": self.host, "pid": os.getpid(), "threads": torch.get_num_threads()}
+        return {"worker": self.id, "host": self.host, "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()] if self.gpus else []}
 
     def _engines(self, pool: str) -> PoolEngine:
         if pool not in self.engines:
@@ -101,7 +132,7 @@ class BenchWorker:
                 self.info = {"device": str(v.device), "dtype": str(v.dtype).removeprefix("torch.")}
 
             log = lambda s: print(f"{s} (worker {self.id}, pid {os.getpid()})", file=sys.stderr, flush=True)  # noqa: E731
-            self.engines[pool] = PoolEngine(self.exp, self.pools[pool], log, loaded)
+            self.engines[pool] = PoolEngine(self.exp, on_worker_device(self.pools[pool], self.gpus), log, loaded)
         return self.engines[pool]
 
     def _fn(self, engines: PoolEngine, key: str, kind: str, name: str, seed: int | None, ds) -> Callable:
@@ -136,7 +167,7 @@ class BenchWorker:
                     fn = self._fn(engines, key, kind, name, seed, ds)
                     rec = answer_request(engines, fn, messages, q, t, first + t, seed, name, kind,
                                          None if j == 0 else plain.get(t))
-                    rec["worker"], rec["host"] = self.id, self.host
+                    rec["worker"], rec["host"], rec["device"] = self.id, self.host, self.info.get("device")
                     out.append((key, rec))
                 if j == 0:
                     plain[t] = rec
@@ -231,15 +262,21 @@ class RayRunner(ExperimentRunner):
     def _start_workers(self, ray) -> None:
         import torch
 
-        total = int(ray.cluster_resources().get("CPU", 1))
+        resources = ray.cluster_resources()
+        total, total_gpus = int(resources.get("CPU", 1)), float(resources.get("GPU", 0))
         s = self.spec
+        gpus = s.gpus_per_worker or None  # 0: none, as unset
         cpus = s.cpus_per_worker or (max(1, total // s.workers) if s.workers else (self.threads or 1))
-        n = s.workers or max(1, total // cpus)
+        n = s.workers or max(1, min(total // cpus, int(total_gpus / gpus + 1e-9) if gpus else total))
         if n * cpus > total:
             raise ValueError(f"executor: {n} workers x {cpus} CPUs each need {n * cpus} CPUs; the Ray cluster has "
                              f"{total} (lower --workers or executor.cpus_per_worker)")
-        self.cpus, self.n_workers = cpus, n
-        self._actor_cls = ray.remote(BenchWorker).options(num_cpus=cpus, max_restarts=0, max_task_retries=0)
+        if gpus and n * gpus > total_gpus + 1e-9:
+            raise ValueError(f"executor: {n} workers x {gpus:g} GPUs each need {n * gpus:g} GPUs; the Ray cluster has "
+                             f"{total_gpus:g} (lower --workers or executor.gpus_per_worker)")
+        self.cpus, self.gpus, self.n_workers = cpus, gpus, n
+        options = dict(num_cpus=cpus, max_restarts=0, max_task_retries=0, **({"num_gpus": gpus} if gpus else {}))
+        self._actor_cls = ray.remote(BenchWorker).options(**options)
         self.generation: dict[int, int] = {}
         self.live: set[int] = set()  # slots whose current worker has answered
         self.pings: dict[Any, tuple[int, int]] = {}  # ping ref -> (slot, generation)
@@ -247,12 +284,13 @@ class RayRunner(ExperimentRunner):
             self._new_actor(slot)
         persistent = sorted({m.name for _, pool, _, _, _ in self.blocks for m in pool.methods if m.persistent})
         tags = {"metasd.workers": str(n), "threads": str(cpus), "metasd.cpus_per_worker": str(cpus),
+                "metasd.gpus_per_worker": f"{gpus:g}" if gpus else "0",
                 "metasd.driver_threads": str(torch.get_num_threads()),
                 "metasd.policy_state": "per-worker" if persistent else "n/a (no persistent policy)"}
         for k, v in tags.items():
             self.client.set_tag(self.parent_id, k, v)
-        self.notes.append(f"executor: ray, {n} workers x {cpus} CPUs (torch threads) each; every method of a "
-                          "question ran on the same worker")
+        each = f"{cpus} CPUs (torch threads)" + (f" and {gpus:g} GPU" if gpus else "")
+        self.notes.append(f"executor: ray, {n} workers x {each} each; every method of a question ran on the same worker")
         if persistent:
             self.notes.append(f"persistent policies ({', '.join(persistent)}) kept one state per worker ({n} workers), "
                               "not one across the whole experiment")
@@ -262,7 +300,7 @@ class RayRunner(ExperimentRunner):
         gen = self.generation.get(slot, -1) + 1
         self.generation[slot] = gen
         wid = str(slot) if gen == 0 else f"{slot}.{gen}"
-        self.actors[slot] = self._actor_cls.remote(self.exp, wid, self.cpus, self.setup)
+        self.actors[slot] = self._actor_cls.remote(self.exp, wid, self.cpus, self.setup, self.gpus)
         self.live.discard(slot)
         self.pings[self.actors[slot].ping.remote()] = (slot, gen)  # live once it answers
 
@@ -292,8 +330,9 @@ class RayRunner(ExperimentRunner):
                 if gen != self.generation[slot]:
                     continue  # a worker replaced since
                 self.live.add(slot)
+                gpus = f", GPU {','.join(info['gpus'])}" if info.get("gpus") else ""
                 self.pbar.write(f"[metasd bench] worker {info['worker']} up on {info['host']} (pid {info['pid']}, "
-                                f"{info['threads']} threads)", file=sys.stderr)
+                                f"{info['threads']} threads{gpus})", file=sys.stderr)
                 self._postfix()
                 continue
             slot, shard = inflight.pop(ready[0])
@@ -367,7 +406,8 @@ class RayRunner(ExperimentRunner):
                 self._end_run(nested, plain.records)
             self._summarize(block, pool, ds, runs, plain.records)
             self.summaries[block]["executor"] = {"type": "ray", "workers": getattr(self, "n_workers", 0),
-                                                 "cpus_per_worker": getattr(self, "cpus", 0), "restarts": self.restarts,
+                                                 "cpus_per_worker": getattr(self, "cpus", 0),
+                                                 "gpus_per_worker": getattr(self, "gpus", None) or 0, "restarts": self.restarts,
                                                  "duplicates_dropped": self.duplicates,
                                                  "policy_state": "per-worker"}
         if self.duplicates:

@@ -37,9 +37,11 @@ Top-level fields (all optional but ``runs``):
   load drift on a shared machine hits all methods alike) or ``sequential`` (all requests of one method,
   then the next, as Spec-Bench does).
 - ``executor``: where requests are answered - ``inprocess`` (default: this process) or ``ray`` /
-  ``{type: ray, address?, workers?, cpus_per_worker?, questions_per_shard?, max_retries?}`` (Ray actors,
-  ``metasd.bench.ray_executor``; ``pip install -e '.[ray]'``). Not part of the config hash: an experiment started
-  in-process can be resumed on Ray and back. ``metasd bench --executor/--ray-address/--workers`` override it.
+  ``{type: ray, address?, workers?, cpus_per_worker?, gpus_per_worker?, questions_per_shard?, max_retries?}`` (Ray
+  actors, ``metasd.bench.ray_executor``; ``pip install -e '.[ray]'``; ``gpus_per_worker``, fractions allowed as Ray
+  allows them: each worker reserves that share of a GPU and builds its pools on it). Not part of the config hash: an
+  experiment started in-process can be resumed on Ray and back. ``metasd bench --executor/--ray-address/--workers/
+  --gpus-per-worker`` override it.
 - ``threads`` (torch CPU threads; default: torch's), ``warmup`` (true: one short untimed generation
   per drafter and baseline before timing), ``plots`` (true).
 
@@ -160,15 +162,19 @@ class ExecutorSpec(_TypeShorthand):
     address: str | None = None  # ray: None = start a local Ray; "auto" = the running cluster; or HOST:PORT
     workers: int | None = Field(None, ge=1)  # ray: actors (default: cluster CPUs // cpus_per_worker)
     cpus_per_worker: int | None = Field(None, ge=1)  # ray: CPUs per actor = its torch threads
+    gpus_per_worker: float | None = Field(None, ge=0)  # ray: GPUs per actor (its pools on cuda); None/0: none
     questions_per_shard: int = Field(1, ge=1)  # ray: questions (all their turns, every method) per task
     max_retries: int = Field(2, ge=0)  # ray: times a shard whose worker died is retried on a fresh one
 
     @model_validator(mode="after")
     def _ray_fields(self) -> "ExecutorSpec":
         if self.type == "inprocess":
-            extra = [f for f in ("address", "workers", "cpus_per_worker") if getattr(self, f) is not None]
+            extra = [f for f in ("address", "workers", "cpus_per_worker", "gpus_per_worker") if getattr(self, f) is not None]
             if extra:
                 raise ValueError(f"{extra} apply to the ray executor only (set 'type: ray')")
+        g = self.gpus_per_worker
+        if g is not None and abs(g * 10_000 - round(g * 10_000)) > 1e-6:  # Ray's own limit on fractional resources
+            raise ValueError(f"gpus_per_worker: {g} is finer than Ray's resource precision of 0.0001")
         return self
 
 

@@ -42,6 +42,7 @@ from metasd.config import read_yaml_mapping, validate_config
 from metasd.models.draft_vocab import DraftVocab
 from metasd.models.machine import warn_if_oversubscribed
 from .common import STATE_META, FeatureTrainingConfig, Tracker, lr_at, save_state, split_shards, state_file, write_atomic
+from .devices import DEVICE_HELP, autocast_note, bf16_autocast, load_optimizer, to_device, training_device
 from .loop import StepLoop
 from .features import FeatureSet
 
@@ -73,9 +74,12 @@ class TrainBlockConfig(FeatureTrainingConfig):
     mlflow_experiment: str = "metasd-block"
 
 
-def load_train_block_config(path: str | Path) -> TrainBlockConfig:
-    """Read and validate a training file; ``ConfigError`` (a ``ValueError``) names the file and the field."""
-    return validate_config(TrainBlockConfig, read_yaml_mapping(path, "training config"), str(path), "block training config")
+def load_train_block_config(path: str | Path, device: str | None = None) -> TrainBlockConfig:
+    """Read and validate a training file (``device``: overrides its device); ``ConfigError`` (a ``ValueError``) names
+    the file and the field."""
+    raw = read_yaml_mapping(path, "training config")
+    return validate_config(TrainBlockConfig, {**raw, **({"device": device} if device else {})}, str(path),
+                           "block training config")
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -139,15 +143,17 @@ def build_vocab(counts: torch.Tensor, size: int, always: tuple[int, ...]) -> Dra
 @torch.no_grad()
 def evaluate(heads, H: torch.Tensor, Y: torch.Tensor, bf16: bool = True, batch: int = 512) -> dict[str, float]:
     """Per-head top-1 accuracy (targets outside the draft vocab count as misses), in-vocab CE loss, and
-    the argmax chain's expected tokens per step (bonus included) over positions with all k targets."""
+    the argmax chain's expected tokens per step (bonus included) over positions with all k targets. ``H``, ``Y``
+    on the heads' device."""
     k, vocab = heads.k, heads.vocab
-    correct = torch.zeros(k)
-    counted = torch.zeros(k)
+    device = heads.weight.device
+    correct = torch.zeros(k, device=device)
+    counted = torch.zeros(k, device=device)
     loss_sum, loss_n = 0.0, 0
     acc_lens: list[torch.Tensor] = []
     for a in range(0, len(H), batch):
         h, y = H[a:a + batch], Y[a:a + batch]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with bf16_autocast(device, bf16):
             logits = heads(h).float()  # [B, k, N]
         pred = vocab.to_full(logits.argmax(-1))
         valid = y >= 0
@@ -162,7 +168,7 @@ def evaluate(heads, H: torch.Tensor, Y: torch.Tensor, bf16: bool = True, batch: 
         full = valid.all(1)
         acc_lens.append(ok[full].long().cumprod(1).sum(1))
     out = {f"acc_head{i}": float(correct[i] / counted[i]) if counted[i] else 0.0 for i in range(k)}
-    lens = torch.cat(acc_lens) if acc_lens else torch.empty(0)
+    lens = torch.cat(acc_lens) if acc_lens else torch.empty(0, device=device)
     out["tau"] = 1.0 + float(lens.float().mean()) if len(lens) else 1.0
     out["loss"] = loss_sum / loss_n if loss_n else 0.0
     out["positions"] = float(len(H))
@@ -199,6 +205,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     from metasd.drafters.block import BlockHeads
     from metasd.models import eos_token_ids, load_model
 
+    device = training_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
@@ -207,7 +214,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     man = fs.manifest
     train, val = split_shards(cfg, fs)
 
-    model, tokenizer = load_model(cfg.verifier, dtype="fp32" if not cfg.bf16 else "bf16")
+    model, tokenizer = load_model(cfg.verifier, dtype="fp32" if not cfg.bf16 else "bf16", device="cpu")  # its head only
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers, d = int(text_cfg.num_hidden_layers), int(text_cfg.hidden_size)
     full_lm = model.get_output_embeddings().weight.detach()
@@ -231,7 +238,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     if vocab.full_size != full_lm.shape[0]:
         raise ValueError(f"draft vocab is for vocabulary {vocab.full_size}, the verifier has {full_lm.shape[0]}")
     lm_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    heads = BlockHeads(d, cfg.k, vocab.head_weight(full_lm).to(lm_dtype), vocab, layer, init=cfg.init)
+    heads = BlockHeads(d, cfg.k, vocab.head_weight(full_lm).to(lm_dtype), vocab, layer, init=cfg.init).to(device)
     del model, full_lm
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resuming:
@@ -239,7 +246,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
         with torch.no_grad():
             heads.weight.copy_(w["weight"])
             heads.bias.copy_(w["bias"])
-        opt.load_state_dict(torch.load(_state_path(state_dir, meta, "optimizer"), weights_only=True))
+        load_optimizer(opt, _state_path(state_dir, meta, "optimizer"))
 
     t0 = time.time()
     H, Y = load_block_data(fs, train, layer, cfg.k, cfg.target)
@@ -252,6 +259,8 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
         f"loaded in {time.time() - t0:.0f}s")
     if not cfg.bf16:
         H, Hv = H.float(), Hv.float()
+    Hv, Yv = to_device((Hv, Yv), device)  # the validation positions live on the device; training batches move per step
+    log(f"training {autocast_note(device, cfg.bf16)}")
 
     tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, meta.get("mlflow_run_id"), cfg.model_dump(), log=log)
     meta["mlflow_run_id"] = tracker.run_id
@@ -269,11 +278,11 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
 
     def train_step(step: int) -> dict[str, float]:
         idx = _batch_indices(cfg, len(H), step)
-        h, y = H[idx], Yr[idx]
+        h, y = to_device((H[idx], Yr[idx]), device)
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with bf16_autocast(device, cfg.bf16):
             logits = heads(h)  # [B, k, N]
         logits = logits.float()
         per_head = []
@@ -365,12 +374,13 @@ def add_train_block_parser(subparsers) -> Any:
     p.add_argument("--until-step", type=int, default=None, help="stop this invocation at this step (resumable)")
     p.add_argument("--max-minutes", type=float, default=None, help="override the config's max_minutes")
     p.add_argument("--fresh", action="store_true", help="ignore an existing training state (start over)")
+    p.add_argument("--device", default=None, help=f"override the config's device ({DEVICE_HELP})")
     p.set_defaults(func=train_block_main)
     return p
 
 
 def train_block_main(args) -> int:
-    cfg = load_train_block_config(args.config)
+    cfg = load_train_block_config(args.config, getattr(args, "device", None))
     updates = {}
     if getattr(args, "max_minutes", None) is not None:
         updates["max_minutes"] = args.max_minutes

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from metasd.config import expand_env_path
 from metasd.config.tracking import DEFAULT_TRACKING_URI, artifact_location, resolve_tracking_uri
+from .devices import DEVICE_HELP, check_device, save_optimizer
 from .features import FeatureSet, parse_shards
 
 STATE_WEIGHTS = "model_fp32.safetensors"
@@ -40,12 +41,14 @@ class FeatureTrainingConfig(BaseModel):
     save_dtype: Literal["bf16", "fp32"] = "bf16"
     seed: int = 0
     threads: int | None = Field(None, ge=1)
+    device: str = Field("auto", description=DEVICE_HELP)
     resume: bool = True
     mlflow: bool = True
     mlflow_experiment: str = "metasd-train"
     run_name: str | None = None
 
     _expand = field_validator("features", "draft_vocab", "state_dir", "out")(expand_env_path)
+    _device = field_validator("device")(check_device)
 
 
 class OptimSection(BaseModel):
@@ -286,10 +289,10 @@ def save_state(state_dir: Path, model, opt, state: dict) -> None:
     step = int(state["step"])
     files = {"weights": f"model_fp32.step{step}.safetensors", "optimizer": f"optimizer.step{step}.pt" if opt is not None else None}
 
-    weights = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
     write_atomic(state_dir / files["weights"], lambda p: save_file(weights, str(p)))
     if opt is not None:
-        write_atomic(state_dir / files["optimizer"], lambda p: torch.save(opt.state_dict(), p))
+        write_atomic(state_dir / files["optimizer"], lambda p: save_optimizer(opt, p))
     write_atomic(state_dir / STATE_META, lambda p: p.write_text(json.dumps({**state, "files": files}, indent=1)))
     keep = set(files.values()) | {STATE_META}
     for old in [*state_dir.glob("model_fp32*.safetensors"), *state_dir.glob("optimizer*.pt")]:

@@ -20,7 +20,8 @@ Command line (what the trainers' ``data.features`` points at):
 verifier answer the same prompts itself (greedy, through a pool's engine, cached in
 ``OUT_DIR/responses.jsonl`` and resumable) - on-policy data for the drafter; with ``--batch-size N`` the
 verifier answers N prompts per transformers ``generate`` call instead (several times faster on a CPU). Spec-Bench first turns are
-excluded from the prompts.
+excluded from the prompts. ``--device`` picks where the verifier runs (default ``auto``: CUDA when available); the
+shards are written from host copies, so any machine reads them.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ DEFAULT_LAYERS = "3,8,15,21,26,28"
 
 def extract_features(model, examples: Sequence[Example], out_dir: str | Path, layers: Sequence[int], topk: int = 32,
                      shard_size: int = 32, meta: dict | None = None, log=print) -> Path:
-    """Run the verifier over ``examples`` and write the shards that are missing."""
+    """Run the verifier over ``examples`` (on its device) and write the shards that are missing (from host copies)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     layers = sorted(set(layers))
@@ -142,6 +143,9 @@ def add_train_features_parser(subparsers):
     p.add_argument("out_dir")
     p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
     p.add_argument("--dtype", default="auto", help="verifier dtype (with --responses verifier: the pool's dtype)")
+    p.add_argument("--device", default=None, help="where the verifier runs: auto (CUDA when available, else cpu), cpu, "
+                                                  "cuda or cuda:N (default auto; with --pool: the pool's device); "
+                                                  "the features are stored from the host either way")
     p.add_argument("--sequences", type=int, default=800, help="ShareGPT first exchanges to use")
     p.add_argument("--skip", type=int, default=0, help="usable exchanges to skip first")
     p.add_argument("--max-len", type=int, default=384, help="tokens per sequence (prompt + response)")
@@ -193,16 +197,17 @@ def train_features_main(args) -> int:
               "--verifier alone, teacher-forced ones need no pool)", file=sys.stderr)
         return 2
     if args.responses == "verifier" and args.batch_size == 1:
-        from metasd.config import load_pool
+        from metasd.config import load_pool, read_pool_config
 
-        engine = load_pool(args.pool)
+        verifier = read_pool_config(args.pool).verifier.model_dump(exclude_none=True)
+        engine = load_pool(args.pool, {"verifier": {**verifier, "device": args.device}} if args.device else None)
         if engine.verifier.name != args.verifier:
             print(f"error: --pool's verifier is {engine.verifier.name!r}, --verifier is {args.verifier!r}; "
                   "features must come from the verifier that wrote the responses", file=sys.stderr)
             return 2
         model, tokenizer = engine.verifier.model, engine.tokenizer
     else:
-        model, tokenizer = load_model(args.verifier, dtype=args.dtype)
+        model, tokenizer = load_model(args.verifier, dtype=args.dtype, device=args.device)
     examples = chat_examples(tokenizer, args.sequences, max_len=args.max_len, skip=args.skip, exclude=exclude,
                              path=args.sharegpt)
     source = f"sharegpt first exchanges {args.skip}..{args.skip + len(examples) - 1} ({excluded})"

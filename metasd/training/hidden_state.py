@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from metasd.config import read_yaml_mapping, validate_config
 from metasd.models.draft_vocab import DraftVocab
 from .common import FeatureTrainingConfig, OptimSection, Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
+from .devices import DEVICE_HELP, autocast_note, bf16_autocast, load_optimizer, pieces_on, to_device
 from .loop import FeatureRun, KeepBest, StepLoop
 
 BEST_WEIGHTS = "best_fp32.safetensors"
@@ -116,12 +117,13 @@ def soft_targets(seq: dict[str, torch.Tensor], vocab: DraftVocab) -> dict[str, t
     """Targets of q at position t (predicting x_{t+2} from row t+1), t = 0..n-1 (invalid where t+2 >= n).
     Returns idx [n, K] reduced ids, p [n, K], valid [n], top1 [n] verifier top-1 (full id)."""
     n = len(seq["ids"])
-    row = (torch.arange(n) + 1).clamp(max=n - 1)
+    t = torch.arange(n, device=seq["ids"].device)
+    row = (t + 1).clamp(max=n - 1)
     red = vocab.to_reduced(seq["topk_ids"][row])
     p = seq["topk_logp"][row].float().softmax(-1) * (red >= 0)
     s = p.sum(-1)
-    nxt = (torch.arange(n) + 2).clamp(max=n - 1)
-    exists = (torch.arange(n) + 2 < n) & seq["loss_mask"][nxt]
+    nxt = (t + 2).clamp(max=n - 1)
+    exists = (t + 2 < n) & seq["loss_mask"][nxt]
     return {"idx": red.clamp(min=0), "p": p / s.clamp(min=1e-12)[:, None], "valid": exists & (s > 0),
             "exists": exists, "top1": seq["topk_ids"][row, 0]}
 
@@ -135,8 +137,8 @@ def sequence_losses(net, pieces, seq: dict[str, torch.Tensor], vocab: DraftVocab
     n = len(h)
     outs = net.unrolled_states(h, cfg.unroll if unroll is None else unroll)
     tgt = soft_targets(seq, vocab)
-    emb = pieces.embed(seq["ids"][(torch.arange(n) + 1).clamp(max=n - 1)])  # e(x_{t+1})
-    t = torch.arange(n)
+    t = torch.arange(n, device=h.device)
+    emb = pieces.embed(seq["ids"][(t + 1).clamp(max=n - 1)])  # e(x_{t+1})
     res = []
     for k, s in enumerate(outs):
         ok = t >= k
@@ -152,7 +154,7 @@ def sequence_losses(net, pieces, seq: dict[str, torch.Tensor], vocab: DraftVocab
         ce = -(tgt["p"][rows] * logp.gather(-1, tgt["idx"][rows])).sum(-1)
         ce_ok = tgt["valid"][rows]
         hit = vocab.to_full(logp.argmax(-1)) == tgt["top1"][rows]
-        hits = torch.zeros(n, dtype=torch.bool)
+        hits = torch.zeros(n, dtype=torch.bool, device=h.device)
         hits[rows] = hit
         res.append({"reg": (reg * reg_ok).sum(), "n_reg": reg_ok.sum(), "ce": (ce * ce_ok).sum(), "n_ce": ce_ok.sum(),
                     "hit": hit.sum(), "n_acc": torch.tensor(len(rows)), "hits": hits})
@@ -174,8 +176,8 @@ def chain_accepted(hits: list[torch.Tensor], anchors: torch.Tensor) -> torch.Ten
     the verifier's own greedy answers (on-policy data) this is exactly what drafting would get: an accepted
     token is the real next token, so the teacher-forced injection equals the drafted one."""
     n = len(hits[0])
-    alive = torch.ones(len(anchors), dtype=torch.bool)
-    total = torch.zeros(len(anchors), dtype=torch.long)
+    alive = torch.ones(len(anchors), dtype=torch.bool, device=anchors.device)
+    total = torch.zeros(len(anchors), dtype=torch.long, device=anchors.device)
     for k, hk in enumerate(hits):
         pos = anchors + k
         alive &= (pos < n) & hk[pos.clamp(max=n - 1)]
@@ -190,12 +192,13 @@ def evaluate(net, pieces, reader: ShardReader, val: list[tuple[int, int]], vocab
     ``tau_chain``: tokens per step (bonus included) of a greedy chain of ``defaults.depth`` tokens."""
     was = net.training
     net.eval()
+    device = net.out_norm.weight.device
     depths = max(cfg.unroll + 1, cfg.defaults.depth)
     tot = [dict.fromkeys(("reg", "n_reg", "ce", "n_ce", "hit", "n_acc"), 0.0) for _ in range(depths)]
     accepted, anchors = 0, 0
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+    with bf16_autocast(device, cfg.bf16):
         for s, j in val:
-            seq = _crop(reader.sequence(s, j), cfg.max_len)
+            seq = to_device(_crop(reader.sequence(s, j), cfg.max_len), device)
             res = sequence_losses(net, pieces, seq, vocab, cfg, layer, unroll=depths - 1)
             for k, r in enumerate(res):
                 for key in tot[k]:
@@ -241,9 +244,11 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
                                 intermediate_size=m.intermediate_size,
                                 inject_intermediate_size=m.inject_intermediate_size, rope_theta=m.rope_theta)
     torch.manual_seed(cfg.seed)
-    net = HiddenStateNet(net_cfg)
+    device = run.device
+    net = HiddenStateNet(net_cfg).to(device)  # initialised on the CPU (the same weights on every device), then moved
     pieces = VerifierPieces.from_model(run.verifier_model, vocab.token_ids, dtype=torch.float32)
     pieces.embed_weight = pieces.embed_weight.float()
+    pieces = pieces_on(pieces, device)
     run.verifier_model = None
     if state is None:
         state = {"step": 0, "run_id": None, "wall_s": 0.0, "sequences": 0, "history": [], "best": None,
@@ -255,7 +260,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
     opt = torch.optim.AdamW(net.parameters(), lr=st.lr, betas=(0.9, 0.95), weight_decay=st.weight_decay)
     opt_path = state_file(state_dir, state, "optimizer")
     if state["step"] > 0 and opt_path is not None and opt_path.exists():
-        opt.load_state_dict(torch.load(opt_path, weights_only=True))
+        load_optimizer(opt, opt_path)
     counts = {s: reader.n_sequences(s) for s in train}
     sched = Schedule(counts, cfg.seed)
     val_set = [(s, j) for s in val for j in range(reader.n_sequences(s))][:cfg.val_sequences]
@@ -264,7 +269,8 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
                        "parameters": count_parameters(net)})
     state["run_id"] = tracker.run_id
     log(f"hidden-state drafter: {count_parameters(net):,} parameters, draft vocab {len(vocab)}, layer {layer}, "
-        f"{sum(counts.values())} training sequences, {len(val_set)} validation sequences")
+        f"{sum(counts.values())} training sequences, {len(val_set)} validation sequences, training "
+        f"{autocast_note(device, cfg.bf16)}")
     w = depth_weights(cfg.unroll + 1, cfg.gamma)
 
     def validate(step: int) -> dict[str, float]:
@@ -277,7 +283,7 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
 
     def on_best(step: int, metrics: dict[str, float]) -> None:
         state["best"] = {"step": step, "acc": metrics["acc"], "tau_chain": metrics["tau_chain"]}
-        save_file({k: v.detach().float().contiguous() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in net.state_dict().items()}, str(state_dir / BEST_WEIGHTS))
 
     def train_step(step: int) -> dict[str, float]:
         lr = lr_at(step, st)
@@ -287,7 +293,8 @@ def train_hidden_state(cfg: TrainHiddenStateConfig, verifier_model=None, until_s
         batch = [_crop(reader.sequence(s, j), cfg.max_len) for s, j in sched.batch(step, st.sequences_per_step)]
         loss_sum = 0.0
         for seq in batch:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            seq = to_device(seq, device)
+            with bf16_autocast(device, cfg.bf16):
                 res = sequence_losses(net, pieces, seq, vocab, cfg, layer)
             loss = sum(wk * (cfg.reg_weight * r["reg"] / r["n_reg"].clamp(min=1) + cfg.ce_weight * r["ce"] / r["n_ce"].clamp(min=1))
                        for wk, r in zip(w, res)) / len(batch)
@@ -387,15 +394,17 @@ def add_train_hidden_state_parser(subparsers) -> Any:
                    help="override a config field (dotted key, YAML value), e.g. --set optim.steps=50")
     p.add_argument("--until-step", type=int, default=None, help="stop this invocation at this step; resumable")
     p.add_argument("--fresh", action="store_true", help="ignore an existing training state (start over)")
+    p.add_argument("--device", default=None, help=f"override the config's device ({DEVICE_HELP}); = --set device=...")
     p.set_defaults(func=train_hidden_state_main)
     return p
 
 
 def train_hidden_state_main(args) -> int:
-    cfg = load_train_hidden_state_config(args.config, args.set)
+    sets = list(args.set) + ([f"device={args.device}"] if getattr(args, "device", None) else [])
+    cfg = load_train_hidden_state_config(args.config, sets)
     if args.fresh:
         cfg = cfg.model_copy(update={"resume": False})
     command = " ".join(["metasd train hidden_state", shlex.quote(args.config)]
-                       + [f"--set {shlex.quote(x)}" for x in args.set])
+                       + [f"--set {shlex.quote(x)}" for x in sets])
     train_hidden_state(cfg, until_step=args.until_step, command=command)
     return 0

@@ -18,13 +18,14 @@ from metasd.models.draft_vocab import DraftVocab
 from metasd.models.machine import warn_if_oversubscribed
 from .common import (STATE_META, FeatureTrainingConfig, ShardReader, Tracker, count_tokens, eos_ids, load_verifier_parts,
                      split_shards)
+from .devices import training_device
 from .features import FeatureSet
 
 
 @dataclass
 class FeatureRun:
     """What a feature-set trainer starts from: the feature set and its split, the verifier (its pieces),
-    the output folders and the resumable state (None: a fresh run)."""
+    the output folders, the resumable state (None: a fresh run) and the device training computes on."""
 
     fs: FeatureSet
     train: list[int]
@@ -36,11 +37,13 @@ class FeatureRun:
     out: Path
     state_dir: Path
     state: dict | None
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     def start(cls, cfg: FeatureTrainingConfig, verifier_model, log) -> "FeatureRun":
-        """Threads, the oversubscription warning, the shard split, the verifier's embeddings, final norm and
-        LM head (loaded unless given) and the state of an earlier invocation (when ``cfg.resume``)."""
+        """Threads, the device, the oversubscription warning, the shard split, the verifier's embeddings, final norm
+        and LM head (loaded unless given, on the CPU) and the state of an earlier invocation (when ``cfg.resume``)."""
+        device = training_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
@@ -56,7 +59,7 @@ class FeatureRun:
         meta_path = state_dir / STATE_META
         state = json.loads(meta_path.read_text()) if cfg.resume and meta_path.exists() else None
         return cls(fs, train, val, verifier_model, int(vcfg.num_hidden_layers), int(vcfg.hidden_size),
-                   int(verifier_model.get_input_embeddings().weight.shape[0]), out, state_dir, state)
+                   int(verifier_model.get_input_embeddings().weight.shape[0]), out, state_dir, state, device)
 
     def draft_vocab(self, cfg: FeatureTrainingConfig, reader: ShardReader) -> DraftVocab:
         """The resumed run's vocabulary, else ``cfg.draft_vocab``, else the ``cfg.vocab_size`` most frequent

@@ -46,6 +46,7 @@ from metasd.drafters.steering_net import (Injector, SteeringModule, decoder_laye
                                           resolve_steered_layers, save_steering)
 from metasd.models.machine import warn_if_oversubscribed
 from .common import Tracker
+from .devices import autocast_note, bf16_autocast, compute_dtype, to_device, training_device
 from .loop import KeepBest, StepLoop
 from .steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
                                              TrainConfig, parse_config, read_config)
@@ -71,6 +72,7 @@ class SteeringTrainer:
 
         self.cfg, self.log = cfg, log
         t = cfg.train
+        self.device = training_device(t.device)  # the drafter, the module, the optimizer state and every batch
         if t.threads:
             torch.set_num_threads(t.threads)
         warn_if_oversubscribed()  # a trainer sharing the cores with another metasd process runs many times slower
@@ -115,13 +117,13 @@ class SteeringTrainer:
 
         # drafter
         finetuning = cfg.finetune != "none"
-        self.compute_dtype = _compute_dtype(t.dtype)
+        self.compute_dtype = compute_dtype(t.dtype, self.device)
         if model is None:
             from metasd.models import load_model
 
             weight_dtype = torch.float32 if (finetuning or self.compute_dtype == torch.float32) else torch.bfloat16
-            model, _ = load_model(cfg.drafter, dtype=weight_dtype, device="cpu")
-        self.model = model.eval()
+            model, _ = load_model(cfg.drafter, dtype=weight_dtype, device=self.device)
+        self.model = model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         layers = decoder_layers(model)
         self.finetune_layers = _resolve_layers(cfg.finetune, len(layers), "finetune")
@@ -144,6 +146,7 @@ class SteeringTrainer:
                                                         guide_norm=s.guide_norm, seed=t.seed)
             except ValueError as e:
                 raise ConfigError(f"steering.layers: {e}") from None
+            self.module.to(self.device)
             self.module.dropout = s.dropout
             self.injector = Injector(model, self.module.spec)
         else:
@@ -201,7 +204,7 @@ class SteeringTrainer:
                 src = h[start - offset:]  # rows t - o for t = start..N-1
                 d = self.module(src)  # [N - start, n, d_out] fp32
                 delta = torch.cat([d.new_zeros(start, *d.shape[1:]), d])[None]
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.compute_dtype == torch.bfloat16 else nullcontext()
+        autocast = bf16_autocast(self.device) if self.compute_dtype == torch.bfloat16 else nullcontext()
         if delta is not None and self.injector is None:
             self.injector = Injector(self.model, self.module.spec)
         steer = self.injector.active(delta) if delta is not None else nullcontext()
@@ -250,6 +253,7 @@ class SteeringTrainer:
         o = self.offset_for(self.step) if self.module is not None else None
         seqs = [self.train_set[i] for i in self.batch_indices(self.step)]
         total = sum(int(s["loss_mask"][1:].sum()) for s in seqs)
+        seqs = to_device(seqs, self.device)
         if self.module is not None:
             self.module.train()
         self.opt.zero_grad(set_to_none=True)
@@ -294,7 +298,8 @@ class SteeringTrainer:
             agree = kl = n = 0.0
             for i in range(self.n_val):
                 lo = self.cfg.train.min_staleness
-                r = self.sequence_loss(self.val_set[i], lo + i % (self.cfg.train.k + 1 - lo) if mode == "steered" else None)
+                r = self.sequence_loss(to_device(self.val_set[i], self.device),
+                                       lo + i % (self.cfg.train.k + 1 - lo) if mode == "steered" else None)
                 if r is not None:
                     agree += float(r["agree"])
                     kl += float(r["kl"])
@@ -335,22 +340,12 @@ class SteeringTrainer:
                              {k: p for k, p in self.drafter_params.items()}, info, dtype)
 
 
-def _compute_dtype(name: str) -> torch.dtype:
-    if name == "fp32":
-        return torch.float32
-    if name == "bf16":
-        return torch.bfloat16
-    from metasd.models import cpu_has_native_bf16
-
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
 # ---------------------------------------------------------------------------------------------- driver
 def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False, stop_at_step: int | None = None,
                    log=print) -> SteeringTrainer:
     """Train (resuming from the latest checkpoint unless ``fresh``); export and return the trainer.
 
-    model: an already loaded drafter model (tests); default: load ``cfg.drafter``.
+    model: an already loaded drafter model (tests; moved onto ``train.device``); default: load ``cfg.drafter`` there.
     stop_at_step: stop like an interruption after this step (checkpoint, no export); for tests.
     """
     tr = SteeringTrainer(cfg, model=model, log=log)
@@ -366,6 +361,7 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
     except BaseException:
         tr.close()
         raise
+    log(f"training {autocast_note(tr.device, tr.compute_dtype == torch.bfloat16)}")
     if resumed:
         log(f"resumed from step {tr.step} ({tr.tokens_seen} tokens, {tr.wall_s:.0f}s so far)")
     if tr.step >= cfg.train.steps:

@@ -8,6 +8,7 @@ import yaml
 
 from metasd.config import ConfigError
 
+from .devices import DEVICE_HELP
 from .steering import train_steering
 from .steering_config import read_config
 
@@ -21,6 +22,7 @@ def add_train_steering_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--wall-limit", type=float, default=None, help="override train.wall_limit_s (seconds)")
     p.add_argument("--out-dir", default=None, help="override out_dir")
+    p.add_argument("--device", default=None, help=f"override train.device ({DEVICE_HELP})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any dotted key, VALUE read as YAML (e.g. --set train.lr=1e-2 --set steering.rank=null); "
                         "repeatable")
@@ -36,6 +38,8 @@ def train_steering_main(args: argparse.Namespace) -> int:
         overrides["train.wall_limit_s"] = args.wall_limit
     if args.out_dir is not None:
         overrides["out_dir"] = args.out_dir
+    if args.device is not None:
+        overrides["train.device"] = args.device
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():

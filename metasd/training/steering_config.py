@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metasd.config import expand_env_path, read_yaml_mapping, validate_config
+from .devices import DEVICE_HELP, check_device
 
 
 class _Strict(BaseModel):
@@ -61,7 +62,10 @@ class TrainConfig(_Strict):
     seed: int = 0
     dtype: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="compute dtype of the drafter forward")
     threads: int | None = Field(default=None, gt=0)
+    device: str = Field(default="auto", description=DEVICE_HELP)
     wall_limit_s: float | None = Field(default=None, gt=0, description="stop (checkpoint, export) after this long")
+
+    _device = field_validator("device")(check_device)
 
 
 class LogConfig(_Strict):

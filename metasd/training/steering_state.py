@@ -13,14 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metasd.config import ConfigError
+from .devices import load_optimizer, save_optimizer
 from .steering_config import SteeringTrainingConfig
 
 
 def resume_key(cfg: SteeringTrainingConfig) -> dict[str, Any]:
-    """Settings that must not change across a resume (steps, wall limit and logging may)."""
+    """Settings that must not change across a resume (steps, wall limit, threads, device and logging may)."""
     d = cfg.model_dump()
     t = dict(d["train"])
-    for k in ("steps", "wall_limit_s", "threads"):
+    for k in ("steps", "wall_limit_s", "threads", "device"):
         t.pop(k)
     return {"drafter": d["drafter"], "data": {k: v for k, v in d["data"].items() if k != "val_sequences"},
             "steering": d["steering"], "finetune": d["finetune"], "train": t}
@@ -36,8 +37,8 @@ def save_trainer_state(tr) -> Path:
     tmp = root / f".tmp_step_{tr.step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.float().contiguous() for k, v in tr.trainable_state().items()}, str(tmp / "trainable.safetensors"))
-    torch.save(tr.opt.state_dict(), tmp / "optimizer.pt")
+    save_file({k: v.float().contiguous().cpu() for k, v in tr.trainable_state().items()}, str(tmp / "trainable.safetensors"))
+    save_optimizer(tr.opt, tmp / "optimizer.pt")
     state = {"step": tr.step, "tokens_seen": tr.tokens_seen, "loss_tokens_seen": tr.loss_tokens_seen,
              "wall_s": tr.wall_s, "mlflow_run_id": tr.run_id, "history": tr.history,
              "config": resume_key(tr.cfg)}
@@ -70,7 +71,7 @@ def load_trainer_state(tr) -> bool:
             tr.module.load_state_dict({k[9:]: v for k, v in tensors.items() if k.startswith("steering.")})
         for k, p in tr.drafter_params.items():
             p.copy_(tensors[f"drafter.{k}"].to(p.dtype))
-    tr.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    load_optimizer(tr.opt, path / "optimizer.pt")
     tr.step, tr.tokens_seen = state["step"], state["tokens_seen"]
     tr.loss_tokens_seen, tr.wall_s = state.get("loss_tokens_seen", 0), state["wall_s"]
     tr.run_id, tr.history = state.get("mlflow_run_id"), state.get("history", [])

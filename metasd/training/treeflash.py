@@ -67,6 +67,7 @@ from safetensors.torch import load_file
 
 from metasd.models.draft_vocab import DraftVocab
 from .common import Schedule, ShardReader, Tracker, flatten, lr_at, save_state, state_file
+from .devices import DEVICE_HELP, autocast_note, bf16_autocast, load_optimizer, pieces_on, to_device
 from .loop import FeatureRun, StepLoop
 from .features import FeatureSet
 from .treeflash_config import TrainTreeFlashConfig, load_train_treeflash_config  # noqa: F401  (the config's home)
@@ -107,12 +108,14 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                            output_norm=cfg.model.output_norm, context_layer_norm=cfg.model.context_layer_norm,
                            last_state=cfg.model.last_state, output_skip_layer=cfg.model.output_skip_layer)
     torch.manual_seed(cfg.seed)
-    model = TreeFlashModel(mcfg)
+    device = run.device
+    model = TreeFlashModel(mcfg).to(device)  # initialised on the CPU (the same weights on every device), then moved
     head_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     pieces = VerifierPieces.from_model(run.verifier_model, vocab.token_ids, copy_norm=True, dtype=torch.float32)
     pieces.head_weight = pieces.head_weight.to(head_dtype)
     if pieces.head_bias is not None:
         pieces.head_bias = pieces.head_bias.to(head_dtype)
+    pieces = pieces_on(pieces, device)
     run.verifier_model = None
 
     if state is None:
@@ -129,7 +132,8 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
     tracker = Tracker(cfg.mlflow, cfg.mlflow_experiment, cfg.run_name, state.get("run_id"), params)
     state["run_id"] = tracker.run_id
     log(f"TreeFlash: {count_parameters(model):,} trainable parameters, draft vocab {len(vocab)}, "
-        f"context layers {layers}, {sum(counts_per_shard.values())} training sequences, {len(val_set)} val sequences")
+        f"context layers {layers}, {sum(counts_per_shard.values())} training sequences, {len(val_set)} val sequences, "
+        f"training {autocast_note(device, cfg.bf16)}")
 
     if val_set and not state["history"] and state["stage"] == 1 and state["step"] == 0:
         metrics = evaluate(model, pieces, reader, val_set, vocab, cfg)  # the untrained drafter, for reference
@@ -138,6 +142,7 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
         log(f"untrained: acc_marg {metrics['acc_marg']:.3f} loss_marg {metrics['loss_marg']:.3f}")
     stages = {1: cfg.stage1, 2: cfg.stage2}
     w = position_weights(mcfg.block_size, cfg.gamma)
+    w_dev = w.to(device)
     try:
         while state["stage"] <= 2:
             stage = state["stage"]
@@ -150,7 +155,7 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
             opt = torch.optim.AdamW(trainable, lr=st.lr, betas=(0.9, 0.95), weight_decay=st.weight_decay)
             opt_path = state_file(state_dir, state, "optimizer")
             if state["step"] > 0 and opt_path is not None and opt_path.exists():
-                opt.load_state_dict(torch.load(opt_path, weights_only=True))
+                load_optimizer(opt, opt_path)
             sched = Schedule(counts_per_shard, cfg.seed + 1000 * stage)
             base = cfg.stage1.steps if stage == 2 else 0
             model.train()
@@ -171,14 +176,15 @@ def train_treeflash(cfg: TrainTreeFlashConfig, verifier_model=None, until_step: 
                 loss_sum, n_targets, gnorm = 0.0, 0, 0.0
                 if total_w > 0:
                     for seq, a, tgt in batch:
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                        seq, a, tgt = to_device((seq, a, tgt), device)  # drawn on the CPU, computed on the device
+                        with bf16_autocast(device, cfg.bf16):
                             if stage == 1:
                                 lp = marginal_logp(model, pieces, block_states(model, pieces, seq, a))
                             else:
                                 with torch.no_grad():
                                     h = block_states(model, pieces, seq, a)
                                 lp = ar_logp(model, pieces, h, tgt["prev"])
-                        loss = (position_loss(lp, tgt) * w).sum() / total_w
+                        loss = (position_loss(lp, tgt) * w_dev).sum() / total_w
                         loss.backward()
                         loss_sum += float(loss.detach())
                         n_targets += int(tgt["valid"].sum())
@@ -320,12 +326,13 @@ def add_train_treeflash_parser(subparsers) -> Any:
     p.add_argument("--until-step", type=int, default=None,
                    help="stop this invocation at this global step (stage-1 steps + stage-2 steps); resumable")
     p.add_argument("--fresh", action="store_true", help="ignore an existing training state (start over)")
+    p.add_argument("--device", default=None, help=f"override the config's device ({DEVICE_HELP})")
     p.set_defaults(func=train_treeflash_main)
     return p
 
 
 def train_treeflash_main(args) -> int:
-    cfg = load_train_treeflash_config(args.config)
+    cfg = load_train_treeflash_config(args.config, getattr(args, "device", None))
     if getattr(args, "fresh", False):
         cfg = cfg.model_copy(update={"resume": False})
     argv = sys.argv[1:]

@@ -75,6 +75,9 @@ class TrainTreeFlashConfig(FeatureTrainingConfig):
     mlflow_experiment: str = "metasd-treeflash"
 
 
-def load_train_treeflash_config(path: str | Path) -> TrainTreeFlashConfig:
-    """Read and validate a training file; ``ConfigError`` (a ``ValueError``) names the file and the field."""
-    return validate_config(TrainTreeFlashConfig, read_yaml_mapping(path, "training config"), str(path), "treeflash training config")
+def load_train_treeflash_config(path: str | Path, device: str | None = None) -> TrainTreeFlashConfig:
+    """Read and validate a training file (``device``: overrides its device); ``ConfigError`` (a ``ValueError``)
+    names the file and the field."""
+    raw = read_yaml_mapping(path, "training config")
+    return validate_config(TrainTreeFlashConfig, {**raw, **({"device": device} if device else {})}, str(path),
+                           "treeflash training config")

@@ -12,6 +12,7 @@ from metasd.models.draft_vocab import DraftVocab
 from metasd.core.tree import children_lists
 from metasd.drafters.treeflash import draft_from_block
 from .common import ShardReader
+from .devices import bf16_autocast, to_device
 from .treeflash_config import TrainTreeFlashConfig
 
 
@@ -81,8 +82,10 @@ def position_weights(B: int, gamma: float | None) -> torch.Tensor:
 
 
 def block_states(model, pieces, seq: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
-    """Backbone output h [A, B, d] for blocks at ``anchors`` of one sequence (context rows < anchor)."""
+    """Backbone output h [A, B, d] for blocks at ``anchors`` of one sequence (context rows < anchor); ``seq`` and
+    ``anchors`` on the model's device."""
     cfg = model.cfg
+    dev = anchors.device
     B, C = cfg.block_size, cfg.context_window
     A = len(anchors)
     hi = int(anchors.max())
@@ -93,7 +96,7 @@ def block_states(model, pieces, seq: dict[str, torch.Tensor], anchors: torch.Ten
         skip = seq[f"hidden_{cfg.output_skip_layer}"][rows].to(model.dtype) * (anchors >= 1)[:, None]
     if hi > lo:
         hidden = torch.cat([seq[f"hidden_{l}"][lo:hi] for l in cfg.context_layers], dim=-1)
-        pos = torch.arange(lo, hi)
+        pos = torch.arange(lo, hi, device=dev)
         ctx = model.project_context(hidden)
         kv = model.context_kv(ctx, pos)
         visible = pos[None, :] < anchors[:, None]
@@ -103,12 +106,12 @@ def block_states(model, pieces, seq: dict[str, torch.Tensor], anchors: torch.Ten
             rows = anchors - 1 - lo  # the row before each anchor (anchors >= 1, so it exists)
             last = torch.where((rows >= 0)[:, None], ctx[rows.clamp(min=0)], torch.zeros_like(ctx[:1]))
     else:
-        e = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
+        e = torch.zeros(1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype, device=dev)
         kv = [(e, e) for _ in model.layers]
-        visible = torch.zeros(A, 0, dtype=torch.bool)
+        visible = torch.zeros(A, 0, dtype=torch.bool, device=dev)
     emb = pieces.embed(seq["ids"][anchors], model.dtype)
     block = model.block_inputs(emb, B)
-    positions = anchors[:, None] + torch.arange(B)[None, :]
+    positions = anchors[:, None] + torch.arange(B, device=dev)[None, :]
     return model(block, positions, kv, visible, last, skip)
 
 
@@ -161,19 +164,21 @@ def val_anchor_set(reader: ShardReader, shards: list[int], total: int, per_seq: 
 @torch.no_grad()
 def evaluate(model, pieces, reader: ShardReader, anchors, vocab: DraftVocab, cfg: TrainTreeFlashConfig,
              trees: int = 0) -> dict[str, float]:
-    """Validation figures at fixed held-out anchors (``trees``: how many anchors also get tree drafts)."""
+    """Validation figures at fixed held-out anchors (``trees``: how many anchors also get tree drafts), computed on
+    the model's device (targets are made on the CPU, then moved)."""
     B = model.cfg.block_size
-    w = position_weights(B, cfg.gamma)
-    sums: dict[str, torch.Tensor] = {k: torch.zeros(B - 1) for k in ("marg_hit", "ar_hit", "n")}
+    device = model.mask_embedding.device
+    w = position_weights(B, cfg.gamma).to(device)
+    sums: dict[str, torch.Tensor] = {k: torch.zeros(B - 1, device=device) for k in ("marg_hit", "ar_hit", "n")}
     loss = {"marg": 0.0, "ar": 0.0, "w": 0.0}
     taus: dict[str, list[float]] = {}
     done_trees = 0
     was_training = model.training
     model.eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+    with bf16_autocast(device, cfg.bf16):
         for s, j, a in anchors:
             seq = reader.sequence(s, j)
-            tgt = block_targets(seq, a, B, vocab, cfg.target)
+            seq, a, tgt = to_device((seq, a, block_targets(seq, a, B, vocab, cfg.target)), device)
             h = block_states(model, pieces, seq, a)
             lm = marginal_logp(model, pieces, h)
             la = ar_logp(model, pieces, h, tgt["prev"])
