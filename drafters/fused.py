@@ -26,6 +26,8 @@ class FusedParams(DrafterParams):
         None, description="per arm, the most nodes taken from its draft (its first nodes, an ancestor-closed subtree); "
                           "default: all")
     max_nodes: Int | None = Field(None, ge=1, description="the most nodes of the fused tree (default: no bound)")
+    enough: Int | None = Field(None, ge=1, description="a draft this deep is enough: the arms after it do not draft "
+                                                        "this step (a cascade: put the cheap arms first)")
 
     @model_validator(mode="after")
     def _lengths(self) -> "FusedParams":
@@ -41,7 +43,11 @@ class FusedDrafter(Drafter):
     """Drafts with each of its ``arms`` (other drafters of the pool, shared with it) and merges their drafts into one
     tree. Each arm keeps its own state: after verification it is told what its own draft had accepted (the longest
     prefix of the accepted path in its draft), as if it had drafted alone. ``Draft.meta`` counts each arm's nodes
-    and how many of them an earlier arm had already proposed (``shared``)."""
+    and how many of them an earlier arm had already proposed (``shared``).
+
+    ``enough`` makes it a cascade: once an arm's draft is at least that deep, the arms after it do not draft in that
+    step (put a cheap lookup first and an expensive model after it: a long match is drafted for free, and the model
+    drafts only where the lookup has little to offer); a skipped arm catches up when it drafts next."""
 
     kind = "fused"
     model_field, checkpoint_field = "never", "never"
@@ -49,13 +55,13 @@ class FusedDrafter(Drafter):
     refers_to = "arms"
 
     def __init__(self, arms: Sequence[Drafter], nodes: Sequence[int] | None = None, max_nodes: int | None = None,
-                 name: str | None = None):
+                 enough: int | None = None, name: str | None = None):
         super().__init__(name)
         check_params(FusedParams, dict(arms=[a.name for a in arms], nodes=None if nodes is None else list(nodes),
-                                       max_nodes=max_nodes), self.name)
+                                       max_nodes=max_nodes, enough=enough), self.name)
         self.arms = list(arms)
         self.nodes = None if nodes is None else list(nodes)
-        self.max_nodes = max_nodes
+        self.max_nodes, self.enough = max_nodes, enough
         self.hidden_layers = tuple(sorted({layer for a in self.arms for layer in a.hidden_layers}))
         self._last: list[tuple[Draft, int]] = []  # per arm: its draft and how many of its nodes were kept
 
@@ -106,6 +112,9 @@ class FusedDrafter(Drafter):
             self._last.append((draft, budget))
             meta[f"nodes_{arm.name}"] = new + shared
             meta[f"shared_{arm.name}"] = shared
+            if self.enough is not None and draft.depth >= self.enough and i + 1 < len(self.arms):
+                meta["cascade_stop"] = True  # counted per request: steps where the later arms did not draft
+                break
         fused = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), meta=meta,
                       catch_up=catch_up)
         return fused
@@ -125,4 +134,4 @@ class FusedDrafter(Drafter):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "arms": [a.name for a in self.arms], "nodes": self.nodes,
-                "max_nodes": self.max_nodes}
+                "max_nodes": self.max_nodes, "enough": self.enough}

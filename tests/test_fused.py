@@ -109,3 +109,17 @@ def test_pool_files_name_the_arms_of_a_fused_entry():
         parse_pool_config(_pool([{"name": "a", "type": "ngram"}, {"name": "b", "type": "ngram"},
                                  {"name": "f", "type": "fused", "params": {"arms": ["a", "b"], "nodes": [3]}}]))
     assert yaml.safe_dump(ok.model_dump())  # a pool with components stays plain data
+
+
+def test_a_cascade_stops_after_a_draft_deep_enough():
+    class Counting(Fixed):
+        calls = 0
+
+        def propose(self, ctx):
+            self.calls += 1
+            return super().propose(ctx)
+
+    deep = Fixed([5, 6, 7], [-1, 0, 1], "lookup")  # depth 3
+    model = Counting([9], [-1], "model")
+    assert FusedDrafter([deep, model], enough=3).propose(None).meta["cascade_stop"] and model.calls == 0
+    assert FusedDrafter([deep, model], enough=4).propose(None).tokens.tolist() == [5, 6, 7, 9] and model.calls == 1

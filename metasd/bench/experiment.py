@@ -18,7 +18,7 @@ from metasd.config import (ConfigError, PoolConfig, format_validation_error, par
                            read_yaml_mapping, resolve_policy_class)
 from metasd.core.policy import make_policy
 from metasd.data import Question, load_questions
-from .schema import BUILTIN, DatasetSpec, ExperimentConfig, PoolSpec, RunPolicy
+from .schema import BUILTIN, COPY_HEAVY, DatasetSpec, ExperimentConfig, PoolSpec, RunPolicy
 from metasd.core.rewards import BOUNDED_REWARDS, REWARDS
 
 # ------------------------------------------------------------------------------------------- resolved
@@ -98,6 +98,21 @@ def _file_sha(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def copy_heavy_path(per_category: int, seed: int = 0) -> Path:
+    """The copy-heavy prompt set as a JSONL file, generated once per Python version, seed and size into the model
+    cache's ``datasets/`` folder (``metasd.data.copy_heavy``: built from this Python's standard library)."""
+    from metasd.data.copy_heavy import build_copy_heavy, python_tag, write_jsonl
+    from metasd.models import cache_dir
+
+    path = cache_dir() / "datasets" / f"copy_heavy-{python_tag()}-seed{seed}-{per_category}.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_jsonl(build_copy_heavy(per_category, seed), tmp)
+        tmp.replace(path)
+    return path
 
 
 def builtin_prompts_path() -> Path:
@@ -227,6 +242,12 @@ def _resolve_dataset(i: int, spec: DatasetSpec, cfg: ExperimentConfig, base: Pat
     loc = f"datasets.{i}"
     if spec.path == BUILTIN:
         path, name = builtin_prompts_path(), spec.name or BUILTIN
+    elif spec.path == COPY_HEAVY:
+        try:
+            path = copy_heavy_path(spec.questions_per_group or cfg.questions_per_group or 4)
+        except ValueError as e:
+            fail(f"{loc}.path", str(e))
+        name = spec.name or COPY_HEAVY
     else:
         path = Path(spec.path).expanduser()
         path = path if path.is_absolute() else base / path

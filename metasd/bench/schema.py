@@ -26,8 +26,9 @@ Top-level fields (all optional but ``runs``):
       experiment seed;
     * ``{single: true, drafters?}``: one run per drafter of the pool, alone (method ``single:<name>``);
     * ``{oracle: true}``: per category the best single drafter in hindsight (needs a ``single`` entry).
-- ``datasets``: list of ``builtin`` | a path | ``{name?, path, categories?, groups?, questions_per_group?,
-  turns?}``; ``categories``, ``groups``, ``questions_per_group`` and ``turns`` (``all`` | ``first``) may
+- ``datasets``: list of ``builtin`` | ``copy_heavy`` (prompts whose answers copy their input: generated from this
+  Python's standard library, ``questions_per_group`` per category, metasd.data.copy_heavy) | a path | ``{name?, path,
+  categories?, groups?, questions_per_group?, turns?}``; ``categories``, ``groups``, ``questions_per_group`` and ``turns`` (``all`` | ``first``) may
   also be set at top level as defaults for every dataset.
 - ``max_new_tokens`` (128), ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seeds`` ([0]).
 - ``baselines``: ``plain`` (required: the speedup denominator), ``{type: assisted, drafter: NAME,
@@ -58,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from metasd.core.rewards import RewardName
 
 BUILTIN = "builtin"
+COPY_HEAVY = "copy_heavy"  # generated from this Python's standard library (metasd.data.copy_heavy)
 Reward = RewardName
 
 
