@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--questions", default=str(SPEC_BENCH_DEFAULT))
     p.add_argument("--per-group", type=int, default=2)
+    p.add_argument("--copy-heavy", type=int, default=0, metavar="N",
+                   help="also N prompts per copy-heavy category (metasd.data.copy_heavy; generated from this Python)")
     p.add_argument("--limit", type=int, help="only the first N prompts (a smoke run)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--verifier", default="bundled:qwen2.5-coder-1.5b-instruct")
@@ -123,7 +125,12 @@ def main(argv=None) -> int:
         print(summary_table(rows) + "\n\n" + steps_table(rows))
         return 0
     torch.set_num_threads(args.threads)
-    questions = load_questions(args.questions, per_group=args.per_group)[: args.limit]
+    questions = load_questions(args.questions, per_group=args.per_group)
+    if args.copy_heavy:
+        from metasd.data.copy_heavy import build_copy_heavy
+
+        questions += build_copy_heavy(args.copy_heavy)
+    questions = questions[: args.limit]
     vm, vt = load_model(args.verifier, dtype=args.dtype)
     am, at = load_model(args.assistant, dtype=args.dtype, quantize=args.assistant_quantize)
     methods = build_methods(args, vm, vt, am, at)

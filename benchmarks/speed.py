@@ -161,7 +161,11 @@ def main(argv=None) -> int:
     if args.table:
         saved = json.loads(Path(args.table).read_text())
         rows = saved["rows"]
-        print(summary_table(rows, args.oracle or saved["args"].get("oracle")))
+        oracle = args.oracle or saved["args"].get("oracle")
+        print(summary_table(rows, oracle))
+        if oracle and regret_table(rows, oracle):
+            print()
+            print(regret_table(rows, oracle))
         if any("steps" in e for r in rows for e in r["methods"].values()):
             print()
             print(steps_table(rows))
@@ -213,6 +217,9 @@ def main(argv=None) -> int:
         done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
         print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
     print(summary_table(rows, args.oracle))
+    if args.oracle and regret_table(rows, args.oracle):
+        print()
+        print(regret_table(rows, args.oracle))
     print()
     print(steps_table(rows))
     if reuse_table(rows):
@@ -270,6 +277,37 @@ def summary_table(rows, oracle: list[str] | None = None) -> str:
         cells = [f"{tokens[g] / seconds[g] / rate(ref, [r for r in rows if r['group'] == g]):.2f} ({best[g]})" for g in groups]
         lines.append(f"| oracle: best arm per group | {overall:.2f} | {overall / rate(ref, rows):.2f}x | - | "
                      + " | ".join(cells) + " | - | - | - |")
+    return "\n".join(lines)
+
+
+def regret_table(rows, oracle: list[str]) -> str:
+    """Markdown, MetaSD-style: for every method that is not an arm (pools, fused drafters), per group its speedup over
+    plain decoding and its regret against the per-group best arm: 1 - its tok/s / the best arm's (negative: it beat
+    every arm there)."""
+    methods = list(rows[0]["methods"])
+    arms = [m for m in methods if any(m.startswith(p) for p in oracle)]
+    others = [m for m in methods if m not in arms and "steps" in rows[0]["methods"][m]]
+    groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)]
+    if not arms or not others:
+        return ""
+
+    def rate(name, rs):
+        return sum(r["methods"][name]["tokens"] for r in rs) / sum(r["methods"][name]["seconds"] for r in rs)
+
+    ref = "plain (transformers +fix)"
+    by_group = {g: [r for r in rows if r["group"] == g] for g in groups}
+    best = {g: max(rate(a, by_group[g]) for a in arms) for g in groups}
+    tokens = {g: sum(r["methods"][ref]["tokens"] for r in by_group[g]) for g in groups}
+    oracle_overall = sum(tokens.values()) / sum(tokens[g] / best[g] for g in groups)  # the oracle's mix
+    best_arm_overall = max(rate(a, rows) for a in arms)
+    lines = ["| method | overall: speedup, regret vs oracle, vs best single arm | " + " | ".join(groups) + " |",
+             "|" + "---|" * (2 + len(groups))]
+    for m in others:
+        cells = [f"{rate(m, by_group[g]) / rate(ref, by_group[g]):.2f}x, {1 - rate(m, by_group[g]) / best[g]:+.0%}"
+                 for g in groups]
+        overall = rate(m, rows)
+        lines.append(f"| {m} | {overall / rate(ref, rows):.2f}x, {1 - overall / oracle_overall:+.0%}, "
+                     f"{overall / best_arm_overall - 1:+.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
