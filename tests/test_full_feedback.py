@@ -116,3 +116,25 @@ def test_hedge_weights_a_bandit_fed_arm_by_its_probability():
     policy.last_p = np.array([0.5, 0.5])
     policy.observe(1, {1: 0.5})
     assert policy.scores.tolist() == [2.0, 1.0]  # arm 1 is full-information: no weight
+
+
+def test_arms_that_a_chosen_fused_arm_drafted_with_are_scored_after_their_caches_settle(models):
+    """A pool offering a tracked tree, a suffix drafter and their fusion: when the fusion drafts, the tree's cache holds
+    its draft tree until it is told what was accepted; its counterfactual (a forward over the committed tokens) must
+    come after that, or the cache is corrupted and later drafts go wrong."""
+    from metasd.drafters.fused import FusedDrafter
+
+    verifier_model, drafter_model = models
+    tree = PretrainedTreeDrafter(drafter_model, nodes=8, depth=3, width=2, track=True, name="tree")
+    suffix = SuffixDrafter(max_depth=4, name="suffix")
+    pool = [tree, suffix, FusedDrafter([tree, suffix], name="fused")]
+    policy = UCB1(3)
+    policy.select = lambda context=None: 2  # the fusion drafts every step
+    full = Engine(Verifier(verifier_model), pool, policy, feedback="full").generate(PROMPT, max_new_tokens=40)
+    alone = Engine(Verifier(verifier_model), FusedDrafter([PretrainedTreeDrafter(drafter_model, nodes=8, depth=3,
+                                                                                 width=2, name="t"),
+                                                           SuffixDrafter(max_depth=4, name="s")])).generate(
+        PROMPT, max_new_tokens=40)
+    assert full.token_ids == alone.token_ids == plain_greedy(verifier_model, PROMPT, 40)
+    assert full.stats.tokens_per_step == alone.stats.tokens_per_step  # scoring the arms changed no draft
+    assert policy.counts[0] == policy.counts[1] == full.stats.steps  # both components scored every step

@@ -200,6 +200,8 @@ class Request:
         verifier.commit(acc.path, out)
         committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
         feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0, cost=cost)
+        if drafter is not None:
+            drafter.observe(feedback)  # first: the drafters it drafted with (a fused arm's) settle their caches
         rewards: dict[int, float] = {}
         if drafter is not None and eng.feedback == "full":
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
@@ -225,7 +227,6 @@ class Request:
             if policy is not None and eng.granularity == "step":
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
-            drafter.observe(feedback)
         done = self._commit(committed, self.eos)
         self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
         self.length += len(committed)
