@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", action="append", help="run only methods whose name contains this")
     p.add_argument("--out", default="benchmarks/results/speed.json")
     p.add_argument("--table", metavar="RESULT_JSON", help="only print the summary table of an earlier run")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the prompts an interrupted run with the same command already wrote to --out")
     args = p.parse_args(argv)
     if args.table:
         saved = json.loads(Path(args.table).read_text())
@@ -186,12 +188,15 @@ def main(argv=None) -> int:
     if args.only:
         methods = {k: v for k, v in methods.items() if any(o in k for o in args.only)}
     probe = Engine(Verifier(vm, vt), [])
-    rows = []
+    rows = _resumed_rows(args, argv) if args.resume else []
+    done_ids = {r["question_id"] for r in rows}
     warm = probe.encode([{"role": "user", "content": "Say hi."}])
     for fn in methods.values():  # warm-up: first calls allocate and tune kernels
         fn(warm[:])
     t_start = time.time()
     for qi, q in enumerate(questions):
+        if q.question_id in done_ids:
+            continue
         ids = probe.encode([{"role": "user", "content": q.turns[0]}])
         ref_ids, ref_s, margins = baselines.plain_with_margins(vm, ids, args.max_new_tokens)  # plain (+fix): reference
         row = {"question_id": q.question_id, "category": q.category, "group": q.group, "prompt_tokens": len(ids),
@@ -226,6 +231,21 @@ def main(argv=None) -> int:
         print()
         print(reuse_table(rows))
     return 0
+
+
+def _resumed_rows(args, argv) -> list[dict]:
+    """Rows an interrupted run of the same command wrote to --out (none when the file is missing)."""
+    out = Path(args.out)
+    if not out.exists():
+        return []
+    saved = json.loads(out.read_text())
+    ours = {k: v for k, v in vars(args).items() if k != "resume"}
+    theirs = {k: v for k, v in saved["args"].items() if k != "resume"}
+    if ours != theirs:
+        changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise SystemExit(f"error: --resume: {out} was written with other arguments ({', '.join(changed)})")
+    print(f"resuming: {len(saved['rows'])} prompts already in {out}", flush=True)
+    return saved["rows"]
 
 
 def _write(args, argv, rows, t_start) -> None:
