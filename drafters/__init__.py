@@ -6,15 +6,19 @@ import pkgutil
 from metasd.core.drafter import DRAFTERS, Drafter, StepContext, StepFeedback, register_drafter
 
 from .block import BlockDrafter
+from .fused import FusedDrafter
 from .hidden_state import HiddenStateDrafter
 from .ngram import NGramDrafter
 from .pretrained import PretrainedDrafter
 from .pretrained_tree import PretrainedTreeDrafter
+from .replay import ReplayDrafter
+from .suffix import SuffixDrafter
 from .treeflash import TreeFlashDrafter
 from .steered import SteeredDrafter, SteeredTreeDrafter
 
-__all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "HiddenStateDrafter", "NGramDrafter", "PretrainedDrafter", "PretrainedTreeDrafter", "SteeredDrafter", "SteeredTreeDrafter", "StepContext", "StepFeedback", "TreeFlashDrafter",
-           "register_drafter"]
+__all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "FusedDrafter", "HiddenStateDrafter", "NGramDrafter", "PretrainedDrafter",
+           "PretrainedTreeDrafter", "ReplayDrafter", "SteeredDrafter", "SteeredTreeDrafter", "StepContext", "StepFeedback",
+           "SuffixDrafter", "TreeFlashDrafter", "register_drafter"]
 
 for _module in pkgutil.iter_modules(__path__):  # the built-ins above, and any drafter file added beside them
     importlib.import_module(f"{__name__}.{_module.name}")

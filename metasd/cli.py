@@ -82,7 +82,7 @@ def _add_generate(sub) -> None:
 
 def _pool_overrides(args) -> dict:
     """The pool file's mapping with the command-line overrides applied (validated once, by the caller)."""
-    from metasd.config import default_pool_path, read_yaml_mapping
+    from metasd.config import default_pool_path, read_yaml_mapping, select_entries
 
     cfg = read_yaml_mapping(args.pool if args.pool else default_pool_path(), "pool config")
     if args.verifier or args.dtype:
@@ -92,22 +92,16 @@ def _pool_overrides(args) -> dict:
         if args.dtype:
             verifier["dtype"] = args.dtype
         cfg["verifier"] = verifier
-    if args.drafter:
-        by_name = _pool_drafters(cfg)
-        chosen = []
-        for ref in args.drafter:
-            if ref == "none":
-                continue
-            if ref in by_name:
-                d = dict(by_name[ref])
-            elif ref == "ngram":
-                d = {"name": "ngram", "type": "ngram", "params": {}}
-            else:
-                d = {"name": ref, "type": "pretrained", "model": ref, "params": {}}
-            if args.k is not None and d.get("type") in ("pretrained", "ngram", "steered"):
+    if args.drafter:  # the chosen entries become the arms; a fused entry keeps the entries it drafts with
+        entries = list(_pool_drafters(cfg).values())
+        for ref in dict.fromkeys(args.drafter):
+            if ref != "none" and ref not in {d["name"] for d in entries}:
+                entries.append({"name": "ngram", "type": "ngram", "params": {}} if ref == "ngram" else
+                               {"name": ref, "type": "pretrained", "model": ref, "params": {}})
+        cfg["drafters"] = select_entries(entries, [ref for ref in args.drafter if ref != "none"])
+        for d in cfg["drafters"]:
+            if args.k is not None and d["arm"] and d.get("type") in ("pretrained", "ngram", "steered"):
                 d["params"] = {**(d.get("params") or {}), "k": args.k}
-            chosen.append(d)
-        cfg["drafters"] = chosen
     entries = _pool_drafters(cfg)
     for name, key, value in map(parse_param, args.param or []):
         if name not in entries:

@@ -372,6 +372,23 @@ def test_param_sets_params_of_any_drafter_type(tmp_path):
     assert [(d.name, d.params["n_min"]) for d in cfg.drafters] == [("ngram", 2)]
 
 
+def test_drafter_option_on_the_default_cascade_keeps_the_entries_an_arm_drafts_with():
+    """The embedded default's one arm is a fused cascade over two ``arm: false`` entries: ``--drafter`` with any of
+    its names gives a valid pool whose arms are exactly the chosen ones, each after the entries it drafts with."""
+    from metasd.cli import _pool_overrides, build_parser
+
+    def arms_and_parts(*refs):
+        argv = ["generate"] + [a for r in refs for a in ("--drafter", r)]
+        cfg = parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv)))
+        return [(d.name, d.arm) for d in cfg.drafters]
+
+    assert arms_and_parts("cascade") == [("suffix", False), ("qwen0.5b", False), ("cascade", True)]
+    assert arms_and_parts("qwen0.5b") == [("qwen0.5b", True)]
+    assert arms_and_parts("cascade", "suffix") == [("suffix", True), ("qwen0.5b", False), ("cascade", True)]
+    assert arms_and_parts("ngram", "qwen0.5b") == [("ngram", True), ("qwen0.5b", True)]
+    assert arms_and_parts("none") == []
+
+
 def test_prompt_and_max_new_tokens_beyond_the_context_are_refused_before_the_models_load(tmp_path, monkeypatch, capsys):
     """The verifier's context length is in its config and the prompt's length needs only its tokenizer, so neither
     waits for the weights (tiny verifier: a context of 256 tokens)."""

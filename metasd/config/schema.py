@@ -73,6 +73,29 @@ def _refers_to(kind: str) -> str:
         return ""
 
 
+def select_entries(entries: list[dict], names: list[str]) -> list[dict]:
+    """The pool-file entries (mappings) that keep only the ``names`` entries as arms: each one with ``arm: true``,
+    after the entries it drafts with (a ``fused`` entry's ``arms``, recursively) kept as ``arm: false`` parts, in a
+    valid order. Unknown names are the caller's to refuse."""
+    by_name = {d.get("name"): d for d in entries if isinstance(d, dict)}
+    out: dict[str, dict] = {}
+
+    def add(name: str, arm: bool) -> None:
+        entry = by_name[name]
+        parts = (entry.get("params") or {}).get(_refers_to(str(entry.get("type")))) or []
+        for part in parts if isinstance(parts, list) else []:
+            if part in by_name and part not in out:
+                add(part, False)
+        if name in out:
+            out[name]["arm"] = out[name]["arm"] or arm
+        else:
+            out[name] = {**entry, "arm": arm}
+
+    for name in names:
+        add(name, True)
+    return list(out.values())
+
+
 class PoolConfig(_Strict):
     """A pool: one verifier, named drafters (arms), and how the policy chooses among them."""
 
