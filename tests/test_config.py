@@ -89,9 +89,14 @@ def test_embedded_default_pool_is_valid():
     cfg = read_pool_config()
     assert cfg.verifier.model == "bundled:qwen2.5-coder-1.5b-instruct"
     assert cfg.verifier.quantize == "none"  # outputs stay the (bf16) verifier's own
-    drafter = {d.name: d for d in cfg.drafters}["qwen0.5b"]
+    entries = {d.name: d for d in cfg.drafters}
+    drafter = entries["qwen0.5b"]
     assert drafter.type == "pretrained_tree" and drafter.quantize == "int4"
     assert drafter.model == "bundled:qwen2.5-coder-0.5b-instruct"
+    # one arm, the cascade: suffix decoding first, the int4 tree where the suffix draft is short
+    assert [d.name for d in cfg.drafters if d.arm] == ["cascade"]
+    assert entries["cascade"].type == "fused" and entries["cascade"].params["arms"] == ["suffix", "qwen0.5b"]
+    assert entries["suffix"].type == "suffix"
 
 
 def test_pool_file_builds_an_engine_that_stays_exact(model_dirs, tmp_path):

@@ -1,7 +1,8 @@
 """Smoke test on the real bundled pair (Qwen2.5-Coder 1.5B verifier, 0.5B drafter), run by CI.
 
 fp32, greedy, 2 prompts x 24 new tokens: metasd's output must be token-identical to transformers' plain
-greedy decoding with the fp32 0.5B chain drafter and with the default pool's drafter (the int4 0.5B tree).
+greedy decoding with the fp32 0.5B chain drafter, with the int4 0.5B tree and with the default pool's drafter (a
+cascade: suffix decoding, then the int4 tree, fused into one tree).
 Skipped only when the model packages are not installed (the README's test command installs them); set
 METASD_REQUIRE_REAL=1 to make a missing package a failure. The n-gram drafter and every other family are
 checked on tiny models (tests/test_conformance.py); this test is about the real models and their kernels.
@@ -13,7 +14,7 @@ import torch
 
 from metasd import Engine, Verifier
 from metasd.bench import baselines
-from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
+from metasd.drafters import FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
 from metasd.models import ModelLoadError, load_model
 from metasd.models.quantize import quantize_model
 
@@ -60,7 +61,11 @@ def test_bundled_pair_is_token_identical_to_plain_greedy(pair):
     # the default pool's drafter: the same 0.5B weights quantized to int4 in place, so the suite never holds
     # two fp32 copies of the drafter (the suite's peak memory is this test's)
     quantize_model(dm, "int4", name="bundled 0.5B", prefill_copy=True)
-    check("0.5B int4 tree", Engine(verifier, PretrainedTreeDrafter(dm, dt, mode="dynamic", nodes=32, depth=16, width=4,
-                                                                   min_path_prob=0.3)))
+    tree = PretrainedTreeDrafter(dm, dt, mode="dynamic", nodes=32, depth=16, width=4, min_path_prob=0.3)
+    check("0.5B int4 tree", Engine(verifier, tree))
+    # the default pool (configs/default.yaml): suffix decoding first, the int4 tree where its draft is short
+    suffix = SuffixDrafter(max_depth=16, max_nodes=16, name="suffix")
+    check("default cascade", Engine(verifier, FusedDrafter([suffix, tree], enough=6, name="cascade")))
     # the real drafters are actually used and accepted; int4 drafts nearly as well as fp32
     assert accepted["0.5B chain"] > 0 and accepted["0.5B int4 tree"] > 0.5 * accepted["0.5B chain"]
+    assert accepted["default cascade"] > 0.5 * accepted["0.5B chain"]

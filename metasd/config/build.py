@@ -22,7 +22,7 @@ DEFAULT_POOL = "default.yaml"
 
 
 def default_pool_path() -> Path:
-    """The embedded default pool (``configs/default.yaml``: the bundled Qwen pair, the 0.5B drafter in int4)."""
+    """The embedded default pool (``configs/default.yaml``: the bundled Qwen pair: a suffix + int4 0.5B tree cascade)."""
     return Path(str(resources.files("metasd.configs") / DEFAULT_POOL))
 
 
