@@ -9,7 +9,8 @@ prefill. Methods:
 - UAG (transformers +fix): transformers' universal assisted generation with the same assistant model, ``generate(...,
   assistant_model=, tokenizer=, assistant_tokenizer=)`` with its default schedule (greedy: translation through text;
   sampling: its vocabulary-intersection variant, which prunes the assistant's LM head in place - so it gets its own
-  copy of the assistant);
+  copy of the assistant, with a dense head of the dequantized weight where the assistant is quantized, since the
+  pruning reads the head's ``weight``);
 - metasd cross-tokenizer k=K: the assistant alone as a ``pretrained`` drafter with ``tokenizer: own``;
 - any ``--extra-pool NAME=pool.yaml`` (its models are shared with the ones loaded here when the references match).
 
@@ -42,6 +43,7 @@ from metasd.config import ModelCache, build_engine, read_pool_config
 from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import PretrainedDrafter
 from metasd.models import load_model
+from metasd.models.quantize import QuantizedLinear
 from speed import _resumed_rows, engine_figures, steps_table, summary_table  # benchmarks/speed.py (on sys.path)
 
 REFERENCE = "plain (transformers +fix)"
@@ -78,6 +80,14 @@ def build_methods(args, vm, vt, am, at) -> dict:
 
     # sampling: transformers prunes and re-indexes the assistant's LM head and embeddings in place
     uag_assistant = copy.deepcopy(am) if temperature > 0 else am
+    head = uag_assistant.get_output_embeddings()
+    if temperature > 0 and isinstance(head, QuantizedLinear):
+        # its pruning reads the head's `.weight`: give the copy a dense head of the dequantized weight (the same
+        # numbers; transformers then keeps only the rows of the shared vocabulary, in the model's dtype)
+        dense = torch.nn.Linear(head.in_features, head.out_features, bias=False, device=head.qweight.device,
+                                dtype=head.dtype)
+        dense.weight.data.copy_(head.dense_weight())
+        uag_assistant.set_output_embeddings(dense)
     uag = dict(assistant_model=uag_assistant, tokenizer=vt, assistant_tokenizer=at)
     if temperature > 0:
         methods = {"UAG (transformers +fix)": hf(lambda ids: _sampled(vm, ids, n, temperature, args.seed, **uag))}

@@ -25,8 +25,8 @@ CITATION_SCANNED = SCANNED + (".toml", ".cfg", ".ini", ".txt", ".sh")
 SKIP_DIRS = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".cache",
              "mlruns", "runs", "node_modules", ".venv", "venv", ".tox", ".eggs"}
 SKIP_PATHS = {ROOT / "benchmarks" / "results"}
-#: files allowed to mention the old design notes (the benchmark history; this test)
-CITATION_EXEMPT = {ROOT / "BENCHMARKS.md", THIS}
+#: files allowed to mention the old design notes (this test, which names them)
+CITATION_EXEMPT = {THIS}
 
 # docs/<page>.md with an optional #anchor; not part of a longer path or word (``mydocs/``, ``x.mdx``)
 DOC_REF = re.compile(r"(?<![\w\-])docs/([\w\-./]+?\.md)(?![\w])(?:#([\w\-]+))?")
@@ -136,9 +136,13 @@ def test_every_docs_reference_resolves():
     assert count > 0, "no docs/ reference found at all: is the scan looking in the right place?"
 
 
+#: the pages a user reads besides docs/: their links are checked the same way
+TOP_PAGES = ("README.md", "BENCHMARKS.md", "benchmarks/history.md", "experiments/RESULTS.md")
+
+
 def test_links_inside_docs_resolve():
     problems = []
-    for path in sorted(DOCS.glob("**/*.md")):
+    for path in sorted(DOCS.glob("**/*.md")) + [ROOT / page for page in TOP_PAGES]:
         for n, line in enumerate(read(path).splitlines(), 1):
             for m in MD_LINK.finditer(line):
                 target = m.group(1)
