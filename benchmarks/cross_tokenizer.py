@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,8 @@ from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import PretrainedDrafter
 from metasd.models import load_model
 from metasd.models.quantize import QuantizedLinear
-from speed import _resumed_rows, engine_figures, steps_table, summary_table  # benchmarks/speed.py (on sys.path)
+# benchmarks/speed.py, beside this file (on sys.path when run as a script)
+from speed import add_run_options, engine_figures, resumed_rows, steps_table, summary_table, write_result
 
 REFERENCE = "plain (transformers +fix)"
 
@@ -131,11 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--confidence-threshold", type=float, default=None, help="the metasd arm's confidence stop")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: every method samples at this temperature")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature), the same for each prompt")
-    p.add_argument("--extra-pool", action="append", help="NAME=pool.yaml: also time this pool (shares loaded models)")
-    p.add_argument("--out", default="benchmarks/results/cross_tokenizer.json")
-    p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the prompts an interrupted run with the same command already wrote to --out")
+    add_run_options(p, "benchmarks/results/cross_tokenizer.json")
     args = p.parse_args(argv)
     if args.table:
         print(tables(json.loads(Path(args.table).read_text())["rows"]))
@@ -155,7 +151,7 @@ def main(argv=None) -> int:
     warm = probe.encode([{"role": "user", "content": "Say hi."}])
     for fn in methods.values():  # warm-up: first calls allocate and tune kernels
         fn(warm[:])
-    rows, t_start = _resumed_rows(args, argv) if args.resume else [], time.time()
+    rows, t_start = resumed_rows(args, argv) if args.resume else [], time.time()
     done_ids = {r["question_id"] for r in rows}
     for qi, q in enumerate(questions):
         if q.question_id in done_ids:
@@ -187,7 +183,7 @@ def main(argv=None) -> int:
                 entry["identical"] = None
             row["methods"][name] = entry
         rows.append(row)
-        _write(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
+        write_result(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
         done = ", ".join(f"{k.split(' (')[0][:24]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items()
                          if "error" not in v)
         print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
@@ -210,17 +206,6 @@ def tables(rows: list[dict]) -> str:
     if finished:
         text += f"\n\nThe {len(finished)} prompts every method finished:\n\n" + summary_table(finished)
     return text
-
-
-def _write(args, argv, rows, t_start) -> None:
-    result = {
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "args": vars(args), "wall_s": time.time() - t_start, "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -153,12 +153,8 @@ def main(argv=None) -> int:
                    help="> 0: metasd methods sample at this temperature (transformers methods are left out; the "
                         "plain greedy reference still gives the speedup denominator)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
-    p.add_argument("--extra-pool", action="append", help="NAME=pool.yaml: also time this pool (shares loaded models)")
     p.add_argument("--only", action="append", help="run only methods whose name contains this")
-    p.add_argument("--out", default="benchmarks/results/speed.json")
-    p.add_argument("--table", metavar="RESULT_JSON", help="only print the summary table of an earlier run")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the prompts an interrupted run with the same command already wrote to --out")
+    add_run_options(p, "benchmarks/results/speed.json")
     args = p.parse_args(argv)
     if args.table:
         saved = json.loads(Path(args.table).read_text())
@@ -188,7 +184,7 @@ def main(argv=None) -> int:
     if args.only:
         methods = {k: v for k, v in methods.items() if any(o in k for o in args.only)}
     probe = Engine(Verifier(vm, vt), [])
-    rows = _resumed_rows(args, argv) if args.resume else []
+    rows = resumed_rows(args, argv) if args.resume else []
     done_ids = {r["question_id"] for r in rows}
     warm = probe.encode([{"role": "user", "content": "Say hi."}])
     for fn in methods.values():  # warm-up: first calls allocate and tune kernels
@@ -218,7 +214,7 @@ def main(argv=None) -> int:
                 entry["first_divergence"] = div
                 entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
         rows.append(row)
-        _write(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
+        write_result(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
         done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
         print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
     print(summary_table(rows, args.oracle))
@@ -233,7 +229,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _resumed_rows(args, argv) -> list[dict]:
+def add_run_options(p: argparse.ArgumentParser, out: str) -> None:
+    """The options the benchmark scripts share: extra pools, the results file, printing an earlier run, resuming."""
+    p.add_argument("--extra-pool", action="append", help="NAME=pool.yaml: also time this pool (shares loaded models)")
+    p.add_argument("--out", default=out, help="the results file (JSON, rewritten after every prompt)")
+    p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the prompts an interrupted run with the same command already wrote to --out")
+
+
+def resumed_rows(args, argv) -> list[dict]:
     """Rows an interrupted run of the same command wrote to --out (none when the file is missing)."""
     out = Path(args.out)
     if not out.exists():
@@ -248,7 +253,7 @@ def _resumed_rows(args, argv) -> list[dict]:
     return saved["rows"]
 
 
-def _write(args, argv, rows, t_start) -> None:
+def write_result(args, argv, rows, t_start) -> None:
     result = {
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -679,6 +679,11 @@ def _fill_tables() -> None:
 
 # ---------------------------------------------------------------------------------------------------- enable
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor of the second device (set up by ``enable``)."""
+    return isinstance(t, DeviceTensor) and DEVICE is not None and t.device == DEVICE
+
+
 def enable() -> torch.device:
     """Set up the second device (once per process; later calls only return it) and return it."""
     global _enabled, _device_default_generator, DEVICE

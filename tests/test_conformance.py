@@ -14,13 +14,13 @@ from typing import Callable
 import pytest
 import torch
 import yaml
-from scipy.stats import chisquare
 
 import metasd.drafters  # noqa: F401  (registers the built-in drafter types)
 from metasd.config import ModelCache, load_pool
 from metasd.models import load_model
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import DRAFTERS
+from sampling_check import sampled_pairs_pvalue
 from tiny import VOCAB, as_llama, plain_greedy, spaced_word_map, spaced_word_tokenizer, tiny_qwen, tiny_tokenizer
 
 LAYERS = 4  # verifier layers: hidden states 0..4 for steering, block heads and hidden-state drafters
@@ -224,36 +224,12 @@ def test_greedy_output_is_the_verifiers(root, case):
     assert result.stats.drafted > 0, f"{kind}: drafted nothing, so the check checked nothing"
 
 
-def _two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Tensor:
-    """p(a, b | prompt) over the whole vocabulary, by enumeration: [vocab * vocab]. Generation ends at an EOS
-    first token ``a``: its mass sits in the cell (a, 0)."""
-    with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
-        seconds = model(torch.tensor([prompt + [a] for a in range(VOCAB)])).logits[:, -1].softmax(-1)  # [V, V]
-    for a in eos:
-        seconds[a] = 0.0
-        seconds[a, 0] = 1.0
-    return (first[:, None] * seconds).flatten()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_sampling_follows_the_verifiers_distribution(root, case):
     kind = case
     engine = _engine(root, case)
-    prompt, n = [0, 7, 12, 9, 33, 7, 12], 400  # ends in a bigram seen before: prompt lookup drafts too
-    counts = torch.zeros(VOCAB * VOCAB)
-    accepted = drafted = 0
-    for seed in range(n):
-        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
-        first, second = (r.token_ids + [0])[:2]  # one token: the first was EOS
-        counts[first * VOCAB + second] += 1
-        accepted += r.stats.accepted
-        drafted += r.stats.drafted
-    p = _two_token_distribution(engine.verifier.model, prompt, engine.eos_ids()).double()  # [V * V]
-    keep = p * n > 5  # pairs expected more than 5 times, each its own cell; the rest pooled into one
-    obs = torch.cat([counts.double()[keep], counts.double()[~keep].sum()[None]])
-    exp = torch.cat([p[keep], p[~keep].sum()[None]]) * n
-    pvalue = float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
+    # the prompt ends in a bigram seen before: prompt lookup drafts too
+    pvalue, accepted, drafted = sampled_pairs_pvalue(engine, [0, 7, 12, 9, 33, 7, 12], 400)
     assert pvalue > 1e-3, f"{kind}: sampled pairs do not follow the verifier (p = {pvalue:.2g})"
     assert drafted > 0, f"{kind}: nothing was drafted, so acceptance went unchecked"
     if kind != "ngram":  # the copied n-gram is rarely what the sharp verifier samples: its drafts test rejection

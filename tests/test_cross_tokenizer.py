@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 import yaml
-from scipy.stats import chisquare
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Gemma3TextConfig, Gemma3ForCausalLM, PreTrainedTokenizerFast
 
@@ -18,6 +17,7 @@ from metasd.core.verifier import Verifier
 from metasd.drafters import PretrainedDrafter
 from metasd.drafters.token_bridge import PROBE_TEXT, IncrementalDecoder, TokenBridge, TokenBridgeError
 from metasd.models import ModelLoadError
+from sampling_check import sampled_pairs_pvalue
 from tiny import (VOCAB, _bpe_tokenizer, _chars, as_llama, char_tokenizer, plain_greedy, spaced_word_map,
                   spaced_word_tokenizer, tiny_qwen, tiny_tokenizer)
 
@@ -304,35 +304,11 @@ def test_view_and_cache_follow_the_committed_text(verifier):
     assert rejected  # partial acceptance happened, so re-alignment was exercised
 
 
-def _two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Tensor:
-    """p(a, b | prompt) by enumeration, an EOS first token's mass in the cell (a, 0) (tests/test_conformance.py)."""
-    with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        seconds = model(torch.tensor([prompt + [a] for a in range(VOCAB)])).logits[:, -1].softmax(-1)
-    for a in eos:
-        seconds[a] = 0.0
-        seconds[a, 0] = 1.0
-    return (first[:, None] * seconds).flatten()
-
-
 @pytest.mark.parametrize("which", ["spaced words, softer", "characters, random"])
 def test_sampling_follows_the_verifiers_distribution(verifier, which):
     model, tok, k = DRAFTERS[which]()
     engine = Engine(verifier, PretrainedDrafter(model, tok, k=k, verifier_tokenizer=verifier.tokenizer, name="x"))
-    prompt, n = [0, 7, 12, 9, 33, 7, 12], 400
-    counts = torch.zeros(VOCAB * VOCAB)
-    accepted = drafted = 0
-    for seed in range(n):
-        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
-        first, second = (r.token_ids + [0])[:2]  # one token: the first was EOS
-        counts[first * VOCAB + second] += 1
-        accepted += r.stats.accepted
-        drafted += r.stats.drafted
-    p = _two_token_distribution(verifier.model, prompt, engine.eos_ids()).double()
-    keep = p * n > 5
-    obs = torch.cat([counts.double()[keep], counts.double()[~keep].sum()[None]])
-    exp = torch.cat([p[keep], p[~keep].sum()[None]]) * n
-    pvalue = float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
+    pvalue, accepted, drafted = sampled_pairs_pvalue(engine, [0, 7, 12, 9, 33, 7, 12], 400)
     assert pvalue > 1e-3, f"{which}: sampled pairs do not follow the verifier (p = {pvalue:.2g})"
     if which.startswith("spaced"):
         assert drafted > 0 and accepted > 0

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 import second_device
-from second_device import DeviceTensor, count_host_reads, enable
+from second_device import count_host_reads, enable, on_device as on_dev
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 pytestmark = pytest.mark.second_device
@@ -30,9 +30,6 @@ def _enable():
     global DEV
     DEV = enable()
 
-
-def on_dev(t: torch.Tensor) -> bool:
-    return isinstance(t, DeviceTensor) and t.device == DEV
 
 
 # ------------------------------------------------------------------------------------------- the device works

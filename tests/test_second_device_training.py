@@ -14,7 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from second_device import DeviceTensor, enable
+from second_device import enable, on_device as on_dev
 from tiny import tiny_qwen, tiny_tokenizer
 
 pytestmark = pytest.mark.second_device
@@ -29,9 +29,6 @@ def _enable():
     global DEV
     DEV = enable()
 
-
-def on_dev(t: torch.Tensor) -> bool:
-    return isinstance(t, DeviceTensor) and t.device == DEV
 
 
 def assert_close_files(a, b, exact=()):
