@@ -71,7 +71,7 @@ class FusedDrafter(Drafter):
         missing = [a for a in params["arms"] if a not in build.pool]
         if missing:
             raise ValueError(f"arms {missing} are not earlier entries of the pool (entries before it: {list(build.pool)})")
-        return cls([build.pool[a] for a in params["arms"]], **{k: v for k, v in params.items() if k != "arms"})
+        return cls([build.pool[a] for a in params["arms"]], name=name, **{k: v for k, v in params.items() if k != "arms"})
 
     def components(self) -> list[Drafter]:
         return list(self.arms)

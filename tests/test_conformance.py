@@ -214,6 +214,16 @@ def test_pool_entry_round_trips_through_describe(root, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_the_built_drafter_carries_its_entry_name(root, case):
+    """Stats, policies and ``--drafter`` name a drafter by its pool entry, whatever its type's default name."""
+    path = _pool(root, case, entry(case)(root), name="named")
+    pool = yaml.safe_load(path.read_text())
+    pool["drafters"][-1]["name"] = "my arm"
+    path.write_text(yaml.safe_dump(pool))
+    assert [d.name for d in _load(root, path).drafters] == ["my arm"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_greedy_output_is_the_verifiers(root, case):
     kind = case
     engine = _engine(root, case)
