@@ -21,6 +21,7 @@ from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.sampling import process_logits, sample
 from metasd.core.tree import Draft
 
+from .shared_vocab import SharedVocab
 from .token_bridge import TokenBridge
 from .tracking import chain_acceptance
 
@@ -169,6 +170,7 @@ class PretrainedDrafter(Drafter):
             raise ValueError(f"{self.name}: track is not available with tokenizer: own (its logits are over other ids)")
         self.track = track
         self.bridge: TokenBridge | None = None
+        self.shared: SharedVocab | None | bool = False  # the ids shared with the verifier: False until first needed
         if verifier_tokenizer is not None:  # cross-tokenizer drafting: draft in the model's own tokens, translate
             if not type(self).cross_tokenizer:
                 raise ValueError(f"{self.name}: drafter type {self.kind!r} cannot draft with a tokenizer of its own "
@@ -334,10 +336,11 @@ class PretrainedDrafter(Drafter):
         return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
 
     def _draft_chain(self, logits: torch.Tensor, depth: int, ctx: StepContext, stop_ids: frozenset[int] = frozenset(),
-                     keep_probs: bool = True) -> tuple[list[int], list[torch.Tensor]]:
+                     keep_probs: bool = True, shared: SharedVocab | None = None) -> tuple[list[int], list[torch.Tensor]]:
         """Up to ``depth`` tokens drawn one by one from the logits after the synced tokens (greedy: argmax; else
         sampled from the processed q, whose rows are returned when ``keep_probs``). A token in ``stop_ids`` ends
-        the chain.
+        the chain. With ``shared`` (sampling only), q is restricted to the ids shared with the verifier and its rows
+        are returned over the verifier's ids; the chain ends where q has no mass on them.
 
         The chain is drafted on the model's device and read by the host once, at the end: each token is fed to the
         next forward as a device tensor. Only a stop rule reads each token as it goes, to save the forwards after it:
@@ -349,14 +352,16 @@ class PretrainedDrafter(Drafter):
                 x = logits.argmax(-1, keepdim=True)
             else:
                 q = process_logits(logits, ctx.sampling)  # [vocab]
+                if shared is not None and (q := shared.restrict(q)) is None:
+                    break
                 x = sample(q, ctx.generator).view(1)
                 if keep_probs:
-                    probs.append(q)
+                    probs.append(q if shared is None else shared.to_verifier(q))
             drafted.append(x)
             if i == depth - 1 or (stop_ids and int(x) in stop_ids) or self._unsure(logits, x):
                 break
             logits = self._forward(x)
-        tokens = torch.cat(drafted).tolist()  # the step's one read of the draft
+        tokens = torch.cat(drafted).tolist() if drafted else []  # the step's one read of the draft
         self.cached_ids.extend(tokens[: self._unread])  # the draft tokens fed above, now known to the host
         self._unread = 0
         return tokens, probs
@@ -364,8 +369,10 @@ class PretrainedDrafter(Drafter):
     def make_translated_draft(self, ctx: StepContext) -> Draft:
         """Cross-tokenizer drafting (docs/algorithms.md#cross-tokenizer-drafting): bring the drafter's own ids of the
         committed text up to date (a tail window re-encoded), catch the cache up on them, draft ``k`` tokens of its
-        own, and translate their text into the verifier's ids (a trailing partial token dropped). The draft carries
-        no probabilities: it is verified by sample-and-match (greedy: argmax matching), exact for any draft."""
+        own, and translate their text into the verifier's ids (a trailing partial token dropped). That draft carries
+        no probabilities: it is verified by sample-and-match (greedy: argmax matching), exact for any draft. Under
+        sampling, where the vocabularies share tokens (``SharedVocab``), the drafter samples among those only and the
+        draft is their verifier ids with q over them, verified by the ratio rule instead."""
         if ctx.max_depth <= 0:
             return Draft.empty()
         committed = ctx.tokens.tolist()
@@ -373,11 +380,28 @@ class PretrainedDrafter(Drafter):
         if view is None:  # the committed ids end inside a character: draft again next step
             return Draft.empty()
         logits = self.sync(view)
+        if not ctx.sampling.greedy and self._shared_vocab() is not None:  # exact ratio rule on shared tokens
+            drafted, probs = self._draft_chain(logits, min(self.k, ctx.max_depth), ctx, self.bridge.stop_ids,
+                                               shared=self.shared)
+            if not drafted:
+                return Draft.empty()
+            tokens = self.shared.table[torch.tensor(drafted, dtype=torch.long, device=self.shared.table.device)]
+            return Draft.chain(tokens.tolist(), torch.stack(probs), catch_up=self.last_catch_up,
+                               drafter_tokens=len(drafted), reencoded=self.bridge.reencoded)
         drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
         text, complete = self.bridge.draft_text(view, drafted)
         tokens = self.bridge.to_verifier(committed, text, complete)[: ctx.max_depth]
         return Draft.chain(tokens, None, catch_up=self.last_catch_up, drafter_tokens=len(drafted),
                            reencoded=self.bridge.reencoded)
+
+    def _shared_vocab(self) -> SharedVocab | None:
+        """The ids this drafter shares with the verifier (built at the first sampled step: decoding both
+        vocabularies takes seconds), or None where none can be found (then sample-and-match)."""
+        if self.shared is False:
+            self.shared = SharedVocab.build(self.bridge.verifier_tokenizer, self.tokenizer,
+                                            self.model.get_output_embeddings().out_features, self.model.device,
+                                            keep=self.bridge.shared_stops)
+        return self.shared
 
     def _unsure(self, logits: torch.Tensor, token: torch.Tensor) -> bool:
         """Whether the drafted ``token`` ([1]) had a drafter probability below ``confidence_threshold`` (a host read)."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from tiny import VOCAB
 
 
 def two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Tensor:
     """p(a, b | prompt) over the whole vocabulary, by enumeration: [vocab * vocab]. Generation ends at an EOS
     first token ``a``: its mass sits in the cell (a, 0)."""
+    vocab = model.config.vocab_size
     with torch.no_grad():
         first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
-        seconds = model(torch.tensor([prompt + [a] for a in range(VOCAB)])).logits[:, -1].softmax(-1)  # [V, V]
+        seconds = model(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1].softmax(-1)  # [V, V]
     for a in eos:
         seconds[a] = 0.0
         seconds[a, 0] = 1.0
@@ -23,12 +23,13 @@ def two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Ten
 def sampled_pairs_pvalue(engine, prompt: list[int], n: int) -> tuple[float, int, int]:
     """(chi-square p-value of n sampled two-token continuations against the verifier's distribution, accepted draft
     tokens, drafted tokens). Pairs expected more than 5 times are each a cell; the rest are pooled into one."""
-    counts = torch.zeros(VOCAB * VOCAB)
+    vocab = engine.verifier.model.config.vocab_size
+    counts = torch.zeros(vocab * vocab)
     accepted = drafted = 0
     for seed in range(n):
         r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
         first, second = (r.token_ids + [0])[:2]  # one token: the first was EOS
-        counts[first * VOCAB + second] += 1
+        counts[first * vocab + second] += 1
         accepted += r.stats.accepted
         drafted += r.stats.drafted
     p = two_token_distribution(engine.verifier.model, prompt, engine.eos_ids()).double()  # [V * V]

@@ -314,6 +314,59 @@ def test_sampling_follows_the_verifiers_distribution(verifier, which):
         assert drafted > 0 and accepted > 0
 
 
+def _shared_vocab_pair(seed: int = 3):
+    """A verifier over ``spaced_word_tokenizer`` and a drafter over ``char_tokenizer``: both decode token by token
+    and share every character, at other ids; the drafter computes the verifier's weights on those characters."""
+    vtok, dtok = spaced_word_tokenizer(), char_tokenizer()
+    verifier = Verifier(tiny_qwen(seed=seed, vocab=len(vtok), layers=2, logit_scale=SHARP), vtok)
+    v_ids = vtok.get_vocab()
+    token_map = {d: v_ids[c] for c, d in dtok.get_vocab().items() if c in v_ids}
+    drafter = as_llama(tiny_qwen(seed=seed, vocab=len(vtok), layers=2, logit_scale=SHARP / 3), len(dtok), token_map)
+    return verifier, PretrainedDrafter(drafter, dtok, k=4, verifier_tokenizer=vtok, name="chars")
+
+
+def test_sampling_over_the_shared_vocabulary_follows_the_verifiers_distribution(monkeypatch):
+    """Where the vocabularies share tokens, a sampled draft is drawn among them only and carries q over the verifier's
+    ids: verified by the ratio rule, the sampled pairs follow the verifier, and drafts are accepted. A q that is not
+    the one the tokens were drawn from (the restriction left unnormalised) fails the same check."""
+    from metasd.drafters.shared_vocab import SharedVocab
+
+    verifier, drafter = _shared_vocab_pair()
+    engine = Engine(verifier, drafter)
+    prompt = [6, 12, 9, 7, 12]
+    pvalue, accepted, drafted = sampled_pairs_pvalue(engine, prompt, 400)
+    assert drafter.shared is not None and drafter.shared.size >= 20  # the characters, digits and the space
+    assert pvalue > 1e-3, f"sampled pairs do not follow the verifier (p = {pvalue:.2g})"
+    assert drafted > 0 and accepted > 0
+    step = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=0)
+    assert step.stats.drafted > 0
+
+    monkeypatch.setattr(SharedVocab, "restrict", lambda self, q: 0.1 * q * self.mask)  # a wrong q
+    pvalue, _, _ = sampled_pairs_pvalue(engine, prompt, 400)
+    assert pvalue < 1e-3, f"an unnormalised q went unnoticed (p = {pvalue:.2g})"
+
+
+def test_shared_vocab_maps_drafter_ids_to_verifier_ids_of_the_same_text():
+    """Hand-checked on the pair above: each shared drafter id maps to the verifier id of its own text, q keeps its mass
+    on shared ids (renormalised) and lands on the verifier's ids; tokenizers that do not decode token by token
+    (``tiny_tokenizer`` joins words with spaces) share nothing."""
+    from metasd.drafters.shared_vocab import SharedVocab
+
+    vtok, dtok = spaced_word_tokenizer(), char_tokenizer()
+    shared = SharedVocab.build(vtok, dtok, len(dtok), "cpu")
+    for d in shared.drafter_ids.tolist():
+        assert vtok.decode([int(shared.table[d])]) == dtok.decode([d])
+    w = dtok.get_vocab()["w"]
+    unshared = next(i for i in range(len(dtok)) if not bool(shared.mask[i]))  # a merged 'w1'-style token
+    q = torch.zeros(len(dtok))
+    q[w], q[unshared] = 0.25, 0.75
+    restricted = shared.restrict(q)
+    assert float(restricted[w]) == 1.0 and float(restricted.sum()) == 1.0
+    over_verifier = shared.to_verifier(restricted)
+    assert float(over_verifier[vtok.get_vocab()["w"]]) == 1.0 and float(over_verifier.sum()) == 1.0
+    assert SharedVocab.build(tiny_tokenizer(), dtok, len(dtok), "cpu") is None
+
+
 def test_sliding_window_drafter_crops_past_its_window(verifier, monkeypatch):
     """A Gemma-3-style drafter (sliding-window layers, here a window of 4) keeps its cache in step however far back a
     re-alignment crops: its sliding layers keep the past until a crop, and a crop they cannot make any more (the

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from .sampling import fit_vocab, sample
 from .tree import Draft, children_lists
 
 
@@ -95,7 +95,7 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
         raise ValueError("accept_rejection needs drafter probabilities (Draft.probs); use accept_match")
     kids = children_lists(draft.parents)
     tokens = draft.tokens.tolist()
-    q_all = draft.probs.to(p.device).float()  # [n, vocab] beside the verifier's p
+    q_all = fit_vocab(draft.probs.to(p.device).float(), p.shape[-1])  # [n, vocab] beside the verifier's p
     path: list[int] = []
     row = 0
     while True:

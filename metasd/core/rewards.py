@@ -10,6 +10,7 @@ from typing import ClassVar, Literal, Sequence, get_args
 
 from .drafter import Counterfactual, StepFeedback
 from .metrics import RequestStats
+from .sampling import fit_vocab
 
 
 class Reward:
@@ -75,7 +76,7 @@ class BlockDivergence(Reward):
         p = o.target_probs[rows].float()  # [n, vocab]
         if q is None:
             return float(p.gather(1, tokens[:, None]).mean())
-        tv = 0.5 * (p - q).abs().sum(-1)  # [n]
+        tv = 0.5 * (p - fit_vocab(q, p.shape[-1])).abs().sum(-1)  # [n]
         return float((1 - tv).mean())
 
 

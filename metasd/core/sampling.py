@@ -84,6 +84,16 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
+def fit_vocab(q: torch.Tensor, width: int) -> torch.Tensor:
+    """Draft probabilities q [..., v] over the first v ids of a vocabulary of ``width`` ids -> [..., width]: zeros for
+    the ids past v (a drafter whose q covers only a prefix of the verifier's ids). Wider q is an error."""
+    if q.shape[-1] == width:
+        return q
+    if q.shape[-1] > width:
+        raise ValueError(f"draft probabilities cover {q.shape[-1]} token ids, the verifier's vocabulary only {width}")
+    return torch.nn.functional.pad(q, (0, width - q.shape[-1]))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row from probabilities [..., vocab] -> [...] (int64)."""
     flat = probs.reshape(-1, probs.shape[-1])
