@@ -369,7 +369,7 @@ class PretrainedDrafter(Drafter):
     def make_translated_draft(self, ctx: StepContext) -> Draft:
         """Cross-tokenizer drafting (docs/algorithms.md#cross-tokenizer-drafting): bring the drafter's own ids of the
         committed text up to date (a tail window re-encoded), catch the cache up on them, draft ``k`` tokens of its
-        own, and translate their text into the verifier's ids (a trailing partial token dropped). That draft carries
+        own, and translate their text into the verifier's ids (the last one kept). That draft carries
         no probabilities: it is verified by sample-and-match (greedy: argmax matching), exact for any draft. Under
         sampling, where the vocabularies share tokens (``SharedVocab``), the drafter samples among those only and the
         draft is their verifier ids with q over them, verified by the ratio rule instead."""
@@ -389,8 +389,10 @@ class PretrainedDrafter(Drafter):
             return Draft.chain(tokens.tolist(), torch.stack(probs), catch_up=self.last_catch_up,
                                drafter_tokens=len(drafted), reencoded=self.bridge.reencoded)
         drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
-        text, complete = self.bridge.draft_text(view, drafted)
-        tokens = self.bridge.to_verifier(committed, text, complete)[: ctx.max_depth]
+        text, _ = self.bridge.draft_text(view, drafted)
+        # the last verifier token is kept even where more text could still grow it (a partial token): it ends at a
+        # drafter token boundary, mostly a word's end, and a wrong one costs one verified row (docs/algorithms.md)
+        tokens = self.bridge.to_verifier(committed, text, complete=True)[: ctx.max_depth]
         return Draft.chain(tokens, None, catch_up=self.last_catch_up, drafter_tokens=len(drafted),
                            reencoded=self.bridge.reencoded)
 

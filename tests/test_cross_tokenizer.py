@@ -278,9 +278,9 @@ def test_greedy_output_is_the_verifiers(verifier, which):
     if which.startswith("spaced"):
         assert result.stats.accepted > 0
         assert counts["reencoded"] / counts["steps"] <= drafter.bridge.window + k + 2  # a tail window per step
-    if which == "spaced words, same weights":  # every whole word drafted is the verifier's: only the last is dropped
+    if which == "spaced words, same weights":  # every word drafted is the verifier's, the last one kept as well
         assert result.stats.accepted == result.stats.drafted
-        assert result.stats.mean_tokens_per_step > 2.5
+        assert result.stats.mean_tokens_per_step > k + 0.2  # k words and the bonus a step (dropping the last: k)
 
 
 def test_view_and_cache_follow_the_committed_text(verifier):
