@@ -9,8 +9,9 @@ text (docs/algorithms.md#cross-tokenizer-drafting):
   re-encodes only a tail window (from ``window`` drafter tokens before the end), keeps every token before the window,
   and checks that the re-encoded window starts at a token boundary of the kept part (else the window grows);
 - ``TokenBridge.draft_text`` / ``TokenBridge.to_verifier``: drafted ids -> their text -> the verifier's ids of that
-  text continuing the committed ids, with a trailing partial token dropped (a verifier token whose text reaches the
-  end of the drafted text may still grow into a longer token once more text follows).
+  text continuing the committed ids; ``complete=False`` drops a trailing partial token (a verifier token whose text
+  reaches the end of the drafted text may still grow into a longer token once more text follows) - the drafter
+  keeps it, which measured faster (docs/algorithms.md#cross-tokenizer-drafting).
 
 Nothing here decides what the verifier accepts: a translated draft carries no probabilities and is verified by
 sample-and-match (or greedy matching), which is exact for any draft. Translation only decides how many tokens are
