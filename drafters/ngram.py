@@ -11,14 +11,22 @@ from metasd.core.drafter import (Bool, Counterfactual, Drafter, DrafterParams, I
 from metasd.core.tree import Draft
 
 
+def _longest_suffix_hits(tokens: torch.Tensor, n_min: int, n_max: int) -> tuple[int, torch.Tensor]:
+    """(n, hits) for the largest n in n_min..n_max whose suffix n-gram of ``tokens`` [T] occurred earlier with a token
+    after it: hits [h] are the start positions of those earlier occurrences. (0, empty) when none does."""
+    T = len(tokens)
+    for n in range(min(n_max, T - 1), n_min - 1, -1):
+        windows = tokens[: T - 1].unfold(0, n, 1)  # [T-n, n]: every n-gram that has a continuation
+        hits = (windows == tokens[T - n:]).all(dim=1).nonzero().squeeze(-1)
+        if len(hits):
+            return n, hits
+    return 0, tokens[:0]
+
+
 def longest_suffix_match(tokens: torch.Tensor, n_min: int, n_max: int) -> int:
     """The largest n in n_min..n_max whose suffix n-gram of ``tokens`` [T] occurred earlier with a token after it;
     0 when none does."""
-    T = len(tokens)
-    for n in range(min(n_max, T - 1), n_min - 1, -1):
-        if bool((tokens[: T - 1].unfold(0, n, 1) == tokens[T - n:]).all(dim=1).any()):
-            return n
-    return 0
+    return _longest_suffix_hits(tokens, n_min, n_max)[0]
 
 
 def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int, latest: bool = True) -> torch.Tensor:
@@ -26,14 +34,11 @@ def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int, latest: bool = 
 
     tokens: [T] int64. Tries n = n_max .. n_min; returns [<=k] int64 (empty when nothing matches).
     """
-    T = len(tokens)
-    for n in range(min(n_max, T - 1), n_min - 1, -1):
-        windows = tokens[: T - 1].unfold(0, n, 1)  # [T-n, n]: every n-gram that has a continuation
-        hits = (windows == tokens[T - n:]).all(dim=1).nonzero().squeeze(-1)
-        if len(hits):
-            start = int(hits[-1] if latest else hits[0]) + n
-            return tokens[start:start + k]
-    return tokens[:0]
+    n, hits = _longest_suffix_hits(tokens, n_min, n_max)
+    if not n:
+        return tokens[:0]
+    start = int(hits[-1] if latest else hits[0]) + n
+    return tokens[start:start + k]
 
 
 class NGramParams(DrafterParams):

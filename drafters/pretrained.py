@@ -259,13 +259,19 @@ class PretrainedDrafter(Drafter):
         if root is not None and root[0] == len(tokens) == len(self.cached_ids) and self.cached_ids == tokens:
             self.last_catch_up = 0  # tracking fed them all already (counted in the steps where it ran)
             return root[1]
-        keep = min(common_prefix_len(self.cached_ids, tokens), len(tokens) - 1)
-        if not can_crop(self.cache, len(self.cached_ids) - keep):  # a sliding window dropped what a crop needs
+        keep = self._crop_to_common_prefix(tokens, len(tokens) - 1)
+        self.last_catch_up = len(tokens) - keep - 1
+        return self._forward(tokens[keep:])
+
+    def _crop_to_common_prefix(self, tokens: list[int], keep_at_most: int) -> int:
+        """Crop the cache to its common prefix with ``tokens`` (at most ``keep_at_most`` positions); the positions
+        kept. A cache whose sliding window dropped what the crop needs starts over."""
+        keep = min(common_prefix_len(self.cached_ids, tokens), keep_at_most)
+        if not can_crop(self.cache, len(self.cached_ids) - keep):
             self.cache, self.cached_ids, keep = new_cache(self.model), [], 0
         crop_to(self.cache, keep)
         del self.cached_ids[keep:]
-        self.last_catch_up = len(tokens) - keep - 1
-        return self._forward(tokens[keep:])
+        return keep
 
     @torch.inference_mode()
     def counterfactual(self, ctx: StepContext, feedback: StepFeedback) -> Counterfactual | None:
@@ -299,12 +305,7 @@ class PretrainedDrafter(Drafter):
         if self.cache is None:
             self.begin(None)  # type: ignore[arg-type]
         self._root = None
-        keep = min(common_prefix_len(self.cached_ids, tokens), keep_at_most)
-        if not can_crop(self.cache, len(self.cached_ids) - keep):
-            self.cache, self.cached_ids, keep = new_cache(self.model), [], 0
-        crop_to(self.cache, keep)
-        del self.cached_ids[keep:]
-        ids = tokens[keep:]
+        ids = tokens[self._crop_to_common_prefix(tokens, keep_at_most):]
         logits = self._logits(False, input_ids=torch.tensor([ids], dtype=torch.long, device=self.model.device))
         self.cached_ids.extend(ids)
         return logits
@@ -385,8 +386,7 @@ class PretrainedDrafter(Drafter):
                                                shared=self.shared)
             if not drafted:
                 return Draft.empty()
-            tokens = self.shared.table[torch.tensor(drafted, dtype=torch.long, device=self.shared.table.device)]
-            return Draft.chain(tokens.tolist(), torch.stack(probs), catch_up=self.last_catch_up,
+            return Draft.chain(self.shared.verifier_ids(drafted), torch.stack(probs), catch_up=self.last_catch_up,
                                drafter_tokens=len(drafted), reencoded=self.bridge.reencoded)
         drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
         text, _ = self.bridge.draft_text(view, drafted)

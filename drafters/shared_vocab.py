@@ -47,6 +47,7 @@ class SharedVocab:
         self.verifier_of_shared = self.table[self.drafter_ids]  # [n shared]
         self.width = int(self.verifier_of_shared.max()) + 1
         self.size = len(drafter_to_verifier)
+        self._host = dict(drafter_to_verifier)
 
     @classmethod
     def build(cls, verifier_tokenizer, drafter_tokenizer, drafter_vocab: int, device, keep: frozenset[int] = frozenset()
@@ -74,6 +75,10 @@ class SharedVocab:
             if i < drafter_vocab and token in v_vocab:
                 pairs[int(i)] = v_vocab[token]
         return cls(pairs, drafter_vocab, device) if pairs else None
+
+    def verifier_ids(self, drafted: list[int]) -> list[int]:
+        """The verifier ids of drafted shared drafter ids (host ints, no device work)."""
+        return [self._host[d] for d in drafted]
 
     def restrict(self, q: torch.Tensor) -> torch.Tensor | None:
         """q: [drafter vocab] probabilities -> q on the shared ids only, renormalised (None: no mass there; a host

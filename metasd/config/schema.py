@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from metasd.core.drafter import DRAFTERS
+from metasd.core.drafter import cross_tokenizer_types
 from metasd.core.policy import Policy, make_policy
 from metasd.core.rewards import BOUNDED_REWARDS, REWARDS, RewardName
 
@@ -149,10 +149,9 @@ class PoolConfig(_Strict):
                 elif rule == "never" and given:
                     errors.append(line_error(("drafters", i, fld), f"drafter type {d.type!r} takes no {fld}", getattr(d, fld)))
             if d.tokenizer == "own" and not cls.cross_tokenizer:
-                able = sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)
                 errors.append(line_error(("drafters", i, "tokenizer"),
                                          f"drafter type {d.type!r} cannot draft with a tokenizer of its own; types that "
-                                         f"can: {', '.join(able)}", d.tokenizer))
+                                         f"can: {', '.join(cross_tokenizer_types())}", d.tokenizer))
             d.params = validate_params(cls, d.params, ("drafters", i, "params"), errors,
                                         skip=("self", "name", "model", "tokenizer", "model_ref"))
             referred = d.params.get(cls.refers_to) if cls.refers_to else None

@@ -83,6 +83,11 @@ def counterfactual_of(draft: Draft, feedback: "StepFeedback", forwards: list[tup
     return Counterfactual(len(path), len(draft), draft.depth, list(forwards or []), censored)
 
 
+def cross_tokenizer_types() -> list[str]:
+    """The registered drafter types that can draft with a tokenizer of their own (``cross_tokenizer``), sorted."""
+    return sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)
+
+
 class DrafterParams(PluginParams):
     """Base of a drafter type's ``Params``: the ``params`` mapping of a pool-config entry, checked (names, types,
     ranges, modes) when the pool file is read, before any model loads - and by the drafter's constructor with the
@@ -209,9 +214,8 @@ class BuildContext:
         if self.tokenizer not in ("shared", "own"):
             raise ValueError(f"drafter {name!r}: tokenizer must be 'shared' or 'own', got {self.tokenizer!r}")
         if self.tokenizer == "own" and not cls.cross_tokenizer:
-            able = sorted(k for k, c in DRAFTERS.items() if c.cross_tokenizer)
             raise ValueError(f"drafter {name!r}: drafter type {cls.kind!r} cannot draft with a tokenizer of its own "
-                             f"(tokenizer: own); types that can: {able}")
+                             f"(tokenizer: own); types that can: {cross_tokenizer_types()}")
         return self.tokenizer == "own"
 
     def refuse_quantize(self, name: str, kind: str) -> None:
