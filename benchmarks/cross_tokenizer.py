@@ -1,18 +1,26 @@
 """Cross-tokenizer drafting against plain decoding and transformers' universal assisted generation, in one process.
 
 Every method decodes the same prompts (first turn of Spec-Bench questions, chat template) with the same verifier,
-dtype, threads and max_new_tokens; the order of methods rotates from prompt to prompt. Wall time includes the
-prefill. Methods:
+dtype, threads and max_new_tokens. Wall time includes the prefill. Methods:
 
-- plain (transformers +fix): ``model.generate`` of the verifier - the reference every speedup is measured against
-  (greedy: also the reference output; the verifier's top-two logit margin is recorded at each first divergence);
+- plain (transformers +fix): ``model.generate`` of the verifier with metasd's LM-head stride fix
+  (``metasd.core.hooks.contiguous_lm_head_input``) - the reference every speedup is measured against;
 - UAG (transformers +fix): transformers' universal assisted generation with the same assistant model, ``generate(...,
   assistant_model=, tokenizer=, assistant_tokenizer=)`` with its default schedule (greedy: translation through text;
   sampling: its vocabulary-intersection variant, which prunes the assistant's LM head in place - so it gets its own
   copy of the assistant, with a dense head of the dequantized weight where the assistant is quantized, since the
-  pruning reads the head's ``weight``);
+  pruning reads the head's ``weight``). The fix is applied to the verifier and the assistant before every call: under
+  sampling, transformers replaces the assistant's head by its pruned wrapper on the first (untimed warm-up) call,
+  and the fix then wraps that wrapper's input, so every timed call has it;
 - metasd cross-tokenizer k=K: the assistant alone as a ``pretrained`` drafter with ``tokenizer: own``;
-- any ``--extra-pool NAME=pool.yaml`` (its models are shared with the ones loaded here when the references match).
+- any ``--extra-pool NAME=pool.yaml`` (its models are shared with the ones loaded here when the references match);
+- with ``--as-shipped``: plain and UAG without the fix, labelled "(as shipped)" (never a denominator).
+
+Order, repeats and statistics as in ``benchmarks/speed.py``: ``--repeats N`` (default 3) interleaved repeats; within
+each (prompt, repeat) all methods, plain included, in an order rotated by prompt index + repeat; greedy: the
+reference output and plain's top-two logit margins come from a separate untimed pass with ``output_logits=True``
+once per prompt; tables give medians over repeats and [min, max] of per-repeat ratios, with verdicts ("faster" /
+"slower" only where ranges do not overlap) and per-prompt outliers.
 
 ``--temperature T`` samples every method at temperature T (the same seed for each prompt); outputs then differ by
 design and only speed is compared.
@@ -22,8 +30,8 @@ context passes its 512-token sliding window: an attention-mask size mismatch) is
 method; the tables then compare every method over the prompts all of them finished, and the others without UAG over
 all prompts. An error of a metasd method is not caught.
 
-    python benchmarks/cross_tokenizer.py --out benchmarks/results/cross_tokenizer.json
-    python benchmarks/cross_tokenizer.py --temperature 1 --out benchmarks/results/cross_tokenizer_t1.json
+    python benchmarks/cross_tokenizer.py --repeats 3 --out benchmarks/results/cross_tokenizer.json
+    python benchmarks/cross_tokenizer.py --temperature 1 --repeats 3 --out benchmarks/results/cross_tokenizer_t1.json
 """
 from __future__ import annotations
 
@@ -41,12 +49,15 @@ from metasd.bench import baselines
 from metasd.config import ModelCache, build_engine, read_pool_config
 from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import PretrainedDrafter
+from metasd.core.hooks import contiguous_lm_head_input
 from metasd.models import load_model
 from metasd.models.quantize import QuantizedLinear
 # benchmarks/speed.py, beside this file (on sys.path when run as a script)
-from speed import add_run_options, engine_figures, resumed_rows, steps_table, summary_table, write_result
+from speed import PLAIN, add_run_options, engine_figures, hf, outlier_table, run_repeats, steps_table, summary_table
 
-REFERENCE = "plain (transformers +fix)"
+REFERENCE = PLAIN
+UAG = "UAG (transformers +fix)"
+COMPARE = ((UAG, "UAG(+fix)"),)
 
 
 def _sampled(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int, **kwargs):
@@ -72,12 +83,6 @@ def build_methods(args, vm, vt, am, at) -> dict:
             return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         return run
 
-    def hf(fn):
-        def run(ids):
-            out, seconds = fn(ids)
-            return out, seconds, None, None
-        return run
-
     # sampling: transformers prunes and re-indexes the assistant's LM head and embeddings in place
     uag_assistant = copy.deepcopy(am) if temperature > 0 else am
     head = uag_assistant.get_output_embeddings()
@@ -90,10 +95,15 @@ def build_methods(args, vm, vt, am, at) -> dict:
         uag_assistant.set_output_embeddings(dense)
     uag = dict(assistant_model=uag_assistant, tokenizer=vt, assistant_tokenizer=at)
     if temperature > 0:
-        methods = {"UAG (transformers +fix)": hf(lambda ids: _sampled(vm, ids, n, temperature, args.seed, **uag))}
+        plain = lambda ids: _sampled(vm, ids, n, temperature, args.seed)  # noqa: E731
+        uag_fn = lambda ids: _sampled(vm, ids, n, temperature, args.seed, **uag)  # noqa: E731
     else:
-        methods = {"UAG (transformers +fix)": hf(lambda ids: baselines.assisted(vm, am, ids, n, tokenizer=vt,
-                                                                                  assistant_tokenizer=at))}
+        plain = lambda ids: baselines.plain(vm, ids, n)  # noqa: E731
+        uag_fn = lambda ids: baselines.assisted(vm, am, ids, n, tokenizer=vt, assistant_tokenizer=at)  # noqa: E731
+    methods = {REFERENCE: hf(plain, vm), UAG: hf(uag_fn, vm, uag_assistant)}
+    if args.as_shipped:  # opt-in, never a denominator
+        methods["plain (as shipped)"] = hf(plain, vm, fix=False)
+        methods["UAG (as shipped)"] = hf(uag_fn, vm, uag_assistant, fix=False)
     arm = PretrainedDrafter(am, at, k=args.k, confidence_threshold=args.confidence_threshold, name="cross",
                             model_ref=args.assistant, verifier_tokenizer=vt, verifier_name=args.verifier)
     methods[f"metasd cross-tokenizer k={args.k}"] = engine_method(Engine(verifier, arm))
@@ -106,11 +116,17 @@ def build_methods(args, vm, vt, am, at) -> dict:
     return methods
 
 
-def reference(args, vm):
-    """callable(prompt_ids) -> (new ids, seconds, margins or None): plain decoding of the verifier."""
+def margins_pass(args, vm):
+    """Greedy: callable(prompt_ids) -> (reference ids, margins), the untimed plain pass with ``output_logits=True``;
+    sampling: None (no identity check)."""
     if args.temperature > 0:
-        return lambda ids: (*_sampled(vm, ids, args.max_new_tokens, args.temperature, args.seed), None)
-    return lambda ids: baselines.plain_with_margins(vm, ids, args.max_new_tokens)
+        return None
+
+    def run(ids):
+        contiguous_lm_head_input(vm)
+        out, _, margins = baselines.plain_with_margins(vm, ids, args.max_new_tokens)
+        return out, margins
+    return run
 
 
 def main(argv=None) -> int:
@@ -131,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--confidence-threshold", type=float, default=None, help="the metasd arm's confidence stop")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: every method samples at this temperature")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature), the same for each prompt")
+    p.add_argument("--as-shipped", action="store_true",
+                   help="also time plain and UAG as transformers ships them (no LM-head fix), labelled '(as shipped)'")
     add_run_options(p, "benchmarks/results/cross_tokenizer.json")
     args = p.parse_args(argv)
     if args.table:
@@ -146,65 +164,28 @@ def main(argv=None) -> int:
     vm, vt = load_model(args.verifier, dtype=args.dtype)
     am, at = load_model(args.assistant, dtype=args.dtype, quantize=args.assistant_quantize)
     methods = build_methods(args, vm, vt, am, at)
-    plain = reference(args, vm)
     probe = Engine(Verifier(vm, vt), [])
-    warm = probe.encode([{"role": "user", "content": "Say hi."}])
-    for fn in methods.values():  # warm-up: first calls allocate and tune kernels
-        fn(warm[:])
-    rows, t_start = resumed_rows(args, argv) if args.resume else [], time.time()
-    done_ids = {r["question_id"] for r in rows}
-    for qi, q in enumerate(questions):
-        if q.question_id in done_ids:
-            continue
-        ids = probe.encode([{"role": "user", "content": q.turns[0]}])
-        ref_ids, ref_s, margins = plain(ids)
-        row = {"question_id": q.question_id, "category": q.category, "group": q.group, "prompt_tokens": len(ids),
-               "methods": {REFERENCE: {"tokens": len(ref_ids), "seconds": ref_s,
-                                       "identical": True if args.temperature == 0 else None}}}
-        names = list(methods)
-        names = names[qi % len(names):] + names[:qi % len(names)]  # rotate the order
-        for name in names:
-            try:
-                out, seconds, tps, figures = methods[name](ids)
-            except RuntimeError as e:  # transformers' UAG only; recorded and shown, never a silent gap
-                if not name.startswith("UAG"):
-                    raise
-                row["methods"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                print(f"  {name} failed on {q.question_id}: {row['methods'][name]['error']}", flush=True)
-                continue
-            entry = {"tokens": len(out), "seconds": seconds, "mean_tokens_per_step": tps, **(figures or {})}
-            if args.temperature == 0:
-                div = baselines.first_divergence(out, ref_ids)
-                entry["identical"] = div is None and len(out) == len(ref_ids)
-                if div is not None:
-                    entry["first_divergence"] = div
-                    entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
-            else:
-                entry["identical"] = None
-            row["methods"][name] = entry
-        rows.append(row)
-        write_result(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
-        done = ", ".join(f"{k.split(' (')[0][:24]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items()
-                         if "error" not in v)
-        print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
+    rows = run_repeats(args, argv, questions, methods, probe, margins_pass(args, vm),
+                       may_fail=lambda name: name.startswith("UAG"))  # transformers' UAG only, recorded and shown
     print(tables(rows))
     return 0
 
 
 def tables(rows: list[dict]) -> str:
-    """Summary and steps tables; with failed prompts, over the prompts every method finished and then without the
-    failing methods over all prompts."""
+    """Summary (medians over repeats, ranges, verdicts), outliers and steps tables; with failed runs, over the
+    (prompt, repeat) rows every method finished and then without the failing methods over all rows."""
     failed = {name: sum("error" in r["methods"].get(name, {}) for r in rows) for name in rows[0]["methods"]}
     failed = {name: n for name, n in failed.items() if n}
     if not failed:
-        return summary_table(rows) + "\n\n" + steps_table(rows)
+        return "\n\n".join([summary_table(rows, compare=COMPARE), outlier_table(rows), steps_table(rows)])
     finished = [r for r in rows if not any("error" in e for e in r["methods"].values())]
     without = [{**r, "methods": {k: v for k, v in r["methods"].items() if k not in failed}} for r in rows]
     why = ", ".join(f"{name} failed on {n}" for name, n in failed.items())
-    text = f"All {len(rows)} prompts, without the methods that failed on some ({why}):\n\n"
-    text += summary_table(without) + "\n\n" + steps_table(without)
+    text = f"All {len(rows)} (prompt, repeat) runs, without the methods that failed on some ({why}):\n\n"
+    text += "\n\n".join([summary_table(without, compare=COMPARE), outlier_table(without), steps_table(without)])
     if finished:
-        text += f"\n\nThe {len(finished)} prompts every method finished:\n\n" + summary_table(finished)
+        text += (f"\n\nThe {len(finished)} (prompt, repeat) runs every method finished:\n\n"
+                 + summary_table(finished, compare=COMPARE))
     return text
 
 

@@ -1,14 +1,43 @@
-"""Speed of metasd against plain decoding and transformers' assisted generation, in one process.
+"""Speed of metasd against the strongest transformers baselines, in one process, repeated.
 
-Every method decodes the same prompts (first turn of Spec-Bench questions, chat template), greedy, same
-dtype, threads and max_new_tokens; the order of methods rotates from prompt to prompt so that drift of
-the machine does not favour one method. Wall time includes the prefill.
+Every method decodes the same prompts (first turn of Spec-Bench questions, chat template), greedy, same dtype,
+threads and max_new_tokens; wall time includes the prefill. The baselines every ratio is computed against are
+transformers with metasd's LM-head stride fix (``metasd.core.hooks.contiguous_lm_head_input``) on all its models,
+the assistant included - as shipped, its assistant and prefill forwards take a slow path that copies the LM head's
+weight (benchmarks/history.md: assisted generation 0.50x plain as shipped, 1.01x with the fix):
 
-transformers is timed twice where it matters: "as shipped", and "+fix" with metasd's LM-head stride fix
-(``metasd.core.hooks.contiguous_lm_head_input``) applied to its models, because the slow path that fix avoids
-also hits transformers' assistant and prefill forwards.
+- ``plain (transformers +fix)``: ``model.generate`` of the verifier, the denominator of every speedup;
+- ``assisted 0.5B (transformers +fix)``: transformers' assisted generation with the bf16 0.5B assistant;
+- ``assisted 0.5B int4 (transformers +fix)`` (``--assistant-quantize int4``): the same with the very int4 0.5B
+  model metasd's int4 pools draft with (``ModelCache.load(..., quantize="int4", drafter=True)``); transformers'
+  assisted generation runs it as it is (its forwards only call the model);
+- ``prompt lookup (transformers +fix)``: transformers' prompt lookup decoding, 10 tokens.
 
-    python benchmarks/speed.py --per-group 2 --max-new-tokens 64 --out benchmarks/results/speed.json
+``--as-shipped`` adds plain, assisted and prompt lookup without the fix, labelled "(as shipped)"; no ratio is
+computed against them.
+
+Order and repeats. ``--repeats N`` (default 3) runs the whole prompt set N times, interleaved: repeat r times every
+prompt before repeat r + 1 starts. Within one (prompt, repeat) every method, the plain reference included, is timed
+in an order rotated by prompt index + repeat (``metasd.bench.stats.rotation``), so no method always runs first or
+right after another. The reference output and plain decoding's top-two logit margins ("identical to plain", the
+margin at a first divergence) come from a separate, untimed plain pass with ``output_logits=True``, once per prompt.
+
+Statistics (``metasd.bench.stats``). Per repeat, a method's overall tokens/s (sum of tokens / sum of seconds over the
+prompts) and its ratio to plain's in the same repeat; the tables give the median over repeats and the [min, max]
+of those per-repeat ratios, per category the median ratio. "faster"/"slower" only where two methods' ranges of
+per-repeat ratios do not overlap, else "within noise". Runs slower than 1.5x the median of the same (method,
+prompt) over repeats with the same token count are listed by prompt.
+
+    python benchmarks/speed.py --per-group 2 --max-new-tokens 64 --repeats 3 --out benchmarks/results/speed.json
+    python benchmarks/speed.py --per-group 2 --copy-heavy 4 --max-new-tokens 64 --repeats 3 --assistant-quantize int4 \\
+      --only plain --only assisted --only "prompt lookup" --only "pool" \\
+      --extra-pool "pool default=configs/default.yaml" --out benchmarks/results/speed.json
+    python benchmarks/speed.py --table benchmarks/results/speed.json   # the tables of an earlier run
+
+The JSON keeps one row per (prompt, repeat) (``repeat``, ``order``: the timing order, and per method tokens,
+seconds, steps, accepted...) and ``references``: per prompt the untimed plain pass's token ids and margins.
+``--resume`` keeps the (prompt, repeat) rows an interrupted run of the same command wrote; a larger ``--repeats``
+with ``--resume`` adds repeats to a finished run.
 """
 from __future__ import annotations
 
@@ -25,11 +54,19 @@ import torch
 
 from metasd import Engine, Verifier
 from metasd.bench import baselines
+from metasd.bench import stats
 from metasd.config import resolve_drafter_class  # noqa: F401  (registers drafters)
 from metasd.data import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 from metasd.core.hooks import contiguous_lm_head_input, remove_lm_head_hook
 from metasd.models import load_model
+
+PLAIN = "plain (transformers +fix)"
+ASSISTED = "assisted 0.5B (transformers +fix)"
+LOOKUP = "prompt lookup (transformers +fix)"
+#: the baselines every table compares each method with, besides plain: (method name, short label)
+COMPARE = ((ASSISTED, "assisted(+fix)"), (LOOKUP, "prompt lookup(+fix)"))
+ORACLE = "oracle: best arm per group"
 
 
 @contextmanager
@@ -42,6 +79,22 @@ def shipped(*models):
     finally:
         for m in models:
             contiguous_lm_head_input(m)
+
+
+def hf(fn, *models, fix=True):
+    """A transformers baseline as a method: ``fn(ids) -> (new ids, seconds)`` with the LM-head fix applied to
+    ``models`` just before the call (idempotent; also reaches a head transformers replaced in place), or with
+    ``fix=False`` as shipped."""
+    def run(ids):
+        if fix:
+            for m in models:
+                contiguous_lm_head_input(m)
+            out, s = fn(ids)
+        else:
+            with shipped(*models):
+                out, s = fn(ids)
+        return out, s, None, None
+    return run
 
 
 def sampling(args) -> dict:
@@ -71,28 +124,25 @@ def build_methods(args, vm, vt, dm, dt):
             return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         return run
 
-    def hf(fn, *models, fix=True):
-        def run(ids):
-            if fix:
-                out, s = fn(ids)
-            else:
-                with shipped(*models):
-                    out, s = fn(ids)
-            return out, s, None, None
-        return run
-
     n = args.max_new_tokens
-    if args.temperature > 0:  # sampled outputs differ by design: only metasd methods, compared by speed
-        methods = {f"metasd 0.5B chain k={args.k}": engine_method(PretrainedDrafter(dm, dt, k=args.k, name="qwen0.5b"))}
+    # greedy plain decoding is the denominator in every case (under --temperature too: sampled metasd methods are
+    # then compared by speed only)
+    methods = {PLAIN: hf(lambda ids: baselines.plain(vm, ids, n), vm)}
+    if args.temperature > 0:  # sampled outputs differ by design: only metasd methods besides the reference
+        methods[f"metasd 0.5B chain k={args.k}"] = engine_method(PretrainedDrafter(dm, dt, k=args.k, name="qwen0.5b"))
     else:
-        methods = {
-            "plain (transformers)": hf(lambda ids: baselines.plain(vm, ids, n), vm, fix=False),
-            "assisted 0.5B (transformers)": hf(lambda ids: baselines.assisted(vm, dm, ids, n), vm, dm, fix=False),
-            "assisted 0.5B (transformers +fix)": hf(lambda ids: baselines.assisted(vm, dm, ids, n), vm, dm),
-            "prompt lookup (transformers)": hf(lambda ids: baselines.prompt_lookup(vm, ids, n, 10), vm, fix=False),
+        methods.update({
+            ASSISTED: hf(lambda ids: baselines.assisted(vm, dm, ids, n), vm, dm),
+            LOOKUP: hf(lambda ids: baselines.prompt_lookup(vm, ids, n, 10), vm),
             f"metasd 0.5B chain k={args.k}": engine_method(PretrainedDrafter(dm, dt, k=args.k, name="qwen0.5b")),
             "metasd n-gram": engine_method(NGramDrafter(k=10, n_max=3)),
-        }
+        })
+        if args.as_shipped:  # opt-in, never a denominator
+            methods.update({
+                "plain (as shipped)": hf(lambda ids: baselines.plain(vm, ids, n), vm, fix=False),
+                "assisted 0.5B (as shipped)": hf(lambda ids: baselines.assisted(vm, dm, ids, n), vm, dm, fix=False),
+                "prompt lookup (as shipped)": hf(lambda ids: baselines.prompt_lookup(vm, ids, n, 10), vm, fix=False),
+            })
     from metasd.config import ModelCache, build_engine, read_pool_config
 
     cache = ModelCache(None)  # one cache for every extra pool: a quantized drafter is loaded once
@@ -104,7 +154,8 @@ def build_methods(args, vm, vt, dm, dt):
     if args.temperature == 0:
         for q in args.assistant_quantize or []:  # transformers' assisted generation with the same quantized assistant
             qm, _ = cache.load(args.drafter, args.dtype, q, drafter=True)  # the very model the pools' drafters use
-            methods[f"assisted 0.5B {q} (transformers +fix)"] = hf(lambda ids, qm=qm: baselines.assisted(vm, qm, ids, n), vm, qm)
+            methods[f"assisted 0.5B {q} (transformers +fix)"] = hf(lambda ids, qm=qm: baselines.assisted(vm, qm, ids, n),
+                                                                   vm, qm)
     for spec in args.extra_pool or []:
         name, path = spec.rsplit("=", 1)  # the name may hold "=" (k=5), a path rarely does
         cfg = read_pool_config(path)
@@ -127,6 +178,14 @@ def build_methods(args, vm, vt, dm, dt):
 REFERENCE_OF: dict[str, str] = {}
 
 
+def select(methods: dict, only: list[str] | None, keep=()) -> dict:
+    """The methods whose name contains one of ``only`` (all without ``only``); ``keep`` (the plain reference and the
+    references of quantized pools) always stay."""
+    if not only:
+        return methods
+    return {k: v for k, v in methods.items() if k in keep or any(o in k for o in only)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--questions", action="append", help="Spec-Bench-format JSONL (repeatable; default: Spec-Bench)")
@@ -146,30 +205,24 @@ def main(argv=None) -> int:
                    help="also time plain decoding of the verifier quantized this way (pools over that verifier "
                         "load the same copy; their outputs are that model's, not the bf16 reference's)")
     p.add_argument("--assistant-quantize", action="append", choices=["int8", "int4"],
-                   help="also time transformers' assisted generation with the 0.5B assistant quantized this way")
+                   help="also time transformers' assisted generation (+fix) with the 0.5B assistant quantized this "
+                        "way (int4: the very model metasd's int4 pools draft with)")
+    p.add_argument("--as-shipped", action="store_true",
+                   help="also time plain, assisted and prompt lookup as transformers ships them (no LM-head fix), "
+                        "labelled '(as shipped)'; ratios are never computed against them")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: metasd methods sample at this temperature (transformers methods are left out; the "
                         "plain greedy reference still gives the speedup denominator)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
-    p.add_argument("--only", action="append", help="run only methods whose name contains this")
+    p.add_argument("--only", action="append",
+                   help="run only methods whose name contains this (plain (transformers +fix) always runs)")
     add_run_options(p, "benchmarks/results/speed.json")
     args = p.parse_args(argv)
     if args.table:
         saved = json.loads(Path(args.table).read_text())
-        rows = saved["rows"]
-        oracle = args.oracle or saved["args"].get("oracle")
-        print(summary_table(rows, oracle))
-        if oracle and regret_table(rows, oracle):
-            print()
-            print(regret_table(rows, oracle))
-        if any("steps" in e for r in rows for e in r["methods"].values()):
-            print()
-            print(steps_table(rows))
-        if reuse_table(rows):
-            print()
-            print(reuse_table(rows))
+        print(tables(saved["rows"], args.oracle or saved["args"].get("oracle")))
         return 0
     torch.set_num_threads(args.threads)
     questions = [q for path in (args.questions or [str(SPEC_BENCH_DEFAULT)])
@@ -180,159 +233,285 @@ def main(argv=None) -> int:
         questions += build_copy_heavy(args.copy_heavy)
     vm, vt = load_model(args.verifier, dtype=args.dtype, quantize=args.verifier_quantize)
     dm, dt = load_model(args.drafter, dtype=args.dtype)
-    methods = build_methods(args, vm, vt, dm, dt)
-    if args.only:
-        methods = {k: v for k, v in methods.items() if any(o in k for o in args.only)}
+    methods = select(build_methods(args, vm, vt, dm, dt), args.only, keep={PLAIN, *REFERENCE_OF.values()})
     probe = Engine(Verifier(vm, vt), [])
-    rows = resumed_rows(args, argv) if args.resume else []
-    done_ids = {r["question_id"] for r in rows}
-    warm = probe.encode([{"role": "user", "content": "Say hi."}])
-    for fn in methods.values():  # warm-up: first calls allocate and tune kernels
-        fn(warm[:])
-    t_start = time.time()
-    for qi, q in enumerate(questions):
-        if q.question_id in done_ids:
-            continue
-        ids = probe.encode([{"role": "user", "content": q.turns[0]}])
-        ref_ids, ref_s, margins = baselines.plain_with_margins(vm, ids, args.max_new_tokens)  # plain (+fix): reference
-        row = {"question_id": q.question_id, "category": q.category, "group": q.group, "prompt_tokens": len(ids),
-               "methods": {"plain (transformers +fix)": {"tokens": len(ref_ids), "seconds": ref_s, "identical": True}}}
-        names = list(methods)
-        names = names[qi % len(names):] + names[:qi % len(names)]  # rotate the order
-        outs = {"plain (transformers +fix)": ref_ids}
-        for name in names:
-            out, seconds, tps, figures = methods[name](ids)
-            outs[name] = out
-            row["methods"][name] = {"tokens": len(out), "seconds": seconds, "mean_tokens_per_step": tps, **(figures or {})}
-        for name in names:  # identity against each method's reference (known once every method has run)
-            entry, reference = row["methods"][name], REFERENCE_OF.get(name, "plain (transformers +fix)")
-            div = baselines.first_divergence(outs[name], outs[reference])
-            entry["identical"] = div is None and len(outs[name]) == len(outs[reference]) if args.temperature == 0 else None
-            if reference != "plain (transformers +fix)":
-                entry["reference"] = reference  # no margins recorded for quantized references
-            elif div is not None and args.temperature == 0:
-                entry["first_divergence"] = div
-                entry["plain_top2_margin_at_divergence"] = margins[div] if div < len(margins) else None
-        rows.append(row)
-        write_result(args, argv, rows, t_start)  # after every prompt: an interrupted run keeps what finished
-        done = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}" for k, v in row["methods"].items())
-        print(f"[{qi + 1}/{len(questions)} {q.group}] tok/s: {done}", flush=True)
-    print(summary_table(rows, args.oracle))
-    if args.oracle and regret_table(rows, args.oracle):
-        print()
-        print(regret_table(rows, args.oracle))
-    print()
-    print(steps_table(rows))
-    if reuse_table(rows):
-        print()
-        print(reuse_table(rows))
+    margins_pass = None
+    if args.temperature == 0:
+        def margins_pass(ids):  # untimed: the reference output and plain's top-two logit margins
+            contiguous_lm_head_input(vm)
+            out, _, margins = baselines.plain_with_margins(vm, ids, args.max_new_tokens)
+            return out, margins
+    rows = run_repeats(args, argv, questions, methods, probe, margins_pass, REFERENCE_OF)
+    print(tables(rows, args.oracle))
     return 0
 
 
+def run_repeats(args, argv, questions, methods: dict, probe: Engine, margins_pass, reference_of: dict | None = None,
+                may_fail=lambda name: False) -> list[dict]:
+    """Time every method on every prompt, ``args.repeats`` times, interleaved and in rotated order; rows are written
+    to ``args.out`` after every (prompt, repeat). Returns all rows (resumed ones included).
+
+    ``margins_pass(ids) -> (reference ids, margins)``: the untimed plain pass (None: no identity check, as when
+    sampling). ``reference_of``: method -> the method of the same (prompt, repeat) whose output it must equal instead.
+    ``may_fail(name)``: a RuntimeError of that method is recorded in its entry (``"error"``) instead of raised."""
+    reference_of = reference_of or {}
+    saved = resumed(args, argv) if args.resume else {}
+    rows, references = saved.get("rows", []), saved.get("references", {})
+    done = {(r["question_id"], r.get("repeat", 0)) for r in rows}
+    warm = probe.encode([{"role": "user", "content": "Say hi."}])
+    for fn in methods.values():  # warm-up: first calls allocate and tune kernels
+        fn(warm[:])
+    prompts = [(q, probe.encode([{"role": "user", "content": q.turns[0]}])) for q in questions]
+    t_start, total = time.time(), len(prompts) * args.repeats
+    for rep in range(args.repeats):
+        for qi, (q, ids) in enumerate(prompts):
+            if (q.question_id, rep) in done:
+                continue
+            ref = references.get(q.question_id)
+            if ref is None and margins_pass is not None:
+                ref_ids, margins = margins_pass(ids)
+                ref = references[q.question_id] = {"token_ids": ref_ids, "margins": margins}
+            order = stats.rotation(list(methods), qi + rep)
+            row = {"question_id": q.question_id, "category": q.category, "group": q.group, "prompt_tokens": len(ids),
+                   "repeat": rep, "order": order, "methods": {}}
+            outs = {}
+            for name in order:
+                try:
+                    out, seconds, tps, figures = methods[name](ids)
+                except RuntimeError as e:
+                    if not may_fail(name):
+                        raise
+                    row["methods"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    print(f"  {name} failed on {q.question_id}: {row['methods'][name]['error']}", flush=True)
+                    continue
+                outs[name] = out
+                row["methods"][name] = {"tokens": len(out), "seconds": seconds, "mean_tokens_per_step": tps,
+                                        **(figures or {})}
+            row["methods"] = {name: row["methods"][name] for name in methods}  # table order, not timing order
+            for name, out in outs.items():  # identity against each method's reference
+                entry, other = row["methods"][name], reference_of.get(name)
+                target = outs.get(other) if other else (ref["token_ids"] if ref else None)
+                if target is None:
+                    entry["identical"] = None
+                    continue
+                div = baselines.first_divergence(out, target)
+                entry["identical"] = div is None and len(out) == len(target)
+                if other:
+                    entry["reference"] = other  # no margins recorded for quantized references
+                elif div is not None:
+                    entry["first_divergence"] = div
+                    entry["plain_top2_margin_at_divergence"] = ref["margins"][div] if div < len(ref["margins"]) else None
+            rows.append(row)
+            write_result(args, argv, rows, t_start, references)  # an interrupted run keeps what finished
+            line = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}"
+                             for k, v in row["methods"].items() if "error" not in v)
+            print(f"[repeat {rep + 1}/{args.repeats}, {len(rows)}/{total} {q.group} {q.question_id}] tok/s: {line}",
+                  flush=True)
+    return rows
+
+
+def tables(rows: list[dict], oracle: list[str] | None = None, compare=COMPARE) -> str:
+    """Every table of a run: summary (with verdicts), outliers, regret (with --oracle), steps, reuse."""
+    parts = [summary_table(rows, oracle, compare), outlier_table(rows)]
+    if oracle and regret_table(rows, oracle):
+        parts.append(regret_table(rows, oracle))
+    if any("steps" in e for r in rows for e in r["methods"].values()):
+        parts.append(steps_table(rows))
+    if reuse_table(rows):
+        parts.append(reuse_table(rows))
+    return "\n\n".join(parts)
+
+
 def add_run_options(p: argparse.ArgumentParser, out: str) -> None:
-    """The options the benchmark scripts share: extra pools, the results file, printing an earlier run, resuming."""
+    """The options the benchmark scripts share: repeats, extra pools, the results file, printing an earlier run,
+    resuming."""
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run the prompt set this many times, interleaved (repeat r runs every prompt); the tables "
+                        "give the median over repeats and the range of per-repeat ratios")
     p.add_argument("--extra-pool", action="append", help="NAME=pool.yaml: also time this pool (shares loaded models)")
     p.add_argument("--out", default=out, help="the results file (JSON, rewritten after every prompt)")
     p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
     p.add_argument("--resume", action="store_true",
-                   help="keep the prompts an interrupted run with the same command already wrote to --out")
+                   help="keep the (prompt, repeat) rows an interrupted run with the same command already wrote to "
+                        "--out (a larger --repeats adds repeats)")
 
 
-def resumed_rows(args, argv) -> list[dict]:
-    """Rows an interrupted run of the same command wrote to --out (none when the file is missing)."""
+def resumed(args, argv) -> dict:
+    """What an interrupted run of the same command (``--repeats`` aside) wrote to --out: ``{"rows", "references"}``
+    (empty when the file is missing)."""
     out = Path(args.out)
     if not out.exists():
-        return []
+        return {}
     saved = json.loads(out.read_text())
-    ours = {k: v for k, v in vars(args).items() if k != "resume"}
-    theirs = {k: v for k, v in saved["args"].items() if k != "resume"}
+    ignored = {"resume", "repeats"}
+    ours = {k: v for k, v in vars(args).items() if k not in ignored}
+    theirs = {k: v for k, v in saved["args"].items() if k not in ignored}
     if ours != theirs:
         changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
         raise SystemExit(f"error: --resume: {out} was written with other arguments ({', '.join(changed)})")
-    print(f"resuming: {len(saved['rows'])} prompts already in {out}", flush=True)
-    return saved["rows"]
+    print(f"resuming: {len(saved['rows'])} (prompt, repeat) rows already in {out}", flush=True)
+    return {"rows": saved["rows"], "references": saved.get("references", {})}
 
 
-def write_result(args, argv, rows, t_start) -> None:
+def write_result(args, argv, rows, t_start, references=None) -> None:
     result = {
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "args": vars(args), "wall_s": time.time() - t_start, "rows": rows,
+        "args": vars(args), "wall_s": time.time() - t_start, "rows": rows, "references": references or {},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
-def summary_table(rows, oracle: list[str] | None = None) -> str:
-    """Markdown: tokens/s (total tokens / total seconds) per group, speedup over plain (+fix), identity (with
-    the method's own reference: plain bf16, or plain decoding of the same quantized verifier)."""
-    methods = list(rows[0]["methods"])
-    groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)]
+def _methods(rows: list[dict]) -> list[str]:
+    """Every method of the rows, in the order of their first appearance."""
+    names: dict[str, None] = {}
+    for r in rows:
+        names.update(dict.fromkeys(r["methods"]))
+    return list(names)
 
-    def rate(name, rs):
-        toks = sum(r["methods"][name]["tokens"] for r in rs)
-        secs = sum(r["methods"][name]["seconds"] for r in rs)
-        return toks / secs
 
-    ref = "plain (transformers +fix)"
-    assisted = "assisted 0.5B (transformers)"  # absent under --temperature
-    lines = ["| method | tok/s overall | speedup | vs assisted | " + " | ".join(groups) +
-             " | mean tokens/step | identical to plain | plain's top-2 logit margin at each first divergence |",
-             "|" + "---|" * (7 + len(groups))]
+def _groups(rows: list[dict]) -> list[str]:
+    return [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)] + \
+        sorted({r["group"] for r in rows} - set(GROUP_ORDER))
+
+
+def _best_arms(rows: list[dict], arms: list[str], groups: list[str]) -> dict[str, str]:
+    """Per group, the arm with the highest median per-repeat ratio to plain there (in hindsight)."""
+    def med(m, g):
+        r = stats.ratios(rows, m, PLAIN, group=g)
+        return statistics.median(r) if r else float("-inf")
+    return {g: max(arms, key=lambda m: med(m, g)) for g in groups}
+
+
+def with_oracle(rows: list[dict], oracle: list[str] | None) -> tuple[list[dict], dict[str, str]]:
+    """``rows`` with an ``ORACLE`` entry per row (the run of the best arm of the row's group), and that choice."""
+    arms = [m for m in _methods(rows) if any(m.startswith(p) for p in oracle or [])]
+    if not arms:
+        return rows, {}
+    best = _best_arms(rows, arms, _groups(rows))
+    out = []
+    for r in rows:
+        e = r["methods"].get(best[r["group"]])
+        extra = {ORACLE: {k: e[k] for k in ("tokens", "seconds")}} if e and "error" not in e else {}
+        out.append({**r, "methods": {**r["methods"], **extra}})
+    return out, best
+
+
+def summary_table(rows: list[dict], oracle: list[str] | None = None, compare=COMPARE) -> str:
+    """Markdown: per method the median over repeats of its tokens/s, its per-repeat ratios to plain and to each
+    ``compare`` baseline as median [min, max], verdicts (``stats.verdict`` of the per-repeat ratios to plain), the
+    median ratio to plain per group, mean tokens/step, identity with the method's reference (plain bf16, or plain
+    decoding of the same quantized verifier) and plain's top-two logit margins at first divergences."""
+    rows, best = with_oracle(rows, oracle)
+    methods, groups = _methods(rows), _groups(rows)
+    n_rep = len(stats.repeats(rows))
+    present = [(name, label) for name, label in compare if name in methods]
+    to_plain = {m: stats.ratios(rows, m, PLAIN) for m in methods}
+    lines = [f"| method | tok/s (median) | vs plain(+fix) median [range] | "
+             + "".join(f"vs {label} median [range] | " for _, label in present)
+             + "verdicts | " + " | ".join(groups)
+             + " | mean tokens/step | identical to plain | plain's top-2 logit margin at each first divergence |",
+             "|" + "---|" * (7 + len(present) + len(groups))]
     for m in methods:
-        overall = rate(m, rows)
-        cells = [f"{rate(m, [r for r in rows if r['group'] == g]) / rate(ref, [r for r in rows if r['group'] == g]):.2f}"
-                 for g in groups]
-        tps = [r["methods"][m].get("mean_tokens_per_step") for r in rows]
-        tps = f"{statistics.mean(tps):.2f}" if all(t is not None for t in tps) else "-"
-        flags = [r["methods"][m]["identical"] for r in rows]
-        same = "-" if None in flags else f"{sum(flags)}/{len(rows)}"
-        margins = [r["methods"][m].get("plain_top2_margin_at_divergence") for r in rows if r["methods"][m]["identical"] is False]
-        margins = ", ".join("?" if x is None else f"{x:g}" for x in margins) or "-"
-        vs_assisted = f"{overall / rate(assisted, rows):.2f}" if assisted in methods else "-"
-        lines.append(f"| {m} | {overall:.2f} | {overall / rate(ref, rows):.2f}x | {vs_assisted} | " + " | ".join(cells) +
-                     f" | {tps} | {same} | {margins} |")
-    arms = [m for m in methods if any(m.startswith(p) for p in oracle or [])]
-    if arms:  # per group, the arm that was fastest there, in hindsight: the mix a perfect per-category choice gets
-        best = {g: max(arms, key=lambda m: rate(m, [r for r in rows if r["group"] == g])) for g in groups}
-        tokens = {g: sum(r["methods"][best[g]]["tokens"] for r in rows if r["group"] == g) for g in groups}
-        seconds = {g: sum(r["methods"][best[g]]["seconds"] for r in rows if r["group"] == g) for g in groups}
-        overall = sum(tokens.values()) / sum(seconds.values())
-        cells = [f"{tokens[g] / seconds[g] / rate(ref, [r for r in rows if r['group'] == g]):.2f} ({best[g]})" for g in groups]
-        lines.append(f"| oracle: best arm per group | {overall:.2f} | {overall / rate(ref, rows):.2f}x | - | "
-                     + " | ".join(cells) + " | - | - | - |")
+        tps = list(stats.rates(rows, m).values())
+        cells = [f"{statistics.median(tps):.2f}" if tps else "-", stats.fmt_median_range(to_plain[m])]
+        cells += [stats.fmt_median_range(stats.ratios(rows, m, b)) if b != m else "-" for b, _ in present]
+        verdicts = [f"{label}: {stats.verdict(to_plain[m], to_plain[b])}"
+                    for b, label in [(PLAIN, "plain(+fix)")] + present if b != m and to_plain[m] and to_plain[b]]
+        cells.append("; ".join(verdicts) or "-")
+        for g in groups:
+            r = stats.ratios(rows, m, PLAIN, group=g)
+            cells.append(f"{statistics.median(r):.2f}" if r else "-")
+        if m == ORACLE:
+            cells += ["-", "-", ", ".join(f"{g}: {a}" for g, a in best.items())]
+        else:
+            cells += [_tokens_per_step(rows, m), _identical(rows, m), _margins(rows, m)]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Medians over {n_rep} repeat(s); [min, max] of the per-repeat ratios (per repeat: sum of tokens / sum "
+                 f"of seconds over the prompts, over the reference's in the same repeat); per group: median ratio to "
+                 f"plain(+fix). A verdict says faster/slower only where the two methods' ranges of per-repeat ratios "
+                 f"to plain do not overlap.")
+    return "\n".join(lines)
+
+
+def _tokens_per_step(rows, m) -> str:
+    tps = [r["methods"][m].get("mean_tokens_per_step") for r in rows if m in r["methods"] and "error" not in r["methods"][m]]
+    return f"{statistics.mean(tps):.2f}" if tps and all(t is not None for t in tps) else "-"
+
+
+def _by_prompt(rows, m) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        e = r["methods"].get(m)
+        if e is not None and "error" not in e:
+            out.setdefault(r["question_id"], []).append(e)
+    return out
+
+
+def _identical(rows, m) -> str:
+    """Prompts whose output equals the reference in every repeat / prompts (and how many changed between repeats)."""
+    per = _by_prompt(rows, m)
+    flags = [[e.get("identical") for e in es] for es in per.values()]
+    if not flags or any(None in f for f in flags):
+        return "-"
+    same = sum(all(f) for f in flags)
+    varied = sum(len(set(f)) > 1 for f in flags)
+    return f"{same}/{len(flags)}" + (f" ({varied} varied between repeats)" if varied else "")
+
+
+def _margins(rows, m) -> str:
+    """Per prompt that diverged, plain's margin at the first divergence (the same prompt counts once)."""
+    out = []
+    for es in _by_prompt(rows, m).values():
+        div = [e for e in es if e.get("identical") is False and "reference" not in e]
+        if div:
+            x = div[0].get("plain_top2_margin_at_divergence")
+            out.append("?" if x is None else f"{x:g}")
+    return ", ".join(out) or "-"
+
+
+def outlier_table(rows: list[dict], factor: float = 1.5) -> str:
+    """Markdown: the runs ``stats.outliers`` flags, by prompt (the medians above do not move with them)."""
+    flagged = stats.outliers(rows, factor)
+    if not flagged:
+        return (f"No outliers: no run took more than {factor}x the median seconds of the same method and prompt over "
+                f"the repeats with the same token count.")
+    lines = [f"Outliers: runs that took more than {factor}x the median seconds of the same method and prompt over the "
+             f"repeats with the same token count ({len(flagged)}; the medians above are robust to them):", "",
+             "| prompt | category | method | repeat | tokens | seconds | median s |", "|---|---|---|---|---|---|---|"]
+    for o in sorted(flagged, key=lambda o: (o["question_id"], o["method"], o["repeat"])):
+        lines.append(f"| {o['question_id']} | {o['category']} | {o['method']} | {o['repeat']} | {o['tokens']} | "
+                     f"{o['seconds']:.2f} | {o['median_s']:.2f} |")
     return "\n".join(lines)
 
 
 def regret_table(rows, oracle: list[str]) -> str:
-    """Markdown, MetaSD-style: for every method that is not an arm (pools, fused drafters), per group its speedup over
-    plain decoding and its regret against the per-group best arm: 1 - its tok/s / the best arm's (negative: it beat
-    every arm there)."""
-    methods = list(rows[0]["methods"])
+    """Markdown, MetaSD-style: for every method that is not an arm (pools, fused drafters), per group its median
+    speedup over plain decoding and its regret against the per-group best arm: 1 - its tok/s / the best arm's
+    (median over repeats; negative: it beat every arm there)."""
+    rows, best = with_oracle(rows, oracle)
+    methods = _methods(rows)
     arms = [m for m in methods if any(m.startswith(p) for p in oracle)]
-    others = [m for m in methods if m not in arms and "steps" in rows[0]["methods"][m]]
-    groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in rows)]
+    others = [m for m in methods if m not in arms and m != ORACLE
+              and any("steps" in r["methods"].get(m, {}) for r in rows)]
+    groups = _groups(rows)
     if not arms or not others:
         return ""
 
-    def rate(name, rs):
-        return sum(r["methods"][name]["tokens"] for r in rs) / sum(r["methods"][name]["seconds"] for r in rs)
+    def med(m, ref, g=None):
+        r = stats.ratios(rows, m, ref, group=g)
+        return statistics.median(r) if r else float("nan")
 
-    ref = "plain (transformers +fix)"
-    by_group = {g: [r for r in rows if r["group"] == g] for g in groups}
-    best = {g: max(rate(a, by_group[g]) for a in arms) for g in groups}
-    tokens = {g: sum(r["methods"][ref]["tokens"] for r in by_group[g]) for g in groups}
-    oracle_overall = sum(tokens.values()) / sum(tokens[g] / best[g] for g in groups)  # the oracle's mix
-    best_arm_overall = max(rate(a, rows) for a in arms)
+    best_arm = max(arms, key=lambda a: med(a, PLAIN))
     lines = ["| method | overall: speedup, regret vs oracle, vs best single arm | " + " | ".join(groups) + " |",
              "|" + "---|" * (2 + len(groups))]
     for m in others:
-        cells = [f"{rate(m, by_group[g]) / rate(ref, by_group[g]):.2f}x, {1 - rate(m, by_group[g]) / best[g]:+.0%}"
-                 for g in groups]
-        overall = rate(m, rows)
-        lines.append(f"| {m} | {overall / rate(ref, rows):.2f}x, {1 - overall / oracle_overall:+.0%}, "
-                     f"{overall / best_arm_overall - 1:+.0%} | " + " | ".join(cells) + " |")
+        cells = [f"{med(m, PLAIN, g):.2f}x, {1 - med(m, best[g], g):+.0%}" for g in groups]
+        lines.append(f"| {m} | {med(m, PLAIN):.2f}x, {1 - med(m, ORACLE):+.0%}, {med(m, best_arm) - 1:+.0%} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
