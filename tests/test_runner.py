@@ -345,3 +345,30 @@ def test_parent_run_killed_before_its_params_were_logged_gets_them_on_resume(sto
     assert res.parent_run_id == parent.info.run_id
     done = client.get_run(parent.info.run_id)
     assert done.data.tags[PARAMS_TAG] == "1" and done.data.params["max_new_tokens"] == "6"
+
+
+def test_interleaved_order_rotates_baselines_with_methods(store, uri, monkeypatch):
+    """Request r is answered by every run in the order of request 0 rotated by r: plain and the other baselines
+    take every position like the pool's methods; a run answered before plain still gets matches_plain."""
+    import metasd.bench.runner as runner_mod
+    from metasd.bench.stats import rotation
+
+    order: list[tuple[int, str]] = []
+    real = runner_mod.answer_request
+
+    def recording(engines, fn, messages, q, t, index, seed, method, kind, plain):
+        order.append((index, method))
+        return real(engines, fn, messages, q, t, index, seed, method, kind, plain)
+
+    monkeypatch.setattr(runner_mod, "answer_request", recording)
+    path = _write(store, "rotation", baselines=["plain", "prompt_lookup"])
+    res = run_experiment(path, tracking_uri=uri, progress=False)
+    per_request = [[m for i, m in order if i == r] for r in range(N_REQUESTS)]
+    assert per_request[0][0] == "plain" and len(set(map(len, per_request))) == 1
+    for r, names in enumerate(per_request):
+        assert names == rotation(per_request[0], r), r
+    assert [names[0] for names in per_request] == per_request[0][:N_REQUESTS]  # a different run first each time
+    for key, recs in res.records.items():
+        assert [r["index"] for r in recs] == list(range(N_REQUESTS)), key
+        if not key.endswith("/plain"):
+            assert all(r["matches_plain"] is True for r in recs), key

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .requests import MethodRequests, PoolEngine, answer_request
+from .requests import MethodRequests, PoolEngine, answer_request, compare_with_plain
 from .schema import ExecutorSpec
 from .runner import ExperimentRunner
 
@@ -155,11 +155,14 @@ class BenchWorker:
             turns = q.turns[:1] if ds.turns == "first" else q.turns
             history: dict[str, list[dict[str, str]]] = {job[0]: [] for job in shard.jobs}
             plain: dict[int, dict] = {}  # turn -> plain's record
-            if self.exp.config.order == "interleaved":
-                order = [(t, j) for t in range(len(turns)) for j in range(len(shard.jobs))]
+            n = len(shard.jobs)
+            if self.exp.config.order == "interleaved":  # every run answers turn t, in an order rotated by one per
+                # request (the in-process runner's), plain (j = 0) included
+                order = [(t, (j + first + t) % n) for t in range(len(turns)) for j in range(n)]
             else:
-                order = [(t, j) for j in range(len(shard.jobs)) for t in range(len(turns))]
-            for t, j in order:  # plain (j = 0) answers turn t before any other run does
+                order = [(t, j) for j in range(n) for t in range(len(turns))]
+            waiting: dict[int, list[dict]] = {}  # turn -> records answered before plain's record of that turn
+            for t, j in order:  # sequential: plain (j = 0) answers turn t before any other run does
                 key, kind, name, seed = shard.jobs[j]
                 messages = history[key] + [{"role": "user", "content": turns[t]}]
                 rec = shard.done.get(key, {}).get((q.question_id, t))
@@ -169,8 +172,12 @@ class BenchWorker:
                                          None if j == 0 else plain.get(t))
                     rec["worker"], rec["host"], rec["device"] = self.id, self.host, self.info.get("device")
                     out.append((key, rec))
+                    if j != 0 and t not in plain:
+                        waiting.setdefault(t, []).append((kind, rec))
                 if j == 0:
                     plain[t] = rec
+                    for w_kind, w in waiting.pop(t, []):
+                        compare_with_plain(w, rec, self.exp.config.temperature, w_kind)
                 history[key] = messages + [{"role": "assistant", "content": rec["text"]}]
         return {"worker": self.id, "info": self.info, "records": out}
 
@@ -367,7 +374,8 @@ class RayRunner(ExperimentRunner):
                 self.client.set_tag(self.parent_id, k, v)
             self._tagged = True
         plain = self.nested[shard.jobs[0][0]]
-        for key, rec in result["records"]:
+        # plain's records first (stable otherwise): the running speedup of a record needs plain's of its request
+        for key, rec in sorted(result["records"], key=lambda kr: kr[0] != plain.key):
             nested = self.nested[key]
             if (rec["question_id"], rec["turn"]) in nested.done:
                 self.duplicates += 1

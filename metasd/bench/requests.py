@@ -88,18 +88,26 @@ class PoolEngine:
                           persistent_policy=m.persistent, categories=categories)
 
     def baseline_fn(self, b) -> Callable:
-        """Answer a request with a transformers baseline (plain, assisted, prompt lookup); a step is one forward."""
+        """Answer a request with a transformers baseline (plain, assisted, prompt lookup); a step is one forward.
+
+        Every baseline runs with metasd's LM-head stride fix (``metasd.core.hooks.contiguous_lm_head_input``) on the
+        verifier and the assistant, applied explicitly before each call: transformers as shipped takes a slow path
+        that copies the LM head's weight on its prefill and assistant forwards, and the speedups are measured
+        against the strongest baselines."""
+        from metasd.core.hooks import contiguous_lm_head_input
+
         from . import baselines
 
         def run(prompt_ids: list[int], question, index: int) -> dict:
             eng = self.get()
-            model = eng.verifier.model
+            model = contiguous_lm_head_input(eng.verifier.model)
             n = self.cfg.max_new_tokens
             with count_forwards(model) as forwards:
                 if b.type == "plain":
                     ids, secs = baselines.plain(model, prompt_ids, n)
                 elif b.type == "assisted":
-                    ids, secs = baselines.assisted(model, eng.drafter(b.drafter).model, prompt_ids, n, **b.params)
+                    assistant = contiguous_lm_head_input(eng.drafter(b.drafter).model)
+                    ids, secs = baselines.assisted(model, assistant, prompt_ids, n, **b.params)
                 else:
                     ids, secs = baselines.prompt_lookup(model, prompt_ids, n, **b.params)
             steps = max(forwards[0], 1)  # a step of a transformers baseline: one verifier forward
@@ -146,8 +154,9 @@ def answer_request(engines: PoolEngine, fn: Callable, messages: list[dict[str, s
                    seed: int | None, method: str, kind: str, plain: dict[str, Any] | None) -> dict[str, Any]:
     """One request of one run, answered by ``fn(prompt_ids, question, index)``: its full ``requests.jsonl`` record.
 
-    ``plain``: the plain baseline's record of the same request (None for the plain run itself); under greedy
-    decoding, when both prompts are the same, the record says whether the tokens match plain decoding's.
+    ``plain``: the plain baseline's record of the same request (None for the plain run itself, or when plain has not
+    answered it yet: then the executor calls ``compare_with_plain`` later); under greedy decoding, when both prompts
+    are the same, the record says whether the tokens match plain decoding's.
     """
     engines.get()
     prompt_ids = engines.encode(messages)
@@ -157,7 +166,16 @@ def answer_request(engines: PoolEngine, fn: Callable, messages: list[dict[str, s
     load = load_per_core()  # sampled on the machine that answered (a Ray worker's, under --executor ray)
     if load is not None:
         rec["machine_load"] = round(load, 2)
-    greedy = engines.cfg.temperature == 0 or kind == "baseline"
-    if plain is not None and greedy and plain["prompt_sha"] == rec["prompt_sha"]:
+    if plain is not None:
+        compare_with_plain(rec, plain, engines.cfg.temperature, kind)
+    return rec
+
+
+def compare_with_plain(rec: dict[str, Any], plain: dict[str, Any], temperature: float, kind: str) -> dict[str, Any]:
+    """Set ``rec["matches_plain"]`` (whether its tokens are plain decoding's) where that is defined: greedy decoding
+    (a baseline always is) and the same prompt as plain's record of the request. Executors that time plain after a
+    method (rotated order) call it once plain's record exists."""
+    greedy = temperature == 0 or kind == "baseline"  # transformers baselines always decode greedily
+    if greedy and plain["prompt_sha"] == rec["prompt_sha"]:
         rec["matches_plain"] = rec["token_ids"] == plain["token_ids"]
     return rec

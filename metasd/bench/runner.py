@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .requests import MethodRequests, PoolEngine, answer_request
+from .requests import MethodRequests, PoolEngine, answer_request, compare_with_plain
 from .experiment import Experiment, Method, ResolvedDataset, ResolvedPool
 from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, overloaded, plain_outliers, results_table,
                      summarize, table_columns)
@@ -100,6 +100,9 @@ class ExperimentRunner:
         self.hash = exp.config_hash()
         self._resume_run_id, self._resume = resume_run_id, resume
         self.notes: list[str] = []  # lines added under the results table (the Ray executor's)
+        # (question_id, turn) -> [(nested, record)] answered before plain answered that request (rotated order):
+        # logged, with matches_plain, right after plain's record
+        self._deferred: dict[tuple, list[tuple[NestedRun, dict]]] = {}
 
     # ---- main loop
     def run(self) -> ExperimentResult:
@@ -120,6 +123,7 @@ class ExperimentRunner:
             try:
                 self._loop()
             except KeyboardInterrupt:
+                self._flush_deferred()
                 self._stop("KILLED")
                 hint = (f"interrupted: finished requests are logged in MLflow run {self.parent_id} ({self.uri}). "
                         f"Resume with: metasd bench {self.exp.source} --tracking-uri {self.uri} --run-id {self.parent_id}")
@@ -132,6 +136,7 @@ class ExperimentRunner:
                 print(f"\n[metasd bench] {hint}", file=sys.stderr)
                 raise ExperimentInterrupted(self.parent_id, self.uri, hint, table) from None
             except BaseException:
+                self._flush_deferred()
                 self._stop("FAILED")
                 raise
             table = self._finish()
@@ -171,8 +176,10 @@ class ExperimentRunner:
                     gens.append(self._requests(nested, ds, fn, plain, seed, finalize))
             self._current = (pool, ds, runs, plain)
             if self.cfg.order == "interleaved":  # request r of every method, then request r + 1, ...
-                while gens:
+                while gens:  # ... in an order rotated by one per request: every run, plain included, takes
+                    # every position (a method answered before plain waits for plain's record to be logged)
                     gens = [job for job in gens if next(job, _DONE) is not _DONE]
+                    gens = gens[1:] + gens[:1]
             else:  # every request of a method, then the next method
                 for job in gens:
                     for _ in job:
@@ -183,10 +190,10 @@ class ExperimentRunner:
     def _open_block(self, pool: ResolvedPool, ds: ResolvedDataset):
         """The nested runs of one (pool, dataset), opened or resumed: ``(block, runs, jobs)``.
 
-        runs: method name -> its nested runs (one per seed); jobs: ``(nested, spec, seed)`` in the order a
-        request is answered by every run - baselines first (plain first: the denominator of the running
-        speedup, so ``jobs[0][0]`` is plain's run; spec = the ``BaselineSpec``, seed = None), then singles,
-        then policies (spec = the ``Method``).
+        runs: method name -> its nested runs (one per seed); jobs: ``(nested, spec, seed)`` - baselines (plain
+        first: the denominator of the running speedup, so ``jobs[0][0]`` is plain's run; spec = the
+        ``BaselineSpec``, seed = None), then singles, then policies (spec = the ``Method``). Sequential order runs
+        them in this order; interleaved order rotates it by one per request (``_pool``).
         """
         block = f"{pool.name}/{ds.name}"
         runs: dict[str, list[NestedRun]] = {}
@@ -269,7 +276,12 @@ class ExperimentRunner:
                     p = plain.done.get((q.question_id, t))
                     rec = answer_request(self.engines, fn, messages, q, t, index, seed, nested.method, nested.kind,
                                          None if nested is plain else p)
-                    self._log_request(nested, rec, p)
+                    if nested is not plain and p is None:  # plain answers this request later in the round
+                        self._deferred.setdefault((q.question_id, t), []).append((nested, rec))
+                    else:
+                        self._log_request(nested, rec, p)
+                        if nested is plain:
+                            self._flush_deferred((q.question_id, t), rec)
                 else:
                     self.skipped += 1
                 history = messages + [{"role": "assistant", "content": rec["text"]}]
@@ -280,6 +292,17 @@ class ExperimentRunner:
             if finalize is not None:
                 finalize()
             self._end_run(nested, plain.records)
+
+    def _flush_deferred(self, key: tuple | None = None, plain: dict | None = None) -> None:
+        """Log the records that waited for plain's record ``plain`` of request ``key``, compared with it; without
+        ``key`` (interrupted), every waiting record as it is."""
+        items = self._deferred.pop(key, []) if key is not None else [x for v in self._deferred.values() for x in v]
+        if key is None:
+            self._deferred.clear()
+        for nested, rec in items:
+            if plain is not None:
+                compare_with_plain(rec, plain, self.cfg.temperature, nested.kind)
+            self._log_request(nested, rec, plain)
 
     def _log_request(self, nested: NestedRun, rec: dict, plain: dict | None) -> None:
         """Log one answered request in its nested run (JSONL artifact and per-request metrics)."""
