@@ -33,9 +33,10 @@ Top-level fields (all optional but ``runs``):
 - ``max_new_tokens`` (128), ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seeds`` ([0]).
 - ``baselines``: ``plain`` (required: the speedup denominator), ``{type: assisted, drafter: NAME,
   params?}`` (transformers assisted generation with that pool drafter's model), ``prompt_lookup``.
-  Baselines decode greedily.
+  Baselines decode greedily, with metasd's LM-head fix on the verifier and the assistant (the strongest baselines).
 - ``order``: ``interleaved`` (default: request r of every baseline and method, then request r + 1, so
-  load drift on a shared machine hits all methods alike) or ``sequential`` (all requests of one method,
+  load drift on a shared machine hits all methods alike; the order of the runs rotates by one per request, so
+  plain and the other baselines take every position like the methods) or ``sequential`` (all requests of one method,
   then the next, as Spec-Bench does).
 - ``executor``: where requests are answered - ``inprocess`` (default: this process) or ``ray`` /
   ``{type: ray, address?, workers?, cpus_per_worker?, gpus_per_worker?, questions_per_shard?, max_retries?}`` (Ray
