@@ -50,6 +50,7 @@ def test_verdict_only_where_ranges_do_not_overlap():
     assert stats.verdict([0.95, 1.2, 1.4], [1.0, 1.0, 1.0]) == stats.NOISE  # one repeat below plain: noise
     assert stats.verdict([1.1, 1.3], [1.0, 1.1]) == stats.NOISE  # touching ranges overlap
     assert stats.verdict([1.2, 1.3], [1.25, 1.5]) == stats.NOISE
+    assert stats.verdict([2.0], [1.0]) == stats.verdict([1.5, 1.6], [1.0]) == stats.ONE_REPEAT  # one run: no range
     with pytest.raises(ValueError):
         stats.verdict([], [1.0])
 

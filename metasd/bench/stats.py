@@ -11,7 +11,7 @@ is never counted).
   the reference's over the same prompts in the same repeat.
 - ``median_range``: the median over repeats and the [min, max] of those per-repeat ratios.
 - ``verdict``: "faster" / "slower" only where two methods' ranges of per-repeat ratios do not overlap, else
-  "within noise".
+  "within noise" (no verdict from a single repeat).
 - ``outliers``: (method, prompt, repeat) runs whose seconds exceed ``factor`` x that (method, prompt)'s median over the
   repeats that produced the same number of tokens.
 """
@@ -21,6 +21,7 @@ import statistics
 from typing import Iterable, Sequence
 
 FASTER, SLOWER, NOISE = "faster", "slower", "within noise"
+ONE_REPEAT = "no verdict (1 repeat)"  # one run per method says nothing about its noise
 
 
 def rotation(names: Sequence[str], offset: int) -> list[str]:
@@ -91,9 +92,12 @@ def fmt_median_range(values: Sequence[float], suffix: str = "x") -> str:
 
 def verdict(a: Sequence[float], b: Sequence[float]) -> str:
     """Method A against method B from their per-repeat ratios (to the same reference): "faster" where A's range lies
-    wholly above B's, "slower" wholly below, else "within noise" (touching ranges overlap)."""
+    wholly above B's, "slower" wholly below, else "within noise" (touching ranges overlap); with a single repeat of
+    either, ``ONE_REPEAT``: a range needs two runs."""
     if not a or not b:
         raise ValueError("verdict needs per-repeat ratios of both methods")
+    if len(a) < 2 or len(b) < 2:
+        return ONE_REPEAT
     if min(a) > max(b):
         return FASTER
     if max(a) < min(b):
