@@ -95,3 +95,54 @@ def test_tables_give_medians_ranges_verdicts_and_outliers(setup):
     lookup = next(x for x in text.splitlines() if x.startswith(f"| {speed.LOOKUP} |"))
     assert "plain(+fix): faster" in lookup and "assisted(+fix): slower" in lookup and "| 0/3 | 0.0625, 0.0625, 0.0625 |" in lookup
     assert "| q0 | writing | pool x | 0 | 4 | 5.00 | 0.50 |" in text  # the outlier, by prompt
+
+
+def _hooked(model) -> bool:
+    return getattr(model.get_output_embeddings(), "_metasd_hook", None) is not None
+
+
+@pytest.mark.parametrize("script", ["speed", "cross_tokenizer"])
+def test_baselines_carry_the_lm_head_fix_and_as_shipped_rows_do_not(script, monkeypatch):
+    """The rows every ratio is computed against run with the LM-head fix on the verifier and the assistant (applied
+    at the call, even where something removed it); the opt-in as-shipped rows run without it and restore it."""
+    import importlib
+
+    from metasd.core.hooks import contiguous_lm_head_input, remove_lm_head_hook
+    from tiny import tiny_qwen, tiny_tokenizer
+
+    mod = importlib.import_module(script)
+    seen = {}
+
+    def fake(name):
+        def run(model, *a, **kw):
+            assistant = kw.get("assistant_model", a[0] if name == "assisted" else None)
+            seen.setdefault(name, []).append((_hooked(model), assistant is None or _hooked(assistant)))
+            return [1, 2], 0.1
+        return run
+
+    monkeypatch.setattr(mod.baselines, "plain", lambda model, ids, n: fake("plain")(model))
+    monkeypatch.setattr(mod.baselines, "assisted", lambda model, assistant, ids, n, **kw: fake("assisted")(model, assistant))
+    monkeypatch.setattr(mod.baselines, "prompt_lookup", lambda model, ids, n, k=10: fake("lookup")(model))
+    vm, am, tok = tiny_qwen(seed=0), tiny_qwen(seed=1), tiny_tokenizer()
+    common = dict(max_new_tokens=4, temperature=0.0, seed=0, k=3, dtype="fp32", extra_pool=None, as_shipped=True,
+                  verifier="tiny-v", verifier_quantize="none")
+    if script == "speed":
+        args = argparse.Namespace(**common, drafter="tiny-d", plain_quantize=None, assistant_quantize=None)
+    else:
+        args = argparse.Namespace(**common, assistant="tiny-a", assistant_quantize="none", confidence_threshold=None)
+    methods = mod.build_methods(args, vm, tok, am, tok)
+    assisted = speed.ASSISTED if script == "speed" else mod.UAG
+    fixed = [speed.PLAIN, assisted] + ([speed.LOOKUP] if script == "speed" else [])
+    shipped = [m for m in methods if m.endswith("(as shipped)")]
+    assert len(shipped) == len(fixed) and all("+fix" not in m for m in shipped)
+    for name in fixed:
+        remove_lm_head_hook(vm), remove_lm_head_hook(am)
+        methods[name]([5, 6])
+    assert all(call == (True, True) for calls in seen.values() for call in calls), seen
+    seen.clear()
+    contiguous_lm_head_input(vm), contiguous_lm_head_input(am)  # as a Verifier and a drafter hold them
+    for name in shipped:
+        methods[name]([5, 6])
+        assert _hooked(vm) and _hooked(am)  # restored after the call
+    assert all(call == (False, False) if kind == "assisted" else call[0] is False
+               for kind, calls in seen.items() for call in calls), seen
