@@ -303,7 +303,7 @@ def run_repeats(args, argv, questions, methods: dict, probe: Engine, margins_pas
                     entry["plain_top2_margin_at_divergence"] = ref["margins"][div] if div < len(ref["margins"]) else None
             rows.append(row)
             write_result(args, argv, rows, t_start, references)  # an interrupted run keeps what finished
-            line = ", ".join(f"{k.split(' (')[0][:18]} {v['tokens'] / v['seconds']:.2f}"
+            line = ", ".join(f"{k.replace(' (transformers +fix)', '+fix')[:28]} {v['tokens'] / v['seconds']:.2f}"
                              for k, v in row["methods"].items() if "error" not in v)
             print(f"[repeat {rep + 1}/{args.repeats}, {len(rows)}/{total} {q.group} {q.question_id}] tok/s: {line}",
                   flush=True)

@@ -171,6 +171,8 @@ def results_table(summary: dict[str, Any], title: str = "") -> str:
     if summary.get("oracle_choice"):
         notes.append("oracle = best single drafter per Spec-Bench category (finer than the columns' groups) in "
                      "hindsight: " + ", ".join(f"{c}: {n}" for c, n in summary["oracle_choice"].items()))
+    notes.append("baselines (plain, assisted, prompt lookup): transformers' generate with metasd's LM-head fix on the "
+                 "verifier and the assistant (the strongest baselines; as shipped, assisted generation is slower)")
     notes.append("multi-turn questions: each method answers later turns after its own earlier answers (Spec-Bench)")
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
