@@ -10,7 +10,8 @@ weight (benchmarks/history.md: assisted generation 0.50x plain as shipped, 1.01x
 - ``assisted 0.5B (transformers +fix)``: transformers' assisted generation with the bf16 0.5B assistant;
 - ``assisted 0.5B int4 (transformers +fix)`` (``--assistant-quantize int4``): the same with the very int4 0.5B
   model metasd's int4 pools draft with (``ModelCache.load(..., quantize="int4", drafter=True)``); transformers'
-  assisted generation runs it as it is (its forwards only call the model);
+  assisted generation runs it as it is (its forwards only call the model; checked on Spec-Bench prompt 81, 8 new
+  tokens: it runs and gives plain decoding's tokens);
 - ``prompt lookup (transformers +fix)``: transformers' prompt lookup decoding, 10 tokens.
 
 ``--as-shipped`` adds plain, assisted and prompt lookup without the fix, labelled "(as shipped)"; no ratio is
@@ -30,9 +31,14 @@ prompt) over repeats with the same token count are listed by prompt.
 
     python benchmarks/speed.py --per-group 2 --max-new-tokens 64 --repeats 3 --out benchmarks/results/speed.json
     python benchmarks/speed.py --per-group 2 --copy-heavy 4 --max-new-tokens 64 --repeats 3 --assistant-quantize int4 \\
-      --only plain --only assisted --only "prompt lookup" --only "pool" \\
-      --extra-pool "pool default=configs/default.yaml" --out benchmarks/results/speed.json
+      --only plain --only assisted --only "prompt lookup" --only "pool " \\
+      --extra-pool "pool default (cascade)=configs/default.yaml" \\
+      --extra-pool "pool int4 tree=configs/pools/tree_int4_deep.yaml" \\
+      --extra-pool "pool suffix=configs/pools/study_suffix.yaml" --out benchmarks/results/speed.json
     python benchmarks/speed.py --table benchmarks/results/speed.json   # the tables of an earlier run
+
+(``--only`` filters extra pools too: name them so that an ``--only`` matches, as "pool " does here; plain
+(transformers +fix) always runs.)
 
 The JSON keeps one row per (prompt, repeat) (``repeat``, ``order``: the timing order, and per method tokens,
 seconds, steps, accepted...) and ``references``: per prompt the untimed plain pass's token ids and margins.
