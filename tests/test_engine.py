@@ -267,13 +267,13 @@ def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(m
     engine = Engine(Verifier(model, tokenizer), PretrainedDrafter(tiny_qwen(seed=1), k=3, name="d"), check_tokenizers=False)
     expected = plain_greedy(model, PROMPT, 12)
     first = engine.stream(PROMPT, max_new_tokens=12)
-    next(first)  # the first request has started
+    head = next(first)  # the first request has started
     with pytest.raises(EngineBusyError, match="verifier is in use by another request"):
         engine.generate(PROMPT, max_new_tokens=4)
     with pytest.raises(EngineBusyError):
         next(engine.derive().stream(PROMPT, max_new_tokens=4))  # shares the verifier
-    for _ in first:
-        pass
+    text, result = _drain(first, head)
+    assert result.token_ids == expected and text == result.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected  # usable again, cache intact
     results, errors = [], []
 
@@ -284,9 +284,20 @@ def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(m
             errors.append(e)
 
     started = engine.stream(PROMPT, max_new_tokens=12)
-    next(started)
+    head = next(started)
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     assert len(errors) == 1 and not results  # refused in the other thread while this one holds the engine
-    assert "".join(started) is not None and engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
+    text, result = _drain(started, head)  # the request that held the engine finishes unharmed
+    assert result.token_ids == expected and text == result.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+def _drain(stream, text: str = ""):
+    """The rest of a stream's text (after ``text``, already read) and its ``GenerationResult``."""
+    while True:
+        try:
+            text += next(stream)
+        except StopIteration as done:
+            return text, done.value
