@@ -186,6 +186,24 @@ def test_pool_checks(model):
         _engine(model, [], granularity="token")
 
 
+@pytest.mark.parametrize("make", [
+    lambda: PretrainedDrafter(tiny_llama(seed=3), k=3),  # rejection sampling of a drafter with probabilities
+    lambda: NGramDrafter(k=5, n_max=2),  # sample-and-match of a drafter without
+], ids=["model", "ngram"])
+def test_an_unseeded_sampled_request_leaves_the_global_rng_alone(model, make):
+    """An unseeded sampled request draws from a stream of its own, seeded from the OS's entropy: the caller's global
+    torch RNG is in the same state after it as before (no reseeding, no draws), and two such requests differ."""
+    engine = _engine(model, make())
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    result = engine.generate(PROMPT, max_new_tokens=16, temperature=1.0)
+    assert len(result.token_ids) == 16
+    assert torch.equal(torch.get_rng_state(), before) and torch.initial_seed() == 1234
+    seeds = {engine._run(PROMPT, 4, temperature=1.0).generator.initial_seed() for _ in range(3)}
+    assert len(seeds) == 3  # each unseeded request its own seed
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # ---------------------------------------------------------------- text, chat, stop strings, streaming
 def test_text_stop_strings_eos_and_stream(tokenizer):
     model = tiny_qwen(seed=0)

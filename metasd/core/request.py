@@ -7,6 +7,7 @@ from it.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -78,6 +79,12 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int |
                          f"{model_name} ({context_length} tokens)")
 
 
+def _fresh_seed() -> int:
+    """A seed for an unseeded sampled request, from the OS's entropy: ``torch.seed()`` would reseed the caller's global
+    torch RNG (and so change every draw their own code makes after the request)."""
+    return secrets.randbits(63)
+
+
 class Request:
     """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
     token lists (``steps``)."""
@@ -103,7 +110,7 @@ class Request:
         self.generator = None  # sampling draws on the verifier's device, from this request's own stream
         if not self.sampling.greedy:
             self.generator = torch.Generator(device=engine.verifier.device)
-            self.generator.manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+            self.generator.manual_seed(seed if seed is not None else _fresh_seed())
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
         self._text_cut: int | None = None
