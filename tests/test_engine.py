@@ -224,6 +224,59 @@ def test_text_stop_strings_eos_and_stream(tokenizer):
     assert stopped.token_ids == full.token_ids[:3] and stopped.stats.stop_reason == "eos"
 
 
+def _counting_decodes(tok) -> list[int]:
+    """The number of tokens of each ``tok.decode`` call from now on."""
+    calls: list[int] = []
+    decode = tok.decode
+    tok.decode = lambda ids, *a, **kw: calls.append(len(ids)) or decode(ids, *a, **kw)
+    return calls
+
+
+def test_streaming_and_stop_checks_decode_linearly_in_the_output_length():
+    """Streaming and the stop-string check read the text incrementally: a request decodes a few tokens per step, not
+    its whole output every step (which would decode n^2/2 tokens over n steps)."""
+    from tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(tiny_qwen(seed=0), tok), [])  # plain decoding: one token a step, the most steps
+    calls = _counting_decodes(tok)
+    decoded = {}
+    for n in (40, 160):
+        for mode in ("stream", "generate"):
+            calls.clear()
+            if mode == "stream":
+                text, result = _drain(engine.stream(PROMPT, max_new_tokens=n, stop=["no such text"]))
+                assert text == result.text
+            else:
+                result = engine.generate(PROMPT, max_new_tokens=n, stop=["no such text"])
+            assert len(result.token_ids) == n == result.stats.steps and result.stats.stop_reason == "length"
+            decoded[mode, n] = sum(calls)
+            assert len(calls) <= 2 * n + 1, (mode, n, len(calls))  # two short windows a step, the whole text once
+    for mode in ("stream", "generate"):
+        assert decoded[mode, 160] < 5 * decoded[mode, 40], decoded  # linear: ~4x; quadratic: ~16x
+        assert decoded[mode, 160] <= 15 * 160, decoded
+
+
+def test_a_stop_string_spanning_steps_stops_and_the_stream_never_shows_it(tokenizer):
+    """Plain decoding commits one word a step, so a stop string of two words, or of the end of one word and the start
+    of the next, is completed by a later step than the one that began it. Generation stops at that step, the text is
+    cut before it, and the stream's pieces add up to that text (a piece that may begin a stop string is held back)."""
+    engine = Engine(Verifier(tiny_qwen(seed=0), tokenizer), [])
+    full = engine.generate(PROMPT, max_new_tokens=30)
+    words = full.text.split(" ")
+    assert len(words) == 30 and len(set(words[6:10])) > 1
+    for stop in (f"{words[6]} {words[7]}", f"{words[8][1:]} {words[9][:2]}"):
+        start = full.text.index(stop)
+        cut = engine.generate(PROMPT, max_new_tokens=30, stop=[stop, "no such text"])
+        assert cut.text == full.text[:start] and cut.stats.stop_reason == "stop"
+        assert cut.token_ids == full.token_ids[: 8 if stop.startswith(words[6]) else 10]  # stopped at the step
+        text, streamed = _drain(engine.stream(PROMPT, max_new_tokens=30, stop=stop))
+        assert streamed.token_ids == cut.token_ids and text == cut.text == streamed.text
+    # a prefix of a stop string that never completes is held back only until the text moves past it
+    text, streamed = _drain(engine.stream(PROMPT, max_new_tokens=30, stop=f"{words[5]} no such word"))
+    assert text == streamed.text == full.text and streamed.stats.stop_reason == "length"
+
+
 # ---------------------------------------------------------------- sampling exactness end to end
 SMALL_V = 8
 

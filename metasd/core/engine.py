@@ -154,17 +154,15 @@ class Engine:
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
         """Yield text as tokens commit; the full ``GenerationResult`` is the generator's return value."""
         run = self._run(prompt, max_new_tokens, **kwargs)
-        emitted = ""
+        emitted = 0  # characters yielded
         for _ in run.steps():
-            text = run.text()
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next step
-                continue
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
+            text = run.text_so_far()  # incremental: complete characters, nothing a stop string may still cut
+            if len(text) > emitted:
+                yield text[emitted:]
+                emitted = len(text)
         result = run.result()
-        if len(result.text) > len(emitted):
-            yield result.text[len(emitted):]
+        if len(result.text) > emitted:
+            yield result.text[emitted:]
         return result
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
