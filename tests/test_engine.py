@@ -365,6 +365,45 @@ def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(m
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
 
 
+@pytest.mark.parametrize("where", ["claim:0", "claim:1", "claim:2", "release:0", "release:2"])
+def test_an_interrupt_while_taking_or_dropping_the_engine_never_leaves_it_busy(model, tokenizer, monkeypatch, where):
+    """KeyboardInterrupt lands between bytecodes; the worst points are right after a verifier or drafter is marked
+    as held (``claim:i``: the i-th mark made, then the interrupt, before the code that made it sees the result) and in
+    the cleanup (``release:i``: the interrupt instead of dropping the i-th mark). Either way the request fails with
+    the interrupt and the next request on the engine runs, with the verifier's tokens."""
+    import metasd.core.engine as engine_module
+    from metasd.core import EngineBusyError
+
+    chain = PretrainedDrafter(tiny_qwen(seed=1), k=3, name="chain")
+    engine = Engine(Verifier(model, tokenizer), [chain, NGramDrafter(name="ngram")], RandomArms(2, seed=0),
+                    check_tokenizers=False)
+    expected = plain_greedy(model, PROMPT, 8)
+    assert engine.generate(PROMPT, max_new_tokens=8).token_ids == expected
+    step, index = where.split(":")
+    original = getattr(engine_module, f"_{step}")
+    calls = []
+
+    def interrupted(owner, claim):
+        calls.append(owner)
+        if len(calls) - 1 != int(index):
+            return original(owner, claim)
+        if step == "claim":
+            assert original(owner, claim)  # marked as held...
+        raise KeyboardInterrupt  # ...and interrupted before anything else happens
+
+    monkeypatch.setattr(engine_module, f"_{step}", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPT, max_new_tokens=8)
+    assert len(calls) > int(index)  # the interrupt was delivered where the test says
+    monkeypatch.undo()
+    assert engine.generate(PROMPT, max_new_tokens=8).token_ids == expected  # not refused as busy
+    other = engine.stream(PROMPT, max_new_tokens=8)  # and a live request is still exclusive
+    next(other)
+    with pytest.raises(EngineBusyError):
+        engine.generate(PROMPT, max_new_tokens=8)
+    assert _drain(other)[1].token_ids == expected
+
+
 def _drain(stream, text: str = ""):
     """The rest of a stream's text (after ``text``, already read) and its ``GenerationResult``."""
     while True:

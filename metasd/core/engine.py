@@ -29,16 +29,47 @@ class EngineBusyError(RuntimeError):
     request at a time)."""
 
 
-_LOCKS = threading.Lock()  # guards the creation of the per-object locks below
+_IN_USE = "_metasd_in_use"  # the attribute that marks a verifier or drafter as held, by the request's _Claim
+_TAKEOVER = threading.Lock()  # serialises taking over a stale mark with dropping one
 
 
-def _use_lock(owner: Any) -> threading.Lock:
-    """The lock a request holds on ``owner`` (a verifier or a drafter) while it runs, created on first use."""
-    with _LOCKS:
-        lock = owner.__dict__.get("_metasd_in_use")
-        if lock is None:
-            lock = owner.__dict__["_metasd_in_use"] = threading.Lock()
-    return lock
+class _Claim:
+    """One request's mark on the verifier and drafters it holds (``Engine.exclusive_use``). ``ended`` once the
+    request's cleanup has begun: a mark still left then (an interrupt cut the cleanup short) is stale, and the next
+    request takes it over instead of being refused."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self):
+        self.ended = False
+
+    def __deepcopy__(self, memo):  # a copy of a held drafter is a new object, held by nobody
+        copy = _Claim()
+        copy.ended = True
+        return copy
+
+
+def _claim(owner: Any, claim: _Claim) -> bool:
+    """Mark ``owner`` as held by ``claim``, or say it is held by another request. The mark is made and recorded by
+    one dict operation (``setdefault``): no bytecode runs between the two, so an interrupt (KeyboardInterrupt, raised
+    between bytecodes) cannot leave ``owner`` held with no record of who holds it; ``exclusive_use`` drops the marks
+    by identity, whichever of them were made."""
+    mark = owner.__dict__.setdefault(_IN_USE, claim)
+    if mark is claim:
+        return True
+    if not mark.ended:
+        return False
+    with _TAKEOVER:  # a stale mark (an interrupted cleanup): take it over, unless it is being dropped right now
+        if owner.__dict__.get(_IN_USE) is mark:
+            owner.__dict__[_IN_USE] = claim
+    return owner.__dict__.setdefault(_IN_USE, claim) is claim
+
+
+def _release(owner: Any, claim: _Claim) -> None:
+    """Drop ``claim``'s mark on ``owner``, if it has one (never another request's)."""
+    with _TAKEOVER:
+        if owner.__dict__.get(_IN_USE) is claim:
+            del owner.__dict__[_IN_USE]
 
 
 def set_pool_loader(loader: Callable[..., "Engine"]) -> None:
@@ -207,19 +238,19 @@ class Engine:
         at a time, and engines made by ``derive`` share them: a second request on any of them while the first runs (from
         another thread, or a second ``stream`` opened before the first ended) is refused with ``EngineBusyError`` rather
         than corrupting a cache. Run concurrent requests on separate engines (separate model copies)."""
-        held = []
+        claim = _Claim()
+        owners = (self.verifier, *self.all_drafters)
         try:
-            for owner in (self.verifier, *self.all_drafters):
-                lock = _use_lock(owner)
-                if not lock.acquire(blocking=False):
+            for owner in owners:
+                if not _claim(owner, claim):
                     what = "verifier" if owner is self.verifier else f"drafter {owner.name!r}"
                     raise EngineBusyError(f"the {what} is in use by another request: metasd runs one request at a time "
                                           f"per verifier and per drafter; wait for it to finish, or use another engine")
-                held.append(lock)
             yield
         finally:
-            for lock in held:
-                lock.release()
+            claim.ended = True  # first (an attribute store: no interrupt lands before it): marks left now are stale
+            for owner in owners:
+                _release(owner, claim)
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)
