@@ -29,6 +29,15 @@ class EngineBusyError(RuntimeError):
     request at a time)."""
 
 
+class GenerationInterrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt that cut a request short (``Engine.generate``, ``Engine.stream``); ``result`` holds what it
+    had generated: its tokens and text so far and the stats of its steps (stop reason "interrupted")."""
+
+    def __init__(self, result: GenerationResult):
+        super().__init__("generation interrupted")
+        self.result = result
+
+
 _IN_USE = "_metasd_in_use"  # the attribute that marks a verifier or drafter as held, by the request's _Claim
 _TAKEOVER = threading.Lock()  # serialises taking over a stale mark with dropping one
 
@@ -170,7 +179,8 @@ class Engine:
         raise KeyError(f"no drafter named {name!r} in the pool; drafters: {[d.name for d in self.drafters]}")
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats.
+        """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats (a KeyboardInterrupt
+        meanwhile raises ``GenerationInterrupted``, whose ``result`` is what was generated so far).
 
         Keyword arguments: temperature (0 = greedy), top_p, top_k, stop (strings; the text ends before
         the first one), seed (sampling reproducible), policy (overrides the engine's for this call),
@@ -178,19 +188,31 @@ class Engine:
         category (request feature for contextual policies).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
-        for _ in run.steps():
-            pass
+        try:
+            for _ in run.steps():
+                pass
+        except GenerationInterrupted:
+            raise
+        except KeyboardInterrupt as e:
+            raise GenerationInterrupted(run.interrupted_result()) from e
         return run.result()
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
-        """Yield text as tokens commit; the full ``GenerationResult`` is the generator's return value."""
+        """Yield text as tokens commit; the full ``GenerationResult`` is the generator's return value. A
+        KeyboardInterrupt during a step, or thrown into the generator between pieces (``gen.throw``), ends the request
+        with ``GenerationInterrupted`` (its ``result``: what was generated so far)."""
         run = self._run(prompt, max_new_tokens, **kwargs)
         emitted = 0  # characters yielded
-        for _ in run.steps():
-            text = run.text_so_far()  # incremental: complete characters, nothing a stop string may still cut
-            if len(text) > emitted:
-                yield text[emitted:]
-                emitted = len(text)
+        try:
+            for _ in run.steps():
+                text = run.text_so_far()  # incremental: complete characters, nothing a stop string may still cut
+                if len(text) > emitted:
+                    yield text[emitted:]
+                    emitted = len(text)
+        except GenerationInterrupted:
+            raise
+        except KeyboardInterrupt as e:
+            raise GenerationInterrupted(run.interrupted_result()) from e
         result = run.result()
         if len(result.text) > emitted:
             yield result.text[emitted:]

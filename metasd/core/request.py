@@ -152,6 +152,15 @@ class Request:
     def result(self) -> GenerationResult:
         return GenerationResult(self.text(), list(self.new_ids), list(self.prompt_ids), self.stats)
 
+    def interrupted_result(self) -> GenerationResult:
+        """The result of a request an interrupt cut short: the tokens committed so far, their text, the stats of the
+        steps that ran (stop reason "interrupted", unless the request had already ended)."""
+        self.stats.new_tokens = len(self.new_ids)
+        if hasattr(self, "t_start"):
+            self.stats.wall_s = now(self.engine.verifier.device) - self.t_start
+        self.stats.stop_reason = self.stats.stop_reason or "interrupted"
+        return self.result()
+
     def _context(self) -> Any:
         if not getattr(self.policy, "contextual", False):
             return None
