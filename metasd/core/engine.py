@@ -191,8 +191,6 @@ class Engine:
         try:
             for _ in run.steps():
                 pass
-        except GenerationInterrupted:
-            raise
         except KeyboardInterrupt as e:
             raise GenerationInterrupted(run.interrupted_result()) from e
         return run.result()
@@ -209,8 +207,6 @@ class Engine:
                 if len(text) > emitted:
                     yield text[emitted:]
                     emitted = len(text)
-        except GenerationInterrupted:
-            raise
         except KeyboardInterrupt as e:
             raise GenerationInterrupted(run.interrupted_result()) from e
         result = run.result()
