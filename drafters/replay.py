@@ -4,9 +4,9 @@ step whatever the text. With no drafting cost of its own, the time a step takes 
 engine's overhead (``benchmarks/gpu_overhead.py``).
 
 The continuation is recorded by plain greedy decoding when a request begins (transformers' ``generate`` on the
-verifier's weights with a cache of its own; never inside a step, so the cost model never counts it), or given with
-``record``. Under bf16 a verify over several tokens may break a near-tie differently from one-token decoding; when
-the committed text leaves the recording, the rest is recorded again from there.
+verifier's weights with a cache of its own), or given with ``record``. Under bf16 a verify over several tokens may
+break a near-tie differently from one-token decoding; when the committed text leaves the recording, the rest is
+recorded again from there, inside that step. Either way the cost model never counts a recording.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from metasd.core.cost import unmetered
 from metasd.core.drafter import Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.core.tree import Draft
 
@@ -58,8 +59,9 @@ class ReplayDrafter(Drafter):
             raise ValueError(f"{self.name}: no verifier model to record a continuation with; call record() first")
         model = self.verifier_model
         ids = torch.tensor([tokens], device=model.device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
+        with unmetered():  # a re-recording runs inside a step (propose): not the step's work, so not its cost
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
         self.reference = out[0].tolist()
 
     def begin(self, ctx: StepContext) -> None:

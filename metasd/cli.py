@@ -252,23 +252,63 @@ def _generate(args) -> int:
     print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)
-    if _should_stream(args):
-        gen = engine.stream(prompt, **kwargs)
-        try:
-            while True:
-                print(next(gen), end="", flush=True)
-        except StopIteration as done:
-            result = done.value
-        print()
-    else:
-        result = engine.generate(prompt, **kwargs)
-        if args.json:
-            record = result.to_record()  # the per-request record metasd bench logs too
-            print(json.dumps({"text": record.pop("text"), "token_ids": record.pop("token_ids"), "stats": record}))
-            return 0
-        print(result.text)
-    print(f"[metasd] {result.stats.summary()}", file=sys.stderr)
+    stream, shown, gen = _should_stream(args), 0, None
+    try:
+        if stream:
+            gen = engine.stream(prompt, **kwargs)
+            try:
+                while True:
+                    piece = next(gen)
+                    print(piece, end="", flush=True)
+                    shown += len(piece)
+            except StopIteration as done:
+                result = done.value
+        else:
+            result = engine.generate(prompt, **kwargs)
+    except KeyboardInterrupt as e:  # Ctrl-C: what was generated so far, its stats, exit 130 (no traceback)
+        result = _interrupted_result(e, gen)
+        if result is None:
+            print("[metasd] interrupted before the first step", file=sys.stderr)
+            return 130
+        _print_result(args, result, stream, shown)
+        print(f"[metasd] interrupted: {result.stats.summary()}", file=sys.stderr)
+        return 130
+    if _print_result(args, result, stream, shown):
+        print(f"[metasd] {result.stats.summary()}", file=sys.stderr)
     return 0
+
+
+def _interrupted_result(exc: KeyboardInterrupt, gen):
+    """The partial result of a request a Ctrl-C cut short, or None when it had not started. An interrupt in the
+    middle of a step arrives as ``GenerationInterrupted`` with it; one that lands here between two pieces of a
+    stream is thrown into the stream, which ends the request the same way."""
+    from metasd.core import GenerationInterrupted
+
+    if isinstance(exc, GenerationInterrupted):
+        return exc.result
+    if gen is None:
+        return None
+    try:
+        gen.throw(exc)
+    except GenerationInterrupted as e:
+        return e.result
+    except (KeyboardInterrupt, StopIteration):  # not started yet, or already over
+        pass
+    return None
+
+
+def _print_result(args, result, streamed: bool, shown: int) -> bool:
+    """Print a (possibly partial) result to stdout: the rest of a stream's text, or the text, or the --json record.
+    Whether the stats line follows (not after --json, unless interrupted: the caller decides)."""
+    if streamed:
+        print(result.text[shown:])  # what the stream had not shown yet (a held-back tail), and the final newline
+        return True
+    if args.json:
+        record = result.to_record()  # the per-request record metasd bench logs too
+        print(json.dumps({"text": record.pop("text"), "token_ids": record.pop("token_ids"), "stats": record}))
+        return False
+    print(result.text)
+    return True
 
 
 def _add_models(sub) -> None:
@@ -428,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelLoadError, TokenizerMismatchError, FileNotFoundError, ValueError) as e:
         print(f"metasd {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.command != "generate":
+            raise
+        print("[metasd] interrupted", file=sys.stderr)  # before generating (loading): nothing to show
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,3 +1,6 @@
+import builtins
+import os
+
 import pytest
 import torch
 
@@ -23,6 +26,29 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def verifier_model():
     return tiny_qwen(seed=0)
+
+
+def _process_state() -> dict:
+    """Process-wide state a test file must leave as it found it: tests run in any order, several files to a process
+    (one process, or each xdist worker), so a change one file leaves makes another's result depend on the order."""
+    return {"builtins.print": builtins.print, "cwd": os.getcwd(), "grad enabled": torch.is_grad_enabled(),
+            "inference mode": torch.is_inference_mode_enabled(), "default dtype": torch.get_default_dtype()}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _leaves_the_process_as_it_found_it(request):
+    """Fails the file (an error in its last test's teardown) that changed ``_process_state``, and restores what can
+    be restored so that the files after it still run as they would alone."""
+    before = _process_state()
+    yield
+    changed = {key: (was, now) for key, (was, now) in
+               ((key, (before[key], value)) for key, value in _process_state().items()) if was != now}
+    builtins.print = before["builtins.print"]
+    os.chdir(before["cwd"])
+    torch.set_grad_enabled(before["grad enabled"])
+    torch.set_default_dtype(before["default dtype"])
+    if changed:
+        pytest.fail(f"{request.module.__name__} changed process-wide state (before, after): {changed}", pytrace=False)
 
 
 #: files of the longest tests (real models; Ray workers; subprocesses), run first

@@ -186,6 +186,24 @@ def test_pool_checks(model):
         _engine(model, [], granularity="token")
 
 
+@pytest.mark.parametrize("make", [
+    lambda: PretrainedDrafter(tiny_llama(seed=3), k=3),  # rejection sampling of a drafter with probabilities
+    lambda: NGramDrafter(k=5, n_max=2),  # sample-and-match of a drafter without
+], ids=["model", "ngram"])
+def test_an_unseeded_sampled_request_leaves_the_global_rng_alone(model, make):
+    """An unseeded sampled request draws from a stream of its own, seeded from the OS's entropy: the caller's global
+    torch RNG is in the same state after it as before (no reseeding, no draws), and two such requests differ."""
+    engine = _engine(model, make())
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    result = engine.generate(PROMPT, max_new_tokens=16, temperature=1.0)
+    assert len(result.token_ids) == 16
+    assert torch.equal(torch.get_rng_state(), before) and torch.initial_seed() == 1234
+    seeds = {engine._run(PROMPT, 4, temperature=1.0).generator.initial_seed() for _ in range(3)}
+    assert len(seeds) == 3  # each unseeded request its own seed
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # ---------------------------------------------------------------- text, chat, stop strings, streaming
 def test_text_stop_strings_eos_and_stream(tokenizer):
     model = tiny_qwen(seed=0)
@@ -204,6 +222,59 @@ def test_text_stop_strings_eos_and_stream(tokenizer):
     eos_model = tiny_qwen(seed=0, eos=full.token_ids[2])
     stopped = Engine(Verifier(eos_model, tokenizer), []).generate([{"role": "user", "content": "w7 w8 w9"}], max_new_tokens=30)
     assert stopped.token_ids == full.token_ids[:3] and stopped.stats.stop_reason == "eos"
+
+
+def _counting_decodes(tok) -> list[int]:
+    """The number of tokens of each ``tok.decode`` call from now on."""
+    calls: list[int] = []
+    decode = tok.decode
+    tok.decode = lambda ids, *a, **kw: calls.append(len(ids)) or decode(ids, *a, **kw)
+    return calls
+
+
+def test_streaming_and_stop_checks_decode_linearly_in_the_output_length():
+    """Streaming and the stop-string check read the text incrementally: a request decodes a few tokens per step, not
+    its whole output every step (which would decode n^2/2 tokens over n steps)."""
+    from tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(tiny_qwen(seed=0), tok), [])  # plain decoding: one token a step, the most steps
+    calls = _counting_decodes(tok)
+    decoded = {}
+    for n in (40, 160):
+        for mode in ("stream", "generate"):
+            calls.clear()
+            if mode == "stream":
+                text, result = _drain(engine.stream(PROMPT, max_new_tokens=n, stop=["no such text"]))
+                assert text == result.text
+            else:
+                result = engine.generate(PROMPT, max_new_tokens=n, stop=["no such text"])
+            assert len(result.token_ids) == n == result.stats.steps and result.stats.stop_reason == "length"
+            decoded[mode, n] = sum(calls)
+            assert len(calls) <= 2 * n + 1, (mode, n, len(calls))  # two short windows a step, the whole text once
+    for mode in ("stream", "generate"):
+        assert decoded[mode, 160] < 5 * decoded[mode, 40], decoded  # linear: ~4x; quadratic: ~16x
+        assert decoded[mode, 160] <= 15 * 160, decoded
+
+
+def test_a_stop_string_spanning_steps_stops_and_the_stream_never_shows_it(tokenizer):
+    """Plain decoding commits one word a step, so a stop string of two words, or of the end of one word and the start
+    of the next, is completed by a later step than the one that began it. Generation stops at that step, the text is
+    cut before it, and the stream's pieces add up to that text (a piece that may begin a stop string is held back)."""
+    engine = Engine(Verifier(tiny_qwen(seed=0), tokenizer), [])
+    full = engine.generate(PROMPT, max_new_tokens=30)
+    words = full.text.split(" ")
+    assert len(words) == 30 and len(set(words[6:10])) > 1
+    for stop in (f"{words[6]} {words[7]}", f"{words[8][1:]} {words[9][:2]}"):
+        start = full.text.index(stop)
+        cut = engine.generate(PROMPT, max_new_tokens=30, stop=[stop, "no such text"])
+        assert cut.text == full.text[:start] and cut.stats.stop_reason == "stop"
+        assert cut.token_ids == full.token_ids[: 8 if stop.startswith(words[6]) else 10]  # stopped at the step
+        text, streamed = _drain(engine.stream(PROMPT, max_new_tokens=30, stop=stop))
+        assert streamed.token_ids == cut.token_ids and text == cut.text == streamed.text
+    # a prefix of a stop string that never completes is held back only until the text moves past it
+    text, streamed = _drain(engine.stream(PROMPT, max_new_tokens=30, stop=f"{words[5]} no such word"))
+    assert text == streamed.text == full.text and streamed.stats.stop_reason == "length"
 
 
 # ---------------------------------------------------------------- sampling exactness end to end
@@ -267,13 +338,13 @@ def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(m
     engine = Engine(Verifier(model, tokenizer), PretrainedDrafter(tiny_qwen(seed=1), k=3, name="d"), check_tokenizers=False)
     expected = plain_greedy(model, PROMPT, 12)
     first = engine.stream(PROMPT, max_new_tokens=12)
-    next(first)  # the first request has started
+    head = next(first)  # the first request has started
     with pytest.raises(EngineBusyError, match="verifier is in use by another request"):
         engine.generate(PROMPT, max_new_tokens=4)
     with pytest.raises(EngineBusyError):
         next(engine.derive().stream(PROMPT, max_new_tokens=4))  # shares the verifier
-    for _ in first:
-        pass
+    text, result = _drain(first, head)
+    assert result.token_ids == expected and text == result.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected  # usable again, cache intact
     results, errors = [], []
 
@@ -284,9 +355,59 @@ def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(m
             errors.append(e)
 
     started = engine.stream(PROMPT, max_new_tokens=12)
-    next(started)
+    head = next(started)
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     assert len(errors) == 1 and not results  # refused in the other thread while this one holds the engine
-    assert "".join(started) is not None and engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
+    text, result = _drain(started, head)  # the request that held the engine finishes unharmed
+    assert result.token_ids == expected and text == result.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+@pytest.mark.parametrize("where", ["claim:0", "claim:1", "claim:2", "release:0", "release:2"])
+def test_an_interrupt_while_taking_or_dropping_the_engine_never_leaves_it_busy(model, tokenizer, monkeypatch, where):
+    """KeyboardInterrupt lands between bytecodes; the worst points are right after a verifier or drafter is marked
+    as held (``claim:i``: the i-th mark made, then the interrupt, before the code that made it sees the result) and in
+    the cleanup (``release:i``: the interrupt instead of dropping the i-th mark). Either way the request fails with
+    the interrupt and the next request on the engine runs, with the verifier's tokens."""
+    import metasd.core.engine as engine_module
+    from metasd.core import EngineBusyError
+
+    chain = PretrainedDrafter(tiny_qwen(seed=1), k=3, name="chain")
+    engine = Engine(Verifier(model, tokenizer), [chain, NGramDrafter(name="ngram")], RandomArms(2, seed=0),
+                    check_tokenizers=False)
+    expected = plain_greedy(model, PROMPT, 8)
+    assert engine.generate(PROMPT, max_new_tokens=8).token_ids == expected
+    step, index = where.split(":")
+    original = getattr(engine_module, f"_{step}")
+    calls = []
+
+    def interrupted(owner, claim):
+        calls.append(owner)
+        if len(calls) - 1 != int(index):
+            return original(owner, claim)
+        if step == "claim":
+            assert original(owner, claim)  # marked as held...
+        raise KeyboardInterrupt  # ...and interrupted before anything else happens
+
+    monkeypatch.setattr(engine_module, f"_{step}", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPT, max_new_tokens=8)
+    assert len(calls) > int(index)  # the interrupt was delivered where the test says
+    monkeypatch.undo()
+    assert engine.generate(PROMPT, max_new_tokens=8).token_ids == expected  # not refused as busy
+    other = engine.stream(PROMPT, max_new_tokens=8)  # and a live request is still exclusive
+    next(other)
+    with pytest.raises(EngineBusyError):
+        engine.generate(PROMPT, max_new_tokens=8)
+    assert _drain(other)[1].token_ids == expected
+
+
+def _drain(stream, text: str = ""):
+    """The rest of a stream's text (after ``text``, already read) and its ``GenerationResult``."""
+    while True:
+        try:
+            text += next(stream)
+        except StopIteration as done:
+            return text, done.value

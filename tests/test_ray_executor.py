@@ -58,11 +58,18 @@ def store(tmp_path_factory):
 def ray_session():
     """One local Ray (2 CPUs) for the module: starting one costs seconds. It also declares one GPU, which this
     machine need not have: Ray schedules it as a resource (an actor reserving it is shown it as
-    CUDA_VISIBLE_DEVICES=0), so reservations are tested; workers that reserve none never see it."""
+    CUDA_VISIBLE_DEVICES=0), so reservations are tested; workers that reserve none never see it. Ray's driver
+    replaces ``builtins.print`` (ray.experimental.tqdm_ray's safe_print) once it prints a worker's log line, for the
+    rest of the process: put back after the session, so files after this one print as they would alone (conftest
+    checks it)."""
+    import builtins
+
+    original_print = builtins.print
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024, logging_level="ERROR",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
+    builtins.print = original_print
 
 
 def _write(store, name, **over):

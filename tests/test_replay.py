@@ -19,15 +19,39 @@ def test_greedy_steps_commit_accept_plus_one_tokens_and_the_verifiers_output(acc
     assert result.stats.drafted == sum(min(accept + 1, 30 - sum(taus[:i]) - 1) for i in range(len(taus)))
 
 
-def test_the_recording_is_made_outside_the_steps_and_costs_nothing_in_them():
-    """Recorded when the request begins: the step's modeled cost is the verifier's verify alone."""
+def _counting_records(drafter: ReplayDrafter) -> list[int]:
+    """The lengths of the recordings ``drafter`` makes (one entry per ``_record``)."""
+    calls: list[int] = []
+    record = drafter._record
+    drafter._record = lambda tokens, n: calls.append(len(tokens)) or record(tokens, n)
+    return calls
+
+
+def test_a_recording_costs_nothing_in_the_steps_even_when_made_inside_one():
+    """Recorded when the request begins, and again inside a step when the committed text leaves the recording: the
+    cost model counts neither, so each step's modeled cost is the verifier's verify alone."""
     model = tiny_qwen(seed=0)
-    replay = Engine(Verifier(model), ReplayDrafter(model, accept=2, wrong=0)).generate(PROMPT, max_new_tokens=12).stats
+    truth = plain_greedy(model, PROMPT, 12)
     none = Engine(Verifier(model)).generate(PROMPT, max_new_tokens=12).stats
     assert none.modeled_cost == pytest.approx(12.0)  # plain decoding: one decode step per token
+
+    at_start = ReplayDrafter(model, accept=2, wrong=0)
+    started = _counting_records(at_start)
+    replay = Engine(Verifier(model), at_start).generate(PROMPT, max_new_tokens=12)
+    assert started == [len(PROMPT)] and replay.token_ids == truth  # one recording, when the request began
     # a 3-row verify costs a little more than a 1-row one, and nothing else is counted
-    per_step = replay.modeled_cost / replay.steps
-    assert 1.0 < per_step < 1.2
+    assert 1.0 < replay.stats.modeled_cost / replay.stats.steps < 1.2
+
+    # a recording the committed text leaves after 4 tokens (as a bf16 tie broken the other way would): the drafter
+    # records again inside the step that finds it off, and that step still costs a verify alone
+    leaving = ReplayDrafter(model, accept=2, wrong=0)
+    leaving.record(PROMPT, truth[:4] + [(t + 1) % 64 for t in truth[4:]])
+    again = _counting_records(leaving)
+    result = Engine(Verifier(model), leaving).generate(PROMPT, max_new_tokens=12)
+    assert result.token_ids == truth
+    assert again == [len(PROMPT) + 5]  # re-recorded once, in a step, from the 5 tokens committed by then
+    assert result.stats.tokens_per_step[:2] == [3, 2]  # the second step found the recording wrong at its 2nd token
+    assert 1.0 < result.stats.modeled_cost / result.stats.steps < 1.2
 
 
 def test_a_given_recording_is_replayed_and_a_wrong_one_is_recorded_again():

@@ -528,11 +528,15 @@ def _reads_per_step(engine, prompt, **kwargs) -> tuple[list[int], list, list[int
         with count_host_reads() as reads:
             try:
                 next(steps)
-            except StopIteration:
-                break
+                ended = False
+            except StopIteration:  # the request's end (its stats, the policy's update) after its last step
+                ended = True
+        if ended:  # counted in the last step, so the budget covers it too
+            per_step[-1] += reads.total
+            report[-1] += ("\n" if reads.events else "") + reads.report()
+            break
         per_step.append(reads.total)
         report.append(reads.report())
-    per_step[-1] = per_step[-1]  # the last step's count includes the end of the request (no reads there)
     levels = [int(d.meta.get("drafter_forwards", 1)) for d in drafts]
     return per_step, drafts, levels, "\n---\n".join(report)
 

@@ -200,7 +200,7 @@ def test_drafter_shapes_and_context_cache(verifier_model):
     result = engine.generate(PROMPT, max_new_tokens=20)
     assert result.token_ids == plain_greedy(verifier_model, PROMPT, 20)
     assert drafts and all(len(d) <= 7 and d.depth <= 3 and d.probs is None for d in drafts)
-    assert drafter._ctx_rows == 0 or drafter._ctx_kv is None  # end() freed the request state
+    assert drafter._ctx_rows == 0 and drafter._ctx_kv is None  # end() freed the request state
     # context keys/values built incrementally equal a fresh projection of every row
     from metasd.core.drafter import StepContext
     from metasd.core.sampling import SamplingParams

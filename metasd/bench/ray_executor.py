@@ -26,6 +26,7 @@ starts its persistent policies afresh (the in-process runner resumes from the la
 """
 from __future__ import annotations
 
+import builtins
 import os
 import sys
 from collections import deque
@@ -219,6 +220,7 @@ class RayRunner(ExperimentRunner):
         self.actors: dict[int, Any] = {}
         states: dict[str, dict[str, Any]] = {}
         if shards:  # else every request is logged already: no Ray needed
+            original_print = builtins.print
             started = self._init_ray(ray)
             try:
                 self._start_workers(ray)
@@ -229,6 +231,7 @@ class RayRunner(ExperimentRunner):
                     ray.kill(actor)
                 if started:
                     ray.shutdown()
+                    builtins.print = original_print  # Ray's driver replaces it once it prints a worker's log line
         self.pbar.close()
         self.pbar = None
         self._finalize(states)

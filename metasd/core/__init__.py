@@ -5,7 +5,7 @@ Imports no YAML, MLflow or Ray, and no layer above it (docs/architecture.md)."""
 from .acceptance import Acceptance, accept_greedy, accept_match, accept_rejection
 from .cost import CostModel
 from .drafter import DRAFTERS, BuildContext, Drafter, DrafterParams, StepContext, StepFeedback, register_drafter
-from .engine import Engine, EngineBusyError
+from .engine import Engine, EngineBusyError, GenerationInterrupted
 from .hidden import HiddenStore
 from .metrics import RequestStats
 from .policy import POLICIES, Context, Policy, register_policy
@@ -18,7 +18,7 @@ from .verifier import Verifier, VerifierOutput
 
 __all__ = [
     "Acceptance", "BuildContext", "Context", "CostModel", "DRAFTERS", "Draft", "Drafter", "DrafterParams", "Engine", "EngineBusyError",
-    "GenerationResult", "HiddenStore", "POLICIES", "Policy", "REWARDS", "RequestStats", "Reward", "SamplingParams",
+    "GenerationInterrupted", "GenerationResult", "HiddenStore", "POLICIES", "Policy", "REWARDS", "RequestStats", "Reward", "SamplingParams",
     "StepContext", "StepFeedback", "TokenizerMismatchError", "Verifier", "VerifierOutput", "accept_greedy",
     "accept_match", "accept_rejection", "get_reward", "register_drafter", "register_policy",
 ]

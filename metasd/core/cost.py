@@ -19,6 +19,7 @@ of the step, so the same command gives the same costs, choices and tokens on eve
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -163,6 +164,17 @@ def decode_step_cost(verifier_model: nn.Module, model: CostModel) -> float:
     if total <= 0:
         raise ValueError("the verifier has no linear layers to model the cost of a step with")
     return total
+
+
+@contextmanager
+def unmetered():
+    """Nothing that runs inside is counted by the step meter open on this thread (if any): work a drafter does that
+    is not part of the step it models (a replay drafter recording the verifier's continuation)."""
+    meter, _OPEN.meter = _OPEN.meter, None
+    try:
+        yield
+    finally:
+        _OPEN.meter = meter
 
 
 class StepMeter:

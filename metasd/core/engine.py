@@ -29,16 +29,56 @@ class EngineBusyError(RuntimeError):
     request at a time)."""
 
 
-_LOCKS = threading.Lock()  # guards the creation of the per-object locks below
+class GenerationInterrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt that cut a request short (``Engine.generate``, ``Engine.stream``); ``result`` holds what it
+    had generated: its tokens and text so far and the stats of its steps (stop reason "interrupted")."""
+
+    def __init__(self, result: GenerationResult):
+        super().__init__("generation interrupted")
+        self.result = result
 
 
-def _use_lock(owner: Any) -> threading.Lock:
-    """The lock a request holds on ``owner`` (a verifier or a drafter) while it runs, created on first use."""
-    with _LOCKS:
-        lock = owner.__dict__.get("_metasd_in_use")
-        if lock is None:
-            lock = owner.__dict__["_metasd_in_use"] = threading.Lock()
-    return lock
+_IN_USE = "_metasd_in_use"  # the attribute that marks a verifier or drafter as held, by the request's _Claim
+_TAKEOVER = threading.Lock()  # serialises taking over a stale mark with dropping one
+
+
+class _Claim:
+    """One request's mark on the verifier and drafters it holds (``Engine.exclusive_use``). ``ended`` once the
+    request's cleanup has begun: a mark still left then (an interrupt cut the cleanup short) is stale, and the next
+    request takes it over instead of being refused."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self):
+        self.ended = False
+
+    def __deepcopy__(self, memo):  # a copy of a held drafter is a new object, held by nobody
+        copy = _Claim()
+        copy.ended = True
+        return copy
+
+
+def _claim(owner: Any, claim: _Claim) -> bool:
+    """Mark ``owner`` as held by ``claim``, or say it is held by another request. The mark is made and recorded by
+    one dict operation (``setdefault``): no bytecode runs between the two, so an interrupt (KeyboardInterrupt, raised
+    between bytecodes) cannot leave ``owner`` held with no record of who holds it; ``exclusive_use`` drops the marks
+    by identity, whichever of them were made."""
+    mark = owner.__dict__.setdefault(_IN_USE, claim)
+    if mark is claim:
+        return True
+    if not mark.ended:
+        return False
+    with _TAKEOVER:  # a stale mark (an interrupted cleanup): take it over, unless it is being dropped right now
+        if owner.__dict__.get(_IN_USE) is mark:
+            owner.__dict__[_IN_USE] = claim
+    return owner.__dict__.setdefault(_IN_USE, claim) is claim
+
+
+def _release(owner: Any, claim: _Claim) -> None:
+    """Drop ``claim``'s mark on ``owner``, if it has one (never another request's)."""
+    with _TAKEOVER:
+        if owner.__dict__.get(_IN_USE) is claim:
+            del owner.__dict__[_IN_USE]
 
 
 def set_pool_loader(loader: Callable[..., "Engine"]) -> None:
@@ -139,7 +179,8 @@ class Engine:
         raise KeyError(f"no drafter named {name!r} in the pool; drafters: {[d.name for d in self.drafters]}")
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats.
+        """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats (a KeyboardInterrupt
+        meanwhile raises ``GenerationInterrupted``, whose ``result`` is what was generated so far).
 
         Keyword arguments: temperature (0 = greedy), top_p, top_k, stop (strings; the text ends before
         the first one), seed (sampling reproducible), policy (overrides the engine's for this call),
@@ -147,24 +188,30 @@ class Engine:
         category (request feature for contextual policies).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
-        for _ in run.steps():
-            pass
+        try:
+            for _ in run.steps():
+                pass
+        except KeyboardInterrupt as e:
+            raise GenerationInterrupted(run.interrupted_result()) from e
         return run.result()
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
-        """Yield text as tokens commit; the full ``GenerationResult`` is the generator's return value."""
+        """Yield text as tokens commit; the full ``GenerationResult`` is the generator's return value. A
+        KeyboardInterrupt during a step, or thrown into the generator between pieces (``gen.throw``), ends the request
+        with ``GenerationInterrupted`` (its ``result``: what was generated so far)."""
         run = self._run(prompt, max_new_tokens, **kwargs)
-        emitted = ""
-        for _ in run.steps():
-            text = run.text()
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next step
-                continue
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
+        emitted = 0  # characters yielded
+        try:
+            for _ in run.steps():
+                text = run.text_so_far()  # incremental: complete characters, nothing a stop string may still cut
+                if len(text) > emitted:
+                    yield text[emitted:]
+                    emitted = len(text)
+        except KeyboardInterrupt as e:
+            raise GenerationInterrupted(run.interrupted_result()) from e
         result = run.result()
-        if len(result.text) > len(emitted):
-            yield result.text[len(emitted):]
+        if len(result.text) > emitted:
+            yield result.text[emitted:]
         return result
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -209,19 +256,19 @@ class Engine:
         at a time, and engines made by ``derive`` share them: a second request on any of them while the first runs (from
         another thread, or a second ``stream`` opened before the first ended) is refused with ``EngineBusyError`` rather
         than corrupting a cache. Run concurrent requests on separate engines (separate model copies)."""
-        held = []
+        claim = _Claim()
+        owners = (self.verifier, *self.all_drafters)
         try:
-            for owner in (self.verifier, *self.all_drafters):
-                lock = _use_lock(owner)
-                if not lock.acquire(blocking=False):
+            for owner in owners:
+                if not _claim(owner, claim):
                     what = "verifier" if owner is self.verifier else f"drafter {owner.name!r}"
                     raise EngineBusyError(f"the {what} is in use by another request: metasd runs one request at a time "
                                           f"per verifier and per drafter; wait for it to finish, or use another engine")
-                held.append(lock)
             yield
         finally:
-            for lock in held:
-                lock.release()
+            claim.ended = True  # first (an attribute store: no interrupt lands before it): marks left now are stale
+            for owner in owners:
+                _release(owner, claim)
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)

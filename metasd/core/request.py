@@ -7,6 +7,7 @@ from it.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -15,6 +16,7 @@ import torch
 
 from .acceptance import accept_greedy, accept_match, accept_rejection
 from .clock import now
+from .detokenize import IncrementalDetokenizer, find_stop
 from .drafter import StepContext, StepFeedback
 from .metrics import RequestStats
 from .policy import Policy
@@ -78,6 +80,12 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int |
                          f"{model_name} ({context_length} tokens)")
 
 
+def _fresh_seed() -> int:
+    """A seed for an unseeded sampled request, from the OS's entropy: ``torch.seed()`` would reseed the caller's global
+    torch RNG (and so change every draw their own code makes after the request)."""
+    return secrets.randbits(63)
+
+
 class Request:
     """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
     token lists (``steps``)."""
@@ -103,21 +111,55 @@ class Request:
         self.generator = None  # sampling draws on the verifier's device, from this request's own stream
         if not self.sampling.greedy:
             self.generator = torch.Generator(device=engine.verifier.device)
-            self.generator.manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+            self.generator.manual_seed(seed if seed is not None else _fresh_seed())
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
-        self._text_cut: int | None = None
+        self._stopped_text: str | None = None  # the text once a stop string ended the request, cut before it
+        self._detok: IncrementalDetokenizer | None = None  # the text so far, one short decode per step
+        self._fed = 0  # new tokens given to _detok
 
-    # text of the new tokens, cut before a stop string
     def text(self) -> str:
+        """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
+        (``text_so_far`` is the incremental read)."""
         tok = self.engine.tokenizer
         if tok is None:
             return ""
-        text = tok.decode(self.new_ids, skip_special_tokens=True)
-        return text if self._text_cut is None else text[: self._text_cut]
+        if self._stopped_text is not None:
+            return self._stopped_text
+        return tok.decode(self.new_ids, skip_special_tokens=True)
+
+    def text_so_far(self) -> str:
+        """The text committed so far, read incrementally (one decode of a few tokens per step, not of the whole
+        output): complete characters only, and nothing a stop string may still cut away (it ends before a stop
+        string, and holds back a tail that could begin one)."""
+        if self.engine.tokenizer is None:
+            return ""
+        if self._stopped_text is not None:
+            return self._stopped_text
+        text = self._read_text()
+        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold] if hold else text
+
+    def _read_text(self) -> str:
+        """Feed the tokens committed since the last read to the incremental detokenizer; its text."""
+        if self._detok is None:
+            self._detok = IncrementalDetokenizer(self.engine.tokenizer)
+        if self._fed < len(self.new_ids):
+            self._detok.add(self.new_ids[self._fed:])
+            self._fed = len(self.new_ids)
+        return self._detok.text
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.text(), list(self.new_ids), list(self.prompt_ids), self.stats)
+
+    def interrupted_result(self) -> GenerationResult:
+        """The result of a request an interrupt cut short: the tokens committed so far, their text, the stats of the
+        steps that ran (stop reason "interrupted", unless the request had already ended)."""
+        self.stats.new_tokens = len(self.new_ids)
+        if hasattr(self, "t_start"):
+            self.stats.wall_s = now(self.engine.verifier.device) - self.t_start
+        self.stats.stop_reason = self.stats.stop_reason or "interrupted"
+        return self.result()
 
     def _context(self) -> Any:
         if not getattr(self.policy, "contextual", False):
@@ -275,9 +317,12 @@ class Request:
         return False
 
     def _hit_stop(self) -> bool:
+        """Whether the text now holds a stop string: only the tail the new tokens can complete is searched (the
+        step's tokens decoded incrementally). On a hit, the whole text is decoded once and cut before the first."""
+        checked = len(self._detok.text) if self._detok is not None else 0
+        if find_stop(self._read_text(), self.stop, checked) is None:
+            return False
         text = self.engine.tokenizer.decode(self.new_ids, skip_special_tokens=True)
         cuts = [text.find(s) for s in self.stop if s in text]
-        if not cuts:
-            return False
-        self._text_cut = min(cuts)
+        self._stopped_text = text[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
         return True
