@@ -400,7 +400,9 @@ def _bench(args) -> int:
     from metasd.bench.experiment import load_experiment
     from metasd.bench.run import run_experiment
     from metasd.bench.runner import ExperimentInterrupted
+    from metasd.bench.tracking import require_bench_extra
 
+    require_bench_extra()  # MLflow and matplotlib come with the 'bench' extra: say so before anything loads
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")
     exp = load_experiment(args.experiment, limit=args.limit)  # errors (bad field, missing dataset) before models load

@@ -1,8 +1,10 @@
 """The package's shape: layers that import one way (import-linter's contracts in pyproject.toml, checked on the
 installed layout), no import cycles, a core without function-level imports, ``import metasd`` without the experiment
-layer's heavy dependencies, and no package file over 450 lines."""
+layer's heavy dependencies (the ``bench`` extra's MLflow and matplotlib: without them the CLI works and ``metasd bench``
+says which extra to install), and no package file over 450 lines."""
 import ast
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +59,7 @@ def test_import_metasd_leaves_the_study_layer_and_its_dependencies_alone():
                          check=True).stderr
     modules = {line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")}
     assert "metasd.core.engine" in modules  # the parse reads the real list
-    heavy = sorted(m for m in modules if m.split(".")[0] in ("mlflow", "ray") or m.startswith(("metasd.bench",
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("mlflow", "matplotlib", "ray") or m.startswith(("metasd.bench",
                                                                                                 "metasd.training")))
     assert not heavy, f"import metasd imports {heavy}"
 
@@ -75,3 +77,53 @@ def test_the_top_of_metasd_holds_only_its_subpackages_and_the_cli():
     for package in (p for p in (ROOT / "metasd").iterdir() if p.is_dir() and (p / "__init__.py").exists()):
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
         assert doc, f"metasd/{package.name}/__init__.py has no docstring saying what the layer is for"
+
+
+# Run in a fresh interpreter: mlflow and matplotlib look uninstalled (find_spec gives None, import raises
+# ModuleNotFoundError), as in an install without the 'bench' extra; then each command's exit code and output.
+_WITHOUT_BENCH_EXTRA = """
+import contextlib, importlib.machinery, io, json, sys
+_find = importlib.machinery.PathFinder.find_spec.__func__
+def _hidden(cls, name, path=None, target=None):
+    return None if name.split(".")[0] in ("mlflow", "matplotlib") else _find(cls, name, path, target)
+importlib.machinery.PathFinder.find_spec = classmethod(_hidden)
+from metasd.cli import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps({"argv": argv, "code": code, "out": out.getvalue(), "err": err.getvalue(),
+                      "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("mlflow", "matplotlib"))}))
+"""
+
+
+def test_without_the_bench_extra_the_cli_works_and_bench_names_the_extra():
+    commands = [["--help"], ["generate", "--help"], ["bench", "--help"], ["bench", str(ROOT / "experiments" / "smoke.yaml")]]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_BENCH_EXTRA, json.dumps(commands)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["argv"] for r in results] == commands
+    top, generate, bench_help, bench = results
+    assert top["code"] == 0 and "generate" in top["out"] and "bench" in top["out"]
+    assert generate["code"] == 0 and "--max-new-tokens" in generate["out"]
+    assert bench_help["code"] == 0 and "experiment" in bench_help["out"]
+    assert bench["code"] == 2, bench
+    assert "'bench' extra" in bench["err"] and "pip install 'metasd[bench]'" in bench["err"], bench["err"]
+    assert "mlflow" in bench["err"] and "Traceback" not in bench["err"]
+    assert all(not r["loaded"] for r in results), results  # the blocker held: nothing of either was imported
+
+
+def test_a_trainer_that_logs_to_mlflow_names_the_extra_before_it_loads_anything(monkeypatch):
+    from metasd.config.tracking import MissingExtraError
+    from metasd.training.common import require_tracking
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    require_tracking(False)  # logging off: MLflow is not needed
+    with pytest.raises(MissingExtraError, match=r"'bench' extra .*pip install 'metasd\[bench\]'") as e:
+        require_tracking(True)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, ImportError)  # the CLI's exit 2; an ImportError

@@ -44,7 +44,7 @@ from .requests import MethodRequests, PoolEngine, answer_request, compare_with_p
 from .experiment import Experiment, Method, ResolvedDataset, ResolvedPool
 from .report import (OVERALL, SUMMARY_METRICS, cumulative_regret, oracle_records, overloaded, plain_outliers, results_table,
                      summarize, table_columns)
-from .tracking import BenchStore, NestedRun, flatten_params, model_params
+from .tracking import BenchStore, NestedRun, flatten_params, model_params, require_bench_extra
 
 _DONE = object()
 
@@ -87,6 +87,7 @@ class ExperimentRunner:
 
     def __init__(self, exp: Experiment, tracking_uri: str, resume_run_id: str | None, resume: bool,
                  progress: bool, threads: int | None):
+        require_bench_extra()
         self.exp, self.cfg = exp, exp.config
         self.uri = tracking_uri
         self.store = BenchStore(tracking_uri)

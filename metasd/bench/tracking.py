@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .experiment import Experiment, ResolvedPool
 
-from metasd.config.tracking import artifact_location
+from metasd.config.tracking import artifact_location, require_extra
 
 from .store_guard import (LOCKED_RETRIES, OWNER_TAG, RetryingClient, RunInUseError, StoreBusyError,  # noqa: F401
                           call_with_retry, owner_alive, owner_token, store_lock)
@@ -82,6 +82,12 @@ _KEY_BAD = re.compile(r"[^\w\-. /:]")
 def metric_key(s: str) -> str:
     """A param or metric name MLflow accepts: other characters become ``_``, at most 250 characters."""
     return _KEY_BAD.sub("_", s)[:250]
+
+
+def require_bench_extra(what: str = "metasd bench") -> None:
+    """``MissingExtraError`` naming the ``bench`` extra unless MLflow and matplotlib (its logging and figures) are
+    installed: checked before an experiment loads any model."""
+    require_extra("bench", what, "mlflow", "matplotlib")
 
 
 def mlflow_params(d: dict[str, Any]) -> list:

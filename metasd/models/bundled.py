@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 
@@ -179,23 +180,19 @@ def _disk_full(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[bool]:
-    """Exclusive advisory lock (POSIX flock); yields False (no lock) where fcntl is unavailable."""
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock between processes on ``path`` (``filelock``: flock on POSIX, msvcrt on Windows), waiting, with a
+    log line, while another process holds it; released when the block ends, and by the OS if the process dies."""
+    lock = FileLock(str(path))
     try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield False
-        return
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.warning("waiting for another process that is preparing the same cache (%s)", path)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.warning("waiting for another process that is preparing the same cache (%s)", path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _install_dir(out: Path, final: Path) -> None:
@@ -269,11 +266,10 @@ def prepare_bundled(name: str) -> Path:
             f"bundled model {entry.ref!r}: cannot write the model cache at {root} ({e}); "
             f"set METASD_CACHE to a writable directory"
         ) from e
-    with _file_lock(root / f".{entry.name}.lock") as locked:
+    with _file_lock(root / f".{entry.name}.lock"):
         if _cache_complete(entry, final):  # another process finished it while we waited
             return final
-        if locked:  # any temp dir of this model is then a leftover of an interrupted run
-            _remove_leftovers(root, entry.name)
+        _remove_leftovers(root, entry.name)  # under the lock any temp dir of this model is an interrupted run's
         need = 4 * entry.gguf_bytes  # GGUF + bf16 safetensors (~2.8x a Q4_K_M file) + slack
         free = shutil.disk_usage(root).free
         if free < need:

@@ -41,7 +41,8 @@ from safetensors.torch import load_file
 from metasd.config import read_yaml_mapping, validate_config
 from metasd.models.draft_vocab import DraftVocab
 from metasd.models.machine import warn_if_oversubscribed
-from .common import STATE_META, FeatureTrainingConfig, Tracker, lr_at, save_state, split_shards, state_file, write_atomic
+from .common import (STATE_META, FeatureTrainingConfig, Tracker, lr_at, require_tracking, save_state, split_shards,
+                     state_file, write_atomic)
 from .devices import DEVICE_HELP, autocast_note, bf16_autocast, load_optimizer, to_device, training_device
 from .loop import StepLoop
 from .features import FeatureSet
@@ -205,6 +206,7 @@ def train_block(cfg: TrainBlockConfig, until_step: int | None = None, log=print,
     from metasd.drafters.block import BlockHeads
     from metasd.models import eos_token_ids, load_model
 
+    require_tracking(cfg.mlflow)  # a missing extra fails before anything loads
     device = training_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

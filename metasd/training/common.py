@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from metasd.config import expand_env_path
-from metasd.config.tracking import DEFAULT_TRACKING_URI, artifact_location, resolve_tracking_uri
+from metasd.config.tracking import DEFAULT_TRACKING_URI, artifact_location, require_extra, resolve_tracking_uri
 from .devices import DEVICE_HELP, check_device, save_optimizer
 from .features import FeatureSet, parse_shards
 
@@ -156,6 +156,14 @@ def tracking_uri(explicit: str | None = None) -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}" if uri == DEFAULT_TRACKING_URI else uri
 
 
+def require_tracking(enabled: bool) -> None:
+    """With MLflow logging on, ``MissingExtraError`` naming the ``bench`` extra unless MLflow is installed: trainers
+    call it before they load data or models."""
+    if enabled:
+        require_extra("bench", "MLflow logging of a training run (on by default: 'mlflow: false' in the config, "
+                      "'log: {mlflow: false}' for steering, trains without it)", "mlflow")
+
+
 class Tracker:
     """MLflow logging of one training run, or nothing when disabled; shared by every trainer.
 
@@ -169,6 +177,7 @@ class Tracker:
         self.run_id = run_id
         if not enabled:
             return
+        require_tracking(enabled)
         import mlflow
 
         self.mlflow = mlflow

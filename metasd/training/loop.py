@@ -17,7 +17,7 @@ import torch
 from metasd.models.draft_vocab import DraftVocab
 from metasd.models.machine import warn_if_oversubscribed
 from .common import (STATE_META, FeatureTrainingConfig, ShardReader, Tracker, count_tokens, eos_ids, load_verifier_parts,
-                     split_shards)
+                     require_tracking, split_shards)
 from .devices import training_device
 from .features import FeatureSet
 
@@ -43,6 +43,7 @@ class FeatureRun:
     def start(cls, cfg: FeatureTrainingConfig, verifier_model, log) -> "FeatureRun":
         """Threads, the device, the oversubscription warning, the shard split, the verifier's embeddings, final norm
         and LM head (loaded unless given, on the CPU) and the state of an earlier invocation (when ``cfg.resume``)."""
+        require_tracking(cfg.mlflow)  # a missing extra fails before anything loads
         device = training_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

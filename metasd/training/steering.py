@@ -45,7 +45,7 @@ from metasd.config import ConfigError
 from metasd.drafters.steering_net import (Injector, SteeringModule, decoder_layers, default_guide_layers,
                                           resolve_steered_layers, save_steering)
 from metasd.models.machine import warn_if_oversubscribed
-from .common import Tracker
+from .common import Tracker, require_tracking
 from .devices import autocast_note, bf16_autocast, compute_dtype, to_device, training_device
 from .loop import KeepBest, StepLoop
 from .steering_config import (DataConfig, LogConfig, SteeringConfig, SteeringTrainingConfig,  # noqa: F401
@@ -348,6 +348,7 @@ def train_steering(cfg: SteeringTrainingConfig, model=None, fresh: bool = False,
     model: an already loaded drafter model (tests; moved onto ``train.device``); default: load ``cfg.drafter`` there.
     stop_at_step: stop like an interruption after this step (checkpoint, no export); for tests.
     """
+    require_tracking(cfg.log.mlflow)  # a missing extra fails before anything loads
     tr = SteeringTrainer(cfg, model=model, log=log)
     out = Path(cfg.out_dir)
     try:
