@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 
 from .cost import CostModel, StepMeter, attach, decode_step_cost
-from .drafter import Drafter
+from .drafter import Drafter, with_components as _with_components
 from .policy import Policy
 from .request import GenerationResult, Prompt, Request, encode_prompt
 from .rewards import get_reward
@@ -245,21 +245,6 @@ class Engine:
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)
-
-
-def _with_components(drafters: Sequence[Drafter]) -> list[Drafter]:
-    """``drafters`` and, recursively, their components, each once (by identity), in first-seen order."""
-    seen: dict[int, Drafter] = {}
-
-    def add(d: Drafter) -> None:
-        if id(d) not in seen:
-            seen[id(d)] = d
-            for c in d.components():
-                add(c)
-
-    for d in drafters:
-        add(d)
-    return list(seen.values())
 
 
 def _as_list(drafters) -> list[Drafter]:
