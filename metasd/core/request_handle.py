@@ -69,7 +69,8 @@ class RequestStepRecord:
 
 @dataclass
 class SchedulerStep:
-    """A step of the scheduler: one verifier forward over the drafts of ``batch_size`` running requests.
+    """A step of the scheduler: one verifier forward over the drafts of ``batch_size`` running requests (0: a step
+    that only prefilled joining requests).
 
     forward_tokens: rows of that forward (padding included: batch_size x the longest [pending] + draft);
     prefill_tokens: prompt tokens prefilled in this step (requests joining); queue_length: requests waiting after

@@ -254,7 +254,8 @@ class Scheduler:
         t0 = time.perf_counter()
         prefill_tokens = self._prefill()
         running = list(self._running)
-        if not running:
+        if not running:  # only prefills this step (reported: its prompt tokens count)
+            self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
             return
         drafts = {}
         for job in running:
@@ -265,6 +266,7 @@ class Scheduler:
                 self._leave(job, "error", e)
         running = list(self._running)  # compact again: failed rows left
         if not running:
+            self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
             return
         batch = [drafts[id(j)] for j in running]
         t1 = time.perf_counter()
