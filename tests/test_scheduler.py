@@ -70,6 +70,7 @@ def test_greedy_outputs_equal_engine_generate(verifier_model, tok, pool):
     got = _serve(engine)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.text for r in got] == [r.text for r in expected]
+    assert [r.stats.tokens_per_step for r in got] == [r.stats.tokens_per_step for r in expected]  # the same drafts
     if pool != "none":
         assert sum(r.stats.drafted for r in got) > 0 and sum(r.stats.accepted for r in got) > 0, "nothing was checked"
 
@@ -365,3 +366,16 @@ class _FirstArm:
 
     def state_dict(self):
         return {}
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_suffix_cross_request_cache_is_shared_only_when_asked(verifier_model, tok, share):
+    engine = _engine(verifier_model, tok, SuffixDrafter(cross_request=True, name="suffix"))
+    prompt = [0, 30, 31, 32, 33]
+    with Scheduler(engine, share_suffix_cache=share) as s:
+        first = s.submit(prompt, 30).result(timeout=60)
+        again = s.submit(prompt, 30).result(timeout=60)  # the same text again: the cache knows its continuation
+    assert again.token_ids == first.token_ids
+    from_cache = again.stats.drafter_counts.get("suffix", {}).get("from_cache", 0)
+    assert (from_cache > 0) == share
+    assert engine.drafters[0].cache is not None  # the pool's own drafter keeps its cache
