@@ -171,9 +171,9 @@ class Engine:
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, *, max_batch: int = 8,
                        **kwargs) -> list[GenerationResult]:
         """Generate for every prompt, up to ``max_batch`` at once through a ``Scheduler`` (continuous batching: one
-        verifier forward per step for all running requests); the results in the prompts' order. Keyword arguments as
-        ``generate``'s (the same for every prompt), plus ``options`` (a ``RequestOptions``). A request that fails
-        raises its error after the others have finished."""
+        verifier forward per step for all running requests); the results in the prompts' order. Keyword arguments,
+        the same for every prompt: ``Scheduler.submit``'s (temperature, top_p, top_k, stop, seed, chat, options).
+        A request that fails raises its error after the others have finished."""
         with Scheduler(self, max_batch=max_batch, max_queue=max(len(prompts), 1)) as scheduler:
             handles = [scheduler.submit(p, max_new_tokens, **kwargs) for p in prompts]
             outcomes = []
