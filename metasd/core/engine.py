@@ -12,10 +12,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 
 from .cost import CostModel, StepMeter, attach, decode_step_cost
-from .drafter import Drafter
+from .drafter import Drafter, with_components as _with_components
 from .policy import Policy
 from .request import GenerationResult, Prompt, Request, encode_prompt
 from .rewards import get_reward
+from .scheduler import Scheduler
 from .tokens import check_tokenizers_compatible, eos_token_ids
 from .verifier import Verifier
 
@@ -214,6 +215,25 @@ class Engine:
             yield result.text[emitted:]
         return result
 
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, *, max_batch: int = 8,
+                       **kwargs) -> list[GenerationResult]:
+        """Generate for every prompt, up to ``max_batch`` at once through a ``Scheduler`` (continuous batching: one
+        verifier forward per step for all running requests); the results in the prompts' order. Keyword arguments,
+        the same for every prompt: ``Scheduler.submit``'s (temperature, top_p, top_k, stop, seed, chat, options).
+        A request that fails raises its error after the others have finished."""
+        with Scheduler(self, max_batch=max_batch, max_queue=max(len(prompts), 1)) as scheduler:
+            handles = [scheduler.submit(p, max_new_tokens, **kwargs) for p in prompts]
+            outcomes = []
+            for h in handles:
+                try:
+                    outcomes.append(h.result())
+                except Exception as e:  # noqa: BLE001 - raised after every request is over
+                    outcomes.append(e)
+        for o in outcomes:
+            if isinstance(o, BaseException):
+                raise o
+        return outcomes
+
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt -> token ids. Message lists always get the chat template; strings when ``chat``."""
         return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name)
@@ -272,21 +292,6 @@ class Engine:
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)
-
-
-def _with_components(drafters: Sequence[Drafter]) -> list[Drafter]:
-    """``drafters`` and, recursively, their components, each once (by identity), in first-seen order."""
-    seen: dict[int, Drafter] = {}
-
-    def add(d: Drafter) -> None:
-        if id(d) not in seen:
-            seen[id(d)] = d
-            for c in d.components():
-                add(c)
-
-    for d in drafters:
-        add(d)
-    return list(seen.values())
 
 
 def _as_list(drafters) -> list[Drafter]:
