@@ -1,6 +1,6 @@
-"""Shared by the ``metasd serve`` tests: a tiny-model engine, a drafter whose prompt markers make a request fail, run
-slowly or wait at a gate, a server in a background thread on a free 127.0.0.1 port, and a tiny pool on disk for a
-``metasd serve`` subprocess (which imports this module for the drafter: ``type: serve_helpers:MarkerDrafter``)."""
+"""Shared by the ``metasd serve`` tests: a tiny-model engine whose drafter reads markers in a request's prompt to make
+that request fail, run slowly or wait at a gate; a server in a background thread on a free 127.0.0.1 port; a tiny
+pool on disk for a ``metasd serve`` subprocess (which imports this module for its drafter type)."""
 from __future__ import annotations
 
 import threading
@@ -9,48 +9,51 @@ from pathlib import Path
 
 import yaml
 
-from metasd.core.drafter import Drafter
-from metasd.core.tree import Draft
+from metasd.drafters import NGramDrafter, PretrainedDrafter
 
-FAIL, SLOW, GATED = 63, 62, 61  # prompt tokens "w63", "w62", "w61"
+# prompt tokens "w59", "w58", "w57" (not "w6x": tiny_tokenizer splits a word that begins with "w6", its unknown token)
+FAIL, SLOW, GATED = 59, 58, 57
+SLOW_S = 0.05  # seconds a SLOW request's step sleeps
 GATE = threading.Event()  # what a GATED request waits for at each step (set by the test)
 
 
-class MarkerDrafter(Drafter):
-    """Drafts nothing; a request whose prompt holds "w63" fails inside it, one with "w62" sleeps ``slow_s`` per step,
-    one with "w61" waits at ``GATE`` (at most 30 s) each step. Other requests are not affected."""
-
-    kind = "serve_marker"
-
-    def __init__(self, slow_s: float = 0.05, name: str | None = None):
-        super().__init__(name or "marker")
-        self.slow_s = slow_s
+class _Markers:
+    """Before drafting as its base class does: a request whose prompt holds "w59" fails here, one with "w58"
+    sleeps ``SLOW_S`` a step, one with "w57" waits at ``GATE`` (at most 30 s) each step. Other requests are not
+    affected."""
 
     def propose(self, ctx):
         prompt = set(ctx.tokens[: ctx.prompt_len].tolist())
         if FAIL in prompt:
             raise RuntimeError("the marker drafter failed on purpose")
         if SLOW in prompt:
-            time.sleep(self.slow_s)
+            time.sleep(SLOW_S)
         if GATED in prompt:
             GATE.wait(30)
-        return Draft.empty()
+        return super().propose(ctx)
 
 
-def tiny_engine(marker_slow_s: float = 0.05):
-    """The tiny verifier (fp32) and a pool of three arms: a drafter with the verifier's weights (drafts accepted),
-    n-gram lookup, the marker drafter; UCB picks among them."""
+class MarkerDrafter(_Markers, PretrainedDrafter):
+    """A pretrained drafter (here: the verifier's own weights, so every draft is accepted) with the prompt markers."""
+
+    kind = "serve_marker"
+
+
+class MarkerNGram(_Markers, NGramDrafter):
+    """N-gram lookup with the prompt markers (for a pool file: ``type: serve_helpers:MarkerNGram``)."""
+
+    kind = "serve_marker_ngram"
+
+
+def tiny_engine():
+    """The tiny verifier (fp32) and one arm, "twin": a drafter with the verifier's weights (its chains of 3 are
+    accepted) and the prompt markers."""
     from metasd.core.engine import Engine
     from metasd.core.verifier import Verifier
-    from metasd.drafters import NGramDrafter, PretrainedDrafter
-    from metasd.policies import UCB1
     from tiny import tiny_qwen, tiny_tokenizer
 
     tok = tiny_tokenizer()
-    drafters = [PretrainedDrafter(tiny_qwen(seed=0), tok, k=3, name="twin"), NGramDrafter(k=3, name="ngram"),
-                MarkerDrafter(marker_slow_s)]
-    return Engine(Verifier(tiny_qwen(seed=0), tok, name="tiny"), drafters, UCB1(len(drafters), c=1.0, normalize=True),
-                  reward="block_efficiency")
+    return Engine(Verifier(tiny_qwen(seed=0), tok, name="tiny"), [MarkerDrafter(tiny_qwen(seed=0), tok, k=3, name="twin")])
 
 
 class ServerThread:
@@ -83,15 +86,14 @@ class ServerThread:
 
 
 def write_tiny_pool(root: Path) -> Path:
-    """A tiny verifier saved as an HF directory and a pool file over it (n-gram + marker drafters); the pool's path."""
+    """A tiny verifier saved as an HF directory and a pool file over it (n-gram lookup with the prompt markers); the
+    pool file's path."""
     from tiny import tiny_qwen, tiny_tokenizer
 
     tiny_qwen(seed=0).save_pretrained(root / "verifier")
     tiny_tokenizer().save_pretrained(root / "verifier")
     pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32"},
-            "drafters": [{"name": "ngram", "type": "ngram", "params": {"k": 3}},
-                         {"name": "marker", "type": "serve_helpers:MarkerDrafter", "params": {"slow_s": 0.05}}],
-            "policy": {"name": "ucb", "params": {"c": 1.0}}, "reward": "block_efficiency"}
+            "drafters": [{"name": "ngram", "type": "serve_helpers:MarkerNGram", "params": {"k": 3}}]}
     path = root / "pool.yaml"
     path.write_text(yaml.safe_dump(pool))
     return path

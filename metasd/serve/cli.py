@@ -98,7 +98,8 @@ class PoolEngine:
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """The scheduler's options from the command line (picklable: Ray replicas make their scheduler with them)."""
+    """The scheduler's options from the command line (picklable: Ray replicas make their scheduler with them);
+    ``make(engine)`` returns a running scheduler."""
 
     max_batch: int = 8
     max_queue: int = 64
@@ -107,8 +108,12 @@ class SchedulerSettings:
     def make(self, engine):
         from metasd.core.scheduler import Scheduler
 
-        return Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
-                         share_suffix_cache=self.share_suffix_cache)
+        scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
+                              share_suffix_cache=self.share_suffix_cache)
+        start = getattr(scheduler, "start", None)  # a scheduler that does not start its thread when made
+        if start is not None:
+            start()
+        return scheduler
 
 
 def serve_command(args) -> int:
@@ -140,7 +145,6 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
     t0 = time.perf_counter()
     engine = recipe()
     scheduler = settings.make(engine)
-    scheduler.start()
     print(f"[metasd serve] loaded in {time.perf_counter() - t0:.1f} s; serving {model_name!r} (batch "
           f"{settings.max_batch}, queue {settings.max_queue}, auth {'on' if api_key else 'off'})", file=sys.stderr,
           flush=True)

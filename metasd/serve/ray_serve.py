@@ -23,7 +23,6 @@ class MetasdReplica:
 
     def __init__(self, recipe, settings, model_name: str, api_key: str | None):
         self.scheduler = settings.make(recipe())
-        self.scheduler.start()
         self.model_name, self.api_key = model_name, api_key
         self.replica_id = _replica_id()
 
