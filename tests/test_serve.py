@@ -211,6 +211,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("text", {"prompt": [5, 999]}, "prompt"),
     ("text", {"prompt": ["w10", "w11"]}, "prompt"),
     ("text", {"best_of": 3}, "best_of"),
+    ("text", {"prompt": "   "}, "prompt"),
 ]
 
 

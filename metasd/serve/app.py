@@ -65,17 +65,22 @@ class ServeState:
     def prompt_ids(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
         """The prompt's token ids (chat messages through the chat template) and the field they came from."""
         engine = self.scheduler.engine
-        if isinstance(req, ChatCompletionRequest):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise bad_request(f"{self.model_name} has no chat template: use /v1/completions", "messages")
-            return engine.encode(req.prompt(), chat=True), "messages"
-        prompt = req.prompt_value()
-        if isinstance(prompt, list):
+        field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        if field == "messages" and not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(f"{self.model_name} has no chat template: use /v1/completions", field)
+        prompt = req.prompt() if field == "messages" else req.prompt_value()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if not 0 <= t < (self.vocab_size or 2**63)]
             if bad:
-                raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
-            return list(prompt), "prompt"
-        return engine.encode(prompt, chat=False), "prompt"
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", field)
+            return list(prompt), field
+        try:
+            ids = engine.encode(prompt, chat=field == "messages")
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"{field}: {e}", field) from None
+        if not ids:
+            raise bad_request(f"{field}: the prompt is empty after tokenisation", field)
+        return ids, field
 
     def budget(self, req, n_prompt: int, prompt_field: str) -> int:
         """``max_tokens`` checked against the context; when not given, what the context leaves (as vLLM does)."""
