@@ -4,8 +4,9 @@ vLLM's v1 names (vllm/v1/metrics/loggers.py), with its labels ``model_name`` and
 counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
 ``..._num_accepted_tokens_per_pos`` (label ``position``; a counter, so exposed with ``_total``), the histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and ``vllm:e2e_request_latency_seconds``,
-the gauges ``vllm:num_requests_waiting`` (the queue) and ``vllm:num_requests_running`` (the batch), and the
-``vllm:prompt_tokens`` / ``vllm:generation_tokens`` counters; plus ``metasd:drafter_choices`` (label ``drafter``):
+the gauges ``vllm:num_requests_waiting`` (the queue) and ``vllm:num_requests_running`` (the batch), the
+``vllm:prompt_tokens`` / ``vllm:generation_tokens`` counters and ``vllm:request_success`` (label ``finished_reason``);
+plus ``metasd:drafter_choices`` (label ``drafter``):
 how many request-steps each drafter drafted. Each server has its own ``CollectorRegistry``.
 """
 from __future__ import annotations
