@@ -299,19 +299,20 @@ def test_a_full_queue_is_a_429_with_retry_after_and_starts_nothing():
     gated = {"model": MODEL, "prompt": f"w{GATED} w10", "max_tokens": 3, "temperature": 0}
     try:
         with srv, ThreadPoolExecutor(2) as pool:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-            running = pool.submit(httpx.post, srv.url + "/v1/completions", json=gated, timeout=60)
-            _wait(lambda: scheduler.running == 1)
-            queued = pool.submit(httpx.post, srv.url + "/v1/completions", json=gated, timeout=60)
-            _wait(lambda: scheduler.queue_length == 1)
-            with pytest.raises(openai.RateLimitError) as e:
-                client.completions.create(model=MODEL, prompt="w10", max_tokens=2)
-            assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
-            assert len(scheduler.handles) == 2 and scheduler.queue_length == 1  # nothing started for it
-            GATE.set()
+            try:  # the gate opens before the pool waits for its requests, whatever happens
+                client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+                running = pool.submit(httpx.post, srv.url + "/v1/completions", json=gated, timeout=60)
+                _wait(lambda: scheduler.running == 1)
+                queued = pool.submit(httpx.post, srv.url + "/v1/completions", json=gated, timeout=60)
+                _wait(lambda: scheduler.queue_length == 1)
+                with pytest.raises(openai.RateLimitError) as e:
+                    client.completions.create(model=MODEL, prompt="w10", max_tokens=2)
+                assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+                assert len(scheduler.handles) == 2 and scheduler.queue_length == 1  # nothing started for it
+            finally:
+                GATE.set()
             assert running.result().status_code == 200 and queued.result().status_code == 200
     finally:
-        GATE.set()
         scheduler.close()
 
 

@@ -26,8 +26,9 @@ TESTS = Path(__file__).resolve().parent
 def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
-    assert main(["serve", "--port", "0"]) == 2
-    assert "pip install 'metasd[serve]'" in capsys.readouterr().err
+    assert main(["serve", "--pool", "missing.yaml"]) == 2  # refused before the pool is read
+    err = capsys.readouterr().err
+    assert "pip install 'metasd[serve]'" in err and "missing.yaml" not in err
 
 
 @pytest.mark.parametrize("args,message", [(["--max-batch", "0"], "--max-batch must be an integer >= 1"),
