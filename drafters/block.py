@@ -338,8 +338,8 @@ class BlockDrafter(Drafter):
 
     # ---------------------------------------------------------------- per request
     def begin(self, ctx: StepContext) -> None:
-        if self.ngram is not None:
-            self.ngram.reset()
+        if self.ngram is not None:  # new counts, not reset in place: a fork's (Drafter.fork) are its own
+            self.ngram = NGramLM(self.ngram.order, self.ngram.vocab_size, self.ngram.base)
         if self.lm is not None:
             self.lm.begin(ctx)
 

@@ -73,6 +73,9 @@ class FusedDrafter(Drafter):
             raise ValueError(f"arms {missing} are not earlier entries of the pool (entries before it: {list(build.pool)})")
         return cls([build.pool[a] for a in params["arms"]], name=name, **{k: v for k, v in params.items() if k != "arms"})
 
+    def _forked(self, cross_request: bool) -> None:
+        self._last = []  # the arms were forked with it (Drafter.fork)
+
     def components(self) -> list[Drafter]:
         return list(self.arms)
 

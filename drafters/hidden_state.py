@@ -129,6 +129,10 @@ class HiddenStateDrafter(VerifierStateDrafter):
     def end(self) -> None:
         self._reset()
 
+    def _forked(self, cross_request: bool) -> None:
+        self._reset()
+        self.last_states = None
+
     def observe(self, feedback) -> None:
         self._own_rows = len(feedback.committed)
 

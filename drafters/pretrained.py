@@ -3,6 +3,7 @@ verifier's tokenizer, or in its own tokens translated into the verifier's throug
 ``verifier_tokenizer``; ``metasd.drafters.token_bridge``)."""
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from typing import Any, Sequence
 
@@ -226,6 +227,16 @@ class PretrainedDrafter(Drafter):
 
     def end(self) -> None:
         self.cache, self.cached_ids = None, []
+
+    def _forked(self, cross_request: bool) -> None:
+        """Own request state: the cache, the ids fed, the translation state and the steering's step state (the
+        steering hooks on the shared model stay shared: they act only while a drafter's forward runs)."""
+        self.cache, self.cached_ids, self._unread, self._root = None, [], 0, None
+        if self.bridge is not None:
+            self.bridge = copy.copy(self.bridge)
+            self.bridge.begin()
+        if self.steering is not None:
+            self.steering = copy.copy(self.steering)
 
     def _logits(self, last_only: bool, **inputs) -> torch.Tensor:
         """One forward of the drafter model through its cache; next-token logits [rows, vocab] (the last row

@@ -104,6 +104,12 @@ class SuffixDrafter(Drafter):
         self._reset_request()
         self._prompt = ctx.tokens.tolist()
 
+    def _forked(self, cross_request: bool) -> None:
+        """Own request state; the cross-request cache shared with the original (``cross_request``) or left out."""
+        if not cross_request:
+            self.cache = None
+        self._reset_request()
+
     def end(self) -> None:
         if self.cache is not None:
             tokens = self._seen + self._tail if self._seen else self._prompt

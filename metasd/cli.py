@@ -77,6 +77,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print text as it is committed (default: when the output is a terminal and --json is not given)")
     p.add_argument("--json", action="store_true", help="print the result and per-request stats as JSON")
+    p.add_argument("--input", help="JSONL of requests served concurrently (format: metasd/core/offline.py), needs --output")
+    p.add_argument("--output", help="with --input: the JSONL file of results, a line per request as it finishes")
+    p.add_argument("--max-batch", type=int, default=8, help="with --input: requests verified together per step")
     p.set_defaults(func=_generate)
 
 
@@ -227,10 +230,18 @@ def _generate(args) -> int:
         check_quantization(config)  # also resolves each device and dtype
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
-    prompt = _read_prompt(args)
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
-    _check_context(config.verifier.model, prompt, args)
+    if bool(args.input) != bool(args.output) or (args.input and args.prompt) or args.max_batch < 1:
+        raise ValueError("--input and --output go together, without a prompt; --max-batch must be >= 1")
+    if args.input:
+        from metasd.core.offline import read_requests, run_offline
+        requests = read_requests(Path(args.input).read_text().splitlines(), dict(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, stop=args.stop, chat=not args.raw))
+    else:
+        prompt = _read_prompt(args)
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        _check_context(config.verifier.model, prompt, args)
 
     import torch
 
@@ -250,6 +261,11 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
     print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if args.input:
+        with open(args.output, "w") as out:
+            done, failed = run_offline(engine, requests, out, max_batch=args.max_batch)
+        print(f"[metasd] {done} requests written to {args.output}, {failed} failed", file=sys.stderr)
+        return 0
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)
     if _should_stream(args):

@@ -20,14 +20,18 @@ def two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Ten
     return (first[:, None] * seconds).flatten()
 
 
-def sampled_pairs_pvalue(engine, prompt: list[int], n: int) -> tuple[float, int, int]:
+def sampled_pairs_pvalue(engine, prompt: list[int], n: int, generate=None) -> tuple[float, int, int]:
     """(chi-square p-value of n sampled two-token continuations against the verifier's distribution, accepted draft
-    tokens, drafted tokens). Pairs expected more than 5 times are each a cell; the rest are pooled into one."""
+    tokens, drafted tokens). Pairs expected more than 5 times are each a cell; the rest are pooled into one.
+    ``generate(prompt, seeds)``: the results of sampling with each seed (default: ``engine.generate`` one by one)."""
     vocab = engine.verifier.model.config.vocab_size
     counts = torch.zeros(vocab * vocab)
     accepted = drafted = 0
-    for seed in range(n):
-        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
+    if generate is None:
+        results = [engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed) for seed in range(n)]
+    else:
+        results = generate(prompt, list(range(n)))
+    for r in results:
         first, second = (r.token_ids + [0])[:2]  # one token: the first was EOS
         counts[first * vocab + second] += 1
         accepted += r.stats.accepted

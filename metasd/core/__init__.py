@@ -1,6 +1,7 @@
 """The decoding core: one request on one verifier - the engine and its step loop, the verifier and the hidden states
 it keeps, draft trees, exact acceptance rules, sampling, KV-cache bookkeeping, per-request statistics, rewards and
-the modeled step cost, and the small interfaces (``Drafter``, ``Policy``) with their registries that plugins fill.
+the modeled step cost, and the small interfaces (``Drafter``, ``Policy``) with their registries that plugins fill;
+and many requests at once: the ``Scheduler`` (continuous batching) over a batched KV cache and verifier.
 Imports no YAML, MLflow or Ray, and no layer above it (docs/architecture.md)."""
 from .acceptance import Acceptance, accept_greedy, accept_match, accept_rejection
 from .cost import CostModel

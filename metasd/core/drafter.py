@@ -10,8 +10,9 @@ drafter of the pool was chosen (catch-up), are fed there, and their cost is char
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -154,6 +155,39 @@ class Drafter(abc.ABC):
     def end(self) -> None:
         """The request is over: free per-request memory."""
 
+    def fork(self, cross_request: bool = False, memo: dict[int, "Drafter"] | None = None) -> "Drafter":
+        """A drafter for another request running at the same time (a ``Scheduler`` gives each running request its own
+        forks): the same settings, sharing this one's networks, tokenizers and read-only tensors, with per-request
+        state of its own (fresh after ``begin``). The drafters it drafts with (``components``: a fused drafter's
+        arms) are forked too, each once per ``memo`` - a pool forked with one memo keeps its sharing.
+
+        cross_request: share the state meant to outlive a request (the suffix drafter's cross-request cache) with this
+        drafter, so that every fork learns from and drafts from every request; False leaves it out of the fork.
+
+        The default: a shallow copy whose attributes holding drafters are their forks, then ``_forked``. A drafter
+        that keeps per-request state in a helper object it changes in place (rather than re-creates in ``begin``)
+        copies that helper in ``_forked``."""
+        memo = {} if memo is None else memo
+        if id(self) in memo:
+            return memo[id(self)]
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin.__dict__.pop("_metasd_in_use", None)  # the lock of the original's requests (Engine.exclusive_use)
+        for key, value in vars(self).items():
+            if isinstance(value, Drafter):
+                setattr(twin, key, value.fork(cross_request, memo))
+            elif isinstance(value, (list, tuple)) and any(isinstance(v, Drafter) for v in value):
+                setattr(twin, key, type(value)(v.fork(cross_request, memo) if isinstance(v, Drafter) else v
+                                               for v in value))
+            elif isinstance(value, dict) and any(isinstance(v, Drafter) for v in value.values()):
+                setattr(twin, key, {k: v.fork(cross_request, memo) if isinstance(v, Drafter) else v
+                                    for k, v in value.items()})
+        twin._forked(cross_request)
+        return twin
+
+    def _forked(self, cross_request: bool) -> None:
+        """Called on a fresh ``fork``: make the per-request helpers it shares with the original its own."""
+
     def components(self) -> list["Drafter"]:
         """Drafters this one drafts with (a fused drafter's arms): the engine starts, ends and locks each once, with
         the pool's own, and reads the verifier layers they ask for."""
@@ -223,6 +257,21 @@ class BuildContext:
         if self.quantize != "none":
             raise ValueError(f"drafter {name!r} of type {kind!r} has no model weights to quantize "
                              f"(field 'quantize' is {self.quantize!r}; remove it)")
+
+
+def with_components(drafters: Sequence[Drafter]) -> list[Drafter]:
+    """``drafters`` and, recursively, their components, each once (by identity), in first-seen order."""
+    seen: dict[int, Drafter] = {}
+
+    def add(d: Drafter) -> None:
+        if id(d) not in seen:
+            seen[id(d)] = d
+            for c in d.components():
+                add(c)
+
+    for d in drafters:
+        add(d)
+    return list(seen.values())
 
 
 DRAFTERS: dict[str, type[Drafter]] = {}

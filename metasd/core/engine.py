@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 
 from .cost import CostModel, StepMeter, attach, decode_step_cost
-from .drafter import Drafter
+from .drafter import Drafter, with_components as _with_components
 from .policy import Policy
 from .request import GenerationResult, Prompt, Request, encode_prompt
 from .rewards import get_reward
@@ -171,9 +171,9 @@ class Engine:
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, *, max_batch: int = 8,
                        **kwargs) -> list[GenerationResult]:
         """Generate for every prompt, up to ``max_batch`` at once through a ``Scheduler`` (continuous batching: one
-        verifier forward per step for all running requests); the results in the prompts' order. Keyword arguments as
-        ``generate``'s (the same for every prompt), plus ``options`` (a ``RequestOptions``). A request that fails
-        raises its error after the others have finished."""
+        verifier forward per step for all running requests); the results in the prompts' order. Keyword arguments,
+        the same for every prompt: ``Scheduler.submit``'s (temperature, top_p, top_k, stop, seed, chat, options).
+        A request that fails raises its error after the others have finished."""
         with Scheduler(self, max_batch=max_batch, max_queue=max(len(prompts), 1)) as scheduler:
             handles = [scheduler.submit(p, max_new_tokens, **kwargs) for p in prompts]
             outcomes = []
@@ -245,21 +245,6 @@ class Engine:
 
     def eos_ids(self) -> set[int]:
         return eos_token_ids(self.verifier.model, self.tokenizer)
-
-
-def _with_components(drafters: Sequence[Drafter]) -> list[Drafter]:
-    """``drafters`` and, recursively, their components, each once (by identity), in first-seen order."""
-    seen: dict[int, Drafter] = {}
-
-    def add(d: Drafter) -> None:
-        if id(d) not in seen:
-            seen[id(d)] = d
-            for c in d.components():
-                add(c)
-
-    for d in drafters:
-        add(d)
-    return list(seen.values())
 
 
 def _as_list(drafters) -> list[Drafter]:

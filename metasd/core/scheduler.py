@@ -9,238 +9,26 @@ The core knows nothing of HTTP: the OpenAI-compatible server is a layer above it
 """
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
-import torch
-
-from .detokenize import IncrementalDetokenizer, find_stop
-from .request import GenerationResult, Prompt, Request
+from .batch_verifier import BatchVerifier, Prefill, SlotVerifier
+from .drafter import with_components
+from .request import Prompt, Request
+from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
+                             RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent,
+                             _TextStream)
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length", "eos", "cancelled", "error")
-
-
-class QueueFullError(RuntimeError):
-    """``Scheduler.submit`` refused a request: ``max_queue`` requests are already waiting (a server answers 429/503)."""
-
-
-class SchedulerClosedError(RuntimeError):
-    """``Scheduler.submit`` after ``shutdown`` (or ``close``) began."""
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """Per-request drafting options.
-
-    drafter: the name of one arm of the engine's pool to draft with, every step (None: the pool and its policy).
-    draft_budget: at most this many draft nodes verified per step (the draft's first nodes: an ancestor-closed
-        subtree); None: the drafter's whole draft. 0 drafts nothing.
-    speculate: False decodes plainly (one token per step, no drafter runs).
-    """
-
-    drafter: str | None = None
-    draft_budget: int | None = None
-    speculate: bool = True
-
-
-@dataclass
-class TokenEvent:
-    """What one step gave a request. ``token_ids``: the tokens committed this step (possibly empty in the last
-    event); ``text``: the text they add (an incremental delta; text that could still become a stop string is held
-    back until it cannot, and the stop string and what follows it are never sent). The last event has
-    ``finished`` True, its ``finish_reason`` ("stop", "length", "eos", "cancelled" or "error") and the ``result``
-    (None after an error, which is in ``error``)."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    result: GenerationResult | None = None
-    error: BaseException | None = None
-
-
-@dataclass
-class RequestStepRecord:
-    """One request's part of a scheduler step: its drafter, the draft nodes verified, the accepted draft tokens and,
-    per draft position (depth 1..depth of its draft), whether it was accepted (vLLM's per-position counts)."""
-
-    id: str
-    drafter: str
-    drafted: int
-    accepted: int
-    accepted_per_position: list[bool]
-    committed: int
-
-
-@dataclass
-class SchedulerStep:
-    """A step of the scheduler: one verifier forward over the drafts of ``batch_size`` running requests.
-
-    forward_tokens: rows of that forward (padding included: batch_size x the longest [pending] + draft);
-    prefill_tokens: prompt tokens prefilled in this step (requests joining); queue_length: requests waiting after
-    the step; seconds: the step's wall time (drafting, prefill, verification, commits)."""
-
-    batch_size: int
-    forward_tokens: int
-    prefill_tokens: int
-    queue_length: int
-    seconds: float
-    requests: list[RequestStepRecord] = field(default_factory=list)
-
-
-@dataclass
-class RequestFinished:
-    """A request left the scheduler. ttft_s: submit -> first token (None: none came); e2e_s: submit -> finish;
-    record: ``RequestStats.to_record()`` (empty when it never started)."""
-
-    id: str
-    finish_reason: str
-    prompt_tokens: int
-    output_tokens: int
-    ttft_s: float | None
-    e2e_s: float
-    queue_s: float
-    record: dict[str, Any]
-    error: BaseException | None = None
-
-
-Listener = Callable[[SchedulerStep | RequestFinished], None]
-
-
-class RequestHandle:
-    """A submitted request: its events as they come, its result, its cancellation. Thread-safe; events are kept, so
-    ``events()`` / ``aevents()`` each replay them from the first (one consumer is the normal case)."""
-
-    def __init__(self, request_id: str, prompt_ids: list[int], scheduler: "Scheduler"):
-        self.id = request_id
-        self.prompt_ids = list(prompt_ids)
-        self._scheduler = scheduler
-        self._cond = threading.Condition()
-        self._events: list[TokenEvent] = []
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._cancel = threading.Event()
-        self.submitted_at = time.perf_counter()
-
-    # ------------------------------------------------------------ consumer side
-    @property
-    def finished(self) -> bool:
-        with self._cond:
-            return bool(self._events) and self._events[-1].finished
-
-    def cancel(self) -> None:
-        """Ask the scheduler to stop this request: it leaves (its slot freed) before the next step; a queued request
-        never starts. Its last event has finish_reason "cancelled" (unless it finished first)."""
-        self._cancel.set()
-        self._scheduler._wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """The request's events, blocking for each; ends after the finished one. ``timeout``: the longest wait for one
-        event (``TimeoutError`` past it)."""
-        i = 0
-        while True:
-            with self._cond:
-                if not self._cond.wait_for(lambda: i < len(self._events), timeout):
-                    raise TimeoutError(f"request {self.id}: no event within {timeout}s")
-                event = self._events[i]
-            i += 1
-            yield event
-            if event.finished:
-                return
-
-    async def aevents(self) -> AsyncIterator[TokenEvent]:
-        """The request's events in an asyncio loop (the scheduler thread wakes it through ``call_soon_threadsafe``)."""
-        loop = asyncio.get_running_loop()
-        i = 0
-        while True:
-            with self._cond:
-                event = self._events[i] if i < len(self._events) else None
-                if event is None:
-                    wake = asyncio.Event()
-                    self._waiters.append((loop, wake))
-            if event is None:
-                await wake.wait()
-                continue
-            i += 1
-            yield event
-            if event.finished:
-                return
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Block until the request is over; its ``GenerationResult`` (also after a cancel: what it had generated, stop
-        reason "cancelled"). A request that failed raises its error."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._events and self._events[-1].finished, timeout):
-                raise TimeoutError(f"request {self.id}: not finished within {timeout}s")
-            last = self._events[-1]
-        if last.error is not None:
-            raise last.error
-        return last.result
-
-    # ------------------------------------------------------------ scheduler side
-    def _push(self, event: TokenEvent) -> None:
-        with self._cond:
-            self._events.append(event)
-            waiters, self._waiters = self._waiters, []
-            self._cond.notify_all()
-        for loop, wake in waiters:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # that loop is closed: nobody waits there any more
-                pass
-
-
-class _TextStream:
-    """The text deltas of a request's events: incremental detokenisation, holding back a tail that could still grow
-    into a stop string, never sending a stop string or what follows it."""
-
-    def __init__(self, tokenizer, stop: Sequence[str]):
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = list(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.sent = 0  # characters of detok.text already sent
-        self.checked = 0  # characters of detok.text searched for stop strings
-        self.cut: int | None = None
-
-    def add(self, ids: Sequence[int]) -> str:
-        if self.detok is None or self.cut is not None:
-            return ""
-        self.detok.add(ids)
-        text = self.detok.text
-        hit = find_stop(text, self.stop, self.checked)
-        self.checked = len(text)
-        if hit is not None:
-            self.cut = hit
-            end = hit
-        else:
-            end = max(len(text) - self.hold, self.sent)
-        delta, self.sent = text[self.sent:end], end
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the request's final text (``GenerationResult.text``) not sent yet."""
-        if self.detok is None:
-            return ""
-        sent = self.detok.text[: self.sent]
-        if final_text.startswith(sent):
-            return final_text[len(sent):]
-        return ""  # cannot happen with a consistent tokenizer: never send text twice
-
-
 class _Job:
-    """A request inside the scheduler: the engine's ``Request`` and its handle."""
+    """A request inside the scheduler: the engine's ``Request``, its handle and where it is (queued, prefilling with
+    ``prefill``, running in row ``slot.row``)."""
 
     def __init__(self, handle: RequestHandle, request: Request, options: RequestOptions):
         self.handle = handle
@@ -248,28 +36,53 @@ class _Job:
         self.options = options
         self.text = _TextStream(request.engine.tokenizer, request.stop)
         self.started_at: float | None = None
-        self.sent = 0  # new tokens sent in events
         self.first_token_at: float | None = None
-        self.steps_iter: Iterator[list[int]] | None = None
+        self.sent = 0  # new tokens sent in events
+        self.prefill: Prefill | None = None
+        self.slot: SlotVerifier | None = None  # its view of the batched verifier, from the start of its prefill
+        self.forks: _Forks | None = None
+        self.begun = False  # the request's drafters started (Request.prefilled)
 
     @property
     def id(self) -> str:
         return self.handle.id
 
 
+class _Forks:
+    """A set of forks of the engine's pool (``Drafter.fork``) that one running request drafts with."""
+
+    def __init__(self, arms, cross_request: bool):
+        memo: dict = {}
+        self.arms = [a.fork(cross_request, memo) for a in arms]
+        self.all = with_components(self.arms)
+
+    def bind(self, request: Request, options: RequestOptions, names: list[str]) -> None:
+        if not options.speculate:
+            request.drafters, request.all_drafters = [], []
+        elif options.drafter is not None:
+            arm = self.arms[names.index(options.drafter)]
+            request.drafters, request.all_drafters = [arm], with_components([arm])
+        else:
+            request.drafters, request.all_drafters = self.arms, self.all
+
+
 class Scheduler:
-    """Continuous batching over an ``Engine``: a background thread owns the engine's verifier and drafters (no other
-    request may run on them meanwhile: ``Engine.generate`` on the same engine raises ``EngineBusyError``) and runs
-    every submitted request.
+    """Continuous batching over an ``Engine``: a background thread owns the engine's verifier and drafters - from
+    construction to shutdown no other request may run on them (``Engine.generate`` on the same engine raises
+    ``EngineBusyError``) - and runs every submitted request. Each step: requests waiting are admitted up to
+    ``max_batch`` (a joining request is prefilled alone, ``prefill_chunk`` tokens per step, then copied into a row of
+    the batched cache), every running request drafts with its own forks of the pool's drafters, one verifier forward
+    scores all the drafts (``BatchVerifier``), each request accepts and commits its own path, and finished or cancelled
+    requests leave (docs/architecture.md#serving-the-scheduler-and-the-batched-cache).
 
-    max_batch: requests running at once; max_queue: requests waiting beyond them (``submit`` raises
-    ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step for a joining request, so a long
-    prompt delays the running requests by one chunk per step; share_suffix_cache: let the suffix drafter's
-    cross-request cache (``cross_request: true``) learn from and draft from every request served (off: each request
-    drafts from its own text only, whatever the pool file says).
+    max_batch: requests running (or prefilling) at once; max_queue: requests waiting beyond them (``submit`` raises
+    ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step, so a long prompt delays the running
+    requests by one chunk's forward per step; share_suffix_cache: let the suffix drafter's cross-request cache
+    (``cross_request: true``) learn from and draft from every request served (off: each request drafts from its own
+    text only, whatever the pool file says).
 
-    Requests of a scheduler share the engine's policy when it is persistent (``persistent_policy``), else each gets a
-    fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
+    Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
+    only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
     """
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
@@ -282,14 +95,19 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.share_suffix_cache = bool(share_suffix_cache)
+        self.verifier = BatchVerifier(engine.verifier, max_batch, engine.hidden_layers)
         self._lock = threading.Condition()
         self._waiting: deque[_Job] = deque()
-        self._running: list[_Job] = []
+        self._prefilling: list[_Job] = []
+        self._running: list[_Job] = []  # index = row of the batched cache
         self._listeners: list[Listener] = []
         self._ids = itertools.count()
         self._closing = False
         self._deadline: float | None = None  # shutdown: cancel what is left at this time
         self._arm_names = [d.name for d in engine.drafters]
+        self._free_forks: list[_Forks] = []
+        self._hold = engine.exclusive_use()  # EngineBusyError here when a request runs on the engine
+        self._hold.__enter__()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -306,9 +124,9 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        """Requests started and not finished."""
+        """Requests started (prefilling or decoding) and not finished."""
         with self._lock:
-            return len(self._running)
+            return len(self._running) + len(self._prefilling)
 
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn`` on the scheduler thread with a ``SchedulerStep`` after each step and a ``RequestFinished``
@@ -336,7 +154,7 @@ class Scheduler:
                               stop=stop, seed=seed, chat=chat, policy=self._policy_for(options))
         except TypeError as e:  # a prompt of the wrong type
             raise ValueError(f"prompt: {e}") from None
-        self._bind_options(request, options)
+        request.draft_budget = options.draft_budget
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
@@ -349,8 +167,9 @@ class Scheduler:
         return handle
 
     def shutdown(self, grace_s: float | None = None) -> None:
-        """Stop taking requests, let the running and the queued ones finish - within ``grace_s`` seconds if given -,
-        then cancel what is left (finish_reason "cancelled") and stop the thread. Blocks until it has stopped."""
+        """Stop taking requests; let the running and the queued requests finish - within ``grace_s`` seconds when
+        given -, then cancel what is left (finish_reason "cancelled"; a queued request never starts) and stop the
+        thread. Blocks until it has stopped (when called from another thread than the scheduler's)."""
         with self._lock:
             self._closing = True
             if grace_s is not None:
@@ -368,6 +187,7 @@ class Scheduler:
         return self
 
     def __exit__(self, exc_type, *exc: Any) -> None:
+        """Leaving a ``with`` block waits for every request (``shutdown()``); on an exception, cancels them."""
         if exc_type is None:
             self.shutdown()
         else:
@@ -384,66 +204,142 @@ class Scheduler:
             raise ValueError(f"draft_budget must be an integer >= 0 or None, got {b!r}")
 
     def _policy_for(self, options: RequestOptions):
-        """The request's policy: none when it drafts with one named arm (or none); the engine's own when persistent
-        (the scheduler thread is its only user); else a copy (reset when the request starts)."""
+        """The request's policy: none when it drafts with one named arm (or none); the engine's own when persistent;
+        else a copy (reset when the request starts, as ``Engine.generate`` resets its policy)."""
         policy = self.engine.policy
         if policy is None or not options.speculate or options.drafter is not None:
             return None
         return policy if self.engine.persistent_policy else copy.deepcopy(policy)
-
-    def _bind_options(self, request: Request, options: RequestOptions) -> None:
-        if not options.speculate:
-            request.drafters, request.all_drafters = [], []
-        elif options.drafter is not None:
-            arm = self.engine.drafter(options.drafter)
-            request.drafters = [arm]
-            request.all_drafters = [d for d in self.engine.all_drafters if d is arm or _component_of(d, arm)]
-        request.draft_budget = options.draft_budget
 
     # ------------------------------------------------------------------ the scheduler thread
     def _wake(self) -> None:
         with self._lock:
             self._lock.notify_all()
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._waiting and not self._running and not self._closing:
-                    self._lock.wait()
-                if self._closing and not self._waiting and not self._running:
-                    return
-                job = self._waiting.popleft() if self._waiting else None
-                if job is not None:
-                    self._running.append(job)
-            if job is not None:
-                self._run_job(job)
-
     def _expired(self) -> bool:
         return self._deadline is not None and time.perf_counter() >= self._deadline
 
-    def _run_job(self, job: _Job) -> None:
-        """M1: one request at a time, to completion, through the engine's own step loop."""
-        request = job.request
-        if job.handle.cancelled or self._expired():
-            return self._finish(job, "cancelled", None)
-        job.started_at = time.perf_counter()
-        reason, error = None, None
-        steps = request.steps()
+    def _run(self) -> None:
         try:
-            for _ in steps:
-                t = time.perf_counter()
-                self._emit_tokens(job)
-                self._notify(SchedulerStep(1, request.last_step.drafted + 1, 0, self.queue_length,
-                                           time.perf_counter() - t, [self._step_record(job)]))
-                if job.handle.cancelled or self._expired():
-                    reason = "cancelled"
-                    break
-        except Exception as e:  # noqa: BLE001 - a failed request fails alone
-            log.exception("request %s failed", job.id)
-            reason, error = "error", e
+            while True:
+                with self._lock:
+                    while not (self._waiting or self._prefilling or self._running or self._closing):
+                        self._lock.wait()
+                    if self._closing and not (self._waiting or self._prefilling or self._running):
+                        return
+                    cancelled = [j for j in self._waiting if j.handle.cancelled or self._expired()]
+                    for j in cancelled:
+                        self._waiting.remove(j)
+                    while self._waiting and len(self._prefilling) + len(self._running) < self._max_batch:
+                        self._prefilling.append(self._waiting.popleft())
+                for job in cancelled:
+                    self._leave(job, "cancelled")
+                for job in [j for j in self._prefilling + self._running if j.handle.cancelled or self._expired()]:
+                    self._leave(job, "cancelled")
+                if self._prefilling or self._running:
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - the scheduler itself broke: every request gets the error
+            log.exception("the scheduler thread failed")
+            with self._lock:
+                self._closing = True
+                jobs = list(self._waiting) + self._prefilling + self._running
+                self._waiting.clear()
+            for job in jobs:
+                self._leave(job, "error", e)
         finally:
-            steps.close()
-        self._finish(job, reason or request.stats.stop_reason, error)
+            self._hold.__exit__(None, None, None)
+
+    def _step(self) -> None:
+        """One step: a prefill chunk for joining requests, then drafts, one batched verification, commits."""
+        t0 = time.perf_counter()
+        prefill_tokens = self._prefill()
+        running = list(self._running)
+        if not running:  # only prefills this step (reported: its prompt tokens count)
+            self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
+            return
+        drafts = {}
+        for job in running:
+            try:
+                drafts[id(job)] = job.request.draft_step()
+            except Exception as e:  # noqa: BLE001 - a drafter that fails fails its request alone
+                log.exception("request %s failed while drafting", job.id)
+                self._leave(job, "error", e)
+        running = list(self._running)  # compact again: failed rows left
+        if not running:
+            self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
+            return
+        batch = [drafts[id(j)] for j in running]
+        t1 = time.perf_counter()
+        try:
+            outs = self.verifier.verify([j.request.pending for j in running], batch)
+        except Exception as e:  # noqa: BLE001 - the forward itself failed: every request in it fails
+            log.exception("the batched verification failed")
+            for job in running:
+                self._leave(job, "error", e)
+            return
+        forward_s = time.perf_counter() - t1
+        done: list[_Job] = []
+        failed: list[tuple[_Job, Exception]] = []
+        records = []
+        for job, out in zip(running, outs):
+            try:
+                _, finished = job.request.finish_step(out, verify_s=forward_s)
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed after verification", job.id)
+                failed.append((job, e))
+                job.slot.kept = None
+                continue
+            records.append(self._step_record(job))
+            if finished:
+                done.append(job)
+        self.verifier.commit([j.slot for j in running])
+        for job in running:
+            if not any(job is f for f, _ in failed):
+                self._emit_tokens(job)
+        for job, e in failed:
+            self._leave(job, "error", e)
+        for job in done:
+            self._leave(job, job.request.stats.stop_reason)
+        self._notify(SchedulerStep(len(running), len(running) * (1 + max(len(d) for d in batch)), prefill_tokens,
+                                   self.queue_length, time.perf_counter() - t0, records))
+
+    def _prefill(self) -> int:
+        """Prefill joining requests, ``prefill_chunk`` prompt tokens in all; a request whose prompt is in joins the
+        batch. Returns the tokens prefilled."""
+        budget = self.prefill_chunk
+        total = 0
+        while self._prefilling and budget > 0:
+            job = self._prefilling[0]
+            try:
+                if job.prefill is None:
+                    self._start(job)
+                n = job.prefill.step(budget)
+                budget -= n
+                total += n
+                if job.prefill.finished:
+                    self.verifier.join(job.slot, job.prefill)
+                    job.slot.hidden = job.prefill.hidden
+                    job.prefill = None
+                    with self._lock:
+                        self._prefilling.pop(0)
+                        self._running.append(job)
+                    assert self._running[job.slot.row] is job
+                    job.begun = True
+                    job.request.prefilled()
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed in its prefill", job.id)
+                self._leave(job, "error", e)
+        return total
+
+    def _start(self, job: _Job) -> None:
+        """A request leaves the queue: its forks of the pool, its view of the verifier, its episode, its prefill."""
+        job.started_at = time.perf_counter()
+        job.forks = self._free_forks.pop() if self._free_forks else _Forks(self.engine.drafters, self.share_suffix_cache)
+        job.forks.bind(job.request, job.options, self._arm_names)
+        job.slot = SlotVerifier(self.engine.verifier, None)
+        job.request.verifier = job.slot
+        job.request.open()
+        job.prefill = Prefill(self.engine.verifier, job.request.prompt_ids[:-1], self.engine.hidden_layers)
 
     def _step_record(self, job: _Job) -> RequestStepRecord:
         s = job.request.last_step
@@ -457,9 +353,37 @@ class Scheduler:
             job.first_token_at = time.perf_counter()
         job.handle._push(TokenEvent(list(new), job.text.add(new)))
 
-    def _finish(self, job: _Job, reason: str, error: BaseException | None) -> None:
+    def _leave(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
+        """The request leaves (finished, cancelled or failed): its drafters end, its row is freed (the last row moves
+        into it), its forks go back to the free list (not after an error: their state is unknown), its last event."""
         request = job.request
+        with self._lock:
+            if job in self._prefilling:
+                self._prefilling.remove(job)
+            row = job.slot.row if job.slot is not None and job in self._running else None
+        if row is not None:
+            moved = self.verifier.remove(row)
+            with self._lock:
+                last = self._running.pop()
+                if moved is not None:
+                    self._running[row] = last
+                    last.slot.row = row
         result = None
+        try:
+            if job.begun and error is None:
+                request._finish()
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed at its end", job.id)
+            reason, error = "error", e
+        if job.begun:
+            for d in request.all_drafters:
+                try:
+                    d.end()
+                except Exception:  # noqa: BLE001
+                    log.exception("drafter %s failed at the end of request %s", d.name, job.id)
+        if job.forks is not None and error is None:
+            self._free_forks.append(job.forks)
+        job.forks = None
         if error is None:
             if reason == "cancelled":
                 request.stats.stop_reason = "cancelled"
@@ -467,9 +391,6 @@ class Scheduler:
             result = request.result()
         final_text = job.text.finish(result.text) if result is not None else ""
         job.handle._push(TokenEvent([], final_text, True, reason, result, error))
-        with self._lock:
-            if job in self._running:
-                self._running.remove(job)
         now = time.perf_counter()
         sub = job.handle.submitted_at
         self._notify(RequestFinished(
@@ -483,8 +404,3 @@ class Scheduler:
                 fn(record)
             except Exception:  # noqa: BLE001
                 log.exception("scheduler listener %r failed", fn)
-
-
-def _component_of(d, arm) -> bool:
-    """Whether drafter ``d`` is one ``arm`` drafts with (recursively)."""
-    return any(c is d or _component_of(d, c) for c in arm.components())

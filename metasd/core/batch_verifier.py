@@ -1,0 +1,168 @@
+"""The verifier of many requests at once: one forward scores the drafts of every running request (``BatchVerifier``),
+and each request sees its part of it through a ``SlotVerifier`` - what ``Request`` needs of a verifier (its hidden
+states, ``commit``), so acceptance, commit, feedback and rewards are the same code as for one request.
+
+A request joins after a prefill of its own (batch 1, in chunks: ``Prefill``), whose cache is copied into a row of
+the ``BatchCache``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .batch_cache import BatchCache
+from .hidden import HiddenStore
+from .kv_cache import cache_kwargs
+from .tree import Draft, ancestor_mask
+from .verifier import Verifier, VerifierOutput
+
+
+def batch_inputs(lengths: Sequence[int], pendings: Sequence[int], drafts: Sequence[Draft]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of one forward over B requests (host tensors): ids [B, N] (row b: its pending token, its draft's nodes,
+    then padding), position ids [B, N] (row b's length + depth; padding continues from there) and the 4-D mask
+    [B, 1, N, W] (W = max length + N): row b's query i sees columns < length[b] (its committed prefix) and the
+    columns length[b] + j of its tree ancestors j and itself; a padding query sees its prefix and itself (so its
+    attention stays finite), and no query sees another row's new tokens or padding.
+
+    lengths: cached positions of each row; pendings: each row's pending token; drafts: each row's draft."""
+    B = len(drafts)
+    N = 1 + max((len(d) for d in drafts), default=0)
+    W = max(lengths, default=0) + N
+    ids = torch.zeros(B, N, dtype=torch.long)  # [B, N]
+    pos = torch.zeros(B, N, dtype=torch.long)  # [B, N]
+    mask = torch.zeros(B, 1, N, W, dtype=torch.bool)  # [B, 1, N, W]
+    for b, (length, pending, draft) in enumerate(zip(lengths, pendings, drafts)):
+        n = len(draft)
+        ids[b, 0] = pending
+        ids[b, 1: n + 1] = draft.tokens
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
+        pos[b, : n + 1] = length + depth
+        pos[b, n + 1:] = length + torch.arange(n + 1, N)
+        mask[b, 0, :, :length] = True
+        mask[b, 0, : n + 1, length: length + n + 1] = ancestor_mask(draft.parents)  # [n+1, n+1]
+        pad = torch.arange(n + 1, N)
+        mask[b, 0, pad, length + pad] = True
+    return ids, pos, mask
+
+
+class SlotVerifier:
+    """One running request's view of the batched verifier: what ``Request`` reads of a verifier (``model``,
+    ``device``, ``name``, ``hidden``) and its ``commit``, which keeps the accepted rows' hidden states and records
+    the cache rows to keep for the batch's commit (``BatchVerifier.commit``). ``row``: its row in the cache."""
+
+    def __init__(self, verifier: Verifier, hidden: HiddenStore | None):
+        self.base = verifier
+        self.model = verifier.model
+        self.name = verifier.name
+        self.context_length = verifier.context_length
+        self.hidden = hidden
+        self.row: int | None = None
+        self.kept: torch.Tensor | None = None  # rows of the last verified block to keep, until the batch commit
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def verify(self, pending: int, draft: Draft) -> VerifierOutput:
+        raise RuntimeError("a scheduled request is verified by its scheduler's batched forward")
+
+    def commit(self, path: Sequence[int], out: VerifierOutput | None = None) -> torch.Tensor:
+        rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)
+        self.kept = rows
+        if self.hidden is not None:
+            if out is None:
+                raise ValueError("SlotVerifier.commit: the verify output is needed to keep the hidden states in step")
+            self.hidden.append(out.hidden, rows.to(self.device))
+        return rows
+
+
+class Prefill:
+    """A joining request's prefill: every prompt token but the last into a batch-1 cache, ``chunk`` tokens per call
+    of ``step``, with the hidden states of ``layers`` for the drafters that read them."""
+
+    def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int]):
+        self.model = verifier.model
+        self.device = verifier.device
+        self.ids = list(token_ids)
+        self.layers = tuple(sorted(set(layers)))
+        self.hidden = HiddenStore(self.layers) if self.layers else None
+        self.cache = DynamicCache(config=self.model.config)
+        self.done = 0
+        if not self.ids and self.hidden is not None:
+            self.hidden.append({layer: torch.empty(0, verifier.hidden_size, dtype=verifier.dtype, device=self.device)
+                                for layer in self.layers})
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self.ids)
+
+    @torch.inference_mode()
+    def step(self, chunk: int) -> int:
+        """Prefill the next ``chunk`` tokens at most; returns how many."""
+        part = self.ids[self.done: self.done + chunk]
+        if not part:
+            return 0
+        out = self.model(input_ids=torch.tensor([part], dtype=torch.long, device=self.device),
+                         **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1,
+                         output_hidden_states=bool(self.layers))
+        if self.hidden is not None:
+            self.hidden.append({layer: out.hidden_states[layer][0] for layer in self.layers})
+        self.done += len(part)
+        return len(part)
+
+
+class BatchVerifier:
+    """Scores the drafts of the running requests (rows 0..B-1 of ``cache``) in one forward of the verifier's model."""
+
+    def __init__(self, verifier: Verifier, slots: int, hidden_layers: Sequence[int] = ()):
+        self.verifier = verifier
+        self.model: PreTrainedModel = verifier.model
+        self.hidden_layers = tuple(sorted(set(hidden_layers)))
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        types = getattr(cfg, "layer_types", None) or ()
+        if any(t != "full_attention" for t in types):
+            raise NotImplementedError(f"{verifier.name}: the batched verifier supports full-attention layers only; "
+                                      f"this model has layer types {sorted(set(types))}")
+        self.cache = BatchCache(verifier.num_layers, slots)
+        self.forwards = 0  # forwards run (tests count them)
+
+    @torch.inference_mode()
+    def verify(self, pendings: Sequence[int], drafts: Sequence[Draft]) -> list[VerifierOutput]:
+        """Rows 0..B-1: score [pending] + draft of each in one forward; the cache holds the new tokens until
+        ``commit``. Returns one ``VerifierOutput`` per row, as ``Verifier.verify`` would: logits [n_b + 1, vocab]."""
+        B = len(drafts)
+        lengths = self.cache.lengths[:B]
+        ids, pos, mask = batch_inputs(lengths, pendings, drafts)  # [B, N], [B, N], [B, 1, N, W]
+        width = self.cache.prepare(B, ids.shape[1])
+        assert width == mask.shape[-1]
+        device = self.verifier.device
+        out = self.model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device),
+                         **cache_kwargs(self.model, self.cache), use_cache=True,
+                         output_hidden_states=bool(self.hidden_layers))
+        self.forwards += 1
+        logits = out.logits  # [B, N, vocab]
+        results = []
+        for b, draft in enumerate(drafts):
+            n = len(draft) + 1
+            hidden = {layer: out.hidden_states[layer][b, :n] for layer in self.hidden_layers}
+            results.append(VerifierOutput(logits[b, :n], hidden))
+        return results
+
+    def commit(self, slots: Sequence[SlotVerifier | None]) -> None:
+        """After the forward: each row keeps what its request committed (``SlotVerifier.kept``); None: a row whose
+        request left during the step (its row is freed afterwards)."""
+        kept = []
+        for s in slots:
+            kept.append(None if s is None or s.kept is None else s.kept)
+            if s is not None:
+                s.kept = None
+        self.cache.commit(kept)
+
+    def join(self, slot: SlotVerifier, prefill: Prefill) -> None:
+        slot.row = self.cache.join(prefill.cache if prefill.done else None, prefill.done)
+
+    def remove(self, row: int) -> int | None:
+        return self.cache.remove(row)

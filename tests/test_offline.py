@@ -1,0 +1,46 @@
+"""Offline batch generation (metasd/core/offline.py, ``metasd generate --input --output``): request lines checked
+before anything runs, every request served through the scheduler, a result line per request as it finishes."""
+import io
+import json
+
+import pytest
+
+from metasd.core.engine import Engine
+from metasd.core.offline import read_requests, run_offline
+from metasd.core.verifier import Verifier
+from metasd.drafters import NGramDrafter
+from tiny import tiny_qwen, tiny_tokenizer
+
+DEFAULTS = dict(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, chat=False)
+
+
+def test_lines_are_checked_before_anything_runs():
+    for text, message in [("not json", "line 1: not JSON"), ("[1]", "expected a JSON object"),
+                          ('{"prompt": "w7", "messages": []}', "exactly one of"),
+                          ('{"prompt": "w7", "temprature": 1}', "unknown keys \\['temprature'\\]"),
+                          ('{"prompt": 7}', "'prompt' must be a string")]:
+        with pytest.raises(ValueError, match=message):
+            read_requests([text], DEFAULTS)
+
+
+def test_every_request_gets_a_line_with_its_result():
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0), tok), NGramDrafter(k=4, n_max=2), check_tokenizers=False)
+    lines = ['{"prompt": "w7 w12 w9 w33 w12 w9", "id": "a"}', "",
+             '{"messages": [{"role": "user", "content": "w8 w9"}], "max_tokens": 5, "temperature": 1.0, "seed": 3}',
+             '{"prompt": "w20 w21", "max_tokens": 1000}',  # over the context: refused, recorded
+             '{"prompt": "w10 w11 w10 w11", "max_tokens": 12, "speculate": false}']
+    requests = read_requests(lines, DEFAULTS)
+    out = io.StringIO()
+    assert run_offline(engine, requests, out, max_batch=2, progress=False) == (3, 1)
+    records = {r["line"]: r for r in map(json.loads, out.getvalue().splitlines())}
+    assert sorted(records) == [1, 3, 4, 5]
+    assert records[1]["id"] == "a" and records[3]["id"] == 3
+    assert "context" in records[4]["error"]
+    expected = {1: engine.generate("w7 w12 w9 w33 w12 w9", 8),
+                3: engine.generate([{"role": "user", "content": "w8 w9"}], 5, temperature=1.0, seed=3),
+                5: engine.generate("w10 w11 w10 w11", 12)}
+    for line, result in expected.items():
+        assert records[line]["token_ids"] == result.token_ids and records[line]["text"] == result.text
+        assert records[line]["finish_reason"] == "length" and records[line]["stats"]["steps"] >= 1
+    assert records[5]["stats"]["drafted"] == 0 and records[1]["stats"]["drafted"] > 0

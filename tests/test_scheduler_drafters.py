@@ -1,0 +1,26 @@
+"""Every registered drafter type (and each variant of tests/test_conformance.py) drafts for several concurrent requests
+through the scheduler - each request with its own forks of the pool (``Drafter.fork``), verified in one batched
+forward - and gives ``Engine.generate``'s greedy output for each, token for token. Its drafts are those it drafts
+alone: a request's steps and accepted tokens are the same as ``Engine.generate``'s (forks sharing state would make
+them re-feed or draft from another request's text)."""
+import pytest
+
+from metasd.core.scheduler import Scheduler
+from test_conformance import CASES, PROMPT, _engine, root  # noqa: F401  (root: the module's fixture)
+
+PROMPTS = [PROMPT, [0, 7, 12, 9, 33, 7, 12], [0, 5, 41, 5, 41, 5, 9, 9, 12, 33, 41]]
+MAX_NEW = [24, 17, 30]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_concurrent_greedy_requests_give_engine_generates_output(root, case):  # noqa: F811
+    engine = _engine(root, case)
+    # a fresh engine per expected request: the suffix drafter's cross-request cache, off in the scheduler, stays empty
+    expected = [_engine(root, case).generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    with Scheduler(engine, max_batch=3) as s:
+        handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        results = [h.result(timeout=120) for h in handles]
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected], case
+    assert [r.stats.tokens_per_step for r in results] == [r.stats.tokens_per_step for r in expected], case
+    assert [r.stats.catch_up_tokens for r in results] == [r.stats.catch_up_tokens for r in expected], case
+    assert sum(r.stats.drafted for r in results) > 0, f"{case}: drafted nothing, so the check checked nothing"
