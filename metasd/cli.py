@@ -394,11 +394,9 @@ def _bench(args) -> int:
 
 
 # Subcommands whose modules are imported only when used: (module, parser-adder)
-_LAZY = {
-    "bench": ("metasd.cli", "add_bench_parser"),
-    "pack-weights": ("metasd.models.packed_weights", "add_pack_weights_parser"),
-    "serve": ("metasd.serve.cli", "add_serve_parser"),
-}
+_LAZY = {"bench": ("metasd.cli", "add_bench_parser"),
+         "pack-weights": ("metasd.models.packed_weights", "add_pack_weights_parser"),
+         "serve": ("metasd.serve.cli", "add_serve_parser")}
 _TRAIN = {
     "features": ("metasd.training.features", "add_train_features_parser"),
     "steering": ("metasd.training.steering_cli", "add_train_steering_parser"),

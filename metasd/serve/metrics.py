@@ -69,6 +69,7 @@ class ServeMetrics:
         self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
                              registry=r).labels(*values)
         self._last_step: dict[Any, float] = {}  # request id -> when its previous step ended (inter-token latency)
+        self._finished: set = set()  # requests finished since the last step record
         self._lock = threading.Lock()
 
     content_type = CONTENT_TYPE_LATEST
@@ -109,11 +110,16 @@ class ServeMetrics:
                     before, self._last_step[r.id] = self._last_step.get(r.id), now
                 if before is not None:
                     self.itl.observe((now - before) / r.committed)
+        with self._lock:  # requests that finished in this step (or before it) have no later step
+            for rid in self._finished:
+                self._last_step.pop(rid, None)
+            self._finished.clear()
 
     def on_finished(self, done) -> None:
-        """A ``RequestFinished``: its prompt tokens, finish reason, time to first token and end-to-end latency."""
+        """A ``RequestFinished``: its prompt tokens, finish reason, time to first token and end-to-end latency. It may
+        come before the record of the step it finished in, so its inter-token clock is dropped after the next step."""
         with self._lock:
-            self._last_step.pop(done.id, None)
+            self._finished.add(done.id)
         self.prompt_tokens.inc(done.prompt_tokens)
         reason = _VLLM_FINISHED.get(done.finish_reason)
         if reason:  # a failed request is no success
