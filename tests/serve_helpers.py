@@ -53,7 +53,8 @@ def tiny_engine():
     from tiny import tiny_qwen, tiny_tokenizer
 
     tok = tiny_tokenizer()
-    return Engine(Verifier(tiny_qwen(seed=0), tok, name="tiny"), [MarkerDrafter(tiny_qwen(seed=0), tok, k=3, name="twin")])
+    twin = MarkerDrafter(tiny_qwen(seed=0), tok, k=3, name="twin")
+    return Engine(Verifier(tiny_qwen(seed=0), tok, name="tiny"), [twin])
 
 
 class ServerThread:

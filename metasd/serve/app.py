@@ -100,8 +100,9 @@ class ServeState:
     def submit(self, req, ids: list[int], max_new_tokens: int):
         opts = req.metasd
         if opts and opts.drafter is not None and opts.drafter not in self.drafters:
-            raise bad_request(f"no drafter named {opts.drafter!r} in the pool; drafters: {', '.join(self.drafters) or 'none'}",
-                              "metasd.drafter", "unknown_drafter")
+            names = ", ".join(self.drafters) or "none"
+            raise bad_request(f"no drafter named {opts.drafter!r} in the pool; drafters: {names}", "metasd.drafter",
+                              "unknown_drafter")
         options = RequestOptions(drafter=opts.drafter, draft_budget=opts.draft_budget, speculate=opts.speculate) \
             if opts else RequestOptions()
         try:

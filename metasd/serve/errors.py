@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 #: pydantic names the member of a union it tried (``stop.str``, ``stop.list[str]``); these are not fields
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "dict[str,float]"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class ApiError(Exception):
@@ -39,7 +39,7 @@ def _param(loc: tuple) -> str | None:
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(item, str) and item.replace(" ", "") not in _TYPE_TAGS and re.fullmatch(r"[a-z_][a-z0-9_]*", item):
+        elif isinstance(item, str) and item not in _TYPE_TAGS and re.fullmatch(r"[a-z_][a-z0-9_]*", item):
             parts.append(item)
     return ".".join(parts) or None
 

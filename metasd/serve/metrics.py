@@ -54,8 +54,8 @@ class ServeMetrics:
                                         "Accepted tokens per draft token position.", ["position"])
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = counter("vllm:request_success", "Count of successfully processed requests (cancelled: abort).",
-                                       ["finished_reason"])
+        self.request_success = counter("vllm:request_success", "Count of successfully processed requests "
+                                                               "(cancelled: abort).", ["finished_reason"])
         self.drafter_choices = Counter("metasd:drafter_choices", "Request-steps drafted by each drafter.",
                                        labels + ["drafter"], registry=r)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
