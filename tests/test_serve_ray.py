@@ -37,13 +37,16 @@ def _free_port() -> int:
 
 
 @needs_ray_serve
-def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path):
+def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path, monkeypatch):
     import openai
 
     from metasd.serve.cli import PoolEngine, SchedulerSettings
     from metasd.serve.ray_serve import APP_NAME, build_app
 
     pool = write_tiny_pool(tmp_path)
+    # Ray's processes inherit it: on a crowded machine the proxy answered its health check later than the default
+    # 10 s three times, and the controller killed it
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}})  # the pool's drafter type
     try:
