@@ -65,7 +65,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/speed.py's helpers, also when imported
 
 SERVERS = ("transformers", "metasd-off", "metasd")
 VERIFIER = "bundled:qwen2.5-coder-1.5b-instruct"
@@ -579,8 +578,6 @@ def write_result(args, argv, rows, t_start) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from speed import add_run_options
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", nargs="+", help=f"servers to load (default: {' '.join(SERVERS)} and every --extra-pool)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -607,20 +604,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metasd-cmd", nargs="+", default=[sys.executable, "-m", "metasd.cli", "serve"],
                    help="the command that starts metasd serve (before --host/--port/...)")
     p.add_argument("--metasd-arg", action="append", help="one more argument for metasd serve (repeatable)")
-    add_run_options(p, "benchmarks/results/serve_load.json")
-    for action in p._actions:
-        if action.dest == "extra_pool":
-            action.help = "NAME=pool.yaml: also load `metasd serve --pool pool.yaml` as server NAME (repeatable)"
-        if action.dest == "out":
-            action.help = "the results file (JSON, rewritten after every level); server logs go to <out>.logs/"
-        if action.dest == "resume":
-            action.help = "keep the levels an interrupted run with the same command already wrote to --out"
+    p.add_argument("--extra-pool", action="append",
+                   help="NAME=pool.yaml: also load `metasd serve --pool pool.yaml` as server NAME (repeatable)")
+    p.add_argument("--out", default="benchmarks/results/serve_load.json",
+                   help="the results file (JSON, rewritten after every level); server logs go to <out>.logs/")
+    p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the (server, concurrency, repeat) rows an interrupted run with the same command "
+                        "already wrote to --out")
     return p
 
 
-def main(argv=None) -> int:
-    from speed import resumed_rows
+def resumed_rows(args) -> list[dict]:
+    """The rows an interrupted run with the same arguments (--resume aside) wrote to --out; none without the file."""
+    out = Path(args.out)
+    if not out.exists():
+        return []
+    saved = json.loads(out.read_text())
+    ours = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "resume"}))
+    theirs = {k: v for k, v in saved["args"].items() if k != "resume"}
+    if ours != theirs:
+        changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise SystemExit(f"error: --resume: {out} was written with other arguments ({', '.join(changed)})")
+    print(f"resuming: {len(saved['rows'])} levels already in {out}", flush=True)
+    return saved["rows"]
 
+
+def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.table:
@@ -640,7 +650,7 @@ def main(argv=None) -> int:
 
     longest = max(count_tokens(q.turns[0]) for q in prompts)
     num_blocks = args.cb_num_blocks or cb_num_blocks(max(args.concurrency), longest, args.max_tokens)
-    rows = resumed_rows(args, argv) if args.resume else []
+    rows = resumed_rows(args) if args.resume else []
     done = {(r["server"], r["concurrency"], r["repeat"]) for r in rows}
     logs = Path(str(args.out) + ".logs")
     plan = [(c, requests_for(c, len(prompts), args.requests)) for c in sorted(args.concurrency)]

@@ -146,3 +146,14 @@ def test_arguments_commands_and_tables(sl, capsys):
     assert sl.identity_line(rows).endswith("metasd-off 2/4, metasd 4/4")
     sl.print_tables(rows)
     assert "metasd vs transformers" in capsys.readouterr().out
+
+
+def test_resume_needs_the_same_arguments(sl, tmp_path):
+    out = tmp_path / "r.json"
+    args = sl.build_parser().parse_args(["--out", str(out), "--resume", "--concurrency", "1", "2"])
+    assert sl.resumed_rows(args) == []
+    sl.write_result(args, [], [{"server": "metasd", "concurrency": 1, "repeat": 0}], 0.0)
+    assert sl.resumed_rows(args) == [{"server": "metasd", "concurrency": 1, "repeat": 0}]
+    other = sl.build_parser().parse_args(["--out", str(out), "--resume", "--max-tokens", "8"])
+    with pytest.raises(SystemExit, match="concurrency, max_tokens"):
+        sl.resumed_rows(other)
