@@ -1,4 +1,4 @@
-"""Command line: ``metasd generate``, ``metasd models``, ``metasd bench``, ``metasd train``."""
+"""Command line: ``metasd generate``, ``metasd models``, ``metasd bench``, ``metasd serve``, ``metasd train``."""
 from __future__ import annotations
 
 import argparse
@@ -381,6 +381,7 @@ def _bench(args) -> int:
 _LAZY = {
     "bench": ("metasd.cli", "add_bench_parser"),
     "pack-weights": ("metasd.models.packed_weights", "add_pack_weights_parser"),
+    "serve": ("metasd.serve.cli", "add_serve_parser"),
 }
 _TRAIN = {
     "features": ("metasd.training.features", "add_train_features_parser"),

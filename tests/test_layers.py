@@ -57,8 +57,8 @@ def test_import_metasd_leaves_the_study_layer_and_its_dependencies_alone():
                          check=True).stderr
     modules = {line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")}
     assert "metasd.core.engine" in modules  # the parse reads the real list
-    heavy = sorted(m for m in modules if m.split(".")[0] in ("mlflow", "ray") or m.startswith(("metasd.bench",
-                                                                                                "metasd.training")))
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("mlflow", "ray", "fastapi", "uvicorn", "prometheus_client")
+                   or m.startswith(("metasd.bench", "metasd.training", "metasd.serve")))
     assert not heavy, f"import metasd imports {heavy}"
 
 

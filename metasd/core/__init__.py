@@ -12,13 +12,17 @@ from .policy import POLICIES, Context, Policy, register_policy
 from .request import GenerationResult
 from .rewards import REWARDS, Reward, get_reward
 from .sampling import SamplingParams
+from .scheduler import (QueueFullError, RequestFinished, RequestHandle, RequestOptions, Scheduler,
+                        SchedulerClosedError, SchedulerStep, TokenEvent)
 from .tokens import TokenizerMismatchError
 from .tree import Draft
 from .verifier import Verifier, VerifierOutput
 
 __all__ = [
     "Acceptance", "BuildContext", "Context", "CostModel", "DRAFTERS", "Draft", "Drafter", "DrafterParams", "Engine", "EngineBusyError",
-    "GenerationResult", "HiddenStore", "POLICIES", "Policy", "REWARDS", "RequestStats", "Reward", "SamplingParams",
+    "GenerationResult", "HiddenStore", "POLICIES", "Policy", "QueueFullError", "REWARDS", "RequestFinished", "RequestHandle",
+    "RequestOptions", "RequestStats", "Reward", "SamplingParams", "Scheduler", "SchedulerClosedError", "SchedulerStep",
+    "TokenEvent",
     "StepContext", "StepFeedback", "TokenizerMismatchError", "Verifier", "VerifierOutput", "accept_greedy",
     "accept_match", "accept_rejection", "get_reward", "register_drafter", "register_policy",
 ]

@@ -183,6 +183,8 @@ class StepMeter:
         return cost(rows) / self.unit
 
     def __enter__(self) -> "StepMeter":
+        if _OPEN.meter is self:  # entered through ``resumed()``: keep counting
+            return self
         if _OPEN.meter is not None:
             raise RuntimeError("a step meter is already open on this thread (nested engine steps?)")
         self.total = 0.0
@@ -191,6 +193,14 @@ class StepMeter:
 
     def __exit__(self, *exc: Any) -> None:
         _OPEN.meter = None
+
+    def resumed(self) -> "StepMeter":
+        """Open again without resetting what was counted (``with meter.resumed():``): one step's cost counted in
+        two parts (the drafting, then the verification) sums exactly as in one."""
+        if _OPEN.meter is not None:
+            raise RuntimeError("a step meter is already open on this thread (nested engine steps?)")
+        _OPEN.meter = self
+        return self
 
     @property
     def steps(self) -> float:

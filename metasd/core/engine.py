@@ -16,6 +16,7 @@ from .drafter import Drafter
 from .policy import Policy
 from .request import GenerationResult, Prompt, Request, encode_prompt
 from .rewards import get_reward
+from .scheduler import Scheduler
 from .tokens import check_tokenizers_compatible, eos_token_ids
 from .verifier import Verifier
 
@@ -166,6 +167,25 @@ class Engine:
         if len(result.text) > len(emitted):
             yield result.text[len(emitted):]
         return result
+
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, *, max_batch: int = 8,
+                       **kwargs) -> list[GenerationResult]:
+        """Generate for every prompt, up to ``max_batch`` at once through a ``Scheduler`` (continuous batching: one
+        verifier forward per step for all running requests); the results in the prompts' order. Keyword arguments as
+        ``generate``'s (the same for every prompt), plus ``options`` (a ``RequestOptions``). A request that fails
+        raises its error after the others have finished."""
+        with Scheduler(self, max_batch=max_batch, max_queue=max(len(prompts), 1)) as scheduler:
+            handles = [scheduler.submit(p, max_new_tokens, **kwargs) for p in prompts]
+            outcomes = []
+            for h in handles:
+                try:
+                    outcomes.append(h.result())
+                except Exception as e:  # noqa: BLE001 - raised after every request is over
+                    outcomes.append(e)
+        for o in outcomes:
+            if isinstance(o, BaseException):
+                raise o
+        return outcomes
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt -> token ids. Message lists always get the chat template; strings when ``chat``."""

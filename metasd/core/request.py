@@ -21,6 +21,7 @@ from .policy import Policy
 from .request_features import request_features, step_features
 from .sampling import SamplingParams, process_logits
 from .tree import Draft
+from .verifier import VerifierOutput
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
@@ -78,6 +79,38 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int |
                          f"{model_name} ({context_length} tokens)")
 
 
+@dataclass
+class StepRecord:
+    """What one step of a request did (``Request.last_step``): the drafter, its draft's nodes and depth as verified,
+    the accepted draft tokens (a root-to-node path: positions 1..accepted of the draft) and the committed tokens."""
+
+    drafter: str
+    drafted: int
+    depth: int
+    accepted: int
+    committed: int
+
+    @property
+    def accepted_per_position(self) -> list[bool]:
+        """Per draft depth 1..depth: whether the step accepted a token there."""
+        return [i < self.accepted for i in range(self.depth)]
+
+
+@dataclass
+class _PendingStep:
+    """A step between ``draft_step`` and ``finish_step``."""
+
+    ctx: StepContext
+    drafter: Any
+    draft: Draft
+    draft_cost: float  # modeled cost of the drafting, in verifier decode steps
+    t0: float  # clock before drafting
+    t1: float  # clock after drafting
+
+    def fields(self) -> tuple:
+        return self.ctx, self.drafter, self.draft, self.draft_cost, self.t0, self.t1
+
+
 class Request:
     """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
     token lists (``steps``)."""
@@ -107,6 +140,14 @@ class Request:
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
         self._text_cut: int | None = None
+        #: what the request runs on: the engine's verifier and pool, unless a ``Scheduler`` binds its own (a slot of
+        #: the batched cache, per-request forks of the drafters) before ``start``
+        self.verifier = engine.verifier
+        self.drafters: list = engine.drafters
+        self.all_drafters: list = engine.all_drafters
+        self.draft_budget: int | None = None  # most draft nodes verified per step (None: the drafter's draft)
+        self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
+        self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
 
     # text of the new tokens, cut before a stop string
     def text(self) -> str:
@@ -144,18 +185,27 @@ class Request:
                 with torch.inference_mode():
                     self._finish()
             finally:
-                for d in self.engine.all_drafters:
+                for d in self.all_drafters:
                     d.end()
 
     def _start(self) -> None:
         """Prefill the verifier, lay out the context buffer, start the drafters and the policy's episode."""
-        eng, verifier, stats = self.engine, self.engine.verifier, self.stats
-        if self.policy is not None and not eng.persistent_policy:
+        self.open()
+        self.verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), self.engine.hidden_layers)
+        self.prefilled()
+
+    def open(self) -> None:
+        """Start the request's episode, before its prefill: the policy's reset, the request's features, the clock."""
+        if self.policy is not None and not self.engine.persistent_policy:
             self.policy.reset()
         self.context = self._context()
-        self.eos = eng.eos_ids()
-        self.t_start = now(verifier.device)
-        verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), eng.hidden_layers)
+        self.eos = self.engine.eos_ids()
+        self.t_start = now(self.verifier.device)
+
+    def prefilled(self) -> None:
+        """After the prefill (``self.verifier`` holds the prompt but its last token): lay out the context buffer,
+        start the drafters and pick the arm of a per-request policy."""
+        eng, verifier, stats = self.engine, self.verifier, self.stats
         stats.prefill_s = now(verifier.device) - self.t_start
         # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
         # a view of its first T entries); the last committed token is the pending one
@@ -165,32 +215,71 @@ class Request:
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
                              hidden=verifier.hidden,
                              request={"category": self.category, "max_new_tokens": self.max_new_tokens})
-        for d in eng.all_drafters:
+        for d in self.all_drafters:
             d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))
-        self.recent = [0.5] * len(eng.drafters)  # recent acceptance per arm (a step feature)
+        self.recent = [0.5] * len(self.drafters)  # recent acceptance per arm (a step feature)
         self.context_used = self.context
         self.arm = self._select(self.context) if eng.granularity == "request" else 0
         self.step_rewards: list[float] = []
 
+    @property
+    def pending(self) -> int:
+        """The pending token: the last committed one, not in the verifier's cache yet."""
+        return int(self.buffer[self.length - 1])
+
     def _step(self) -> tuple[list[int], bool]:
         """One step: select, draft, verify, accept, commit, reward, learn. Returns the committed tokens and whether the
-        request is over."""
-        eng, verifier, stats, policy = self.engine, self.engine.verifier, self.stats, self.policy
-        device = verifier.device
+        request is over. The verification between ``draft_step`` and ``finish_step`` is the sequential verifier's;
+        a ``Scheduler`` verifies the drafts of all its running requests in one batched forward instead."""
+        draft = self.draft_step()
+        with self.engine.meter.resumed() as meter:  # the step's cost: drafting (counted so far) and verifying
+            out = self.verifier.verify(self.pending, draft)
+            t2 = now(self.verifier.device)
+        return self.finish_step(out, cost=meter.steps, t2=t2)
+
+    def draft_step(self) -> Draft:
+        """First half of a step: select the arm, draft (the engine's meter counts the drafting work), cut the draft to
+        the token budget and ``draft_budget``. The draft is what the verifier scores next: [pending] + its nodes."""
+        eng, stats = self.engine, self.stats
+        if self._pending_step is not None:
+            raise RuntimeError("Request.draft_step called twice without finish_step")
         budget = self.max_new_tokens - len(self.new_ids)
         ctx = StepContext(tokens=self.buffer[: self.length], max_depth=budget - 1, step=stats.steps, **self.base_ctx)
         if eng.granularity == "step":
             self.arm = self._select(self._step_context(ctx))
-        drafter = eng.drafters[self.arm] if eng.drafters else None
-        with eng.meter as meter:  # counts the modeled cost of drafting and verifying
-            t0 = now(device)
+        drafter = self.drafters[self.arm] if self.drafters else None
+        with eng.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
+            t0 = now(self.verifier.device)
             draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
             if draft.depth > ctx.max_depth:
                 draft = draft.truncated(ctx.max_depth)
-            t1 = now(device)
-            out = verifier.verify(int(self.buffer[self.length - 1]), draft)
-            t2 = now(device)
-        cost = meter.steps
+            if self.draft_budget is not None and len(draft) > self.draft_budget:
+                draft = draft.first(self.draft_budget)
+            t1 = now(self.verifier.device)
+        self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1)
+        return draft
+
+    def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
+                    verify_s: float | None = None) -> tuple[list[int], bool]:
+        """Second half of a step, given the verifier's scores of [pending] + the draft (``out``): accept, commit in
+        the verifier's cache, feedback to the drafter, rewards, policy, stats. Returns the committed tokens and
+        whether the request is over.
+
+        cost: the step's modeled cost (default: the drafting counted by ``draft_step`` plus a verifier forward over
+            the draft's rows, priced from shapes - a batched forward is shared by many requests); t2: the clock after
+            the verification (sequential); verify_s: else, how long the verification took."""
+        if self._pending_step is None:
+            raise RuntimeError("Request.finish_step called without draft_step")
+        ctx, drafter, draft, draft_cost, t0, t1 = self._pending_step.fields()
+        self._pending_step = None
+        eng, verifier, stats, policy = self.engine, self.verifier, self.stats, self.policy
+        if cost is None:
+            cost = draft_cost + eng.meter.price(verifier.model, len(draft) + 1)
+        if t2 is not None:
+            seconds, verify_s = t2 - t0, t2 - t1
+        else:
+            verify_s = verify_s or 0.0
+            seconds = (t1 - t0) + verify_s
         if self.sampling.greedy:
             target_argmax, target_probs = out.logits.argmax(-1), None  # [n+1] on the verifier's device
             acc = accept_greedy(draft, target_argmax)
@@ -199,13 +288,13 @@ class Request:
             acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
         verifier.commit(acc.path, out)
         committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
-        feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=t2 - t0, cost=cost)
+        feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=seconds, cost=cost)
         if drafter is not None:
             drafter.observe(feedback)  # first: the drafters it drafted with (a fused arm's) settle their caches
         rewards: dict[int, float] = {}
         if drafter is not None and eng.feedback == "full":
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
-                counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(eng.drafters) if j != self.arm}
+                counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(self.drafters) if j != self.arm}
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
             for j, c in counterfactuals.items():
                 if c is not None:
@@ -214,11 +303,12 @@ class Request:
                                                            + tracking.steps)
                     self._track_acceptance(j, c.n_accepted, c.depth)
         stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
+        stats.verify_s += verify_s
         stats.catch_up_tokens += draft.catch_up
         stats.modeled_cost += cost
         name = drafter.name if drafter is not None else "none"
         stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
+        self.last_step = StepRecord(name, len(draft), draft.depth, acc.n_accepted, len(committed))
         value = eng.reward.step(feedback)
         stats.rewards.append(value)
         self.step_rewards.append(value)
@@ -243,7 +333,7 @@ class Request:
         self.context_used = self.context
         if self.context is None:
             return None
-        drafters = self.engine.drafters
+        drafters = self.drafters
         matches = [m for d in drafters if (m := d.longest_match(ctx.tokens)) is not None]
         confidences = [c for d in drafters if (c := d.confidence()) is not None]
         self.context_used = np.concatenate([self.context, step_features(max(matches, default=0),
@@ -252,10 +342,10 @@ class Request:
 
     def _finish(self) -> None:
         eng, stats, policy = self.engine, self.stats, self.policy
-        if policy is not None and eng.drafters and eng.granularity == "request" and self.step_rewards:
+        if policy is not None and self.drafters and eng.granularity == "request" and self.step_rewards:
             policy.update(self.arm, eng.reward.request(stats, self.step_rewards), self.context)
         stats.new_tokens = len(self.new_ids)
-        stats.wall_s = now(eng.verifier.device) - self.t_start
+        stats.wall_s = now(self.verifier.device) - self.t_start
         stats.policy_state = policy.state_dict() if policy is not None else None
 
     def _commit(self, committed: list[int], eos: set[int]) -> bool:

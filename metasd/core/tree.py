@@ -84,6 +84,14 @@ class Draft:
         probs = None if self.probs is None else self.probs[keep.to(self.probs.device)]
         return Draft(self.tokens[keep], parents, probs, self.without_replacement, dict(self.meta), self.catch_up)
 
+    def first(self, n: int) -> "Draft":
+        """The draft's first ``n`` nodes (topological order: an ancestor-closed subtree, node indices unchanged) - a
+        node budget. Exact under every acceptance rule: later siblings are dropped, never reordered."""
+        if n >= len(self):
+            return self
+        probs = None if self.probs is None else self.probs[:n]
+        return Draft(self.tokens[:n], self.parents[:n], probs, self.without_replacement, dict(self.meta), self.catch_up)
+
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """[n] parents -> [n] depths (root children: 1)."""

@@ -1,0 +1,160 @@
+"""``metasd serve``: its options, and running the server on one machine or, with ``--ray``, as Ray Serve replicas.
+
+Importing this module needs neither FastAPI nor uvicorn (``metasd --help`` lists ``serve`` on any install); running
+the command without them exits 2 naming the extra to install.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from metasd.serve import SERVE_EXTRA
+
+_NEEDS = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server that batches concurrent requests (docs/serving.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve a pool over HTTP with OpenAI's routes (/v1/chat/completions, /v1/completions, /v1/models), "
+                    "/health and /metrics; the drafts of concurrent requests are verified in one batched forward per "
+                    f"step. Needs the serve extra: {SERVE_EXTRA}.")
+    p.add_argument("--pool", help="pool config YAML (default: the embedded default pool, configs/default.yaml)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS chooses, printed)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $METASD_API_KEY; "
+                        "none: no authentication)")
+    p.add_argument("--model-name", help="the model id clients name in 'model' (default: the pool's verifier)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests verified together in one step")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    p.add_argument("--share-suffix-cache", action="store_true",
+                   help="let the suffix drafter draft from every request's text (faster on repeated text, but a "
+                        "request's timings and acceptance can then reveal what others asked; docs/serving.md#security)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before cancelling them")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--ray", action="store_true", help="serve with Ray Serve: --replicas copies of the pool behind one "
+                                                      "HTTP entry (needs: pip install 'ray[serve]')")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, one engine and scheduler each")
+    p.add_argument("--ray-address", help="with --ray: the cluster to join ('auto', HOST:PORT; default: start one)")
+    p.set_defaults(func=serve_command)
+
+
+def _check_args(args) -> None:
+    for name in ("max_batch", "replicas"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {args.threads}")
+    if (args.replicas != 1 or args.ray_address) and not args.ray:
+        raise ValueError("--replicas and --ray-address need --ray")
+
+
+@dataclass(frozen=True)
+class PoolEngine:
+    """A picklable recipe for an engine: the pool file (None: the embedded default) and torch's CPU threads. Ray
+    replicas build their engine from it, each in its own process."""
+
+    pool: str | None = None
+    threads: int | None = None
+
+    def __call__(self):
+        import torch
+
+        from metasd.config import load_pool
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return load_pool(self.pool)
+
+    def check(self):
+        """The pool file and its model references, before any model loads: ``ConfigError`` naming the bad field."""
+        from metasd.config import check_model_references, check_quantization, read_pool_config
+
+        config = read_pool_config(self.pool)
+        check_model_references(config, self.pool or "default pool",
+                               Path(self.pool).resolve().parent if self.pool else None)
+        try:
+            check_quantization(config)
+        except ValueError as e:
+            from metasd.config import ConfigError
+
+            raise ConfigError(f"{self.pool or 'default pool'}: {e}") from None
+        return config
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The scheduler's options from the command line (picklable: Ray replicas make their scheduler with them);
+    ``make(engine)`` returns a running scheduler."""
+
+    max_batch: int = 8
+    max_queue: int = 64
+    share_suffix_cache: bool = False
+
+    def make(self, engine):
+        from metasd.core.scheduler import Scheduler
+
+        scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
+                              share_suffix_cache=self.share_suffix_cache)
+        start = getattr(scheduler, "start", None)  # a scheduler that does not start its thread when made
+        if start is not None:
+            start()
+        return scheduler
+
+
+def serve_command(args) -> int:
+    missing = [m for m in _NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"metasd serve: needs {', '.join(missing)}: {SERVE_EXTRA}", file=sys.stderr)
+        return 2
+    _check_args(args)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("METASD_API_KEY") or None
+    recipe = PoolEngine(args.pool, args.threads)
+    config = recipe.check()
+    model_name = args.model_name or config.verifier.model
+    settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache)
+    if args.ray:
+        from metasd.serve.ray_serve import serve_with_ray
+
+        return serve_with_ray(recipe, settings, model_name, api_key, args.replicas, args.host, args.port,
+                              args.ray_address, args.drain_timeout)
+    return _serve_here(recipe, settings, model_name, api_key, args)
+
+
+def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, api_key: str | None, args) -> int:
+    import uvicorn
+
+    from metasd.serve.app import create_app
+    from metasd.serve.server import DrainingServer
+
+    print(f"[metasd serve] loading {recipe.pool or 'the default pool'}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    engine = recipe()
+    scheduler = settings.make(engine)
+    print(f"[metasd serve] loaded in {time.perf_counter() - t0:.1f} s; serving {model_name!r} (batch "
+          f"{settings.max_batch}, queue {settings.max_queue}, auth {'on' if api_key else 'off'})", file=sys.stderr,
+          flush=True)
+    app = create_app(scheduler, model_name, api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,
+                            lifespan="off")
+    server = DrainingServer(config, app.state.serve, scheduler, args.drain_timeout)
+    try:
+        server.run()
+    finally:
+        scheduler.close()
+    print("[metasd serve] stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,80 @@
+"""Response bodies in OpenAI's shapes: a whole completion, and the chunks of a streamed one (server-sent events).
+
+Both routes' bodies carry, beside OpenAI's fields, the extension field ``metasd``: this request's record, filtered
+by ``metasd.serve.records.served_record`` (docs/serving.md#the-metasd-extension-field).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the scheduler's finish reasons as OpenAI names them (an EOS token is a natural stop)
+FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Completion:
+    """What one request's responses share: its id, kind (``chat`` or ``text``), creation time and model."""
+
+    kind: str
+    model: str
+    prompt_tokens: int
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, completion_tokens: int, record: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(self.object), "choices": [choice], "usage": self.usage(completion_tokens),
+                "metasd": record}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
+              record: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed chunk: new text, or (with ``finish_reason``) the last chunk of the choice, which carries the
+        ``metasd`` record; a chat stream's first chunk names the role."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = {**self._head("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        if record is not None:
+            body["metasd"] = record
+        return body
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """``stream_options.include_usage``: the last chunk, with no choices."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens)}

@@ -1,0 +1,410 @@
+"""``metasd serve``'s app on a tiny-model engine, driven over HTTP by the official ``openai`` client (and httpx for
+what the client will not send): both routes streamed and not, greedy outputs of concurrent requests equal
+``Engine.generate``'s, seeded sampling, the metasd extension field and its allow-list, every refused input as a 400
+naming its field, a disconnect freeing its slot, a failing drafter failing one request, a full queue, an API key,
+/metrics, /v1/models, /health and the drain. Each server runs in a thread on a free 127.0.0.1 port."""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("fastapi")
+
+from metasd.core.engine import Engine  # noqa: E402
+from metasd.core.scheduler import Scheduler  # noqa: E402
+from metasd.core.verifier import Verifier  # noqa: E402
+from metasd.serve.app import create_app  # noqa: E402
+from metasd.serve.records import SERVED_DRAFTER_COUNTS, SERVED_FIELDS, served_record  # noqa: E402
+from serve_helpers import FAIL, GATE, GATED, SLOW, ServerThread, tiny_engine  # noqa: E402
+from tiny import tiny_qwen, tiny_tokenizer  # noqa: E402
+
+MODEL = "tiny"
+MSG = [{"role": "user", "content": "w10 w11 w12 w10 w11"}]
+
+
+class Recording:
+    """The scheduler, with every handle it gave out and every listener record kept (delegates the rest)."""
+
+    def __init__(self, scheduler):
+        self._s, self.handles, self.records = scheduler, [], []
+        scheduler.add_listener(self.records.append)
+
+    def submit(self, *args, **kwargs):
+        handle = self._s.submit(*args, **kwargs)
+        self.handles.append(handle)
+        return handle
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+def _serve(engine=None, *, api_key=None, **scheduler_kwargs):
+    scheduler = Recording(Scheduler(engine or tiny_engine(), **scheduler_kwargs))
+    getattr(scheduler, "start", lambda: None)()
+    return ServerThread(create_app(scheduler, MODEL, api_key)), scheduler
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, scheduler = _serve(max_batch=8, max_queue=64)
+    with srv:
+        srv.scheduler = scheduler
+        yield srv
+    scheduler.close()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain greedy decoding of the same verifier through ``Engine.generate`` (a separate copy of its weights)."""
+    engine = Engine(Verifier(tiny_qwen(seed=0), tiny_tokenizer(), name="ref"))
+    return lambda prompt, n, **kw: engine.generate(prompt, max_new_tokens=n, **kw)
+
+
+def _chat(client, messages=MSG, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, **kw)
+
+
+# ------------------------------------------------------------------------------ answers
+def test_chat_and_completions_streamed_and_not_give_the_greedy_text(client, reference):
+    want = reference(MSG, 12)
+    whole = _chat(client, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == want.text and whole.choices[0].finish_reason == "length"
+    assert whole.object == "chat.completion" and whole.model == MODEL and whole.id.startswith("chatcmpl-")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(want.prompt_ids), 12)
+    assert whole.usage.total_tokens == len(want.prompt_ids) + 12
+
+    chunks = list(_chat(client, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12  # include_usage: the last chunk
+
+    raw = reference("w10 w11 w12", 9)  # /v1/completions: the prompt as it is, no chat template
+    text = client.completions.create(model=MODEL, prompt="w10 w11 w12", max_tokens=9, temperature=0)
+    assert text.choices[0].text == raw.text and text.object == "text_completion"
+    assert text.usage.prompt_tokens == len(raw.prompt_ids)
+    streamed = list(client.completions.create(model=MODEL, prompt=raw.prompt_ids, max_tokens=9, temperature=0,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == raw.text and streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_four_concurrent_greedy_requests_of_different_lengths_equal_engine_generate(client, server, reference):
+    prompts = [[{"role": "user", "content": f"w{10 + i} w{20 + i} w{10 + i} w{30 + i}"}] for i in range(4)]
+    lengths = [5, 17, 9, 30]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda a: _chat(client, a[0], max_tokens=a[1], temperature=0), zip(prompts, lengths)))
+    for prompt, n, answer in zip(prompts, lengths, answers):
+        want = reference(prompt, n)
+        assert answer.choices[0].message.content == want.text
+        assert answer.usage.completion_tokens == len(want.token_ids) == n
+
+
+def test_a_stop_string_ends_the_text_before_it(client, reference):
+    text = reference(MSG, 12).text
+    stop = text.split()[3]
+    answer = _chat(client, max_tokens=12, temperature=0, stop=[stop, "never"])
+    assert answer.choices[0].message.content == text[: text.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_sampling_with_a_seed_is_reproducible(client):
+    runs = [_chat(client, max_tokens=20, temperature=1.0, seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_the_metasd_field_takes_per_request_options_and_serves_the_record(client):
+    twin = _chat(client, max_tokens=12, temperature=0, extra_body={"metasd": {"drafter": "twin", "speculate": True}})
+    record = twin.model_extra["metasd"]
+    assert record["drafter_counts"] == {"twin": {"steps": record["steps"]}}
+    assert record["accepted"] > 0 and record["steps"] < 12  # the twin's drafts are the verifier's own tokens
+    plain = _chat(client, max_tokens=6, temperature=0, extra_body={"metasd": {"speculate": False}})
+    assert plain.model_extra["metasd"]["drafted"] == 0 and plain.model_extra["metasd"]["steps"] == 6
+    budget = _chat(client, max_tokens=12, temperature=0, extra_body={"metasd": {"drafter": "twin", "draft_budget": 1}})
+    assert budget.model_extra["metasd"]["drafted"] <= budget.model_extra["metasd"]["steps"]
+    assert budget.choices[0].message.content == twin.choices[0].message.content  # lossless whatever the options
+
+
+@pytest.mark.xfail(strict=True, raises=openai.InternalServerError,
+                   reason="scheduler (batch ff1f079): RequestOptions(drafter=...) in a pool of several arms still "
+                          "selects with the engine's policy (Request falls back to engine.policy for policy=None) and "
+                          "indexes past the request's one-drafter list (IndexError); strict: remove when fixed")
+def test_the_drafter_option_picks_one_arm_of_a_pool_of_several():
+    from metasd.drafters import NGramDrafter, PretrainedDrafter
+    from metasd.policies import UCB1
+
+    tok = tiny_tokenizer()
+    arms = [NGramDrafter(k=3, name="ngram"), PretrainedDrafter(tiny_qwen(seed=0), tok, k=3, name="twin")]
+    srv, scheduler = _serve(Engine(Verifier(tiny_qwen(seed=0), tok, name="tiny"), arms, UCB1(2)))
+    try:
+        with srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+            answer = _chat(client, max_tokens=8, temperature=0, extra_body={"metasd": {"drafter": "twin"}})
+            assert set(answer.model_extra["metasd"]["drafter_counts"]) == {"twin"}
+    finally:
+        scheduler.close()
+
+
+def test_served_records_keep_only_the_allow_list():
+    record = {"steps": 3, "accepted": 2, "policy_state": {"counts": [9, 1]}, "peer_text": "secret",
+              "drafter_counts": {"suffix": {"steps": 3, "from_cache": 2, "match_len": 17}}}
+    assert served_record(record) == {"steps": 3, "accepted": 2, "drafter_counts": {"suffix": {"steps": 3}}}
+
+
+def test_a_shared_suffix_cache_leaves_no_trace_in_the_served_record():
+    """With --share-suffix-cache the suffix drafter drafts a second request from the first one's text: its raw
+    record says so (from_cache, match_len); the served one does not."""
+    from metasd.drafters import SuffixDrafter
+
+    engine = Engine(Verifier(tiny_qwen(seed=0), tiny_tokenizer(), name="tiny"),
+                    [SuffixDrafter(cross_request=True, name="suffix")])
+    srv, scheduler = _serve(engine, share_suffix_cache=True)
+    with srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        secret = [{"role": "user", "content": "w40 w41 w42 w43 w44 w45 w46 w47"}]
+        first = _chat(client, secret, max_tokens=24, temperature=0)
+        second = _chat(client, secret, max_tokens=24, temperature=0)
+    scheduler.close()
+    raw = [r.record for r in scheduler.records if hasattr(r, "record")]
+    assert raw[1]["drafter_counts"]["suffix"].get("from_cache", 0) > 0  # the leak the allow-list closes
+    for answer in (first, second):
+        served = answer.model_extra["metasd"]
+        assert set(served) <= set(SERVED_FIELDS) | {"drafter_counts"}
+        assert all(set(c) <= set(SERVED_DRAFTER_COUNTS) for c in served["drafter_counts"].values())
+        assert "from_cache" not in json.dumps(served) and "match_len" not in json.dumps(served)
+
+
+# ------------------------------------------------------------------------------ refusals
+BAD = [  # (route, body, param at fault); every body is otherwise valid
+    ("chat", "{not json", None),
+    ("chat", {"foo": 1}, "foo"),
+    ("chat", {"model": "gpt-4o"}, "model"),
+    ("chat", {"max_tokens": "5"}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),
+    ("chat", {"messages": [{"role": "robot", "content": "w10"}]}, "messages.[0].role"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"stop": 3}, "stop"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"max_tokens": 250}, "max_tokens"),
+    ("chat", {"max_completion_tokens": 250}, "max_completion_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": " ".join(["w10"] * 300)}]}, "messages"),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"logit_bias": {"12": 5}}, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("chat", {"temperature": -1}, "temperature"),
+    ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"metasd": {"drafter": "nope"}}, "metasd.drafter"),
+    ("chat", {"metasd": {"fast": True}}, "metasd.fast"),
+    ("chat", {"seed": -1}, "seed"),
+    ("text", {"echo": True}, "echo"),
+    ("text", {"prompt": [5, 999]}, "prompt"),
+    ("text", {"prompt": ["w10", "w11"]}, "prompt"),
+    ("text", {"best_of": 3}, "best_of"),
+]
+
+
+@pytest.mark.parametrize("route,body,param", BAD, ids=[f"{r}-{p or 'json'}-{i}" for i, (r, _, p) in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field_and_starts_nothing(server, route, body, param):
+    base = {"model": MODEL, "max_tokens": 4} | ({"messages": MSG} if route == "chat" else {"prompt": "w10 w11"})
+    content = body if isinstance(body, str) else json.dumps(base | body)
+    before = len(server.scheduler.handles)
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert len(server.scheduler.handles) == before  # refused before anything was queued
+
+
+def test_the_openai_client_gets_its_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, n=2)
+    assert e.value.param == "n" and e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, extra_body={"tools": []})
+    assert e.value.param == "tools" and "Unrecognized request argument" in e.value.message
+
+
+# ------------------------------------------------------------------------------ faults
+def test_a_client_that_disconnects_mid_stream_frees_its_slot_within_one_step(server):
+    marks: list[tuple[str, bool]] = []  # per step of any request: (id, was its handle cancelled before the step ended)
+    handles = server.scheduler.handles
+
+    def mark(record):
+        for r in getattr(record, "requests", []):
+            h = next((h for h in handles if h.id == r.id), None)
+            marks.append((r.id, bool(h and h.cancelled)))
+
+    server.scheduler.add_listener(mark)
+    body = {"model": MODEL, "prompt": f"w10 w{SLOW} w11", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        next(r.iter_lines())  # the first event: the request is running
+        handle = handles[-1]
+    handle.result(timeout=30)  # the client closed the connection: the request ends ...
+    events = list(handle.events())
+    assert events[-1].finish_reason == "cancelled"
+    assert sum(len(e.token_ids) for e in events) < 50  # ... long before its 200 tokens (0.05 s a step)
+    assert sum(1 for rid, cancelled in marks if rid == handle.id and cancelled) <= 1  # at most one step after
+    assert server.scheduler.running == 0
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_cancels_it(server):
+    body = {"model": MODEL, "prompt": f"w10 w{SLOW} w11", "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    handle = server.scheduler.handles[-1]
+    handle.result(timeout=30)
+    assert list(handle.events())[-1].finish_reason == "cancelled"
+
+
+def test_a_request_failing_inside_a_drafter_fails_alone(client, reference):
+    failing = [{"role": "user", "content": f"w10 w{FAIL} w11"}]
+
+    def fail_whole():
+        with pytest.raises(openai.InternalServerError) as e:
+            _chat(client, failing, max_tokens=8, temperature=0)
+        return e.value
+
+    def fail_streamed():
+        with pytest.raises(openai.APIError) as e:
+            list(_chat(client, failing, max_tokens=8, temperature=0, stream=True))
+        return e.value
+
+    with ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(fail_whole), pool.submit(fail_streamed),
+                pool.submit(_chat, client, MSG, max_tokens=10, temperature=0),
+                pool.submit(_chat, client, MSG, max_tokens=14, temperature=0)]
+        whole, streamed, ok1, ok2 = (j.result() for j in jobs)
+    assert whole.status_code == 500 and whole.type == "server_error" and "on purpose" in whole.message
+    assert "on purpose" in streamed.message
+    assert ok1.choices[0].message.content == reference(MSG, 10).text
+    assert ok2.choices[0].message.content == reference(MSG, 14).text
+
+
+def test_a_full_queue_is_a_429_with_retry_after_and_starts_nothing():
+    GATE.clear()
+    srv, scheduler = _serve(max_batch=1, max_queue=1)
+    gated = {"model": MODEL, "prompt": f"w{GATED} w10", "max_tokens": 3, "temperature": 0}
+    try:
+        with srv, ThreadPoolExecutor(2) as pool:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+            running = pool.submit(httpx.post, srv.url + "/v1/completions", json=gated, timeout=60)
+            _wait(lambda: scheduler.running == 1)
+            queued = pool.submit(httpx.post, srv.url + "/v1/completions", json=gated, timeout=60)
+            _wait(lambda: scheduler.queue_length == 1)
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model=MODEL, prompt="w10", max_tokens=2)
+            assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+            assert len(scheduler.handles) == 2 and scheduler.queue_length == 1  # nothing started for it
+            GATE.set()
+            assert running.result().status_code == 200 and queued.result().status_code == 200
+    finally:
+        GATE.set()
+        scheduler.close()
+
+
+def _wait(cond, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_api_key_guards_every_route_but_health():
+    srv, scheduler = _serve(api_key="sekret")
+    try:
+        with srv:
+            for key in (None, "wrong"):
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+                    r = httpx.request(method, srv.url + path, headers=headers, json={})
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+            assert httpx.get(srv.url + "/health").status_code == 200
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+            good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+            assert good.completions.create(model=MODEL, prompt="w10", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        scheduler.close()
+
+
+def test_draining_refuses_new_requests_and_finishes_the_running_ones():
+    """The signal path of the in-process server (``DrainingServer.handle_exit``, what SIGTERM calls); the real
+    signal on a ``metasd serve`` process is in test_serve_cli.py."""
+    import signal
+
+    srv, scheduler = _serve()
+    with srv:
+        body = {"model": MODEL, "prompt": f"w10 w{SLOW}", "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            srv.server.handle_exit(signal.SIGTERM, None)
+            _wait(lambda: srv.server.state.draining)
+            refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+            assert httpx.get(srv.url + "/health").status_code == 503
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the running request finished
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()  # then the server stopped by itself
+
+
+# ------------------------------------------------------------------------------ the other routes
+def test_models_health_and_an_unknown_route(client, server):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_have_vllms_names_and_count(client, server):
+    def scrape():
+        return _samples(httpx.get(server.url + "/metrics").text)
+
+    before = scrape()
+    answer = _chat(client, max_tokens=12, temperature=0)
+    _wait(lambda: scrape().get(f'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{MODEL}"}}', 0)
+          > before.get(f'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{MODEL}"}}', 0))
+    after = scrape()
+    record = answer.model_extra["metasd"]
+    labels = f'{{engine="0",model_name="{MODEL}"}}'
+
+    def grew(name, labels=labels):
+        return after.get(name + labels, 0) - before.get(name + labels, 0)
+
+    assert grew("vllm:spec_decode_num_drafts_total") == record["steps"]
+    assert grew("vllm:spec_decode_num_draft_tokens_total") == record["drafted"]
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == record["accepted"]
+    pos0 = f'{{engine="0",model_name="{MODEL}",position="0"}}'
+    assert grew("vllm:spec_decode_num_accepted_tokens_per_pos_total", pos0) == record["position_accepted"][0]
+    assert grew("metasd:drafter_choices_total", f'{{drafter="twin",engine="0",model_name="{MODEL}"}}') == record["steps"]
+    assert grew("vllm:prompt_tokens_total") == answer.usage.prompt_tokens
+    assert grew("vllm:generation_tokens_total") >= 12
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:inter_token_latency_seconds_count") == record["steps"] - 1
+    assert grew("vllm:request_success_total", f'{{engine="0",finished_reason="length",model_name="{MODEL}"}}') == 1
+    for gauge in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        assert after[gauge + labels] == 0
