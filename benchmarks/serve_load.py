@@ -14,8 +14,9 @@ Servers (``--servers``; each started by this script alone on the machine, health
 - ``metasd``: ``metasd serve`` with the default pool, speculation on.
 - ``--extra-pool NAME=pool.yaml``: ``metasd serve --pool pool.yaml`` as server NAME.
 
-Each server gets ``OMP_NUM_THREADS=MKL_NUM_THREADS=--threads`` and runs one at a time; the client (this process,
-asyncio + the official ``openai`` AsyncOpenAI client, streaming) shares the machine with it.
+Each server gets ``OMP_NUM_THREADS=MKL_NUM_THREADS=--threads`` (and metasd serve ``--threads``) and runs one at a
+time; the client (this process, asyncio + the official ``openai`` AsyncOpenAI client, streaming) shares the machine
+with it.
 
 Load: the prompt set is the first turn of the Spec-Bench questions (``--per-group`` per group, as
 benchmarks/speed.py) plus ``--copy-heavy N`` prompts per copy-heavy category, in one fixed shuffled order (seed 0,
@@ -35,8 +36,8 @@ Per (server, concurrency, repeat) row:
 - ITL, per token: a stream's chunks are grouped into deliveries (chunks that reach the client within 2 ms of the
   previous one: events of one network read), a delivery's tokens are its text tokenised alone by the verifier's
   tokenizer (the servers do not say how many tokens a chunk holds; a speculative server delivers several per
-  step), and every token of a delivery after the first is one sample of (time since the previous delivery) /
-  (tokens in the delivery). p50 and p99 over all tokens of the level. The per-delivery gap p50 is kept too.
+  step), and every token of every delivery but a stream's first (whose time is the TTFT) is one sample of
+  (time since the previous delivery) / (tokens in the delivery). p50 and p99 over all tokens of the level. The per-delivery gap p50 is kept too.
 - TPOT p50 (per request: (last text - first text) / (completion tokens - 1)), e2e latency p50 (sent to stream end).
 - tokens/step: metasd's extension record (a ``metasd`` object in a chunk) when the server sends one.
 
@@ -223,7 +224,7 @@ def servers_in(rows) -> list[str]:
 def summary_table(rows) -> str:
     """Markdown: per (server, c), medians over repeats ([min-max] for tok/s)."""
     lines = ["| server | c | requests done/sent | output tok/s median [range] | req/s | TTFT p50 / p99 (s) | "
-             "ITL p50 / p99 (ms/token) | TPOT p50 (ms) | e2e p50 (s) | tokens/delivery | tokens/step | repeats |",
+             "ITL p50 / p99 (ms/token: delivery gap / its tokens) | TPOT p50 (ms) | e2e p50 (s) | tokens/delivery | tokens/step | repeats |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in servers_in(rows):
         for c in _levels(rows, s):
@@ -370,7 +371,8 @@ def server_command(spec: ServerSpec, args, port: int, model_dir: Path, num_block
                 "--host", "127.0.0.1", "--port", str(port), "--cb-num-blocks", str(num_blocks),
                 "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "warning", str(model_dir)]
     cmd = list(args.metasd_cmd) + ["--host", "127.0.0.1", "--port", str(port),
-                                   "--max-batch", str(args.max_batch or max(args.concurrency))]
+                                   "--max-batch", str(args.max_batch or max(args.concurrency)),
+                                   "--threads", str(args.threads)]
     if spec.pool:
         cmd += ["--pool", spec.pool]
     return cmd + list(args.metasd_arg or [])
@@ -590,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL threads of each server")
-    p.add_argument("--level-timeout", type=float, default=1800, help="seconds; a level stops by itself after this")
+    p.add_argument("--level-timeout", type=float, default=3600, help="seconds; a level stops by itself after this")
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds for a server to answer /health")
     p.add_argument("--warmup", type=int, default=1, help="requests (8 tokens) sent to each server before its load")
     p.add_argument("--model-dir", help="the verifier's HF directory: transformers serve's model and the tokenizer "

@@ -116,7 +116,8 @@ def test_arguments_commands_and_tables(sl, capsys):
                         ("--cb-num-blocks", "100")):
         assert cmd[cmd.index(flag) + 1] == value
     m = sl.server_command(specs["metasd"], args, 99, Path("/m"), 100)
-    assert m[m.index("serve"):] == ["serve", "--host", "127.0.0.1", "--port", "99", "--max-batch", "8"]
+    assert m[m.index("serve"):] == ["serve", "--host", "127.0.0.1", "--port", "99", "--max-batch", "8",
+                                    "--threads", "2"]
     every = sl.build_parser().parse_args(["--extra-pool", "ngram=configs/x.yaml", "--transformers-prefix-cache"])
     specs = sl.server_specs(every)
     assert [s.name for s in specs][-1] == "ngram" and specs[-1].pool.endswith("configs/x.yaml")
