@@ -176,7 +176,7 @@ class Request:
         """One step: select, draft, verify, accept, commit, reward, learn. Returns the committed tokens and whether the
         request is over."""
         eng, verifier, stats, policy = self.engine, self.engine.verifier, self.stats, self.policy
-        device = verifier.device
+        device = eng.clock_device  # None: the step's clock reads do not synchronise (Engine.profile)
         budget = self.max_new_tokens - len(self.new_ids)
         ctx = StepContext(tokens=self.buffer[: self.length], max_depth=budget - 1, step=stats.steps, **self.base_ctx)
         if eng.granularity == "step":
