@@ -35,6 +35,7 @@ CUDA graphs and static caches are not built (see BENCHMARKS.md): every run here 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -47,13 +48,15 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from metasd import Engine, Verifier
 from metasd.core import clock
 from metasd.core.clock import synchronize
+from metasd.core.kv_cache import cache_kwargs, crop_to
 from metasd.drafters import PretrainedTreeDrafter
 from metasd.drafters.replay import ReplayDrafter, ReplayMiss
+from metasd.models.quantize import quantize_model
 
 #: the shapes of the bundled verifier (Qwen2.5-Coder-1.5B), the bundled drafter (0.5B) and an 8B-class verifier
 #: (Qwen2.5-7B), as their config.json files give them; ``tiny`` for a quick check of the script. Every head is
@@ -152,6 +155,35 @@ def record(model, prompt: torch.Tensor, n: int) -> tuple[list[int], dict]:
     return out.sequences[0, prompt.shape[1]:].tolist(), {
         "tokens": n, "min": float(q[0]), "p1": float(q[1]), "p10": float(q[2]), "median": float(q[3]),
         "top_logit_median": float(top[:, 0].median()), "ties": int((margin <= ulp).sum())}
+
+
+def forward_ms_by_rows(model, prompt: torch.Tensor, rows_list: list[int], device, repeats: int = 5) -> dict:
+    """Median ms of one verifier forward of r rows after the prompt's cache, for each r (synchronised), and the
+    ``CostModel`` dense row cost they imply: a forward costs ``a + b * rows`` ms, the model prices it
+    ``weight_bytes + row_cost * macs * rows``, so ``row_cost = (b / a) * weight_bytes / macs`` (the bytes of a
+    weight: its dtype's size). What ``CUDA_ROW_COST`` in ``metasd/core/cost.py`` is to be calibrated from."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt[:, :-1], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    base = prompt.shape[1] - 1
+    vocab = model.config.vocab_size
+    out = {}
+    for r in rows_list:
+        ids = torch.randint(1, vocab, (1, r), generator=torch.Generator().manual_seed(r)).to(device)
+        ts = []
+        for _ in range(repeats + 1):
+            seconds, _ = timed(lambda: model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True), device)
+            ts.append(seconds)
+            crop_to(cache, base)
+        out[r] = 1e3 * statistics.median(ts[1:])
+    fit = {}
+    if len(out) >= 2:
+        xs, ys = list(out), list(out.values())
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = my - b * mx
+        fit = {"ms_fixed": a, "ms_per_row": b,
+               "implied_dense_row_cost": (b / a) * model.dtype.itemsize if a > 0 else None}
+    return {"ms": out, "fit": fit}
 
 
 # ---------------------------------------------------------------------------------------------- timing, counting
@@ -305,6 +337,10 @@ def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer
         row["failed"] = str(e)
         log(f"  ROW FAILED: {e}")
         return row
+    except Exception as e:  # noqa: BLE001 - a row that breaks fails alone; the others still run
+        row["failed"] = f"{type(e).__name__}: {e}"
+        log(f"  ROW FAILED: {row['failed']}")
+        return row
     s = result.stats.steps
     per_step = [d / k for d, k in zip(decode_s, steps)]
     step = statistics.median(per_step)
@@ -345,7 +381,7 @@ def parse_tree(spec: str) -> dict:
 
 
 def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
-            trees: list[dict] = ()) -> dict:
+            trees: list[dict] = (), forward_rows: list[int] = ()) -> dict:
     t_build = time.perf_counter()
     model = build(shape, device, dtype)
     synchronize(device)
@@ -358,6 +394,11 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     log(f"{shape}: built in {build_s:.1f} s; top-2 margins of the recording: min {margins['min']:.3g}, "
         f"p10 {margins['p10']:.3g}, median {margins['median']:.3g} (top logit ~{margins['top_logit_median']:.3g}), "
         f"ties {margins['ties']}/{margins['tokens']}")
+    by_rows = forward_ms_by_rows(model, prompt, forward_rows, device) if forward_rows else None
+    if by_rows:
+        log(f"  {shape} forward ms by rows: " + ", ".join(f"{r}: {ms:.2f}" for r, ms in by_rows["ms"].items())
+            + (f"; implied dense row cost {by_rows['fit']['implied_dense_row_cost']:.3g}"
+               if by_rows["fit"].get("implied_dense_row_cost") is not None else ""))
     verifier = Verifier(model)
     timer = ForwardTimer(model, device)
     rows = []
@@ -375,16 +416,17 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     if trees and drafter_shape is not None:
         small = build(drafter_shape, device, dtype, seed=2)  # the same perm_seed: it continues the text alike
         for tree in trees:
-            if tree["quantize"]:
-                from metasd.models.quantize import quantize_model
-                import copy
-                draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name=f"{drafter_shape} drafter")
-            else:
+            row = {"drafter": f"pretrained_tree {drafter_shape}", **tree}
+            try:
                 draft_model = small
-            drafter = PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
-                                            width=4, min_path_prob=0.3, name="tree")
-            row = {"drafter": f"pretrained_tree {drafter_shape}", **tree,
-                   **measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device, timer)}
+                if tree["quantize"]:
+                    draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name=f"{drafter_shape} drafter")
+                drafter = PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
+                                                width=4, min_path_prob=0.3, name="tree")
+                row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
+                                       timer))
+            except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
+                row["failed"] = f"{type(e).__name__}: {e}"
             rows.append(row)
             log(f"  {shape} tree depth {tree['depth']} nodes {tree['nodes']}"
                 f"{' ' + tree['quantize'] if tree['quantize'] else ''}: "
@@ -393,7 +435,8 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     del verifier, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins, "rows": rows}
+    return {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins,
+            "forward_ms_by_rows": by_rows, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--taus", nargs="+", type=int, default=[2, 4, 6], help="tokens per step to measure (>= 2; 1 always)")
     p.add_argument("--trees", nargs="*", type=parse_tree, default=[], metavar="DEPTH:NODES[:int4]",
                    help="tree shapes of the default drafter's kind on the shape's drafter (1.5b: 0.5b)")
+    p.add_argument("--forward-rows", nargs="*", type=int, default=[], metavar="ROWS",
+                   help="also time one verifier forward of each number of rows (to calibrate CUDA_ROW_COST)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -425,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for shape in args.shapes:
             results["shapes"].append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats,
-                                             device, dtype, args.trees))
+                                             device, dtype, args.trees, args.forward_rows))
             if args.out:  # after every shape: a later one that runs out of time leaves these
                 Path(args.out).write_text(json.dumps(results, indent=1))
     results["wall_s"] = time.perf_counter() - t0

@@ -1,9 +1,16 @@
+import os
+
 import pytest
 import torch
 
 from tiny import tiny_qwen, tiny_tokenizer
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead
+
+
+def pytest_addoption(parser):
+    parser.addoption("--metasd-device", default=os.environ.get("METASD_TEST_DEVICE", "cpu"),
+                     help="device the conformance tests build their pools on (default cpu; e.g. cuda)")
 
 
 def pytest_configure(config):
