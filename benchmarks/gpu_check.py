@@ -15,13 +15,15 @@ still run; every result is written as it comes):
    count of section 5 is compared with.
 4. ``conformance_greedy``: every drafter type's greedy identity on tiny models on the device
    (``pytest tests/test_conformance.py -k greedy_output --metasd-device cuda``).
-5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B shape (with three tree shapes of the 0.5B drafter,
-   depth:nodes 4:8, 6:16 and 8:32 in int4 as the default pool drafts) and on the 8B shape at tokens/step 1, 2, 4 and 6, eager; forward times by rows
-   (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them (``set_sync_debug_mode``).
+5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B and the 8B shapes at tokens/step 1, 2, 4 and 6, then
+   three tree shapes of the 0.5B drafter on the 1.5B shape (depth:nodes 4:8, 6:16, and 8:32 in int4 as the default
+   pool drafts), eager; forward times by rows (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them
+   (``set_sync_debug_mode``). Each its own process and file, written after every row.
 6. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
 
 CUDA graphs and static caches are not built: every figure is eager. On a machine without the packages metasd needs
-(pydantic and its own needs; benchmarks/gpu_wheels.md), install the carried wheels first.
+(pydantic and its own needs; benchmarks/gpu_wheels.md), install the carried wheels first; metasd itself is imported
+from the checkout (``metasd_layout``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import metasd_layout  # noqa: F401  (first: metasd from a bare checkout, as a GPU machine gets it)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -118,7 +122,8 @@ def kernels(device: str) -> dict:
     for mode in ("int8", "int4"):
         for rows in (1, 3, 80):
             lin = nn.Linear(256, 192).to(torch.bfloat16)
-            if mode == "int8":  # as tests/test_quantize.py: codes and scales (stored in bf16) of the module's quantizers
+            # as tests/test_quantize.py: the codes and scales (stored in bf16) of the module's own quantizers
+            if mode == "int8":
                 q, sc = quantize_int8(lin.weight.detach())
                 w = q.float() * sc.to(torch.bfloat16).float()[:, None]
             else:
@@ -157,7 +162,7 @@ def fake_syncs(taus: list[int], trees: list[str]) -> dict:
         small = build("tiny", torch.device("cpu"), torch.float32, seed=2).to(dev)
         verifier = Verifier(model)
         ids = prompt[0].tolist()
-        cases = {f"tokens_per_step_{t}": (ReplayDrafter(model, accept=t - 1, wrong=1, rerecord=False) if t > 1 else None)
+        cases = {f"tokens_per_step_{t}": ReplayDrafter(model, accept=t - 1, wrong=1, rerecord=False) if t > 1 else None
                  for t in [1] + taus}
         for spec in trees:
             t = parse_tree(spec)
@@ -188,12 +193,19 @@ def pytest_summary(run: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 
+SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "overhead_trees",
+            "conformance_sampling")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes and a few tests: the CPU dry run (seconds)")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for gpu_check.json/.log")
-    p.add_argument("--budget-s", type=float, default=450.0, help="the whole run's time (sections are cut to fit)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time (sections are cut to fit)")
+    p.add_argument("--new-tokens", type=int, default=96, help="new tokens per request in the overhead rows")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="run only these (a rerun of what a first run left undone)")
     p.add_argument("--fake-syncs", action="store_true", help=argparse.SUPPRESS)  # section 3, in its own process
     args = p.parse_args(argv)
 
@@ -219,23 +231,33 @@ def main(argv: list[str] | None = None) -> int:
         check.log("metasd does not import: install the carried wheels (benchmarks/gpu_wheels.md); stopping")
         return 2
 
-    try:
-        k = kernels(device)
-    except Exception as e:  # noqa: BLE001 - a section's failure is a result, the others still run
-        k = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    check.record("kernels", k)
-    check.log(f"kernels: {json.dumps(k)}")
-    ok &= bool(k.get("ok"))
+    wanted = set(args.sections)
+    if "kernels" in wanted:
+        try:
+            k = kernels(device)
+        except Exception as e:  # noqa: BLE001 - a section's failure is a result, the others still run
+            k = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        check.record("kernels", k)
+        check.log(f"kernels: {json.dumps(k)}")
+        ok &= bool(k.get("ok"))
 
-    fake = subprocess.Popen([py, str(Path(__file__).resolve()), "--fake-syncs", *(["--quick"] if args.quick else [])],
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fake = None  # in the background, on the CPU alone
+    if "fake_syncs" in wanted:
+        fake = subprocess.Popen([py, str(Path(__file__).resolve()), "--fake-syncs", *(["--quick"] * args.quick)],
+                                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "--metasd-device", device]
-    greedy_k = "greedy_output and ngram" if args.quick else "greedy_output"
-    run = pytest_summary(check.run("conformance_greedy", pytest + ["-k", greedy_k], 120, test_env))
-    check.record("conformance_greedy", run)
-    ok &= run["exit"] == 0
+    pytest = [py, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import metasd_layout, pytest; "
+              "sys.exit(pytest.main(sys.argv[1:]))",
+              "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "--metasd-device", device]
+    if "conformance_greedy" in wanted:
+        greedy_k = "greedy_output and ngram" if args.quick else "greedy_output"
+        # on the GPU at most 150 s (12 cases x 3 lengths of tiny models); the dry run only checks the plumbing, on
+        # whatever CPU it gets
+        run = pytest_summary(check.run("conformance_greedy", pytest + ["-k", greedy_k],
+                                       check.left() / 2 if args.quick else 150, test_env))
+        check.record("conformance_greedy", run)
+        ok &= run["exit"] == 0
 
     overhead = {}
     out_dir = Path(args.out)
@@ -243,40 +265,43 @@ def main(argv: list[str] | None = None) -> int:
         plans = {"tiny": ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees, "--new-tokens", "8",
                           "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3"]}
     else:
-        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), "--trees", *trees,
-                          "--forward-rows", "1", "2", "4", "8", "16", "32", "--new-tokens", "128", "--repeats", "3"],
-                 "8b": ["--shapes", "8b", "--taus", *map(str, taus),
-                        "--forward-rows", "1", "2", "4", "8", "16", "32", "--new-tokens", "128", "--repeats", "3"]}
-    share = {"1.5b": 0.55, "8b": 1.0, "tiny": 1.0}  # of the time left: the 1.5B shape leaves room for the 8B one
-    for shape, plan in plans.items():
+        common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
+        rows = ["--forward-rows", "1", "2", "4", "8", "16", "32"]
+        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *rows, *common],
+                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *rows, *common],
+                 "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, *common]}
+        plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
+    reserve = 0 if args.quick else 60  # for the sampling tests after
+    for i, (shape, plan) in enumerate(plans.items()):
         target = out_dir / f"gpu_overhead_{shape}.json"
         run = check.run(f"overhead_{shape}", [py, str(HERE / "gpu_overhead.py"), *plan, "--device", device,
                                               "--out", str(target)],
-                        share[shape] * (check.left() - (0 if args.quick else 75)), {"PYTHONUNBUFFERED": "1"})
+                        (check.left() - reserve) / (len(plans) - i), {"PYTHONUNBUFFERED": "1"})
         figures = json.loads(target.read_text()) if target.exists() else None
         overhead[shape] = {**run, "figures": figures}
         check.record("overhead", overhead)
         ok &= run["exit"] == 0
 
-    try:
-        stdout, stderr = fake.communicate(timeout=max(check.left() - 30, 5))
-        fake_result = json.loads(stdout.strip().splitlines()[-1]) if fake.returncode == 0 else {
-            "exit": fake.returncode, "stderr": stderr[-2000:]}
-    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
-        fake.kill()
-        fake_result = {"error": f"{type(e).__name__}: {e}"}
-    check.record("fake_syncs", fake_result)
-    check.log(f"fake_syncs: {json.dumps(fake_result)}")
-    ok &= "error" not in fake_result and "exit" not in fake_result
+    if fake is not None:
+        try:
+            stdout, stderr = fake.communicate(timeout=max(check.left() - 30, 5))
+            fake_result = json.loads(stdout.strip().splitlines()[-1]) if fake.returncode == 0 else {
+                "exit": fake.returncode, "stderr": stderr[-2000:]}
+        except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+            fake.kill()
+            fake_result = {"error": f"{type(e).__name__}: {e}"}
+        check.record("fake_syncs", fake_result)
+        check.log(f"fake_syncs: {json.dumps(fake_result)}")
+        ok &= "error" not in fake_result and "exit" not in fake_result
 
-    if check.left() > 20:
+    if "conformance_sampling" in wanted and check.left() > 20:
         # the dry run stands in a fast test of the same file for the slow chi-square ones: it checks the plumbing
         sampling_k = "round_trips and ngram" if args.quick else "sampling_follows"
         run = pytest_summary(check.run("conformance_sampling", pytest + ["-k", sampling_k], check.left() - 5,
                                        test_env))
         check.record("conformance_sampling", run)
         ok &= run["exit"] == 0
-    else:
+    elif "conformance_sampling" in wanted:
         check.record("conformance_sampling", {"skipped": "no time left"})
 
     check.results["ok"] = bool(ok)

@@ -46,6 +46,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import metasd_layout  # noqa: F401  (first: metasd from a bare checkout, as a GPU machine gets it)
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
@@ -282,7 +283,8 @@ def _spread(values: list[float]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- one row
 
-def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer, target_tau=None) -> dict:
+def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer, target_tau=None,
+                warm_plain: bool = True) -> dict:
     """Time metasd (``engine``) against transformers' ``generate`` of ``model`` for ``n`` new tokens; check both give
     ``reference``, and, with ``target_tau``, that every step but the last committed that many tokens."""
     want = reference[:n]
@@ -307,7 +309,8 @@ def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer
 
     try:
         ours()  # warm-up (allocator, kernels' first calls)
-        plain()
+        if warm_plain:
+            plain()
         metasd_s, plain_s, decode_s, steps = [], [], [], []
         for r in range(repeats):
             order = (("ours", ours), ("plain", plain)) if r % 2 == 0 else (("plain", plain), ("ours", ours))
@@ -381,7 +384,9 @@ def parse_tree(spec: str) -> dict:
 
 
 def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
-            trees: list[dict] = (), forward_rows: list[int] = ()) -> dict:
+            trees: list[dict] = (), forward_rows: list[int] = (), tau_rows: bool = True, save=None) -> dict:
+    """One shape's rows: tokens/step 1 and ``taus`` with the replay drafter (unless ``tau_rows`` is off), then
+    ``trees``; ``save(partial)`` after every row (a run cut short keeps what it measured)."""
     t_build = time.perf_counter()
     model = build(shape, device, dtype)
     synchronize(device)
@@ -402,15 +407,20 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     verifier = Verifier(model)
     timer = ForwardTimer(model, device)
     rows = []
-    for tau in [1] + [t for t in taus if t > 1]:
+    result = {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins,
+              "forward_ms_by_rows": by_rows, "rows": rows}
+    save = save or (lambda partial: None)
+    save(result)
+    for tau in ([1] + [t for t in taus if t > 1]) if tau_rows else []:
         drafter = None
         if tau > 1:
             drafter = ReplayDrafter(model, accept=tau - 1, wrong=1, rerecord=False)
             drafter.record(ids, reference)
         row = {"drafter": "replay" if drafter else "none", "tokens_per_step": tau,
                **measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device, timer,
-                             target_tau=tau)}
+                             target_tau=tau, warm_plain=not rows)}
         rows.append(row)
+        save(result)
         log(f"  {shape} tokens/step {tau}: {_fmt(row)}")
     drafter_shape = DRAFTER_SHAPE.get(shape)
     if trees and drafter_shape is not None:
@@ -420,14 +430,15 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
             try:
                 draft_model = small
                 if tree["quantize"]:
-                    draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name=f"{drafter_shape} drafter")
+                    draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name="drafter")
                 drafter = PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
                                                 width=4, min_path_prob=0.3, name="tree")
                 row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
-                                       timer))
+                                       timer, warm_plain=not rows))
             except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
                 row["failed"] = f"{type(e).__name__}: {e}"
             rows.append(row)
+            save(result)
             log(f"  {shape} tree depth {tree['depth']} nodes {tree['nodes']}"
                 f"{' ' + tree['quantize'] if tree['quantize'] else ''}: "
                 + (f"{row['tokens_per_step_measured']:.2f} tokens/step, " if "failed" not in row else "") + _fmt(row))
@@ -435,8 +446,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     del verifier, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins,
-            "forward_ms_by_rows": by_rows, "rows": rows}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -447,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tree shapes of the default drafter's kind on the shape's drafter (1.5b: 0.5b)")
     p.add_argument("--forward-rows", nargs="*", type=int, default=[], metavar="ROWS",
                    help="also time one verifier forward of each number of rows (to calibrate CUDA_ROW_COST)")
+    p.add_argument("--trees-only", action="store_true", help="no tokens/step rows (the replay drafter's), trees alone")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -467,12 +478,17 @@ def main(argv: list[str] | None = None) -> int:
                "repeats": args.repeats, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
                "shapes": []}
     t0 = time.perf_counter()
+
+    def save(partial: dict) -> None:  # after every row: a run cut short leaves what it measured
+        if args.out:
+            Path(args.out).write_text(json.dumps({**results, "shapes": done + [partial]}, indent=1))
+
+    done: list[dict] = []
     with torch.inference_mode():
         for shape in args.shapes:
-            results["shapes"].append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats,
-                                             device, dtype, args.trees, args.forward_rows))
-            if args.out:  # after every shape: a later one that runs out of time leaves these
-                Path(args.out).write_text(json.dumps(results, indent=1))
+            done.append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats, device, dtype,
+                                args.trees, args.forward_rows, tau_rows=not args.trees_only, save=save))
+    results["shapes"] = done
     results["wall_s"] = time.perf_counter() - t0
     text = json.dumps(results, indent=1)
     if args.out:

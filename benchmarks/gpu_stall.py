@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+import metasd_layout  # noqa: F401  (first: metasd from a bare checkout)
 import torch
 from transformers import DynamicCache
 
