@@ -4,154 +4,460 @@ plain decoding at a fixed number of tokens per step, on random-weight models of 
 The replay drafter (``type: replay``) drafts the verifier's own greedy continuation, right for ``accept`` tokens and
 wrong for one more, so every greedy step commits ``accept + 1`` tokens and drafting costs nothing: what a step costs
 beyond the verifier's forward is the engine's (draft bookkeeping, mask and position building, acceptance, cache
-commit, reward and policy). For each shape and tokens/step it reports, per step: total ms, the verifier forward's ms
-(timed by hooks that synchronize the device), the engine's share of the step, host reads (device -> host transfers,
-counted by a ``TorchFunctionMode``; 0 on a CPU-only run, where nothing is on a device), and the speedup over
-transformers' ``generate`` of the same model, dtype and tokens, measured in the same process. ``accept 0`` with no
-drafter is plain decoding through metasd's engine (its overhead against transformers' loop).
+commit, reward and policy). ``tokens/step 1`` is plain decoding through metasd's engine (no drafter).
 
-    python benchmarks/gpu_overhead.py --shapes 1.5b 8b --taus 2 3 4 6 --new-tokens 128 --out $OUT/gpu_overhead.json
+How it is measured (each a rule that an earlier version broke):
 
-CUDA graphs are not built (see BENCHMARKS.md): every run here is eager.
+- The continuation is recorded once, up front, by transformers' greedy ``generate`` (max new tokens + the deepest
+  draft), and the drafter never records inside a step (``rerecord=False``): a step that leaves the recording, or
+  commits another tokens/step than its target, fails its row loudly (``"failed"``) instead of being re-recorded and
+  timed as if it were the engine's work.
+- Both methods are timed the same way: the whole call (prefill included), the device synchronised before and
+  after, ``repeats`` times with the order of the two methods alternated per repeat; medians and ranges are reported.
+  ``ms_per_step`` is metasd's decoding time per step (its call less its own synchronised prefill time).
+- The verifier forward's share (hooks that synchronise around every forward) and the host-device synchronisations
+  (host reads counted by a ``TorchFunctionMode``; on CUDA every synchronising call counted by
+  ``torch.cuda.set_sync_debug_mode``, and the clock's syncs) are each counted in a pass of their own, never timed.
+- Models are built in their dtype directly on the device (meta-device init, ``to_empty``, then initialised there),
+  so the 8B shape needs no host copy. The weights are random but greedy decoding is decisive: an untied head whose
+  row for token ``perm[t]`` is token t's embedding (scaled), and residual branches kept small, so each position's
+  top logit stands far above the second (the top-2 margins of the recording are reported). A random head is not
+  enough: a tie is a near-equality of two logits, and scaling the head scales the margin and the rounding alike.
+- ``--trees D:N ...`` adds rows for the default drafter's kind (a dynamic ``pretrained_tree``, width 4) on a
+  random 0.5B-shaped drafter that shares the verifier's ``perm`` (so it drafts the verifier's text), depth D, at most
+  N nodes (``D:N:int4`` quantizes the drafter as the default pool does).
+
+    python benchmarks/gpu_overhead.py --shapes 1.5b 8b --taus 2 4 6 --new-tokens 128 --trees 4:8 6:16 8:32 \
+        --out $OUT/gpu_overhead.json
+
+CUDA graphs and static caches are not built (see BENCHMARKS.md): every run here is eager.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import platform
 import statistics
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
+import metasd_layout  # noqa: F401  (first: metasd from a bare checkout, as a GPU machine gets it)
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from metasd import Engine, Verifier
+from metasd.core import clock
 from metasd.core.clock import synchronize
-from metasd.drafters.replay import ReplayDrafter
+from metasd.core.kv_cache import cache_kwargs, crop_to
+from metasd.drafters import PretrainedTreeDrafter
+from metasd.drafters.replay import ReplayDrafter, ReplayMiss
+from metasd.models.quantize import quantize_model
 
 #: the shapes of the bundled verifier (Qwen2.5-Coder-1.5B), the bundled drafter (0.5B) and an 8B-class verifier
-#: (Qwen2.5-7B), as their config.json files give them; ``tiny`` for a quick check of the script
+#: (Qwen2.5-7B), as their config.json files give them; ``tiny`` for a quick check of the script. Every head is
+#: untied here (``build`` gives it its own weights).
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+                 num_key_value_heads=2, vocab_size=151936),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+                 num_key_value_heads=2, vocab_size=151936),
     "8b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064),
 }
+#: the drafter shape of each verifier shape (same vocabulary) for ``--trees``
+DRAFTER_SHAPE = {"tiny": "tiny", "0.5b": "0.5b", "1.5b": "0.5b", "8b": None}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, perm_seed: int = 1,
+          config: dict | None = None, init: str = "decisive") -> Qwen2ForCausalLM:
+    """A random-weight Qwen2 of ``shape`` in ``dtype`` on ``device``, built there (no host copy) with decisive greedy
+    decoding (see the module docstring). Models with the same ``perm_seed`` and vocabulary continue a text alike.
+    ``init="hf"``: what this benchmark used before (transformers' N(0, 0.02) everywhere, head tied to the
+    embeddings), kept to show its near-ties (benchmarks/gpu_stall.py)."""
+    cfg = Qwen2Config(**(config or SHAPES[shape]), tie_word_embeddings=init == "hf", max_position_embeddings=4096,
+                      rope_theta=1e6, bos_token_id=0, eos_token_id=None)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device).eval()
+    _fresh_buffers(model, device)
+    if init == "hf":
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # the tied head is the embedding
+                p.fill_(1.0) if name.endswith("norm.weight") else p.zero_() if name.endswith(".bias") else \
+                    p.normal_(0.0, 0.02, generator=g)
+    else:
+        _init_decisive(model, seed, perm_seed)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _fresh_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """``to_empty`` leaves the non-persistent buffers (the rotary inverse frequencies) uninitialised: rebuild them."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh = type(module)(model.config)  # computed on the host in float32, as transformers does
+            for name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+
+
+@torch.no_grad()
+def _init_decisive(model: Qwen2ForCausalLM, seed: int, perm_seed: int, std: float = 0.02) -> None:
+    """Embeddings N(0, 1); projections N(0, std), the residual branches' outputs (o_proj, down_proj) N(0, std /
+    sqrt(2 layers)) so the residual stream stays near the token's embedding; norms 1, biases 0; the head's row
+    ``perm[t]`` = embedding(t) / sqrt(d): after the final norm the top logit is ~0.8 sqrt(d), every other ~N(0, 1)."""
+    device = model.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    layers = model.config.num_hidden_layers
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        elif name == "model.embed_tokens.weight":
+            p.normal_(0.0, 1.0, generator=g)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.normal_(0.0, std / math.sqrt(2 * layers), generator=g)
+        else:
+            p.normal_(0.0, std, generator=g)
+    embed = model.model.embed_tokens.weight
+    perm = torch.randperm(embed.shape[0], generator=torch.Generator(device=device).manual_seed(perm_seed),
+                          device=device)
+    model.lm_head.weight.index_copy_(0, perm, embed / math.sqrt(embed.shape[1]))
+
+
+def record(model, prompt: torch.Tensor, n: int) -> tuple[list[int], dict]:
+    """transformers' greedy continuation of ``prompt`` ([1, T] on the model's device) for ``n`` tokens, and the
+    distribution of its top-2 logit margins (one per token; ``ties``: margins of at most one rounding step of the
+    top logit in the model's dtype, where a differently computed forward may pick the other token)."""
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    scores = torch.cat([s.float() for s in out.scores])  # [n, vocab]
+    top = scores.topk(2, dim=-1).values
+    margin = (top[:, 0] - top[:, 1]).cpu()
+    ulp = (top[:, 0].abs().to(model.dtype).float() * torch.finfo(model.dtype).eps).cpu()  # one rounding step
+    q = torch.quantile(margin, torch.tensor([0.0, 0.01, 0.1, 0.5]))
+    return out.sequences[0, prompt.shape[1]:].tolist(), {
+        "tokens": n, "min": float(q[0]), "p1": float(q[1]), "p10": float(q[2]), "median": float(q[3]),
+        "top_logit_median": float(top[:, 0].median()), "ties": int((margin <= ulp).sum())}
+
+
+def forward_ms_by_rows(model, prompt: torch.Tensor, rows_list: list[int], device, repeats: int = 5) -> dict:
+    """Median ms of one verifier forward of r rows after the prompt's cache, for each r (synchronised), and the
+    ``CostModel`` dense row cost they imply: a forward costs ``a + b * rows`` ms, the model prices it
+    ``weight_bytes + row_cost * macs * rows``, so ``row_cost = (b / a) * weight_bytes / macs`` (the bytes of a
+    weight: its dtype's size). What ``CUDA_ROW_COST`` in ``metasd/core/cost.py`` is to be calibrated from."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt[:, :-1], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    base = prompt.shape[1] - 1
+    vocab = model.config.vocab_size
+    out = {}
+    for r in rows_list:
+        ids = torch.randint(1, vocab, (1, r), generator=torch.Generator().manual_seed(r)).to(device)
+        ts = []
+        for _ in range(repeats + 1):
+            seconds, _ = timed(lambda: model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True), device)
+            ts.append(seconds)
+            crop_to(cache, base)
+        out[r] = 1e3 * statistics.median(ts[1:])
+    fit = {}
+    if len(out) >= 2:
+        xs, ys = list(out), list(out.values())
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = my - b * mx
+        fit = {"ms_fixed": a, "ms_per_row": b,
+               "implied_dense_row_cost": (b / a) * model.dtype.itemsize if a > 0 else None}
+    return {"ms": out, "fit": fit}
+
+
+# ---------------------------------------------------------------------------------------------- timing, counting
+
+class ForwardTimer:
+    """Seconds the verifier spends in its forwards, while ``enabled`` (hooks that synchronise around each: only in a
+    pass of their own, never while a method is timed)."""
+
+    def __init__(self, model, device):
+        self.device, self.total, self._t0, self.enabled = device, 0.0, 0.0, False
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, *_):
+        if self.enabled:
+            synchronize(self.device)
+            self._t0 = time.perf_counter()
+
+    def _post(self, *_):
+        if self.enabled:
+            synchronize(self.device)
+            self.total += time.perf_counter() - self._t0
 
 
 class HostReads(TorchFunctionMode):
-    """Counts reads of device (non-CPU) tensors by the host: item, tolist, cpu / to("cpu"), bool, int, float."""
+    """Counts reads of device (non-CPU) tensors by the host - item, tolist, cpu / to("cpu"), bool, int, float - and
+    blocking copies to the device: ``torch.tensor(..., device=dev)`` and ``.to(dev)`` / ``.copy_`` of a host tensor
+    without ``non_blocking``. 0 on a CPU-only run, where nothing is on a device."""
 
     NAMES = {"item", "tolist", "cpu", "__bool__", "__int__", "__float__", "numpy"}
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.reads = self.uploads = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.device.type != "cpu":
             to_cpu = name == "to" and any(str(a).startswith("cpu") for a in list(args[1:]) + list(kwargs.values()))
             if name in self.NAMES or to_cpu:
-                self.count += 1
+                self.reads += 1
+        elif name == "tensor" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+            self.uploads += 1
+        elif isinstance(first, torch.Tensor) and name == "to" and not kwargs.get("non_blocking", False):
+            target = [a for a in list(args[1:]) + [kwargs.get("device")] if isinstance(a, (str, torch.device))]
+            if target and torch.device(target[0]).type != "cpu":
+                self.uploads += 1
         return func(*args, **kwargs)
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, bos_token_id=0, eos_token_id=None)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    return model
+@contextmanager
+def count_syncs(device: torch.device):
+    """Counts, while open: host reads and blocking uploads (``HostReads``), the clock's device syncs
+    (``metasd.core.clock.synchronize``), and on CUDA every call torch reports as synchronising
+    (``set_sync_debug_mode("warn")``)."""
+    counts = {"host_reads": 0, "blocking_uploads": 0, "clock_syncs": 0, "cuda_sync_warnings": None}
+    original = clock.synchronize
+
+    def counted(dev):
+        counts["clock_syncs"] += 1
+        original(dev)
+
+    clock.synchronize = counted
+    mode = HostReads()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with mode:
+                    yield counts
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+        if device.type == "cuda":
+            counts["cuda_sync_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
+    finally:
+        clock.synchronize = original
+        counts["host_reads"], counts["blocking_uploads"] = mode.reads, mode.uploads
 
 
-class ForwardTimer:
-    """Seconds the verifier spends in its forwards (hooks that synchronize the device around each)."""
-
-    def __init__(self, model, device):
-        self.device, self.total, self._t0 = device, 0.0, 0.0
-        model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(self._post)
-
-    def _pre(self, *_):
-        synchronize(self.device)
-        self._t0 = time.perf_counter()
-
-    def _post(self, *_):
-        synchronize(self.device)
-        self.total += time.perf_counter() - self._t0
-
-
-def plain_seconds(model, prompt: torch.Tensor, n: int, device) -> float:
+def timed(fn, device):
     synchronize(device)
     t0 = time.perf_counter()
-    model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                   do_sample=False, pad_token_id=0)
+    out = fn()
     synchronize(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
-def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype) -> dict:
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+# ---------------------------------------------------------------------------------------------- one row
+
+def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer, target_tau=None,
+                warm_plain: bool = True) -> dict:
+    """Time metasd (``engine``) against transformers' ``generate`` of ``model`` for ``n`` new tokens; check both give
+    ``reference``, and, with ``target_tau``, that every step but the last committed that many tokens."""
+    want = reference[:n]
+    row: dict = {}
+
+    def ours():
+        return engine.generate(ids, max_new_tokens=n)
+
+    def plain():
+        return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    def check(result) -> str | None:
+        if result.token_ids != want:
+            at = next(i for i, (a, b) in enumerate(zip(result.token_ids, want)) if a != b)
+            return f"metasd's tokens differ from the recording at new token {at}"
+        taus = result.stats.tokens_per_step
+        if target_tau is not None and (set(taus[:-1]) - {target_tau} or taus[-1] > target_tau):
+            bad = next(i for i, t in enumerate(taus) if t != target_tau)
+            return f"step {bad} committed {taus[bad]} tokens, not {target_tau} (tokens/step {taus})"
+        return None
+
+    try:
+        ours()  # warm-up (allocator, kernels' first calls)
+        if warm_plain:
+            plain()
+        metasd_s, plain_s, decode_s, steps = [], [], [], []
+        for r in range(repeats):
+            order = (("ours", ours), ("plain", plain)) if r % 2 == 0 else (("plain", plain), ("ours", ours))
+            for name, fn in order:
+                seconds, out = timed(fn, device)
+                if name == "plain":
+                    if out[0, prompt.shape[1]:].tolist() != want:
+                        raise AssertionError("transformers' tokens differ from the recording (a nondeterministic "
+                                             "kernel?)")
+                    plain_s.append(seconds)
+                    continue
+                problem = check(out)
+                if problem:
+                    raise AssertionError(problem)
+                metasd_s.append(seconds)
+                decode_s.append(seconds - out.stats.prefill_s)
+                steps.append(out.stats.steps)
+        timer.total, timer.enabled = 0.0, True  # the verifier's forwards, in a pass of their own
+        try:
+            result = ours()
+        finally:
+            timer.enabled = False
+        forward = timer.total / result.stats.steps
+        with count_syncs(device) as counts:  # the host-device synchronisations, in a pass of their own
+            result = ours()
+    except (ReplayMiss, AssertionError) as e:
+        row["failed"] = str(e)
+        log(f"  ROW FAILED: {e}")
+        return row
+    except Exception as e:  # noqa: BLE001 - a row that breaks fails alone; the others still run
+        row["failed"] = f"{type(e).__name__}: {e}"
+        log(f"  ROW FAILED: {row['failed']}")
+        return row
+    s = result.stats.steps
+    per_step = [d / k for d, k in zip(decode_s, steps)]
+    step = statistics.median(per_step)
+    ratios = [p / m for p, m in zip(plain_s, metasd_s)]  # per repeat: the pair timed side by side
+    row.update({
+        "steps": s, "tokens_per_step_measured": n / s,
+        "ms_per_step": 1e3 * step, "ms_per_step_range": [1e3 * min(per_step), 1e3 * max(per_step)],
+        "verifier_forward_ms_per_step": 1e3 * forward,
+        "engine_share": max(step - forward, 0.0) / step if step else 0.0,
+        "speedup_over_transformers": statistics.median(plain_s) / statistics.median(metasd_s),
+        "speedup_range": [min(ratios), max(ratios)],
+        "metasd_s": _spread(metasd_s), "transformers_s": _spread(plain_s),
+        "metasd_tok_s": n / statistics.median(metasd_s), "transformers_tok_s": n / statistics.median(plain_s),
+        **{f"{k}_per_step": (v / s if v is not None else None) for k, v in counts.items()},
+    })
+    return row
+
+
+def _fmt(row: dict) -> str:
+    if "failed" in row:
+        return f"FAILED: {row['failed']}"
+    syncs = row["cuda_sync_warnings_per_step"]
+    return (f"{row['ms_per_step']:.2f} ms/step [{row['ms_per_step_range'][0]:.2f}-{row['ms_per_step_range'][1]:.2f}], "
+            f"forward {row['verifier_forward_ms_per_step']:.2f} ms, engine {row['engine_share']:.0%}, "
+            f"reads {row['host_reads_per_step']:.1f} uploads {row['blocking_uploads_per_step']:.1f} "
+            f"clock {row['clock_syncs_per_step']:.1f}" + (f" cuda syncs {syncs:.1f}" if syncs is not None else "")
+            + f"/step, {row['speedup_over_transformers']:.2f}x transformers "
+              f"[{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}]")
+
+
+# ---------------------------------------------------------------------------------------------- one shape
+
+def parse_tree(spec: str) -> dict:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "int4"):
+        raise argparse.ArgumentTypeError(f"tree shapes are DEPTH:NODES or DEPTH:NODES:int4, got {spec!r}")
+    return {"depth": int(parts[0]), "nodes": int(parts[1]), "quantize": parts[2] if len(parts) == 3 else None}
+
+
+def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
+            trees: list[dict] = (), forward_rows: list[int] = (), tau_rows: bool = True, save=None) -> dict:
+    """One shape's rows: tokens/step 1 and ``taus`` with the replay drafter (unless ``tau_rows`` is off), then
+    ``trees``; ``save(partial)`` after every row (a run cut short keeps what it measured)."""
+    t_build = time.perf_counter()
     model = build(shape, device, dtype)
-    prompt = torch.randint(1, SHAPES[shape]["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
-    prompt = prompt.to(device)
+    synchronize(device)
+    build_s = time.perf_counter() - t_build
+    vocab = SHAPES[shape]["vocab_size"]
+    prompt = torch.randint(1, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
     ids = prompt[0].tolist()
-    reference = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n + 8,
-                               do_sample=False, pad_token_id=0)[0, prompt_len:].tolist()
+    deepest = max([*taus, *(t["depth"] + 1 for t in trees), 1])  # a step may draft this deep past its start
+    reference, margins = record(model, prompt, n + deepest + 1)
+    log(f"{shape}: built in {build_s:.1f} s; top-2 margins of the recording: min {margins['min']:.3g}, "
+        f"p10 {margins['p10']:.3g}, median {margins['median']:.3g} (top logit ~{margins['top_logit_median']:.3g}), "
+        f"ties {margins['ties']}/{margins['tokens']}")
+    by_rows = forward_ms_by_rows(model, prompt, forward_rows, device) if forward_rows else None
+    if by_rows:
+        log(f"  {shape} forward ms by rows: " + ", ".join(f"{r}: {ms:.2f}" for r, ms in by_rows["ms"].items())
+            + (f"; implied dense row cost {by_rows['fit']['implied_dense_row_cost']:.3g}"
+               if by_rows["fit"].get("implied_dense_row_cost") is not None else ""))
     verifier = Verifier(model)
     timer = ForwardTimer(model, device)
     rows = []
-    for tau in [1] + taus:
+    result = {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins,
+              "forward_ms_by_rows": by_rows, "rows": rows}
+    save = save or (lambda partial: None)
+    save(result)
+    for tau in ([1] + [t for t in taus if t > 1]) if tau_rows else []:
         drafter = None
         if tau > 1:
-            drafter = ReplayDrafter(model, accept=tau - 1, wrong=1)
+            drafter = ReplayDrafter(model, accept=tau - 1, wrong=1, rerecord=False)
             drafter.record(ids, reference)
-        engine = Engine(verifier, drafter)
-        engine.generate(ids, max_new_tokens=8)  # warm-up
-        plain, ours, fwd, reads, steps, overhead = [], [], [], [], [], []
-        for _ in range(repeats):
-            plain.append(plain_seconds(model, prompt, n, device))
-            timer.total = 0.0
-            counter = HostReads()
-            with counter:
-                result = engine.generate(ids, max_new_tokens=n)
-            s = result.stats
-            ours.append(s.wall_s - s.prefill_s)
-            fwd.append(timer.total)
-            reads.append(counter.count / s.steps)
-            steps.append(s.steps)
-            overhead.append(s.overhead_s)
-            if tau > 1 and set(s.tokens_per_step[:-1]) != {tau}:
-                print(f"  note: tokens/step {sorted(set(s.tokens_per_step))}, not {tau} (a bf16 tie left the recording)",
-                      file=sys.stderr)
-        step = statistics.median(ours) / statistics.median(steps)
-        forward = statistics.median(fwd) / statistics.median(steps) - 0  # the prefill is not in ``ours``
-        row = {"tokens_per_step": tau, "ms_per_step": 1e3 * step,
-               "verifier_forward_ms_per_step": 1e3 * forward,
-               "engine_share": max(step - forward, 0.0) / step if step else 0.0,
-               "host_reads_per_step": statistics.median(reads),
-               "speedup_over_transformers": statistics.median(plain) / statistics.median(ours),
-               "metasd_tok_s": n / statistics.median(ours), "transformers_tok_s": n / statistics.median(plain)}
+        row = {"drafter": "replay" if drafter else "none", "tokens_per_step": tau,
+               **measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device, timer,
+                             target_tau=tau, warm_plain=not rows)}
         rows.append(row)
-        print(f"  {shape} tau={tau}: {row['ms_per_step']:.2f} ms/step, forward {row['verifier_forward_ms_per_step']:.2f} ms, "
-              f"engine {row['engine_share']:.0%}, reads {row['host_reads_per_step']:.1f}/step, "
-              f"{row['speedup_over_transformers']:.2f}x transformers", file=sys.stderr, flush=True)
-    return {"shape": shape, "config": SHAPES[shape], "rows": rows}
+        save(result)
+        log(f"  {shape} tokens/step {tau}: {_fmt(row)}")
+    drafter_shape = DRAFTER_SHAPE.get(shape)
+    if trees and drafter_shape is not None:
+        small = build(drafter_shape, device, dtype, seed=2)  # the same perm_seed: it continues the text alike
+        for tree in trees:
+            row = {"drafter": f"pretrained_tree {drafter_shape}", **tree}
+            try:
+                draft_model = small
+                if tree["quantize"]:
+                    draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name="drafter")
+                drafter = PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
+                                                width=4, min_path_prob=0.3, name="tree")
+                row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
+                                       timer, warm_plain=not rows))
+            except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
+                row["failed"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+            save(result)
+            log(f"  {shape} tree depth {tree['depth']} nodes {tree['nodes']}"
+                f"{' ' + tree['quantize'] if tree['quantize'] else ''}: "
+                + (f"{row['tokens_per_step_measured']:.2f} tokens/step, " if "failed" not in row else "") + _fmt(row))
+        del small
+    del verifier, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1.5b"], choices=sorted(SHAPES))
-    p.add_argument("--taus", nargs="+", type=int, default=[2, 3, 4, 6], help="tokens per step to measure (>= 2)")
+    p.add_argument("--taus", nargs="+", type=int, default=[2, 4, 6], help="tokens per step to measure (>= 2; 1 always)")
+    p.add_argument("--trees", nargs="*", type=parse_tree, default=[], metavar="DEPTH:NODES[:int4]",
+                   help="tree shapes of the default drafter's kind on the shape's drafter (1.5b: 0.5b)")
+    p.add_argument("--forward-rows", nargs="*", type=int, default=[], metavar="ROWS",
+                   help="also time one verifier forward of each number of rows (to calibrate CUDA_ROW_COST)")
+    p.add_argument("--trees-only", action="store_true", help="no tokens/step rows (the replay drafter's), trees alone")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -160,21 +466,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
+    if args.repeats < 3:
+        log(f"note: {args.repeats} repeats: medians and ranges want at least 3")
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-               "torch": torch.__version__, "dtype": args.dtype, "graphs": False, "shapes": []}
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype, "graphs": False,
+               "timing": "whole call, prefill included, device synchronised before and after; methods alternated",
+               "repeats": args.repeats, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+               "shapes": []}
+    t0 = time.perf_counter()
+
+    def save(partial: dict) -> None:  # after every row: a run cut short leaves what it measured
+        if args.out:
+            Path(args.out).write_text(json.dumps({**results, "shapes": done + [partial]}, indent=1))
+
+    done: list[dict] = []
     with torch.inference_mode():
         for shape in args.shapes:
-            results["shapes"].append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats,
-                                             device, dtype))
+            done.append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats, device, dtype,
+                                args.trees, args.forward_rows, tau_rows=not args.trees_only, save=save))
+    results["shapes"] = done
+    results["wall_s"] = time.perf_counter() - t0
     text = json.dumps(results, indent=1)
     if args.out:
         Path(args.out).write_text(text)
     print(text)
-    return 0
+    failed = [(s["shape"], r.get("tokens_per_step", r.get("depth"))) for s in results["shapes"] for r in s["rows"]
+              if "failed" in r]
+    if failed:
+        log(f"FAILED rows (shape, tokens/step or tree depth): {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

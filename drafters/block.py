@@ -35,6 +35,7 @@ from pydantic import Field
 from safetensors.torch import save_file
 
 from metasd.core.cost import counted_linear
+from metasd.core.staging import to_device
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import Drafter, DrafterParams, Float, Int, StepContext, check_params, register_drafter
 from metasd.core.kv_cache import cache_kwargs, cache_length, crop_to
@@ -405,7 +406,7 @@ class BlockDrafter(Drafter):
         try:
             for i in range(depth):
                 grown = []
-                ids = torch.tensor([min(x, vocab - 1) for x in cand[i]], device=first.device)  # [m]
+                ids = to_device([min(x, vocab - 1) for x in cand[i]], first.device, torch.long)  # [m]
                 lm_rows = torch.stack([lp[ids] for _, _, _, lp in beams]).tolist()  # the depth's one host read
                 for (score, path, node, _), row in zip(beams, lm_rows):
                     for x, hl, lm_lp in zip(cand[i], logp[i], row):
@@ -432,8 +433,8 @@ class BlockDrafter(Drafter):
             anc[j, j] = True
         mask = torch.cat([torch.ones(n_new, committed, dtype=torch.bool), anc[n_old:]], dim=1)
         model = self.lm.model
-        out = model(input_ids=torch.tensor([[t for t, _ in new]], device=model.device),
-                    attention_mask=mask[None, None].to(model.device),
+        out = model(input_ids=to_device([[t for t, _ in new]], model.device, torch.long),
+                    attention_mask=to_device(mask[None, None], model.device),
                     position_ids=torch.full((1, n_new), committed + depth, device=model.device),
                     **cache_kwargs(model, self.lm.cache), use_cache=True)
         return out.logits[0].float().log_softmax(-1)

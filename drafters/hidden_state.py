@@ -43,6 +43,7 @@ from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import Bool, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
 from metasd.core.sampling import process_logits, sample
+from metasd.core.staging import to_device
 from metasd.core.tree import Draft
 
 from .hidden_state_net import HiddenStateNet, load_checkpoint
@@ -181,8 +182,8 @@ class HiddenStateDrafter(VerifierStateDrafter):
         """One token per depth, drafted on the device (each depth injects the previous depth's token) and read once."""
         greedy = ctx.sampling.greedy
         device = states.device
-        token_ids = self.vocab.token_ids.to(device)  # [N] reduced index -> full id
-        prev = torch.tensor([root], device=device)  # [1] full id injected at the next depth
+        token_ids = self.vocab.ids_on(device)  # [N] reduced index -> full id
+        prev = to_device([root], device, torch.long)  # [1] full id injected at the next depth
         toks, rows = [], []
         for d in range(len(states)):
             logits = self._logits(states[d:d + 1], prev)[0]  # [N]
@@ -212,12 +213,12 @@ class HiddenStateDrafter(VerifierStateDrafter):
         depths: list[int] = []
         frontier = [-1]  # candidates expanded at the next depth (-1: the root)
         device = states.device
-        token_ids = self.vocab.token_ids.to(device)  # [N] reduced index -> full id
+        token_ids = self.vocab.ids_on(device)  # [N] reduced index -> full id
         for d in range(D):
-            toks = torch.tensor([root if i < 0 else tokens[i] for i in frontier], device=device)  # [F]
+            toks = to_device([root if i < 0 else tokens[i] for i in frontier], device, torch.long)  # [F]
             logits = self._logits(states[d:d + 1].expand(len(frontier), -1), toks)  # [F, N]
             top = logits.log_softmax(-1).topk(k)
-            base = torch.tensor([0.0 if i < 0 else scores[i] for i in frontier], device=device)[:, None]  # [F, 1]
+            base = to_device([0.0 if i < 0 else scores[i] for i in frontier], device, torch.float32)[:, None]  # [F, 1]
             # path log-probs and full ids of the level's candidates in one host read (ids < 2**24: exact in float32)
             path, ids = torch.stack([(base + top.values).flatten(), token_ids[top.indices.flatten()].float()]).tolist()
             first = len(tokens)

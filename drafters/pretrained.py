@@ -20,6 +20,7 @@ from metasd.core.kv_cache import cache_kwargs, crop_to
 from metasd.models import ModelLoadError, config_eos_ids
 from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.sampling import process_logits, sample
+from metasd.core.staging import to_device
 from metasd.core.tree import Draft
 
 from .shared_vocab import SharedVocab
@@ -251,7 +252,7 @@ class PretrainedDrafter(Drafter):
     def _forward(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]. ``ids``: host ints, or a device
         tensor [n] of draft tokens not read yet (their ids join ``cached_ids`` once the draft is read)."""
-        x = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long, device=self.model.device)
+        x = ids.view(1, -1) if isinstance(ids, torch.Tensor) else to_device([ids], self.model.device, torch.long)
         start = len(self.cached_ids) + self._unread
         with self.steering.feeding(start, ids) if self.steering is not None else nullcontext():
             logits = self._logits(True, input_ids=x)
@@ -295,7 +296,7 @@ class PretrainedDrafter(Drafter):
         committed = feedback.committed
         rows = self._feed_all(tokens + committed, len(tokens) - 1)[-(len(committed) + 1):]  # [m + 1, vocab]
         self._root = (len(self.cached_ids), rows[-1])  # after c_m: the next step's root, already computed
-        c = torch.tensor(committed, device=rows.device)
+        c = to_device(committed, rows.device, torch.long)
         p = None if feedback.target_probs is None else feedback.target_probs[[0] + [i + 1 for i in feedback.acceptance.path]]
         return self._counterfactual_of(rows[:-1], c, ctx, p)
 
@@ -317,7 +318,7 @@ class PretrainedDrafter(Drafter):
             self.begin(None)  # type: ignore[arg-type]
         self._root = None
         ids = tokens[self._crop_to_common_prefix(tokens, keep_at_most):]
-        logits = self._logits(False, input_ids=torch.tensor([ids], dtype=torch.long, device=self.model.device))
+        logits = self._logits(False, input_ids=to_device([ids], self.model.device, torch.long))
         self.cached_ids.extend(ids)
         return logits
 

@@ -59,6 +59,7 @@ from metasd.core.drafter import (Bool, Counterfactual, DrafterParams, Float, Int
                                  register_drafter)
 from metasd.core.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.sampling import process_logits
+from metasd.core.staging import to_device
 from metasd.core.tree import Draft
 
 from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k, noise_dtype, read_topk
@@ -189,9 +190,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         mask, positions = tree.inputs(feed)
         device = self.model.device
         tokens = [tree.tokens[i] for i in feed]
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        ids = to_device([tokens], device, torch.long)
         with self.steering.feeding_tree(expected, tokens) if self.steering is not None else nullcontext():
-            logits = self._logits(False, input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device))
+            logits = self._logits(False, input_ids=ids, attention_mask=to_device(mask, device), position_ids=to_device(positions, device))
         tree.mark_fed(feed)
         return logits
 

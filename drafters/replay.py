@@ -6,7 +6,9 @@ engine's overhead (``benchmarks/gpu_overhead.py``).
 The continuation is recorded by plain greedy decoding when a request begins (transformers' ``generate`` on the
 verifier's weights with a cache of its own), or given with ``record``. Under bf16 a verify over several tokens may
 break a near-tie differently from one-token decoding; when the committed text leaves the recording, the rest is
-recorded again from there, inside that step. Either way the cost model never counts a recording.
+recorded again from there - inside that step, with ``rerecord`` (the default), and the cost model never counts a
+recording. A benchmark sets ``rerecord=False`` and records enough up front: leaving the recording then raises
+``ReplayMiss``, so no recording ever runs inside a timed step.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from pydantic import Field
 
 from metasd.core.cost import unmetered
-from metasd.core.drafter import Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
+from metasd.core.drafter import Bool, Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.core.tree import Draft
 
 
@@ -25,6 +27,12 @@ class ReplayParams(DrafterParams):
 
     accept: Int = Field(3, ge=0, description="draft tokens per step that are the verifier's own (tokens/step = accept + 1)")
     wrong: Int = Field(1, ge=0, description="wrong tokens drafted after them (verified and rejected)")
+    rerecord: Bool = Field(True, description="record again inside the step when the committed text leaves the "
+                                             "recording; false: raise ReplayMiss instead (benchmarks)")
+
+
+class ReplayMiss(RuntimeError):
+    """The committed text left the recording, or ran past its end, with ``rerecord=False``."""
 
 
 @register_drafter
@@ -37,10 +45,11 @@ class ReplayDrafter(Drafter):
     model_field, checkpoint_field = "never", "never"
     Params = ReplayParams
 
-    def __init__(self, verifier_model=None, accept: int = 3, wrong: int = 1, name: str | None = None):
+    def __init__(self, verifier_model=None, accept: int = 3, wrong: int = 1, rerecord: bool = True,
+                 name: str | None = None):
         super().__init__(name)
-        check_params(ReplayParams, dict(accept=accept, wrong=wrong), self.name)
-        self.verifier_model, self.accept, self.wrong = verifier_model, accept, wrong
+        check_params(ReplayParams, dict(accept=accept, wrong=wrong, rerecord=rerecord), self.name)
+        self.verifier_model, self.accept, self.wrong, self.rerecord = verifier_model, accept, wrong, rerecord
         self.reference: list[int] = []  # the recorded continuation: every token after the prompt
 
     @classmethod
@@ -67,6 +76,8 @@ class ReplayDrafter(Drafter):
     def begin(self, ctx: StepContext) -> None:
         tokens = ctx.tokens.tolist()
         if self.reference[: len(tokens)] != tokens:
+            if not self.rerecord:
+                raise ReplayMiss(f"{self.name}: the prompt is not the recording's (rerecord is off)")
             self._record(tokens, int(ctx.request.get("max_new_tokens", 64)) + self.accept + self.wrong)
 
     def propose(self, ctx: StepContext) -> Draft:
@@ -76,14 +87,24 @@ class ReplayDrafter(Drafter):
             return Draft.empty()
         if len(self.reference) < T + depth or self.reference[:T] != ctx.tokens.tolist():
             # off the recording (a bf16 tie broken the other way), or past its end: record from here
+            if not self.rerecord:
+                raise ReplayMiss(self._miss(ctx.tokens.tolist(), depth, ctx.step))
             self._record(ctx.tokens.tolist(), depth + 64)
         right = self.reference[T: T + min(self.accept, depth)]
         nxt = self.reference[T + len(right)] if len(self.reference) > T + len(right) else 0
         wrong = [(nxt + 1 + i) % self._vocab() for i in range(depth - len(right))]  # never the verifier's token
         return Draft.chain(right + wrong)
 
+    def _miss(self, tokens: list[int], depth: int, step: int) -> str:
+        T = len(tokens)
+        at = next((i for i, (a, b) in enumerate(zip(self.reference, tokens)) if a != b), None)
+        if at is not None:
+            return (f"{self.name}: step {step}: the committed text left the recording at position {at} "
+                    f"(committed {tokens[at]}, recorded {self.reference[at]}): a verify broke a near-tie differently")
+        return f"{self.name}: step {step}: the recording ends at {len(self.reference)} tokens, the step needs {T + depth}"
+
     def _vocab(self) -> int:
         return int(self.verifier_model.config.vocab_size) if self.verifier_model is not None else 2 ** 31 - 1
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "accept": self.accept, "wrong": self.wrong}
+        return {**super().describe(), "accept": self.accept, "wrong": self.wrong, "rerecord": self.rerecord}

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
+from metasd.core.staging import to_device
 from metasd.core.tree import Draft
 
 from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
@@ -165,7 +166,7 @@ def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Ten
     m = min(m, logp.shape[-1])
     cand = logp[: depth - 1].topk(m, dim=-1).indices if depth > 1 else logp.new_zeros(0, m, dtype=torch.long)
     dt = h.dtype
-    root_emb = pieces.embed(torch.tensor([root], device=h.device), dt)  # [1, d]
+    root_emb = pieces.embed(to_device([root], h.device, torch.long), dt)  # [1, d]
     prev = [root_emb]
     rows = [hd[0:1]]
     if depth > 1:
@@ -319,7 +320,7 @@ class TreeFlashDrafter(VerifierStateDrafter):
         self._own_rows = 0
         T = len(ctx.tokens)
         root = int(ctx.tokens[-1])
-        emb = self.pieces.embed(torch.tensor([root], device=self.device), self.model.dtype)
+        emb = self.pieces.embed(to_device([root], self.device, torch.long), self.model.dtype)
         block = self.model.block_inputs(emb, self.block_size)
         positions = torch.arange(T - 1, T - 1 + self.block_size, device=self.device)[None]
         skip = None

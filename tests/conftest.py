@@ -21,6 +21,11 @@ def pytest_report_header(config):
                 f"not collected: {', '.join(collect_ignore)}")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--metasd-device", default=os.environ.get("METASD_TEST_DEVICE", "cpu"),
+                     help="device the conformance tests build their pools on (default cpu; e.g. cuda)")
+
+
 def pytest_configure(config):
     """Register the second device (tests/second_device.py) before any test runs: torch's autograd engine sizes its
     per-device queues at the first backward of the process, so a device registered after a CPU backward (a trainer's

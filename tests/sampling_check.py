@@ -12,8 +12,9 @@ def two_token_distribution(model, prompt: list[int], eos: set[int]) -> torch.Ten
     first token ``a``: its mass sits in the cell (a, 0)."""
     vocab = model.config.vocab_size
     with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
-        seconds = model(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1].softmax(-1)  # [V, V]
+        first = model(torch.tensor([prompt], device=model.device)).logits[0, -1].softmax(-1).cpu()  # [V]
+        seconds = model(torch.tensor([prompt + [a] for a in range(vocab)], device=model.device)).logits[:, -1]
+        seconds = seconds.softmax(-1).cpu()  # [V, V]
     for a in eos:
         seconds[a] = 0.0
         seconds[a, 0] = 1.0

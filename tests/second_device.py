@@ -7,9 +7,10 @@ them with (non-scalar) CPU tensors fails as it would on CUDA, so tests catch dev
     x = torch.tensor([[1, 2, 3]], device=dev)
     model(x)                                # runs; equals the CPU result (within 1e-6: see "numerics")
     x + torch.ones(3)                       # RuntimeError: ... found at least two devices, metasd_dev:0 and cpu!
-    with count_host_reads() as reads:       # every read of device data by the host while it is open
-        x.sum().item()
-    assert reads.total == 1
+    with count_host_reads() as reads:       # every host-device synchronisation while it is open
+        x.sum().item()                      # a read of device data by the host
+        torch.tensor([4], device=dev)       # a blocking copy to the device
+    assert reads.total == 2 and reads.reads == 1
 
 How it works. torch's PrivateUse1 backend is renamed ``metasd_dev`` and driven from Python:
 
@@ -42,15 +43,19 @@ How it works. torch's PrivateUse1 backend is renamed ``metasd_dev`` and driven f
   except under ``torch.inference_mode()``, where they arrive whole; ``_run`` decomposes them then too, so the
   checks and the host-read count see the same ops in both modes.
 
-Host reads (``count_host_reads``) are counted in the same dispatch layer, one per op that hands device data to
-the host: see ``count_host_reads`` for what is counted and what cannot be seen.
+Host-device synchronisations (``count_host_reads``, alias ``count_syncs``) are counted in the same dispatch layer:
+one per op that hands device data to the host, one per blocking copy of host data to the device, and one per
+``torch.metasd_dev.synchronize`` (what ``metasd.core.clock`` calls); see ``count_host_reads`` for what is counted and
+what cannot be seen.
 
 Known gaps:
 - A generator of the device given to a CPU op other than through the wrapped functions (``torch.ops.aten.*``
   called directly, a C++ extension) is used as a CPU generator, where CUDA raises.
 - ``t.numpy()`` raises (as on CUDA); ``t.data_ptr()``, ``t.untyped_storage()`` and so ``torch.save`` of a device
   tensor raise; ``pin_memory()`` raises (the Python backend API gives no pinned allocator); ``non_blocking=True``
-  copies are synchronous (nothing is asynchronous here, so missing synchronisations go unnoticed).
+  copies are synchronous (nothing is asynchronous here, so missing synchronisations go unnoticed). A
+  ``non_blocking=True`` copy to the device is not counted whatever its source; on CUDA it blocks unless the host
+  memory is pinned, which ``metasd.core.staging`` does there and which cannot be modelled here.
 - One device (index 0); no streams, events, memory statistics or autocast. Autograd and optimizers work (a
   backward and an AdamW step are tested), nothing more of training is.
 - ``enable`` is for the whole process and cannot be undone: torch then reports ``metasd_dev`` as its current
@@ -282,7 +287,7 @@ class _DeviceModule:
             raise RuntimeError(f"{NAME} has one device (index 0), got {device!r}")
 
     def synchronize(self, device=None) -> None:
-        pass
+        _record_host_read("sync", "synchronize")  # a host-device synchronisation (nothing is queued here)
 
     def manual_seed(self, seed: int) -> None:
         _device_default_generator.manual_seed(int(seed))
@@ -328,9 +333,14 @@ class _Guard(torch._C._acc.DeviceGuard):
 
 # -------------------------------------------------------------------------------------------------- host reads
 
+READ_KINDS = ("item", "to_cpu", "data_dependent", "print")  # the host reads device data
+SYNC_KINDS = READ_KINDS + ("h2d", "sync")  # + blocking copies to the device, device synchronisations
+
+
 class HostReads(Counter):
-    """Host reads by kind (``item``, ``to_cpu``, ``data_dependent``, ``print``: see ``count_host_reads``), with
-    ``events``: for each read, (kind, op, the innermost stack frame outside torch and this module)."""
+    """Host-device synchronisations by kind (the reads ``item``, ``to_cpu``, ``data_dependent``, ``print``; ``h2d``,
+    blocking copies to the device; ``sync``, device synchronisations: see ``count_host_reads``), with ``events``: for
+    each, (kind, op, the innermost stack frame outside torch, this module and ``metasd/core/clock.py``)."""
 
     def __init__(self):
         super().__init__()
@@ -338,7 +348,13 @@ class HostReads(Counter):
 
     @property
     def total(self) -> int:
+        """Every synchronisation counted."""
         return sum(self.values())
+
+    @property
+    def reads(self) -> int:
+        """The host's reads of device data alone."""
+        return sum(self[k] for k in READ_KINDS)
 
     def report(self) -> str:
         """One line per read: kind, op, where (for a failing budget's message)."""
@@ -350,8 +366,9 @@ _counters: list[HostReads] = []  # the open counters (every thread's reads count
 
 @contextlib.contextmanager
 def count_host_reads():
-    """Count every read of device data by the host while open (reads from any thread; nested counters each
-    count). Counted in the dispatch layer, one per op that hands device data to the host, however it is spelled:
+    """Count every host-device synchronisation while open (from any thread; nested counters each count): reads of
+    device data by the host, blocking copies of host data to the device, device synchronisations. Counted in the
+    dispatch layer, one per op, however it is spelled. Reads:
 
     - ``item``: ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``, ``if t:``, ``f"{t:.2f}"`` of a 0-dim tensor
       (all ``aten._local_scalar_dense``), ``torch.equal``, ``torch.allclose`` (a Python bool);
@@ -363,9 +380,17 @@ def count_host_reads():
       ``bincount``;
     - ``print``: ``repr``/``str``/``print``/``f"{t}"`` of a device tensor.
 
+    The host waits too for:
+
+    - ``h2d``: a copy of host data to the device without ``non_blocking=True`` (``torch.tensor(data, device=dev)``,
+      ``torch.as_tensor``, ``cpu_t.to(dev)``, ``dev_t.copy_(cpu_t)``; not an empty one), and CPU indices of advanced indexing on the
+      device (``t[cpu_index]``, ``t[cpu_mask] = v``), which CUDA copies to the device that way;
+    - ``sync``: ``torch.metasd_dev.synchronize()`` (``metasd.core.clock.synchronize`` of the device).
+
     Not seen: ``t.numpy()`` (it raises, as on CUDA), reads of ``DeviceTensor.elem`` (private), and reads of a
     CPU copy made earlier (counted once, at the copy). Not counted: ops that stay on the device, shapes and other
-    metadata (``t.shape``, ``len(t)``, ``t.dtype``), reads of CPU tensors.
+    metadata (``t.shape``, ``len(t)``, ``t.dtype``), reads of CPU tensors, ``non_blocking=True`` copies to the device,
+    device factories (``torch.zeros(..., device=dev)``), 0-dim CPU tensors read as scalars by pointwise ops.
     """
     counter = HostReads()
     with _lock:
@@ -373,11 +398,15 @@ def count_host_reads():
     try:
         yield counter
     finally:
-        with _lock:
-            _counters.remove(counter)
+        with _lock:  # by identity: two counters that counted the same are equal Counters
+            del _counters[next(i for i, c in enumerate(_counters) if c is counter)]
+
+
+count_syncs = count_host_reads  # the same counter, by what it counts now
 
 
 _HERE = str(Path(__file__).resolve())
+_CLOCK = str(Path("metasd", "core", "clock.py"))  # its syncs are named by the line that read the clock
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 
@@ -387,7 +416,7 @@ def _record_host_read(kind: str, op: str) -> None:
     where = "?"
     for frame in reversed(traceback.extract_stack()[:-1]):
         path = frame.filename if frame.filename.startswith("<") else str(Path(frame.filename).resolve())
-        if path != _HERE and not path.startswith(_TORCH_DIR):
+        if path != _HERE and not path.startswith(_TORCH_DIR) and not path.endswith(_CLOCK):
             where = f"{frame.filename}:{frame.lineno} ({frame.name})"
             break
     with _lock:
@@ -400,6 +429,14 @@ _HOST_READ_OPS: dict = {}  # OpOverloadPacket -> kind (filled by enable)
 
 
 def _host_read_kind(info: "_OpInfo", args, kwargs, leaves, on_device: bool) -> str | None:
+    if on_device and any(isinstance(x, torch.Tensor) and type(x) is not DeviceTensor and x.numel() for x in leaves):
+        if info.transfer:  # a copy from the host: blocking unless non_blocking (an empty one copies nothing)
+            blocking = not ("non_blocking" in info.names and info.argument(args, kwargs, "non_blocking"))
+            return "h2d" if blocking else None
+        if info.indexing:  # CPU indices: CUDA copies them to the device (a blocking copy) before indexing
+            indices = info.argument(args, kwargs, "indices") or []
+            if any(isinstance(i, torch.Tensor) and type(i) is not DeviceTensor for i in indices):
+                return "h2d"
     kind = info.read_kind
     if kind is None or not any(type(x) is DeviceTensor for x in leaves):
         return None

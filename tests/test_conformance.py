@@ -26,6 +26,13 @@ from tiny import VOCAB, as_llama, plain_greedy, spaced_word_map, spaced_word_tok
 LAYERS = 4  # verifier layers: hidden states 0..4 for steering, block heads and hidden-state drafters
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
 SHARPNESS = 20.0  # verifier logit scale: ~300 pairs carry 90% of the two-token mass, so 400 samples test it
+DEVICE = "cpu"  # where the pools run: pytest --metasd-device cuda (tests/conftest.py) runs this file on a GPU
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _device(request):
+    global DEVICE
+    DEVICE = request.config.getoption("--metasd-device")
 
 
 def _draft_vocab() -> DraftVocab:
@@ -170,7 +177,7 @@ def _pool(root: Path, case: str, entry: dict, name: str = "pool") -> Path:
     kind = kind_of(case)
     entry = dict(entry)
     before = entry.pop("before", [])
-    pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32", "device": "cpu"},
+    pool = {"verifier": {"model": str(root / "verifier"), "dtype": "fp32", "device": DEVICE},
             "drafters": [*before, {"name": kind, "type": kind, **entry}]}
     path = root / f"{name}_{case.replace(', ', '_').replace(': ', '_')}.yaml"
     path.write_text(yaml.safe_dump(pool))
@@ -179,9 +186,9 @@ def _pool(root: Path, case: str, entry: dict, name: str = "pool") -> Path:
 
 def _models(root: Path) -> ModelCache:
     """The tiny verifier and drafter with the word-level tokenizer they were saved with."""
-    cache = ModelCache("cpu")
+    cache = ModelCache(DEVICE)
     for name in ("verifier", "drafter"):
-        model, _ = load_model(str(root / name), dtype="fp32", device="cpu")
+        model, _ = load_model(str(root / name), dtype="fp32", device=DEVICE)
         cache.put(str(root / name), "fp32", (model, tiny_tokenizer()))
     return cache
 

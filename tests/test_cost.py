@@ -70,6 +70,61 @@ def test_a_deep_copy_of_a_hooked_network_is_counted_once_per_layer():
     assert meter.total == 8 * 16 * 4  # its weight bytes once, not twice
 
 
+def _per_linear_cost(model: nn.Module, cm: CostModel, rows: int, head_rows: int) -> float:
+    """What a forward costs summed layer by layer (each linear over the rows it computes)."""
+    head = model.get_output_embeddings()
+    total = 0.0
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            nbytes = sum(t.numel() * t.element_size() for t in (layer.weight, layer.bias) if t is not None)
+            r = head_rows if layer is head else rows
+            total += cm.linear_cost(nbytes, layer.in_features * layer.out_features, "dense", r)
+    return total
+
+
+@pytest.mark.parametrize("call", ["keyword", "positional", "keep_last", "keep_two", "body_only"])
+def test_a_transformers_forward_is_priced_from_its_shape_as_the_sum_of_its_linear_layers(call):
+    model = tiny_qwen(seed=2)
+    cm = CostModel({"dense": 0.5, "int8": 0.0, "int4": 0.0})
+    attach([model])
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    meter = StepMeter(cm, 1.0)
+    with meter, torch.inference_mode():
+        if call == "keyword":
+            model(input_ids=ids)
+        elif call == "positional":
+            model(ids)
+        elif call == "keep_last":
+            model(input_ids=ids, logits_to_keep=1)
+        elif call == "keep_two":
+            model(input_ids=ids, logits_to_keep=2)
+        else:
+            model.model(input_ids=ids)  # the body alone, as a drafter with a reduced head runs it
+    head_rows = {"keep_last": 1, "keep_two": 2, "body_only": 0}.get(call, 5)
+    want = _per_linear_cost(model, cm, 5, head_rows)
+    if call == "body_only":
+        head = model.lm_head
+        want -= cm.linear_cost(head.weight.numel() * 4, head.in_features * head.out_features, "dense", 0)
+    assert meter.total == pytest.approx(want)
+
+
+def test_pricing_puts_no_pre_hook_on_the_linear_layers_of_transformers_models(verifier_model):
+    """No Python call per linear layer while decoding (~200 a forward on a real model, and no graph capture through
+    them): the engine prices a transformers model per forward, from its shape; its linear layers keep exactly the
+    hooks they had (the LM head's stride fix, ``metasd.core.hooks``)."""
+    import metasd.core.cost as cost
+
+    drafter_model = tiny_qwen(seed=1)
+    verifier, drafter = Verifier(verifier_model), PretrainedDrafter(drafter_model, k=3)
+    linears = [m for model in (verifier_model, drafter_model) for m in model.modules() if isinstance(m, nn.Linear)]
+    before = [dict(m._forward_pre_hooks) for m in linears]
+    engine = Engine(verifier, drafter, check_tokenizers=False)
+    assert [dict(m._forward_pre_hooks) for m in linears] == before
+    assert not [m for m in linears if any(h is cost._count for h in m._forward_pre_hooks.values())]
+    stats = engine.generate(PROMPT, max_new_tokens=8).stats
+    assert stats.modeled_cost > stats.steps  # priced all the same: drafting and multi-row verifies cost more than 1
+
+
 def test_quantized_layers_are_priced_by_their_stored_bytes_and_kernel():
     net = nn.Sequential(nn.Linear(64, 32, bias=False))
     dense_cost = decode_step_cost(net, CostModel())

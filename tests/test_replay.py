@@ -67,3 +67,25 @@ def test_a_given_recording_is_replayed_and_a_wrong_one_is_recorded_again():
     fixed.record(PROMPT, [(t + 1) % 64 for t in truth])
     result = Engine(Verifier(model), fixed).generate(PROMPT, max_new_tokens=16)
     assert result.token_ids == truth and result.stats.tokens_per_step[1] == 3  # re-recorded after the first step
+
+
+def test_without_rerecord_leaving_the_recording_raises_instead_of_recording_in_the_step():
+    """Benchmarks record up front and must never record inside a (timed) step: with ``rerecord=False`` a wrong or
+    short recording raises ``ReplayMiss`` naming where the text left it, and a right one runs at accept + 1."""
+    from metasd.drafters.replay import ReplayMiss
+
+    model = tiny_qwen(seed=0)
+    truth = plain_greedy(model, PROMPT, 20)
+    ok = ReplayDrafter(model, accept=2, rerecord=False)
+    ok.record(PROMPT, truth)
+    ok._record = None  # recording now would fail: proves none runs
+    result = Engine(Verifier(model), ok).generate(PROMPT, max_new_tokens=16)
+    assert result.token_ids == truth[:16] and set(result.stats.tokens_per_step[:-1]) == {3}
+    wrong = ReplayDrafter(model, accept=2, rerecord=False)
+    wrong.record(PROMPT, truth[:4] + [(truth[4] + 1) % 64] + truth[5:])
+    with pytest.raises(ReplayMiss, match=f"left the recording at position {len(PROMPT) + 4}"):
+        Engine(Verifier(model), wrong).generate(PROMPT, max_new_tokens=16)
+    short = ReplayDrafter(model, accept=2, rerecord=False)
+    short.record(PROMPT, truth[:6])
+    with pytest.raises(ReplayMiss, match="the recording ends at"):
+        Engine(Verifier(model), short).generate(PROMPT, max_new_tokens=16)

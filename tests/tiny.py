@@ -135,7 +135,7 @@ def plain_greedy(model, prompt: list[int], n: int, eos: set[int] = frozenset()) 
     ids = list(prompt)
     out = []
     for _ in range(n):
-        nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        nxt = int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
         ids.append(nxt)
         out.append(nxt)
         if nxt in eos:

@@ -7,9 +7,13 @@ step is *modeled* from the work it did instead (docs/algorithms.md#rewards):
 
     cost(linear forward over r rows) = weight_bytes + row_cost[format] * in_features * out_features * r
 
-summed over every linear layer of the verifier and the drafters that ran during the step (counted by a
-forward pre-hook on each layer), in units of one decode step of the verifier (its linears over one row),
-so that plain decoding costs 1.0 per token and the reward reads as a modeled speedup over it.
+summed over every linear layer of the verifier and the drafters that ran during the step, in units of one decode step
+of the verifier (its linears over one row), so that plain decoding costs 1.0 per token and the reward reads as a
+modeled speedup over it. Nothing runs per linear layer while decoding: a transformers model is priced per forward
+from its shape (a pre-hook on its decoder body: rows = input tokens, times the body's summed per-row price, plus its
+weights; one on the causal LM for its head: the rows ``logits_to_keep`` keeps), as the counterfactual prices are
+(``ForwardCost``). Only linear layers outside such a model (a drafter's own small networks) are counted by a
+pre-hook each.
 
 The first term is the weights a memory-bound forward streams; the second the per-row multiply work,
 whose price depends on the kernel the weight format runs on. Attention over the context, embeddings
@@ -26,13 +30,16 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 #: CPU calibration (benchmarks/forward_cost.py, BENCHMARKS.md "Forward cost per model and weight
 #: quantization"): a bf16 verify costs ~0.02-0.03 of a one-token forward per extra row, the int4 and int8
 #: weight-only kernels ~0.2-0.3 (they are matrix-vector kernels: every row re-reads its weights).
 #: In bytes-equivalent per multiply-accumulate per row.
 CPU_ROW_COST = {"dense": 0.06, "int8": 0.3, "int4": 0.2}
-#: On CUDA a forward of a few dozen rows is bound by the weights it reads, whatever their format.
+#: On CUDA a forward of a few dozen rows is bound by the weights it reads, whatever their format. A guess, not a
+#: measurement: no GPU has calibrated it yet (benchmarks/gpu_check.py times forwards of 1-32 rows on one; until then
+#: every CUDA reward that weighs rows against weights rests on these numbers).
 CUDA_ROW_COST = {"dense": 0.004, "int8": 0.01, "int4": 0.01}
 
 
@@ -125,19 +132,112 @@ def linear_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return [layer for layer, _ in _shaped_layers(modules)]
 
 
-def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """Put the counting hook on every linear layer of ``modules`` (once per layer, for its lifetime).
+_UNIT_ATTR = "_metasd_cost_unit"  # a priced body's or causal LM's ForwardCost (refreshed by attach)
 
-    The hook does nothing unless a ``StepMeter`` is open on this thread, so layers shared by several
-    engines (``Engine.derive``) or called outside a step (prefill) cost nothing to the meter. Each call
-    re-reads the layers' shapes (a layer whose weights changed since is priced as it is now).
-    """
+
+def _input_rows(args: tuple, kwargs: dict) -> int:
+    """Token positions of a transformers forward: ``input_ids`` [batch, seq] or ``inputs_embeds`` [batch, seq, d]
+    (shape metadata: no device sync)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor):
+        return ids.numel()
+    embeds = kwargs.get("inputs_embeds")
+    return embeds.numel() // embeds.shape[-1] if isinstance(embeds, torch.Tensor) else 0
+
+
+def _count_body(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A decoder body's forward: every linear layer in it runs over each input position."""
+    meter = _OPEN.meter
+    if meter is not None:
+        meter.total += getattr(module, _UNIT_ATTR)(_input_rows(args, kwargs))
+
+
+def _count_head(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A causal LM's forward: its head runs over the positions ``logits_to_keep`` keeps (0: all; n: the last n; a
+    tensor: the positions it lists); its body is counted by ``_count_body``."""
+    meter = _OPEN.meter
+    if meter is None:
+        return
+    rows = _input_rows(args, kwargs)
+    keep = kwargs.get("logits_to_keep", 0)
+    if isinstance(keep, torch.Tensor):
+        rows = keep.numel() if keep.dtype != torch.bool else rows  # a boolean mask: priced as every row
+    elif keep:
+        rows = min(int(keep), rows)
+    meter.total += getattr(module, _UNIT_ATTR)(rows)
+
+
+def _priced_units(modules: Iterable[nn.Module]) -> tuple[dict, dict]:
+    """The transformers models inside ``modules`` priced per forward: {id: decoder body} and {id: (causal LM, its
+    head)}."""
+    bodies: dict[int, nn.Module] = {}
+    heads: dict[int, tuple[nn.Module, nn.Module]] = {}
+    for root in modules:
+        for m in root.modules():
+            if not isinstance(m, PreTrainedModel) or id(m) in bodies or id(m) in heads:
+                continue
+            if m.base_model is m:
+                bodies[id(m)] = m
+            else:
+                head = m.get_output_embeddings()
+                if head is not None and _linear_shape(head) is not None and not _inside(head, m.base_model):
+                    heads[id(m)] = (m, head)
+    return bodies, heads
+
+
+def _inside(module: nn.Module, root: nn.Module) -> bool:
+    return any(m is module for m in root.modules())
+
+
+def attach(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Price the forwards of ``modules`` for an open ``StepMeter`` (once per module, for its lifetime): a transformers
+    decoder body and a causal LM's head per forward, from their shapes (one pre-hook each), every other linear layer
+    by a pre-hook of its own. Returns every linear layer so priced.
+
+    The hooks do nothing unless a ``StepMeter`` is open on this thread, so models shared by several engines
+    (``Engine.derive``) or called outside a step (prefill) cost nothing to the meter. Each call re-reads the layers'
+    shapes (a layer whose weights changed since is priced as it is now), priced by the open meter's ``CostModel``."""
+    modules = list(modules)
+    bodies, heads = _priced_units(modules)
+    covered: set[int] = set()
+    for body in bodies.values():
+        covered |= {id(layer) for layer, _ in _shaped_layers([body])}
+        _unit(body, _count_body, [body])
+    for lm, head in heads.values():
+        covered.add(id(head))
+        _unit(lm, _count_head, [head])
     shaped = _shaped_layers(modules)
     for layer, shape in shaped:
+        if id(layer) in covered:
+            continue
         object.__setattr__(layer, _SHAPE_ATTR, shape)  # not a submodule or buffer
         if not any(hook is _count for hook in layer._forward_pre_hooks.values()):  # a deep copy keeps its hook
             layer.register_forward_pre_hook(_count)
     return [layer for layer, _ in shaped]
+
+
+def _unit(owner: nn.Module, hook, priced: list[nn.Module]) -> None:
+    """Hook ``owner`` (once) with ``hook``, pricing its forwards by the linear layers of ``priced``."""
+    object.__setattr__(owner, _UNIT_ATTR, _PricedUnit(priced))
+    if not any(h is hook for h in owner._forward_pre_hooks.values()):  # a deep copy keeps its hook
+        owner.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class _PricedUnit:
+    """The linear layers of a priced unit; their ``ForwardCost`` under the open meter's prices (cached per model)."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.shapes = [s for _, s in _shaped_layers(modules)]
+        self._costs: dict[int, tuple[CostModel, ForwardCost]] = {}
+
+    def __call__(self, rows: int) -> float:
+        meter = _OPEN.meter
+        cached = self._costs.get(id(meter.model))
+        if cached is None or cached[0] is not meter.model:
+            cost = ForwardCost(sum(s.weight_bytes for s in self.shapes),
+                               sum(meter.model.row_cost[s.fmt] * s.macs_per_row for s in self.shapes))
+            cached = self._costs[id(meter.model)] = (meter.model, cost)
+        return cached[1](rows)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,10 @@ class Engine:
         kept in step with ``track``) is scored too, without another verifier forward, and the policy learns from all
         of them (``Policy.observe``; docs/algorithms.md#full-information-feedback). Needs a reward with
         counterfactual values (``throughput``, ``block_efficiency``).
+    profile: read the step clock after synchronising the device (three host-device synchronisations a step on CUDA),
+        so that ``RequestStats.draft_s`` / ``verify_s`` time the device's work; otherwise a step synchronises only
+        where it reads device data (docs/architecture.md#where-tensors-live). A reward that reads seconds
+        (``wall_throughput``) turns it on.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class Engine:
         check_tokenizers: bool = True,
         cost_model: CostModel | None = None,
         feedback: str = "bandit",
+        profile: bool = False,
     ):
         self.verifier = verifier
         self.tokenizer = verifier.tokenizer
@@ -140,6 +145,8 @@ class Engine:
             raise ValueError(f"feedback 'full' needs a reward other arms can be scored by without running them "
                              f"(throughput or block_efficiency); reward {reward!r} has no counterfactual values")
         self.feedback = feedback
+        self.profile_asked = bool(profile)
+        self.profile = self.profile_asked or bool(getattr(self.reward, "reads_clock", False))
         self.policy = self._check_policy(policy)
         if check_tokenizers:
             self._check_tokenizers()
@@ -150,6 +157,12 @@ class Engine:
         for layer in self.hidden_layers:
             if not 0 <= layer <= verifier.num_layers:
                 raise ValueError(f"a drafter asks for verifier layer {layer}; {verifier.name} has hidden states 0..{verifier.num_layers}")
+
+    @property
+    def clock_device(self):
+        """The device a step's clock reads wait for (``metasd.core.clock.now``): the verifier's when profiling, else
+        None (no synchronisation)."""
+        return self.verifier.device if self.profile else None
 
     # ---------------------------------------------------------------- public API
     @classmethod
@@ -164,12 +177,12 @@ class Engine:
         """A new engine sharing this one's verifier and drafter objects (no model is reloaded).
 
         drafters: names of the arms to keep (default: all); policy: its policy (required for a pool of
-        several); settings: granularity, reward, persistent_policy, categories, cost_model, feedback.
+        several); settings: granularity, reward, persistent_policy, categories, cost_model, feedback, profile.
         """
         chosen = self.drafters if drafters is None else [self.drafter(n) for n in drafters]
         kwargs = dict(granularity=self.granularity, reward=self.reward_name, persistent_policy=self.persistent_policy,
                       categories=self.categories, check_tokenizers=False, cost_model=self.cost_model,
-                      feedback=self.feedback)
+                      feedback=self.feedback, profile=self.profile_asked)
         kwargs.update(settings)
         return Engine(self.verifier, chosen, policy, **kwargs)
 

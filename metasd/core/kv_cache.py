@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from transformers import Cache
 
+from .staging import to_device
+
 
 @lru_cache(maxsize=None)
 def _cache_argument(forward_owner: type) -> str:
@@ -46,7 +48,7 @@ def keep_positions(cache: Cache, start: int, keep: torch.Tensor) -> None:
     m = len(keep)
     contiguous = bool((keep == torch.arange(m, device=keep.device)).all())
     if not contiguous:  # tree: move the accepted nodes' entries next to the prefix, then crop
-        src = (start + keep).to(_first_device(cache))
+        src = to_device(start + keep, _first_device(cache))
         for layer in cache.layers:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue

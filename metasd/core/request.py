@@ -276,7 +276,7 @@ class Request:
         draft = self.draft_step()
         with self.engine.meter.resumed() as meter:  # the step's cost: drafting (counted so far) and verifying
             out = self.verifier.verify(self.pending, draft)
-            t2 = now(self.verifier.device)
+            t2 = now(self.engine.clock_device)
         return self.finish_step(out, cost=meter.steps, t2=t2)
 
     def draft_step(self) -> Draft:
@@ -291,13 +291,13 @@ class Request:
             self.arm = self._select(self._step_context(ctx))
         drafter = self.drafters[self.arm] if self.drafters else None
         with eng.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
-            t0 = now(self.verifier.device)
+            t0 = now(self.engine.clock_device)
             draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
             if draft.depth > ctx.max_depth:
                 draft = draft.truncated(ctx.max_depth)
             if self.draft_budget is not None and len(draft) > self.draft_budget:
                 draft = draft.first(self.draft_budget)
-            t1 = now(self.verifier.device)
+            t1 = now(self.engine.clock_device)
         self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1)
         return draft
 

@@ -11,6 +11,7 @@ from typing import ClassVar, Literal, Sequence, get_args
 from .drafter import Counterfactual, StepFeedback
 from .metrics import RequestStats
 from .sampling import fit_vocab
+from .staging import to_device
 
 
 class Reward:
@@ -65,8 +66,8 @@ class BlockDivergence(Reward):
         if n == 0:
             return 0.0
         device = (o.target_probs if o.target_probs is not None else o.target_argmax).device
-        rows = o.draft.parents.to(device) + 1  # [n] the verifier row scoring each node
-        tokens = o.draft.tokens.to(device)  # [n]
+        rows = to_device(o.draft.parents, device) + 1  # [n] the verifier row scoring each node
+        tokens = to_device(o.draft.tokens, device)  # [n]
         q = None if o.draft.probs is None else o.draft.probs.to(device).float()  # [n, vocab]
         if o.target_probs is None:  # greedy: p is one-hot on the argmax, TV(onehot(a), q) = 1 - q(a)
             target = o.target_argmax[rows]  # [n]
@@ -103,6 +104,7 @@ class WallThroughput(Reward):
     its drafting and verification seconds."""
 
     name = "wall_throughput"
+    reads_clock = True  # its seconds must time the device's work: the engine's step clock synchronises
 
     def step(self, o: StepFeedback) -> float:
         return len(o.committed) / o.seconds if o.seconds > 0 else 0.0

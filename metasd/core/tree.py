@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .staging import to_device
+
 
 @dataclass
 class Draft:
@@ -81,7 +83,7 @@ class Draft:
         remap[keep] = torch.arange(len(keep))
         parents = self.parents[keep]
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        probs = None if self.probs is None else self.probs[keep.to(self.probs.device)]
+        probs = None if self.probs is None else self.probs[to_device(keep, self.probs.device)]
         return Draft(self.tokens[keep], parents, probs, self.without_replacement, dict(self.meta), self.catch_up)
 
     def first(self, n: int) -> "Draft":

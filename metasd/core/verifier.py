@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .hidden import HiddenStore
 from .hooks import contiguous_lm_head_input
 from .kv_cache import cache_kwargs, cache_length, keep_positions
+from .staging import to_device
 from .tree import Draft, ancestor_mask
 
 
@@ -80,7 +81,7 @@ class Verifier:
                                     for layer in self.hidden_layers})
             return
         out = self.model(
-            input_ids=token_ids.to(self.device)[None],
+            input_ids=to_device(token_ids, self.device)[None],
             **cache_kwargs(self.model, self.cache),
             use_cache=True,
             logits_to_keep=1,  # nothing reads prefill logits: the pending token is scored in the first step
@@ -100,14 +101,14 @@ class Verifier:
         if self._block_start is not None:
             raise RuntimeError("Verifier.verify called twice without a commit in between")
         past = self._block_start = self.cached
-        ids = torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens]).to(self.device)[None]  # [1, n+1]
+        ids = to_device(torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens]), self.device)[None]  # [1, n+1]
         kwargs = {}
         if len(draft) and not draft.is_chain:
             depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
             tree = ancestor_mask(draft.parents)  # [n+1, n+1]
             mask = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree], dim=1)  # [n+1, past+n+1]
-            kwargs["attention_mask"] = mask.to(self.device)[None, None]
-            kwargs["position_ids"] = (past + depth).to(self.device)[None]
+            kwargs["attention_mask"] = to_device(mask, self.device)[None, None]
+            kwargs["position_ids"] = to_device(past + depth, self.device)[None]
         out = self.model(
             input_ids=ids,
             **cache_kwargs(self.model, self.cache),
@@ -130,7 +131,7 @@ class Verifier:
         if self.hidden is not None:
             if out is None:
                 raise ValueError("Verifier.commit: the verify output is needed to keep the hidden states in step")
-            self.hidden.append(out.hidden, rows.to(self.device))
+            self.hidden.append(out.hidden, to_device(rows, self.device))
         return rows
 
     def _select_hidden(self, out) -> dict[int, torch.Tensor]:

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from metasd.core.staging import to_device
+
 
 class DraftVocab:
     """Maps reduced indices 0..N-1 to full-vocabulary token ids (most frequent first)."""
@@ -24,6 +26,7 @@ class DraftVocab:
         if len(torch.unique(self.token_ids)) != len(self.token_ids):
             raise ValueError("DraftVocab: repeated token ids")
         self._to_reduced: torch.Tensor | None = None
+        self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}  # copies made for devices, by table
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -41,9 +44,19 @@ class DraftVocab:
     def full(cls, vocab_size: int) -> "DraftVocab":
         return cls(torch.arange(vocab_size), vocab_size)
 
+    def ids_on(self, device: torch.device) -> torch.Tensor:
+        """``token_ids`` on ``device``, copied there once (staged: no synchronisation) and kept."""
+        return self._table_on("token_ids", self.token_ids, device)
+
+    def _table_on(self, name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+        key = (name, torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = to_device(table, device)
+        return self._on_device[key]
+
     def to_full(self, reduced: torch.Tensor) -> torch.Tensor:
         """Reduced indices (any shape) -> full token ids."""
-        return self.token_ids.to(reduced.device)[reduced]
+        return self.ids_on(reduced.device)[reduced]
 
     def to_reduced(self, full_ids: torch.Tensor) -> torch.Tensor:
         """Full token ids -> reduced indices, -1 where a token is outside the reduced vocabulary."""
@@ -51,7 +64,7 @@ class DraftVocab:
             table = torch.full((self.full_size,), -1, dtype=torch.long)
             table[self.token_ids] = torch.arange(len(self.token_ids))
             self._to_reduced = table
-        return self._to_reduced.to(full_ids.device)[full_ids]
+        return self._table_on("to_reduced", self._to_reduced, full_ids.device)[full_ids]
 
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Rows of a full LM-head weight [vocab, d] for the reduced vocabulary -> [N, d] (a copy)."""

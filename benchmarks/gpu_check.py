@@ -1,0 +1,341 @@
+"""The first GPU run, as one prepared script: what a session lent a GPU runs, nothing fetched, one JSON and a log.
+
+    python benchmarks/gpu_check.py --out $OUT                 # on the GPU (about 7 minutes on an H100)
+    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/check   # the dry run (tests/test_gpu_check.py):
+                                                          # tiny shapes, one test of each pytest section
+
+Sections, in order, each given what is left of ``--budget-s`` (a section that runs out is cut, the ones after it
+still run; every result is written as it comes):
+
+1. ``environment``: Python, torch, transformers, the device, whether the carried packages import.
+2. ``kernels``: the int8 and int4 weight-only kernels (``metasd/models/quantize.py``) on the device against the
+   weights dequantized by plain arithmetic (bf16; rows 1, 3, 80).
+3. ``fake_syncs`` (in the background, on the CPU): the same replay engine and tree drafter on tiny models on the
+   fake device of ``tests/second_device.py``, its host-device synchronisations per step by kind - what the GPU
+   count of section 5 is compared with.
+4. ``conformance_greedy``: every drafter type's greedy identity on tiny models on the device
+   (``pytest tests/test_conformance.py -k greedy_output --metasd-device cuda``).
+5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B and the 8B shapes at tokens/step 1, 2, 4 and 6, then
+   three tree shapes of the 0.5B drafter on the 1.5B shape (depth:nodes 4:8, 6:16, and 8:32 in int4 as the default
+   pool drafts), eager; forward times by rows (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them
+   (``set_sync_debug_mode``). Each its own process and file, written after every row.
+6. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
+
+CUDA graphs and static caches are not built: every figure is eager. On a machine without the packages metasd needs
+(pydantic and its own needs; benchmarks/gpu_wheels.md), install the carried wheels first; metasd itself is imported
+from the checkout (``metasd_layout``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import metasd_layout  # noqa: F401  (first: metasd from a bare checkout, as a GPU machine gets it)
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+class Check:
+    """The run's JSON (``gpu_check.json``) and log (``gpu_check.log``), written as results come."""
+
+    def __init__(self, out: Path, budget_s: float):
+        self.out, self.t0, self.budget_s = out, time.monotonic(), budget_s
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(out / "gpu_check.log", "a", buffering=1)
+        self.results: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                              "sections": {}}
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+
+    def record(self, section: str, value) -> None:
+        self.results["sections"][section] = value
+        self.results["elapsed_s"] = time.monotonic() - self.t0
+        (self.out / "gpu_check.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def run(self, section: str, argv: list[str], timeout: float, env: dict | None = None) -> dict:
+        """A subprocess, its output into the log; cut at ``timeout`` seconds."""
+        timeout = max(min(timeout, self.left()), 1.0)
+        self.log(f"{section}: {' '.join(argv)} (at most {timeout:.0f} s)")
+        t = time.monotonic()
+        try:
+            p = subprocess.run(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            out, rc = p.stdout, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        self.log_file.write(out)
+        self.log(f"{section}: exit {rc} after {time.monotonic() - t:.0f} s")
+        return {"exit": rc, "seconds": time.monotonic() - t, "tail": out[-3000:]}
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+def environment(device: str) -> dict:
+    import importlib
+
+    import torch
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": device, "cuda": torch.version.cuda, "packages": {}}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    for name in ("pydantic", "pydantic_core", "yaml", "scipy", "safetensors", "accelerate", "gguf", "pytest"):
+        try:
+            module = importlib.import_module(name)
+            env["packages"][name] = getattr(module, "__version__", "?")
+        except ImportError as e:
+            env["packages"][name] = f"missing: {e}"
+    try:
+        import metasd  # noqa: F401
+        import metasd.drafters  # noqa: F401
+        env["metasd_imports"] = True
+    except Exception as e:  # noqa: BLE001 - reported, the sections after say what it stops
+        env["metasd_imports"] = f"{type(e).__name__}: {e}"
+    return env
+
+
+def kernels(device: str) -> dict:
+    """int8/int4 ``QuantizedLinear`` on ``device`` against the weight dequantized from the quantizers' own codes."""
+    import torch
+    from torch import nn
+
+    from metasd.models.quantize import QuantizedLinear, dequantize_int4, quantize_int4, quantize_int8
+
+    results = {}
+    torch.manual_seed(1)
+    for mode in ("int8", "int4"):
+        for rows in (1, 3, 80):
+            lin = nn.Linear(256, 192).to(torch.bfloat16)
+            # as tests/test_quantize.py: the codes and scales (stored in bf16) of the module's own quantizers
+            if mode == "int8":
+                q, sc = quantize_int8(lin.weight.detach())
+                w = q.float() * sc.to(torch.bfloat16).float()[:, None]
+            else:
+                q, sz = quantize_int4(lin.weight.detach(), 32)
+                w = dequantize_int4(q, sz.to(torch.bfloat16), 32)
+            ql = QuantizedLinear(lin.to(device), mode, group_size=32)
+            x = torch.randn(1, rows, 256, dtype=torch.bfloat16)
+            got = ql(x.to(device)).float().cpu()
+            ref = x.float() @ w.t() + lin.bias.detach().float().cpu()
+            err = float((got - ref).abs().max())
+            results[f"{mode}_rows{rows}"] = {"max_abs_error": err, "ok": err < 0.1 and got.shape == ref.shape}
+    results["ok"] = all(r["ok"] for r in results.values())
+    return results
+
+
+def fake_syncs(taus: list[int], trees: list[str]) -> dict:
+    """On the fake device (``tests/second_device.py``): per step of a whole request (its start and end included, as
+    ``gpu_overhead.py`` counts on the GPU), the host-device synchronisations by kind."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    import second_device
+    from gpu_overhead import build, parse_tree, record
+    from metasd import Engine, Verifier
+    from metasd.drafters import PretrainedTreeDrafter
+    from metasd.drafters.replay import ReplayDrafter
+
+    dev = second_device.enable()
+    n, out = 24, {}
+    with torch.inference_mode():
+        cpu_model = build("tiny", torch.device("cpu"), torch.float32)
+        prompt = torch.randint(1, 1024, (1, 16), generator=torch.Generator().manual_seed(1))
+        reference, _ = record(cpu_model, prompt, n + max(taus + [9]) + 1)
+        model = cpu_model.to(dev)
+        small = build("tiny", torch.device("cpu"), torch.float32, seed=2).to(dev)
+        verifier = Verifier(model)
+        ids = prompt[0].tolist()
+        cases = {f"tokens_per_step_{t}": ReplayDrafter(model, accept=t - 1, wrong=1, rerecord=False) if t > 1 else None
+                 for t in [1] + taus}
+        for spec in trees:
+            t = parse_tree(spec)
+            if t["quantize"]:
+                continue  # the fake device has no int4 kernel
+            cases[f"tree_{spec}"] = PretrainedTreeDrafter(small, mode="dynamic", nodes=t["nodes"], depth=t["depth"],
+                                                          width=4, min_path_prob=0.3, name="tree")
+        for name, drafter in cases.items():
+            if isinstance(drafter, ReplayDrafter):
+                drafter.record(ids, reference)
+            engine = Engine(verifier, drafter)
+            engine.generate(ids, max_new_tokens=4)
+            with second_device.count_host_reads() as counted:
+                result = engine.generate(ids, max_new_tokens=n)
+            steps = result.stats.steps
+            out[name] = {"steps": steps, "per_step": counted.total / steps,
+                         **{f"{k}_per_step": v / steps for k, v in sorted(counted.items())},
+                         "tokens_match": result.token_ids == reference[:n]}
+    return out
+
+
+def pytest_summary(run: dict) -> dict:
+    tail = run.get("tail", "")
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped|deselected)", tail)}
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", tail, re.M)
+    return {**run, "counts": counts, "failed_tests": failed, "tail": tail[-1500:]}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "overhead_trees",
+            "conformance_sampling")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and a few tests: the CPU dry run (seconds)")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for gpu_check.json/.log")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time (sections are cut to fit)")
+    p.add_argument("--new-tokens", type=int, default=96, help="new tokens per request in the overhead rows")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="run only these (a rerun of what a first run left undone)")
+    p.add_argument("--fake-syncs", action="store_true", help=argparse.SUPPRESS)  # section 3, in its own process
+    args = p.parse_args(argv)
+
+    taus = [2] if args.quick else [2, 4, 6]
+    trees = ["2:4"] if args.quick else ["4:8", "6:16", "8:32:int4"]
+    if args.fake_syncs:
+        print(json.dumps(fake_syncs(taus, trees)))
+        return 0
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check = Check(Path(args.out), args.budget_s)
+    check.log(f"gpu_check on {device}{' (quick)' if args.quick else ''}, budget {args.budget_s:.0f} s, out {args.out}")
+    py = sys.executable
+    test_env = {"PYTHONUNBUFFERED": "1", "METASD_TEST_DEVICE": device}
+    ok = True
+
+    env = environment(device)
+    check.record("environment", env)
+    check.log(f"environment: {json.dumps(env)}")
+    if env["metasd_imports"] is not True:
+        check.log("metasd does not import: install the carried wheels (benchmarks/gpu_wheels.md); stopping")
+        return 2
+
+    wanted = set(args.sections)
+    if "kernels" in wanted:
+        try:
+            k = kernels(device)
+        except Exception as e:  # noqa: BLE001 - a section's failure is a result, the others still run
+            k = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        check.record("kernels", k)
+        check.log(f"kernels: {json.dumps(k)}")
+        ok &= bool(k.get("ok"))
+
+    fake = None  # in the background, on the CPU alone
+    if "fake_syncs" in wanted:
+        fake = subprocess.Popen([py, str(Path(__file__).resolve()), "--fake-syncs", *(["--quick"] * args.quick)],
+                                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    pytest = [py, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import metasd_layout, pytest; "
+              "sys.exit(pytest.main(sys.argv[1:]))",
+              "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "--metasd-device", device]
+    if "conformance_greedy" in wanted:
+        greedy_k = "greedy_output and ngram" if args.quick else "greedy_output"
+        # on the GPU at most 150 s (12 cases x 3 lengths of tiny models); the dry run only checks the plumbing, on
+        # whatever CPU it gets
+        run = pytest_summary(check.run("conformance_greedy", pytest + ["-k", greedy_k],
+                                       check.left() / 2 if args.quick else 150, test_env))
+        check.record("conformance_greedy", run)
+        ok &= run["exit"] == 0
+
+    overhead = {}
+    out_dir = Path(args.out)
+    if args.quick:
+        plans = {"tiny": ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees, "--new-tokens", "8",
+                          "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3"]}
+    else:
+        common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
+        rows = ["--forward-rows", "1", "2", "4", "8", "16", "32"]
+        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *rows, *common],
+                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *rows, *common],
+                 "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, *common]}
+        plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
+    reserve = 0 if args.quick else 60  # for the sampling tests after
+    for i, (shape, plan) in enumerate(plans.items()):
+        target = out_dir / f"gpu_overhead_{shape}.json"
+        run = check.run(f"overhead_{shape}", [py, str(HERE / "gpu_overhead.py"), *plan, "--device", device,
+                                              "--out", str(target)],
+                        (check.left() - reserve) / (len(plans) - i), {"PYTHONUNBUFFERED": "1"})
+        figures = json.loads(target.read_text()) if target.exists() else None
+        overhead[shape] = {**run, "figures": figures}
+        check.record("overhead", overhead)
+        ok &= run["exit"] == 0
+
+    if fake is not None:
+        try:
+            stdout, stderr = fake.communicate(timeout=max(check.left() - 30, 5))
+            fake_result = json.loads(stdout.strip().splitlines()[-1]) if fake.returncode == 0 else {
+                "exit": fake.returncode, "stderr": stderr[-2000:]}
+        except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+            fake.kill()
+            fake_result = {"error": f"{type(e).__name__}: {e}"}
+        check.record("fake_syncs", fake_result)
+        check.log(f"fake_syncs: {json.dumps(fake_result)}")
+        ok &= "error" not in fake_result and "exit" not in fake_result
+
+    if "conformance_sampling" in wanted and check.left() > 20:
+        # the dry run stands in a fast test of the same file for the slow chi-square ones: it checks the plumbing
+        sampling_k = "round_trips and ngram" if args.quick else "sampling_follows"
+        run = pytest_summary(check.run("conformance_sampling", pytest + ["-k", sampling_k], check.left() - 5,
+                                       test_env))
+        check.record("conformance_sampling", run)
+        ok &= run["exit"] == 0
+    elif "conformance_sampling" in wanted:
+        check.record("conformance_sampling", {"skipped": "no time left"})
+
+    check.results["ok"] = bool(ok)
+    check.record("summary", _summary(check.results))
+    check.log(f"summary: {json.dumps(check.results['sections']['summary'])}")
+    check.log(f"done in {time.monotonic() - check.t0:.0f} s: {'ok' if ok else 'SOMETHING FAILED (see above)'}")
+    return 0 if ok else 1
+
+
+def _summary(results: dict) -> dict:
+    """The figures the issue asks for, one line each: per shape and tokens/step (or tree), ms/step, engine share,
+    speedup over transformers and syncs per step (GPU count beside the fake device's)."""
+    s = results["sections"]
+    fake = s.get("fake_syncs", {})
+    lines = []
+    for shape, run in s.get("overhead", {}).items():
+        for sh in (run.get("figures") or {}).get("shapes", []):
+            for row in sh["rows"]:
+                what = f"tau {row['tokens_per_step']}" if "tokens_per_step" in row else \
+                    f"tree {row['depth']}:{row['nodes']}{':' + row['quantize'] if row.get('quantize') else ''}"
+                if "failed" in row:
+                    lines.append(f"{sh['shape']} {what}: FAILED {row['failed']}")
+                    continue
+                fake_row = fake.get(f"tokens_per_step_{row['tokens_per_step']}") if "tokens_per_step" in row else None
+                gpu_syncs = row.get("cuda_sync_warnings_per_step")
+                lines.append(
+                    f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine {row['engine_share']:.0%}, "
+                    f"{row['speedup_over_transformers']:.2f}x transformers, syncs/step "
+                    + (f"cuda {gpu_syncs:.2f}" if gpu_syncs is not None else "cuda -")
+                    + (f", fake {fake_row['per_step']:.2f}" if fake_row else ""))
+    return {"ok": results.get("ok"), "rows": lines,
+            "tests": {k: s[k].get("counts") for k in ("conformance_greedy", "conformance_sampling") if k in s},
+            "kernels_ok": s.get("kernels", {}).get("ok")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

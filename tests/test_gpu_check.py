@@ -1,0 +1,73 @@
+"""The prepared GPU script and its overhead benchmark, dry-run on the CPU so that neither rots before a GPU runs it:
+``benchmarks/gpu_check.py --device cpu --quick`` end to end (tiny shapes, one test per pytest section), and the
+benchmark's rule that a row fails loudly instead of recording inside a step."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_overhead  # noqa: E402
+
+
+def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    s = result["sections"]
+    assert result["ok"] and s["environment"]["metasd_imports"] is True and s["kernels"]["ok"]
+    for section in ("conformance_greedy", "conformance_sampling"):
+        assert s[section]["exit"] == 0 and s[section]["counts"].get("passed", 0) >= 1, s[section]
+    figures = s["overhead"]["tiny"]["figures"]
+    rows = figures["shapes"][0]["rows"]
+    assert [r.get("tokens_per_step") for r in rows] == [1, 2, None] and not [r for r in rows if "failed" in r]
+    assert rows[1]["tokens_per_step_measured"] > 1.5 and rows[2]["depth"] == 2
+    assert figures["shapes"][0]["margins"]["ties"] == 0  # decisive greedy decoding
+    assert set(figures["shapes"][0]["forward_ms_by_rows"]["ms"]) == {"1", "2"}
+    fake = s["fake_syncs"]
+    assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] <= 3
+    assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
+    assert len(s["summary"]["rows"]) == 3 and (out / "gpu_check.log").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = gpu_overhead.build("tiny", torch.device("cpu"), torch.float32)
+    prompt = torch.randint(1, 1024, (1, 8), generator=torch.Generator().manual_seed(1))
+    reference, _ = gpu_overhead.record(model, prompt, 16)
+    return model, prompt, reference
+
+
+def _row(tiny, reference, accept, target):
+    from metasd import Engine, Verifier
+    from metasd.drafters.replay import ReplayDrafter
+
+    model, prompt, _ = tiny
+    ids = prompt[0].tolist()
+    drafter = ReplayDrafter(model, accept=accept, wrong=1, rerecord=False)
+    drafter.record(ids, reference)
+    timer = gpu_overhead.ForwardTimer(model, torch.device("cpu"))
+    with torch.inference_mode():
+        return gpu_overhead.measure_row(Engine(Verifier(model), drafter), model, prompt, ids, reference, 8, 3,
+                                        torch.device("cpu"), timer, target_tau=target)
+
+
+def test_a_row_fails_loudly_when_a_step_leaves_the_recording_instead_of_recording_again(tiny):
+    _, _, reference = tiny
+    wrong = reference[:3] + [(reference[3] + 1) % 1024] + reference[4:]
+    row = _row(tiny, wrong, accept=1, target=2)
+    assert "left the recording" in row["failed"] and "ms_per_step" not in row
+
+
+def test_a_row_fails_loudly_when_a_step_commits_another_number_of_tokens(tiny):
+    _, _, reference = tiny
+    assert "ms_per_step" in _row(tiny, reference, accept=1, target=2)
+    row = _row(tiny, reference, accept=1, target=3)
+    assert "committed 2 tokens, not 3" in row["failed"]
