@@ -135,11 +135,6 @@ def test_the_metasd_field_takes_per_request_options_and_serves_the_record(client
     assert budget.choices[0].message.content == twin.choices[0].message.content  # lossless whatever the options
 
 
-@pytest.mark.xfail(strict=True, raises=openai.InternalServerError,
-                   reason="scheduler (batch ff1f079 to 7a4f956): RequestOptions(drafter=...) in a pool of several "
-                          "arms still selects with the engine's policy (Request falls back to engine.policy for "
-                          "policy=None) and indexes past the request's one-drafter list (IndexError); strict: remove "
-                          "when fixed")
 def test_the_drafter_option_picks_one_arm_of_a_pool_of_several():
     from metasd.drafters import NGramDrafter, PretrainedDrafter
     from metasd.policies import UCB1

@@ -154,7 +154,8 @@ class Scheduler:
                               stop=stop, seed=seed, chat=chat, policy=self._policy_for(options))
         except TypeError as e:  # a prompt of the wrong type
             raise ValueError(f"prompt: {e}") from None
-        request.draft_budget = options.draft_budget
+        request.policy = self._policy_for(options)  # None where the request drafts with one named arm (Request
+        request.draft_budget = options.draft_budget  # itself falls back to the engine's policy when given None)
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
