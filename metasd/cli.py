@@ -246,6 +246,7 @@ def _generate(args) -> int:
     import torch
 
     from metasd.config import build_engine
+    from metasd.core.engine import GenerationInterrupted
     from metasd.models import needs_preparing
     from metasd.models.machine import warn_if_oversubscribed
 
@@ -258,18 +259,18 @@ def _generate(args) -> int:
         print(f"[metasd] first use of {', '.join(first)}: assembling and converting into the model cache (a few minutes "
               f"and about 6 GB of RAM, once)", file=sys.stderr, flush=True)
     print(f"[metasd] loading {source}", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
-    print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if args.input:
-        with open(args.output, "w") as out:
-            done, failed = run_offline(engine, requests, out, max_batch=args.max_batch)
-        print(f"[metasd] {done} requests written to {args.output}, {failed} failed", file=sys.stderr)
-        return 0
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)
     stream, shown, gen = _should_stream(args), 0, None
-    try:
+    try:  # Ctrl-C: what was generated so far, then its stats; exit 130, no traceback
+        t0 = time.perf_counter()
+        engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
+        print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        if args.input:
+            with open(args.output, "w") as out:
+                done, failed = run_offline(engine, requests, out, max_batch=args.max_batch)
+            print(f"[metasd] {done} requests written to {args.output}, {failed} failed", file=sys.stderr)
+            return 0
+        kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)
         if stream:
             gen = engine.stream(prompt, **kwargs)
             try:
@@ -278,53 +279,24 @@ def _generate(args) -> int:
                     print(piece, end="", flush=True)
                     shown += len(piece)
             except StopIteration as done:
-                result = done.value
+                result, interrupted = done.value, False
         else:
-            result = engine.generate(prompt, **kwargs)
-    except KeyboardInterrupt as e:  # Ctrl-C: what was generated so far, its stats, exit 130 (no traceback)
-        result = _interrupted_result(e, gen)
+            result, interrupted = engine.generate(prompt, **kwargs), False
+    except KeyboardInterrupt as e:
+        result, interrupted = GenerationInterrupted.result_of(e, gen), True
         if result is None:
-            print("[metasd] interrupted before the first step", file=sys.stderr)
+            print("[metasd] interrupted", file=sys.stderr)
             return 130
-        _print_result(args, result, stream, shown)
-        print(f"[metasd] interrupted: {result.stats.summary()}", file=sys.stderr)
-        return 130
-    if _print_result(args, result, stream, shown):
-        print(f"[metasd] {result.stats.summary()}", file=sys.stderr)
-    return 0
-
-
-def _interrupted_result(exc: KeyboardInterrupt, gen):
-    """The partial result of a request a Ctrl-C cut short, or None when it had not started. An interrupt in the
-    middle of a step arrives as ``GenerationInterrupted`` with it; one that lands here between two pieces of a
-    stream is thrown into the stream, which ends the request the same way."""
-    from metasd.core import GenerationInterrupted
-
-    if isinstance(exc, GenerationInterrupted):
-        return exc.result
-    if gen is None:
-        return None
-    try:
-        gen.throw(exc)
-    except GenerationInterrupted as e:
-        return e.result
-    except (KeyboardInterrupt, StopIteration):  # not started yet, or already over
-        pass
-    return None
-
-
-def _print_result(args, result, streamed: bool, shown: int) -> bool:
-    """Print a (possibly partial) result to stdout: the rest of a stream's text, or the text, or the --json record.
-    Whether the stats line follows (not after --json, unless interrupted: the caller decides)."""
-    if streamed:
-        print(result.text[shown:])  # what the stream had not shown yet (a held-back tail), and the final newline
-        return True
-    if args.json:
+    if stream:
+        print(result.text[shown:])  # what the stream had not shown yet (a held-back tail), and the newline
+    elif args.json:
         record = result.to_record()  # the per-request record metasd bench logs too
         print(json.dumps({"text": record.pop("text"), "token_ids": record.pop("token_ids"), "stats": record}))
-        return False
-    print(result.text)
-    return True
+    else:
+        print(result.text)
+    if interrupted or not args.json:
+        print(f"[metasd] {'interrupted: ' if interrupted else ''}{result.stats.summary()}", file=sys.stderr)
+    return 130 if interrupted else 0
 
 
 def _add_models(sub) -> None:
@@ -408,11 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelLoadError, TokenizerMismatchError, FileNotFoundError, ValueError) as e:
         print(f"metasd {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if args.command != "generate":
-            raise
-        print("[metasd] interrupted", file=sys.stderr)  # before generating (loading): nothing to show
-        return 130
 
 
 if __name__ == "__main__":

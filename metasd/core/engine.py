@@ -38,6 +38,22 @@ class GenerationInterrupted(KeyboardInterrupt):
         super().__init__("generation interrupted")
         self.result = result
 
+    @staticmethod
+    def result_of(exc: KeyboardInterrupt, stream: Iterator[str] | None = None) -> GenerationResult | None:
+        """What a request an interrupt cut short had generated: the result it carries when it arrived in a step; one
+        that landed in the caller between two pieces of ``stream`` is thrown into the stream, which ends its request
+        the same way. None when no request had begun."""
+        if isinstance(exc, GenerationInterrupted):
+            return exc.result
+        if stream is not None:
+            try:
+                stream.throw(exc)
+            except GenerationInterrupted as e:
+                return e.result
+            except (KeyboardInterrupt, StopIteration):  # not started yet, or already over
+                pass
+        return None
+
 
 _IN_USE = "_metasd_in_use"  # the attribute that marks a verifier or drafter as held, by the request's _Claim
 _TAKEOVER = threading.Lock()  # serialises taking over a stale mark with dropping one
