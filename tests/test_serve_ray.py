@@ -7,6 +7,7 @@ Serve is a failure instead, as in test_ray_executor.py.
 """
 from __future__ import annotations
 
+import builtins
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path,
     from metasd.serve.ray_serve import APP_NAME, build_app
 
     pool = write_tiny_pool(tmp_path)
+    print_before = builtins.print
     # Ray's processes inherit it: on a crowded machine the proxy answered its health check later than the default
     # 10 s three times, and the controller killed it
     monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
@@ -71,3 +73,4 @@ def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path,
     finally:
         serve.shutdown()
         ray.shutdown()
+        builtins.print = print_before  # Ray Serve replaces it with a thread-safe wrapper and leaves it
