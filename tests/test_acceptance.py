@@ -1,14 +1,15 @@
 """Acceptance rules on hand-built token arrays, and exactness by enumeration on a toy language."""
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from metasd.core.acceptance import accept_greedy, accept_match, accept_rejection
 from metasd.core.sampling import SamplingParams, process_logits
 from metasd.core.tree import Draft, ancestor_mask, node_depths
+from sampling_check import chi_square
 
 
 # ---------------------------------------------------------------- greedy on hand-built arrays
@@ -113,18 +114,17 @@ def _tree_sample(p, q, g, without_replacement=True, flag=None):
 
 
 def _pair_pvalue(sampler, p: ToyLanguage, n: int, seed: int) -> float:
+    """Chi-square p-value of n sampled pairs against the exact ones (``sampling_check.chi_square``: pairs expected
+    fewer than 5 times pooled into one cell)."""
     g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V, V)
+    counts: Counter = Counter()
     for _ in range(n):
         out = sampler(g)
         if len(out) < 2:  # continue with plain decoding from the verifier (exact by definition)
             out = out + [int(torch.multinomial(p(out), 1, generator=g))]
-        counts[out[0], out[1]] += 1
-    expected = _exact_pairs(p).flatten() * n
-    keep = expected > 5
-    obs = counts.flatten()[keep]
-    exp = expected[keep] * obs.sum() / expected[keep].sum()
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+        counts[tuple(out[:2])] += 1
+    exact = {(a, b): float(pr) for (a, b), pr in np.ndenumerate(_exact_pairs(p).double().numpy())}
+    return chi_square(counts, exact, n)[0]
 
 
 @pytest.fixture(scope="module")

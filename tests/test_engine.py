@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import metasd.core.request
 from metasd.core.drafter import Drafter
@@ -12,6 +11,7 @@ from metasd.core.engine import Engine
 from metasd.core.policy import Policy
 from metasd.core.tree import Draft
 from metasd.core.verifier import Verifier
+from sampling_check import joint_check
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -281,26 +281,10 @@ def test_a_stop_string_spanning_steps_stops_and_the_stream_never_shows_it(tokeni
 SMALL_V = 8
 
 
-def _exact_two_token_distribution(model, prompt, temperature, vocab=SMALL_V):
-    with torch.no_grad():
-        first = (model(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
-        out = torch.zeros(vocab, vocab)
-        for a in range(vocab):
-            out[a] = first[a] * (model(torch.tensor([prompt + [a]])).logits[0, -1] / temperature).softmax(-1)
-    return out
-
-
-def _sampling_pvalue(engine, model, n=1500, vocab=SMALL_V):
-    """Chi-square p-value of n two-token samples against the verifier's exact two-token distribution."""
-    prompt = [1, 2, 3]
-    counts = torch.zeros(vocab, vocab)
-    for seed in range(n):
-        ids = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed).token_ids
-        counts[ids[0], ids[1]] += 1
-    expected = _exact_two_token_distribution(model, prompt, 1.0, vocab).flatten() * n
-    keep = expected > 5
-    obs = counts.flatten()[keep]
-    return float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)
+def _sampling_pvalue(engine, n=1500):
+    """Chi-square p-value of n two-token samples against the verifier's exact two-token distribution
+    (``sampling_check``: pairs expected fewer than 5 times pooled into one cell)."""
+    return joint_check(engine, [1, 2, 3], n, length=2).pvalue
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +297,7 @@ def small_pair():
 def test_speculative_sampling_matches_the_verifier_distribution(small_pair):
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
-    assert _sampling_pvalue(engine, verifier) > 1e-3
+    assert _sampling_pvalue(engine) > 1e-3
 
 
 def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
@@ -325,7 +309,7 @@ def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
     monkeypatch.setattr(metasd.core.request, "accept_rejection", accept_all)
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
-    assert _sampling_pvalue(engine, verifier) < 1e-6
+    assert _sampling_pvalue(engine) < 1e-6
 
 
 def test_a_second_request_while_one_runs_is_refused_and_never_corrupts_a_cache(model, tokenizer):

@@ -71,7 +71,7 @@ def test_sampling_from_a_fused_tree_follows_the_verifiers_distribution(small_pai
     verifier, drafter = small_pair
     fused = FusedDrafter([PretrainedDrafter(drafter, k=2, name="chain"),
                           PretrainedTreeDrafter(tiny_qwen(seed=7, vocab=SMALL_V), nodes=4, depth=2, width=2, name="tree")])
-    assert _sampling_pvalue(Engine(Verifier(verifier), fused), verifier) > 1e-3
+    assert _sampling_pvalue(Engine(Verifier(verifier), fused)) > 1e-3
 
 
 def test_a_wrong_rule_for_fused_trees_fails_the_sampling_test(small_pair, monkeypatch):  # noqa: F811
@@ -88,7 +88,7 @@ def test_a_wrong_rule_for_fused_trees_fails_the_sampling_test(small_pair, monkey
     monkeypatch.setattr(metasd.core.request, "accept_match", first_child)
     verifier, drafter = small_pair
     fused = FusedDrafter([PretrainedDrafter(drafter, k=2, name="chain"), NGramDrafter(k=2, name="lookup")])
-    assert _sampling_pvalue(Engine(Verifier(verifier), fused), verifier) < 1e-6
+    assert _sampling_pvalue(Engine(Verifier(verifier), fused)) < 1e-6
 
 
 def _pool(drafters):

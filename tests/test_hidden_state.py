@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 import yaml
-from scipy.stats import chisquare
 
 from metasd.config import ConfigError, build_engine, parse_pool_config
 from metasd.models.draft_vocab import DraftVocab
@@ -19,6 +18,7 @@ from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.hidden_state import load_train_hidden_state_config, train_hidden_state
 from metasd.core import HiddenStore, Verifier
+from sampling_check import joint_check
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -108,24 +108,13 @@ def test_one_token_prompt_drafts_nothing_then_works(verifier_model):
 SMALL_V = 8
 
 
-def _exact_two_token_distribution(model, prompt):
-    with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        out = torch.zeros(SMALL_V, SMALL_V)
-        for a in range(SMALL_V):
-            out[a] = first[a] * model(torch.tensor([prompt + [a]])).logits[0, -1].softmax(-1)
-    return out
-
-
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampling_is_exact(mode):
     verifier = tiny_qwen(seed=5, vocab=SMALL_V, logit_scale=4.0)
     vocab = DraftVocab(torch.tensor([3, 1, 0, 6, 5, 2]), SMALL_V)  # 4 and 7 can never be drafted
     drafter = HiddenStateDrafter(_net(vocab=SMALL_V, seed=1), verifier, vocab, mode=mode, depth=2, nodes=5, k=2)
     engine = Engine(Verifier(verifier), drafter, check_tokenizers=False)
-    prompt, n = [1, 2, 3], 1000
-    counts = torch.zeros(SMALL_V, SMALL_V)
-    accepted, with_probs = 0, 0
+    with_probs = 0
     orig = drafter.propose
 
     def spy(ctx):
@@ -137,16 +126,9 @@ def test_sampling_is_exact(mode):
         return d
 
     drafter.propose = spy
-    for seed in range(n):
-        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
-        counts[r.token_ids[0], r.token_ids[1]] += 1
-        accepted += r.stats.steps == 1
-    expected = _exact_two_token_distribution(verifier, prompt).flatten() * n
-    keep = expected > 5
-    obs = counts.flatten()[keep]
-    pvalue = float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)
-    assert pvalue > 1e-3
-    assert accepted > 0  # acceptance was exercised
+    check = joint_check(engine, [1, 2, 3], 1000, length=2)  # rare pairs pooled (sampling_check)
+    assert check.pvalue > 1e-3
+    assert check.taken_at(1) > 0  # acceptance was exercised
     assert (with_probs > 0) == (mode == "chain")  # chains carry q (rejection sampling), trees sample-and-match
 
 

@@ -3,7 +3,6 @@ its power against siblings drawn with replacement), drafter-side tree masks/posi
 acceptance, parameter validation."""
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from metasd.core.acceptance import Acceptance
@@ -15,6 +14,7 @@ from metasd.core.sampling import SamplingParams
 from metasd.core.tree import Draft, children_lists
 from metasd.core.verifier import Verifier
 from metasd.core.kv_cache import cache_kwargs
+from sampling_check import joint_check
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -249,24 +249,10 @@ def small_pair():
     return tiny_qwen(seed=5, vocab=SMALL_V, logit_scale=4.0), tiny_qwen(seed=6, vocab=SMALL_V, logit_scale=20.0)
 
 
-def _exact_pairs(model, prompt):
-    with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        return torch.stack([first[a] * model(torch.tensor([prompt + [a]])).logits[0, -1].softmax(-1)
-                            for a in range(SMALL_V)])
-
-
-def _sampling_pvalue(engine, model, n=N_SEEDS):
-    """First two tokens of 3-token generations (so the first step drafts a depth-2 tree) vs enumeration."""
-    prompt = [1, 2, 3]
-    counts = torch.zeros(SMALL_V, SMALL_V)
-    for seed in range(n):
-        ids = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed).token_ids
-        counts[ids[0], ids[1]] += 1
-    expected = _exact_pairs(model, prompt).flatten() * n
-    keep = expected > 5
-    obs = counts.flatten()[keep]
-    return float(chisquare(obs.numpy(), (expected[keep] * obs.sum() / expected[keep].sum()).numpy()).pvalue)
+def _sampling_pvalue(engine, n=N_SEEDS):
+    """First two tokens of 3-token generations (so the first step drafts a depth-2 tree) vs enumeration
+    (``sampling_check``: pairs expected fewer than 5 times pooled into one cell)."""
+    return joint_check(engine, [1, 2, 3], n, length=2, max_new_tokens=3).pvalue
 
 
 TREES = {"rsd_c": dict(mode="rsd_c", branching=[4, 2], nodes=16, depth=2),
@@ -277,7 +263,7 @@ TREES = {"rsd_c": dict(mode="rsd_c", branching=[4, 2], nodes=16, depth=2),
 def test_rsd_sampling_matches_the_verifier_distribution(small_pair, mode):
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedTreeDrafter(drafter, **TREES[mode]))
-    assert _sampling_pvalue(engine, verifier) > 1e-3
+    assert _sampling_pvalue(engine) > 1e-3
 
 
 def _with_replacement_siblings(self, q, k, generator):
@@ -302,7 +288,7 @@ def test_siblings_with_replacement_fail_the_sampling_test(small_pair, mode, monk
     verifier, drafter = small_pair
     d = PretrainedTreeDrafter(drafter, **TREES[mode])
     engine = _engine(verifier, d)
-    assert _sampling_pvalue(engine, verifier) < 1e-6
+    assert _sampling_pvalue(engine) < 1e-6
 
 
 # ---------------------------------------------------------------- Gumbel helpers

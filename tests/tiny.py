@@ -78,6 +78,13 @@ def char_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return _bpe_tokenizer(chars + [a + b for a, b in pairs], pairs)
 
 
+def letter_tokenizer(letters: str, merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer over the characters ``letters`` (ids in that order) and then the ``merges`` (one token each),
+    no special tokens: a tiny vocabulary that decodes token by token. Two of them over the same letters in another
+    order, with other merges, share the letters at other ids (``drafters/shared_vocab.py``)."""
+    return _bpe_tokenizer(list(letters) + [a + b for a, b in merges], list(merges), specials=False)
+
+
 def as_llama(qwen: Qwen2ForCausalLM, vocab: int, token_map: dict[int, int] | None = None) -> LlamaForCausalLM:
     """A Llama with ``qwen``'s layers (attention biases as Qwen2's) over a vocabulary of ``vocab`` ids: id d takes the
     embedding and LM-head row of qwen's id ``token_map[d]``, ids not in the map zero rows. A model of another
