@@ -240,12 +240,14 @@ def test_prefilled_context_and_no_mask(monkeypatch):
     assert rec.calls == [((1, 8), None, 0), ((2, 1), None, 8), ((2, 3), None, 8)]
 
 
-@pytest.mark.parametrize("budget, tokens, skipped", [(0.03, (1, 2), [4, 8]), (0.04, (1, 2, 4), [8]),
-                                                     (1e-9, (1, 2), [4, 8]), (None, (1, 2, 4, 8), None)])
+@pytest.mark.parametrize("budget, tokens, skipped", [(0.03, (1, 2), [4, 8]), (0.036, (1, 2), [4, 8]),
+                                                     (0.04, (1, 2, 4), [8]), (0.053, (1, 2, 4), [8]),
+                                                     (0.06, (1, 2, 4, 8), None), (1e-9, (1, 2), [4, 8]),
+                                                     (None, (1, 2, 4, 8), None)])
 def test_the_budget_skips_the_counts_predicted_past_it(monkeypatch, budget, tokens, skipped):
     """Forwards of 10 ms + 1 ms per 100 tokens, one timed forward per count (counts of 100-800 tokens as [100, 1-8]):
     100 and 200 tokens take 11 + 12 = 23 ms; 400 is predicted on the line through them at 14 ms (37 ms in all), and
-    after it 800 at 18 ms (55 ms in all)."""
+    after it 800 at 18 ms (55 ms in all). A budget of 36 or 53 ms tells the line from the last point's time alone."""
     model = tiny_qwen(seed=5)
     rec = _Recorder(model, monkeypatch)
     rec.JITTER = (1.0,)
