@@ -194,7 +194,9 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     time of these forwards: before a count (from the third on) its forwards are predicted from the line through the
     last two medians, and if they would take the profile past the budget that count and every larger one is skipped
     (``meta["skipped"]``) - the fit extrapolates beyond the last measured count, which is linear where forwards are
-    slow (compute-bound). None measures every count.
+    slow (compute-bound). A prediction, so the profile may overshoot the budget by one count's forwards (the line
+    through two memory-bound points misses the knee: the 1.5B verifier on one CPU core predicts 1.5 s for 16 tokens,
+    which take 4.3 s; ``meta["seconds_spent"]`` says what it took). None measures every count.
 
     The model is left as it was found: its own caches untouched (the profile builds its own), in training mode again
     if it was (it runs in eval mode); the ids and random cache come from a local generator seeded with ``seed``, so
