@@ -51,7 +51,7 @@ def _is_real(x: Any) -> bool:
 
 
 def _check_counts(counts: Any, field_name: str) -> tuple[int, ...]:
-    """Token counts: a sequence of >= 2 integers >= 1, strictly increasing. Raises ProfileError naming ``field_name``."""
+    """Token counts: >= 2 integers >= 1, strictly increasing. Raises ProfileError naming ``field_name``."""
     if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
         raise ProfileError(f"{field_name}: must be a list of token counts, got {counts!r}")
     for i, t in enumerate(counts):
@@ -91,7 +91,8 @@ class ForwardProfile:
         if isinstance(seconds, (str, bytes)) or not isinstance(seconds, Sequence):
             raise ProfileError(f"seconds: must be a list of seconds, got {seconds!r}")
         if len(seconds) != len(tokens):
-            raise ProfileError(f"seconds: {len(seconds)} values for {len(tokens)} token counts (tokens: {list(tokens)})")
+            raise ProfileError(f"seconds: {len(seconds)} values for {len(tokens)} token counts "
+                               f"(tokens: {list(tokens)})")
         for i, s in enumerate(seconds):
             if not _is_real(s) or not math.isfinite(s) or s <= 0:
                 raise ProfileError(f"seconds[{i}]: must be a finite number > 0, got {s!r}")
@@ -218,8 +219,8 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     longest = context + counts[-1] // rows
     limit = getattr(cfg, "max_position_embeddings", None)
-    _check_arg(not limit or longest <= limit, f"context: {context} + {counts[-1] // rows} new tokens per row exceed the "
-                                              f"model's {limit} positions")
+    _check_arg(not limit or longest <= limit,
+               f"context: {context} + {counts[-1] // rows} new tokens per row exceed the model's {limit} positions")
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, longest), generator=gen)  # [1, context + max n / rows]
@@ -295,7 +296,8 @@ def _forward_inputs(ids: torch.Tensor, rows: int, context: int, per_row: int, ma
     if mask:
         pos = (context + torch.arange(per_row)).expand(rows, per_row)  # [rows, per_row]
         causal = torch.ones(per_row, per_row, dtype=torch.bool).tril()  # [per_row, per_row]
-        full = torch.cat([torch.ones(per_row, context, dtype=torch.bool), causal], dim=1)  # [per_row, context + per_row]
+        seen = torch.ones(per_row, context, dtype=torch.bool)  # [per_row, context]
+        full = torch.cat([seen, causal], dim=1)  # [per_row, context + per_row]
         out["position_ids"] = pos.contiguous().to(device)
         out["attention_mask"] = full[None, None].expand(rows, 1, per_row, context + per_row).contiguous().to(device)
     return out
