@@ -26,7 +26,9 @@ verifies row i with one token and commits one token, so no running request ever 
 
 and keeps the width whose allocation has the highest goodput (smallest w on ties). Candidate widths are grid points
 (and caps) so that a chosen width feeds its own point of the curves: a width between grid points would only ever be
-known by interpolation. Cost: O(B * C) curve reads and O(B * C) work per width without drafting costs, O(B * C) per
+known by interpolation. With curves that are linear between their grid points (``AcceptanceCurve``) and an affine
+``cost`` the goodput of a common width is linear over affine between two candidates, so the scan's best is the best
+of every integer width; otherwise ``plan(..., widths=range(top + 1))`` scans them all. Cost: O(B * C) curve reads and O(B * C) work per width without drafting costs, O(B * C) per
 Dinkelbach round per width with them (numpy, C candidates); deterministic.
 """
 from __future__ import annotations
