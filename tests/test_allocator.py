@@ -138,13 +138,18 @@ def test_curve_is_monotone_and_at_most_d(seed):
 
 
 def test_curve_monotone_when_wider_budgets_saw_worse_drafts():
-    curve = AcceptanceCurve(grid=(1, 2, 4, 8), decay=0.5)
+    curve = AcceptanceCurve(grid=(1, 2, 4, 8), decay=0.9)  # memory 10 samples
     for _ in range(10):
         curve.update(4, 4)  # narrow drafts accepted in full
     for _ in range(3):
         curve.update(0, 8)  # the rare wide drafts failed at once
-    assert np.all(np.diff(curve.values()) >= 0)
-    assert curve.values()[-1] == pytest.approx(curve.values()[-2])  # pooled
+    n_eff, prior = curve.n_eff(), curve.prior
+    raw = (prior + n_eff * curve.means) / (1 + n_eff)
+    assert raw[3] < raw[2]  # the raw estimates violate monotonicity ...
+    pooled = ((1 + n_eff[2]) * raw[2] + (1 + n_eff[3]) * raw[3]) / (2 + n_eff[2] + n_eff[3])
+    values = curve.values()
+    assert np.all(np.diff(values) >= 0)
+    assert values[2] == pytest.approx(pooled) and values[3] == pytest.approx(pooled)  # ... pooled, weighted by counts
 
 
 def test_curve_state_roundtrip():
