@@ -220,6 +220,16 @@ def test_width_shrinks_as_the_batch_grows_with_the_measured_costs():
     assert widths == [16, 16, 8, 4, 4, 2]
 
 
+def test_padding_prices_every_row_at_the_widest_draft():
+    """Three requests that cannot speculate (cap 0) beside one that can: its width pads all four rows, so it stays
+    narrow (w = 4, not B = 1's 16): the forward is 4 x 5 tokens, not 4 + 4."""
+    curve = Geometric(0.9)
+    a = plan([curve] * 4, [64, 0, 0, 0], measured_cost)
+    assert a.nodes == [4, 0, 0, 0]
+    assert a.goodput == pytest.approx((4 + curve.expected(4)) / measured_cost(4 * 5))
+    assert expected_goodput([curve] * 4, [4, 0, 0, 0], measured_cost) == pytest.approx(a.goodput)
+
+
 def brute_force_fixed_widths(curves, caps, cost, widths):
     """Goodput of every fixed common width w (d_i = min(w, cap_i), 0 without a curve)."""
     out = {}
