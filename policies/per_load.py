@@ -51,11 +51,12 @@ class PerLoad(BasePolicy):
     forward_tokens)`` last, and PerLoad reads ``running`` back exactly from the entry at ``load_index`` (default -2:
     ``log2(1 + running) / 4``, ``running_from_features``) and plays level ``load_level(running, levels)``. So one
     context vector serves PerLoad and a contextual policy alike, and ``update`` learns at the level the context of the
-    step had (pass the context used at ``select``). ``context=None`` counts as one running request (level 0). The engine
-gives a contextual policy its request and step features; a batched caller must append the load features after them.
-A context whose load entry does not encode a count is refused (a check, not a guarantee: a value that happens to
-encode one is read as a load). The whole context is passed on to the inner policy, so a contextual inner
-(``linucb``) sees the request, step and load features too.
+    step had (pass the context used at ``select``). ``context=None`` counts as one running request (level 0). The
+    whole context is passed on to the inner policy, so a contextual inner (``linucb``) sees the request, step and
+    load features too. A context whose load entry does not encode a count is refused (a check, not a guarantee: a
+    value that happens to encode one is read as a load). The engine gives a contextual policy its request and step
+    features and neither it nor the scheduler appends load features yet: until one does, a pool file must not name
+    ``per_load`` (it would read an arm's recent acceptance as the load).
 
     Parameters: ``inner`` (a registered policy name, default "ucb"), ``inner_params`` (its parameters, checked by it),
     ``levels`` (ascending upper bounds of the levels, default [1, 2, 4, 8, 16]: levels 1, 2, 3-4, 5-8, 9-16, 17+),
