@@ -11,7 +11,8 @@ One family per module, each class registered by name in ``POLICIES`` (the name u
 - ``epsilon_greedy`` (EpsilonGreedy): simple baseline;
 - ``sequential_halving`` (SequentialHalving): few drafter switches, fixed exploration budget;
 - ``linucb`` (LinUCB): contextual, request features -> drafter;
-- ``fixed`` (Fixed), ``round_robin`` (RoundRobin), ``random`` (RandomPolicy): non-learning baselines.
+- ``fixed`` (Fixed), ``round_robin`` (RoundRobin), ``random`` (RandomPolicy): non-learning baselines;
+- ``per_load`` (PerLoad): a wrapper, one inner policy per load level (running requests, from the context).
 
 Build one with ``make_policy(name, n_arms, seed=None, **params)`` (or the class: ``UCB1(n_arms, c=2.0)``); each
 declares its hyper-parameters once, as its ``Params`` model.
@@ -25,6 +26,7 @@ from .epsilon_greedy import EpsilonGreedy
 from .exp3 import EXP3
 from .hedge import Hedge
 from .linucb import LinUCB
+from .per_load import PerLoad
 from .sequential_halving import SequentialHalving
 from .thompson import ThompsonSampling
 from .ucb import UCB1, DiscountedUCB, SlidingWindowUCB
@@ -35,5 +37,5 @@ UCB = UCB1  # the short name (``from metasd.policies import UCB``)
 __all__ = [
     "POLICIES", "Policy", "PolicyParams", "register_policy", "make_policy", "policy_params",
     "UCB", "UCB1", "DiscountedUCB", "SlidingWindowUCB", "ThompsonSampling", "EXP3", "EpsilonGreedy",
-    "SequentialHalving", "LinUCB", "Fixed", "RoundRobin", "RandomPolicy", "Hedge",
+    "SequentialHalving", "LinUCB", "Fixed", "RoundRobin", "RandomPolicy", "Hedge", "PerLoad",
 ]

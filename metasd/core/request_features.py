@@ -28,6 +28,20 @@ index  step feature
 1      a tracked model drafter's probability of its own next token (0 without one)
 2..    each arm's recent acceptance (exponential average, weight 0.3, of accepted / drafted depth; starts at 0.5)
 ====== ================================================================================================
+
+Under a batched scheduler a caller appends ``load_features`` last (``3 + len(categories) + 2 + n_arms + 2`` values):
+
+====== ================================================================================================
+index  load feature (bias-free: the request features carry the bias)
+====== ================================================================================================
+-2     ``log2(1 + running) / 4``: the requests in the batch (0.25 alone, ~1.0 at 15); ``running_from_features``
+       inverts it, so a policy can bucket the load exactly (``load_level``, ``policies/per_load.py``)
+-1     ``log2(1 + forward_tokens) / 10``: the tokens of the batch's last verifier forward (``B * N`` with padding;
+       ~1.0 at 1,023) - the last one, since this step's is not known before its drafts are
+====== ================================================================================================
+
+``load_level(running)`` buckets the load: level 0 for 1 request, then 2, 3-4, 5-8, 9-16, 17+ (``LOAD_LEVELS`` are the
+buckets' upper bounds).
 """
 from __future__ import annotations
 
@@ -84,9 +98,51 @@ def request_features(
     return out
 
 
-__all__ = ["NGRAM", "N_BASE_FEATURES", "n_features", "ngram_self_overlap", "request_features"]
+__all__ = ["NGRAM", "N_BASE_FEATURES", "n_features", "ngram_self_overlap", "request_features", "step_features",
+           "LOAD_LEVELS", "N_LOAD_FEATURES", "load_features", "load_level", "running_from_features"]
 
 
 def step_features(longest_match: int, confidence: float, recent_acceptance: Sequence[float]) -> np.ndarray:
     """The per-step part of a contextual policy's features (module docstring): [2 + n_arms] float64."""
     return np.array([min(longest_match / 8.0, 1.0), float(confidence), *recent_acceptance], dtype=np.float64)
+
+
+#: upper bounds of the load levels: level 0 = 1 running request, 1 = 2, 2 = 3-4, 3 = 5-8, 4 = 9-16, 5 = 17+
+LOAD_LEVELS: tuple[int, ...] = (1, 2, 4, 8, 16)
+#: how many values ``load_features`` returns
+N_LOAD_FEATURES = 2
+
+
+def load_features(running: int, forward_tokens: int) -> np.ndarray:
+    """The load part of a contextual policy's features (module docstring): [2] float64,
+    ``[log2(1 + running) / 4, log2(1 + forward_tokens) / 10]``; no bias (the request features carry it)."""
+    if isinstance(running, bool) or int(running) != running or running < 0:
+        raise ValueError(f"load_features: running must be an integer >= 0, got {running!r}")
+    if isinstance(forward_tokens, bool) or int(forward_tokens) != forward_tokens or forward_tokens < 0:
+        raise ValueError(f"load_features: forward_tokens must be an integer >= 0, got {forward_tokens!r}")
+    return np.array([math.log2(1 + running) / 4.0, math.log2(1 + forward_tokens) / 10.0], dtype=np.float64)
+
+
+def running_from_features(value: float) -> int:
+    """The running-request count ``load_features`` encoded as ``value`` (its first entry): ``round(2**(4 v) - 1)``;
+    ``ValueError`` when ``value`` is not such an encoding (off by more than 1e-6 from one)."""
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or value > 16:
+        raise ValueError(f"running_from_features: {value!r} is not log2(1 + running) / 4")
+    running = round(2.0 ** (4.0 * value) - 1.0)
+    if abs(math.log2(1 + running) / 4.0 - value) > 1e-6:
+        raise ValueError(f"running_from_features: {value!r} is not log2(1 + running) / 4 for an integer running "
+                         f"(did the caller append load_features last?)")
+    return int(running)
+
+
+def load_level(running: int, levels: Sequence[int] = LOAD_LEVELS) -> int:
+    """The load bucket of ``running`` requests: the index of the first bound in ``levels`` (ascending upper bounds)
+    that is ``>= running``, else ``len(levels)``. With the default bounds: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3,
+    9-16 -> 4, 17+ -> 5 (0 running counts as level 0)."""
+    if isinstance(running, bool) or int(running) != running or running < 0:
+        raise ValueError(f"load_level: running must be an integer >= 0, got {running!r}")
+    for level, bound in enumerate(levels):
+        if running <= bound:
+            return level
+    return len(levels)
