@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from metasd.config import ConfigError, ModelCache, build_engine, parse_pool_config
-from metasd.core import Engine, StepContext, Verifier
-from metasd.core.acceptance import accept_greedy
+from metasd.core import Draft, Drafter, Engine, StepContext, StepFeedback, Verifier
+from metasd.core.acceptance import Acceptance, accept_greedy
 from metasd.core.sampling import SamplingParams
 from metasd.drafters import NGramDrafter, PretrainedTreeDrafter
 from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
@@ -134,6 +134,38 @@ def test_a_fused_drafter_passes_max_nodes_on_and_stops_when_full(models):
     assert draft(2).meta.get("budget_stop")  # the lookup's draft filled the budget: the tree did not draft
 
 
+class Fixed(Drafter):
+    """Proposes the same hand-built draft every step and records what it is given and told."""
+
+    kind = ""
+
+    def __init__(self, tokens, parents, name="fixed"):
+        super().__init__(name)
+        self.tokens, self.parents, self.asked, self.seen = tokens, parents, [], []
+
+    def propose(self, ctx):
+        self.asked.append(ctx.max_nodes)
+        return Draft(self.tokens, self.parents)
+
+    def observe(self, feedback):
+        self.seen.append((feedback.draft, feedback.acceptance.path))
+
+
+def test_a_budget_arm_passes_its_budget_down_cuts_the_draft_and_tells_the_drafter_its_own_draft():
+    inner = Fixed([5, 6, 7, 8, 9], [-1, 0, 1, 0, -1])
+    arm = BudgetedArm(inner, 3)
+    draft = arm.propose(_ctx(PROMPT))
+    assert inner.asked == [3] and draft.tokens.tolist() == [5, 6, 7] and draft.parents.tolist() == [-1, 0, 1]
+    arm.propose(_ctx(PROMPT, max_nodes=2))  # a tighter bound from above (a scheduler's) is passed on
+    assert inner.asked == [3, 2]
+    draft = arm.propose(_ctx(PROMPT))
+    arm.observe(StepFeedback(draft.first(2), Acceptance([0, 1], 4), committed=[5, 6, 4]))
+    (told, path), = inner.seen
+    assert len(told) == 5 and path == [0, 1]  # its own 5-node draft: the path's indices are its own
+    deep = arm.propose(_ctx(PROMPT, max_depth=1))  # cut to depth 1 first (renumbered), then to the budget
+    assert deep.tokens.tolist() == [5, 9]
+
+
 # ---------------------------------------------------------------- counterfactuals for free
 def _recording(drafter, seen: list):
     original = drafter.counterfactual
@@ -209,6 +241,7 @@ def test_the_none_arm_is_plain_decoding_and_its_counterfactual_is_known(models):
     alone = Engine(Verifier(verifier_model), [NoSpeculation()]).generate(PROMPT, max_new_tokens=20)
     assert alone.token_ids == plain_greedy(verifier_model, PROMPT, 20)
     assert alone.stats.steps == 20 and set(alone.stats.drafter_per_step) == {"none"}
+    assert alone.stats.drafted == 0 and alone.stats.tokens_per_step == [1] * 20  # one verifier row, one token a step
     arm, none = BudgetedArm(_make_inner("tree", drafter_model), 4), NoSpeculation()
     seen: list = []
     _recording(none, seen)
