@@ -3,7 +3,7 @@ exact free counterfactuals for smaller budgets, and exact output whatever the po
 import pytest
 import torch
 
-from metasd.config import ConfigError, ModelCache, build_engine, parse_pool_config
+from metasd.config import ConfigError, ModelCache, build_engine, parse_pool_config, select_entries
 from metasd.core import Draft, Drafter, Engine, StepContext, StepFeedback, Verifier
 from metasd.core.acceptance import Acceptance, accept_greedy
 from metasd.core.sampling import SamplingParams
@@ -278,3 +278,16 @@ def test_greedy_output_with_a_bandit_over_budget_arms_is_plain_greedy(models, fe
     result = engine.generate(PROMPT, max_new_tokens=48)
     assert result.token_ids == plain_greedy(verifier_model, PROMPT, 48)
     assert len(set(result.stats.drafter_per_step)) >= 3  # the policy tried several arms
+
+
+def test_choosing_arms_keeps_an_entry_others_draft_with_as_a_part_without_its_budgets():
+    entries = [{"name": "lookup", "type": "ngram", "budgets": [2, 4]},
+               {"name": "both", "type": "fused", "params": {"arms": ["lookup", "lookup2"]}},
+               {"name": "lookup2", "type": "suffix"}]
+    entries = [entries[0], entries[2], entries[1]]
+    kept = select_entries(entries, ["both"])
+    assert [(e["name"], e["arm"], e.get("budgets")) for e in kept] == [("lookup", False, None), ("lookup2", False, None),
+                                                                       ("both", True, None)]
+    assert parse_pool_config(_pool(kept)).arm_names == ["both"]
+    kept = select_entries(entries, ["both", "lookup"])  # chosen as well: an arm again, with its budgets
+    assert parse_pool_config(_pool(kept)).arm_names == ["lookup@2", "lookup@4", "both"]
