@@ -291,3 +291,43 @@ def test_choosing_arms_keeps_an_entry_others_draft_with_as_a_part_without_its_bu
     assert parse_pool_config(_pool(kept)).arm_names == ["both"]
     kept = select_entries(entries, ["both", "lookup"])  # chosen as well: an arm again, with its budgets
     assert parse_pool_config(_pool(kept)).arm_names == ["lookup@2", "lookup@4", "both"]
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "rsd_c"])  # sample-and-match; recursive rejection (drafts with q)
+def test_under_sampling_a_smaller_budgets_counterfactual_is_running_it_with_the_same_draws(models, mode):
+    verifier_model, drafter_model = models
+    make = lambda: PretrainedTreeDrafter(drafter_model, mode=mode, nodes=12, depth=4, width=3,  # noqa: E731
+                                         branching=[3, 2] if mode == "rsd_c" else None, name="tree")
+    differ = 0
+    for seed in range(12):
+        prompt = PROMPT[seed:] + PROMPT[:seed]  # other contexts, other draws
+        inner = make()
+        small, large = BudgetedArm(inner, 2), BudgetedArm(inner, 12)
+        seen: list = []
+        _recording(small, seen)
+        engine = Engine(Verifier(verifier_model), [small, large], UCB1(2), feedback="full")
+        engine.policy.select = lambda context=None: 1
+        ran_large = engine.generate(prompt, max_new_tokens=8, temperature=1.0, seed=seed)
+        alone = Engine(Verifier(verifier_model), BudgetedArm(make(), 2))
+        ran_small = alone.generate(prompt, max_new_tokens=8, temperature=1.0, seed=seed)
+        c = seen[0][2]  # the first step: the same context and the same random stream in both requests
+        assert (c.n_accepted, c.drafted) == (ran_small.stats.tokens_per_step[0] - 1, 2), seed
+        differ += c.n_accepted != ran_large.stats.tokens_per_step[0] - 1
+    assert differ > 0  # some steps accepted past the second node
+
+
+def test_batched_requests_run_budget_arms_on_forks_sharing_one_drafter_each(models, monkeypatch):
+    verifier_model, drafter_model = models
+    inner = _make_inner("fused", drafter_model)
+    pool = [*(BudgetedArm(inner, b) for b in (2, 8)), NoSpeculation()]
+    engine = Engine(Verifier(verifier_model), pool, UCB1(3), feedback="full")
+    used: dict[int, set] = {}  # request (its ctx.request mapping) -> the inner drafters its budget arms drafted with
+    propose = BudgetedArm.propose
+    monkeypatch.setattr(BudgetedArm, "propose", lambda self, ctx: used.setdefault(id(ctx.request), set()).add(
+        id(self.inner)) or propose(self, ctx))
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:9] + [5, 7]]
+    results = engine.generate_batch(prompts, max_new_tokens=20, max_batch=3)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == plain_greedy(verifier_model, prompt, 20)
+    assert len(used) == 3 and all(len(ids) == 1 for ids in used.values())  # one drafter per request, all budgets
+    assert len(set.union(*used.values()) - {id(inner)}) == 3  # each request's own fork
