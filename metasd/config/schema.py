@@ -109,10 +109,9 @@ def select_entries(entries: list[dict], names: list[str]) -> list[dict]:
         for part in parts if isinstance(parts, list) else []:
             if part in by_name and part not in out:
                 add(part, False)
-        if name in out:
-            out[name]["arm"] = out[name]["arm"] or arm
-        else:
-            out[name] = {**entry, "arm": arm}
+        arm = arm or (name in out and out[name]["arm"])
+        out[name] = {k: v for k, v in entry.items() if arm or k != "budgets"}  # a part is no arm: no budgets
+        out[name]["arm"] = arm
 
     for name in names:
         add(name, True)
