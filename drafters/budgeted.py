@@ -65,7 +65,7 @@ class _Shared:
 
 
 # per inner drafter (weakly: forks and copies get their own record, and a dropped pool frees it)
-_SHARED: "weakref.WeakKeyDictionary[Drafter, _Shared]" = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Drafter, _Shared] = weakref.WeakKeyDictionary()
 
 
 def _shared(inner: Drafter) -> _Shared:
