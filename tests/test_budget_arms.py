@@ -342,3 +342,17 @@ def test_batched_requests_run_budget_arms_on_forks_sharing_one_drafter_each(mode
         assert result.token_ids == plain_greedy(verifier_model, prompt, 20)
     assert len(used) == 3 and all(len(ids) == 1 for ids in used.values())  # one drafter per request, all budgets
     assert len(set.union(*used.values()) - {id(inner)}) == 3  # each request's own fork
+
+
+def test_an_experiment_names_budget_arms_as_the_pool_does(tmp_path):
+    from metasd.bench.experiment import load_experiment  # the bench layer: imported where it is used
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "category": "coding", "turns": ["hi"]}\n')
+    pool = _pool([{"name": "ngram", "type": "ngram", "budgets": [2, 8]}], no_speculation_arm=True)
+    exp = load_experiment({"name": "budgets", "pools": [{"name": "p", "config": pool}], "datasets": [str(questions)],
+                           "max_new_tokens": 4, "runs": [{"single": True}, {"drafters": ["ngram@2", "none"], "policy": {"name": "ucb"}}],
+                           "baselines": ["plain"], "warmup": False, "plots": False}, base_dir=tmp_path)
+    methods = [(m.name, m.drafters) for m in exp.pools[0].methods]
+    assert methods[:3] == [("single:ngram@2", ["ngram@2"]), ("single:ngram@8", ["ngram@8"]), ("single:none", ["none"])]
+    assert methods[3][1] == ["ngram@2", "none"]
