@@ -8,6 +8,7 @@ from metasd.drafters.fused import FusedDrafter
 from metasd.policies import UCB1
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
+from metasd.bench.experiment import load_experiment
 from metasd.config import (
     ConfigError,
     ModelCache,
@@ -345,8 +346,6 @@ def test_batched_requests_run_budget_arms_on_forks_sharing_one_drafter_each(mode
 
 
 def test_an_experiment_names_budget_arms_as_the_pool_does(tmp_path):
-    from metasd.bench.experiment import load_experiment  # the bench layer: imported where it is used
-
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"question_id": 1, "category": "coding", "turns": ["hi"]}\n')
     pool = _pool([{"name": "ngram", "type": "ngram", "budgets": [2, 8]}], no_speculation_arm=True)
