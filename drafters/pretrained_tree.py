@@ -163,7 +163,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
     # ---------------------------------------------------------------- drafting
     def make_draft(self, ctx: StepContext) -> Draft:
         depth = min(self.depth, ctx.max_depth)
-        if depth <= 0:
+        if depth <= 0 or ctx.max_nodes == 0:
             return Draft.empty()
         self._settle()
         tokens = ctx.tokens.tolist()

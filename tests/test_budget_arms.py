@@ -121,6 +121,7 @@ def test_a_tree_drafter_honouring_max_nodes_drafts_the_first_nodes_of_its_draft(
     assert small.tokens.tolist() == cut.tokens.tolist() and small.parents.tolist() == cut.parents.tolist()
     if n <= 3:  # the best few nodes need fewer levels grown
         assert small.meta["drafter_forwards"] < full.meta["drafter_forwards"]
+    assert len(draft(0)) == 0
 
 
 def test_a_fused_drafter_passes_max_nodes_on_and_stops_when_full(models):
