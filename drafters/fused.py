@@ -47,7 +47,11 @@ class FusedDrafter(Drafter):
 
     ``enough`` makes it a cascade: once an arm's draft is at least that deep, the arms after it do not draft in that
     step (put a cheap lookup first and an expensive model after it: a long match is drafted for free, and the model
-    drafts only where the lookup has little to offer); a skipped arm catches up when it drafts next."""
+    drafts only where the lookup has little to offer); a skipped arm catches up when it drafts next.
+
+    ``ctx.max_nodes`` (a budget arm's budget, drafters/budgeted.py) bounds the fused tree as ``max_nodes`` does, reaches
+    the arms (a ``pretrained_tree`` arm then drafts fewer nodes) and stops the arms after the tree is full: the fused
+    draft is then exactly the unbounded one's first ``max_nodes`` nodes."""
 
     kind = "fused"
     model_field, checkpoint_field = "never", "never"
