@@ -14,6 +14,7 @@ from metasd.config import (
     ModelCache,
     build_engine,
     parse_pool_config,
+    read_pool_config,
     select_entries,
 )
 from metasd.core import Draft, Drafter, Engine, StepContext, StepFeedback, Verifier
@@ -47,6 +48,7 @@ def test_budgets_make_one_arm_per_budget_in_order_then_none():
     assert config.arm_names == ["ngram", "cascade@2", "cascade@6", "cascade@16", "none"] and config.n_arms == 5
     plain = parse_pool_config(_pool([{"name": "ngram", "type": "ngram"}, {"name": "suffix", "type": "suffix"}]))
     assert plain.arm_names == ["ngram", "suffix"] and not plain.no_speculation_arm  # without the keys: as before
+    assert read_pool_config(None).arm_names == ["cascade"]  # the embedded default pool
 
 
 @pytest.mark.parametrize("entry, top, error", [
