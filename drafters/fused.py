@@ -47,7 +47,11 @@ class FusedDrafter(Drafter):
 
     ``enough`` makes it a cascade: once an arm's draft is at least that deep, the arms after it do not draft in that
     step (put a cheap lookup first and an expensive model after it: a long match is drafted for free, and the model
-    drafts only where the lookup has little to offer); a skipped arm catches up when it drafts next."""
+    drafts only where the lookup has little to offer); a skipped arm catches up when it drafts next.
+
+    ``ctx.max_nodes`` (a budget arm's budget, drafters/budgeted.py) bounds the fused tree as ``max_nodes`` does, reaches
+    the arms (a ``pretrained_tree`` arm then drafts fewer nodes) and stops the arms after the tree is full: the fused
+    draft is then exactly the unbounded one's first ``max_nodes`` nodes."""
 
     kind = "fused"
     model_field, checkpoint_field = "never", "never"
@@ -89,7 +93,15 @@ class FusedDrafter(Drafter):
         meta: dict[str, Any] = {}
         self._last = []
         catch_up = 0
+        # ctx.max_nodes (a budget arm's budget) bounds the fused tree like ``max_nodes``, and reaches the arms (each
+        # may draft less). Nodes are appended in order, so the bounded tree is the unbounded one's first nodes: an
+        # arm's node j lands at fused index >= j, so an arm's nodes past the bound never enter it
+        bound = getattr(ctx, "max_nodes", None)  # (ctx is None where a test drives arms that ignore it)
+        limit = self.max_nodes if bound is None else min(bound, self.max_nodes or bound)
         for i, arm in enumerate(self.arms):
+            if bound is not None and len(tokens) >= limit:  # full: the later arms cannot add a node
+                meta["budget_stop"] = True
+                break
             draft = arm.propose(ctx)
             catch_up += draft.catch_up
             budget = len(draft) if self.nodes is None else min(self.nodes[i], len(draft))
@@ -103,7 +115,7 @@ class FusedDrafter(Drafter):
                 key = (parent, t)
                 if key in index:
                     shared += 1
-                elif self.max_nodes is not None and len(tokens) >= self.max_nodes:
+                elif limit is not None and len(tokens) >= limit:
                     mapped.append(-1)
                     continue
                 else:

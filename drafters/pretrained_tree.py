@@ -17,8 +17,10 @@ Modes (docs/algorithms.md#pretrained-draft-trees; RSD = Jeon et al. 2024, arXiv 
 - ``dynamic`` (EAGLE-2-style, any sampling mode): each node is scored by its cumulative draft
   log-probability. Level 1 = the ``width`` best children of the root; at each further level the
   ``frontier`` best nodes of the previous level are expanded (``width`` best children each); at the end
-  the ``nodes`` best nodes overall are kept (ancestor-closed, since scores fall along a path). Expansion
-  stops early once no frontier node can enter the final top-``nodes`` set. The draft carries no
+  the ``nodes`` best nodes overall are kept (ancestor-closed, since scores fall along a path), listed best
+  first, so that a node budget (``Draft.first(n)``) keeps the n best. Expansion stops early once no frontier node
+  can enter the final top-``nodes`` set; ``ctx.max_nodes`` (a budget arm's budget) bounds that set, so a smaller
+  budget grows fewer nodes and drafts exactly the first ``max_nodes`` nodes of the unbounded draft. The draft carries no
   probabilities: greedy acceptance follows the argmax, sampling uses sample-and-match (exact for any
   tree). Scores use the raw drafter log-softmax under greedy and the processed q under sampling.
 - ``rsd_c`` (RSD-C, sampling): constant branching factor per level (``branching[d]`` children for every
@@ -161,7 +163,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
     # ---------------------------------------------------------------- drafting
     def make_draft(self, ctx: StepContext) -> Draft:
         depth = min(self.depth, ctx.max_depth)
-        if depth <= 0:
+        if depth <= 0 or ctx.max_nodes == 0:
             return Draft.empty()
         self._settle()
         tokens = ctx.tokens.tolist()
@@ -203,7 +205,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         return process_logits(logits, ctx.sampling).log()
 
     def _grow_dynamic(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[int]:
-        """EAGLE-2-style expansion; returns the kept node ids (ascending, ancestor-closed)."""
+        """EAGLE-2-style expansion; returns the kept node ids, best first (every prefix is ancestor-closed)."""
         scores: list[float] = []
 
         def add_children(parents: list[int], logp: torch.Tensor) -> list[int]:
@@ -221,17 +223,23 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         def rank(ids):  # best first; ties: earlier node first (so a parent precedes its children)
             return sorted(ids, key=lambda i: (-scores[i], i))
 
+        # ctx.max_nodes (a budget arm's budget): keep the best max_nodes instead of the best self.nodes. The draft
+        # lists its nodes best first, so that is exactly the unbounded draft's first max_nodes nodes (the pruning
+        # below never changes the top-``nodes`` set, only how many forwards grow it), at fewer forwards
+        nodes = self.nodes if ctx.max_nodes is None else min(self.nodes, ctx.max_nodes)
         level = add_children([-1], self._log_scores(root_logits, ctx)[None])
         for _ in range(2, depth + 1):
             frontier = [i for i in rank(level)[: self.frontier] if scores[i] >= self.min_log_path_prob]
-            if len(scores) >= self.nodes:  # a child scores <= its parent and loses ties: prune hopeless parents
-                threshold = scores[rank(range(len(scores)))[self.nodes - 1]]
+            if len(scores) >= nodes:  # a child scores <= its parent and loses ties: prune hopeless parents
+                threshold = scores[rank(range(len(scores)))[nodes - 1]]
                 frontier = [i for i in frontier if scores[i] > threshold]
             if not frontier:
                 break
             logits = self._feed(tree, frontier)
             level = add_children(frontier, self._log_scores(logits, ctx))
-        return sorted(rank(range(len(scores)))[: self.nodes])
+        # best first: a topological order too (a child scores <= its parent and loses ties to it), so that a node
+        # budget (Draft.first(n)) keeps the n best nodes
+        return rank(range(len(scores)))[:nodes]
 
     def _sample_siblings(self, q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
         """k tokens drawn without replacement from q [vocab], in draw order."""

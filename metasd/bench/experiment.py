@@ -181,7 +181,7 @@ def _resolve_pool(i: int, spec: PoolSpec, cfg: ExperimentConfig, base: Path, whe
         pool = read_pool_config(path)
         name, pool_base, source = spec.name or path.stem, path.resolve().parent, str(path)
 
-    drafters = [d.name for d in pool.drafters if d.arm]  # the arms (entries only other entries draft with are not)
+    drafters = pool.arm_names  # the arms (one per budget of an entry with budgets; entries only drafted with are not)
     methods: list[Method] = []
     for j, run in enumerate(cfg.runs):
         rloc = f"runs.{j}"

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from metasd.core.drafter import cross_tokenizer_types
+from metasd.core.params import Bool, Int
 from metasd.core.policy import Policy, make_policy
 from metasd.core.rewards import BOUNDED_REWARDS, REWARDS, RewardName
 
@@ -48,6 +49,28 @@ class DrafterConfig(_Strict):
     #: whether the policy chooses this entry; false: built only for the entries that draft with it (a fused drafter's)
     arm: bool = True
     params: dict[str, Any] = Field(default_factory=dict)
+    #: node budgets: one arm per budget (``name@budget``), all drafting with this entry's one drafter, each cut to its
+    #: first ``budget`` nodes (drafters/budgeted.py); distinct integers >= 1, sorted on load. None: one arm, no budget
+    budgets: list[Int] | None = None
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, budgets: list[int] | None) -> list[int] | None:
+        if budgets is None:
+            return None
+        if not budgets:
+            raise ValueError("give at least one budget (or leave budgets out)")
+        if any(b < 1 for b in budgets):
+            raise ValueError(f"budgets must be integers >= 1, got {budgets}")
+        if len(set(budgets)) != len(budgets):
+            raise ValueError(f"budgets must be distinct, got {budgets}")
+        return sorted(budgets)
+
+    def arm_names(self) -> list[str]:
+        """The names of the arms this entry gives the policy, in order (none with ``arm: false``)."""
+        if not self.arm:
+            return []
+        return [self.name] if self.budgets is None else [f"{self.name}@{b}" for b in self.budgets]
 
 
 class PolicyConfig(_Strict):
@@ -86,10 +109,9 @@ def select_entries(entries: list[dict], names: list[str]) -> list[dict]:
         for part in parts if isinstance(parts, list) else []:
             if part in by_name and part not in out:
                 add(part, False)
-        if name in out:
-            out[name]["arm"] = out[name]["arm"] or arm
-        else:
-            out[name] = {**entry, "arm": arm}
+        arm = arm or (name in out and out[name]["arm"])
+        out[name] = {k: v for k, v in entry.items() if arm or k != "budgets"}  # a part is no arm: no budgets
+        out[name]["arm"] = arm
 
     for name in names:
         add(name, True)
@@ -110,6 +132,8 @@ class PoolConfig(_Strict):
     categories: list[str] = Field(default_factory=list)  # category one-hot layout for contextual policies
     plugins: list[str] = Field(default_factory=list)
     cost_model: CostModelConfig | None = None  # the throughput reward's prices (default: the device's calibration)
+    #: add an arm "none" after the drafters' arms: an empty draft, i.e. plain decoding for that step
+    no_speculation_arm: Bool = False
 
     @field_validator("drafters")
     @classmethod
@@ -121,9 +145,15 @@ class PoolConfig(_Strict):
         return drafters
 
     @property
+    def arm_names(self) -> list[str]:
+        """The arms the policy chooses among, in order: each ``arm: true`` entry (one per budget with ``budgets``), in
+        file order, then "none" with ``no_speculation_arm``."""
+        return [n for d in self.drafters for n in d.arm_names()] + (["none"] if self.no_speculation_arm else [])
+
+    @property
     def n_arms(self) -> int:
-        """Entries the policy chooses among (``arm: true``)."""
-        return sum(d.arm for d in self.drafters)
+        """Arms the policy chooses among (``arm_names``)."""
+        return len(self.arm_names)
 
     @model_validator(mode="after")
     def _types_exist(self) -> "PoolConfig":
@@ -176,6 +206,20 @@ class PoolConfig(_Strict):
         if unused:
             errors.append(line_error(("drafters",), f"entries {unused} have arm: false and no entry drafts with them",
                                      unused))
+        for i, d in enumerate(self.drafters):
+            if d.budgets is not None and not d.arm:
+                errors.append(line_error(("drafters", i, "budgets"), "budgets makes the entry one arm per budget; it "
+                                         "cannot be given with arm: false", d.budgets))
+        names = self.arm_names
+        repeated = sorted({n for n in names if names.count(n) > 1} - {"none"})
+        if repeated:
+            errors.append(line_error(("drafters",), f"arm names must be unique; repeated: {repeated} (an entry "
+                                     f"'name' with budgets gives the arms 'name@budget')", repeated))
+        if self.no_speculation_arm:
+            reserved = [i for i, d in enumerate(self.drafters) if d.name == "none"]
+            for i in reserved:
+                errors.append(line_error(("drafters", i, "name"), "'none' is the no-speculation arm's name (the pool "
+                                         "sets no_speculation_arm: true); rename this entry", "none"))
         if not any(d.arm for d in self.drafters) and self.drafters:
             errors.append(line_error(("drafters",), "no entry is an arm (arm: false on every one)", None))
         if self.feedback == "full" and self.reward in REWARDS and not REWARDS[self.reward].counterfactual_values:

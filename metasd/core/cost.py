@@ -277,6 +277,11 @@ def unmetered():
         _OPEN.meter = meter
 
 
+def open_meter() -> "StepMeter | None":
+    """The step meter open on this thread (counting the forwards running now), or None."""
+    return _OPEN.meter
+
+
 class StepMeter:
     """Sums the modeled cost of the hooked linear forwards that run while it is open (``with meter:``); prices
     forwards that did not run from shapes (``price``)."""

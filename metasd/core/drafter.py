@@ -37,6 +37,10 @@ class StepContext:
     hidden: HiddenStore | None = None  # verifier states at positions 0..T-2 for the layers drafters asked for
     step: int = 0
     request: dict[str, Any] = field(default_factory=dict)  # {"category": ..., "max_new_tokens": ...}
+    #: most draft nodes that will be verified (a budget arm's budget: its draft is cut to ``draft.first(max_nodes)``);
+    #: None: no bound. A drafter may honour it to draft less, but only so that its draft is still exactly the one it
+    #: would have drafted without the bound, cut to its first ``max_nodes`` nodes (budget counterfactuals rely on it)
+    max_nodes: int | None = None
 
 
 @dataclass
@@ -67,6 +71,8 @@ class Counterfactual:
     drafted / depth: nodes and depth of the draft it would have proposed.
     forwards: the forwards its drafting would have run, as (network, rows), priced from shapes by the engine;
         forwards it ran anyway to stay in step (``track``) are counted in the step's own cost instead.
+    drafting_cost: drafting already priced, in verifier decode steps, added to ``forwards``' price (a budget arm
+        scored from a sibling's draft of the same drafter: what that drafting cost, metered as it ran).
     """
 
     n_accepted: float
@@ -74,6 +80,7 @@ class Counterfactual:
     depth: int
     forwards: list[tuple[Any, int]] = field(default_factory=list)
     censored: bool = False
+    drafting_cost: float = 0.0
 
 
 def counterfactual_of(draft: Draft, feedback: "StepFeedback", forwards: list[tuple[Any, int]] | None = None

@@ -340,7 +340,7 @@ class Request:
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
             for j, c in counterfactuals.items():
                 if c is not None:
-                    own = sum(eng.meter.price(module, rows) for module, rows in c.forwards)
+                    own = c.drafting_cost + sum(eng.meter.price(module, rows) for module, rows in c.forwards)
                     rewards[j] = eng.reward.counterfactual(c, own + eng.meter.price(verifier.model, c.drafted + 1)
                                                            + tracking.steps)
                     self._track_acceptance(j, c.n_accepted, c.depth)
