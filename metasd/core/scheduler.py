@@ -17,6 +17,8 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
+import torch
+
 from .batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from .drafter import with_components
 from .request import Prompt, Request
@@ -221,6 +223,12 @@ class Scheduler:
         return self._deadline is not None and time.perf_counter() >= self._deadline
 
     def _run(self) -> None:
+        # the whole thread in inference mode: the batched cache grows inside the verifier's forward (inference tensors)
+        # and is written in place by commits and row moves outside it
+        with torch.inference_mode():
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while True:
                 with self._lock:
@@ -246,7 +254,11 @@ class Scheduler:
                 jobs = list(self._waiting) + self._prefilling + self._running
                 self._waiting.clear()
             for job in jobs:
-                self._leave(job, "error", e)
+                try:
+                    self._leave(job, "error", e)
+                except BaseException:  # noqa: BLE001 - its row could not be freed: it still gets its error event
+                    log.exception("request %s could not leave cleanly", job.id)
+                    job.handle._push(TokenEvent([], "", True, "error", None, e))
         finally:
             self._hold.__exit__(None, None, None)
 
