@@ -411,5 +411,6 @@ def test_a_broken_scheduler_fails_every_request_instead_of_leaving_it_waiting(ve
                 with pytest.raises(RuntimeError, match="broken cache"):
                     h.result(timeout=60)
             raise RuntimeError("leave the with block")
+    assert isinstance(s.failure, RuntimeError)
     with pytest.raises(SchedulerClosedError):
         s.submit(PROMPTS[0], 4)

@@ -412,3 +412,20 @@ def test_metrics_have_vllms_names_and_count(client, server):
     for gauge in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
         assert after[gauge + labels] == 0
     assert not server.server.state.metrics._last_step  # no inter-token clock kept for a finished request
+
+
+def test_health_fails_once_the_scheduler_thread_has_died():
+    # a load balancer must stop sending requests to a replica whose scheduler broke (every request then fails)
+    srv, scheduler = _serve()
+    with srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+        def broken(*a, **k):
+            raise RuntimeError("broken cache")
+        scheduler.verifier.commit = broken
+        body = {"model": MODEL, "prompt": "w10", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 500
+        _wait(lambda: scheduler.failure is not None)
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed" and "broken cache" in r.json()["error"]
+    scheduler.close()

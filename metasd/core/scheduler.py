@@ -106,6 +106,9 @@ class Scheduler:
         self._ids = itertools.count()
         self._closing = False
         self._deadline: float | None = None  # shutdown: cancel what is left at this time
+        #: the error that stopped the scheduler thread (it then failed every request and takes no more); None while
+        #: it runs or after a normal shutdown
+        self.failure: BaseException | None = None
         self._arm_names = [d.name for d in engine.drafters]
         self._free_forks: list[_Forks] = []
         self._hold = engine.exclusive_use()  # EngineBusyError here when a request runs on the engine
@@ -249,6 +252,7 @@ class Scheduler:
                     self._step()
         except BaseException as e:  # noqa: BLE001 - the scheduler itself broke: every request gets the error
             log.exception("the scheduler thread failed")
+            self.failure = e
             with self._lock:
                 self._closing = True
                 jobs = list(self._waiting) + self._prefilling + self._running

@@ -288,6 +288,10 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
 
     @app.get("/health")
     async def health():
+        failure = getattr(scheduler, "failure", None)
+        if failure is not None:  # the scheduler thread died: no request can be served (the server must be restarted)
+            return JSONResponse({"status": "failed", "error": f"{type(failure).__name__}: {failure}"[:500]},
+                                status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
