@@ -161,11 +161,8 @@ class Request:
         self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
         self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
         self._selected: StepContext | None = None  # between select_arm and propose
-        #: [2] load features (``request_features.load_features``) a scheduler sets before each step; appended last to a
-        #: contextual policy's step context (None: sequential, nothing appended)
-        self.load: np.ndarray | None = None
-        #: a scheduler's price of verifying a counterfactual draft of n nodes (None: ``verify_price``'s shape price)
-        self.verify_pricer = None
+        self.load: np.ndarray | None = None  # [2] load features a scheduler sets; appended last to a step context
+        self.verify_pricer = None  # a scheduler's price of verifying a counterfactual draft of n nodes
 
     def text(self) -> str:
         """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
@@ -288,10 +285,7 @@ class Request:
         return self.finish_step(out, cost=meter.steps, t2=t2)
 
     def draft_step(self) -> Draft:
-        """First half of a step: select the arm, draft (the engine's meter counts the drafting work), cut the draft to
-        the token budget and ``draft_budget``. The draft is what the verifier scores next: [pending] + its nodes.
-        ``select_arm`` then ``propose``; a ``Scheduler`` with adaptive speculation calls them apart, to size each
-        request's draft between them."""
+        """First half of a step: ``select_arm`` then ``propose`` (an adaptive ``Scheduler`` sizes drafts in between)."""
         self.select_arm()
         return self.propose()
 
@@ -300,29 +294,26 @@ class Request:
         when a scheduler set it. Returns the drafter that will draft (None: the request does not speculate)."""
         if self._pending_step is not None:
             raise RuntimeError("Request.draft_step called twice without finish_step")
-        budget = self.max_new_tokens - len(self.new_ids)
-        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=budget - 1, step=self.stats.steps,
-                          **self.base_ctx)
+        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=self.max_new_tokens - len(self.new_ids) - 1,
+                          step=self.stats.steps, **self.base_ctx)
         if self.engine.granularity == "step":
             self.arm = self._select(self._step_context(ctx))
         self._selected = ctx
         return self.drafters[self.arm] if self.drafters else None
 
     def propose(self, max_nodes: int | None = None) -> Draft:
-        """Draft with the selected arm and cut the draft to the token budget, ``draft_budget`` and ``max_nodes``
-        (passed to the drafter as ``StepContext.max_nodes``: the node budget a scheduler's allocator gave it)."""
-        ctx = getattr(self, "_selected", None)
+        """Draft with the selected arm (the engine's meter counts the work), cut to the token budget, ``draft_budget``
+        and ``max_nodes`` (the allocator's node budget, passed to the drafter as ``StepContext.max_nodes``)."""
+        ctx, self._selected = self._selected, None
         if ctx is None or self._pending_step is not None:
             raise RuntimeError("Request.propose called without select_arm")
-        self._selected = None
-        eng = self.engine
         limit = self.draft_budget
         if max_nodes is not None:
             limit = max_nodes if limit is None else min(limit, max_nodes)
             if max_nodes > 0:  # at 0 the drafter still drafts (its state follows every step) and the cut empties it
                 ctx = dataclasses.replace(ctx, max_nodes=max_nodes)
         drafter = self.drafters[self.arm] if self.drafters else None
-        with eng.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
+        with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
             t0 = now(self.engine.clock_device)
             draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
             if draft.depth > ctx.max_depth:
@@ -337,14 +328,6 @@ class Request:
     def pending_draft_cost(self) -> float:
         """The modeled drafting cost of the step between ``propose`` and ``finish_step`` (verifier decode steps)."""
         return self._pending_step.draft_cost if self._pending_step is not None else 0.0
-
-    def verify_price(self, n_nodes: int) -> float:
-        """The verification price of a draft of ``n_nodes`` nodes in this step, for counterfactuals: a verifier
-        forward over its rows ([pending] + nodes), priced from shapes. A scheduler with adaptive speculation replaces
-        it (``verify_pricer``) with the request's share of the batched forward that draft would have been in."""
-        if self.verify_pricer is not None:
-            return float(self.verify_pricer(n_nodes))
-        return self.engine.meter.price(self.verifier.model, n_nodes + 1)
 
     def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
                     verify_s: float | None = None) -> tuple[list[int], bool]:
@@ -383,10 +366,13 @@ class Request:
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
                 counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(self.drafters) if j != self.arm}
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
+            # a counterfactual draft of n nodes is verified at a scheduler's share of the forward it would have been
+            # in (verify_pricer), else at a forward over [pending] + n nodes priced from shapes
+            verify = self.verify_pricer or (lambda n: eng.meter.price(verifier.model, n + 1))
             for j, c in counterfactuals.items():
                 if c is not None:
                     own = c.drafting_cost + sum(eng.meter.price(module, rows) for module, rows in c.forwards)
-                    rewards[j] = eng.reward.counterfactual(c, own + self.verify_price(c.drafted) + tracking.steps)
+                    rewards[j] = eng.reward.counterfactual(c, own + verify(c.drafted) + tracking.steps)
                     self._track_acceptance(j, c.n_accepted, c.depth)
         stats.draft_s += t1 - t0
         stats.verify_s += verify_s
@@ -424,9 +410,7 @@ class Request:
         matches = [m for d in drafters if (m := d.longest_match(ctx.tokens)) is not None]
         confidences = [c for d in drafters if (c := d.confidence()) is not None]
         parts = [self.context, step_features(max(matches, default=0), max(confidences, default=0.0), self.recent)]
-        if self.load is not None:
-            parts.append(self.load)  # last: PerLoad reads the running count back from it
-        self.context_used = np.concatenate(parts)
+        self.context_used = np.concatenate(parts + ([self.load] if self.load is not None else []))  # load: last
         return self.context_used
 
     def _finish(self) -> None:
