@@ -164,3 +164,64 @@ def test_adaptive_arguments_are_checked(verifier_model, tok):
     engine = _engine(verifier_model, tok, _budget_arms())
     with pytest.raises(ValueError, match="adaptive"):
         Scheduler(engine, adaptive=_linear)
+
+
+@pytest.mark.parametrize("serving, field", [({"adaptive": "yes"}, "serving.adaptive"),
+                                            ({"max_width": -1}, "serving.max_width"),
+                                            ({"profile": {"token_counts": [0, 4]}}, "serving.profile.token_counts"),
+                                            ({"profile": {"max_seconds": 0}}, "serving.profile.max_seconds"),
+                                            ({"width": 8}, "serving.width")])
+def test_serving_config_errors_name_the_field(serving, field):
+    from metasd.config import ConfigError, parse_pool_config
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_pool_config({"verifier": {"model": "bundled:x"}, "serving": serving})
+
+
+def test_the_adaptive_pool_file_parses():
+    from metasd.config import read_pool_config
+
+    config = read_pool_config("configs/pools/serve_adaptive.yaml")
+    assert config.serving.adaptive and config.policy.name == "per_load" and config.feedback == "full"
+    assert config.arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
+    assert not read_pool_config(None).serving.adaptive  # the default pool is unchanged
+
+
+@pytest.mark.parametrize("content, message", [("{", "not JSON"),
+                                              ('{"tokens": [1, 4]}', "seconds: missing"),
+                                              ('{"tokens": [1, 4], "seconds": [0.1, 0.2], "wat": 1}', "wat: unknown")])
+def test_serve_with_a_bad_cost_profile_fails_before_serving(tmp_path, capsys, monkeypatch, content, message):
+    pytest.importorskip("fastapi")
+    import yaml
+
+    from metasd.cli import main
+    from metasd.serve import cli as serve_cli
+    from serve_helpers import write_tiny_pool
+
+    pool = write_tiny_pool(tmp_path)
+    data = yaml.safe_load(pool.read_text())
+    pool.write_text(yaml.safe_dump({**data, "serving": {"adaptive": True}}))
+    bad = tmp_path / "profile.json"
+    bad.write_text(content)
+    monkeypatch.setattr(serve_cli, "_serve_here", lambda *a: pytest.fail("served despite the bad profile"))
+    assert main(["serve", "--pool", str(pool), "--cost-profile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and message in err
+
+
+def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifier_model, tok):
+    from metasd.core.forward_profile import ForwardProfile
+    from metasd.serve.cli import SchedulerSettings
+
+    profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")
+    serving = {"adaptive": True, "max_width": 8, "profile": {"token_counts": None, "max_seconds": 5.0}}
+    scheduler = SchedulerSettings(2, 4, False, serving, profile.to_dict()).make(_engine(verifier_model, tok,
+                                                                                        _budget_arms()))
+    try:
+        assert scheduler.adaptive is not None and scheduler.adaptive.max_width == 8
+        assert scheduler.adaptive.cost(64) == pytest.approx(3.0)
+    finally:
+        scheduler.close()
+    plain = SchedulerSettings(2, 4).make(_engine(verifier_model, tok, None, policy=None))
+    assert plain.adaptive is None
+    plain.close()
