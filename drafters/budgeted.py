@@ -162,6 +162,7 @@ class NoSpeculation(Drafter):
     alone and commits its next token). Its counterfactual is always known: 0 drafted, 0 accepted, no forwards."""
 
     kind = ""  # built by the pool (``no_speculation_arm: true``), not a type of its own
+    speculates = False  # never drafts: a scheduler's allocator gives it no nodes
 
     def __init__(self, name: str = NO_SPECULATION):
         super().__init__(name)

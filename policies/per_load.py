@@ -54,9 +54,10 @@ class PerLoad(BasePolicy):
     step had (pass the context used at ``select``). ``context=None`` counts as one running request (level 0). The
     whole context is passed on to the inner policy, so a contextual inner (``linucb``) sees the request, step and
     load features too. A context whose load entry does not encode a count is refused (a check, not a guarantee: a
-    value that happens to encode one is read as a load). The engine gives a contextual policy its request and step
-    features and neither it nor the scheduler appends load features yet: until one does, a pool file must not name
-    ``per_load`` (it would read an arm's recent acceptance as the load).
+    value that happens to encode one is read as a load). A scheduler with adaptive speculation
+    (``metasd.core.adaptive``; a pool's ``serving.adaptive: true``) appends them; the single-request engine does not,
+    so a pool that names ``per_load`` must be served that way (``metasd generate`` would read an arm's recent
+    acceptance as the load; refused where that value encodes no count).
 
     Parameters: ``inner`` (a registered policy name, default "ucb"), ``inner_params`` (its parameters, checked by it),
     ``levels`` (ascending upper bounds of the levels, default [1, 2, 4, 8, 16]: levels 1, 2, 3-4, 5-8, 9-16, 17+),

@@ -88,6 +88,31 @@ class CostModelConfig(_Strict):
     int4: float = Field(ge=0.0, allow_inf_nan=False)
 
 
+class ProfileConfig(_Strict):
+    """How ``metasd serve`` profiles the verifier's forward cost at start (``metasd.core.forward_profile``)."""
+
+    #: forward sizes timed (tokens in all, padding included); None: profile_forward's default
+    token_counts: list[Int] | None = None
+    max_seconds: float = Field(5.0, gt=0.0, allow_inf_nan=False)  # the profiling's time budget
+
+    @field_validator("token_counts")
+    @classmethod
+    def _counts(cls, counts: list[int] | None) -> list[int] | None:
+        if counts is not None and (not counts or any(c < 1 for c in counts) or len(set(counts)) != len(counts)):
+            raise ValueError(f"token_counts must be distinct integers >= 1, at least one, got {counts}")
+        return counts
+
+
+class ServingConfig(_Strict):
+    """How ``metasd serve``'s scheduler speculates under load (docs/serving.md#adaptive-speculation): with
+    ``adaptive``, each step's drafts are sized by the step allocator from the profiled forward cost and the arms'
+    acceptance curves, and the policy sees the load (``metasd.core.adaptive``)."""
+
+    adaptive: Bool = False
+    max_width: Int = Field(48, ge=0)  # most draft nodes per request per step
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+
 def _refers_to(kind: str) -> str:
     """The ``params`` key a drafter type names other entries by ('' when it has none or is unknown)."""
     try:
@@ -134,6 +159,8 @@ class PoolConfig(_Strict):
     cost_model: CostModelConfig | None = None  # the throughput reward's prices (default: the device's calibration)
     #: add an arm "none" after the drafters' arms: an empty draft, i.e. plain decoding for that step
     no_speculation_arm: Bool = False
+    #: the server's scheduler (``metasd serve``); ``metasd generate`` ignores it
+    serving: ServingConfig = Field(default_factory=ServingConfig)
 
     @field_validator("drafters")
     @classmethod

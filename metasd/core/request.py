@@ -7,6 +7,7 @@ from it.
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -97,6 +98,7 @@ class StepRecord:
     depth: int
     accepted: int
     committed: int
+    path: tuple[int, ...] = ()  # the accepted node indices, root to leaf
 
     @property
     def accepted_per_position(self) -> list[bool]:
@@ -158,6 +160,9 @@ class Request:
         self.draft_budget: int | None = None  # most draft nodes verified per step (None: the drafter's draft)
         self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
         self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
+        self._selected: StepContext | None = None  # between select_arm and propose
+        self.load: np.ndarray | None = None  # [2] load features a scheduler sets; appended last to a step context
+        self.verify_pricer = None  # a scheduler's price of verifying a counterfactual draft of n nodes
 
     def text(self) -> str:
         """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
@@ -280,26 +285,49 @@ class Request:
         return self.finish_step(out, cost=meter.steps, t2=t2)
 
     def draft_step(self) -> Draft:
-        """First half of a step: select the arm, draft (the engine's meter counts the drafting work), cut the draft to
-        the token budget and ``draft_budget``. The draft is what the verifier scores next: [pending] + its nodes."""
-        eng, stats = self.engine, self.stats
+        """First half of a step: ``select_arm`` then ``propose`` (an adaptive ``Scheduler`` sizes drafts in between)."""
+        self.select_arm()
+        return self.propose()
+
+    def select_arm(self):
+        """The step's arm: the policy selects it (per-step granularity) from the step's context, ``load`` appended
+        when a scheduler set it. Returns the drafter that will draft (None: the request does not speculate)."""
         if self._pending_step is not None:
             raise RuntimeError("Request.draft_step called twice without finish_step")
-        budget = self.max_new_tokens - len(self.new_ids)
-        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=budget - 1, step=stats.steps, **self.base_ctx)
-        if eng.granularity == "step":
+        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=self.max_new_tokens - len(self.new_ids) - 1,
+                          step=self.stats.steps, **self.base_ctx)
+        if self.engine.granularity == "step":
             self.arm = self._select(self._step_context(ctx))
+        self._selected = ctx
+        return self.drafters[self.arm] if self.drafters else None
+
+    def propose(self, max_nodes: int | None = None) -> Draft:
+        """Draft with the selected arm (the engine's meter counts the work), cut to the token budget, ``draft_budget``
+        and ``max_nodes`` (the allocator's node budget, passed to the drafter as ``StepContext.max_nodes``)."""
+        ctx, self._selected = self._selected, None
+        if ctx is None or self._pending_step is not None:
+            raise RuntimeError("Request.propose called without select_arm")
+        limit = self.draft_budget
+        if max_nodes is not None:
+            limit = max_nodes if limit is None else min(limit, max_nodes)
+            if max_nodes > 0:  # at 0 the drafter still drafts (its state follows every step) and the cut empties it
+                ctx = dataclasses.replace(ctx, max_nodes=max_nodes)
         drafter = self.drafters[self.arm] if self.drafters else None
-        with eng.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
+        with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
             t0 = now(self.engine.clock_device)
             draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
             if draft.depth > ctx.max_depth:
                 draft = draft.truncated(ctx.max_depth)
-            if self.draft_budget is not None and len(draft) > self.draft_budget:
-                draft = draft.first(self.draft_budget)
+            if limit is not None and len(draft) > limit:
+                draft = draft.first(limit)
             t1 = now(self.engine.clock_device)
         self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1)
         return draft
+
+    @property
+    def pending_draft_cost(self) -> float:
+        """The modeled drafting cost of the step between ``propose`` and ``finish_step`` (verifier decode steps)."""
+        return self._pending_step.draft_cost if self._pending_step is not None else 0.0
 
     def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
                     verify_s: float | None = None) -> tuple[list[int], bool]:
@@ -338,11 +366,13 @@ class Request:
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
                 counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(self.drafters) if j != self.arm}
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
+            # a counterfactual draft of n nodes is verified at a scheduler's share of the forward it would have been
+            # in (verify_pricer), else at a forward over [pending] + n nodes priced from shapes
+            verify = self.verify_pricer or (lambda n: eng.meter.price(verifier.model, n + 1))
             for j, c in counterfactuals.items():
                 if c is not None:
                     own = c.drafting_cost + sum(eng.meter.price(module, rows) for module, rows in c.forwards)
-                    rewards[j] = eng.reward.counterfactual(c, own + eng.meter.price(verifier.model, c.drafted + 1)
-                                                           + tracking.steps)
+                    rewards[j] = eng.reward.counterfactual(c, own + verify(c.drafted) + tracking.steps)
                     self._track_acceptance(j, c.n_accepted, c.depth)
         stats.draft_s += t1 - t0
         stats.verify_s += verify_s
@@ -350,7 +380,8 @@ class Request:
         stats.modeled_cost += cost
         name = drafter.name if drafter is not None else "none"
         stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
-        self.last_step = StepRecord(name, len(draft), draft.depth, acc.n_accepted, len(committed))
+        self.last_step = StepRecord(name, len(draft), draft.depth, acc.n_accepted, len(committed),
+                                    tuple(int(i) for i in acc.path))
         value = eng.reward.step(feedback)
         stats.rewards.append(value)
         self.step_rewards.append(value)
@@ -378,8 +409,8 @@ class Request:
         drafters = self.drafters
         matches = [m for d in drafters if (m := d.longest_match(ctx.tokens)) is not None]
         confidences = [c for d in drafters if (c := d.confidence()) is not None]
-        self.context_used = np.concatenate([self.context, step_features(max(matches, default=0),
-                                                                         max(confidences, default=0.0), self.recent)])
+        parts = [self.context, step_features(max(matches, default=0), max(confidences, default=0.0), self.recent)]
+        self.context_used = np.concatenate(parts + ([self.load] if self.load is not None else []))  # load: last
         return self.context_used
 
     def _finish(self) -> None:

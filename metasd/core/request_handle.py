@@ -74,7 +74,8 @@ class SchedulerStep:
 
     forward_tokens: rows of that forward (padding included: batch_size x the longest [pending] + draft);
     prefill_tokens: prompt tokens prefilled in this step (requests joining); queue_length: requests waiting after
-    the step; seconds: the step's wall time (drafting, prefill, verification, commits)."""
+    the step; seconds: the step's wall time (drafting, prefill, verification, commits); adaptive: what adaptive
+    speculation decided (``metasd.core.adaptive.AdaptiveRecord``), None without it."""
 
     batch_size: int
     forward_tokens: int
@@ -82,6 +83,8 @@ class SchedulerStep:
     queue_length: int
     seconds: float
     requests: list[RequestStepRecord] = field(default_factory=list)
+    #: with adaptive speculation: the step's ``AdaptiveRecord`` (width chosen, nodes per row, expected goodput table)
+    adaptive: Any = None
 
 
 @dataclass

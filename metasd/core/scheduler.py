@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .adaptive import AdaptiveSpeculation
 from .batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from .drafter import with_components
 from .request import Prompt, Request
@@ -81,14 +82,16 @@ class Scheduler:
     ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step, so a long prompt delays the running
     requests by one chunk's forward per step; share_suffix_cache: let the suffix drafter's cross-request cache
     (``cross_request: true``) learn from and draft from every request served (off: each request drafts from its own
-    text only, whatever the pool file says).
+    text only, whatever the pool file says); adaptive: an ``AdaptiveSpeculation`` (metasd/core/adaptive.py: load in the
+    policy's context, drafts sized by the step allocator, steps priced by their share of the forward), or None.
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
     only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
     """
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
-                 share_suffix_cache: bool = False, name: str = "metasd-scheduler"):
+                 share_suffix_cache: bool = False, adaptive: AdaptiveSpeculation | None = None,
+                 name: str = "metasd-scheduler"):
         for key, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("prefill_chunk", prefill_chunk, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
@@ -97,6 +100,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.share_suffix_cache = bool(share_suffix_cache)
+        self.adaptive = AdaptiveSpeculation.checked(adaptive)
         self.verifier = BatchVerifier(engine.verifier, max_batch, engine.hidden_layers)
         self._lock = threading.Condition()
         self._waiting: deque[_Job] = deque()
@@ -274,13 +278,7 @@ class Scheduler:
         if not running:  # only prefills this step (reported: its prompt tokens count)
             self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
             return
-        drafts = {}
-        for job in running:
-            try:
-                drafts[id(job)] = job.request.draft_step()
-            except Exception as e:  # noqa: BLE001 - a drafter that fails fails its request alone
-                log.exception("request %s failed while drafting", job.id)
-                self._leave(job, "error", e)
+        drafts, plan = self._draft(running)
         running = list(self._running)  # compact again: failed rows left
         if not running:
             self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
@@ -298,9 +296,12 @@ class Scheduler:
         done: list[_Job] = []
         failed: list[tuple[_Job, Exception]] = []
         records = []
-        for job, out in zip(running, outs):
+        rows_tokens = [1 + len(d) for d in batch]  # [B] each row's tokens before padding
+        for i, (job, out) in enumerate(zip(running, outs)):
             try:
-                _, finished = job.request.finish_step(out, verify_s=forward_s)
+                _, finished = (job.request.finish_step(out, verify_s=forward_s) if plan is None else
+                               self.adaptive.finish(job.request, out, forward_s, rows_tokens, i, plan[2][id(job)],
+                                                    plan[1][id(job)]))
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed after verification", job.id)
                 failed.append((job, e))
@@ -317,8 +318,34 @@ class Scheduler:
             self._leave(job, "error", e)
         for job in done:
             self._leave(job, job.request.stats.stop_reason)
-        self._notify(SchedulerStep(len(running), len(running) * (1 + max(len(d) for d in batch)), prefill_tokens,
-                                   self.queue_length, time.perf_counter() - t0, records))
+        forward_tokens = len(running) * max(rows_tokens)  # the padded [B, N] forward
+        record = plan and self.adaptive.record(plan[0], [plan[1][id(j)] for j in running], forward_tokens)
+        self._notify(SchedulerStep(len(running), forward_tokens, prefill_tokens, self.queue_length,
+                                   time.perf_counter() - t0, records, record))
+
+    def _each(self, jobs: list[_Job], fn, doing: str) -> dict[int, Any]:
+        """``fn(job)`` for each job, by ``id(job)``; a job whose call fails leaves with its error (it alone fails)."""
+        out: dict[int, Any] = {}
+        for job in jobs:
+            try:
+                out[id(job)] = fn(job)
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed while %s", job.id, doing)
+                self._leave(job, "error", e)
+        return out
+
+    def _draft(self, running: list[_Job]) -> tuple[dict, Any]:
+        """Every running request drafts (``draft_step``); adapting, all select (given the load), the allocator gives
+        each ``d_i``, each drafts ``propose(d_i)``. Drafts by job, and (allocation, d_i by job, arm by job) or None."""
+        adaptive = self.adaptive
+        if adaptive is None:
+            return self._each(running, lambda j: j.request.draft_step(), "drafting"), None
+        load = adaptive.load(len(running))  # [2] the same for every request of the step
+        arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
+        running = list(self._running)
+        alloc = adaptive.allocate([arms[id(j)] for j in running])
+        nodes = {id(j): d for j, d in zip(running, alloc.nodes)}
+        return self._each(running, lambda j: j.request.propose(nodes[id(j)]), "drafting"), (alloc, nodes, arms)
 
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all; a request whose prompt is in joins the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -39,6 +40,9 @@ def add_serve_parser(sub) -> None:
                         "request's timings and acceptance can then reveal what others asked; docs/serving.md#security)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before cancelling them")
+    p.add_argument("--cost-profile", metavar="FILE",
+                   help="a saved ForwardProfile (JSON of to_dict) for a pool with serving.adaptive: skips profiling the "
+                        "verifier at start")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--ray", action="store_true", help="serve with Ray Serve: --replicas copies of the pool behind one "
                                                       "HTTP entry (needs: pip install 'ray[serve]')")
@@ -104,16 +108,61 @@ class SchedulerSettings:
     max_batch: int = 8
     max_queue: int = 64
     share_suffix_cache: bool = False
+    #: the pool's ``serving`` section as a dict when it asks for adaptive speculation (None: off)
+    adaptive: dict | None = None
+    #: a saved ``ForwardProfile.to_dict()`` (--cost-profile): used instead of profiling the verifier at start
+    cost_profile: dict | None = None
 
     def make(self, engine):
         from metasd.core.scheduler import Scheduler
 
         scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
-                              share_suffix_cache=self.share_suffix_cache)
+                              share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine))
         start = getattr(scheduler, "start", None)  # a scheduler that does not start its thread when made
         if start is not None:
             start()
         return scheduler
+
+
+    def _adaptive(self, engine):
+        """The pool's ``AdaptiveSpeculation``: the forward cost from --cost-profile, else profiled on this machine
+        (logged: the profile's ``describe()``). None without ``serving.adaptive``."""
+        if not self.adaptive:
+            return None
+        from metasd.core.adaptive import AdaptiveSpeculation
+        from metasd.core.forward_profile import ForwardProfile, profile_forward
+
+        if self.cost_profile is not None:
+            profile = ForwardProfile.from_dict(self.cost_profile)
+        else:
+            opts = self.adaptive["profile"]
+            counts = {"token_counts": opts["token_counts"]} if opts.get("token_counts") else {}
+            profile = profile_forward(engine.verifier.model, **counts, max_seconds=opts["max_seconds"])
+        print(f"[metasd serve] adaptive speculation, max_width {self.adaptive['max_width']}; {profile.describe()}",
+              file=sys.stderr, flush=True)
+        return AdaptiveSpeculation(profile.cost, max_width=self.adaptive["max_width"])
+
+
+def read_cost_profile(path: str | None, config) -> dict | None:
+    """--cost-profile's ``ForwardProfile`` as a dict, checked before any model loads: ``ConfigError`` naming the file
+    and the bad field (or that the pool does not ask for adaptive speculation)."""
+    if path is None:
+        return None
+    from metasd.config import ConfigError
+    from metasd.core.forward_profile import ForwardProfile, ProfileError
+
+    if not config.serving.adaptive:
+        raise ConfigError(f"--cost-profile {path}: the pool does not set serving.adaptive: true")
+    try:
+        data = json.loads(Path(path).read_text())
+        ForwardProfile.from_dict(data)
+    except OSError as e:
+        raise ConfigError(f"--cost-profile {path}: cannot read it: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--cost-profile {path}: not JSON: {e}") from None
+    except (ProfileError, ValueError, TypeError) as e:
+        raise ConfigError(f"--cost-profile {path}: {e}") from None
+    return data
 
 
 def serve_command(args) -> int:
@@ -126,7 +175,9 @@ def serve_command(args) -> int:
     recipe = PoolEngine(args.pool, args.threads)
     config = recipe.check()
     model_name = args.model_name or config.verifier.model
-    settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache)
+    serving = config.serving.model_dump() if config.serving.adaptive else None
+    settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
+                                 read_cost_profile(args.cost_profile, config))
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 

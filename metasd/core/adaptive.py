@@ -1,0 +1,153 @@
+"""Adaptive speculation: a batched scheduler step sized to the load (docs/algorithms.md#speculation-under-load).
+
+``AdaptiveSpeculation`` is owned by a ``Scheduler`` (``Scheduler(engine, adaptive=AdaptiveSpeculation(cost))``) and
+wires the building blocks of speculation under load into its step:
+
+1. **load context** - before the arms are selected, every running request gets ``load_features(B, N_prev)`` (B running
+   requests, ``N_prev`` tokens of the previous step's padded forward), appended last to a contextual policy's context
+   (``Request.load``), so ``per_load`` or LinUCB choose knowing the load;
+2. **allocation** - after each request's arm is selected and before it drafts, ``allocator.plan`` chooses each
+   request's node budget ``d_i`` (``0 <= d_i <= cap_i``, ``max_i d_i <= max_width``) maximising the step's expected
+   goodput ``(B + sum_i a_i(d_i)) / cost(B (1 + max_i d_i))``, ``a_i`` the acceptance curve of request i's arm; the
+   request drafts with ``StepContext.max_nodes = d_i`` and its draft is cut to ``draft.first(d_i)`` (exact: an
+   ancestor-closed subtree);
+3. **pricing** - after the batched verification, request i's step costs its share ``cost(B N) / B + c_i``
+   (``goodput.shared_step_cost``, rows ``1 + len(draft_j)``, ``c_i`` its metered drafting cost), and a counterfactual
+   draft of ``n`` nodes the forward it would have been in (``goodput.counterfactual_share``);
+4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``).
+
+Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
+(``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
+cap is its arm's ``budget`` attribute (budget arms), ``max_width`` for a drafter without one, 0 for an arm that does
+not speculate (``speculates = False``: the "none" arm) and for a request that drafts with no arm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .acceptance_curve import AcceptanceCurve
+from .allocator import Allocation, plan
+from .goodput import counterfactual_share, shared_step_cost
+from .request_features import load_features
+
+
+@dataclass
+class AdaptiveRecord:
+    """What the adaptation decided in one step (``SchedulerStep.adaptive``): the width scanned best, each request's
+    node budget (row order), the expected goodput of the allocation and of each candidate width."""
+
+    width: int
+    nodes: list[int]
+    goodput: float
+    table: dict[int, float] = field(default_factory=dict)
+
+
+class AdaptiveSpeculation:
+    """Decides, per batched step, how many draft nodes each running request verifies - from the verifier's forward
+    cost (``cost(n_tokens)``: a ``ForwardProfile.cost`` or any monotone callable, units of a 1-token forward), the
+    acceptance curve of each request's selected arm (learnt from every verified draft) and ``max_width`` - and
+    prices each request's step with its share of the shared forward. See the module docstring.
+
+    cost: the forward's cost over n tokens in all (padding included); max_width: most draft nodes per row;
+    grid: the curves' grid of node budgets (default: ``AcceptanceCurve``'s).
+    """
+
+    def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None):
+        if not callable(cost):
+            raise ValueError(f"cost must be callable (a ForwardProfile's cost), got {type(cost).__name__}")
+        if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
+            raise ValueError(f"max_width must be an integer >= 0, got {max_width!r}")
+        self.cost = getattr(cost, "cost", cost)  # a ForwardProfile itself is accepted too
+        self.max_width = max_width
+        self.grid = tuple(grid) if grid is not None else None
+        self.curves: dict[str, AcceptanceCurve] = {}
+        self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
+
+    @classmethod
+    def checked(cls, adaptive: Any) -> "AdaptiveSpeculation | None":
+        """``adaptive`` if it is an ``AdaptiveSpeculation`` or None, else a ``ValueError`` (a Scheduler argument)."""
+        if adaptive is not None and not isinstance(adaptive, cls):
+            raise ValueError(f"adaptive must be an AdaptiveSpeculation or None, got {type(adaptive).__name__}")
+        return adaptive
+
+    # ---------------------------------------------------------------- per arm
+    @staticmethod
+    def curve_key(arm: Any) -> str:
+        """The curve an arm reads and feeds: its inner drafter's name for a budget arm (all budgets of an entry share
+        it), else its own name."""
+        return getattr(getattr(arm, "inner", None), "name", None) or arm.name
+
+    def curve(self, arm: Any) -> AcceptanceCurve:
+        key = self.curve_key(arm)
+        if key not in self.curves:
+            self.curves[key] = AcceptanceCurve(self.grid) if self.grid is not None else AcceptanceCurve()
+        return self.curves[key]
+
+    def cap(self, arm: Any) -> int:
+        """Most nodes the arm may draft: 0 without an arm or for one that does not speculate, its ``budget`` (budget
+        arms), else ``max_width``."""
+        if arm is None or not getattr(arm, "speculates", True):
+            return 0
+        budget = getattr(arm, "budget", None)
+        return min(int(budget), self.max_width) if budget is not None else self.max_width
+
+    # ---------------------------------------------------------------- the step
+    def load(self, running: int) -> np.ndarray:
+        """[2] the load features of a step with ``running`` requests (``load_features``)."""
+        return load_features(running, self.last_forward_tokens)
+
+    @staticmethod
+    def select(request: Any, load: np.ndarray) -> Any:
+        """Give the request the step's load features (appended last to a contextual policy's context) and let it
+        select its arm (``Request.select_arm``); the drafter selected (None: it does not speculate)."""
+        request.load = load
+        return request.select_arm()
+
+    def allocate(self, arms: Sequence[Any]) -> Allocation:
+        """Each request's node budget for this step, given the arms selected (row order; None: no arm)."""
+        caps = [self.cap(a) for a in arms]
+        curves = [self.curve(a) if c > 0 else None for a, c in zip(arms, caps)]
+        return plan(curves, caps, self.cost, max_width=self.max_width)
+
+    def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
+        """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
+        self.last_forward_tokens = forward_tokens
+        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table))
+
+    def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
+        """Request i's share of the step: ``cost(B N) / B + draft_cost`` (``shared_step_cost``)."""
+        return shared_step_cost(self.cost, rows_tokens, i, max(float(draft_cost), 0.0))
+
+    def pricer(self, rows_tokens: Sequence[int], i: int) -> Callable[[int], float]:
+        """The verification price of a counterfactual draft of n nodes for request i: its share of the forward with
+        row i at ``1 + n`` tokens and the others as verified (``counterfactual_share``)."""
+        rows = list(rows_tokens)
+        return lambda n: counterfactual_share(self.cost, rows, i, int(n))
+
+    def finish(self, request: Any, out: Any, verify_s: float, rows_tokens: Sequence[int], i: int, arm: Any,
+               d_i: int) -> tuple[list[int], bool]:
+        """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
+        forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
+        (``pricer``); then its arm's curve learns from the accepted path."""
+        cost = self.step_cost(rows_tokens, i, request.pending_draft_cost)
+        request.verify_pricer = self.pricer(rows_tokens, i)
+        try:
+            result = request.finish_step(out, verify_s=verify_s, cost=cost)
+        finally:
+            request.verify_pricer = None
+        s = request.last_step
+        self.learn(arm, s.path, s.drafted, d_i)
+        return result
+
+    def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int) -> None:
+        """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
+        accepted."""
+        if arm is None or budget <= 0 or not getattr(arm, "speculates", True):
+            return
+        self.curve(arm).update(list(path), drafted, budget=max(budget, drafted))
+
+
+__all__ = ["AdaptiveRecord", "AdaptiveSpeculation"]

@@ -1,0 +1,227 @@
+"""Adaptive speculation in the scheduler (metasd/core/adaptive.py): the load reaches the policy, the allocator sizes
+every draft, steps are priced by their share of the batched forward - and outputs stay exact. Tiny fp32 models."""
+import pytest
+import torch
+
+from metasd.core.adaptive import AdaptiveSpeculation
+from metasd.core.engine import Engine
+from metasd.core.goodput import shared_step_cost
+from metasd.core.request import Request
+from metasd.core.scheduler import Scheduler, SchedulerStep
+from metasd.core.verifier import Verifier
+from metasd.drafters import FusedDrafter, PretrainedTreeDrafter, SuffixDrafter
+from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
+from metasd.policies import make_policy
+from tiny import tiny_qwen, tiny_tokenizer
+
+PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0],
+           [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41, 7, 7, 7, 12, 13, 21, 22], [0, 50, 9]]
+MAX_NEW = [20, 9, 31, 14]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def verifier_model():
+    return tiny_qwen(seed=0, logit_scale=4.0)
+
+
+def _cascade():  # configs/default.yaml's pool on tiny models
+    return FusedDrafter([SuffixDrafter(max_depth=16, max_nodes=16, name="suffix"),
+                         PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0), mode="dynamic", nodes=12, depth=6,
+                                               width=3, min_path_prob=0.3, name="model")],
+                        enough=6, name="cascade")
+
+
+def _budget_arms():
+    inner = _cascade()
+    return [BudgetedArm(inner, 2), BudgetedArm(inner, 6), BudgetedArm(inner, 16), NoSpeculation()]
+
+
+def _engine(model, tok, drafters, policy="per_load", **kw):
+    policy = make_policy(policy, len(drafters), seed=0) if policy else None
+    return Engine(Verifier(model, tok), drafters, policy=policy, check_tokenizers=False, **kw)
+
+
+def _plain(model, tok):  # Engine.generate without drafters (per_load needs the scheduler's load features)
+    engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
+    return [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def _serve(engine, adaptive, prompts=PROMPTS, max_new=MAX_NEW, **submit):
+    steps = []
+    with Scheduler(engine, max_batch=4, adaptive=adaptive) as s:
+        s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) and r.batch_size else None)
+        handles = [s.submit(p, n, **submit) for p, n in zip(prompts, max_new)]
+        return [h.result(timeout=120) for h in handles], steps
+
+
+def _linear(n):  # a forward whose cost grows slowly with its tokens: drafting pays
+    return 1.0 + 0.02 * n
+
+
+def test_greedy_outputs_exact_and_every_draft_within_its_budget(verifier_model, tok):
+    expected = _plain(verifier_model, tok)
+    engine = _engine(verifier_model, tok, _budget_arms(), feedback="full")
+    adaptive = AdaptiveSpeculation(_linear, max_width=12)
+    got, steps = _serve(engine, adaptive)
+    assert [r.token_ids for r in got] == expected
+    assert steps and all(s.adaptive is not None for s in steps)
+    for s in steps:
+        a = s.adaptive
+        assert len(a.nodes) == s.batch_size == len(s.requests)  # every running request verified, pending token in
+        assert max(a.nodes) <= a.width <= 12
+        assert all(r.drafted <= d for r, d in zip(s.requests, a.nodes))
+        assert all(r.committed >= 1 for r in s.requests)
+        assert s.forward_tokens == s.batch_size * (1 + max(r.drafted for r in s.requests))
+        assert a.width in a.table
+    assert sum(r.stats.drafted for r in got) > 0 and sum(r.stats.accepted for r in got) > 0
+    assert set(adaptive.curves) == {"cascade"}  # the budget arms share the inner drafter's curve
+
+
+def test_steep_cost_gives_width_zero_and_exact_outputs(verifier_model, tok):
+    expected = _plain(verifier_model, tok)
+    engine = _engine(verifier_model, tok, _budget_arms())
+    got, steps = _serve(engine, AdaptiveSpeculation(lambda n: float(n) ** 3, max_width=16))
+    assert [r.token_ids for r in got] == expected
+    assert all(s.adaptive.width == 0 and set(s.adaptive.nodes) == {0} for s in steps)
+    assert sum(r.stats.drafted for r in got) == 0
+
+
+def test_flat_cost_and_a_drafter_that_is_always_right_draft_wide(verifier_model, tok):
+    # the verifier's own model as a tree drafter: its greedy chain is always accepted
+    drafter = PretrainedTreeDrafter(verifier_model, nodes=24, depth=12, width=2, name="self")
+    engine = _engine(verifier_model, tok, [drafter], policy=None)
+    got, steps = _serve(engine, AdaptiveSpeculation(lambda n: 1.0, max_width=24), max_new=[60] * 4)
+    widths = [s.adaptive.width for s in steps]
+    assert min(widths) >= 16, widths
+    assert sum(r.stats.accepted for r in got) / sum(r.stats.steps for r in got) >= 3
+
+
+def test_the_load_reaches_a_per_load_policy(verifier_model, tok):
+    engine = _engine(verifier_model, tok, _budget_arms(), persistent_policy=True)
+    policy = engine.policy
+    levels = []
+    for j, inner in enumerate(policy.policies):
+        def spy(context=None, _select=inner.select, _j=j):
+            levels.append(_j)
+            return _select(context)
+        inner.select = spy
+    adaptive = AdaptiveSpeculation(_linear, max_width=16)
+    _serve(engine, adaptive, PROMPTS[:1], MAX_NEW[:1])  # alone: 1 running request, level 0
+    assert levels and set(levels) == {0}
+    levels.clear()
+    _serve(engine, adaptive, [PROMPTS[0]] * 4, [20] * 4)  # 4 together (same length: they run together throughout)
+    assert levels and set(levels) == {2}  # 3-4 running
+
+
+def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, monkeypatch):
+    calls = []
+    original = Request.finish_step
+
+    def spy(self, out, **kw):
+        calls.append((kw.get("cost"), self.pending_draft_cost, len(self._pending_step.draft)))
+        return original(self, out, **kw)
+
+    monkeypatch.setattr(Request, "finish_step", spy)
+    engine = _engine(verifier_model, tok, _budget_arms())
+    steps = []
+    with Scheduler(engine, max_batch=4, adaptive=AdaptiveSpeculation(_linear, max_width=16)) as s:
+        s.add_listener(lambda r: steps.append(list(calls)) or calls.clear()
+                       if isinstance(r, SchedulerStep) and r.batch_size else None)
+        for h in [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]:
+            h.result(timeout=120)
+    worked = [st for st in steps if len(st) > 1 and any(c[2] for c in st)]
+    assert worked, "no step with several requests and a draft"
+    for st in worked:
+        rows = [1 + drafted for _, _, drafted in st]
+        for i, (cost, draft_cost, _) in enumerate(st):
+            assert cost == pytest.approx(shared_step_cost(_linear, rows, i, draft_cost))
+    assert any(dc > 0 for st in worked for _, dc, _ in st)  # the model drafter's work is in the share
+
+
+def test_sampled_request_gives_the_same_tokens_whatever_runs_beside_it(verifier_model, tok):
+    def run(prompts, max_new, seeds):
+        drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0), nodes=8, depth=3, width=2, name="tree")
+        engine = _engine(verifier_model, tok, [drafter], policy=None)
+        with Scheduler(engine, max_batch=4, adaptive=AdaptiveSpeculation(lambda n: 1.0, max_width=16)) as s:
+            handles = [s.submit(p, n, temperature=1.0, seed=sd) for p, n, sd in zip(prompts, max_new, seeds)]
+            return [h.result(timeout=120).token_ids for h in handles]
+
+    alone = run(PROMPTS[:1], [24], [7])[0]
+    together = run(PROMPTS, [24, 9, 31, 14], [7, 1, 2, 3])[0]
+    assert together == alone
+
+
+def test_adaptive_arguments_are_checked(verifier_model, tok):
+    with pytest.raises(ValueError, match="max_width"):
+        AdaptiveSpeculation(_linear, max_width=-1)
+    with pytest.raises(ValueError, match="cost"):
+        AdaptiveSpeculation(3.0)
+    engine = _engine(verifier_model, tok, _budget_arms())
+    with pytest.raises(ValueError, match="adaptive"):
+        Scheduler(engine, adaptive=_linear)
+
+
+@pytest.mark.parametrize("serving, field", [({"adaptive": "yes"}, "serving.adaptive"),
+                                            ({"max_width": -1}, "serving.max_width"),
+                                            ({"profile": {"token_counts": [0, 4]}}, "serving.profile.token_counts"),
+                                            ({"profile": {"max_seconds": 0}}, "serving.profile.max_seconds"),
+                                            ({"width": 8}, "serving.width")])
+def test_serving_config_errors_name_the_field(serving, field):
+    from metasd.config import ConfigError, parse_pool_config
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_pool_config({"verifier": {"model": "bundled:x"}, "serving": serving})
+
+
+def test_the_adaptive_pool_file_parses():
+    from metasd.config import read_pool_config
+
+    config = read_pool_config("configs/pools/serve_adaptive.yaml")
+    assert config.serving.adaptive and config.policy.name == "per_load" and config.feedback == "full"
+    assert config.arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
+    assert not read_pool_config(None).serving.adaptive  # the default pool is unchanged
+
+
+@pytest.mark.parametrize("content, message", [("{", "not JSON"),
+                                              ('{"tokens": [1, 4]}', "seconds: missing"),
+                                              ('{"tokens": [1, 4], "seconds": [0.1, 0.2], "wat": 1}', "wat: unknown")])
+def test_serve_with_a_bad_cost_profile_fails_before_serving(tmp_path, capsys, monkeypatch, content, message):
+    pytest.importorskip("fastapi")
+    import yaml
+
+    from metasd.cli import main
+    from metasd.serve import cli as serve_cli
+    from serve_helpers import write_tiny_pool
+
+    pool = write_tiny_pool(tmp_path)
+    data = yaml.safe_load(pool.read_text())
+    pool.write_text(yaml.safe_dump({**data, "serving": {"adaptive": True}}))
+    bad = tmp_path / "profile.json"
+    bad.write_text(content)
+    monkeypatch.setattr(serve_cli, "_serve_here", lambda *a: pytest.fail("served despite the bad profile"))
+    assert main(["serve", "--pool", str(pool), "--cost-profile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and message in err
+
+
+def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifier_model, tok):
+    from metasd.core.forward_profile import ForwardProfile
+    from metasd.serve.cli import SchedulerSettings
+
+    profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")
+    serving = {"adaptive": True, "max_width": 8, "profile": {"token_counts": None, "max_seconds": 5.0}}
+    scheduler = SchedulerSettings(2, 4, False, serving, profile.to_dict()).make(_engine(verifier_model, tok,
+                                                                                        _budget_arms()))
+    try:
+        assert scheduler.adaptive is not None and scheduler.adaptive.max_width == 8
+        assert scheduler.adaptive.cost(64) == pytest.approx(3.0)
+    finally:
+        scheduler.close()
+    plain = SchedulerSettings(2, 4).make(_engine(verifier_model, tok, None, policy=None))
+    assert plain.adaptive is None
+    plain.close()
