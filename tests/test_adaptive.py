@@ -12,21 +12,10 @@ from metasd.core.verifier import Verifier
 from metasd.drafters import FusedDrafter, PretrainedTreeDrafter, SuffixDrafter
 from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
 from metasd.policies import make_policy
-from tiny import tiny_qwen, tiny_tokenizer
+from tiny import tiny_qwen
 
-PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0],
-           [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41, 7, 7, 7, 12, 13, 21, 22], [0, 50, 9]]
-MAX_NEW = [20, 9, 31, 14]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def verifier_model():
-    return tiny_qwen(seed=0, logit_scale=4.0)
+# the scheduler tests' prompts (different lengths, a one-token prompt, repetitions) and their tiny models
+from test_scheduler import MAX_NEW, PROMPTS, tok, verifier_model  # noqa: E402,F401  (fixtures)
 
 
 def _cascade():  # configs/default.yaml's pool on tiny models
