@@ -29,8 +29,10 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     """Register the second device (tests/second_device.py) before any test runs: torch's autograd engine sizes its
     per-device queues at the first backward of the process, so a device registered after a CPU backward (a trainer's
-    test) would be unknown to it. Registering changes nothing for CPU work (test_second_device checks that)."""
-    if not SECOND_DEVICE:
+    test) would be unknown to it. Registering changes nothing for CPU work (test_second_device checks that), but on a
+    real accelerator it does: torch then routes pinned host memory to the PrivateUse1 hooks, which the fake device
+    does not implement, so a run with ``--metasd-device cuda`` (benchmarks/gpu_check.py) leaves it unregistered."""
+    if not SECOND_DEVICE or config.getoption("--metasd-device") != "cpu":
         return
     import second_device
 

@@ -46,10 +46,11 @@ def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: f
     eos = set(eos)
     done: dict[tuple[int, ...], float] = {}
     live: dict[tuple[int, ...], float] = {(): 1.0}
+    device = next(model.parameters()).device
     for _ in range(length):
         prefixes = list(live)
-        batch = torch.tensor([prompt + list(s) for s in prefixes])
-        probs = process_logits(model(batch).logits[:, -1], params).double()  # [prefixes, vocab]
+        batch = torch.tensor([prompt + list(s) for s in prefixes], device=device)
+        probs = process_logits(model(batch).logits[:, -1], params).double().cpu()  # [prefixes, vocab]
         mass = torch.tensor([live[s] for s in prefixes], dtype=torch.float64)[:, None] * probs
         live = {}
         for row, col in (mass >= floor).logical_and(mass > 0).nonzero().tolist():
