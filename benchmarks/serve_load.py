@@ -19,10 +19,11 @@ time; the client (this process, asyncio + the official ``openai`` AsyncOpenAI cl
 with it.
 
 Load: the prompt set is the first turn of the Spec-Bench questions (``--per-group`` per group, as
-benchmarks/speed.py) plus ``--copy-heavy N`` prompts per copy-heavy category, in one fixed shuffled order (seed 0,
+benchmarks/speed.py; ``--groups`` keeps only the groups named) plus ``--copy-heavy N`` prompts per copy-heavy category, in one fixed shuffled order (seed 0,
 the same for every server, level and repeat). At concurrency c a semaphore keeps exactly c requests in flight
 (a request starts when one finishes) until the level's requests are sent: by default whole passes over the prompt
-set, as many as make at least 2c requests (20 prompts: 20 requests at c <= 8, 40 at c = 16), or exactly
+set, as many as make at least 2c requests (20 prompts: 20 requests at c <= 8, 40 at c = 16; ``--requests-per-c K``
+sets that 2 to K), or exactly
 ``--requests N`` (prompts cycled). A level stops by itself after ``--level-timeout`` seconds (unfinished requests
 are cancelled and the row is marked). Repeats are interleaved: repeat r runs every server at every level, the
 server order rotated by r; every server process is started fresh for each repeat.
@@ -536,18 +537,20 @@ async def run_level(base: str, model: str, prompts: list, concurrency: int, n: i
     return out, wall, bool(pending)
 
 
-def requests_for(concurrency: int, n_prompts: int, fixed: int | None) -> int:
-    """Requests per level: `fixed`, else whole passes over the prompt set making at least 2 x concurrency."""
+def requests_for(concurrency: int, n_prompts: int, fixed: int | None, per_c: int = 2) -> int:
+    """Requests per level: `fixed`, else whole passes over the prompt set making at least per_c x concurrency."""
     if fixed:
         return fixed
-    return n_prompts * math.ceil(max(2 * concurrency, n_prompts) / n_prompts)
+    return n_prompts * math.ceil(max(per_c * concurrency, n_prompts) / n_prompts)
 
 
 def load_prompts(args):
     from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 
     paths = args.questions or [str(SPEC_BENCH_DEFAULT)]
-    questions = [q for path in paths for q in load_questions(path, per_group=args.per_group)] if args.per_group else []
+    groups = getattr(args, "groups", None)
+    questions = ([q for path in paths for q in load_questions(path, groups=groups, per_group=args.per_group)]
+                 if args.per_group else [])
     if args.copy_heavy:
         from metasd.data.copy_heavy import build_copy_heavy
 
@@ -586,8 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, help="exactly N requests per level (default: whole passes over the "
                                                 "prompts, at least 2 x concurrency)")
+    p.add_argument("--requests-per-c", type=int, default=2, metavar="K",
+                   help="without --requests: whole passes over the prompts making at least K x concurrency requests")
     p.add_argument("--questions", action="append", help="Spec-Bench-format JSONL (repeatable; default: Spec-Bench)")
     p.add_argument("--per-group", type=int, default=2)
+    p.add_argument("--groups", nargs="+", help="only these Spec-Bench groups (default: all)")
     p.add_argument("--copy-heavy", type=int, default=0, metavar="N", help="also N prompts per copy-heavy category")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -638,8 +644,8 @@ def main(argv=None) -> int:
     if args.table:
         print_tables(json.loads(Path(args.table).read_text())["rows"])
         return 0
-    if min(args.concurrency) < 1 or args.repeats < 1:
-        raise SystemExit("error: --concurrency and --repeats must be at least 1")
+    if min(args.concurrency) < 1 or args.repeats < 1 or args.requests_per_c < 1:
+        raise SystemExit("error: --concurrency, --repeats and --requests-per-c must be at least 1")
     specs = server_specs(args)
     prompts = load_prompts(args)
     model_dir = model_dir_of(args)
@@ -655,7 +661,7 @@ def main(argv=None) -> int:
     rows = resumed_rows(args) if args.resume else []
     done = {(r["server"], r["concurrency"], r["repeat"]) for r in rows}
     logs = Path(str(args.out) + ".logs")
-    plan = [(c, requests_for(c, len(prompts), args.requests)) for c in sorted(args.concurrency)]
+    plan = [(c, requests_for(c, len(prompts), args.requests, args.requests_per_c)) for c in sorted(args.concurrency)]
     print(f"{len(prompts)} prompts (longest {longest} tokens); requests per level: "
           + ", ".join(f"c={c}: {n}" for c, n in plan) + f"; servers {[s.name for s in specs]}, {args.repeats} repeats",
           flush=True)

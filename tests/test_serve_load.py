@@ -94,6 +94,7 @@ def test_requests_per_level(sl):
     assert [sl.requests_for(c, 20, None) for c in (1, 2, 4, 8, 16)] == [20, 20, 20, 20, 40]
     assert sl.requests_for(16, 6, None) == 36
     assert sl.requests_for(16, 20, 3) == 3
+    assert [sl.requests_for(c, 6, None, per_c=1) for c in (1, 2, 4, 8, 16)] == [6, 6, 6, 12, 18]
 
 
 def test_cb_num_blocks_cover_the_load(sl):
