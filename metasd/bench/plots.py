@@ -94,3 +94,26 @@ def acceptance_histograms(taus: Mapping[str, Sequence[int]], path: str | Path, t
     if title:
         fig.suptitle(title, fontsize=9)
     return _save(fig, path)
+
+
+def ratio_by_level(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, highlight: str | None = None,
+                   ylabel: str = "ratio", title: str = "") -> Path:
+    """One line per method through its (level, ratio) points on a log2 level axis (concurrency), a line at 1.0; the
+    ``highlight`` method drawn thick and on top (``benchmarks/serve_regret.py``'s regret plot)."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, points in series.items():
+        if not points:
+            continue
+        xs, ys = zip(*sorted(points))
+        thick = name == highlight
+        ax.plot(xs, ys, marker="o", ms=5 if thick else 3, lw=2.6 if thick else 1.0, zorder=3 if thick else 2,
+                label=name, color="black" if thick else None)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    levels = sorted({x for points in series.values() for x, _ in points})
+    ax.set_xticks(levels, [str(int(x)) if float(x).is_integer() else str(x) for x in levels])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title or "ratio per level", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
