@@ -71,13 +71,17 @@ def test_greedy_outputs_exact_and_every_draft_within_its_budget(verifier_model, 
     assert set(adaptive.curves) == {"cascade"}  # the budget arms share the inner drafter's curve
 
 
-def test_steep_cost_gives_width_zero_and_exact_outputs(verifier_model, tok):
+def test_steep_cost_gives_width_zero_and_exact_outputs(verifier_model, tok, monkeypatch):
     expected = _plain(verifier_model, tok)
     engine = _engine(verifier_model, tok, _budget_arms())
+    proposals = []
+    propose = FusedDrafter.propose
+    monkeypatch.setattr(FusedDrafter, "propose", lambda self, ctx: proposals.append(ctx) or propose(self, ctx))
     got, steps = _serve(engine, AdaptiveSpeculation(lambda n: float(n) ** 3, max_width=16))
     assert [r.token_ids for r in got] == expected
     assert all(s.adaptive.width == 0 and set(s.adaptive.nodes) == {0} for s in steps)
     assert sum(r.stats.drafted for r in got) == 0
+    assert proposals == []  # width 0: the drafter is not asked to draft at all (its work would be thrown away)
 
 
 def test_flat_cost_and_a_drafter_that_is_always_right_draft_wide(verifier_model, tok):
@@ -105,6 +109,20 @@ def test_the_load_reaches_a_per_load_policy(verifier_model, tok):
     levels.clear()
     _serve(engine, adaptive, [PROMPTS[0]] * 4, [20] * 4)  # 4 together (same length: they run together throughout)
     assert levels and set(levels) == {2}  # 3-4 running
+
+
+def test_a_step_given_no_draft_still_rewards_the_arm_selected(verifier_model, tok):
+    # width 0 (a steep cost) skips the drafter, not the policy: every step's selection is observed
+    engine = _engine(verifier_model, tok, _budget_arms(), persistent_policy=True)
+    observed = []
+    for inner in engine.policy.policies:
+        def spy(arm, reward, context=None, _observe=inner.observe):
+            observed.append(arm)
+            return _observe(arm, reward, context)
+        inner.observe = spy
+    got, steps = _serve(engine, AdaptiveSpeculation(lambda n: float(n) ** 3, max_width=16))
+    assert all(s.adaptive.width == 0 for s in steps)
+    assert len(observed) == sum(r.stats.steps for r in got) > 0
 
 
 def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, monkeypatch):

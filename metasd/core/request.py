@@ -116,6 +116,7 @@ class _PendingStep:
     draft_cost: float  # modeled cost of the drafting, in verifier decode steps
     t0: float  # clock before drafting
     t1: float  # clock after drafting
+    asked: bool = True  # whether the drafter was asked to draft (not when the allocator gave the request 0 nodes)
 
     def fields(self) -> tuple:
         return self.ctx, self.drafter, self.draft, self.draft_cost, self.t0, self.t1
@@ -310,18 +311,21 @@ class Request:
         limit = self.draft_budget
         if max_nodes is not None:
             limit = max_nodes if limit is None else min(limit, max_nodes)
-            if max_nodes > 0:  # at 0 the drafter still drafts (its state follows every step) and the cut empties it
+            if max_nodes > 0:
                 ctx = dataclasses.replace(ctx, max_nodes=max_nodes)
         drafter = self.drafters[self.arm] if self.drafters else None
+        # at 0 nodes the drafter is not asked (its work would be cut away): a plain step, credited to the arm selected;
+        # the drafter catches up when it next drafts, as an arm that was not selected does
+        asked = drafter is not None and max_nodes != 0
         with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
             t0 = now(self.engine.clock_device)
-            draft = drafter.propose(ctx) if drafter is not None else Draft.empty()
+            draft = drafter.propose(ctx) if asked else Draft.empty()
             if draft.depth > ctx.max_depth:
                 draft = draft.truncated(ctx.max_depth)
             if limit is not None and len(draft) > limit:
                 draft = draft.first(limit)
             t1 = now(self.engine.clock_device)
-        self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1)
+        self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1, asked)
         return draft
 
     @property
@@ -341,7 +345,7 @@ class Request:
         if self._pending_step is None:
             raise RuntimeError("Request.finish_step called without draft_step")
         ctx, drafter, draft, draft_cost, t0, t1 = self._pending_step.fields()
-        self._pending_step = None
+        asked, self._pending_step = self._pending_step.asked, None
         eng, verifier, stats, policy = self.engine, self.verifier, self.stats, self.policy
         if cost is None:
             cost = draft_cost + eng.meter.price(verifier.model, len(draft) + 1)
@@ -359,10 +363,10 @@ class Request:
         verifier.commit(acc.path, out)
         committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
         feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=seconds, cost=cost)
-        if drafter is not None:
+        if asked:
             drafter.observe(feedback)  # first: the drafters it drafted with (a fused arm's) settle their caches
         rewards: dict[int, float] = {}
-        if drafter is not None and eng.feedback == "full":
+        if asked and eng.feedback == "full":
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
                 counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(self.drafters) if j != self.arm}
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
