@@ -94,6 +94,29 @@ def test_flat_cost_and_a_drafter_that_is_always_right_draft_wide(verifier_model,
     assert sum(r.stats.accepted for r in got) / sum(r.stats.steps for r in got) >= 3
 
 
+def test_drafting_is_priced_once_the_arm_has_drafted(verifier_model, tok, monkeypatch):
+    # the tiny drafter's forwards cost what the tiny verifier's do: once its drafting cost is learnt, the allocator
+    # stops drafting where a draft's expected tokens do not pay for it (and the allocator is told the cost)
+    seen = []
+    original = AdaptiveSpeculation.allocate
+
+    def spy(self, arms):
+        alloc = original(self, arms)
+        seen.append((dict(self.draft_costs), alloc.width))
+        return alloc
+
+    monkeypatch.setattr(AdaptiveSpeculation, "allocate", spy)
+    expected = _plain(verifier_model, tok)
+    engine = _engine(verifier_model, tok, _budget_arms())
+    got, steps = _serve(engine, AdaptiveSpeculation(_linear, max_width=16, price_drafting=True))
+    assert [r.token_ids for r in got] == expected
+    assert seen[0][0] == {} and seen[0][1] > 0  # nothing learnt yet: drafting looks free, the first step drafts
+    learnt = [(costs, w) for costs, w in seen if costs]
+    assert learnt and learnt[0][0]["cascade"] > 0.5  # metered: a tiny drafter costs about a tiny verifier forward
+    assert [w for _, w in learnt[-5:]] == [0] * 5  # priced, drafting stops paying for itself
+    assert AdaptiveSpeculation(_linear).draft_cost(NoSpeculation()) is None
+
+
 def test_the_load_reaches_a_per_load_policy(verifier_model, tok):
     engine = _engine(verifier_model, tok, _budget_arms(), persistent_policy=True)
     policy = engine.policy
@@ -136,7 +159,8 @@ def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, mo
     monkeypatch.setattr(Request, "finish_step", spy)
     engine = _engine(verifier_model, tok, _budget_arms())
     steps = []
-    with Scheduler(engine, max_batch=4, adaptive=AdaptiveSpeculation(_linear, max_width=16)) as s:
+    adaptive = AdaptiveSpeculation(_linear, max_width=16)  # drafting not priced by the allocator (the default)
+    with Scheduler(engine, max_batch=4, adaptive=adaptive) as s:
         s.add_listener(lambda r: steps.append(list(calls)) or calls.clear()
                        if isinstance(r, SchedulerStep) and r.batch_size else None)
         for h in [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]:
@@ -221,11 +245,13 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
     from metasd.serve.cli import SchedulerSettings
 
     profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")
-    serving = {"adaptive": True, "max_width": 8, "profile": {"token_counts": None, "max_seconds": 5.0}}
+    serving = {"adaptive": True, "max_width": 8, "price_drafting": True,
+               "profile": {"token_counts": None, "max_seconds": 5.0}}
     scheduler = SchedulerSettings(2, 4, False, serving, profile.to_dict()).make(_engine(verifier_model, tok,
                                                                                         _budget_arms()))
     try:
         assert scheduler.adaptive is not None and scheduler.adaptive.max_width == 8
+        assert scheduler.adaptive.price_drafting
         assert scheduler.adaptive.cost(64) == pytest.approx(3.0)
     finally:
         scheduler.close()

@@ -110,6 +110,7 @@ class ServingConfig(_Strict):
 
     adaptive: Bool = False
     max_width: Int = Field(48, ge=0)  # most draft nodes per request per step
+    price_drafting: Bool = False  # the allocator charges each arm's learnt drafting cost (AdaptiveSpeculation)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
 

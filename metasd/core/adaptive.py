@@ -14,7 +14,11 @@ wires the building blocks of speculation under load into its step:
 3. **pricing** - after the batched verification, request i's step costs its share ``cost(B N) / B + c_i``
    (``goodput.shared_step_cost``, rows ``1 + len(draft_j)``, ``c_i`` its metered drafting cost), and a counterfactual
    draft of ``n`` nodes the forward it would have been in (``goodput.counterfactual_share``);
-4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``).
+4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``), and its drafting cost
+   per step (the meter's modeled cost of the step's drafting, an exponential average over the steps it drafted) can
+   price the next allocations (``price_drafting=True``): the allocator drafts for a request only where the expected tokens pay for its drafter's
+   forwards too (``plan``'s ``draft_costs``: ``c_i(d) = the average for d > 0``, 0 at ``d = 0``, where the drafter is
+   not asked at all).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -32,6 +36,10 @@ from .acceptance_curve import AcceptanceCurve
 from .allocator import Allocation, plan
 from .goodput import counterfactual_share, shared_step_cost
 from .request_features import load_features
+
+
+#: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
+DRAFT_COST_DECAY = 0.8
 
 
 @dataclass
@@ -52,18 +60,23 @@ class AdaptiveSpeculation:
     prices each request's step with its share of the shared forward. See the module docstring.
 
     cost: the forward's cost over n tokens in all (padding included); max_width: most draft nodes per row;
-    grid: the curves' grid of node budgets (default: ``AcceptanceCurve``'s).
+    grid: the curves' grid of node budgets (default: ``AcceptanceCurve``'s); price_drafting: whether the allocator
+    charges each arm's learnt drafting cost (off by default: not measured under load yet, and an arm priced out never
+    drafts again to correct its estimates - the per-step policy's throughput reward prices drafting either way).
     """
 
-    def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None):
+    def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
+                 price_drafting: bool = False):
         if not callable(cost):
             raise ValueError(f"cost must be callable (a ForwardProfile's cost), got {type(cost).__name__}")
         if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
             raise ValueError(f"max_width must be an integer >= 0, got {max_width!r}")
         self.cost = getattr(cost, "cost", cost)  # a ForwardProfile itself is accepted too
         self.max_width = max_width
+        self.price_drafting = bool(price_drafting)
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
+        self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
     @classmethod
@@ -110,7 +123,14 @@ class AdaptiveSpeculation:
         """Each request's node budget for this step, given the arms selected (row order; None: no arm)."""
         caps = [self.cap(a) for a in arms]
         curves = [self.curve(a) if c > 0 else None for a, c in zip(arms, caps)]
-        return plan(curves, caps, self.cost, max_width=self.max_width)
+        costs = [self.draft_cost(a) if c > 0 and self.price_drafting else None for a, c in zip(arms, caps)]
+        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs)
+
+    def draft_cost(self, arm: Any) -> Callable[[int], float] | None:
+        """The arm's drafting cost as the allocator prices it: ``d -> average`` for ``d > 0`` and 0 at ``d = 0``
+        (a request given no nodes does not draft); None before the arm has drafted once."""
+        c = self.draft_costs.get(self.curve_key(arm))
+        return None if c is None else (lambda d, c=c: c if d > 0 else 0.0)
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
         """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
@@ -132,22 +152,27 @@ class AdaptiveSpeculation:
         """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
         (``pricer``); then its arm's curve learns from the accepted path."""
-        cost = self.step_cost(rows_tokens, i, request.pending_draft_cost)
+        draft_cost = request.pending_draft_cost
+        cost = self.step_cost(rows_tokens, i, draft_cost)
         request.verify_pricer = self.pricer(rows_tokens, i)
         try:
             result = request.finish_step(out, verify_s=verify_s, cost=cost)
         finally:
             request.verify_pricer = None
         s = request.last_step
-        self.learn(arm, s.path, s.drafted, d_i)
+        self.learn(arm, s.path, s.drafted, d_i, draft_cost)
         return result
 
-    def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int) -> None:
+    def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None) -> None:
         """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
-        accepted."""
+        accepted; ``draft_cost`` (the step's modeled drafting cost) updates its average drafting cost."""
         if arm is None or budget <= 0 or not getattr(arm, "speculates", True):
             return
         self.curve(arm).update(list(path), drafted, budget=max(budget, drafted))
+        if draft_cost is not None:
+            key, c = self.curve_key(arm), max(float(draft_cost), 0.0)
+            prev = self.draft_costs.get(key)
+            self.draft_costs[key] = c if prev is None else DRAFT_COST_DECAY * prev + (1 - DRAFT_COST_DECAY) * c
 
 
 __all__ = ["AdaptiveRecord", "AdaptiveSpeculation"]

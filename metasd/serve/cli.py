@@ -140,7 +140,8 @@ class SchedulerSettings:
             profile = profile_forward(engine.verifier.model, **counts, max_seconds=opts["max_seconds"])
         print(f"[metasd serve] adaptive speculation, max_width {self.adaptive['max_width']}; {profile.describe()}",
               file=sys.stderr, flush=True)
-        return AdaptiveSpeculation(profile.cost, max_width=self.adaptive["max_width"])
+        return AdaptiveSpeculation(profile.cost, max_width=self.adaptive["max_width"],
+                                   price_drafting=self.adaptive.get("price_drafting", False))
 
 
 def read_cost_profile(path: str | None, config) -> dict | None:
