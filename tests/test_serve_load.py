@@ -2,22 +2,16 @@
 commands and the tables on synthetic rows."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def sl():
-    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_load"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("serve_load")
 
 
 def test_percentile_interpolates_like_numpy(sl):

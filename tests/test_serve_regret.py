@@ -3,24 +3,17 @@ candidate's paired ratios and regret, the best single configuration by geometric
 server, and the MLflow log (a real SQLite store in tmp_path: parent run, nested runs, the regret plot)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_regret.py"
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def sr():
-    spec = importlib.util.spec_from_file_location("serve_regret", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_regret"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("serve_regret")
 
 
 #: output tok/s per (server, concurrency): one value per repeat (3 repeats)
