@@ -10,7 +10,7 @@ from metasd.core.request import Request
 from metasd.core.scheduler import Scheduler, SchedulerStep
 from metasd.core.verifier import Verifier
 from metasd.drafters import FusedDrafter, PretrainedTreeDrafter, SuffixDrafter
-from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
+from metasd.drafters.budgeted import NoSpeculation, budget_arms
 from metasd.policies import make_policy
 from tiny import tiny_qwen
 
@@ -27,7 +27,7 @@ def _cascade():  # configs/default.yaml's pool on tiny models
 
 def _budget_arms():
     inner = _cascade()
-    return [BudgetedArm(inner, 2), BudgetedArm(inner, 6), BudgetedArm(inner, 16), NoSpeculation()]
+    return [*budget_arms(inner, (2, 6, 16)), NoSpeculation()]
 
 
 def _engine(model, tok, drafters, policy="per_load", **kw):
