@@ -132,6 +132,20 @@ def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, mo
     assert any(dc > 0 for st in worked for _, dc, _ in st)  # the model drafter's work is in the share
 
 
+def test_counterfactual_drafts_are_priced_by_the_pricer_passed_to_finish_step(verifier_model, tok, monkeypatch):
+    priced = []
+    original = Request.finish_step
+
+    def spy(self, out, *, verify_pricer=None, **kw):
+        assert verify_pricer is not None  # the adaptive scheduler passes its share of the forward
+        return original(self, out, verify_pricer=lambda n: priced.append(n) or verify_pricer(n), **kw)
+
+    monkeypatch.setattr(Request, "finish_step", spy)
+    engine = _engine(verifier_model, tok, _budget_arms(), feedback="full")
+    got, _ = _serve(engine, AdaptiveSpeculation(_linear, max_width=16))
+    assert got and priced  # the budget arms' and none's counterfactuals were priced through it
+
+
 def test_sampled_request_gives_the_same_tokens_whatever_runs_beside_it(verifier_model, tok):
     def run(prompts, max_new, seeds):
         drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0), nodes=8, depth=3, width=2, name="tree")
