@@ -2,9 +2,11 @@
 
 A pool entry with ``budgets: [4, 16, 48]`` becomes one arm per budget, ``"cascade@4"``, ``"cascade@16"``, ...: each a
 ``BudgetedArm`` around ONE shared inner drafter (one model, one state), proposing the inner drafter's draft cut to its
-first ``budget`` nodes (``Draft.first``: an ancestor-closed subtree, exact under every acceptance rule). The budget is
-passed down as ``StepContext.max_nodes``, so an inner drafter that can draft less does (``pretrained_tree``, ``fused``
-passing it on to its arms); the others are cut after drafting.
+first ``budget`` nodes (``Draft.first``: an ancestor-closed subtree, exact under every acceptance rule). The arms of
+one entry also share one ``_Shared`` holder (``budget_arms`` builds them so): the last proposal any of them made, which
+the others read for their counterfactuals. The budget is passed down as ``StepContext.max_nodes``, so an inner
+drafter that can draft less does (``pretrained_tree``, ``fused`` passing it on to its arms); the others are cut after
+drafting.
 
 ``no_speculation_arm: true`` adds ``NoSpeculation`` (arm "none"): an empty draft, i.e. one plain decoding step - the
 right choice when the verifier's batch is full and a draft costs more than it saves.
@@ -23,7 +25,7 @@ drafted, nothing accepted, no drafting work.
 from __future__ import annotations
 
 import dataclasses
-import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,39 +59,47 @@ class _Proposal:
 
 class _Shared:
     """What the budget arms of one inner drafter share: the last proposal any of them made, and the inner drafter's
-    own counterfactual of the step when an arm of another entry drafted (asked once per step, not once per budget)."""
+    own counterfactual of the step when an arm of another entry drafted (asked once per step, not once per budget).
+
+    One holder per inner drafter: made with the arms (``budget_arms``), passed to each arm, and forked with the inner
+    drafter (``BudgetedArm.fork``: once per memo, so a request's forked arms share one new, empty holder)."""
 
     def __init__(self):
         self.last: _Proposal | None = None
         self.inner_cf: tuple[StepContext, Counterfactual | None] | None = None
 
 
-# per inner drafter (weakly: forks and copies get their own record, and a dropped pool frees it)
-_SHARED: weakref.WeakKeyDictionary[Drafter, _Shared] = weakref.WeakKeyDictionary()
-
-
-def _shared(inner: Drafter) -> _Shared:
-    record = _SHARED.get(inner)
-    if record is None:
-        record = _SHARED[inner] = _Shared()
-    return record
-
-
 class BudgetedArm(Drafter):
     """One budget arm: ``inner``'s draft cut to its first ``budget`` nodes. Every arm of one pool entry holds the same
-    ``inner`` drafter (one model, one state); ``fork(memo)`` keeps that sharing (the inner drafter is forked once per
-    memo, as a fused drafter's arms are). ``observe`` forwards to the inner drafter; ``counterfactual`` is exact for
-    budgets up to the one a sibling arm drafted with (module docstring)."""
+    ``inner`` drafter (one model, one state) and the same ``shared`` holder (``budget_arms`` builds them so; an arm
+    given no holder gets one of its own - right for an arm alone, not for siblings); ``fork(memo)`` keeps that sharing
+    (the inner drafter and the holder are forked once per memo, as a fused drafter's arms are). ``observe`` forwards to
+    the inner drafter; ``counterfactual`` is exact for budgets up to the one a sibling arm drafted with (module
+    docstring)."""
 
     kind = ""  # built by the pool (an entry's ``budgets``), not a type of its own
 
-    def __init__(self, inner: Drafter, budget: int, name: str | None = None):
+    def __init__(self, inner: Drafter, budget: int, name: str | None = None, *, shared: _Shared | None = None):
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
         super().__init__(name or budget_arm_name(inner.name, budget))
         self.inner = inner
         self.budget = budget
+        self.shared = _Shared() if shared is None else shared
         self.hidden_layers = inner.hidden_layers
+
+    def fork(self, cross_request: bool = False, memo: dict[int, Any] | None = None) -> BudgetedArm:
+        """``Drafter.fork``, and the holder forked with the inner drafter: the arms forked with one memo share one new
+        holder (the memo maps the old holder's id to it), forks with another memo (another request) get their own."""
+        memo = {} if memo is None else memo
+        if id(self) in memo:
+            return memo[id(self)]
+        twin = super().fork(cross_request, memo)
+        shared = memo.get(id(self.shared))
+        if shared is None:
+            shared = memo[id(self.shared)] = _Shared()
+        twin.shared = shared
+        return twin
 
     def components(self) -> list[Drafter]:
         return [self.inner]  # the engine begins, ends and locks the inner drafter once, whatever its arms
@@ -107,13 +117,13 @@ class BudgetedArm(Drafter):
         if reindexed:  # cut here (the request would), so that the budget counts the nodes that are verified
             full = full.truncated(ctx.max_depth)
         proposed = full.first(self.budget)
-        _shared(self.inner).last = _Proposal(ctx, self.budget, full, proposed, reindexed, cost)
+        self.shared.last = _Proposal(ctx, self.budget, full, proposed, reindexed, cost)
         return proposed
 
     def observe(self, feedback: StepFeedback) -> None:
         """The inner drafter learns the step as if it had drafted alone: its own draft, with the accepted path (node
         indices of the first nodes are its own, ``Draft.first`` keeps them) - as a fused drafter tells its arms."""
-        last = _shared(self.inner).last
+        last = self.shared.last
         if last is not None and not last.reindexed and _is_prefix(feedback.draft, last.proposed):
             feedback = dataclasses.replace(feedback, draft=last.full)
         self.inner.observe(feedback)
@@ -128,7 +138,7 @@ class BudgetedArm(Drafter):
         drafting of fewer nodes may stop earlier); the verification is priced by the engine for ``drafted`` nodes.
         An arm of another entry drafted: the inner drafter's own counterfactual (asked once per step for all
         budgets), when its draft fits the budget (the cut changes nothing); else None."""
-        shared = _shared(self.inner)
+        shared = self.shared
         last = shared.last
         if last is not None and last.ctx is ctx:
             return self._from_sibling(last, feedback)
@@ -155,6 +165,13 @@ class BudgetedArm(Drafter):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "budgeted", "name": self.name, "budget": self.budget, "inner": self.inner.describe()}
+
+
+def budget_arms(inner: Drafter, budgets: Iterable[int]) -> list[BudgetedArm]:
+    """The budget arms of one pool entry, one per budget in the order given: each around ``inner``, all sharing one
+    new ``_Shared`` holder."""
+    shared = _Shared()
+    return [BudgetedArm(inner, b, shared=shared) for b in budgets]
 
 
 class NoSpeculation(Drafter):

@@ -10,7 +10,7 @@ from metasd.core.request import Request
 from metasd.core.scheduler import Scheduler, SchedulerStep
 from metasd.core.verifier import Verifier
 from metasd.drafters import FusedDrafter, PretrainedTreeDrafter, SuffixDrafter
-from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
+from metasd.drafters.budgeted import NoSpeculation, budget_arms
 from metasd.policies import make_policy
 from tiny import tiny_qwen
 
@@ -27,7 +27,7 @@ def _cascade():  # configs/default.yaml's pool on tiny models
 
 def _budget_arms():
     inner = _cascade()
-    return [BudgetedArm(inner, 2), BudgetedArm(inner, 6), BudgetedArm(inner, 16), NoSpeculation()]
+    return [*budget_arms(inner, (2, 6, 16)), NoSpeculation()]
 
 
 def _engine(model, tok, drafters, policy="per_load", **kw):
@@ -172,6 +172,20 @@ def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, mo
         for i, (cost, draft_cost, _) in enumerate(st):
             assert cost == pytest.approx(shared_step_cost(_linear, rows, i, draft_cost))
     assert any(dc > 0 for st in worked for _, dc, _ in st)  # the model drafter's work is in the share
+
+
+def test_counterfactual_drafts_are_priced_by_the_pricer_passed_to_finish_step(verifier_model, tok, monkeypatch):
+    priced = []
+    original = Request.finish_step
+
+    def spy(self, out, *, verify_pricer=None, **kw):
+        assert verify_pricer is not None  # the adaptive scheduler passes its share of the forward
+        return original(self, out, verify_pricer=lambda n: priced.append(n) or verify_pricer(n), **kw)
+
+    monkeypatch.setattr(Request, "finish_step", spy)
+    engine = _engine(verifier_model, tok, _budget_arms(), feedback="full")
+    got, _ = _serve(engine, AdaptiveSpeculation(_linear, max_width=16))
+    assert got and priced  # the budget arms' and none's counterfactuals were priced through it
 
 
 def test_sampled_request_gives_the_same_tokens_whatever_runs_beside_it(verifier_model, tok):

@@ -3,7 +3,7 @@ exact free counterfactuals for smaller budgets, and exact output whatever the po
 import pytest
 import torch
 from metasd.drafters import NGramDrafter, PretrainedTreeDrafter
-from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
+from metasd.drafters.budgeted import BudgetedArm, NoSpeculation, budget_arms
 from metasd.drafters.fused import FusedDrafter
 from metasd.policies import UCB1
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
@@ -93,12 +93,29 @@ def test_forks_of_budget_arms_share_one_forked_drafter(models):
     _, drafter_model = models
     inner = FusedDrafter([NGramDrafter(k=4, n_max=2, name="lookup"),
                           PretrainedTreeDrafter(drafter_model, nodes=8, depth=3, width=2, name="tree")], name="f")
-    arms = [BudgetedArm(inner, b) for b in (2, 8)]
+    arms = budget_arms(inner, (2, 8))
     memo: dict = {}
     forks = [a.fork(memo=memo) for a in arms]
     assert forks[0].inner is forks[1].inner and forks[0].inner is not inner
     assert forks[0].inner.arms[1] is not inner.arms[1] and forks[0].inner.arms[1].model is drafter_model
     assert [f.name for f in forks] == ["f@2", "f@8"] and [f.budget for f in forks] == [2, 8]
+
+
+def test_forks_of_an_entrys_budget_arms_share_one_new_holder_per_fork():
+    inner = NGramDrafter(k=4, n_max=2, name="lookup")
+    arms = budget_arms(inner, (2, 8, 32))
+    assert all(a.shared is arms[0].shared for a in arms)  # one holder for the entry
+    ctx = _ctx(PROMPT)
+    arms[1].propose(ctx)  # a proposal in the original's holder
+    first, second = ({}, {})
+    forks = [[a.fork(memo=first) for a in arms], [a.fork(memo=second) for a in arms]]
+    for fork in forks:
+        holder = fork[0].shared
+        assert all(f.shared is holder and f.inner is fork[0].inner for f in fork)  # shared within a fork
+        assert holder is not arms[0].shared and holder.last is None and holder.inner_cf is None  # new, empty
+    assert forks[0][0].shared is not forks[1][0].shared  # not across forks (requests)
+    assert forks[0][0].inner is not forks[1][0].inner
+    assert arms[0].shared.last is not None and arms[0].shared.last.ctx is ctx  # the original's holder kept its own
 
 
 # ---------------------------------------------------------------- drafting less
@@ -211,7 +228,7 @@ def _run_for_real(verifier_model, arm, tokens, max_depth):
 def test_a_smaller_budgets_counterfactual_equals_running_that_budget(models, kind):
     verifier_model, drafter_model = models
     inner = _make_inner(kind, drafter_model)
-    small, large = BudgetedArm(inner, 3), BudgetedArm(inner, 16)
+    small, large = budget_arms(inner, (3, 16))
     seen: list = []
     _recording(small, seen)
     engine = Engine(Verifier(verifier_model), [small, large], UCB1(2), feedback="full")
@@ -232,7 +249,7 @@ def test_a_smaller_budgets_counterfactual_equals_running_that_budget(models, kin
 def test_a_larger_budget_is_scored_only_when_the_drafter_drafted_less_than_the_budget_verified(models):
     verifier_model, drafter_model = models
     inner = _make_inner("tree", drafter_model)
-    small, large = BudgetedArm(inner, 4), BudgetedArm(inner, 64)
+    small, large = budget_arms(inner, (4, 64))
     seen: list = []
     _recording(large, seen)
     engine = Engine(Verifier(verifier_model), [small, large], UCB1(2), feedback="full")
@@ -244,7 +261,7 @@ def test_a_larger_budget_is_scored_only_when_the_drafter_drafted_less_than_the_b
     # a drafter that drafted fewer nodes than the budget verified: a larger budget would have proposed the same
     for nodes, expected in (([5, 6, 7], [-1, 0, -1]), (2, 3, 2)), (([5, 6, 7, 8, 9], [-1, 0, -1, 1, 3]), None):
         inner = Fixed(*nodes)
-        small, large = BudgetedArm(inner, 4), BudgetedArm(inner, 8)
+        small, large = budget_arms(inner, (4, 8))
         ctx = _ctx(PROMPT)
         draft = small.propose(ctx)
         c = large.counterfactual(ctx, StepFeedback(draft, Acceptance([0, 1], 4), committed=[5, 6, 4]))
@@ -269,7 +286,7 @@ def test_the_none_arm_is_plain_decoding_and_its_counterfactual_is_known(models):
 def test_a_budget_arm_scored_when_another_entry_drafted_uses_its_drafters_own_counterfactual(models):
     verifier_model, _ = models
     lookup = NGramDrafter(k=4, n_max=2, name="lookup")  # a lookup drafter: its counterfactual drafts again
-    arms = [BudgetedArm(lookup, 2), BudgetedArm(lookup, 8)]
+    arms = budget_arms(lookup, (2, 8))
     other = PretrainedTreeDrafter(tiny_qwen(seed=5), nodes=4, depth=3, width=2, name="other")
     seen = {2: [], 8: []}
     for a in arms:
@@ -288,7 +305,7 @@ def test_a_budget_arm_scored_when_another_entry_drafted_uses_its_drafters_own_co
 def test_greedy_output_with_a_bandit_over_budget_arms_is_plain_greedy(models, feedback):
     verifier_model, drafter_model = models
     inner = _make_inner("fused", drafter_model)
-    pool = [*(BudgetedArm(inner, b) for b in (1, 4, 16)), NoSpeculation()]
+    pool = [*budget_arms(inner, (1, 4, 16)), NoSpeculation()]
     engine = Engine(Verifier(verifier_model), pool, UCB1(4), feedback=feedback)
     result = engine.generate(PROMPT, max_new_tokens=48)
     assert result.token_ids == plain_greedy(verifier_model, PROMPT, 48)
@@ -317,7 +334,7 @@ def test_under_sampling_a_smaller_budgets_counterfactual_is_running_it_with_the_
     for seed in range(12):
         prompt = PROMPT[seed:] + PROMPT[:seed]  # other contexts, other draws
         inner = make()
-        small, large = BudgetedArm(inner, 2), BudgetedArm(inner, 12)
+        small, large = budget_arms(inner, (2, 12))
         seen: list = []
         _recording(small, seen)
         engine = Engine(Verifier(verifier_model), [small, large], UCB1(2), feedback="full")
@@ -334,7 +351,7 @@ def test_under_sampling_a_smaller_budgets_counterfactual_is_running_it_with_the_
 def test_batched_requests_run_budget_arms_on_forks_sharing_one_drafter_each(models, monkeypatch):
     verifier_model, drafter_model = models
     inner = _make_inner("fused", drafter_model)
-    pool = [*(BudgetedArm(inner, b) for b in (2, 8)), NoSpeculation()]
+    pool = [*budget_arms(inner, (2, 8)), NoSpeculation()]
     engine = Engine(Verifier(verifier_model), pool, UCB1(3), feedback="full")
     used: dict[int, set] = {}  # request (its ctx.request mapping) -> the inner drafters its budget arms drafted with
     propose = BudgetedArm.propose

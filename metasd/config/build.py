@@ -12,7 +12,7 @@ from metasd.core.drafter import BuildContext
 from metasd.core.engine import Engine
 from metasd.core.policy import Policy, make_policy
 from metasd.core.verifier import Verifier
-from metasd.drafters.budgeted import BudgetedArm, NoSpeculation
+from metasd.drafters.budgeted import NoSpeculation, budget_arms
 from metasd.models import ModelLoadError, check_model_reference, check_quantize, load_model, resolve_device, resolve_dtype
 
 from .files import ConfigError, read_yaml_mapping, validate_config
@@ -126,7 +126,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
             raise ConfigError(f"drafters.{i} ({d.name!r}): {e}") from e
         built[d.name] = drafter
         if d.arm and d.budgets is not None:  # one arm per budget, all drafting with this one drafter
-            drafters.extend(BudgetedArm(drafter, b) for b in d.budgets)
+            drafters.extend(budget_arms(drafter, d.budgets))
         elif d.arm:
             drafters.append(drafter)
     if config.no_speculation_arm:

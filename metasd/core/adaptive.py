@@ -154,11 +154,7 @@ class AdaptiveSpeculation:
         (``pricer``); then its arm's curve learns from the accepted path."""
         draft_cost = request.pending_draft_cost
         cost = self.step_cost(rows_tokens, i, draft_cost)
-        request.verify_pricer = self.pricer(rows_tokens, i)
-        try:
-            result = request.finish_step(out, verify_s=verify_s, cost=cost)
-        finally:
-            request.verify_pricer = None
+        result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
         s = request.last_step
         self.learn(arm, s.path, s.drafted, d_i, draft_cost)
         return result

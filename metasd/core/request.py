@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -163,7 +163,6 @@ class Request:
         self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
         self._selected: StepContext | None = None  # between select_arm and propose
         self.load: np.ndarray | None = None  # [2] load features a scheduler sets; appended last to a step context
-        self.verify_pricer = None  # a scheduler's price of verifying a counterfactual draft of n nodes
 
     def text(self) -> str:
         """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
@@ -334,14 +333,17 @@ class Request:
         return self._pending_step.draft_cost if self._pending_step is not None else 0.0
 
     def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
-                    verify_s: float | None = None) -> tuple[list[int], bool]:
+                    verify_s: float | None = None,
+                    verify_pricer: Callable[[int], float] | None = None) -> tuple[list[int], bool]:
         """Second half of a step, given the verifier's scores of [pending] + the draft (``out``): accept, commit in
         the verifier's cache, feedback to the drafter, rewards, policy, stats. Returns the committed tokens and
         whether the request is over.
 
         cost: the step's modeled cost (default: the drafting counted by ``draft_step`` plus a verifier forward over
             the draft's rows, priced from shapes - a batched forward is shared by many requests); t2: the clock after
-            the verification (sequential); verify_s: else, how long the verification took."""
+            the verification (sequential); verify_s: else, how long the verification took; verify_pricer: a
+            scheduler's price of verifying a counterfactual draft of n nodes (default: a verifier forward over
+            [pending] + n nodes, priced from shapes)."""
         if self._pending_step is None:
             raise RuntimeError("Request.finish_step called without draft_step")
         ctx, drafter, draft, draft_cost, t0, t1 = self._pending_step.fields()
@@ -372,7 +374,7 @@ class Request:
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
             # a counterfactual draft of n nodes is verified at a scheduler's share of the forward it would have been
             # in (verify_pricer), else at a forward over [pending] + n nodes priced from shapes
-            verify = self.verify_pricer or (lambda n: eng.meter.price(verifier.model, n + 1))
+            verify = verify_pricer or (lambda n: eng.meter.price(verifier.model, n + 1))
             for j, c in counterfactuals.items():
                 if c is not None:
                     own = c.drafting_cost + sum(eng.meter.price(module, rows) for module, rows in c.forwards)
