@@ -150,6 +150,34 @@ def tables(report: RegretReport) -> str:
     return "\n".join(lines)
 
 
+def arm_shares(rows: list[dict], server: str) -> dict[int, dict[str, float]]:
+    """Per level, the share of the server's steps each arm took, over all repeats (from each completion's ``metasd``
+    record: its ``selection_counts``); levels whose records name no arm are left out."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in rows if r["server"] == server}):
+        counts: dict[str, int] = {}
+        for r in rows:
+            if r["server"] == server and r["concurrency"] == c:
+                for q in r.get("requests", []):
+                    for arm, n in ((q.get("metasd") or {}).get("selection_counts") or {}).items():
+                        counts[arm] = counts.get(arm, 0) + n
+        total = sum(counts.values())
+        if total:
+            out[c] = {arm: n / total for arm, n in sorted(counts.items())}
+    return out
+
+
+def arm_table(rows: list[dict], server: str) -> str:
+    """Markdown: the arms' shares of the server's steps per level (``arm_shares``); empty when no record names one."""
+    shares = arm_shares(rows, server)
+    arms = sorted({a for s in shares.values() for a in s})
+    if not arms:
+        return ""
+    lines = ["| c | " + " | ".join(f"{server}: {a}" for a in arms) + " |", "|---" * (len(arms) + 1) + "|"]
+    lines += [f"| {c} | " + " | ".join(f"{s.get(a, 0.0):.0%}" for a in arms) + " |" for c, s in shares.items()]
+    return "\n".join(lines)
+
+
 def regret_plot(report: RegretReport, path: str | Path) -> Path:
     """Every configuration's median tok/s as a share of the level's best fixed configuration, per concurrency (the
     best in hindsight is the line at 1.0; the candidate's distance below it is its regret)."""
@@ -240,6 +268,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {args.result}: {e}") from None
     print(tables(report))
+    arms = arm_table(result["rows"], args.candidate)
+    if arms:
+        print("\n" + arms)
     if args.mlflow:
         from metasd.config.tracking import resolve_tracking_uri
 

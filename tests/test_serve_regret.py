@@ -86,6 +86,17 @@ def test_mlflow_log_has_the_regret_per_level_nested_runs_and_the_plot(sr, tmp_pa
     assert {m.step: m.value for m in client.get_metric_history(child.info.run_id, "tok_s_median")} == {1: 3.0, 8: 3.1}
 
 
+def test_arm_shares_per_level_from_the_completions_records(sr):
+    rs = rows()
+    for r in rs:
+        if r["server"] == "adaptive":
+            pick = {"c@4": 3, "none": 1} if r["concurrency"] == 1 else {"none": 4}
+            r["requests"] = [{"metasd": {"selection_counts": pick}}, {"metasd": None}]
+    assert sr.arm_shares(rs, "adaptive") == {1: {"c@4": 0.75, "none": 0.25}, 8: {"none": 1.0}}
+    assert sr.arm_shares(rs, "off") == {}
+    assert "| 1 | 75% | 25% |" in sr.arm_table(rs, "adaptive") and sr.arm_table(rs, "off") == ""
+
+
 def test_cli_names_a_missing_result_file(sr, tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         sr.main([str(tmp_path / "nope.json"), "--candidate", "a", "--fixed", "b"])
