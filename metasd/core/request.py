@@ -310,12 +310,9 @@ class Request:
         limit = self.draft_budget
         if max_nodes is not None:
             limit = max_nodes if limit is None else min(limit, max_nodes)
-            if max_nodes > 0:
-                ctx = dataclasses.replace(ctx, max_nodes=max_nodes)
+            ctx = dataclasses.replace(ctx, max_nodes=max_nodes) if max_nodes > 0 else ctx
         drafter = self.drafters[self.arm] if self.drafters else None
-        # at 0 nodes the drafter is not asked (its work would be cut away): a plain step, credited to the arm selected;
-        # the drafter catches up when it next drafts, as an arm that was not selected does
-        asked = drafter is not None and max_nodes != 0
+        asked = drafter is not None and max_nodes != 0  # at 0 nodes: a plain step (the drafter catches up later)
         with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
             t0 = now(self.engine.clock_device)
             draft = drafter.propose(ctx) if asked else Draft.empty()
@@ -342,8 +339,7 @@ class Request:
         cost: the step's modeled cost (default: the drafting counted by ``draft_step`` plus a verifier forward over
             the draft's rows, priced from shapes - a batched forward is shared by many requests); t2: the clock after
             the verification (sequential); verify_s: else, how long the verification took; verify_pricer: a
-            scheduler's price of verifying a counterfactual draft of n nodes (default: a verifier forward over
-            [pending] + n nodes, priced from shapes)."""
+            scheduler's price of verifying a counterfactual draft of n nodes (default: priced from shapes)."""
         if self._pending_step is None:
             raise RuntimeError("Request.finish_step called without draft_step")
         ctx, drafter, draft, draft_cost, t0, t1 = self._pending_step.fields()
@@ -372,8 +368,7 @@ class Request:
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
                 counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(self.drafters) if j != self.arm}
             feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
-            # a counterfactual draft of n nodes is verified at a scheduler's share of the forward it would have been
-            # in (verify_pricer), else at a forward over [pending] + n nodes priced from shapes
+            # a counterfactual draft of n nodes: verified at the scheduler's price, else a forward over [pending] + n
             verify = verify_pricer or (lambda n: eng.meter.price(verifier.model, n + 1))
             for j, c in counterfactuals.items():
                 if c is not None:
