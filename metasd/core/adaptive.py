@@ -16,9 +16,9 @@ wires the building blocks of speculation under load into its step:
    draft of ``n`` nodes the forward it would have been in (``goodput.counterfactual_share``);
 4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``), and its drafting cost
    per step (the meter's modeled cost of the step's drafting, an exponential average over the steps it drafted) can
-   price the next allocations (``price_drafting=True``): the allocator drafts for a request only where the expected tokens pay for its drafter's
-   forwards too (``plan``'s ``draft_costs``: ``c_i(d) = the average for d > 0``, 0 at ``d = 0``, where the drafter is
-   not asked at all).
+   price the next allocations (``price_drafting=True``): the allocator then drafts for a request only where the
+   expected tokens pay for its drafter's forwards too (``plan``'s ``draft_costs``: ``c_i(d) = the average`` for
+   ``d > 0``, 0 at ``d = 0``, where the drafter is not asked at all).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
