@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import fmt_mr, median_range, verdict  # noqa: E402
+from serve_load import _by, fmt_mr, median_range, verdict  # noqa: E402
 
 KEY = "output_tok_s"
 
@@ -72,8 +72,7 @@ class RegretReport:
 
 def _values(rows, server: str, c: int) -> dict[int, float]:
     """{repeat: output tok/s} of (server, c), repeats without a value left out."""
-    return {r["repeat"]: r[KEY] for r in rows
-            if r["server"] == server and r["concurrency"] == c and r.get(KEY) is not None}
+    return {k: v for k, v in _by(rows, server, c, KEY).items() if v is not None}
 
 
 def _paired(rows, a: str, b: str, c: int) -> tuple[tuple[float, float, float] | None, str]:

@@ -28,7 +28,7 @@ not speculate (``speculates = False``: the "none" arm) and for a request that dr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -40,6 +40,14 @@ from .request_features import load_features
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8
+
+
+class StepPlan(NamedTuple):
+    """A scheduler step's adaptive decisions (``Scheduler._draft``): the allocation, each job's node budget and arm."""
+
+    alloc: Allocation
+    nodes: dict[int, int]  # id(job) -> d_i
+    arms: dict[int, Any]  # id(job) -> the drafter it selected (None: none)
 
 
 @dataclass
@@ -171,4 +179,4 @@ class AdaptiveSpeculation:
             self.draft_costs[key] = c if prev is None else DRAFT_COST_DECAY * prev + (1 - DRAFT_COST_DECAY) * c
 
 
-__all__ = ["AdaptiveRecord", "AdaptiveSpeculation"]
+__all__ = ["AdaptiveRecord", "AdaptiveSpeculation", "StepPlan"]

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .adaptive import AdaptiveSpeculation
+from .adaptive import AdaptiveSpeculation, StepPlan
 from .batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from .drafter import with_components
 from .request import Prompt, Request
@@ -300,8 +300,8 @@ class Scheduler:
         for i, (job, out) in enumerate(zip(running, outs)):
             try:
                 _, finished = (job.request.finish_step(out, verify_s=forward_s) if plan is None else
-                               self.adaptive.finish(job.request, out, forward_s, rows_tokens, i, plan[2][id(job)],
-                                                    plan[1][id(job)]))
+                               self.adaptive.finish(job.request, out, forward_s, rows_tokens, i, plan.arms[id(job)],
+                                                    plan.nodes[id(job)]))
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed after verification", job.id)
                 failed.append((job, e))
@@ -319,7 +319,7 @@ class Scheduler:
         for job in done:
             self._leave(job, job.request.stats.stop_reason)
         forward_tokens = len(running) * max(rows_tokens)  # the padded [B, N] forward
-        record = plan and self.adaptive.record(plan[0], [plan[1][id(j)] for j in running], forward_tokens)
+        record = plan and self.adaptive.record(plan.alloc, [plan.nodes[id(j)] for j in running], forward_tokens)
         self._notify(SchedulerStep(len(running), forward_tokens, prefill_tokens, self.queue_length,
                                    time.perf_counter() - t0, records, record))
 
@@ -334,9 +334,9 @@ class Scheduler:
                 self._leave(job, "error", e)
         return out
 
-    def _draft(self, running: list[_Job]) -> tuple[dict, Any]:
+    def _draft(self, running: list[_Job]) -> tuple[dict, StepPlan | None]:
         """Every running request drafts (``draft_step``); adapting, all select (given the load), the allocator gives
-        each ``d_i``, each drafts ``propose(d_i)``. Drafts by job, and (allocation, d_i by job, arm by job) or None."""
+        each ``d_i``, each drafts ``propose(d_i)``. Drafts by job, and the step's ``StepPlan`` (None: not adapting)."""
         adaptive = self.adaptive
         if adaptive is None:
             return self._each(running, lambda j: j.request.draft_step(), "drafting"), None
@@ -345,7 +345,7 @@ class Scheduler:
         running = list(self._running)
         alloc = adaptive.allocate([arms[id(j)] for j in running])
         nodes = {id(j): d for j, d in zip(running, alloc.nodes)}
-        return self._each(running, lambda j: j.request.propose(nodes[id(j)]), "drafting"), (alloc, nodes, arms)
+        return self._each(running, lambda j: j.request.propose(nodes[id(j)]), "drafting"), StepPlan(alloc, nodes, arms)
 
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all; a request whose prompt is in joins the

@@ -123,7 +123,6 @@ class SchedulerSettings:
             start()
         return scheduler
 
-
     def _adaptive(self, engine):
         """The pool's ``AdaptiveSpeculation``: the forward cost from --cost-profile, else profiled on this machine
         (logged: the profile's ``describe()``). None without ``serving.adaptive``."""
