@@ -100,8 +100,8 @@ def test_drafting_is_priced_once_the_arm_has_drafted(verifier_model, tok, monkey
     seen = []
     original = AdaptiveSpeculation.allocate
 
-    def spy(self, arms):
-        alloc = original(self, arms)
+    def spy(self, arms, requests=None):
+        alloc = original(self, arms, requests)
         seen.append((dict(self.draft_costs), alloc.width))
         return alloc
 
@@ -204,6 +204,10 @@ def test_sampled_request_gives_the_same_tokens_whatever_runs_beside_it(verifier_
 def test_adaptive_arguments_are_checked(verifier_model, tok):
     with pytest.raises(ValueError, match="max_width"):
         AdaptiveSpeculation(_linear, max_width=-1)
+    with pytest.raises(ValueError, match="unit_seconds"):
+        AdaptiveSpeculation(_linear, unit_seconds=0.0)
+    with pytest.raises(ValueError, match="min_gain"):
+        AdaptiveSpeculation(_linear, min_gain=0.5)
     with pytest.raises(ValueError, match="cost"):
         AdaptiveSpeculation(3.0)
     engine = _engine(verifier_model, tok, _budget_arms())
@@ -215,7 +219,9 @@ def test_adaptive_arguments_are_checked(verifier_model, tok):
                                             ({"max_width": -1}, "serving.max_width"),
                                             ({"profile": {"token_counts": [0, 4]}}, "serving.profile.token_counts"),
                                             ({"profile": {"max_seconds": 0}}, "serving.profile.max_seconds"),
-                                            ({"width": 8}, "serving.width")])
+                                            ({"width": 8}, "serving.width"),
+                                            ({"min_gain": 0.9}, "serving.min_gain"),
+                                            ({"draft_cost": "guessed"}, "serving.draft_cost")])
 def test_serving_config_errors_name_the_field(serving, field):
     from metasd.config import ConfigError, parse_pool_config
 
@@ -259,7 +265,7 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
     from metasd.serve.cli import SchedulerSettings
 
     profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")
-    serving = {"adaptive": True, "max_width": 8, "price_drafting": True,
+    serving = {"adaptive": True, "max_width": 8, "price_drafting": True, "draft_cost": "measured", "min_gain": 1.25,
                "profile": {"token_counts": None, "max_seconds": 5.0}}
     scheduler = SchedulerSettings(2, 4, False, serving, profile.to_dict()).make(_engine(verifier_model, tok,
                                                                                         _budget_arms()))
@@ -267,8 +273,63 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
         assert scheduler.adaptive is not None and scheduler.adaptive.max_width == 8
         assert scheduler.adaptive.price_drafting
         assert scheduler.adaptive.cost(64) == pytest.approx(3.0)
+        assert scheduler.adaptive.unit_seconds == pytest.approx(0.01)  # drafting priced in 1-token forwards
+        assert scheduler.adaptive.min_gain == 1.25
     finally:
         scheduler.close()
+    modeled = SchedulerSettings(2, 4, False, {**serving, "draft_cost": "modeled"}, profile.to_dict()).make(
+        _engine(verifier_model, tok, _budget_arms()))
+    try:
+        assert modeled.adaptive.unit_seconds is None  # the meter's model prices drafting
+    finally:
+        modeled.close()
     plain = SchedulerSettings(2, 4).make(_engine(verifier_model, tok, None, policy=None))
     assert plain.adaptive is None
     plain.close()
+
+
+class _Pending:
+    """What ``AdaptiveSpeculation`` reads of a request around its step (no model)."""
+
+    def __init__(self, length=10, max_new_tokens=20, new=0, seconds=0.0, modeled=0.0):
+        self.length, self.max_new_tokens, self.new_ids = length, max_new_tokens, [0] * new
+        self.pending_draft_seconds, self.pending_draft_cost = seconds, modeled
+
+
+def test_drafting_is_priced_by_its_measured_seconds_in_one_token_forwards():
+    measured = AdaptiveSpeculation(_linear, unit_seconds=0.25)
+    assert measured.drafting_cost(_Pending(seconds=0.5, modeled=0.1)) == pytest.approx(2.0)  # 0.5 s / 0.25 s
+    assert AdaptiveSpeculation(_linear).drafting_cost(_Pending(seconds=0.5, modeled=0.1)) == pytest.approx(0.1)
+
+
+def test_a_one_off_catch_up_is_learnt_per_token_and_amortized_over_the_request():
+    adaptive = AdaptiveSpeculation(_linear, max_width=8)
+    arm = budget_arms(_cascade(), (4,))[0]
+    adaptive.learn(arm, [0], 4, 4, draft_cost=0.5, catch_up=2)  # a steady step: its cost is the average
+    assert adaptive.draft_costs["cascade"] == pytest.approx(0.5) and "cascade" not in adaptive.catch_up_rates
+    adaptive.learn(arm, [0], 4, 4, draft_cost=10.5, catch_up=100)  # a prompt's catch-up: per token, above steady
+    assert adaptive.draft_costs["cascade"] == pytest.approx(0.5)  # the average is not moved by the one-off
+    assert adaptive.catch_up_rates["cascade"] == pytest.approx(0.1)  # (10.5 - 0.5) / 100
+    fresh = _Pending(length=200, max_new_tokens=40, new=0)  # never drafted: 200 tokens to catch up, 40 to go
+    a4 = adaptive.curve(arm).expected(4)
+    price = adaptive.draft_cost(arm, fresh)
+    assert price(0) == 0.0
+    assert price(4) == pytest.approx(0.5 + 0.1 * 200 / 40 * (1 + a4))  # share of the one-off per committed token
+    adaptive._fed[fresh] = 195  # it drafted at length 195: 5 tokens behind, within max_width - the steady price
+    assert adaptive.draft_cost(arm, fresh)(4) == pytest.approx(0.5)
+    assert adaptive.draft_cost(arm)(4) == pytest.approx(0.5)  # no request: the steady price
+
+
+def test_the_catch_up_price_keeps_a_short_request_from_drafting():
+    # two running requests, one long prompt about to finish: its drafter's catch-up does not pay, the other drafts
+    adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True)
+    arm = budget_arms(_cascade(), (4,))[0]
+    for _ in range(20):
+        adaptive.learn(arm, [0, 1, 2], 4, 4, draft_cost=0.05, catch_up=0)
+    adaptive.learn(arm, [0], 4, 4, draft_cost=20.05, catch_up=1000)  # 0.02 per caught-up token
+    short, steady = _Pending(length=1000, max_new_tokens=3, new=1), _Pending(length=1000, max_new_tokens=64)
+    adaptive._fed[steady] = 1000
+    alloc = adaptive.allocate([arm, arm], [short, steady])
+    assert alloc.nodes == [0, 4]
+    adaptive._fed[short] = 1000  # once caught up, it drafts too
+    assert adaptive.allocate([arm, arm], [short, steady]).nodes == [4, 4]

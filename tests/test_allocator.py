@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from metasd.core.acceptance_curve import DEFAULT_GRID, AcceptanceCurve, accepted_within, geometric_prior
+from metasd.core.acceptance_curve import DEFAULT_GRID, AcceptanceCurve, accepted_within, geometric_prior, implied_alpha
 from metasd.core.allocator import allocate, candidate_widths, expected_goodput, plan
 from metasd.core.goodput import (
     counterfactual_goodput,
@@ -122,8 +122,22 @@ def test_prior_for_unseen_budgets():
     values = dict(zip(DEFAULT_GRID, curve.values().tolist()))
     seen8 = (1 * geometric_prior(0.5, 8) + 20 * 5) / 21  # prior worth one sample, n_eff capped at 20
     assert values[8] == pytest.approx(seen8)
-    assert all(values[d] == pytest.approx(seen8) for d in (16, 32, 48, 64))  # flat beyond: the unseen do not pull
-    assert curve.expected(200) == pytest.approx(seen8)
+    alpha = implied_alpha(seen8, 8)  # beyond the widest seen budget: the chain 8's value implies
+    assert geometric_prior(alpha, 8) == pytest.approx(seen8)
+    for d in (16, 32, 48, 64):
+        assert values[d] == pytest.approx(geometric_prior(alpha, d)) and values[d] > seen8
+    assert values[1] == pytest.approx((geometric_prior(0.5, 1) + 20 * 1) / 21)  # seen points keep their means
+    assert curve.expected(200) == pytest.approx(values[64])
+
+
+def test_beyond_the_widest_seen_budget_is_never_below_it_nor_the_prior():
+    curve = AcceptanceCurve(prior_alpha=0.5)
+    for _ in range(30):
+        curve.update(0, 2)  # nothing accepted at budgets 1, 2
+    values = dict(zip(DEFAULT_GRID, curve.values().tolist()))
+    assert values[4] == pytest.approx(geometric_prior(0.5, 4))  # implied alpha ~0: the prior is higher
+    assert implied_alpha(0.0, 4) == 0.0 and implied_alpha(4.0, 4) == 1.0
+    assert implied_alpha(geometric_prior(0.3, 8), 8) == pytest.approx(0.3, abs=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -343,3 +357,17 @@ def test_goodput_rejects_bad_rows():
         shared_step_cost(affine_cost, [0, 3], 0)
     with pytest.raises(ValueError, match="row 2"):
         shared_step_cost(affine_cost, [1, 3], 2)
+
+
+def test_min_gain_keeps_a_step_plain_unless_drafting_is_expected_to_gain_that_much():
+    curves, caps = [Geometric(0.5)], [4]
+    cost = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    free = plan(curves, caps, cost)
+    gain = free.goodput / free.table[0]  # the best drafting width's goodput over the plain step's
+    assert free.width > 0 and gain > 1.2
+    assert plan(curves, caps, cost, min_gain=gain - 0.01).nodes == free.nodes
+    kept = plan(curves, caps, cost, min_gain=gain + 0.01)
+    assert kept.nodes == [0] and kept.width == 0 and kept.table == free.table  # every width still weighed, logged
+    for bad in (0.99, float("nan"), True):
+        with pytest.raises(ValueError, match="min_gain"):
+            plan(curves, caps, cost, min_gain=bad)

@@ -111,6 +111,11 @@ class ServingConfig(_Strict):
     adaptive: Bool = False
     max_width: Int = Field(48, ge=0)  # most draft nodes per request per step
     price_drafting: Bool = False  # the allocator charges each arm's learnt drafting cost (AdaptiveSpeculation)
+    #: how a step's drafting is priced (the allocator's and the reward's): its wall time in units of the profiled
+    #: one-token forward ("measured"), or the engine meter's model of the drafters' forwards ("modeled")
+    draft_cost: Literal["measured", "modeled"] = "measured"
+    #: a step drafts only where the allocation's expected goodput is >= min_gain x a plain step's
+    min_gain: float = Field(1.0, ge=1.0, allow_inf_nan=False)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
 

@@ -47,6 +47,20 @@ def geometric_prior(alpha: float, d: float) -> float:
     return alpha * (1.0 - alpha ** d) / (1.0 - alpha)
 
 
+def implied_alpha(value: float, d: int) -> float:
+    """The per-token acceptance ``alpha`` of the chain whose ``geometric_prior(alpha, d)`` is ``value`` (0 for
+    ``value <= 0``, 1 for ``value >= d``): bisection, the prior being increasing in ``alpha``."""
+    if value <= 0.0:
+        return 0.0
+    if value >= d:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if geometric_prior(mid, d) < value else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
 def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted least-squares projection of ``values`` onto non-decreasing sequences (pool adjacent violators).
 
@@ -79,10 +93,14 @@ class AcceptanceCurve:
     (default 1) at every grid point that has samples: ``value(d) = (prior_weight * prior(d) + n_eff(d) * mean(d)) /
     (prior_weight + n_eff(d))``, ``n_eff`` the sample count capped at ``1 / (1 - decay)``. A budget without samples
     is ``prior(d)`` clipped into ``[value of the nearest seen budget below, value of the nearest seen budget above]``:
-    with no data the curve is the prior; beyond the widest budget seen it is flat at that budget's value or the
-    prior, whichever is higher; an unseen budget never moves a seen one. The prior is neither optimistic nor
-    pessimistic on purpose: the allocator explores wider budgets for free through padding (a request drafts up to
-    the batch's common width whenever drafting costs nothing), and those drafts sample the wider points.
+    with no data the curve is the prior; beyond the widest budget seen ``d*`` it is the chain that budget's value
+    implies - ``prior_alpha`` replaced by the ``alpha`` with ``geometric_prior(alpha, d*) = a(d*)`` (``implied_alpha``)
+    - or the prior, whichever is higher; an unseen budget never moves a seen one. Beyond ``d*`` the curve is thus as
+    hopeful as the drafts seen: a flat line there would be self-confirming where nothing drafts wider for free (at
+    one running request, with drafting priced, the allocator would never try a wider budget); within the seen range
+    the prior is neither optimistic nor pessimistic - the allocator explores wider budgets for free through padding
+    (a request drafts up to the batch's common width whenever drafting costs nothing), and those drafts sample the
+    wider points.
 
     **Shape.** ``values()`` is the weighted isotonic (pool-adjacent-violators) projection of the seen points' values
     onto non-decreasing sequences (weights ``prior_weight + n_eff``), the unseen points filled in as above, then
@@ -165,6 +183,11 @@ class AcceptanceCurve:
             above = np.where(seen, out, np.inf)
             hi = np.minimum.accumulate(above[::-1])[::-1]  # [G] smallest seen value to the right (or here)
             out = np.where(seen, out, np.clip(self.prior, lo, np.maximum(lo, hi)))
+            if seen.any():  # beyond the widest budget seen: the chain its acceptance implies, not a flat line
+                last = int(np.flatnonzero(seen)[-1])
+                alpha = implied_alpha(float(out[last]), int(self.grid[last]))
+                beyond = np.arange(len(self.grid)) > last
+                out[beyond] = np.maximum(out[beyond], [geometric_prior(alpha, int(d)) for d in self.grid[beyond]])
             self._cache = np.minimum(np.maximum.accumulate(out), self.grid.astype(np.float64))
         return self._cache
 
@@ -198,4 +221,4 @@ class AcceptanceCurve:
         return f"AcceptanceCurve({{{pts}}})"
 
 
-__all__ = ["DEFAULT_GRID", "AcceptanceCurve", "accepted_within", "geometric_prior"]
+__all__ = ["DEFAULT_GRID", "AcceptanceCurve", "accepted_within", "geometric_prior", "implied_alpha"]

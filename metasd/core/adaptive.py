@@ -27,6 +27,8 @@ not speculate (``speculates = False``: the "none" arm) and for a request that dr
 """
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -69,12 +71,16 @@ class AdaptiveSpeculation:
 
     cost: the forward's cost over n tokens in all (padding included); max_width: most draft nodes per row;
     grid: the curves' grid of node budgets (default: ``AcceptanceCurve``'s); price_drafting: whether the allocator
-    charges each arm's learnt drafting cost (off by default: not measured under load yet, and an arm priced out never
-    drafts again to correct its estimates - the per-step policy's throughput reward prices drafting either way).
+    charges each arm's learnt drafting cost (an arm priced out drafts again only where the load falls enough for its
+    last estimate to pay - the per-step policy's throughput reward prices drafting either way); unit_seconds: the
+    seconds of a one-token verifier forward (the profile's ``seconds_for(1)``): drafting is then priced by its
+    measured wall time in ``cost``'s units (``seconds / unit_seconds``), in the allocator and in the step's reward,
+    else (None) by the engine meter's modeled cost of the drafters' forwards; min_gain: a step drafts only where the
+    allocation's expected goodput is >= ``min_gain`` x a plain step's (``plan``'s margin; 1.0: any gain).
     """
 
     def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
-                 price_drafting: bool = False):
+                 price_drafting: bool = False, unit_seconds: float | None = None, min_gain: float = 1.0):
         if not callable(cost):
             raise ValueError(f"cost must be callable (a ForwardProfile's cost), got {type(cost).__name__}")
         if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
@@ -82,9 +88,20 @@ class AdaptiveSpeculation:
         self.cost = getattr(cost, "cost", cost)  # a ForwardProfile itself is accepted too
         self.max_width = max_width
         self.price_drafting = bool(price_drafting)
+        if unit_seconds is not None and not (isinstance(unit_seconds, (int, float)) and not isinstance(unit_seconds, bool)
+                                             and math.isfinite(unit_seconds) and unit_seconds > 0):
+            raise ValueError(f"unit_seconds must be a finite number of seconds > 0 or None, got {unit_seconds!r}")
+        self.unit_seconds = None if unit_seconds is None else float(unit_seconds)
+        if not (isinstance(min_gain, (int, float)) and not isinstance(min_gain, bool) and math.isfinite(min_gain)
+                and min_gain >= 1.0):
+            raise ValueError(f"min_gain must be a finite number >= 1, got {min_gain!r}")
+        self.min_gain = float(min_gain)
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
+        self.catch_up_rates: dict[str, float] = {}  # per curve key: average cost of one caught-up token
+        self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
+        # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
     @classmethod
@@ -127,18 +144,39 @@ class AdaptiveSpeculation:
         request.load = load
         return request.select_arm()
 
-    def allocate(self, arms: Sequence[Any]) -> Allocation:
-        """Each request's node budget for this step, given the arms selected (row order; None: no arm)."""
+    def allocate(self, arms: Sequence[Any], requests: Sequence[Any] | None = None) -> Allocation:
+        """Each request's node budget for this step, given the arms selected (row order; None: no arm) and, for the
+        catch-up price, the requests themselves (row order)."""
         caps = [self.cap(a) for a in arms]
         curves = [self.curve(a) if c > 0 else None for a, c in zip(arms, caps)]
-        costs = [self.draft_cost(a) if c > 0 and self.price_drafting else None for a, c in zip(arms, caps)]
-        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs)
+        reqs = list(requests) if requests is not None else [None] * len(arms)
+        costs = [self.draft_cost(a, r) if c > 0 and self.price_drafting else None
+                 for a, c, r in zip(arms, caps, reqs)]
+        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain)
 
-    def draft_cost(self, arm: Any) -> Callable[[int], float] | None:
-        """The arm's drafting cost as the allocator prices it: ``d -> average`` for ``d > 0`` and 0 at ``d = 0``
-        (a request given no nodes does not draft); None before the arm has drafted once."""
-        c = self.draft_costs.get(self.curve_key(arm))
-        return None if c is None else (lambda d, c=c: c if d > 0 else 0.0)
+    def unfed(self, request: Any) -> int:
+        """Committed tokens of the request its drafters have not fed if it drafts now: its whole text before its
+        first draft, the tokens committed since the last step it drafted in after that."""
+        return max(int(request.length) - self._fed.get(request, 0), 0)
+
+    def draft_cost(self, arm: Any, request: Any = None) -> Callable[[int], float] | None:
+        """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
+        draft) and for ``d > 0``: the arm's average per-step drafting cost plus, where the request's drafters have
+        more than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up
+        amortized over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the
+        arm's learnt cost of a caught-up token, ``remaining`` the tokens the request may still commit and
+        ``1 + a(d)`` the tokens a step commits. None before the arm has drafted once."""
+        key = self.curve_key(arm)
+        c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
+        if c is None and rate is None:
+            return None
+        c = c or 0.0
+        unfed = self.unfed(request) if request is not None else 0
+        if rate is None or unfed <= self.max_width:
+            return lambda d, c=c: c if d > 0 else 0.0
+        one_off = rate * unfed / max(int(request.max_new_tokens) - len(request.new_ids), 1)
+        curve = self.curve(arm)
+        return lambda d, c=c: c + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
         """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
@@ -160,23 +198,41 @@ class AdaptiveSpeculation:
         """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
         (``pricer``); then its arm's curve learns from the accepted path."""
-        draft_cost = request.pending_draft_cost
+        draft_cost, catch_up = self.drafting_cost(request), request.pending_catch_up
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
         s = request.last_step
-        self.learn(arm, s.path, s.drafted, d_i, draft_cost)
+        self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up)
+        if d_i > 0 and arm is not None and getattr(arm, "speculates", True):
+            self._fed[request] = int(request.length)
         return result
 
-    def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None) -> None:
+    def drafting_cost(self, request: Any) -> float:
+        """The step's drafting cost of a request (between ``propose`` and ``finish_step``) in ``cost``'s units: its
+        measured drafting seconds over ``unit_seconds`` when set, else the meter's modeled cost."""
+        if self.unit_seconds is not None:
+            return request.pending_draft_seconds / self.unit_seconds
+        return request.pending_draft_cost
+
+    def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None,
+              catch_up: int = 0) -> None:
         """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
-        accepted; ``draft_cost`` (the step's modeled drafting cost) updates its average drafting cost."""
+        accepted; ``draft_cost`` (the step's drafting cost, ``drafting_cost``) updates its average drafting cost -
+        or, where the drafter caught up more than ``max_width`` committed tokens (``catch_up``: a request's first
+        draft feeds its prompt), its cost per caught-up token: ``(draft_cost - average) / catch_up``. A one-off
+        catch-up is charged to its step's reward but is not the price of the request's later steps."""
         if arm is None or budget <= 0 or not getattr(arm, "speculates", True):
             return
         self.curve(arm).update(list(path), drafted, budget=max(budget, drafted))
-        if draft_cost is not None:
-            key, c = self.curve_key(arm), max(float(draft_cost), 0.0)
-            prev = self.draft_costs.get(key)
-            self.draft_costs[key] = c if prev is None else DRAFT_COST_DECAY * prev + (1 - DRAFT_COST_DECAY) * c
+        if draft_cost is None:
+            return
+        key, c = self.curve_key(arm), max(float(draft_cost), 0.0)
+        if catch_up > self.max_width:
+            key_costs, c = self.catch_up_rates, max(c - self.draft_costs.get(key, 0.0), 0.0) / catch_up
+        else:
+            key_costs = self.draft_costs
+        prev = key_costs.get(key)
+        key_costs[key] = c if prev is None else DRAFT_COST_DECAY * prev + (1 - DRAFT_COST_DECAY) * c
 
 
 __all__ = ["AdaptiveRecord", "AdaptiveSpeculation", "StepPlan"]

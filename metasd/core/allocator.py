@@ -24,7 +24,9 @@ verifies row i with one token and commits one token, so no running request ever 
   (largest d on ties), recompute ``g``, repeat until the choice stands (a few rounds; ``g`` never decreases). A
   request drafts less than the width when its marginal tokens cost more drafting than they earn at the batch's rate.
 
-and keeps the width whose allocation has the highest goodput (smallest w on ties). Candidate widths are grid points
+and keeps the width whose allocation has the highest goodput (smallest w on ties) - a drafting width only where its
+goodput is at least ``min_gain`` times plain decoding's (``w = 0``): a margin for what the model does not see (its
+estimates' error, work outside the priced forwards), so that a step drafts only for an expected gain, not a tie. Candidate widths are grid points
 (and caps) so that a chosen width feeds its own point of the curves: a width between grid points would only ever be
 known by interpolation. With curves that are linear between their grid points (``AcceptanceCurve``) and an affine
 ``cost`` the goodput of a common width is linear over affine between two candidates, so the scan's best is the best
@@ -93,7 +95,7 @@ def candidate_widths(curves: Sequence[Optional[Curve]], caps: Sequence[int], max
 
 def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[[int], float], *,
          max_width: int | None = None, draft_costs: Sequence[Optional[Callable[[int], float]]] | None = None,
-         widths: Sequence[int] | None = None) -> Allocation:
+         widths: Sequence[int] | None = None, min_gain: float = 1.0) -> Allocation:
     """Choose each running request's draft nodes for one step, maximising the expected goodput (module docstring).
 
     curves: per request, its arm's acceptance curve (anything with ``expected(d)``), or None: the request does not
@@ -105,10 +107,14 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     draft_costs: per request, None or ``c_i(d)``, its drafting cost for ``d`` nodes in ``cost``'s units (``c_i(0)``
         should be 0); the costs add up (requests draft one after another).
     widths: the candidate widths to scan instead of ``candidate_widths`` (clipped to the budget; 0 always added).
+    min_gain: a drafting width is chosen only where its goodput is >= ``min_gain`` x the plain step's (w = 0); >= 1.
 
     Returns an ``Allocation`` (``nodes``, ``width``, ``goodput``, ``table``). An empty batch gets empty nodes.
     """
     B = len(curves)
+    if not (isinstance(min_gain, (int, float)) and not isinstance(min_gain, bool) and math.isfinite(min_gain)
+            and min_gain >= 1.0):
+        raise ValueError(f"allocate: min_gain must be a finite number >= 1, got {min_gain!r}")
     if len(caps) != B:
         raise ValueError(f"allocate: {B} curves but {len(caps)} caps")
     if draft_costs is not None and len(draft_costs) != B:
@@ -189,6 +195,8 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
                 pick, g = choice, g_new
         g = goodput(pick)  # the true forward: N = 1 + max_i d_i (<= 1 + w)
         table[w] = float(g)
+        if w > 0 and g < min_gain * table[0]:  # W[0] == 0: the plain step's goodput is known first
+            continue
         if best is None or g > best[0]:
             best = (float(g), w, pick.copy())
     g, w, pick = best

@@ -329,6 +329,19 @@ class Request:
         """The modeled drafting cost of the step between ``propose`` and ``finish_step`` (verifier decode steps)."""
         return self._pending_step.draft_cost if self._pending_step is not None else 0.0
 
+    @property
+    def pending_draft_seconds(self) -> float:
+        """The measured wall time of the drafting of the step between ``propose`` and ``finish_step`` (seconds on the
+        engine's clock; 0 where the drafter was not asked)."""
+        p = self._pending_step
+        return p.t1 - p.t0 if p is not None and p.asked else 0.0
+
+    @property
+    def pending_catch_up(self) -> int:
+        """Committed tokens the drafter fed in the pending step beyond the pending one (``Draft.catch_up``: a
+        request's first draft feeds its prompt)."""
+        return self._pending_step.draft.catch_up if self._pending_step is not None else 0
+
     def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
                     verify_s: float | None = None,
                     verify_pricer: Callable[[int], float] | None = None) -> tuple[list[int], bool]:

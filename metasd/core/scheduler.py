@@ -343,7 +343,7 @@ class Scheduler:
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
-        alloc = adaptive.allocate([arms[id(j)] for j in running])
+        alloc = adaptive.allocate([arms[id(j)] for j in running], [j.request for j in running])
         nodes = {id(j): d for j, d in zip(running, alloc.nodes)}
         return self._each(running, lambda j: j.request.propose(nodes[id(j)]), "drafting"), StepPlan(alloc, nodes, arms)
 

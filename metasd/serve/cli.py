@@ -139,8 +139,11 @@ class SchedulerSettings:
             profile = profile_forward(engine.verifier.model, **counts, max_seconds=opts["max_seconds"])
         print(f"[metasd serve] adaptive speculation, max_width {self.adaptive['max_width']}; {profile.describe()}",
               file=sys.stderr, flush=True)
+        measured = self.adaptive["draft_cost"] == "measured"
         return AdaptiveSpeculation(profile.cost, max_width=self.adaptive["max_width"],
-                                   price_drafting=self.adaptive.get("price_drafting", False))
+                                   price_drafting=self.adaptive["price_drafting"],
+                                   unit_seconds=profile.seconds_for(1) if measured else None,
+                                   min_gain=self.adaptive["min_gain"])
 
 
 def read_cost_profile(path: str | None, config) -> dict | None:
