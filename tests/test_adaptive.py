@@ -333,3 +333,29 @@ def test_the_catch_up_price_keeps_a_short_request_from_drafting():
     assert alloc.nodes == [0, 4]
     adaptive._fed[short] = 1000  # once caught up, it drafts too
     assert adaptive.allocate([arm, arm], [short, steady]).nodes == [4, 4]
+
+
+def test_a_request_that_drafted_is_not_charged_its_prompt_again(verifier_model, tok, monkeypatch):
+    # the scheduler records where each request's drafters stand after a step it drafted in: the next step prices
+    # only the tokens committed since (<= max_width + 1), not the prompt's catch-up again
+    seen = []
+    original = AdaptiveSpeculation.allocate
+
+    def spy(self, arms, requests=None):
+        alloc = original(self, arms, requests)
+        seen.append([(id(r), self.unfed(r), d) for r, d in zip(requests, alloc.nodes)])
+        return alloc
+
+    monkeypatch.setattr(AdaptiveSpeculation, "allocate", spy)
+    engine = _engine(verifier_model, tok, _budget_arms())
+    got, _ = _serve(engine, AdaptiveSpeculation(_linear, max_width=4))
+    assert [len(r.token_ids) for r in got] == MAX_NEW
+    checked = 0
+    for before, step in zip(seen, seen[1:]):
+        drafted = {rid for rid, _, d in before if d > 0}  # drafted in the step before: caught up but its commits
+        for rid, unfed, _ in step:
+            if rid in drafted:
+                assert unfed <= 4 + 1
+                checked += 1
+    assert checked > 5
+    assert max(unfed for step in seen[:1] for _, unfed, _ in step) > 5  # a new request: its whole prompt
