@@ -12,13 +12,16 @@ wires the building blocks of speculation under load into its step:
    request drafts with ``StepContext.max_nodes = d_i`` and its draft is cut to ``draft.first(d_i)`` (exact: an
    ancestor-closed subtree);
 3. **pricing** - after the batched verification, request i's step costs its share ``cost(B N) / B + c_i``
-   (``goodput.shared_step_cost``, rows ``1 + len(draft_j)``, ``c_i`` its metered drafting cost), and a counterfactual
-   draft of ``n`` nodes the forward it would have been in (``goodput.counterfactual_share``);
-4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``), and its drafting cost
-   per step (the meter's modeled cost of the step's drafting, an exponential average over the steps it drafted) can
-   price the next allocations (``price_drafting=True``): the allocator then drafts for a request only where the
-   expected tokens pay for its drafter's forwards too (``plan``'s ``draft_costs``: ``c_i(d) = the average`` for
-   ``d > 0``, 0 at ``d = 0``, where the drafter is not asked at all).
+   (``goodput.shared_step_cost``, rows ``1 + len(draft_j)``, ``c_i`` its drafting cost: measured seconds over
+   ``unit_seconds`` when given, else the meter's modeled cost), and a counterfactual draft of ``n`` nodes the forward
+   it would have been in (``goodput.counterfactual_share``);
+4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``), and its drafting cost:
+   per step (an exponential average over the steps it drafted) and per caught-up token (from a step whose drafter fed
+   more than ``max_width`` committed tokens: a request's first draft feeds its prompt). With ``price_drafting=True``
+   the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = average + rate * unfed * (1 + a(d)) /
+   remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining tokens; 0 at ``d = 0``,
+   where the drafter is not asked at all), and ``min_gain`` keeps a step plain unless drafting is expected to beat it
+   by that factor.
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
