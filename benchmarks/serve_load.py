@@ -246,15 +246,22 @@ def summary_table(rows) -> str:
     return "\n".join(lines)
 
 
-def ratio(rows, a, ca, b, cb, key="output_tok_s") -> tuple[str, str]:
-    """('median [range]' of the per-repeat ratios a@ca / b@cb, verdict of a's values against b's); repeats where
-    either is missing are left out."""
+def paired_ratio(rows, a, ca, b, cb, key="output_tok_s") -> tuple[tuple[float, float, float] | None, str]:
+    """(median, low, high) of the per-repeat ratios a@ca / b@cb (None: no repeat has both) and the verdict of a's
+    values against b's. A repeat is paired where both have a value and b's is > 0 (a's may be 0: it served nothing)."""
     va, vb = _by(rows, a, ca, key), _by(rows, b, cb, key)
-    common = [k for k in va if k in vb and va[k] and vb[k]]
+    common = [k for k in va if k in vb and va[k] is not None and vb[k]]
     if not common:
-        return "-", "-"
+        return None, "-"
     rs = [va[k] / vb[k] for k in common]
-    return fmt_mr(median_range(rs)) + "x", verdict([va[k] for k in common], [vb[k] for k in common])
+    return median_range(rs), verdict([va[k] for k in common], [vb[k] for k in common])
+
+
+def ratio(rows, a, ca, b, cb, key="output_tok_s") -> tuple[str, str]:
+    """('median [range]x' of the per-repeat ratios a@ca / b@cb, verdict) for tables (``paired_ratio``); ('-', '-')
+    where no repeat pairs."""
+    mr, v = paired_ratio(rows, a, ca, b, cb, key)
+    return ("-", "-") if mr is None else (fmt_mr(mr) + "x", v)
 
 
 def ratio_table(rows) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import _by, fmt_mr, median_range, verdict  # noqa: E402
+from serve_load import _by, fmt_mr, median_range, paired_ratio, verdict  # noqa: E402
 
 KEY = "output_tok_s"
 
@@ -75,14 +75,6 @@ def _values(rows, server: str, c: int) -> dict[int, float]:
     return {k: v for k, v in _by(rows, server, c, KEY).items() if v is not None}
 
 
-def _paired(rows, a: str, b: str, c: int) -> tuple[tuple[float, float, float] | None, str]:
-    va, vb = _values(rows, a, c), _values(rows, b, c)
-    common = [k for k in va if k in vb and vb[k] > 0]
-    if not common:
-        return None, "-"
-    return median_range([va[k] / vb[k] for k in common]), verdict([va[k] for k in common], [vb[k] for k in common])
-
-
 def _geomean(xs: list[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs and all(x > 0 for x in xs) else None
 
@@ -107,10 +99,10 @@ def hindsight(rows: list[dict], candidate: str, fixed: list[str], reference: str
         if candidate not in medians or not fixed_here:
             continue
         best = max(fixed_here, key=lambda s: medians[s])
-        ratio, v = _paired(rows, candidate, best, c)
+        ratio, v = paired_ratio(rows, candidate, c, best, c, KEY)
         level = LevelRegret(c, medians, best, ratio, v)
         if reference and reference in medians:
-            level.reference_ratio, level.reference_verdict = _paired(rows, candidate, reference, c)
+            level.reference_ratio, level.reference_verdict = paired_ratio(rows, candidate, c, reference, c, KEY)
         levels.append(level)
     report = RegretReport(candidate, list(fixed), reference, levels)
     complete = [lv for lv in levels if all(s in lv.medians for s in fixed)]
