@@ -1,0 +1,153 @@
+"""Where a serving scheduler's time goes: prefill, drafting, verification - in-process, per concurrency level.
+
+``serve_load.py`` measures what a client sees over HTTP; this script says why. It builds the scheduler exactly as
+``metasd serve`` does (the pool file's engine, its ``serving`` section - adaptive speculation, the profiled forward
+cost - through ``SchedulerSettings``), keeps one scheduler for every level (as one server does), submits ``c``
+requests at once at each level and times the scheduler's three phases by wrapping them:
+
+- ``prefill``: ``Scheduler._prefill`` (joining requests' prompt chunks),
+- ``draft``: ``Scheduler._draft`` (arm selection, the allocator, every request's ``propose``),
+- ``verify``: ``BatchVerifier.verify`` (the one batched forward),
+
+the rest of the level's wall time being commits, acceptance, events and idle waits (``other``). It also reports the
+steps, the mean padded forward tokens, the adaptive widths chosen and each arm's share of the request-steps, and, for
+an adaptive pool, the learnt drafting prices at the end of the level.
+
+    python benchmarks/step_breakdown.py --pool configs/pools/serve_adaptive.yaml --concurrency 1 2 4 8 16 \\
+        --groups MT QA math translation --copy-heavy 1 --max-tokens 16 --threads 1 --out step_breakdown.json
+    python benchmarks/step_breakdown.py --pool configs/pools/serve_adaptive.yaml --off ...   # speculation off
+
+One process, one thread by default: run it alone on the machine (docs: BENCHMARKS.md, "How we measure").
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import load_prompts  # noqa: E402
+
+PHASES = ("prefill", "draft", "verify")
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of a scheduler (wraps ``_prefill``, ``_draft`` and its verifier's ``verify`` on
+    the instance; ``take()`` returns and clears the totals)."""
+
+    def __init__(self, scheduler):
+        self.totals: dict[str, float] = collections.defaultdict(float)
+        for phase, owner, name in (("prefill", scheduler, "_prefill"), ("draft", scheduler, "_draft"),
+                                   ("verify", scheduler.verifier, "verify")):
+            setattr(owner, name, self._timed(getattr(owner, name), phase))
+
+    def _timed(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[phase] += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {p: self.totals.get(p, 0.0) for p in PHASES}
+        self.totals.clear()
+        return out
+
+
+def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_tokens: int, speculate: bool) -> dict:
+    """Submit ``c`` requests at once (prompts in turn), wait for all; the level's breakdown as a dict."""
+    from metasd.core.request_handle import RequestOptions, SchedulerStep
+
+    steps: list[SchedulerStep] = []
+    listener = lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None  # noqa: E731
+    scheduler.add_listener(listener)
+    try:
+        timer.take()
+        t0 = time.perf_counter()
+        handles = [scheduler.submit(prompts[i % len(prompts)], max_tokens, chat=True,
+                                    options=RequestOptions(speculate=speculate)) for i in range(c)]
+        results = [h.result(timeout=3600) for h in handles]
+        wall = time.perf_counter() - t0
+        phases = timer.take()
+    finally:
+        scheduler._listeners.remove(listener)
+    decode = [s for s in steps if s.batch_size > 0]
+    tokens = sum(len(r.token_ids) for r in results)
+    arms = collections.Counter(r.drafter for s in decode for r in s.requests)
+    widths = collections.Counter(s.adaptive.width for s in decode if s.adaptive is not None)
+    adaptive = scheduler.adaptive
+    return {
+        "concurrency": c, "requests": c, "tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+        "steps": len(decode), "prefill_only_steps": len(steps) - len(decode),
+        **{f"{p}_s": phases[p] for p in PHASES}, "other_s": max(wall - sum(phases.values()), 0.0),
+        "mean_forward_tokens": statistics.fmean(s.forward_tokens for s in decode) if decode else 0.0,
+        "arm_steps": dict(arms), "widths": {str(w): n for w, n in sorted(widths.items())},
+        "draft_costs": dict(adaptive.draft_costs) if adaptive is not None else None,
+        "catch_up_rates": dict(adaptive.catch_up_rates) if adaptive is not None else None,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| c | tok/s | steps | prefill s | draft s | verify s | other s | forward tokens | widths |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        widths = ", ".join(f"{w}: {n}" for w, n in r["widths"].items()) or "-"
+        lines.append(f"| {r['concurrency']} | {r['output_tok_s']:.2f} | {r['steps']} | {r['prefill_s']:.1f} | "
+                     f"{r['draft_s']:.1f} | {r['verify_s']:.1f} | {r['other_s']:.1f} | "
+                     f"{r['mean_forward_tokens']:.1f} | {widths} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pool", help="pool file (default: the embedded default pool)")
+    p.add_argument("--off", action="store_true", help="every request with speculation off")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--questions", action="append", help="Spec-Bench-format JSONL (repeatable; default: Spec-Bench)")
+    p.add_argument("--per-group", type=int, default=1)
+    p.add_argument("--groups", nargs="+", help="only these Spec-Bench groups (default: all)")
+    p.add_argument("--copy-heavy", type=int, default=0, metavar="N", help="also N prompts per copy-heavy category")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--cost-profile", help="a saved ForwardProfile JSON instead of profiling (as metasd serve's)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if any(c < 1 for c in args.concurrency) or args.max_tokens < 1:
+        p.error("--concurrency and --max-tokens must be >= 1")
+
+    from metasd.serve.cli import PoolEngine, SchedulerSettings, read_cost_profile
+
+    questions = load_prompts(SimpleNamespace(questions=args.questions, groups=args.groups, per_group=args.per_group,
+                                             copy_heavy=args.copy_heavy))
+    prompts = [q.turns[0] for q in questions]
+    recipe = PoolEngine(args.pool, args.threads)
+    config = recipe.check()  # a bad pool file fails here, before any model loads
+    serving = config.serving.model_dump() if config.serving.adaptive else None
+    settings = SchedulerSettings(max(args.concurrency), 64, False, serving,
+                                 read_cost_profile(args.cost_profile, config))
+    scheduler = settings.make(recipe())
+    timer = PhaseTimer(scheduler)
+    rows = []
+    try:
+        for c in args.concurrency:
+            rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off))
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
+                  flush=True)
+    finally:
+        scheduler.close()
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "pool": args.pool,
+                                              "off": args.off, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
