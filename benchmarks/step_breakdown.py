@@ -61,8 +61,10 @@ class PhaseTimer:
         return out
 
 
-def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_tokens: int, speculate: bool) -> dict:
-    """Submit ``c`` requests at once (prompts in turn), wait for all; the level's breakdown as a dict."""
+def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_tokens: int, speculate: bool,
+              first: int = 0) -> dict:
+    """Submit ``c`` requests at once (prompts in turn from index ``first``), wait for all; the level's breakdown as
+    a dict."""
     from metasd.core.request_handle import RequestOptions, SchedulerStep
 
     steps: list[SchedulerStep] = []
@@ -71,7 +73,7 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
     try:
         timer.take()
         t0 = time.perf_counter()
-        handles = [scheduler.submit(prompts[i % len(prompts)], max_tokens, chat=True,
+        handles = [scheduler.submit(prompts[(first + i) % len(prompts)], max_tokens, chat=True,
                                     options=RequestOptions(speculate=speculate)) for i in range(c)]
         results = [h.result(timeout=3600) for h in handles]
         wall = time.perf_counter() - t0
@@ -136,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     timer = PhaseTimer(scheduler)
     rows = []
     try:
+        sent = 0  # the prompts go round across levels: level after level, every prompt gets its turn
         for c in args.concurrency:
-            rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off))
+            rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off, first=sent))
+            sent += c
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
                   flush=True)
     finally:
