@@ -10,8 +10,11 @@ Servers (``--servers``; each started by this script alone on the machine, health
   that a server without one does not get; ``--transformers-prefix-cache`` keeps it, as shipped). A warm-up
   request (not a benchmark prompt) first: the first request initialises continuous batching (about 20 s on CPU)
   and fixes its sampling settings for every later request, so it uses the load's temperature.
-- ``metasd-off``: ``metasd serve`` (default pool), every request with ``extra_body={"metasd": {"speculate": false}}``.
-- ``metasd``: ``metasd serve`` with the default pool, speculation on.
+- ``metasd-off``: ``metasd serve`` (its default pool), every request with ``extra_body={"metasd": {"speculate":
+  false}}``.
+- ``metasd``: ``metasd serve`` with its default pool, speculation on: the adaptive pool
+  (``configs/pools/serve_adaptive.yaml``) since load run 5; load runs 1-3 served the default cascade
+  (``configs/default.yaml``) - for it now: ``--extra-pool cascade=configs/default.yaml``.
 - ``--extra-pool NAME=pool.yaml``: ``metasd serve --pool pool.yaml`` as server NAME.
 
 Each server gets ``OMP_NUM_THREADS=MKL_NUM_THREADS=--threads`` (and metasd serve ``--threads``) and runs one at a

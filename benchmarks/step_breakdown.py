@@ -92,7 +92,7 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         "mean_forward_tokens": statistics.fmean(s.forward_tokens for s in decode) if decode else 0.0,
         "arm_steps": dict(arms), "widths": {str(w): n for w, n in sorted(widths.items())},
         "draft_costs": dict(adaptive.draft_costs) if adaptive is not None else None,
-        "catch_up_rates": dict(adaptive.catch_up_rates) if adaptive is not None else None,
+        "catch_up_rates": (dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None),  # older trees: {}
     }
 
 

@@ -359,3 +359,19 @@ def test_a_request_that_drafted_is_not_charged_its_prompt_again(verifier_model, 
                 checked += 1
     assert checked > 5
     assert max(unfed for step in seen[:1] for _, unfed, _ in step) > 5  # a new request: its whole prompt
+
+
+def test_metasd_serve_without_a_pool_serves_the_adaptive_pool(monkeypatch):
+    pytest.importorskip("fastapi")
+    from metasd.cli import main
+    from metasd.config import default_serve_pool_path, read_pool_config
+    from metasd.serve import cli as serve_cli
+
+    got = {}
+    monkeypatch.setattr(serve_cli, "_serve_here", lambda recipe, settings, *a: got.update(pool=recipe.pool,
+                                                                                         settings=settings) or 0)
+    assert main(["serve"]) == 0
+    assert got["pool"] == str(default_serve_pool_path())
+    assert default_serve_pool_path().read_text() == open("configs/pools/serve_adaptive.yaml").read()  # packaged
+    assert got["settings"].adaptive["adaptive"] and got["settings"].adaptive["price_drafting"]
+    assert read_pool_config(got["pool"]).arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]

@@ -27,6 +27,16 @@ def default_pool_path() -> Path:
     return Path(str(resources.files("metasd.configs") / DEFAULT_POOL))
 
 
+#: ``metasd serve``'s pool when none is given: the default cascade as budget arms with adaptive speculation
+DEFAULT_SERVE_POOL = "pools/serve_adaptive.yaml"
+
+
+def default_serve_pool_path() -> Path:
+    """The embedded pool ``metasd serve`` runs without ``--pool`` (``configs/pools/serve_adaptive.yaml``: the default
+    pool's cascade as budget arms and ``none``, sized to the load by adaptive speculation)."""
+    return Path(str(resources.files("metasd.configs") / DEFAULT_SERVE_POOL))
+
+
 def read_pool_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PoolConfig:
     """Parse and validate a pool file (default: the embedded one); ``overrides`` replace top-level keys."""
     path = Path(path) if path is not None else default_pool_path()

@@ -26,7 +26,8 @@ def add_serve_parser(sub) -> None:
         description="Serve a pool over HTTP with OpenAI's routes (/v1/chat/completions, /v1/completions, /v1/models), "
                     "/health and /metrics; the drafts of concurrent requests are verified in one batched forward per "
                     f"step. Needs the serve extra: {SERVE_EXTRA}.")
-    p.add_argument("--pool", help="pool config YAML (default: the embedded default pool, configs/default.yaml)")
+    p.add_argument("--pool", help="pool config YAML (default: the embedded serving pool, "
+                                  "configs/pools/serve_adaptive.yaml: the default cascade with adaptive speculation)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS chooses, printed)")
     p.add_argument("--api-key", default=None,
@@ -175,7 +176,9 @@ def serve_command(args) -> int:
         return 2
     _check_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("METASD_API_KEY") or None
-    recipe = PoolEngine(args.pool, args.threads)
+    from metasd.config import default_serve_pool_path
+
+    recipe = PoolEngine(args.pool if args.pool is not None else str(default_serve_pool_path()), args.threads)
     config = recipe.check()
     model_name = args.model_name or config.verifier.model
     serving = config.serving.model_dump() if config.serving.adaptive else None
