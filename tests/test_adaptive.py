@@ -153,7 +153,7 @@ def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, mo
     original = Request.finish_step
 
     def spy(self, out, **kw):
-        calls.append((kw.get("cost"), self.pending_draft_cost, len(self._pending_step.draft)))
+        calls.append((kw.get("cost"), self.pending_drafting[0], len(self._pending_step.draft)))
         return original(self, out, **kw)
 
     monkeypatch.setattr(Request, "finish_step", spy)
@@ -293,7 +293,7 @@ class _Pending:
 
     def __init__(self, length=10, max_new_tokens=20, new=0, seconds=0.0, modeled=0.0):
         self.length, self.max_new_tokens, self.new_ids = length, max_new_tokens, [0] * new
-        self.pending_draft_seconds, self.pending_draft_cost = seconds, modeled
+        self.pending_drafting = (modeled, seconds, 0)
 
 
 def test_drafting_is_priced_by_its_measured_seconds_in_one_token_forwards():

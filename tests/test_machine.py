@@ -25,8 +25,11 @@ def test_a_real_busy_metasd_process_is_found_and_warned_about_once(monkeypatch, 
                              "metasd-busy-test"])
     try:
         time.sleep(0.5)
-        found = [p for p in busy_metasd_processes(interval=0.5) if p.pid == busy.pid]
-        assert found and found[0].cores > 0.5 and "metasd-busy-test" in found[0].command
+        # a low bar: under `pytest -n 2` on 2 cores the busy loop shares them with both workers (~0.6 core each)
+        found = [p for p in busy_metasd_processes(interval=0.5, min_busy=0.2) if p.pid == busy.pid]
+        assert found and found[0].cores > 0.2 and "metasd-busy-test" in found[0].command
+        # the warning from what was found (a second measurement could see the loop starved below min_busy)
+        monkeypatch.setattr(machine, "busy_metasd_processes", lambda: found)
         monkeypatch.setattr(machine, "_warned", False)
         msg = machine.warn_if_oversubscribed(threads=2, cores=2)
         assert msg and "--threads" in capsys.readouterr().err

@@ -201,7 +201,7 @@ class AdaptiveSpeculation:
         """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
         (``pricer``); then its arm's curve learns from the accepted path."""
-        draft_cost, catch_up = self.drafting_cost(request), request.pending_catch_up
+        draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
         s = request.last_step
@@ -213,9 +213,8 @@ class AdaptiveSpeculation:
     def drafting_cost(self, request: Any) -> float:
         """The step's drafting cost of a request (between ``propose`` and ``finish_step``) in ``cost``'s units: its
         measured drafting seconds over ``unit_seconds`` when set, else the meter's modeled cost."""
-        if self.unit_seconds is not None:
-            return request.pending_draft_seconds / self.unit_seconds
-        return request.pending_draft_cost
+        modeled, seconds, _ = request.pending_drafting
+        return seconds / self.unit_seconds if self.unit_seconds is not None else modeled
 
     def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None,
               catch_up: int = 0) -> None:

@@ -118,9 +118,6 @@ class _PendingStep:
     t1: float  # clock after drafting
     asked: bool = True  # whether the drafter was asked to draft (not when the allocator gave the request 0 nodes)
 
-    def fields(self) -> tuple:
-        return self.ctx, self.drafter, self.draft, self.draft_cost, self.t0, self.t1
-
 
 class Request:
     """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
@@ -325,26 +322,16 @@ class Request:
         return draft
 
     @property
-    def pending_draft_cost(self) -> float:
-        """The modeled drafting cost of the step between ``propose`` and ``finish_step`` (verifier decode steps)."""
-        return self._pending_step.draft_cost if self._pending_step is not None else 0.0
-
-    @property
-    def pending_draft_seconds(self) -> float:
-        """The measured wall time of the drafting of the step between ``propose`` and ``finish_step`` (seconds on the
-        engine's clock; 0 where the drafter was not asked)."""
+    def pending_drafting(self) -> tuple[float, float, int]:
+        """The drafting of the step between ``propose`` and ``finish_step``: its modeled cost (verifier decode steps),
+        its measured seconds (0 where the drafter was not asked) and the committed tokens its drafter caught up
+        (``Draft.catch_up``: a request's first draft feeds its prompt); zeros outside a step."""
         p = self._pending_step
-        return p.t1 - p.t0 if p is not None and p.asked else 0.0
-
-    @property
-    def pending_catch_up(self) -> int:
-        """Committed tokens the drafter fed in the pending step beyond the pending one (``Draft.catch_up``: a
-        request's first draft feeds its prompt)."""
-        return self._pending_step.draft.catch_up if self._pending_step is not None else 0
+        return (0.0, 0.0, 0) if p is None else (p.draft_cost, p.t1 - p.t0 if p.asked else 0.0, p.draft.catch_up)
 
     def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
-                    verify_s: float | None = None,
-                    verify_pricer: Callable[[int], float] | None = None) -> tuple[list[int], bool]:
+                    verify_s: float | None = None, verify_pricer: Callable[[int], float] | None = None
+                    ) -> tuple[list[int], bool]:
         """Second half of a step, given the verifier's scores of [pending] + the draft (``out``): accept, commit in
         the verifier's cache, feedback to the drafter, rewards, policy, stats. Returns the committed tokens and
         whether the request is over.
@@ -355,8 +342,8 @@ class Request:
             scheduler's price of verifying a counterfactual draft of n nodes (default: priced from shapes)."""
         if self._pending_step is None:
             raise RuntimeError("Request.finish_step called without draft_step")
-        ctx, drafter, draft, draft_cost, t0, t1 = self._pending_step.fields()
-        asked, self._pending_step = self._pending_step.asked, None
+        p, self._pending_step = self._pending_step, None
+        ctx, drafter, draft, draft_cost, t0, t1, asked = p.ctx, p.drafter, p.draft, p.draft_cost, p.t0, p.t1, p.asked
         eng, verifier, stats, policy = self.engine, self.verifier, self.stats, self.policy
         if cost is None:
             cost = draft_cost + eng.meter.price(verifier.model, len(draft) + 1)
