@@ -91,7 +91,8 @@ class AdaptiveSpeculation:
         self.cost = getattr(cost, "cost", cost)  # a ForwardProfile itself is accepted too
         self.max_width = max_width
         self.price_drafting = bool(price_drafting)
-        if unit_seconds is not None and not (isinstance(unit_seconds, (int, float)) and not isinstance(unit_seconds, bool)
+        if unit_seconds is not None and not (isinstance(unit_seconds, (int, float))
+                                             and not isinstance(unit_seconds, bool)
                                              and math.isfinite(unit_seconds) and unit_seconds > 0):
             raise ValueError(f"unit_seconds must be a finite number of seconds > 0 or None, got {unit_seconds!r}")
         self.unit_seconds = None if unit_seconds is None else float(unit_seconds)
