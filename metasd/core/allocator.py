@@ -27,7 +27,8 @@ verifies row i with one token and commits one token, so no running request ever 
 and keeps the width whose allocation has the highest goodput (smallest w on ties) - a drafting width only where its
 goodput is at least ``min_gain`` times plain decoding's (``w = 0``): a margin for what the model does not see (its
 estimates' error, work outside the priced forwards), so that a step drafts only for an expected gain, not a tie.
-Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between grid points would only ever be
+Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between
+grid points would only ever be
 known by interpolation. With curves that are linear between their grid points (``AcceptanceCurve``) and an affine
 ``cost`` the goodput of a common width is linear over affine between two candidates, so the scan's best is the best
 of every integer width; otherwise ``plan(..., widths=range(top + 1))`` scans them all. Cost: O(B * C) curve reads and O(B * C) work per width without drafting costs, O(B * C) per
