@@ -38,13 +38,17 @@ PHASES = ("prefill", "draft", "verify")
 
 class PhaseTimer:
     """Seconds spent in each phase of a scheduler (wraps ``_prefill``, ``_draft`` and its verifier's ``verify`` on
-    the instance; ``take()`` returns and clears the totals)."""
+    the instance) and the ``SchedulerStep`` records it sends its listeners; ``take()`` returns both and clears them."""
 
     def __init__(self, scheduler):
+        from metasd.core.request_handle import SchedulerStep
+
         self.totals: dict[str, float] = collections.defaultdict(float)
+        self.steps: list[SchedulerStep] = []
         for phase, owner, name in (("prefill", scheduler, "_prefill"), ("draft", scheduler, "_draft"),
                                    ("verify", scheduler.verifier, "verify")):
             setattr(owner, name, self._timed(getattr(owner, name), phase))
+        scheduler.add_listener(lambda r: self.steps.append(r) if isinstance(r, SchedulerStep) else None)
 
     def _timed(self, fn, phase: str):
         def timed(*args, **kwargs):
@@ -55,31 +59,27 @@ class PhaseTimer:
                 self.totals[phase] += time.perf_counter() - t0
         return timed
 
-    def take(self) -> dict[str, float]:
-        out = {p: self.totals.get(p, 0.0) for p in PHASES}
+    def take(self) -> tuple[dict[str, float], list]:
+        """(seconds per phase, the steps) since the last ``take``."""
+        out, steps = {p: self.totals.get(p, 0.0) for p in PHASES}, self.steps
         self.totals.clear()
-        return out
+        self.steps = []
+        return out, steps
 
 
 def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_tokens: int, speculate: bool,
               first: int = 0) -> dict:
     """Submit ``c`` requests at once (prompts in turn from index ``first``), wait for all; the level's breakdown as
     a dict."""
-    from metasd.core.request_handle import RequestOptions, SchedulerStep
+    from metasd.core.request_handle import RequestOptions
 
-    steps: list[SchedulerStep] = []
-    listener = lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None  # noqa: E731
-    scheduler.add_listener(listener)
-    try:
-        timer.take()
-        t0 = time.perf_counter()
-        handles = [scheduler.submit(prompts[(first + i) % len(prompts)], max_tokens, chat=True,
-                                    options=RequestOptions(speculate=speculate)) for i in range(c)]
-        results = [h.result(timeout=3600) for h in handles]
-        wall = time.perf_counter() - t0
-        phases = timer.take()
-    finally:
-        scheduler._listeners.remove(listener)
+    timer.take()
+    t0 = time.perf_counter()
+    handles = [scheduler.submit(prompts[(first + i) % len(prompts)], max_tokens, chat=True,
+                                options=RequestOptions(speculate=speculate)) for i in range(c)]
+    results = [h.result(timeout=3600) for h in handles]
+    wall = time.perf_counter() - t0
+    phases, steps = timer.take()
     decode = [s for s in steps if s.batch_size > 0]
     tokens = sum(len(r.token_ids) for r in results)
     arms = collections.Counter(r.drafter for s in decode for r in s.requests)
@@ -92,7 +92,8 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         "mean_forward_tokens": statistics.fmean(s.forward_tokens for s in decode) if decode else 0.0,
         "arm_steps": dict(arms), "widths": {str(w): n for w, n in sorted(widths.items())},
         "draft_costs": dict(adaptive.draft_costs) if adaptive is not None else None,
-        "catch_up_rates": (dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None),  # older trees: {}
+        # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
+        "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,
     }
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from .acceptance_curve import AcceptanceCurve
-from .allocator import Allocation, plan
+from .allocator import Allocation, checked_min_gain, plan
 from .goodput import counterfactual_share, shared_step_cost
 from .request_features import load_features
 
@@ -96,10 +96,7 @@ class AdaptiveSpeculation:
                                              and math.isfinite(unit_seconds) and unit_seconds > 0):
             raise ValueError(f"unit_seconds must be a finite number of seconds > 0 or None, got {unit_seconds!r}")
         self.unit_seconds = None if unit_seconds is None else float(unit_seconds)
-        if not (isinstance(min_gain, (int, float)) and not isinstance(min_gain, bool) and math.isfinite(min_gain)
-                and min_gain >= 1.0):
-            raise ValueError(f"min_gain must be a finite number >= 1, got {min_gain!r}")
-        self.min_gain = float(min_gain)
+        self.min_gain = checked_min_gain(min_gain)
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
@@ -127,6 +124,11 @@ class AdaptiveSpeculation:
         if key not in self.curves:
             self.curves[key] = AcceptanceCurve(self.grid) if self.grid is not None else AcceptanceCurve()
         return self.curves[key]
+
+    @staticmethod
+    def drafts(arm: Any, budget: int) -> bool:
+        """Whether an arm given ``budget`` nodes was asked to draft: it speculates and the budget is > 0."""
+        return arm is not None and budget > 0 and getattr(arm, "speculates", True)
 
     def cap(self, arm: Any) -> int:
         """Most nodes the arm may draft: 0 without an arm or for one that does not speculate, its ``budget`` (budget
@@ -207,7 +209,7 @@ class AdaptiveSpeculation:
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
         s = request.last_step
         self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up)
-        if d_i > 0 and arm is not None and getattr(arm, "speculates", True):
+        if self.drafts(arm, d_i):
             self._fed[request] = int(request.length)
         return result
 
@@ -224,7 +226,7 @@ class AdaptiveSpeculation:
         or, where the drafter caught up more than ``max_width`` committed tokens (``catch_up``: a request's first
         draft feeds its prompt), its cost per caught-up token: ``(draft_cost - average) / catch_up``. A one-off
         catch-up is charged to its step's reward but is not the price of the request's later steps."""
-        if arm is None or budget <= 0 or not getattr(arm, "speculates", True):
+        if not self.drafts(arm, budget):
             return
         self.curve(arm).update(list(path), drafted, budget=max(budget, drafted))
         if draft_cost is None:

@@ -28,8 +28,8 @@ and keeps the width whose allocation has the highest goodput (smallest w on ties
 goodput is at least ``min_gain`` times plain decoding's (``w = 0``): a margin for what the model does not see (its
 estimates' error, work outside the priced forwards), so that a step drafts only for an expected gain, not a tie.
 Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between
-grid points would only ever be
-known by interpolation. With curves that are linear between their grid points (``AcceptanceCurve``) and an affine
+grid points would only ever be known by interpolation. With curves that are linear between their grid points
+(``AcceptanceCurve``) and an affine
 ``cost`` the goodput of a common width is linear over affine between two candidates, so the scan's best is the best
 of every integer width; otherwise ``plan(..., widths=range(top + 1))`` scans them all. Cost: O(B * C) curve reads and O(B * C) work per width without drafting costs, O(B * C) per
 Dinkelbach round per width with them (numpy, C candidates); deterministic.
@@ -94,6 +94,14 @@ def candidate_widths(curves: Sequence[Optional[Curve]], caps: Sequence[int], max
     return sorted(w for w in ws if w <= top)
 
 
+def checked_min_gain(value, where: str = "") -> float:
+    """``value`` as a float if it is a finite number >= 1 (a drafting width's least goodput over a plain step's),
+    else a ``ValueError`` starting with ``where``."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"{where}min_gain must be a finite number >= 1, got {value!r}")
+    return float(value)
+
+
 def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[[int], float], *,
          max_width: int | None = None, draft_costs: Sequence[Optional[Callable[[int], float]]] | None = None,
          widths: Sequence[int] | None = None, min_gain: float = 1.0) -> Allocation:
@@ -113,9 +121,7 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     Returns an ``Allocation`` (``nodes``, ``width``, ``goodput``, ``table``). An empty batch gets empty nodes.
     """
     B = len(curves)
-    if not (isinstance(min_gain, (int, float)) and not isinstance(min_gain, bool) and math.isfinite(min_gain)
-            and min_gain >= 1.0):
-        raise ValueError(f"allocate: min_gain must be a finite number >= 1, got {min_gain!r}")
+    checked_min_gain(min_gain, "allocate: ")
     if len(caps) != B:
         raise ValueError(f"allocate: {B} curves but {len(caps)} caps")
     if draft_costs is not None and len(draft_costs) != B:
@@ -225,4 +231,4 @@ def expected_goodput(curves: Sequence[Optional[Curve]], nodes: Sequence[int], co
     return (B + acc) / (float(cost(B * (1 + max(nodes)))) + drafting)
 
 
-__all__ = ["Allocation", "Curve", "allocate", "candidate_widths", "expected_goodput", "plan"]
+__all__ = ["Allocation", "Curve", "allocate", "candidate_widths", "checked_min_gain", "expected_goodput", "plan"]
