@@ -296,6 +296,60 @@ def test_allocator_with_drafting_costs_matches_exhaustive_search(seed):
     assert a.goodput == pytest.approx(best)
 
 
+def goodput_of_options(curves, alternatives, draft_costs, choice, cost):
+    """Expected goodput of ``choice`` (per request: (option, d)), option 0 the arm's curve and cost."""
+    picked = [((cu, fn) if o == 0 else alts[o - 1]) for (o, _), cu, fn, alts in zip(choice, curves, draft_costs,
+                                                                                   alternatives)]
+    return expected_goodput([cu for cu, _ in picked], [d for _, d in choice], cost, draft_costs=[fn for _, fn in picked])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_allocator_with_alternatives_matches_exhaustive_search(seed):
+    rng = np.random.default_rng(7000 + seed)
+    B = int(rng.integers(1, 4))
+    grid = (1, 2, 4, 8, 16)
+
+    def geometric():
+        cu = Geometric(float(rng.random()))
+        cu.grid = grid
+        return cu
+
+    def drafting():  # a fixed part (a catch-up) and a part per node, 0 without drafting
+        fixed, slope = float(rng.uniform(0.0, 2.0)), float(rng.uniform(0.0, 0.3))
+        return lambda d: fixed + slope * d if d > 0 else 0.0
+
+    curves = [geometric() for _ in range(B)]
+    caps = rng.choice([0, 3, 8, 16], size=B).tolist()
+    draft_costs = [drafting() for _ in range(B)]
+    alternatives = [None if rng.random() < 0.3 else [(geometric(), drafting()) for _ in range(int(rng.integers(1, 3)))]
+                    for _ in range(B)]
+    cost = random_cost(rng)
+    a = plan(curves, caps, cost, draft_costs=draft_costs, alternatives=alternatives)
+    choices = [[(o, d) for o in range(1 + len(alts or [])) for d in sorted({0, *grid, *caps}) if d <= cap]
+               for cap, alts in zip(caps, alternatives)]
+    best = max(goodput_of_options(curves, alternatives, draft_costs, list(c), cost) for c in itertools.product(*choices))
+    assert a.goodput == pytest.approx(best)
+    # the allocation returned is the one valued: its options and nodes give its goodput
+    assert goodput_of_options(curves, alternatives, draft_costs, list(zip(a.options, a.nodes)), cost) == \
+        pytest.approx(a.goodput)
+    assert all(o == 0 for o, d in zip(a.options, a.nodes) if d == 0)
+
+
+def test_a_request_whose_drafter_must_catch_up_drafts_with_its_cheap_alternative():
+    model, lookup = Geometric(0.8), Geometric(0.6)
+    catch_up = lambda d: 10.0 if d > 0 else 0.0  # noqa: E731 - the model has a long prompt to read first
+    free = lambda d: 0.0  # noqa: E731
+    alone = plan([model], [16], measured_cost, draft_costs=[catch_up])
+    assert alone.nodes == [0] and alone.options == [0]  # the catch-up does not pay: a plain step
+    a = plan([model], [16], measured_cost, draft_costs=[catch_up], alternatives=[[(lookup, free)]])
+    assert a.options == [1] and a.nodes[0] > 0 and a.goodput > alone.goodput
+    # without the catch-up the arm's own curve, better, is chosen
+    b = plan([model], [16], measured_cost, draft_costs=[free], alternatives=[[(lookup, free)]])
+    assert b.options == [0] and b.nodes[0] > 0
+    with pytest.raises(ValueError, match="alternatives"):
+        plan([model], [16], measured_cost, alternatives=[None, None])
+
+
 def test_a_request_whose_drafting_does_not_pay_drafts_less():
     cheap, dear = (lambda d: 0.0), (lambda d: 0.5 * d)  # the second drafter: half a verifier forward per node
     curves, caps = [Geometric(0.9), Geometric(0.9)], [16, 16]

@@ -27,6 +27,12 @@ verifies row i with one token and commits one token, so no running request ever 
 and keeps the width whose allocation has the highest goodput (smallest w on ties) - a drafting width only where its
 goodput is at least ``min_gain`` times plain decoding's (``w = 0``): a margin for what the model does not see (its
 estimates' error, work outside the priced forwards), so that a step drafts only for an expected gain, not a tie.
+**Alternatives.** A request may have other ways to draft than its arm's (``plan(..., alternatives=)``: more (curve,
+drafting cost) pairs under the same cap - ``metasd.core.adaptive`` offers a cascade's lookup arms alone while its model
+has the prompt still to read). Its candidates are then every (option, budget) pair; Dinkelbach's step picks the pair
+maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the later option), and the chosen
+options are returned (``Allocation.options``).
+
 Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between
 grid points would only ever be known by interpolation. With curves that are linear between their grid points
 (``AcceptanceCurve``) and an affine
@@ -57,12 +63,15 @@ class Allocation:
     width: the chosen common width ``max_i d_i``'s candidate (the forward's ``N`` is ``1 + max(nodes)``).
     goodput: the expected goodput of ``nodes`` (committed tokens per unit of cost).
     table: candidate width -> the expected goodput of the allocation made for it (for logs and tests).
+    options: per request, the option it drafts with: 0 its arm's curve and cost, k > 0 ``alternatives[i][k - 1]``
+        (0 where it drafts no node).
     """
 
     nodes: list[int]
     width: int
     goodput: float
     table: dict[int, float] = field(default_factory=dict)
+    options: list[int] = field(default_factory=list)
 
 
 def _curve_values(curve: Curve, ws: np.ndarray) -> np.ndarray:
@@ -104,7 +113,9 @@ def checked_min_gain(value, where: str = "") -> float:
 
 def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[[int], float], *,
          max_width: int | None = None, draft_costs: Sequence[Optional[Callable[[int], float]]] | None = None,
-         widths: Sequence[int] | None = None, min_gain: float = 1.0) -> Allocation:
+         widths: Sequence[int] | None = None, min_gain: float = 1.0,
+         alternatives: Sequence[Optional[Sequence[tuple[Curve, Optional[Callable[[int], float]]]]]] | None = None
+         ) -> Allocation:
     """Choose each running request's draft nodes for one step, maximising the expected goodput (module docstring).
 
     curves: per request, its arm's acceptance curve (anything with ``expected(d)``), or None: the request does not
@@ -117,8 +128,11 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
         should be 0); the costs add up (requests draft one after another).
     widths: the candidate widths to scan instead of ``candidate_widths`` (clipped to the budget; 0 always added).
     min_gain: a drafting width is chosen only where its goodput is >= ``min_gain`` x the plain step's (w = 0); >= 1.
+    alternatives: per request, None or more ``(curve, draft_cost)`` options under the same cap (the module
+        docstring); ignored for a request without a curve.
 
-    Returns an ``Allocation`` (``nodes``, ``width``, ``goodput``, ``table``). An empty batch gets empty nodes.
+    Returns an ``Allocation`` (``nodes``, ``width``, ``goodput``, ``table``, ``options``). An empty batch gets empty
+    nodes.
     """
     B = len(curves)
     checked_min_gain(min_gain, "allocate: ")
@@ -126,13 +140,19 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
         raise ValueError(f"allocate: {B} curves but {len(caps)} caps")
     if draft_costs is not None and len(draft_costs) != B:
         raise ValueError(f"allocate: {B} curves but {len(draft_costs)} draft costs")
+    if alternatives is not None and len(alternatives) != B:
+        raise ValueError(f"allocate: {B} curves but {len(alternatives)} alternatives")
     caps_ = [_int(c, f"caps[{i}]") for i, c in enumerate(caps)]
     if max_width is not None:
         max_width = _int(max_width, "max_width")
         caps_ = [min(c, max_width) for c in caps_]
     caps_ = [c if cu is not None else 0 for cu, c in zip(curves, caps_)]  # a curve-less request does not speculate
     if B == 0:
-        return Allocation([], 0, 0.0, {})
+        return Allocation([], 0, 0.0, {}, [])
+    # options[i]: request i's (curve, drafting cost) pairs, its arm's first
+    options = [[(cu, None if draft_costs is None else draft_costs[i]),
+                *(alternatives[i] or [] if alternatives is not None and cu is not None else [])]
+               for i, cu in enumerate(curves)]
     top = max(caps_)
     if widths is None:
         W = candidate_widths(curves, caps_, max_width)
@@ -141,25 +161,32 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     # every cap must be a column so that min(w, cap_i) is one: C candidate budgets, ascending
     W = sorted(set(W) | set(caps_))
     ws = np.asarray(W, dtype=np.int64)  # [C]
-    C = len(W)
+    C, O = len(W), max(len(o) for o in options)
     col = {w: k for k, w in enumerate(W)}
     cap_col = np.array([col[c] for c in caps_], dtype=np.int64)  # [B]
 
-    # acc[i, k] = a_i(W_k), dc[i, k] = c_i(W_k); columns beyond cap_i are never read
-    acc = np.zeros((B, C), dtype=np.float64)  # [B, C]
-    dc = np.zeros((B, C), dtype=np.float64)  # [B, C]
-    priced = np.zeros(B, dtype=bool)  # [B] requests with a drafting cost
-    for i, cu in enumerate(curves):
-        if cu is None:
+    # candidate (budget k, option o) is column k * O + o: acc[i, k * O + o] = a_io(W_k), dc[i, .] = c_io(W_k); columns
+    # beyond cap_i or of a missing option are never allowed
+    acc = np.zeros((B, C, O), dtype=np.float64)
+    dc = np.zeros((B, C, O), dtype=np.float64)
+    valid = np.zeros((B, O), dtype=bool)  # [B, O] the options each request has
+    priced = np.zeros(B, dtype=bool)  # [B] requests with a drafting cost or a choice of options
+    for i, opts in enumerate(options):
+        if opts[0][0] is None:
             continue
         n = int(cap_col[i]) + 1
-        acc[i, :n] = np.minimum(np.maximum(_curve_values(cu, ws[:n]), 0.0), ws[:n])  # 0 <= a(d) <= d
-        fn = None if draft_costs is None else draft_costs[i]
-        if fn is not None:
-            priced[i] = True
-            dc[i, :n] = [float(fn(int(w))) for w in W[:n]]
+        priced[i] = len(opts) > 1
+        for o, (cu, fn) in enumerate(opts):
+            valid[i, o] = True
+            acc[i, :n, o] = np.minimum(np.maximum(_curve_values(cu, ws[:n]), 0.0), ws[:n])  # 0 <= a(d) <= d
+            if fn is not None:
+                priced[i] = True
+                dc[i, :n, o] = [float(fn(int(w))) for w in W[:n]]
     if not np.all(np.isfinite(dc)) or np.any(dc < 0):
         raise ValueError("allocate: drafting costs must be finite and >= 0")
+    acc, dc = acc.reshape(B, C * O), dc.reshape(B, C * O)  # [B, C * O]
+    budget_of = np.repeat(np.arange(C), O)  # [C * O] column -> its budget's index k
+    option_of = np.tile(np.arange(O), C)  # [C * O] column -> its option o
 
     cost_memo: dict[int, float] = {}
 
@@ -174,27 +201,27 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     rows = np.arange(B)
 
     def goodput(pick: np.ndarray) -> float:  # pick: [B] column per request
-        width = int(ws[pick].max())
+        width = int(ws[budget_of[pick]].max())
         return (B + acc[rows, pick].sum()) / (forward(B * (1 + width)) + dc[rows, pick].sum())
 
     best: tuple[float, int, np.ndarray] | None = None
     table: dict[int, float] = {}
     for j, w in enumerate(W):
-        pick = np.minimum(cap_col, j)  # [B] d_i = min(w, cap_i)
+        pick = np.minimum(cap_col, j) * O  # [B] d_i = min(w, cap_i), each with its arm's option
         if priced.any():
             # Dinkelbach for the ratio with the forward charged at this width, F = cost(B (1 + w)), over each priced
-            # request's budgets <= min(w, cap_i) (free requests keep min(w, cap_i)): at the optimum g*, every request
-            # maximises a_i(d) - g* c_i(d) on its own
+            # request's candidates with budgets <= min(w, cap_i) (free requests keep min(w, cap_i)): at the optimum
+            # g*, every request maximises a_i(d) - g* c_i(d) on its own
             F = forward(B * (1 + w))
-            allowed = np.arange(C)[None, :] <= pick[:, None]  # [B, C]
+            allowed = (budget_of[None, :] <= (pick // O)[:, None]) & valid[:, option_of]  # [B, C * O]
 
             def ratio(p: np.ndarray) -> float:
                 return (B + acc[rows, p].sum()) / (F + dc[rows, p].sum())
 
             g = ratio(pick)
             for _ in range(100):  # finite: g rises strictly each round over finitely many choices
-                score = np.where(allowed, acc - g * dc, -np.inf)  # [B, C]
-                choice = C - 1 - np.argmax(score[:, ::-1], axis=1)  # [B] largest budget among ties
+                score = np.where(allowed, acc - g * dc, -np.inf)  # [B, C * O]
+                choice = C * O - 1 - np.argmax(score[:, ::-1], axis=1)  # [B] largest budget, then option, on ties
                 choice = np.where(priced, choice, pick)
                 g_new = ratio(choice)
                 if not g_new > g:  # no choice beats g: pick is optimal for this width
@@ -207,7 +234,8 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
         if best is None or g > best[0]:
             best = (float(g), w, pick.copy())
     g, w, pick = best
-    return Allocation([int(x) for x in ws[pick].tolist()], int(w), g, table)
+    nodes = [int(x) for x in ws[budget_of[pick]].tolist()]
+    return Allocation(nodes, int(w), g, table, [int(o) if d > 0 else 0 for o, d in zip(option_of[pick].tolist(), nodes)])
 
 
 def allocate(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[[int], float], *,
