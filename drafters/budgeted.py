@@ -149,13 +149,17 @@ class BudgetedArm(Drafter):
 
     def _from_sibling(self, last: _Proposal, feedback: StepFeedback) -> Counterfactual | None:
         verified = feedback.draft  # last.proposed, or its first nodes (a scheduler's draft budget)
-        if last.reindexed or not _is_prefix(verified, last.proposed):
-            return None
+        if last.reindexed or last.ctx.lookup_only or not _is_prefix(verified, last.proposed):
+            return None  # (a lookup-only draft says nothing of what the arm drafts in full)
         if self.budget > last.budget and len(last.full) >= last.budget:
             return None  # the larger budget's extra nodes were never drafted nor verified
         n = min(self.budget, len(verified))  # this arm's draft: the verified draft's first n nodes
         path = [i for i in feedback.acceptance.path if i < n]  # indices increase along a path: a prefix of it
         return Counterfactual(len(path), n, verified.first(n).depth, drafting_cost=last.cost)
+
+    @property
+    def lookup(self) -> bool:  # type: ignore[override]
+        return self.inner.lookup
 
     def longest_match(self, tokens: torch.Tensor) -> int | None:
         return self.inner.longest_match(tokens)

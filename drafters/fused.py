@@ -51,7 +51,8 @@ class FusedDrafter(Drafter):
 
     ``ctx.max_nodes`` (a budget arm's budget, drafters/budgeted.py) bounds the fused tree as ``max_nodes`` does, reaches
     the arms (a ``pretrained_tree`` arm then drafts fewer nodes) and stops the arms after the tree is full: the fused
-    draft is then exactly the unbounded one's first ``max_nodes`` nodes."""
+    draft is then exactly the unbounded one's first ``max_nodes`` nodes. ``ctx.lookup_only`` leaves out the arms that
+    are not lookups (``Drafter.lookup``); they catch up when they draft next."""
 
     kind = "fused"
     model_field, checkpoint_field = "never", "never"
@@ -67,7 +68,7 @@ class FusedDrafter(Drafter):
         self.nodes = None if nodes is None else list(nodes)
         self.max_nodes, self.enough = max_nodes, enough
         self.hidden_layers = tuple(sorted({layer for a in self.arms for layer in a.hidden_layers}))
-        self._last: list[tuple[Draft, int]] = []  # per arm: its draft and how many of its nodes were kept
+        self._last: list[tuple[Drafter, Draft, int]] = []  # per arm that drafted: it, its draft, the nodes kept
 
     @classmethod
     def from_config(cls, name, params, build):
@@ -82,6 +83,10 @@ class FusedDrafter(Drafter):
 
     def components(self) -> list[Drafter]:
         return list(self.arms)
+
+    @property
+    def lookup(self) -> bool:  # type: ignore[override]
+        return all(a.lookup for a in self.arms)
 
     def modules(self):
         return []  # the arms' networks are counted as the arms'
@@ -98,10 +103,14 @@ class FusedDrafter(Drafter):
         # arm's node j lands at fused index >= j, so an arm's nodes past the bound never enter it
         bound = getattr(ctx, "max_nodes", None)  # (ctx is None where a test drives arms that ignore it)
         limit = self.max_nodes if bound is None else min(bound, self.max_nodes or bound)
+        lookup_only = getattr(ctx, "lookup_only", False)
         for i, arm in enumerate(self.arms):
             if bound is not None and len(tokens) >= limit:  # full: the later arms cannot add a node
                 meta["budget_stop"] = True
                 break
+            if lookup_only and not arm.lookup:  # a model arm: it reads the committed text when it next drafts
+                meta["lookup_only"] = True
+                continue
             draft = arm.propose(ctx)
             catch_up += draft.catch_up
             budget = len(draft) if self.nodes is None else min(self.nodes[i], len(draft))
@@ -124,7 +133,7 @@ class FusedDrafter(Drafter):
                     parents.append(parent)
                     new += 1
                 mapped.append(index[key])
-            self._last.append((draft, budget))
+            self._last.append((arm, draft, budget))
             meta[f"nodes_{arm.name}"] = new + shared
             meta[f"shared_{arm.name}"] = shared
             if self.enough is not None and draft.depth >= self.enough and i + 1 < len(self.arms):
@@ -138,7 +147,7 @@ class FusedDrafter(Drafter):
         """Each arm learns what its own draft had accepted: the longest prefix of the accepted tokens in the part of
         its draft that was verified, then the token the verifier committed next (its bonus)."""
         accepted = feedback.committed[:-1]
-        for arm, (draft, kept) in zip(self.arms, self._last):
+        for arm, draft, kept in self._last:
             kept_draft = Draft(draft.tokens[:kept], draft.parents[:kept])
             path, _ = follow(kept_draft, accepted)
             bonus = feedback.committed[len(path)]

@@ -66,6 +66,7 @@ class NGramDrafter(Drafter):
 
     kind = "ngram"
     model_field, checkpoint_field = "never", "never"
+    lookup = True
     Params = NGramParams
 
     def __init__(self, k: int = 10, n_min: int = 1, n_max: int = 3, latest: bool = True, name: str | None = None):

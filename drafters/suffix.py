@@ -74,6 +74,7 @@ class SuffixDrafter(Drafter):
 
     kind = "suffix"
     model_field, checkpoint_field = "never", "never"
+    lookup = True
     Params = SuffixParams
 
     def __init__(self, mode: str = "tree", max_match: int = 16, max_depth: int = 8, max_nodes: int = 16,

@@ -221,7 +221,8 @@ def test_adaptive_arguments_are_checked(verifier_model, tok):
                                             ({"profile": {"max_seconds": 0}}, "serving.profile.max_seconds"),
                                             ({"width": 8}, "serving.width"),
                                             ({"min_gain": 0.9}, "serving.min_gain"),
-                                            ({"draft_cost": "guessed"}, "serving.draft_cost")])
+                                            ({"draft_cost": "guessed"}, "serving.draft_cost"),
+                                            ({"defer_catch_up": True}, "serving.defer_catch_up")])
 def test_serving_config_errors_name_the_field(serving, field):
     from metasd.config import ConfigError, parse_pool_config
 
@@ -375,3 +376,58 @@ def test_metasd_serve_without_a_pool_serves_the_adaptive_pool(monkeypatch):
     assert default_serve_pool_path().read_text() == open("configs/pools/serve_adaptive.yaml").read()  # packaged
     assert got["settings"].adaptive["adaptive"] and got["settings"].adaptive["price_drafting"]
     assert read_pool_config(got["pool"]).arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
+
+
+def _caught_up_arm(adaptive, rate=0.5):
+    """A cascade budget arm whose model's catch-up the adaptive has learnt to cost ``rate`` per token."""
+    arm = budget_arms(_cascade(), (4,))[0]
+    for _ in range(20):
+        adaptive.learn(arm, [0, 1, 2], 4, 4, draft_cost=0.05, catch_up=0)
+    adaptive.learn(arm, [0], 4, 4, draft_cost=0.05 + rate * 1000, catch_up=1000)
+    return arm
+
+
+def test_a_request_whose_model_must_catch_up_drafts_with_the_lookups_alone():
+    deferring = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, defer_catch_up=True)
+    arm = _caught_up_arm(deferring)
+    fresh = _Pending(length=1000, max_new_tokens=8)  # its whole prompt to read, 8 tokens to go: the model cannot pay
+    a = deferring.allocate([arm], [fresh])
+    assert a.options == [1] and a.nodes[0] > 0  # the suffix lookup drafts alone
+    assert deferring.lookup_alternative(arm, fresh) is not None
+    plain = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True)
+    assert plain.allocate([_caught_up_arm(plain)], [fresh]).nodes == [0]  # without it: a plain step
+    deferring._fed[fresh] = 1000  # caught up: the arm drafts in full, no alternative offered
+    assert deferring.lookup_alternative(arm, fresh) is None
+    assert deferring.allocate([arm], [fresh]).options == [0]
+    # a lookup-only step teaches the lookups' own curve, not the arm's
+    before = deferring.curve(arm).values().copy()
+    deferring.learn(arm, [], 4, 4, draft_cost=0.0, lookup=True)
+    assert deferring.curve(arm).values().tolist() == before.tolist()
+    assert "cascade/lookup" in deferring.curves
+    # an arm with no lookup in it has no alternative
+    model_only = budget_arms(PretrainedTreeDrafter(tiny_qwen(seed=0), nodes=4, depth=2, name="model"), (4,))[0]
+    assert deferring.lookup_alternative(model_only, _Pending(length=1000)) is None
+    with pytest.raises(ValueError, match="defer_catch_up needs price_drafting"):
+        AdaptiveSpeculation(_linear, defer_catch_up=True)
+
+
+def test_lookup_only_steps_keep_the_model_out_and_outputs_exact(verifier_model, tok, monkeypatch):
+    # the cascade's model is priced out by a steep catch-up: every request drafts with the suffix lookup alone while
+    # its prompt is unread - the model is never asked and the output is the verifier's
+    asked = []
+    propose = PretrainedTreeDrafter.propose
+    monkeypatch.setattr(PretrainedTreeDrafter, "propose", lambda self, ctx: asked.append(ctx) or propose(self, ctx))
+    engine = _engine(verifier_model, tok, _budget_arms())
+    adaptive = AdaptiveSpeculation(_linear, max_width=2, price_drafting=True, defer_catch_up=True)
+    adaptive.draft_costs["cascade"], adaptive.catch_up_rates["cascade"] = 0.01, 100.0
+    got, steps = _serve(engine, adaptive, prompts=[p * 4 for p in PROMPTS])  # prompts of 4 to 76 tokens
+    assert [r.token_ids for r in got] == _plain_of(verifier_model, tok, [p * 4 for p in PROMPTS])
+    lookup_steps = sum(o == 1 for s in steps for o in s.adaptive.options)
+    assert lookup_steps > 0 and "cascade/lookup" in adaptive.curves
+    assert sum(r.stats.drafted for r in got) > 0  # the suffix lookup drafted
+    assert asked == []  # the model never drafted: every drafting step was lookup-only
+
+
+def _plain_of(model, tok, prompts):
+    engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
+    return [engine.generate(p, n).token_ids for p, n in zip(prompts, MAX_NEW)]

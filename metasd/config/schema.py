@@ -116,7 +116,18 @@ class ServingConfig(_Strict):
     draft_cost: Literal["measured", "modeled"] = "measured"
     #: a step drafts only where the allocation's expected goodput is >= min_gain x a plain step's
     min_gain: float = Field(1.0, ge=1.0, allow_inf_nan=False)
+    #: while a request's model drafter has its prompt still to read, the allocator may let its arm's lookups draft
+    #: alone (a cascade's suffix decoding: no catch-up); needs price_drafting
+    defer_catch_up: Bool = False
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @field_validator("defer_catch_up")
+    @classmethod
+    def _priced(cls, defer: bool, info) -> bool:
+        if defer and not info.data.get("price_drafting", False):
+            raise ValueError("defer_catch_up: true needs price_drafting: true (the catch-up it defers is priced only "
+                             "then)")
+        return defer
 
 
 def _refers_to(kind: str) -> str:

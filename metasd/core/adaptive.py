@@ -21,7 +21,13 @@ wires the building blocks of speculation under load into its step:
    the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = average + rate * unfed * (1 + a(d)) /
    remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining tokens; 0 at ``d = 0``,
    where the drafter is not asked at all), and ``min_gain`` keeps a step plain unless drafting is expected to beat it
-   by that factor.
+   by that factor;
+5. **deferred catch-up** (``defer_catch_up``, with ``price_drafting``) - while a request's arm runs a model that has
+   more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
+   cascade: suffix decoding first), the allocator may instead let it draft with the lookups alone
+   (``StepContext.lookup_only``: no model forward, no catch-up): a second option for the request (``plan``'s
+   ``alternatives``) with its own curve and drafting cost (key ``"<arm>/lookup"``), learnt from the steps it drafted
+   so. A long prompt the model's catch-up does not pay for can still be drafted from - suffix decoding's case.
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -39,6 +45,7 @@ import numpy as np
 
 from .acceptance_curve import AcceptanceCurve
 from .allocator import Allocation, checked_min_gain, plan
+from .drafter import drafts_lookups
 from .goodput import counterfactual_share, shared_step_cost
 from .request_features import load_features
 
@@ -48,22 +55,26 @@ DRAFT_COST_DECAY = 0.8
 
 
 class StepPlan(NamedTuple):
-    """A scheduler step's adaptive decisions (``Scheduler._draft``): the allocation, each job's node budget and arm."""
+    """A scheduler step's adaptive decisions (``Scheduler._draft``): the allocation, each job's node budget, arm and
+    whether it drafts with the arm's lookups alone."""
 
     alloc: Allocation
     nodes: dict[int, int]  # id(job) -> d_i
     arms: dict[int, Any]  # id(job) -> the drafter it selected (None: none)
+    lookup: dict[int, bool]  # id(job) -> drafts lookup_only
 
 
 @dataclass
 class AdaptiveRecord:
     """What the adaptation decided in one step (``SchedulerStep.adaptive``): the width scanned best, each request's
-    node budget (row order), the expected goodput of the allocation and of each candidate width."""
+    node budget (row order), the expected goodput of the allocation and of each candidate width, and each request's
+    option in the allocation (``Allocation.options``: 1 where it drafted with its arm's lookups alone)."""
 
     width: int
     nodes: list[int]
     goodput: float
     table: dict[int, float] = field(default_factory=dict)
+    options: list[int] = field(default_factory=list)
 
 
 class AdaptiveSpeculation:
@@ -79,11 +90,14 @@ class AdaptiveSpeculation:
     seconds of a one-token verifier forward (the profile's ``seconds_for(1)``): drafting is then priced by its
     measured wall time in ``cost``'s units (``seconds / unit_seconds``), in the allocator and in the step's reward,
     else (None) by the engine meter's modeled cost of the drafters' forwards; min_gain: a step drafts only where the
-    allocation's expected goodput is >= ``min_gain`` x a plain step's (``plan``'s margin; 1.0: any gain).
+    allocation's expected goodput is >= ``min_gain`` x a plain step's (``plan``'s margin; 1.0: any gain);
+    defer_catch_up: offer a request whose arm's model has its prompt still to read the arm's lookups alone (module
+    docstring, 5.; needs ``price_drafting``: unpriced, a catch-up is never a reason to draft otherwise).
     """
 
     def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
-                 price_drafting: bool = False, unit_seconds: float | None = None, min_gain: float = 1.0):
+                 price_drafting: bool = False, unit_seconds: float | None = None, min_gain: float = 1.0,
+                 defer_catch_up: bool = False):
         if not callable(cost):
             raise ValueError(f"cost must be callable (a ForwardProfile's cost), got {type(cost).__name__}")
         if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
@@ -97,6 +111,9 @@ class AdaptiveSpeculation:
             raise ValueError(f"unit_seconds must be a finite number of seconds > 0 or None, got {unit_seconds!r}")
         self.unit_seconds = None if unit_seconds is None else float(unit_seconds)
         self.min_gain = checked_min_gain(min_gain)
+        if defer_catch_up and not price_drafting:
+            raise ValueError("defer_catch_up needs price_drafting: the catch-up it defers is priced only then")
+        self.defer_catch_up = bool(defer_catch_up)
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
@@ -119,8 +136,14 @@ class AdaptiveSpeculation:
         it), else its own name."""
         return getattr(getattr(arm, "inner", None), "name", None) or arm.name
 
-    def curve(self, arm: Any) -> AcceptanceCurve:
-        key = self.curve_key(arm)
+    @classmethod
+    def lookup_key(cls, arm: Any) -> str:
+        """The curve and costs of the arm's lookups drafting alone (``defer_catch_up``): ``"<curve_key>/lookup"``."""
+        return cls.curve_key(arm) + "/lookup"
+
+    def curve(self, arm: Any, key: str | None = None) -> AcceptanceCurve:
+        """The arm's acceptance curve (``key``: another, e.g. its ``lookup_key``), made on first use."""
+        key = key or self.curve_key(arm)
         if key not in self.curves:
             self.curves[key] = AcceptanceCurve(self.grid) if self.grid is not None else AcceptanceCurve()
         return self.curves[key]
@@ -158,7 +181,26 @@ class AdaptiveSpeculation:
         reqs = list(requests) if requests is not None else [None] * len(arms)
         costs = [self.draft_cost(a, r) if c > 0 and self.price_drafting else None
                  for a, c, r in zip(arms, caps, reqs)]
-        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain)
+        others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
+            if self.defer_catch_up else None
+        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
+                    alternatives=others)
+
+    def lookup_alternative(self, arm: Any, request: Any) -> list | None:
+        """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
+        more than ``max_width`` committed tokens to read (``unfed``) and has lookups in it; else None. Priced at the
+        lookups' average drafting cost (their own catch-up, indexing the prompt, is learnt apart as the arm's is)."""
+        if request is None or self.unfed(request) <= self.max_width or arm.lookup or not drafts_lookups(arm):
+            return None
+        key = self.lookup_key(arm)
+        c = self.draft_costs.get(key, 0.0)
+        return [(self.curve(arm, key), lambda d: c if d > 0 else 0.0)]
+
+    def step_plan(self, jobs: Sequence[int], arms: Sequence[Any], requests: Sequence[Any]) -> StepPlan:
+        """The step's ``StepPlan`` from the arms selected (``jobs``: the running jobs' ids; all in row order)."""
+        alloc = self.allocate(arms, requests)
+        return StepPlan(alloc, dict(zip(jobs, alloc.nodes)), dict(zip(jobs, arms)),
+                        {j: o > 0 for j, o in zip(jobs, alloc.options)})
 
     def unfed(self, request: Any) -> int:
         """Committed tokens of the request its drafters have not fed if it drafts now: its whole text before its
@@ -187,7 +229,7 @@ class AdaptiveSpeculation:
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
         """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
         self.last_forward_tokens = forward_tokens
-        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table))
+        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options))
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
         """Request i's share of the step: ``cost(B N) / B + draft_cost`` (``shared_step_cost``)."""
@@ -200,16 +242,17 @@ class AdaptiveSpeculation:
         return lambda n: counterfactual_share(self.cost, rows, i, int(n))
 
     def finish(self, request: Any, out: Any, verify_s: float, rows_tokens: Sequence[int], i: int, arm: Any,
-               d_i: int) -> tuple[list[int], bool]:
+               d_i: int, lookup: bool = False) -> tuple[list[int], bool]:
         """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
-        (``pricer``); then its arm's curve learns from the accepted path."""
+        (``pricer``); then its arm's curve (its lookups' where it drafted ``lookup`` only) learns from the accepted
+        path."""
         draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
         s = request.last_step
-        self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up)
-        if self.drafts(arm, d_i):
+        self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up, lookup=lookup)
+        if self.drafts(arm, d_i) and not lookup:  # its model read the text (a lookup-only step left it unread)
             self._fed[request] = int(request.length)
         return result
 
@@ -220,18 +263,20 @@ class AdaptiveSpeculation:
         return seconds / self.unit_seconds if self.unit_seconds is not None else modeled
 
     def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None,
-              catch_up: int = 0) -> None:
+              catch_up: int = 0, lookup: bool = False) -> None:
         """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
         accepted; ``draft_cost`` (the step's drafting cost, ``drafting_cost``) updates its average drafting cost -
         or, where the drafter caught up more than ``max_width`` committed tokens (``catch_up``: a request's first
         draft feeds its prompt), its cost per caught-up token: ``(draft_cost - average) / catch_up``. A one-off
-        catch-up is charged to its step's reward but is not the price of the request's later steps."""
+        catch-up is charged to its step's reward but is not the price of the request's later steps. ``lookup``: the
+        arm's lookups drafted alone - their own curve and costs (``lookup_key``) learn instead."""
         if not self.drafts(arm, budget):
             return
-        self.curve(arm).update(list(path), drafted, budget=max(budget, drafted))
+        key = self.lookup_key(arm) if lookup else self.curve_key(arm)
+        self.curve(arm, key).update(list(path), drafted, budget=max(budget, drafted))
         if draft_cost is None:
             return
-        key, c = self.curve_key(arm), max(float(draft_cost), 0.0)
+        c = max(float(draft_cost), 0.0)
         if catch_up > self.max_width:
             key_costs, c = self.catch_up_rates, max(c - self.draft_costs.get(key, 0.0), 0.0) / catch_up
         else:

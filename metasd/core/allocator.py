@@ -30,7 +30,7 @@ estimates' error, work outside the priced forwards), so that a step drafts only 
 **Alternatives.** A request may have other ways to draft than its arm's (``plan(..., alternatives=)``: more (curve,
 drafting cost) pairs under the same cap - ``metasd.core.adaptive`` offers a cascade's lookup arms alone while its model
 has the prompt still to read). Its candidates are then every (option, budget) pair; Dinkelbach's step picks the pair
-maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the later option), and the chosen
+maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the arm's own option), and the chosen
 options are returned (``Allocation.options``).
 
 Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between
@@ -165,7 +165,7 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     col = {w: k for k, w in enumerate(W)}
     cap_col = np.array([col[c] for c in caps_], dtype=np.int64)  # [B]
 
-    # candidate (budget k, option o) is column k * O + o: acc[i, k * O + o] = a_io(W_k), dc[i, .] = c_io(W_k); columns
+    # candidate (budget k, option o) is a column: acc[i, column] = a_io(W_k), dc[i, column] = c_io(W_k); columns
     # beyond cap_i or of a missing option are never allowed
     acc = np.zeros((B, C, O), dtype=np.float64)
     dc = np.zeros((B, C, O), dtype=np.float64)
@@ -184,9 +184,10 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
                 dc[i, :n, o] = [float(fn(int(w))) for w in W[:n]]
     if not np.all(np.isfinite(dc)) or np.any(dc < 0):
         raise ValueError("allocate: drafting costs must be finite and >= 0")
-    acc, dc = acc.reshape(B, C * O), dc.reshape(B, C * O)  # [B, C * O]
+    # options in reverse within a budget, so that on a tie the largest column is the lowest option (the arm's own)
+    acc, dc = acc[:, :, ::-1].reshape(B, C * O), dc[:, :, ::-1].reshape(B, C * O)  # [B, C * O]
     budget_of = np.repeat(np.arange(C), O)  # [C * O] column -> its budget's index k
-    option_of = np.tile(np.arange(O), C)  # [C * O] column -> its option o
+    option_of = np.tile(np.arange(O)[::-1], C)  # [C * O] column -> its option o
 
     cost_memo: dict[int, float] = {}
 
@@ -207,7 +208,7 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     best: tuple[float, int, np.ndarray] | None = None
     table: dict[int, float] = {}
     for j, w in enumerate(W):
-        pick = np.minimum(cap_col, j) * O  # [B] d_i = min(w, cap_i), each with its arm's option
+        pick = np.minimum(cap_col, j) * O + O - 1  # [B] d_i = min(w, cap_i), each with its arm's option
         if priced.any():
             # Dinkelbach for the ratio with the forward charged at this width, F = cost(B (1 + w)), over each priced
             # request's candidates with budgets <= min(w, cap_i) (free requests keep min(w, cap_i)): at the optimum
@@ -221,7 +222,7 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
             g = ratio(pick)
             for _ in range(100):  # finite: g rises strictly each round over finitely many choices
                 score = np.where(allowed, acc - g * dc, -np.inf)  # [B, C * O]
-                choice = C * O - 1 - np.argmax(score[:, ::-1], axis=1)  # [B] largest budget, then option, on ties
+                choice = C * O - 1 - np.argmax(score[:, ::-1], axis=1)  # [B] largest budget, then lowest option, on ties
                 choice = np.where(priced, choice, pick)
                 g_new = ratio(choice)
                 if not g_new > g:  # no choice beats g: pick is optimal for this width

@@ -41,6 +41,9 @@ class StepContext:
     #: None: no bound. A drafter may honour it to draft less, but only so that its draft is still exactly the one it
     #: would have drafted without the bound, cut to its first ``max_nodes`` nodes (budget counterfactuals rely on it)
     max_nodes: int | None = None
+    #: draft with lookups alone (``Drafter.lookup``): a drafter that runs a model drafts nothing this step and reads
+    #: the committed text when it next drafts (an allocator's choice while a model has a long prompt still to read)
+    lookup_only: bool = False
 
 
 @dataclass
@@ -134,6 +137,9 @@ class Drafter(abc.ABC):
     #: whether the type can draft in its model's own tokenizer and translate each draft into the verifier's ids
     #: (cross-tokenizer drafting; a pool entry's ``tokenizer: own``), checked when the pool file is read
     cross_tokenizer: ClassVar[bool] = False
+    #: whether it drafts by looking up the committed text (suffix trees, n-grams): no model forward, nothing of note
+    #: to catch up on - it drafts in ``StepContext.lookup_only`` steps
+    lookup: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
     tokenizer = None  # set by drafters with their own tokenizer, checked against the verifier's
     #: set by a drafter that drafts in ``tokenizer``'s ids and translates its drafts (cross-tokenizer drafting): the
@@ -264,6 +270,12 @@ class BuildContext:
         if self.quantize != "none":
             raise ValueError(f"drafter {name!r} of type {kind!r} has no model weights to quantize "
                              f"(field 'quantize' is {self.quantize!r}; remove it)")
+
+
+def drafts_lookups(drafter: Drafter) -> bool:
+    """Whether ``drafter`` or one of its components (recursively) is a lookup (``Drafter.lookup``): whether it can
+    draft in a ``StepContext.lookup_only`` step."""
+    return any(d.lookup for d in with_components([drafter]))
 
 
 def with_components(drafters: Sequence[Drafter]) -> list[Drafter]:

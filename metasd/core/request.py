@@ -18,7 +18,7 @@ import torch
 from .acceptance import accept_greedy, accept_match, accept_rejection
 from .clock import now
 from .detokenize import IncrementalDetokenizer, find_stop
-from .drafter import StepContext, StepFeedback
+from .drafter import StepContext, StepFeedback, drafts_lookups
 from .metrics import RequestStats
 from .policy import Policy
 from .request_features import request_features, step_features
@@ -55,15 +55,14 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_nam
 
     if isinstance(prompt, torch.Tensor):
         return [int(t) for t in prompt.reshape(-1).tolist()]
+    if not isinstance(prompt, str):
+        prompt = list(prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty")
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("the prompt is empty")
         if chat:
             return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name)
         return tokenizer_or_fail().encode(prompt, add_special_tokens=True)
-    prompt = list(prompt)
-    if not prompt:
-        raise ValueError("the prompt is empty")
     if all(isinstance(t, int) for t in prompt):
         return prompt
     if all(isinstance(m, Mapping) for m in prompt):
@@ -165,10 +164,8 @@ class Request:
         """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
         (``text_so_far`` is the incremental read)."""
         tok = self.engine.tokenizer
-        if tok is None:
-            return ""
-        if self._stopped_text is not None:
-            return self._stopped_text
+        if tok is None or self._stopped_text is not None:
+            return self._stopped_text if tok is not None else ""
         return tok.decode(self.new_ids, skip_special_tokens=True)
 
     def text_so_far(self) -> str:
@@ -298,9 +295,10 @@ class Request:
         self._selected = ctx
         return self.drafters[self.arm] if self.drafters else None
 
-    def propose(self, max_nodes: int | None = None) -> Draft:
+    def propose(self, max_nodes: int | None = None, lookup_only: bool = False) -> Draft:
         """Draft with the selected arm (the engine's meter counts the work), cut to the token budget, ``draft_budget``
-        and ``max_nodes`` (the allocator's node budget, passed to the drafter as ``StepContext.max_nodes``)."""
+        and ``max_nodes`` (the allocator's node budget, passed to the drafter as ``StepContext.max_nodes``, as
+        ``lookup_only`` is: an arm with no lookup in it, ``drafts_lookups``, is then not asked)."""
         ctx, self._selected = self._selected, None
         if ctx is None or self._pending_step is not None:
             raise RuntimeError("Request.propose called without select_arm")
@@ -308,8 +306,10 @@ class Request:
         if max_nodes is not None:
             limit = max_nodes if limit is None else min(limit, max_nodes)
             ctx = dataclasses.replace(ctx, max_nodes=max_nodes) if max_nodes > 0 else ctx
+        ctx = dataclasses.replace(ctx, lookup_only=True) if lookup_only else ctx
         drafter = self.drafters[self.arm] if self.drafters else None
-        asked = drafter is not None and max_nodes != 0  # at 0 nodes: a plain step (the drafter catches up later)
+        # at 0 nodes: a plain step (the drafter catches up later)
+        asked = drafter is not None and max_nodes != 0 and (not lookup_only or drafts_lookups(drafter))
         with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
             t0 = now(self.engine.clock_device)
             draft = drafter.propose(ctx) if asked else Draft.empty()

@@ -301,7 +301,7 @@ class Scheduler:
             try:
                 _, finished = (job.request.finish_step(out, verify_s=forward_s) if plan is None else
                                self.adaptive.finish(job.request, out, forward_s, rows_tokens, i, plan.arms[id(job)],
-                                                    plan.nodes[id(job)]))
+                                                    plan.nodes[id(job)], plan.lookup[id(job)]))
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed after verification", job.id)
                 failed.append((job, e))
@@ -343,9 +343,8 @@ class Scheduler:
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
-        alloc = adaptive.allocate([arms[id(j)] for j in running], [j.request for j in running])
-        nodes = {id(j): d for j, d in zip(running, alloc.nodes)}
-        return self._each(running, lambda j: j.request.propose(nodes[id(j)]), "drafting"), StepPlan(alloc, nodes, arms)
+        plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running], [j.request for j in running])
+        return self._each(running, lambda j: j.request.propose(plan.nodes[id(j)], plan.lookup[id(j)]), "drafting"), plan
 
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all; a request whose prompt is in joins the

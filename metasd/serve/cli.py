@@ -144,7 +144,8 @@ class SchedulerSettings:
         return AdaptiveSpeculation(profile.cost, max_width=self.adaptive["max_width"],
                                    price_drafting=self.adaptive["price_drafting"],
                                    unit_seconds=profile.seconds_for(1) if measured else None,
-                                   min_gain=self.adaptive["min_gain"])
+                                   min_gain=self.adaptive["min_gain"],
+                                   defer_catch_up=self.adaptive["defer_catch_up"])
 
 
 def read_cost_profile(path: str | None, config) -> dict | None:
