@@ -267,7 +267,7 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
 
     profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")
     serving = {"adaptive": True, "max_width": 8, "price_drafting": True, "draft_cost": "measured", "min_gain": 1.25,
-               "profile": {"token_counts": None, "max_seconds": 5.0}}
+               "defer_catch_up": True, "profile": {"token_counts": None, "max_seconds": 5.0}}
     scheduler = SchedulerSettings(2, 4, False, serving, profile.to_dict()).make(_engine(verifier_model, tok,
                                                                                         _budget_arms()))
     try:
@@ -275,7 +275,7 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
         assert scheduler.adaptive.price_drafting
         assert scheduler.adaptive.cost(64) == pytest.approx(3.0)
         assert scheduler.adaptive.unit_seconds == pytest.approx(0.01)  # drafting priced in 1-token forwards
-        assert scheduler.adaptive.min_gain == 1.25
+        assert scheduler.adaptive.min_gain == 1.25 and scheduler.adaptive.defer_catch_up
     finally:
         scheduler.close()
     modeled = SchedulerSettings(2, 4, False, {**serving, "draft_cost": "modeled"}, profile.to_dict()).make(
@@ -399,11 +399,14 @@ def test_a_request_whose_model_must_catch_up_drafts_with_the_lookups_alone():
     deferring._fed[fresh] = 1000  # caught up: the arm drafts in full, no alternative offered
     assert deferring.lookup_alternative(arm, fresh) is None
     assert deferring.allocate([arm], [fresh]).options == [0]
-    # a lookup-only step teaches the lookups' own curve, not the arm's
-    before = deferring.curve(arm).values().copy()
-    deferring.learn(arm, [], 4, 4, draft_cost=0.0, lookup=True)
+    # a lookup-only step teaches the request's own lookup curve, not the arm's (nor another request's)
+    other = _Pending(length=1000, max_new_tokens=8)
+    before, prior = deferring.curve(arm).values().copy(), deferring.lookup_curve(other).values().copy()
+    deferring.learn(arm, [], 4, 4, draft_cost=0.0, lookup=deferring.lookup_curve(fresh))
     assert deferring.curve(arm).values().tolist() == before.tolist()
-    assert "cascade/lookup" in deferring.curves
+    assert deferring.lookup_curve(other).values().tolist() == prior.tolist()
+    assert deferring.lookup_curve(fresh).expected(4) < deferring.lookup_curve(other).expected(4)
+    assert "cascade/lookup" in deferring.draft_costs
     # an arm with no lookup in it has no alternative
     model_only = budget_arms(PretrainedTreeDrafter(tiny_qwen(seed=0), nodes=4, depth=2, name="model"), (4,))[0]
     assert deferring.lookup_alternative(model_only, _Pending(length=1000)) is None
@@ -423,7 +426,7 @@ def test_lookup_only_steps_keep_the_model_out_and_outputs_exact(verifier_model, 
     got, steps = _serve(engine, adaptive, prompts=[p * 4 for p in PROMPTS])  # prompts of 4 to 76 tokens
     assert [r.token_ids for r in got] == _plain_of(verifier_model, tok, [p * 4 for p in PROMPTS])
     lookup_steps = sum(o == 1 for s in steps for o in s.adaptive.options)
-    assert lookup_steps > 0 and "cascade/lookup" in adaptive.curves
+    assert lookup_steps > 0 and "cascade/lookup" in {**adaptive.draft_costs, **adaptive.catch_up_rates}
     assert sum(r.stats.drafted for r in got) > 0  # the suffix lookup drafted
     assert asked == []  # the model never drafted: every drafting step was lookup-only
 

@@ -26,8 +26,11 @@ wires the building blocks of speculation under load into its step:
    more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
    cascade: suffix decoding first), the allocator may instead let it draft with the lookups alone
    (``StepContext.lookup_only``: no model forward, no catch-up): a second option for the request (``plan``'s
-   ``alternatives``) with its own curve and drafting cost (key ``"<arm>/lookup"``), learnt from the steps it drafted
-   so. A long prompt the model's catch-up does not pay for can still be drafted from - suffix decoding's case.
+   ``alternatives``) with the lookups' drafting cost (key ``"<arm>/lookup"``) and **the request's own** curve
+   (``lookup_curve``: from the prior, learnt from its lookup-only steps) - what a lookup finds is a property of the
+   request's text (a quote of its prompt), not of the arm, so one request's long quotes do not promise another
+   request the same. A long prompt the model's catch-up does not pay for can still be drafted from - suffix
+   decoding's case - and a request whose lookups find nothing is soon back to its arm or to plain steps.
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -118,6 +121,7 @@ class AdaptiveSpeculation:
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
         self.catch_up_rates: dict[str, float] = {}  # per curve key: average cost of one caught-up token
+        self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
@@ -138,12 +142,18 @@ class AdaptiveSpeculation:
 
     @classmethod
     def lookup_key(cls, arm: Any) -> str:
-        """The curve and costs of the arm's lookups drafting alone (``defer_catch_up``): ``"<curve_key>/lookup"``."""
+        """The drafting costs of the arm's lookups drafting alone (``defer_catch_up``): ``"<curve_key>/lookup"``."""
         return cls.curve_key(arm) + "/lookup"
 
-    def curve(self, arm: Any, key: str | None = None) -> AcceptanceCurve:
-        """The arm's acceptance curve (``key``: another, e.g. its ``lookup_key``), made on first use."""
-        key = key or self.curve_key(arm)
+    def lookup_curve(self, request: Any) -> AcceptanceCurve:
+        """The request's own acceptance curve of lookup-only drafts (module docstring, 5.), made on first use."""
+        if request not in self._lookup_curves:
+            self._lookup_curves[request] = AcceptanceCurve(self.grid) if self.grid is not None else AcceptanceCurve()
+        return self._lookup_curves[request]
+
+    def curve(self, arm: Any) -> AcceptanceCurve:
+        """The arm's acceptance curve (shared by the budget arms of one entry), made on first use."""
+        key = self.curve_key(arm)
         if key not in self.curves:
             self.curves[key] = AcceptanceCurve(self.grid) if self.grid is not None else AcceptanceCurve()
         return self.curves[key]
@@ -188,13 +198,13 @@ class AdaptiveSpeculation:
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
-        more than ``max_width`` committed tokens to read (``unfed``) and has lookups in it; else None. Priced at the
-        lookups' average drafting cost (their own catch-up, indexing the prompt, is learnt apart as the arm's is)."""
+        more than ``max_width`` committed tokens to read (``unfed``) and has lookups in it; else None. The request's
+        own ``lookup_curve``, priced at the lookups' average drafting cost (their own catch-up, indexing the prompt, is
+        learnt apart as the arm's is)."""
         if request is None or self.unfed(request) <= self.max_width or arm.lookup or not drafts_lookups(arm):
             return None
-        key = self.lookup_key(arm)
-        c = self.draft_costs.get(key, 0.0)
-        return [(self.curve(arm, key), lambda d: c if d > 0 else 0.0)]
+        c = self.draft_costs.get(self.lookup_key(arm), 0.0)
+        return [(self.lookup_curve(request), lambda d: c if d > 0 else 0.0)]
 
     def step_plan(self, jobs: Sequence[int], arms: Sequence[Any], requests: Sequence[Any]) -> StepPlan:
         """The step's ``StepPlan`` from the arms selected (``jobs``: the running jobs' ids; all in row order)."""
@@ -245,13 +255,14 @@ class AdaptiveSpeculation:
                d_i: int, lookup: bool = False) -> tuple[list[int], bool]:
         """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
-        (``pricer``); then its arm's curve (its lookups' where it drafted ``lookup`` only) learns from the accepted
-        path."""
+        (``pricer``); then its arm's curve (the request's ``lookup_curve`` where it drafted ``lookup`` only) learns
+        from the accepted path."""
         draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
         s = request.last_step
-        self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up, lookup=lookup)
+        own = self.lookup_curve(request) if lookup else None
+        self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up, lookup=own)
         if self.drafts(arm, d_i) and not lookup:  # its model read the text (a lookup-only step left it unread)
             self._fed[request] = int(request.length)
         return result
@@ -263,17 +274,19 @@ class AdaptiveSpeculation:
         return seconds / self.unit_seconds if self.unit_seconds is not None else modeled
 
     def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None,
-              catch_up: int = 0, lookup: bool = False) -> None:
+              catch_up: int = 0, lookup: AcceptanceCurve | None = None) -> None:
         """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
         accepted; ``draft_cost`` (the step's drafting cost, ``drafting_cost``) updates its average drafting cost -
         or, where the drafter caught up more than ``max_width`` committed tokens (``catch_up``: a request's first
         draft feeds its prompt), its cost per caught-up token: ``(draft_cost - average) / catch_up``. A one-off
         catch-up is charged to its step's reward but is not the price of the request's later steps. ``lookup``: the
-        arm's lookups drafted alone - their own curve and costs (``lookup_key``) learn instead."""
+        arm's lookups drafted alone - this curve (the request's ``lookup_curve``) and their costs (``lookup_key``)
+        learn instead."""
         if not self.drafts(arm, budget):
             return
-        key = self.lookup_key(arm) if lookup else self.curve_key(arm)
-        self.curve(arm, key).update(list(path), drafted, budget=max(budget, drafted))
+        key = self.lookup_key(arm) if lookup is not None else self.curve_key(arm)
+        curve = lookup if lookup is not None else self.curve(arm)
+        curve.update(list(path), drafted, budget=max(budget, drafted))
         if draft_cost is None:
             return
         c = max(float(draft_cost), 0.0)
