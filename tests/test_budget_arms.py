@@ -1,5 +1,7 @@
 """Draft budgets and "no speculation" as arms (drafters/budgeted.py): the pool syntax, one shared drafter per entry,
 exact free counterfactuals for smaller budgets, and exact output whatever the policy picks."""
+import dataclasses
+
 import pytest
 import torch
 from metasd.drafters import NGramDrafter, PretrainedTreeDrafter
@@ -244,6 +246,17 @@ def test_a_smaller_budgets_counterfactual_equals_running_that_budget(models, kin
         cut += c.n_accepted < accepted
     assert cut > 0 and any(c.n_accepted > 0 for _, _, c in seen)  # the cut mattered, and it still accepted some
     assert any(c.drafting_cost > 0 for _, _, c in seen)  # the model drafted (priced as the larger budget metered)
+
+
+def test_a_lookup_only_draft_scores_no_sibling_budget():
+    # a scheduler's lookup-only step: the draft is the lookups' alone, not what the arm drafts - no counterfactual
+    small, large = budget_arms(Fixed([5, 6, 7, 8], [-1, 0, 1, 2]), (2, 4))
+    for lookup_only, expected in ((False, 2), (True, None)):
+        ctx = dataclasses.replace(_ctx(PROMPT), lookup_only=lookup_only)
+        draft = large.propose(ctx)
+        feedback = StepFeedback(draft, Acceptance([0, 1, 2], 4), committed=[5, 6, 7, 4])
+        c = small.counterfactual(ctx, feedback)
+        assert (c if c is None else c.n_accepted) == expected
 
 
 def test_a_larger_budget_is_scored_only_when_the_drafter_drafted_less_than_the_budget_verified(models):

@@ -123,3 +123,25 @@ def test_a_cascade_stops_after_a_draft_deep_enough():
     model = Counting([9], [-1], "model")
     assert FusedDrafter([deep, model], enough=3).propose(None).meta["cascade_stop"] and model.calls == 0
     assert FusedDrafter([deep, model], enough=4).propose(None).tokens.tolist() == [5, 6, 7, 9] and model.calls == 1
+
+
+class _Lookup(Fixed):
+    lookup = True
+
+
+def test_a_lookup_only_step_drafts_with_the_lookup_arms_and_tells_only_them():
+    from metasd.core import StepContext, StepFeedback
+    from metasd.core.drafter import drafts_lookups
+    from metasd.core.sampling import SamplingParams
+
+    suffix, model = _Lookup([5, 6], [-1, 0], "suffix"), Fixed([5, 9, 3], [-1, 0, 1], "model")
+    fused = FusedDrafter([suffix, model], enough=6)
+    assert drafts_lookups(fused) and not fused.lookup and not drafts_lookups(model)
+    ctx = StepContext(tokens=torch.tensor(PROMPT), prompt_len=len(PROMPT), max_depth=8, sampling=SamplingParams(),
+                      lookup_only=True)
+    draft = fused.propose(ctx)
+    assert draft.tokens.tolist() == [5, 6] and draft.meta["lookup_only"] and "nodes_model" not in draft.meta
+    fused.observe(StepFeedback(draft, Acceptance([0], 4), committed=[5, 4]))
+    assert suffix.seen == [([0], 4)] and model.seen == []  # the model drafted nothing: it is told nothing
+    full = fused.propose(None)
+    assert full.tokens.tolist() == [5, 6, 9, 3]  # outside a lookup-only step both arms draft
