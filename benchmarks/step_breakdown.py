@@ -10,8 +10,9 @@ requests at once at each level and times the scheduler's three phases by wrappin
 - ``verify``: ``BatchVerifier.verify`` (the one batched forward),
 
 the rest of the level's wall time being commits, acceptance, events and idle waits (``other``). It also reports the
-steps, the mean padded forward tokens, the adaptive widths chosen and each arm's share of the request-steps, and, for
-an adaptive pool, the learnt drafting prices at the end of the level.
+steps, the mean padded forward tokens, the adaptive widths chosen, each arm's share of the request-steps and the
+request-steps drafted with lookups alone (``serving.defer_catch_up``), and, for an adaptive pool, the learnt drafting
+prices at the end of the level.
 
     python benchmarks/step_breakdown.py --pool configs/pools/serve_adaptive.yaml --concurrency 1 2 4 8 16 \\
         --groups MT QA math translation --copy-heavy 1 --max-tokens 16 --threads 1 --out step_breakdown.json
@@ -91,6 +92,9 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         **{f"{p}_s": phases[p] for p in PHASES}, "other_s": max(wall - sum(phases.values()), 0.0),
         "mean_forward_tokens": statistics.fmean(s.forward_tokens for s in decode) if decode else 0.0,
         "arm_steps": dict(arms), "widths": {str(w): n for w, n in sorted(widths.items())},
+        # request-steps drafted with the arm's lookups alone (serving.defer_catch_up; older checkouts: no options)
+        "lookup_only_steps": sum(o > 0 for s in decode if s.adaptive is not None
+                                 for o in getattr(s.adaptive, "options", [])),
         "draft_costs": dict(adaptive.draft_costs) if adaptive is not None else None,
         # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
         "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,

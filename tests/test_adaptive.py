@@ -434,3 +434,18 @@ def test_lookup_only_steps_keep_the_model_out_and_outputs_exact(verifier_model, 
 def _plain_of(model, tok, prompts):
     engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
     return [engine.generate(p, n).token_ids for p, n in zip(prompts, MAX_NEW)]
+
+
+def test_a_lookup_only_step_does_not_ask_an_arm_with_no_lookup_in_it(verifier_model, tok, monkeypatch):
+    asked = []
+    propose = PretrainedTreeDrafter.propose
+    monkeypatch.setattr(PretrainedTreeDrafter, "propose", lambda self, ctx: asked.append(ctx) or propose(self, ctx))
+    model = PretrainedTreeDrafter(tiny_qwen(seed=0), nodes=4, depth=2, name="model")
+    request = Request(_engine(verifier_model, tok, [model], policy=None), PROMPTS[0], 8)
+    request._start()
+    request.select_arm()
+    assert len(request.propose(4, lookup_only=True)) == 0 and asked == []  # a plain step: the model is not asked
+    request._pending_step = None
+    request.select_arm()
+    request.propose(4)
+    assert len(asked) == 1 and not asked[0].lookup_only

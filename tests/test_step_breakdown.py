@@ -35,6 +35,7 @@ def test_the_levels_account_for_their_time_and_an_adaptive_pool_reports_its_pric
         timed = r["prefill_s"] + r["draft_s"] + r["verify_s"]  # on the scheduler thread, inside the level's wall
         assert timed <= r["wall_s"] and r["other_s"] == pytest.approx(r["wall_s"] - timed)
         assert r["draft_costs"] is not None and sum(r["arm_steps"].values()) >= r["steps"]
+        assert 0 <= r["lookup_only_steps"] <= sum(r["arm_steps"].values())
     assert "| 3 |" in capsys.readouterr().out
 
 
