@@ -429,3 +429,15 @@ def test_health_fails_once_the_scheduler_thread_has_died():
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "failed" and "broken cache" in r.json()["error"]
     scheduler.close()
+
+
+def test_lookup_only_steps_are_counted_from_the_adaptive_record():
+    from metasd.core.adaptive import AdaptiveRecord
+    from metasd.core.request_handle import SchedulerStep
+    from metasd.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics("m")
+    metrics.on_step(SchedulerStep(3, 9, 0, 0, 0.1, [], AdaptiveRecord(2, [2, 0, 2], 1.5, {}, [1, 0, 1])))
+    metrics.on_step(SchedulerStep(1, 1, 0, 0, 0.1, []))  # not adapting: nothing to count
+    samples = _samples(metrics.render().decode())
+    assert samples['metasd:lookup_only_steps_total{engine="0",model_name="m"}'] == 2

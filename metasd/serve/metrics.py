@@ -58,6 +58,8 @@ class ServeMetrics:
                                                                "(cancelled: abort).", ["finished_reason"])
         self.drafter_choices = Counter("metasd:drafter_choices", "Request-steps drafted by each drafter.",
                                        labels + ["drafter"], registry=r)
+        self.lookup_only = counter("metasd:lookup_only_steps", "Request-steps the allocator had drafted by the arm's "
+                                                               "lookups alone (serving.defer_catch_up).")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -110,6 +112,9 @@ class ServeMetrics:
                     before, self._last_step[r.id] = self._last_step.get(r.id), now
                 if before is not None:
                     self.itl.observe((now - before) / r.committed)
+        lookup_only = sum(o > 0 for o in getattr(step.adaptive, "options", ()))  # step.adaptive: None unless adapting
+        if lookup_only:
+            self.lookup_only.inc(lookup_only)
         with self._lock:  # requests that finished in this step (or before it) have no later step
             for rid in self._finished:
                 self._last_step.pop(rid, None)
