@@ -300,7 +300,8 @@ def goodput_of_options(curves, alternatives, draft_costs, choice, cost):
     """Expected goodput of ``choice`` (per request: (option, d)), option 0 the arm's curve and cost."""
     picked = [((cu, fn) if o == 0 else alts[o - 1]) for (o, _), cu, fn, alts in zip(choice, curves, draft_costs,
                                                                                    alternatives)]
-    return expected_goodput([cu for cu, _ in picked], [d for _, d in choice], cost, draft_costs=[fn for _, fn in picked])
+    return expected_goodput([cu for cu, _ in picked], [d for _, d in choice], cost,
+                            draft_costs=[fn for _, fn in picked])
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -327,7 +328,8 @@ def test_allocator_with_alternatives_matches_exhaustive_search(seed):
     a = plan(curves, caps, cost, draft_costs=draft_costs, alternatives=alternatives)
     choices = [[(o, d) for o in range(1 + len(alts or [])) for d in sorted({0, *grid, *caps}) if d <= cap]
                for cap, alts in zip(caps, alternatives)]
-    best = max(goodput_of_options(curves, alternatives, draft_costs, list(c), cost) for c in itertools.product(*choices))
+    best = max(goodput_of_options(curves, alternatives, draft_costs, list(c), cost)
+               for c in itertools.product(*choices))
     assert a.goodput == pytest.approx(best)
     # the allocation returned is the one valued: its options and nodes give its goodput
     assert goodput_of_options(curves, alternatives, draft_costs, list(zip(a.options, a.nodes)), cost) == \

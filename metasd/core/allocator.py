@@ -27,18 +27,18 @@ verifies row i with one token and commits one token, so no running request ever 
 and keeps the width whose allocation has the highest goodput (smallest w on ties) - a drafting width only where its
 goodput is at least ``min_gain`` times plain decoding's (``w = 0``): a margin for what the model does not see (its
 estimates' error, work outside the priced forwards), so that a step drafts only for an expected gain, not a tie.
+Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between
+grid points would only ever be known by interpolation. With curves that are linear between their grid points
+(``AcceptanceCurve``) and an affine ``cost`` the goodput of a common width is linear over affine between two
+candidates, so the scan's best is the best of every integer width; otherwise ``plan(..., widths=range(top + 1))``
+scans them all. Cost: O(B * C) curve reads and O(B * C) work per width without drafting costs, O(B * C) per
+Dinkelbach round per width with them (numpy, C candidates); deterministic.
+
 **Alternatives.** A request may have other ways to draft than its arm's (``plan(..., alternatives=)``: more (curve,
 drafting cost) pairs under the same cap - ``metasd.core.adaptive`` offers a cascade's lookup arms alone while its model
 has the prompt still to read). Its candidates are then every (option, budget) pair; Dinkelbach's step picks the pair
 maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the arm's own option), and the chosen
-options are returned (``Allocation.options``).
-
-Candidate widths are grid points (and caps) so that a chosen width feeds its own point of the curves: a width between
-grid points would only ever be known by interpolation. With curves that are linear between their grid points
-(``AcceptanceCurve``) and an affine
-``cost`` the goodput of a common width is linear over affine between two candidates, so the scan's best is the best
-of every integer width; otherwise ``plan(..., widths=range(top + 1))`` scans them all. Cost: O(B * C) curve reads and O(B * C) work per width without drafting costs, O(B * C) per
-Dinkelbach round per width with them (numpy, C candidates); deterministic.
+options are returned (``Allocation.options``). Cost: O options times the work above.
 """
 from __future__ import annotations
 
@@ -149,9 +149,9 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     caps_ = [c if cu is not None else 0 for cu, c in zip(curves, caps_)]  # a curve-less request does not speculate
     if B == 0:
         return Allocation([], 0, 0.0, {}, [])
-    # options[i]: request i's (curve, drafting cost) pairs, its arm's first
-    options = [[(cu, None if draft_costs is None else draft_costs[i]),
-                *(alternatives[i] or [] if alternatives is not None and cu is not None else [])]
+    # options[i]: request i's (curve, drafting cost) pairs, its arm's first (a curve-less request has no other)
+    others = alternatives if alternatives is not None else [None] * B
+    options = [[(cu, None if draft_costs is None else draft_costs[i]), *((others[i] or []) if cu is not None else [])]
                for i, cu in enumerate(curves)]
     top = max(caps_)
     if widths is None:
@@ -222,7 +222,8 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
             g = ratio(pick)
             for _ in range(100):  # finite: g rises strictly each round over finitely many choices
                 score = np.where(allowed, acc - g * dc, -np.inf)  # [B, C * O]
-                choice = C * O - 1 - np.argmax(score[:, ::-1], axis=1)  # [B] largest budget, then lowest option, on ties
+                # [B] on ties: the largest budget, then the lowest option
+                choice = C * O - 1 - np.argmax(score[:, ::-1], axis=1)
                 choice = np.where(priced, choice, pick)
                 g_new = ratio(choice)
                 if not g_new > g:  # no choice beats g: pick is optimal for this width
@@ -236,7 +237,8 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
             best = (float(g), w, pick.copy())
     g, w, pick = best
     nodes = [int(x) for x in ws[budget_of[pick]].tolist()]
-    return Allocation(nodes, int(w), g, table, [int(o) if d > 0 else 0 for o, d in zip(option_of[pick].tolist(), nodes)])
+    options = [int(o) if d > 0 else 0 for o, d in zip(option_of[pick].tolist(), nodes)]  # no node: no option
+    return Allocation(nodes, int(w), g, table, options)
 
 
 def allocate(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[[int], float], *,

@@ -343,7 +343,8 @@ class Scheduler:
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
-        plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running], [j.request for j in running])
+        plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running],
+                                  [j.request for j in running])
         return self._each(running, lambda j: j.request.propose(plan.nodes[id(j)], plan.lookup[id(j)]), "drafting"), plan
 
     def _prefill(self) -> int:
