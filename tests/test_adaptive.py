@@ -35,9 +35,9 @@ def _engine(model, tok, drafters, policy="per_load", **kw):
     return Engine(Verifier(model, tok), drafters, policy=policy, check_tokenizers=False, **kw)
 
 
-def _plain(model, tok):  # Engine.generate without drafters (per_load needs the scheduler's load features)
+def _plain(model, tok, prompts=PROMPTS):  # Engine.generate without drafters (per_load needs the scheduler's load)
     engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
-    return [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+    return [engine.generate(p, n).token_ids for p, n in zip(prompts, MAX_NEW)]
 
 
 def _serve(engine, adaptive, prompts=PROMPTS, max_new=MAX_NEW, **submit):
@@ -424,16 +424,12 @@ def test_lookup_only_steps_keep_the_model_out_and_outputs_exact(verifier_model, 
     adaptive = AdaptiveSpeculation(_linear, max_width=2, price_drafting=True, defer_catch_up=True)
     adaptive.draft_costs["cascade"], adaptive.catch_up_rates["cascade"] = 0.01, 100.0
     got, steps = _serve(engine, adaptive, prompts=[p * 4 for p in PROMPTS])  # prompts of 4 to 76 tokens
-    assert [r.token_ids for r in got] == _plain_of(verifier_model, tok, [p * 4 for p in PROMPTS])
+    assert [r.token_ids for r in got] == _plain(verifier_model, tok, [p * 4 for p in PROMPTS])
     lookup_steps = sum(o == 1 for s in steps for o in s.adaptive.options)
     assert lookup_steps > 0 and "cascade/lookup" in {**adaptive.draft_costs, **adaptive.catch_up_rates}
     assert sum(r.stats.drafted for r in got) > 0  # the suffix lookup drafted
     assert asked == []  # the model never drafted: every drafting step was lookup-only
 
-
-def _plain_of(model, tok, prompts):
-    engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
-    return [engine.generate(p, n).token_ids for p, n in zip(prompts, MAX_NEW)]
 
 
 def test_a_lookup_only_step_does_not_ask_an_arm_with_no_lookup_in_it(verifier_model, tok, monkeypatch):
