@@ -41,7 +41,10 @@ def run_once(command: list[str], prompt: str, args) -> dict:
     """One `metasd generate --json` run: tokens, steps and generation seconds, or ``{"error": ...}``."""
     cmd = command + ["--json", "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     cmd += ["--pool", args.pool] if args.pool else []
-    done = subprocess.run(cmd + [prompt], capture_output=True, text=True, timeout=args.timeout)
+    try:
+        done = subprocess.run(cmd + [prompt], capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:g} s"}
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     out = json.loads(done.stdout)
