@@ -431,7 +431,6 @@ def test_lookup_only_steps_keep_the_model_out_and_outputs_exact(verifier_model, 
     assert asked == []  # the model never drafted: every drafting step was lookup-only
 
 
-
 def test_a_lookup_only_step_does_not_ask_an_arm_with_no_lookup_in_it(verifier_model, tok, monkeypatch):
     asked = []
     propose = PretrainedTreeDrafter.propose

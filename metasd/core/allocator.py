@@ -38,7 +38,7 @@ Dinkelbach round per width with them (numpy, C candidates); deterministic.
 drafting cost) pairs under the same cap - ``metasd.core.adaptive`` offers a cascade's lookup arms alone while its model
 has the prompt still to read). Its candidates are then every (option, budget) pair; Dinkelbach's step picks the pair
 maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the arm's own option), and the chosen
-options are returned (``Allocation.options``). Cost: O options times the work above.
+options are returned (``Allocation.options``). Cost: the work above times the number of options.
 """
 from __future__ import annotations
 
