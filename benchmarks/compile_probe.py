@@ -19,7 +19,7 @@ from transformers import DynamicCache, StaticCache
 
 from metasd.models import load_model
 from metasd.models.quantize import quantize_model
-from metasd.core.kv_cache import cache_kwargs
+from metasd.core.execution.kv_cache import cache_kwargs
 
 PROMPT_TOKENS = 200
 

@@ -4,7 +4,7 @@ Every method decodes the same prompts (first turn of Spec-Bench questions, chat 
 dtype, threads and max_new_tokens. Wall time includes the prefill. Methods:
 
 - plain (transformers +fix): ``model.generate`` of the verifier with metasd's LM-head stride fix
-  (``metasd.core.hooks.contiguous_lm_head_input``) - the reference every speedup is measured against;
+  (``metasd.core.execution.hooks.contiguous_lm_head_input``) - the reference every speedup is measured against;
 - UAG (transformers +fix): transformers' universal assisted generation with the same assistant model, ``generate(...,
   assistant_model=, tokenizer=, assistant_tokenizer=)`` with its default schedule (greedy: translation through text;
   sampling: its vocabulary-intersection variant, which prunes the assistant's LM head in place - so it gets its own
@@ -49,7 +49,7 @@ from metasd.bench import baselines
 from metasd.config import ModelCache, build_engine, read_pool_config
 from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import PretrainedDrafter
-from metasd.core.hooks import contiguous_lm_head_input
+from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.models import load_model
 from metasd.models.quantize import QuantizedLinear
 # benchmarks/speed.py, beside this file (on sys.path when run as a script)

@@ -32,7 +32,7 @@ def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> 
 
     from metasd.models import load_model
     from metasd.models.quantize import quantize_model
-    from metasd.core.kv_cache import cache_kwargs
+    from metasd.core.execution.kv_cache import cache_kwargs
 
     torch.set_num_threads(threads)
     model, _ = load_model(ref, dtype=dtype)

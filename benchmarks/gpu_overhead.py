@@ -52,9 +52,9 @@ from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from metasd import Engine, Verifier
-from metasd.core import clock
-from metasd.core.clock import synchronize
-from metasd.core.kv_cache import cache_kwargs, crop_to
+from metasd.core.execution import clock
+from metasd.core.execution.clock import synchronize
+from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 from metasd.drafters import PretrainedTreeDrafter
 from metasd.drafters.replay import ReplayDrafter, ReplayMiss
 from metasd.models.quantize import quantize_model
@@ -162,7 +162,7 @@ def forward_ms_by_rows(model, prompt: torch.Tensor, rows_list: list[int], device
     """Median ms of one verifier forward of r rows after the prompt's cache, for each r (synchronised), and the
     ``CostModel`` dense row cost they imply: a forward costs ``a + b * rows`` ms, the model prices it
     ``weight_bytes + row_cost * macs * rows``, so ``row_cost = (b / a) * weight_bytes / macs`` (the bytes of a
-    weight: its dtype's size). What ``CUDA_ROW_COST`` in ``metasd/core/cost.py`` is to be calibrated from."""
+    weight: its dtype's size). What ``CUDA_ROW_COST`` in ``metasd/core/pricing/cost.py`` is to be calibrated from."""
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt[:, :-1], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     base = prompt.shape[1] - 1
@@ -240,7 +240,7 @@ class HostReads(TorchFunctionMode):
 @contextmanager
 def count_syncs(device: torch.device):
     """Counts, while open: host reads and blocking uploads (``HostReads``), the clock's device syncs
-    (``metasd.core.clock.synchronize``), and on CUDA every call torch reports as synchronising
+    (``metasd.core.execution.clock.synchronize``), and on CUDA every call torch reports as synchronising
     (``set_sync_debug_mode("warn")``)."""
     counts = {"host_reads": 0, "blocking_uploads": 0, "clock_syncs": 0, "cuda_sync_warnings": None}
     original = clock.synchronize

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from gpu_overhead import SHAPES, build, record
-from metasd.core.kv_cache import cache_kwargs, crop_to
+from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 
 
 def run(shape: str, init: str, n: int, prompt_len: int, block: int, device, dtype) -> dict:

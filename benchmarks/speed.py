@@ -2,9 +2,9 @@
 
 Every method decodes the same prompts (first turn of Spec-Bench questions, chat template), greedy, same dtype,
 threads and max_new_tokens; wall time includes the prefill. The baselines every ratio is computed against are
-transformers with metasd's LM-head stride fix (``metasd.core.hooks.contiguous_lm_head_input``) on all its models,
-the assistant included - as shipped, its assistant and prefill forwards take a slow path that copies the LM head's
-weight (benchmarks/history.md: assisted generation 0.50x plain as shipped, 1.01x with the fix):
+transformers with metasd's LM-head stride fix (``metasd.core.execution.hooks.contiguous_lm_head_input``) on all its
+models, the assistant included - as shipped, its assistant and prefill forwards take a slow path that copies the LM
+head's weight (benchmarks/history.md: assisted generation 0.50x plain as shipped, 1.01x with the fix):
 
 - ``plain (transformers +fix)``: ``model.generate`` of the verifier, the denominator of every speedup;
 - ``assisted 0.5B (transformers +fix)``: transformers' assisted generation with the bf16 0.5B assistant;
@@ -64,7 +64,7 @@ from metasd.bench import stats
 from metasd.config import resolve_drafter_class  # noqa: F401  (registers drafters)
 from metasd.data import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import NGramDrafter, PretrainedDrafter
-from metasd.core.hooks import contiguous_lm_head_input, remove_lm_head_hook
+from metasd.core.execution.hooks import contiguous_lm_head_input, remove_lm_head_hook
 from metasd.models import load_model
 
 PLAIN = "plain (transformers +fix)"

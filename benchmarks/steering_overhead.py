@@ -31,7 +31,7 @@ from metasd import Engine, Verifier
 from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import SteeredDrafter
 from metasd.drafters.steered import load_steering
-from metasd.core.kv_cache import cache_kwargs, crop_to
+from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 from metasd.models import load_model
 
 

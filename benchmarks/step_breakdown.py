@@ -42,7 +42,7 @@ class PhaseTimer:
     the instance) and the ``SchedulerStep`` records it sends its listeners; ``take()`` returns both and clears them."""
 
     def __init__(self, scheduler):
-        from metasd.core.request_handle import SchedulerStep
+        from metasd.core.batching.request_handle import SchedulerStep
 
         self.totals: dict[str, float] = collections.defaultdict(float)
         self.steps: list[SchedulerStep] = []
@@ -72,7 +72,7 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
               first: int = 0) -> dict:
     """Submit ``c`` requests at once (prompts in turn from index ``first``), wait for all; the level's breakdown as
     a dict."""
-    from metasd.core.request_handle import RequestOptions
+    from metasd.core.batching.request_handle import RequestOptions
 
     timer.take()
     t0 = time.perf_counter()

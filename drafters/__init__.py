@@ -3,7 +3,7 @@ package is imported here, so a new drafter file needs no other edit to be availa
 import importlib
 import pkgutil
 
-from metasd.core.drafter import DRAFTERS, Drafter, StepContext, StepFeedback, register_drafter
+from metasd.core.decoding.drafter import DRAFTERS, Drafter, StepContext, StepFeedback, register_drafter
 
 from .block import BlockDrafter
 from .fused import FusedDrafter

@@ -34,14 +34,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from safetensors.torch import save_file
 
-from metasd.core.cost import counted_linear
-from metasd.core.staging import to_device
+from metasd.core.pricing.cost import counted_linear
+from metasd.core.execution.staging import to_device
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import Drafter, DrafterParams, Float, Int, StepContext, check_params, register_drafter
-from metasd.core.kv_cache import cache_kwargs, cache_length, crop_to
+from metasd.core.decoding.drafter import Drafter, DrafterParams, Float, Int, StepContext, check_params, register_drafter
+from metasd.core.execution.kv_cache import cache_kwargs, cache_length, crop_to
 from metasd.models.packed_weights import load_weights
 from metasd.models.quantize import dense_weight
-from metasd.core.tree import Draft
+from metasd.core.execution.tree import Draft
 
 from .pretrained import PretrainedDrafter
 

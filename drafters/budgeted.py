@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from metasd.core.cost import open_meter
-from metasd.core.drafter import Counterfactual, Drafter, StepContext, StepFeedback
-from metasd.core.tree import Draft
+from metasd.core.pricing.cost import open_meter
+from metasd.core.decoding.drafter import Counterfactual, Drafter, StepContext, StepFeedback
+from metasd.core.execution.tree import Draft
 
 #: the name of the no-speculation arm (reserved when a pool's ``no_speculation_arm`` is true)
 NO_SPECULATION = "none"

@@ -13,9 +13,10 @@ from typing import Annotated, Any, Sequence
 import torch
 from pydantic import Field, model_validator
 
-from metasd.core.acceptance import Acceptance, follow
-from metasd.core.drafter import Drafter, DrafterParams, Int, StepContext, StepFeedback, check_params, register_drafter
-from metasd.core.tree import Draft
+from metasd.core.decoding.acceptance import Acceptance, follow
+from metasd.core.decoding.drafter import (Drafter, DrafterParams, Int, StepContext, StepFeedback, check_params,
+                                          register_drafter)
+from metasd.core.execution.tree import Draft
 
 
 class FusedParams(DrafterParams):

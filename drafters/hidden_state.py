@@ -40,11 +40,11 @@ from pydantic import Field
 from torch import nn
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import Bool, DrafterParams, Int, StepContext, check_params, register_drafter
+from metasd.core.decoding.drafter import Bool, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
-from metasd.core.sampling import process_logits, sample
-from metasd.core.staging import to_device
-from metasd.core.tree import Draft
+from metasd.core.decoding.sampling import process_logits, sample
+from metasd.core.execution.staging import to_device
+from metasd.core.execution.tree import Draft
 
 from .hidden_state_net import HiddenStateNet, load_checkpoint
 from .treeflash_backbone import VerifierPieces

@@ -6,9 +6,9 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from metasd.core.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Int, StepContext, StepFeedback, check_params,
-                                 counterfactual_of, register_drafter)
-from metasd.core.tree import Draft
+from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Int, StepContext, StepFeedback,
+                                          check_params, counterfactual_of, register_drafter)
+from metasd.core.execution.tree import Draft
 
 
 def _longest_suffix_hits(tokens: torch.Tensor, n_min: int, n_max: int) -> tuple[int, torch.Tensor]:

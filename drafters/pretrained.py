@@ -13,15 +13,15 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback,
-                                 check_params, register_drafter)
-from metasd.core.hooks import contiguous_lm_head_input
-from metasd.core.kv_cache import cache_kwargs, crop_to
+from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
+                                          StepFeedback, check_params, register_drafter)
+from metasd.core.execution.hooks import contiguous_lm_head_input
+from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 from metasd.models import ModelLoadError, config_eos_ids
 from metasd.models.quantize import dense_weight, quantize_model
-from metasd.core.sampling import process_logits, sample
-from metasd.core.staging import to_device
-from metasd.core.tree import Draft
+from metasd.core.decoding.sampling import process_logits, sample
+from metasd.core.execution.staging import to_device
+from metasd.core.execution.tree import Draft
 
 from .shared_vocab import SharedVocab
 from .token_bridge import TokenBridge

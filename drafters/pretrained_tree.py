@@ -57,12 +57,12 @@ import torch
 from pydantic import Field, model_validator
 from transformers import PreTrainedModel
 
-from metasd.core.drafter import (Bool, Counterfactual, DrafterParams, Float, Int, StepContext, StepFeedback, check_params,
-                                 register_drafter)
-from metasd.core.kv_cache import cache_length, crop_to, keep_positions
-from metasd.core.sampling import process_logits
-from metasd.core.staging import to_device
-from metasd.core.tree import Draft
+from metasd.core.decoding.drafter import (Bool, Counterfactual, DrafterParams, Float, Int, StepContext, StepFeedback,
+                                          check_params, register_drafter)
+from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
+from metasd.core.decoding.sampling import process_logits
+from metasd.core.execution.staging import to_device
+from metasd.core.execution.tree import Draft
 
 from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k, noise_dtype, read_topk
 from .pretrained import HEAD_VOCAB_HELP, TRACK_HELP, PretrainedDrafter

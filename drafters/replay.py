@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from metasd.core.cost import unmetered
-from metasd.core.drafter import Bool, Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
-from metasd.core.tree import Draft
+from metasd.core.pricing.cost import unmetered
+from metasd.core.decoding.drafter import Bool, Drafter, DrafterParams, Int, StepContext, check_params, register_drafter
+from metasd.core.execution.tree import Draft
 
 
 class ReplayParams(DrafterParams):

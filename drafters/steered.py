@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from metasd.core.drafter import StepContext, register_drafter
+from metasd.core.decoding.drafter import StepContext, register_drafter
 from metasd.models.quantize import quantize_model
 
 from .pretrained import PretrainedDrafter, PretrainedParams
@@ -195,8 +195,8 @@ class SteeredTreeParams(PretrainedTreeParams):
 
 @register_drafter
 class SteeredDrafter(SteeredType, PretrainedDrafter):
-    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD², docs/algorithms.md#steered-drafters);
-    drafts a chain."""
+    """A pretrained drafter whose MLPs are biased by the verifier's hidden states (SD²,
+    docs/algorithms.md#steered-drafters); drafts a chain."""
 
     kind = "steered"
     Params = SteeredParams

@@ -13,9 +13,9 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field
 
-from metasd.core.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext, StepFeedback,
-                                 check_params, counterfactual_of, register_drafter)
-from metasd.core.tree import Draft
+from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
+                                          StepFeedback, check_params, counterfactual_of, register_drafter)
+from metasd.core.execution.tree import Draft
 
 from .suffix_trie import ROOT, SuffixCache, SuffixTrie
 

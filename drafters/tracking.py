@@ -1,6 +1,6 @@
 """Scoring a model drafter on steps it did not draft (full-information feedback: see
-docs/algorithms.md#full-information-feedback): from its logits after the pending token and each committed token - the forward it would run anyway to
-catch up when it drafts next (``track: true`` runs it every step) - what it would have had accepted.
+docs/algorithms.md#full-information-feedback): from its logits after the pending token and each committed token - the
+forward it would run anyway to catch up when it drafts next (``track: true`` runs it every step) - what it would have had accepted.
 
 rows: [m, vocab] the drafter's logits predicting committed tokens c_1..c_m (row l after the pending token and
 c_1..c_{l-1}); committed: [m] those tokens (the verifier's argmax along the verified path under greedy, its samples
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from metasd.core.sampling import SamplingParams, process_logits
+from metasd.core.decoding.sampling import SamplingParams, process_logits
 
 
 def chain_acceptance(rows: torch.Tensor, committed: torch.Tensor, k: int, sampling: SamplingParams,

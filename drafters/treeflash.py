@@ -38,10 +38,10 @@ from pydantic import Field
 from safetensors.torch import save_file
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
+from metasd.core.decoding.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
-from metasd.core.staging import to_device
-from metasd.core.tree import Draft
+from metasd.core.execution.staging import to_device
+from metasd.core.execution.tree import Draft
 
 from .treeflash_backbone import TreeFlashConfig, TreeFlashModel, VerifierPieces
 from .verifier_state import VerifierStateDrafter, check_verifier_fit, load_network_weights, read_checkpoint_config

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metasd.core.cost import counted_linear
+from metasd.core.pricing.cost import counted_linear
 from metasd.models.quantize import dense_weight
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")

@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar
 
 from torch import nn
 
-from metasd.core.drafter import Drafter
+from metasd.core.decoding.drafter import Drafter
 from metasd.models.packed_weights import load_weights
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
-from metasd.core.rewards import RewardName
+from metasd.core.decoding.rewards import RewardName
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -21,14 +21,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# generate's request options, as the CLI spells them in errors (the checks: metasd.core.sampling.check_request)
+# generate's request options, as the CLI spells them in errors (the checks: metasd.core.decoding.sampling.check_request)
 _REQUEST_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "top_k": "--top-k", "threads": "--threads"}
 
 
 def _policy_names() -> str:
     try:
-        from metasd.core.policy import POLICIES
+        from metasd.core.decoding.policy import POLICIES
         importlib.import_module("metasd.policies")
         return ", ".join(sorted(POLICIES))
     except ImportError:  # pragma: no cover - a broken install still gets a parser
@@ -36,7 +36,7 @@ def _policy_names() -> str:
 
 
 def _add_generate(sub) -> None:
-    from metasd.core.sampling import REQUEST_LIMITS
+    from metasd.core.decoding.sampling import REQUEST_LIMITS
 
     def allowed(key: str) -> str:
         return REQUEST_LIMITS[key][1]
@@ -77,7 +77,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print text as it is committed (default: when the output is a terminal and --json is not given)")
     p.add_argument("--json", action="store_true", help="print the result and per-request stats as JSON")
-    p.add_argument("--input", help="JSONL of requests served concurrently (format: metasd/core/offline.py), needs --output")
+    p.add_argument("--input", help="JSONL of requests served concurrently (format: metasd/core/batching/offline.py), needs --output")
     p.add_argument("--output", help="with --input: the JSONL file of results, a line per request as it finishes")
     p.add_argument("--max-batch", type=int, default=8, help="with --input: requests verified together per step")
     p.set_defaults(func=_generate)
@@ -144,7 +144,7 @@ def _check_options(args) -> None:
     """Request options, then --drafter / --verifier references: ``ValueError`` naming the option and what it
     accepts. Cheap (no model, no network), so it runs before the pool is built."""
     from metasd.models import ModelLoadError, check_model_reference
-    from metasd.core.sampling import check_request
+    from metasd.core.decoding.sampling import check_request
 
     check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, threads=args.threads)
@@ -185,7 +185,7 @@ def _check_options(args) -> None:
 def _check_context(verifier: str, prompt: str, args) -> None:
     """Refuse, before any model loads, a prompt and ``--max-new-tokens`` that do not fit the verifier's context, when
     its config and tokenizer can be read without loading it (a prepared bundled model, a local directory)."""
-    from metasd.core.request import check_context, encode_prompt
+    from metasd.core.decoding.request import check_context, encode_prompt
     from metasd.models import context_length, load_tokenizer
 
     limit = context_length(verifier)
@@ -233,7 +233,7 @@ def _generate(args) -> int:
     if bool(args.input) != bool(args.output) or (args.input and args.prompt) or args.max_batch < 1:
         raise ValueError("--input and --output go together, without a prompt; --max-batch must be >= 1")
     if args.input:
-        from metasd.core.offline import read_requests, run_offline
+        from metasd.core.batching.offline import read_requests, run_offline
         requests = read_requests(Path(args.input).read_text().splitlines(), dict(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, chat=not args.raw))

@@ -19,7 +19,7 @@ declares its hyper-parameters once, as its ``Params`` model.
 """
 from __future__ import annotations
 
-from metasd.core.policy import POLICIES, Policy, PolicyParams, make_policy, policy_params, register_policy
+from metasd.core.decoding.policy import POLICIES, Policy, PolicyParams, make_policy, policy_params, register_policy
 
 from .non_learning import Fixed, RandomPolicy, RoundRobin
 from .epsilon_greedy import EpsilonGreedy

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from metasd.core.policy import Context, Policy
+from metasd.core.decoding.policy import Context, Policy
 
 
 class BasePolicy(Policy):

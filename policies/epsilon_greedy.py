@@ -7,7 +7,7 @@ import numpy as np
 
 from pydantic import Field
 
-from metasd.core.policy import Float, PolicyParams, register_policy
+from metasd.core.decoding.policy import Float, PolicyParams, register_policy
 
 from ._common import BasePolicy, Context, first_unplayed
 

@@ -1,4 +1,4 @@
-"""LinUCB: a contextual bandit on cheap request features (``metasd.core.request_features.request_features``)."""
+"""LinUCB: a contextual bandit on cheap request features (``metasd.core.decoding.request_features.request_features``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -7,7 +7,7 @@ import numpy as np
 
 from pydantic import Field
 
-from metasd.core.policy import Float, Int, PolicyParams, register_policy
+from metasd.core.decoding.policy import Float, Int, PolicyParams, register_policy
 
 from ._common import BasePolicy, Context, first_unplayed
 

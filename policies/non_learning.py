@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import Field
 
-from metasd.core.policy import Int, PolicyParams, register_policy
+from metasd.core.decoding.policy import Int, PolicyParams, register_policy
 
 from ._common import BasePolicy, Context
 

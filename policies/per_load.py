@@ -6,8 +6,8 @@ from typing import Any, Mapping
 import numpy as np
 from pydantic import Field, field_validator
 
-from metasd.core.policy import POLICIES, Int, PolicyParams, make_policy, register_policy
-from metasd.core.request_features import LOAD_LEVELS, load_level, running_from_features
+from metasd.core.decoding.policy import POLICIES, Int, PolicyParams, make_policy, register_policy
+from metasd.core.decoding.request_features import LOAD_LEVELS, load_level, running_from_features
 
 from ._common import BasePolicy, Context
 
@@ -47,17 +47,17 @@ class PerLoad(BasePolicy):
     choice.
 
     **How the load reaches it.** Through the ``context`` that ``select``, ``update`` and ``observe`` already take
-    (``metasd/core/policy.py``): the caller appends ``metasd.core.request_features.load_features(running,
-    forward_tokens)`` last, and PerLoad reads ``running`` back exactly from the entry at ``load_index`` (default -2:
-    ``log2(1 + running) / 4``, ``running_from_features``) and plays level ``load_level(running, levels)``. So one
-    context vector serves PerLoad and a contextual policy alike, and ``update`` learns at the level the context of the
-    step had (pass the context used at ``select``). ``context=None`` counts as one running request (level 0). The
-    whole context is passed on to the inner policy, so a contextual inner (``linucb``) sees the request, step and
-    load features too. A context whose load entry does not encode a count is refused (a check, not a guarantee: a
-    value that happens to encode one is read as a load). A scheduler with adaptive speculation
-    (``metasd.core.adaptive``; a pool's ``serving.adaptive: true``) appends them; the single-request engine does not,
-    so a pool that names ``per_load`` must be served that way (``metasd generate`` would read an arm's recent
-    acceptance as the load; refused where that value encodes no count).
+    (``metasd/core/decoding/policy.py``): the caller appends
+    ``metasd.core.decoding.request_features.load_features(running, forward_tokens)`` last, and PerLoad reads ``running``
+    back exactly from the entry at ``load_index`` (default -2: ``log2(1 + running) / 4``, ``running_from_features``) and
+    plays level ``load_level(running, levels)``. So one context vector serves PerLoad and a contextual policy alike, and
+    ``update`` learns at the level the context of the step had (pass the context used at ``select``). ``context=None``
+    counts as one running request (level 0). The whole context is passed on to the inner policy, so a contextual inner
+    (``linucb``) sees the request, step and load features too. A context whose load entry does not encode a count is
+    refused (a check, not a guarantee: a value that happens to encode one is read as a load). A scheduler with adaptive
+    speculation (``metasd.core.batching.adaptive``; a pool's ``serving.adaptive: true``) appends them; the
+    single-request engine does not, so a pool that names ``per_load`` must be served that way (``metasd generate`` would
+    read an arm's recent acceptance as the load; refused where that value encodes no count).
 
     Parameters: ``inner`` (a registered policy name, default "ucb"), ``inner_params`` (its parameters, checked by it),
     ``levels`` (ascending upper bounds of the levels, default [1, 2, 4, 8, 16]: levels 1, 2, 3-4, 5-8, 9-16, 17+),

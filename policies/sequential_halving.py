@@ -8,7 +8,7 @@ import numpy as np
 
 from pydantic import Field
 
-from metasd.core.policy import Int, PolicyParams, register_policy
+from metasd.core.decoding.policy import Int, PolicyParams, register_policy
 
 from ._common import BasePolicy, Context
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from metasd.core.policy import Float, PolicyParams, register_policy
+from metasd.core.decoding.policy import Float, PolicyParams, register_policy
 
 from ._common import BasePolicy, Context, first_unplayed
 

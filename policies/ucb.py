@@ -18,7 +18,7 @@ import numpy as np
 
 from pydantic import Field
 
-from metasd.core.policy import Bool, Float, Int, PolicyParams, register_policy
+from metasd.core.decoding.policy import Bool, Float, Int, PolicyParams, register_policy
 
 from ._common import BasePolicy, Context, first_unplayed
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from scipy.stats import chisquare
 
-from metasd.core.sampling import SamplingParams, process_logits
-from metasd.core.tree import children_lists
+from metasd.core.decoding.sampling import SamplingParams, process_logits
+from metasd.core.execution.tree import children_lists
 
 MIN_EXPECTED = 5.0  # a cell expected fewer times than this goes into the pooled cell
 
@@ -120,8 +120,8 @@ def _count_depths(draft, path: list[int], tried: list[int], taken: list[int]) ->
 def sample_joint(engine, prompt: list[int], n: int, length: int, max_new_tokens: int | None = None, seed: int = 0,
                  generate=None, **sampling) -> tuple[Counter, dict]:
     """(Counter of the first ``length`` new tokens of n seeded requests, their summed draft statistics).
-    ``generate(prompt, seeds)``: the results of sampling ``length`` tokens with each seed, instead of ``engine.generate``
-    one by one (then the per-depth decisions are not counted: ``tried``/``taken`` stay empty)."""
+    ``generate(prompt, seeds)``: the results of sampling ``length`` tokens with each seed, instead of
+    ``engine.generate`` one by one (then the per-depth decisions are not counted: ``tried``/``taken`` stay empty)."""
     sampling = {"temperature": 1.0, **sampling}
     counts: Counter = Counter()
     stats = {"tried": [], "taken": [], "position_drafted": [], "position_accepted": [], "accepted": 0, "drafted": 0}

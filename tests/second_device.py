@@ -45,8 +45,8 @@ How it works. torch's PrivateUse1 backend is renamed ``metasd_dev`` and driven f
 
 Host-device synchronisations (``count_host_reads``, alias ``count_syncs``) are counted in the same dispatch layer:
 one per op that hands device data to the host, one per blocking copy of host data to the device, and one per
-``torch.metasd_dev.synchronize`` (what ``metasd.core.clock`` calls); see ``count_host_reads`` for what is counted and
-what cannot be seen.
+``torch.metasd_dev.synchronize`` (what ``metasd.core.execution.clock`` calls); see ``count_host_reads`` for what is
+counted and what cannot be seen.
 
 Known gaps:
 - A generator of the device given to a CPU op other than through the wrapped functions (``torch.ops.aten.*``
@@ -55,7 +55,7 @@ Known gaps:
   tensor raise; ``pin_memory()`` raises (the Python backend API gives no pinned allocator); ``non_blocking=True``
   copies are synchronous (nothing is asynchronous here, so missing synchronisations go unnoticed). A
   ``non_blocking=True`` copy to the device is not counted whatever its source; on CUDA it blocks unless the host
-  memory is pinned, which ``metasd.core.staging`` does there and which cannot be modelled here.
+  memory is pinned, which ``metasd.core.execution.staging`` does there and which cannot be modelled here.
 - One device (index 0); no streams, events, memory statistics or autocast. Autograd and optimizers work (a
   backward and an AdamW step are tested), nothing more of training is.
 - ``enable`` is for the whole process and cannot be undone: torch then reports ``metasd_dev`` as its current
@@ -340,7 +340,7 @@ SYNC_KINDS = READ_KINDS + ("h2d", "sync")  # + blocking copies to the device, de
 class HostReads(Counter):
     """Host-device synchronisations by kind (the reads ``item``, ``to_cpu``, ``data_dependent``, ``print``; ``h2d``,
     blocking copies to the device; ``sync``, device synchronisations: see ``count_host_reads``), with ``events``: for
-    each, (kind, op, the innermost stack frame outside torch, this module and ``metasd/core/clock.py``)."""
+    each, (kind, op, the innermost stack frame outside torch, this module and ``metasd/core/execution/clock.py``)."""
 
     def __init__(self):
         super().__init__()
@@ -383,9 +383,9 @@ def count_host_reads():
     The host waits too for:
 
     - ``h2d``: a copy of host data to the device without ``non_blocking=True`` (``torch.tensor(data, device=dev)``,
-      ``torch.as_tensor``, ``cpu_t.to(dev)``, ``dev_t.copy_(cpu_t)``; not an empty one), and CPU indices of advanced indexing on the
-      device (``t[cpu_index]``, ``t[cpu_mask] = v``), which CUDA copies to the device that way;
-    - ``sync``: ``torch.metasd_dev.synchronize()`` (``metasd.core.clock.synchronize`` of the device).
+      ``torch.as_tensor``, ``cpu_t.to(dev)``, ``dev_t.copy_(cpu_t)``; not an empty one), and CPU indices of advanced
+      indexing on the device (``t[cpu_index]``, ``t[cpu_mask] = v``), which CUDA copies to the device that way;
+    - ``sync``: ``torch.metasd_dev.synchronize()`` (``metasd.core.execution.clock.synchronize`` of the device).
 
     Not seen: ``t.numpy()`` (it raises, as on CUDA), reads of ``DeviceTensor.elem`` (private), and reads of a
     CPU copy made earlier (counted once, at the copy). Not counted: ops that stay on the device, shapes and other
@@ -406,7 +406,7 @@ count_syncs = count_host_reads  # the same counter, by what it counts now
 
 
 _HERE = str(Path(__file__).resolve())
-_CLOCK = str(Path("metasd", "core", "clock.py"))  # its syncs are named by the line that read the clock
+_CLOCK = str(Path("metasd", "core", "execution", "clock.py"))  # its syncs are named by the line that read the clock
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 

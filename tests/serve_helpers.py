@@ -49,7 +49,7 @@ def tiny_engine():
     """The tiny verifier (fp32) and one arm, "twin": a drafter with the verifier's weights (its chains of 3 are
     accepted) and the prompt markers."""
     from metasd.core.engine import Engine
-    from metasd.core.verifier import Verifier
+    from metasd.core.execution.verifier import Verifier
     from tiny import tiny_qwen, tiny_tokenizer
 
     tok = tiny_tokenizer()

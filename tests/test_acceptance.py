@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from metasd.core.acceptance import accept_greedy, accept_match, accept_rejection
-from metasd.core.sampling import SamplingParams, process_logits
-from metasd.core.tree import Draft, ancestor_mask, node_depths
+from metasd.core.decoding.acceptance import accept_greedy, accept_match, accept_rejection
+from metasd.core.decoding.sampling import SamplingParams, process_logits
+from metasd.core.execution.tree import Draft, ancestor_mask, node_depths
 from sampling_check import chi_square
 
 
@@ -177,7 +177,7 @@ def test_wrong_rule_always_accept_is_detected(toy):
     p, q = toy
 
     def accept_all(draft, rows, g):
-        from metasd.core.acceptance import Acceptance
+        from metasd.core.decoding.acceptance import Acceptance
         return Acceptance(list(range(len(draft))), int(torch.multinomial(rows[-1], 1, generator=g)))
 
     assert _pair_pvalue(lambda g: _chain_sample(p, q, g, rule=accept_all), p, N, seed=5) < 1e-6

@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metasd.core.acceptance import accept_greedy, accept_match, accept_rejection
-from metasd.core.tree import Draft, children_lists
-from metasd.core.verifier import Verifier
+from metasd.core.decoding.acceptance import accept_greedy, accept_match, accept_rejection
+from metasd.core.execution.tree import Draft, children_lists
+from metasd.core.execution.verifier import Verifier
 from tiny import tiny_qwen
 
 V = 5  # vocabulary of the random distributions; at most V children per node (distinct sibling tokens)

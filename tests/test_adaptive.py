@@ -1,14 +1,14 @@
-"""Adaptive speculation in the scheduler (metasd/core/adaptive.py): the load reaches the policy, the allocator sizes
-every draft, steps are priced by their share of the batched forward - and outputs stay exact. Tiny fp32 models."""
+"""Adaptive speculation in the scheduler (metasd/core/batching/adaptive.py): the load reaches the policy, the allocator
+sizes every draft, steps are priced by their share of the batched forward - and outputs stay exact. Tiny fp32 models."""
 import pytest
 import torch
 
-from metasd.core.adaptive import AdaptiveSpeculation
+from metasd.core.batching.adaptive import AdaptiveSpeculation
 from metasd.core.engine import Engine
-from metasd.core.goodput import shared_step_cost
-from metasd.core.request import Request
-from metasd.core.scheduler import Scheduler, SchedulerStep
-from metasd.core.verifier import Verifier
+from metasd.core.pricing.goodput import shared_step_cost
+from metasd.core.decoding.request import Request
+from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+from metasd.core.execution.verifier import Verifier
 from metasd.drafters import FusedDrafter, PretrainedTreeDrafter, SuffixDrafter
 from metasd.drafters.budgeted import NoSpeculation, budget_arms
 from metasd.policies import make_policy
@@ -262,7 +262,7 @@ def test_serve_with_a_bad_cost_profile_fails_before_serving(tmp_path, capsys, mo
 
 
 def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifier_model, tok):
-    from metasd.core.forward_profile import ForwardProfile
+    from metasd.core.pricing.forward_profile import ForwardProfile
     from metasd.serve.cli import SchedulerSettings
 
     profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")

@@ -1,6 +1,6 @@
 """Speculation under load, the pure parts (docs/algorithms.md#speculation-under-load): acceptance curves
-(``metasd.core.acceptance_curve``), the step budget allocator (``metasd.core.allocator``) and the goodput reward of a
-batched step (``metasd.core.goodput``). No model, no clock: seeded inputs and worked examples.
+(``metasd.core.pricing.acceptance_curve``), the step budget allocator (``metasd.core.pricing.allocator``) and the
+goodput reward of a batched step (``metasd.core.pricing.goodput``). No model, no clock: seeded inputs and worked examples.
 """
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from metasd.core.acceptance_curve import DEFAULT_GRID, AcceptanceCurve, accepted_within, geometric_prior, implied_alpha
-from metasd.core.allocator import allocate, candidate_widths, expected_goodput, plan
-from metasd.core.goodput import (
+from metasd.core.pricing.acceptance_curve import (DEFAULT_GRID, AcceptanceCurve, accepted_within, geometric_prior,
+                                                 implied_alpha)
+from metasd.core.pricing.allocator import allocate, candidate_widths, expected_goodput, plan
+from metasd.core.pricing.goodput import (
     counterfactual_goodput,
     counterfactual_share,
     goodput_reward,
     shared_step_cost,
 )
-from metasd.core.rewards import Throughput
+from metasd.core.decoding.rewards import Throughput
 
 # measured on the CPU (1.5B verifier, bf16): ms of one forward by total tokens (8 tokens: between one row of 8, 224 ms,
 # and 8 rows of 1, 275 ms); beyond 64 tokens the 32 -> 64 slope continues

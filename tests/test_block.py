@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from metasd.config import build_engine, parse_pool_config
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import StepContext
+from metasd.core.decoding.drafter import StepContext
 from metasd.drafters.block import BlockDrafter, BlockHeads, NGramLM, merge_paths, p_best_paths
 from metasd.core.engine import Engine
-from metasd.core.sampling import SamplingParams
+from metasd.core.decoding.sampling import SamplingParams
 from metasd.training.block import TrainBlockConfig, block_targets, load_train_block_config, train_block
 from metasd.training.common import state_file
 from metasd.training.data import Example

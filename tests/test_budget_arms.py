@@ -20,8 +20,8 @@ from metasd.config import (
     select_entries,
 )
 from metasd.core import Draft, Drafter, Engine, StepContext, StepFeedback, Verifier
-from metasd.core.acceptance import Acceptance, accept_greedy
-from metasd.core.sampling import SamplingParams
+from metasd.core.decoding.acceptance import Acceptance, accept_greedy
+from metasd.core.decoding.sampling import SamplingParams
 
 # repetitive, so that lookups match; the verifier and a softer copy of it as the model drafter
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5, 7, 12, 9, 33, 12]

@@ -9,7 +9,7 @@ from metasd.config import ConfigError, load_pool, parse_pool_config, read_pool_c
 from metasd.drafters import PretrainedDrafter
 from metasd.core.engine import Engine
 from metasd.policies import UCB1, ThompsonSampling
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 from tiny import plain_greedy, tiny_llama, tiny_qwen, tiny_tokenizer
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]
@@ -61,7 +61,7 @@ def _pool(dirs, **over):
     (lambda c: c.update(drafter=c.pop("drafters")), "drafter: unknown field (did you mean 'drafters'?)"),
     (lambda c: c["policy"].update(parms={}), "policy.parms: unknown field (did you mean 'params'?); allowed here: name, params, seed"),
     (lambda c: c.pop("verifier"), "verifier: Field required"),
-    (lambda c: c["drafters"][0].update(type="os.path:join"), "drafters.0.type: 'os.path:join' is not a metasd.core.drafter.Drafter subclass"),
+    (lambda c: c["drafters"][0].update(type="os.path:join"), "drafters.0.type: 'os.path:join' is not a metasd.core.decoding.drafter.Drafter subclass"),
 ])
 def test_bad_fields_are_named(model_dirs, mutate, needle):
     cfg = _pool(model_dirs)

@@ -19,7 +19,7 @@ import metasd.drafters  # noqa: F401  (registers the built-in drafter types)
 from metasd.config import ModelCache, load_pool
 from metasd.models import load_model
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import DRAFTERS
+from metasd.core.decoding.drafter import DRAFTERS
 from sampling_check import sampled_pairs_pvalue
 from tiny import VOCAB, as_llama, plain_greedy, spaced_word_map, spaced_word_tokenizer, tiny_qwen, tiny_tokenizer
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-import metasd.core.clock
-from metasd.core.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
+import metasd.core.execution.clock
+from metasd.core.pricing.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 from metasd.core.engine import Engine
 from metasd.policies import UCB
 from metasd.models.quantize import quantize_model
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 from tiny import tiny_llama, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5, 7, 12, 9]
@@ -111,8 +111,8 @@ def test_a_transformers_forward_is_priced_from_its_shape_as_the_sum_of_its_linea
 def test_pricing_puts_no_pre_hook_on_the_linear_layers_of_transformers_models(verifier_model):
     """No Python call per linear layer while decoding (~200 a forward on a real model, and no graph capture through
     them): the engine prices a transformers model per forward, from its shape; its linear layers keep exactly the
-    hooks they had (the LM head's stride fix, ``metasd.core.hooks``)."""
-    import metasd.core.cost as cost
+    hooks they had (the LM head's stride fix, ``metasd.core.execution.hooks``)."""
+    import metasd.core.pricing.cost as cost
 
     drafter_model = tiny_qwen(seed=1)
     verifier, drafter = Verifier(verifier_model), PretrainedDrafter(drafter_model, k=3)
@@ -167,7 +167,7 @@ def _noisy_clock(seed):
 
 
 def _pool_run(verifier_model, reward, clock_seed, monkeypatch, **kwargs):
-    monkeypatch.setattr(metasd.core.clock.time, "perf_counter", _noisy_clock(clock_seed))  # every step clock
+    monkeypatch.setattr(metasd.core.execution.clock.time, "perf_counter", _noisy_clock(clock_seed))  # every step clock
     pool = [PretrainedDrafter(tiny_qwen(seed=0), k=3, name="same"), PretrainedDrafter(tiny_llama(seed=3), k=2, name="other"),
             NGramDrafter(k=3, name="ngram")]
     engine = Engine(Verifier(verifier_model), pool, UCB(3, normalize=True), reward=reward, check_tokenizers=False)
@@ -217,17 +217,17 @@ def _family_drafters(verifier_model):
 def test_every_model_backed_family_has_its_drafting_counted(verifier_model):
     """Each family's networks are found by ``Drafter.modules`` or use ``counted_linear``: a step that drafts
     costs more than its verify alone."""
-    import metasd.core.cost
+    import metasd.core.pricing.cost
 
     for family, drafter in _family_drafters(verifier_model).items():
         costs = []
         propose = drafter.propose
 
         def counted(ctx, propose=propose, costs=costs):
-            before = metasd.core.cost._OPEN.meter.total
+            before = metasd.core.pricing.cost._OPEN.meter.total
             draft = propose(ctx)
             if len(draft):
-                costs.append(metasd.core.cost._OPEN.meter.total - before)
+                costs.append(metasd.core.pricing.cost._OPEN.meter.total - before)
             return draft
 
         drafter.propose = counted

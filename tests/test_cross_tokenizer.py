@@ -12,8 +12,8 @@ from transformers import Gemma3TextConfig, Gemma3ForCausalLM, PreTrainedTokenize
 
 from metasd.config import ConfigError, ModelCache, load_pool, parse_pool_config
 from metasd.core.engine import Engine
-from metasd.core.tokens import TokenizerMismatchError
-from metasd.core.verifier import Verifier
+from metasd.core.decoding.tokens import TokenizerMismatchError
+from metasd.core.execution.verifier import Verifier
 from metasd.drafters import PretrainedDrafter
 from metasd.drafters.token_bridge import PROBE_TEXT, IncrementalDecoder, TokenBridge, TokenBridgeError
 from metasd.models import ModelLoadError

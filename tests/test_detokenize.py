@@ -1,10 +1,10 @@
-"""Incremental detokenisation (metasd.core.detokenize): the deltas add up to the whole decode, on a word-level
+"""Incremental detokenisation (metasd.core.decoding.detokenize): the deltas add up to the whole decode, on a word-level
 tokenizer and on a byte-level BPE one where characters span tokens."""
 import random
 
 import pytest
 
-from metasd.core.detokenize import IncrementalDetokenizer, find_stop
+from metasd.core.decoding.detokenize import IncrementalDetokenizer, find_stop
 from tiny import tiny_tokenizer
 
 

@@ -6,7 +6,7 @@ from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
 from metasd.drafters.pretrained import DraftHead
 from metasd.core.engine import Engine
 from metasd.models.quantize import quantize_model
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 from tiny import VOCAB, plain_greedy, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5]

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-import metasd.core.request
-from metasd.core.drafter import Drafter
+import metasd.core.decoding.request
+from metasd.core.decoding.drafter import Drafter
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 from metasd.core.engine import Engine
-from metasd.core.policy import Policy
-from metasd.core.tree import Draft
-from metasd.core.verifier import Verifier
+from metasd.core.decoding.policy import Policy
+from metasd.core.execution.tree import Draft
+from metasd.core.execution.verifier import Verifier
 from sampling_check import joint_check
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
@@ -301,12 +301,12 @@ def test_speculative_sampling_matches_the_verifier_distribution(small_pair):
 
 
 def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
-    from metasd.core.acceptance import Acceptance
+    from metasd.core.decoding.acceptance import Acceptance
 
     def accept_all(draft, p, generator=None):  # deliberately wrong: keeps every draft token
         return Acceptance(list(range(len(draft))), int(torch.multinomial(p[-1], 1, generator=generator)))
 
-    monkeypatch.setattr(metasd.core.request, "accept_rejection", accept_all)
+    monkeypatch.setattr(metasd.core.decoding.request, "accept_rejection", accept_all)
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
     assert _sampling_pvalue(engine) < 1e-6

@@ -9,7 +9,7 @@ from metasd.core.engine import Engine
 from metasd.training.data import (Example, batched_greedy_responder, engine_responder, generate_responses,
                                   prompt_length)
 from metasd.training.features import add_train_features_parser
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 from tiny import plain_greedy, tiny_qwen
 
 

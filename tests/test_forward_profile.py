@@ -1,6 +1,6 @@
-"""The profiled cost of a forward (metasd/core/forward_profile.py): the monotone fit and its units, the validation of
-a profile (every nonsense field named), its JSON round trip, and ``profile_forward`` on tiny random models (the
-shapes it runs, the cache it crops, the model and random state it leaves as it found them)."""
+"""The profiled cost of a forward (metasd/core/pricing/forward_profile.py): the monotone fit and its units, the
+validation of a profile (every nonsense field named), its JSON round trip, and ``profile_forward`` on tiny random models
+(the shapes it runs, the cache it crops, the model and random state it leaves as it found them)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import statistics
 import pytest
 import torch
 
-from metasd.core import forward_profile
-from metasd.core.forward_profile import FALL_TOLERANCE, ForwardProfile, ProfileError, profile_forward
+from metasd.core.pricing import forward_profile
+from metasd.core.pricing.forward_profile import FALL_TOLERANCE, ForwardProfile, ProfileError, profile_forward
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 
 

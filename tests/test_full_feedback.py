@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from metasd.core import Engine, StepContext, Verifier
-from metasd.core.acceptance import accept_greedy
-from metasd.core.sampling import SamplingParams
+from metasd.core.decoding.acceptance import accept_greedy
+from metasd.core.decoding.sampling import SamplingParams
 from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
 from metasd.drafters.suffix import SuffixDrafter
 from metasd.policies import UCB1, Hedge

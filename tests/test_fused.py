@@ -3,10 +3,10 @@ import pytest
 import torch
 import yaml
 
-import metasd.core.request
+import metasd.core.decoding.request
 from metasd.config import ConfigError, parse_pool_config
 from metasd.core import Draft, Drafter, Engine, Verifier
-from metasd.core.acceptance import Acceptance
+from metasd.core.decoding.acceptance import Acceptance
 from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
 from metasd.drafters.fused import FusedDrafter
 from test_engine import SMALL_V, _sampling_pvalue, small_pair  # noqa: F401  (fixture)
@@ -85,7 +85,7 @@ def test_a_wrong_rule_for_fused_trees_fails_the_sampling_test(small_pair, monkey
             row = path[-1] + 1
         return Acceptance(path, int(torch.multinomial(p[row], 1, generator=generator)))
 
-    monkeypatch.setattr(metasd.core.request, "accept_match", first_child)
+    monkeypatch.setattr(metasd.core.decoding.request, "accept_match", first_child)
     verifier, drafter = small_pair
     fused = FusedDrafter([PretrainedDrafter(drafter, k=2, name="chain"), NGramDrafter(k=2, name="lookup")])
     assert _sampling_pvalue(Engine(Verifier(verifier), fused)) < 1e-6
@@ -131,8 +131,8 @@ class _Lookup(Fixed):
 
 def test_a_lookup_only_step_drafts_with_the_lookup_arms_and_tells_only_them():
     from metasd.core import StepContext, StepFeedback
-    from metasd.core.drafter import drafts_lookups
-    from metasd.core.sampling import SamplingParams
+    from metasd.core.decoding.drafter import drafts_lookups
+    from metasd.core.decoding.sampling import SamplingParams
 
     suffix, model = _Lookup([5, 6], [-1, 0], "suffix"), Fixed([5, 9, 3], [-1, 0, 1], "model")
     fused = FusedDrafter([suffix, model], enough=6)

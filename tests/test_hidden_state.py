@@ -8,12 +8,12 @@ import yaml
 
 from metasd.config import ConfigError, build_engine, parse_pool_config
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.drafter import StepContext
+from metasd.core.decoding.drafter import StepContext
 from metasd.drafters import HiddenStateDrafter
 from metasd.drafters.hidden_state_net import HiddenStateConfig, HiddenStateNet, load_checkpoint, save_checkpoint
 from metasd.models.packed_weights import group_for
 from metasd.core.engine import Engine
-from metasd.core.sampling import SamplingParams
+from metasd.core.decoding.sampling import SamplingParams
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.hidden_state import load_train_hidden_state_config, train_hidden_state

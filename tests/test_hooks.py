@@ -1,6 +1,6 @@
 import torch
 
-from metasd.core.hooks import _canonical, contiguous_lm_head_input
+from metasd.core.execution.hooks import _canonical, contiguous_lm_head_input
 from tiny import tiny_qwen
 
 
@@ -25,7 +25,7 @@ def test_lm_head_receives_canonical_input_with_logits_to_keep():
     assert seen == [(32, 32, 1)]
     assert torch.allclose(out.logits, ref, atol=1e-6)
     assert len(model.get_output_embeddings()._forward_pre_hooks) == 1
-    from metasd.core.hooks import remove_lm_head_hook
+    from metasd.core.execution.hooks import remove_lm_head_hook
     remove_lm_head_hook(model)
     assert len(model.get_output_embeddings()._forward_pre_hooks) == 0
 

@@ -29,28 +29,54 @@ def _lint(layout: Path) -> subprocess.CompletedProcess:
 def test_the_installed_layout_keeps_every_import_contract(tmp_path):
     result = _lint(installed_layout(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert "4 kept, 0 broken" in result.stdout
     assert (tmp_path / "metasd" / "drafters" / "pretrained.py").is_file()  # the mapped packages are in the layout
 
 
 @needs_linter
 def test_a_lower_layer_importing_a_higher_one_breaks_the_contracts(tmp_path):
     layout = installed_layout(tmp_path)
-    with open(layout / "metasd" / "core" / "tree.py", "a") as f:  # the core reaching up to pool files
+    with open(layout / "metasd" / "core" / "execution" / "tree.py", "a") as f:  # the core reaching up to pool files
         f.write("\n\ndef _reaches_up():\n    from metasd.config import load_pool  # noqa: F401\n")
     result = _lint(layout)
     assert result.returncode != 0
-    assert "metasd.core.tree -> metasd.config" in result.stdout
+    assert "metasd.core.execution.tree -> metasd.config" in result.stdout
     assert "The decoding core imports no YAML, MLflow or Ray BROKEN" in result.stdout  # config reads YAML
     assert "No import cycles, at any depth BROKEN" in result.stdout  # config imports the core
 
 
+@needs_linter
+@pytest.mark.parametrize("lower, higher, imported", [
+    ("execution/kv_cache.py", "decoding", "from metasd.core.decoding.sampling import SamplingParams"),
+    ("execution/verifier.py", "pricing", "from metasd.core.pricing.cost import CostModel"),
+    ("decoding/request.py", "pricing", "from metasd.core.pricing.goodput import shared_step_cost"),
+    ("pricing/allocator.py", "batching", "from metasd.core.batching.scheduler import Scheduler"),
+])
+def test_inside_the_core_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path, lower, higher, imported):
+    layout = installed_layout(tmp_path)
+    with open(layout / "metasd" / "core" / lower, "a") as f:
+        f.write(f"\n\ndef _reaches_up():\n    {imported}  # noqa: F401\n")
+    result = _lint(layout)
+    assert result.returncode != 0
+    module = "metasd.core." + lower.removesuffix(".py").replace("/", ".")
+    assert f"{module} -> metasd.core.{higher}" in result.stdout, result.stdout
+    assert "Inside the core: the engine over running many" in result.stdout and "BROKEN" in result.stdout
+
+
+def test_the_core_is_split_into_its_four_layers():
+    core = ROOT / "metasd" / "core"
+    assert sorted(p.name for p in core.glob("*.py")) == ["__init__.py", "engine.py"]
+    assert sorted(p.name for p in core.iterdir() if (p / "__init__.py").is_file()) == [
+        "batching", "decoding", "execution", "pricing"]
+
+
 def test_the_core_has_no_function_level_imports():
     found = []
-    for path in sorted((ROOT / "metasd" / "core").glob("*.py")):
+    for path in sorted((ROOT / "metasd" / "core").rglob("*.py")):
         for fn in ast.walk(ast.parse(path.read_text())):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found += [f"{path.name}:{n.lineno}" for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+                found += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(fn)
+                          if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not found, f"imports inside functions of metasd/core: {found}"
 
 

@@ -1,13 +1,13 @@
-"""Offline batch generation (metasd/core/offline.py, ``metasd generate --input --output``): request lines checked
-before anything runs, every request served through the scheduler, a result line per request as it finishes."""
+"""Offline batch generation (metasd/core/batching/offline.py, ``metasd generate --input --output``): request lines
+checked before anything runs, every request served through the scheduler, a result line per request as it finishes."""
 import io
 import json
 
 import pytest
 
 from metasd.core.engine import Engine
-from metasd.core.offline import read_requests, run_offline
-from metasd.core.verifier import Verifier
+from metasd.core.batching.offline import read_requests, run_offline
+from metasd.core.execution.verifier import Verifier
 from metasd.drafters import NGramDrafter
 from tiny import tiny_qwen, tiny_tokenizer
 

@@ -1,6 +1,6 @@
 """Load as policy context (docs/algorithms.md#speculation-under-load): ``load_features`` / ``load_level``
-(``metasd.core.request_features``), the ``per_load`` policy wrapper (``policies/per_load.py``) and LinUCB with the
-load features appended to its context. Simulated bandits with fixed seeds, environment seeds offset from the policy's.
+(``metasd.core.decoding.request_features``), the ``per_load`` policy wrapper (``policies/per_load.py``) and LinUCB with
+the load features appended to its context. Simulated bandits with fixed seeds, environment seeds offset from the policy's.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from metasd.core.request_features import (
+from metasd.core.decoding.request_features import (
     LOAD_LEVELS,
     N_LOAD_FEATURES,
     load_features,

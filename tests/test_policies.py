@@ -1,4 +1,4 @@
-"""Behavioural tests of the bandit policies (``metasd.policies``) and request features (``metasd.core.request_features``).
+"""Behavioural tests of the bandit policies (``metasd.policies``) and request features (``metasd.core.decoding.request_features``).
 
 Simulated bandits with fixed seeds; assertions compare policies with each other (regret ratios), not with
 magic numbers. The environment's RNG is always seeded differently from the policy's: identically seeded
@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from metasd.core.request_features import n_features, ngram_self_overlap, request_features
+from metasd.core.decoding.request_features import n_features, ngram_self_overlap, request_features
 from metasd.policies import (
     EXP3,
     POLICIES,

@@ -5,15 +5,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from metasd.core.acceptance import Acceptance
-from metasd.core.drafter import DRAFTERS, BuildContext, StepContext, StepFeedback
+from metasd.core.decoding.acceptance import Acceptance
+from metasd.core.decoding.drafter import DRAFTERS, BuildContext, StepContext, StepFeedback
 from metasd.drafters import PretrainedTreeDrafter
 from metasd.drafters.growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k
 from metasd.core.engine import Engine
-from metasd.core.sampling import SamplingParams
-from metasd.core.tree import Draft, children_lists
-from metasd.core.verifier import Verifier
-from metasd.core.kv_cache import cache_kwargs
+from metasd.core.decoding.sampling import SamplingParams
+from metasd.core.execution.tree import Draft, children_lists
+from metasd.core.execution.verifier import Verifier
+from metasd.core.execution.kv_cache import cache_kwargs
 from sampling_check import joint_check
 from tiny import plain_greedy, tiny_llama, tiny_qwen
 

@@ -15,7 +15,7 @@ from metasd.models.quantize import (
     KERNELS, QuantizedLinear, check_quantize, dense_weight, dequantize_int4, kernel_for, quantize_int4,
     quantize_int8, quantize_model,
 )
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 from test_engine import PROMPT, _sampling_pvalue
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
@@ -292,7 +292,7 @@ def test_pool_quantize_errors_name_the_field(tiny_dir):
 
 
 def test_ngram_drafter_from_python_has_nothing_to_quantize():
-    from metasd.core.drafter import BuildContext
+    from metasd.core.decoding.drafter import BuildContext
 
     with pytest.raises(ValueError, match="field 'quantize' is 'int8'"):
         NGramDrafter.from_config("ng", {}, BuildContext(None, None, None, None, quantize="int8"))

@@ -1,5 +1,5 @@
-"""The scheduler (metasd/core/scheduler.py): requests served concurrently - one batched verifier forward per step -
-give what ``Engine.generate`` gives, token for token; events, cancellation, failures and the queue behave as
+"""The scheduler (metasd/core/batching/scheduler.py): requests served concurrently - one batched verifier forward per
+step - give what ``Engine.generate`` gives, token for token; events, cancellation, failures and the queue behave as
 documented. Tiny fp32 models (tests/tiny.py)."""
 import asyncio
 import threading
@@ -7,13 +7,13 @@ import threading
 import pytest
 import torch
 
-from metasd.core.batch_cache import BatchCache
-from metasd.core.drafter import Drafter
+from metasd.core.execution.batch_cache import BatchCache
+from metasd.core.decoding.drafter import Drafter
 from metasd.core.engine import Engine, EngineBusyError
-from metasd.core.scheduler import (QueueFullError, RequestFinished, RequestOptions, Scheduler, SchedulerClosedError,
-                                   SchedulerStep)
-from metasd.core.tree import Draft
-from metasd.core.verifier import Verifier
+from metasd.core.batching.scheduler import (QueueFullError, RequestFinished, RequestOptions, Scheduler,
+                                            SchedulerClosedError, SchedulerStep)
+from metasd.core.execution.tree import Draft
+from metasd.core.execution.verifier import Verifier
 from metasd.drafters import FusedDrafter, NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
 from sampling_check import sampled_pairs_pvalue
 from tiny import tiny_qwen, tiny_tokenizer

@@ -5,7 +5,7 @@ alone: a request's steps and accepted tokens are the same as ``Engine.generate``
 them re-feed or draft from another request's text)."""
 import pytest
 
-from metasd.core.scheduler import Scheduler
+from metasd.core.batching.scheduler import Scheduler
 from test_conformance import CASES, PROMPT, _engine, root  # noqa: F401  (root: the module's fixture)
 
 PROMPTS = [PROMPT, [0, 7, 12, 9, 33, 7, 12], [0, 5, 41, 5, 41, 5, 9, 9, 12, 33, 41]]

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import yaml
 
 import second_device
-from metasd.core import clock
-from metasd.core.staging import to_device
+from metasd.core.execution import clock
+from metasd.core.execution.staging import to_device
 from second_device import count_host_reads, enable, on_device as on_dev
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
@@ -158,7 +158,7 @@ def qwen_pair():
 def test_tiny_qwen_with_a_cache_on_the_device_equals_the_cpu(qwen_pair, mode):
     from transformers import DynamicCache
 
-    from metasd.core.kv_cache import cache_kwargs
+    from metasd.core.execution.kv_cache import cache_kwargs
 
     cpu_model, dev_model = qwen_pair
     assert all(on_dev(p) for p in dev_model.parameters()) and dev_model.device == DEV
@@ -532,8 +532,8 @@ REQUEST_LEVEL = ("(_finish)",)  # the request's end (its start is counted apart:
 
 def _syncs_per_step(engine, prompt, **kwargs):
     """Host-device synchronisations of each decoding step (one ``next`` of the request's step loop each; the request's
-    own, at its start - prefill, the drafters' ``begin`` - and its end, apart), the steps' drafts, and the drafter's own forwards per step (a tree: one per
-    level; ``Draft.meta``). Returns (per-step event lists, request-level events, drafts, levels, report)."""
+    own, at its start - prefill, the drafters' ``begin`` - and its end, apart), the steps' drafts, and the drafter's own
+    forwards per step (a tree: one per level; ``Draft.meta``). Returns (per-step event lists, request-level events, drafts, levels, report)."""
     drafter = engine.drafters[0]
     drafts: list = []
     propose = drafter.propose
@@ -576,8 +576,8 @@ def test_greedy_steps_stay_within_the_sync_budget(pool_root, kind):
     """Greedy: at most 3 host-device synchronisations per step with a chain drafter (the chain is drafted on the device
     and read once; acceptance reads the verifier's choice once), at most 3 + one per tree level with a tree drafter.
     Every kind counts: reads, blocking copies to the device, device syncs. A step makes none of the last two: host data
-    goes to the device staged (``metasd.core.staging``) and the step clock does not synchronise (``Engine.profile``
-    off); the request synchronises its clock at its start, when its prefill is done and at its end."""
+    goes to the device staged (``metasd.core.execution.staging``) and the step clock does not synchronise
+    (``Engine.profile`` off); the request synchronises its clock at its start, when its prefill is done and at its end."""
     import test_conformance as tc
 
     engine = _engine(pool_root, kind, NAME)
@@ -650,8 +650,8 @@ def test_the_engine_under_each_reward_on_the_device(pool_root, reward, mode):
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 @pytest.mark.parametrize("kind", _kinds())
 def test_no_step_of_any_drafter_type_copies_to_the_device_blocking(pool_root, kind, mode):
-    """Every drafter type stages what it sends to the device (``metasd.core.staging``): no blocking copy to the device
-    and no clock sync in any step, greedy or sampled (the budget above bounds the reads of four of them)."""
+    """Every drafter type stages what it sends to the device (``metasd.core.execution.staging``): no blocking copy to
+    the device and no clock sync in any step, greedy or sampled (the budget above bounds the reads of four of them)."""
     import test_conformance as tc
 
     if (kind, mode) == ("replay", "sampled"):

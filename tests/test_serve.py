@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("fastapi")
 
 from metasd.core.engine import Engine  # noqa: E402
-from metasd.core.scheduler import Scheduler  # noqa: E402
-from metasd.core.verifier import Verifier  # noqa: E402
+from metasd.core.batching.scheduler import Scheduler  # noqa: E402
+from metasd.core.execution.verifier import Verifier  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.records import SERVED_DRAFTER_COUNTS, SERVED_FIELDS, served_record  # noqa: E402
 from serve_helpers import FAIL, GATE, GATED, SLOW, ServerThread, tiny_engine  # noqa: E402
@@ -432,8 +432,8 @@ def test_health_fails_once_the_scheduler_thread_has_died():
 
 
 def test_lookup_only_steps_are_counted_from_the_adaptive_record():
-    from metasd.core.adaptive import AdaptiveRecord
-    from metasd.core.request_handle import SchedulerStep
+    from metasd.core.batching.adaptive import AdaptiveRecord
+    from metasd.core.batching.request_handle import SchedulerStep
     from metasd.serve.metrics import ServeMetrics
 
     metrics = ServeMetrics("m")

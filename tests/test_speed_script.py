@@ -107,7 +107,7 @@ def test_baselines_carry_the_lm_head_fix_and_as_shipped_rows_do_not(script, monk
     at the call, even where something removed it); the opt-in as-shipped rows run without it and restore it."""
     import importlib
 
-    from metasd.core.hooks import contiguous_lm_head_input, remove_lm_head_hook
+    from metasd.core.execution.hooks import contiguous_lm_head_input, remove_lm_head_hook
     from tiny import tiny_qwen, tiny_tokenizer
 
     mod = importlib.import_module(script)

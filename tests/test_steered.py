@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from metasd.config import ConfigError as PoolConfigError
 from metasd.config import load_pool
-from metasd.core.drafter import BuildContext, StepContext
+from metasd.core.decoding.drafter import BuildContext, StepContext
 from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, SteeredDrafter, SteeredTreeDrafter
 from metasd.drafters.steered import SteeringModule, decoder_layers, load_steering
 from metasd.core.engine import Engine
-from metasd.core.sampling import SamplingParams
+from metasd.core.decoding.sampling import SamplingParams
 from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.steering import ConfigError, SteeringTrainer, parse_config, train_steering

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from metasd.core.engine import Engine
-from metasd.core.sampling import SamplingParams
-from metasd.core.drafter import StepContext
-from metasd.core.verifier import Verifier
+from metasd.core.decoding.sampling import SamplingParams
+from metasd.core.decoding.drafter import StepContext
+from metasd.core.execution.verifier import Verifier
 from metasd.drafters.suffix import ROOT, SuffixDrafter, SuffixTrie
 from tiny import plain_greedy
 

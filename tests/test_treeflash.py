@@ -16,9 +16,9 @@ from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.treeflash import load_train_treeflash_config
 from metasd.training.treeflash_objective import tf_accept
-from metasd.core.tree import Draft, ancestor_mask, node_depths
-from metasd.core.verifier import Verifier
-from metasd.core.kv_cache import cache_kwargs
+from metasd.core.execution.tree import Draft, ancestor_mask, node_depths
+from metasd.core.execution.verifier import Verifier
+from metasd.core.execution.kv_cache import cache_kwargs
 from sampling_check import joint_check
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
@@ -202,8 +202,8 @@ def test_drafter_shapes_and_context_cache(verifier_model):
     assert drafts and all(len(d) <= 7 and d.depth <= 3 and d.probs is None for d in drafts)
     assert drafter._ctx_rows == 0 and drafter._ctx_kv is None  # end() freed the request state
     # context keys/values built incrementally equal a fresh projection of every row
-    from metasd.core.drafter import StepContext
-    from metasd.core.sampling import SamplingParams
+    from metasd.core.decoding.drafter import StepContext
+    from metasd.core.decoding.sampling import SamplingParams
     from metasd.core import HiddenStore
 
     tokens = PROMPT + result.token_ids

@@ -17,7 +17,7 @@ import metasd.models
 import metasd.policies  # noqa: F401
 from metasd.cli import main
 from metasd.config import parse_pool_config, read_pool_config
-from metasd.core.drafter import DRAFTERS
+from metasd.core.decoding.drafter import DRAFTERS
 
 REPO = Path(__file__).resolve().parents[1]
 # a pool that is valid and loads nothing while it is checked: the verifier is a directory holding only a
@@ -318,7 +318,7 @@ def test_engine_api_checks_sampling_arguments_before_any_forward(monkeypatch):
     from tiny import tiny_qwen, tiny_tokenizer
 
     from metasd.core.engine import Engine
-    from metasd.core.verifier import Verifier
+    from metasd.core.execution.verifier import Verifier
 
     engine = Engine(Verifier(tiny_qwen(seed=0), tiny_tokenizer()))
 

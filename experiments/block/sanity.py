@@ -16,7 +16,7 @@ import torch
 from metasd.drafters.block import BlockDrafter, BlockHeads
 from metasd.core.engine import Engine
 from metasd.models import load_model
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",

@@ -16,7 +16,7 @@ import torch
 from metasd.drafters import TreeFlashDrafter
 from metasd.core.engine import Engine
 from metasd.models import load_model
-from metasd.core.verifier import Verifier
+from metasd.core.execution.verifier import Verifier
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",

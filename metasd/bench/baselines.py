@@ -4,10 +4,10 @@ All functions take prompt ids and return ``(new_token_ids, seconds)``; seconds i
 prefill. Greedy only, as are the reference figures (docs/models.md#reference-baselines).
 
 They call transformers on the models they are given: the benchmarks apply metasd's LM-head stride fix
-(``metasd.core.hooks.contiguous_lm_head_input``) to the verifier and the assistant first, so that the baselines
-every ratio is computed against are the strongest ones (as shipped, transformers' prefill and assistant forwards
-copy the LM head's weight on every call: assisted generation 0.50x plain decoding as shipped, 1.01x with the fix,
-benchmarks/history.md). ``plain_with_margins`` (``output_logits=True``) is for an untimed reference pass only.
+(``metasd.core.execution.hooks.contiguous_lm_head_input``) to the verifier and the assistant first, so that the
+baselines every ratio is computed against are the strongest ones (as shipped, transformers' prefill and assistant
+forwards copy the LM head's weight on every call: assisted generation 0.50x plain decoding as shipped, 1.01x with the
+fix, benchmarks/history.md). ``plain_with_margins`` (``output_logits=True``) is for an untimed reference pass only.
 """
 from __future__ import annotations
 

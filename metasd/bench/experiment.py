@@ -16,10 +16,10 @@ from pydantic import ValidationError
 
 from metasd.config import (ConfigError, PoolConfig, format_validation_error, parse_pool_config, read_pool_config,
                            read_yaml_mapping, resolve_policy_class)
-from metasd.core.policy import make_policy
+from metasd.core.decoding.policy import make_policy
 from metasd.data import Question, load_questions
 from .schema import BUILTIN, COPY_HEAVY, DatasetSpec, ExperimentConfig, PoolSpec, RunPolicy
-from metasd.core.rewards import BOUNDED_REWARDS, REWARDS
+from metasd.core.decoding.rewards import BOUNDED_REWARDS, REWARDS
 
 # ------------------------------------------------------------------------------------------- resolved
 

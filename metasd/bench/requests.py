@@ -14,7 +14,7 @@ import json
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable
 
-from metasd.core.metrics import RequestStats
+from metasd.core.decoding.metrics import RequestStats
 from metasd.models.machine import load_per_core
 
 if TYPE_CHECKING:
@@ -90,11 +90,11 @@ class PoolEngine:
     def baseline_fn(self, b) -> Callable:
         """Answer a request with a transformers baseline (plain, assisted, prompt lookup); a step is one forward.
 
-        Every baseline runs with metasd's LM-head stride fix (``metasd.core.hooks.contiguous_lm_head_input``) on the
-        verifier and the assistant, applied explicitly before each call: transformers as shipped takes a slow path
-        that copies the LM head's weight on its prefill and assistant forwards, and the speedups are measured
+        Every baseline runs with metasd's LM-head stride fix (``metasd.core.execution.hooks.contiguous_lm_head_input``)
+        on the verifier and the assistant, applied explicitly before each call: transformers as shipped takes a slow
+        path that copies the LM head's weight on its prefill and assistant forwards, and the speedups are measured
         against the strongest baselines."""
-        from metasd.core.hooks import contiguous_lm_head_input
+        from metasd.core.execution.hooks import contiguous_lm_head_input
 
         from . import baselines
 

@@ -28,8 +28,8 @@ Top-level fields (all optional but ``runs``):
     * ``{oracle: true}``: per category the best single drafter in hindsight (needs a ``single`` entry).
 - ``datasets``: list of ``builtin`` | ``copy_heavy`` (prompts whose answers copy their input: generated from this
   Python's standard library, ``questions_per_group`` per category, metasd.data.copy_heavy) | a path | ``{name?, path,
-  categories?, groups?, questions_per_group?, turns?}``; ``categories``, ``groups``, ``questions_per_group`` and ``turns`` (``all`` | ``first``) may
-  also be set at top level as defaults for every dataset.
+  categories?, groups?, questions_per_group?, turns?}``; ``categories``, ``groups``, ``questions_per_group`` and
+  ``turns`` (``all`` | ``first``) may also be set at top level as defaults for every dataset.
 - ``max_new_tokens`` (128), ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seeds`` ([0]).
 - ``baselines``: ``plain`` (required: the speedup denominator), ``{type: assisted, drafter: NAME,
   params?}`` (transformers assisted generation with that pool drafter's model), ``prompt_lookup``.
@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from metasd.core.rewards import RewardName
+from metasd.core.decoding.rewards import RewardName
 
 BUILTIN = "builtin"
 COPY_HEAVY = "copy_heavy"  # generated from this Python's standard library (metasd.data.copy_heavy)

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from metasd.core import engine as _engine
-from metasd.core.cost import CostModel
-from metasd.core.drafter import BuildContext
+from metasd.core.pricing.cost import CostModel
+from metasd.core.decoding.drafter import BuildContext
 from metasd.core.engine import Engine
-from metasd.core.policy import Policy, make_policy
-from metasd.core.verifier import Verifier
+from metasd.core.decoding.policy import Policy, make_policy
+from metasd.core.execution.verifier import Verifier
 from metasd.drafters.budgeted import NoSpeculation, budget_arms
 from metasd.models import ModelLoadError, check_model_reference, check_quantize, load_model, resolve_device, resolve_dtype
 

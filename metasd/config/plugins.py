@@ -11,8 +11,8 @@ from pydantic import BaseModel, ValidationError
 
 import metasd.drafters  # noqa: F401  (registers the built-in drafter types)
 import metasd.policies  # noqa: F401  (registers the built-in policies)
-from metasd.core.drafter import DRAFTERS, Drafter
-from metasd.core.policy import POLICIES, Policy
+from metasd.core.decoding.drafter import DRAFTERS, Drafter
+from metasd.core.decoding.policy import POLICIES, Policy
 
 
 def import_plugins(modules: list[str]) -> None:

@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from metasd.core.drafter import cross_tokenizer_types
-from metasd.core.params import Bool, Int
-from metasd.core.policy import Policy, make_policy
-from metasd.core.rewards import BOUNDED_REWARDS, REWARDS, RewardName
+from metasd.core.decoding.drafter import cross_tokenizer_types
+from metasd.core.decoding.params import Bool, Int
+from metasd.core.decoding.policy import Policy, make_policy
+from metasd.core.decoding.rewards import BOUNDED_REWARDS, REWARDS, RewardName
 
 from .plugins import import_plugins, line_error, resolve_drafter_class, resolve_policy_class, validate_params
 
@@ -80,8 +80,8 @@ class PolicyConfig(_Strict):
 
 
 class CostModelConfig(_Strict):
-    """Prices of the modeled step cost behind the ``throughput`` reward (``metasd.core.cost``): bytes-equivalent per
-    multiply-accumulate per row, by weight format. Left out: the calibration of the verifier's device type."""
+    """Prices of the modeled step cost behind the ``throughput`` reward (``metasd.core.pricing.cost``): bytes-equivalent
+    per multiply-accumulate per row, by weight format. Left out: the calibration of the verifier's device type."""
 
     dense: float = Field(ge=0.0, allow_inf_nan=False)
     int8: float = Field(ge=0.0, allow_inf_nan=False)
@@ -89,7 +89,7 @@ class CostModelConfig(_Strict):
 
 
 class ProfileConfig(_Strict):
-    """How ``metasd serve`` profiles the verifier's forward cost at start (``metasd.core.forward_profile``)."""
+    """How ``metasd serve`` profiles the verifier's forward cost at start (``metasd.core.pricing.forward_profile``)."""
 
     #: forward sizes timed (tokens in all, padding included); None: profile_forward's default
     token_counts: list[Int] | None = None
@@ -106,7 +106,7 @@ class ProfileConfig(_Strict):
 class ServingConfig(_Strict):
     """How ``metasd serve``'s scheduler speculates under load (docs/serving.md#adaptive-speculation): with
     ``adaptive``, each step's drafts are sized by the step allocator from the profiled forward cost and the arms'
-    acceptance curves, and the policy sees the load (``metasd.core.adaptive``)."""
+    acceptance curves, and the policy sees the load (``metasd.core.batching.adaptive``)."""
 
     adaptive: Bool = False
     max_width: Int = Field(48, ge=0)  # most draft nodes per request per step

@@ -1,23 +1,30 @@
-"""The decoding core: one request on one verifier - the engine and its step loop, the verifier and the hidden states
-it keeps, draft trees, exact acceptance rules, sampling, KV-cache bookkeeping, per-request statistics, rewards and
-the modeled step cost, and the small interfaces (``Drafter``, ``Policy``) with their registries that plugins fill;
-and many requests at once: the ``Scheduler`` (continuous batching) over a batched KV cache and verifier.
-Imports no YAML, MLflow or Ray, and no layer above it (docs/architecture.md)."""
-from .acceptance import Acceptance, accept_greedy, accept_match, accept_rejection
-from .cost import CostModel
-from .drafter import DRAFTERS, BuildContext, Drafter, DrafterParams, StepContext, StepFeedback, register_drafter
+"""The decoding core, in four layers (docs/architecture.md#layers), with ``Engine`` on top:
+
+- ``batching``: many requests at once - the ``Scheduler`` (continuous batching), its handles, adaptive speculation;
+- ``decoding``: one request - its step loop, exact acceptance, sampling, statistics, rewards, and the ``Drafter`` and
+  ``Policy`` interfaces with the registries plugins fill;
+- ``pricing``: the modeled and profiled cost of forwards, acceptance curves, the allocator (beside ``decoding``,
+  neither imports the other);
+- ``execution``: executing forwards - the verifier (one request, a batch), KV caches, draft trees and their masks,
+  hidden states, host -> device staging.
+
+Each imports only the layers below it; the core imports no YAML, MLflow or Ray, and no layer above it."""
+from .batching.scheduler import (QueueFullError, RequestFinished, RequestHandle, RequestOptions, Scheduler,
+    SchedulerClosedError, SchedulerStep, TokenEvent)
+from .decoding.acceptance import Acceptance, accept_greedy, accept_match, accept_rejection
+from .decoding.drafter import (DRAFTERS, BuildContext, Drafter, DrafterParams, StepContext, StepFeedback,
+    register_drafter)
+from .decoding.metrics import RequestStats
+from .decoding.policy import POLICIES, Context, Policy, register_policy
+from .decoding.request import GenerationResult
+from .decoding.rewards import REWARDS, Reward, get_reward
+from .decoding.sampling import SamplingParams
+from .decoding.tokens import TokenizerMismatchError
 from .engine import Engine, EngineBusyError, GenerationInterrupted
-from .hidden import HiddenStore
-from .metrics import RequestStats
-from .policy import POLICIES, Context, Policy, register_policy
-from .request import GenerationResult
-from .rewards import REWARDS, Reward, get_reward
-from .sampling import SamplingParams
-from .scheduler import (QueueFullError, RequestFinished, RequestHandle, RequestOptions, Scheduler,
-                        SchedulerClosedError, SchedulerStep, TokenEvent)
-from .tokens import TokenizerMismatchError
-from .tree import Draft
-from .verifier import Verifier, VerifierOutput
+from .execution.hidden import HiddenStore
+from .execution.tree import Draft
+from .execution.verifier import Verifier, VerifierOutput
+from .pricing.cost import CostModel
 
 __all__ = [
     "Acceptance", "BuildContext", "Context", "CostModel", "DRAFTERS", "Draft", "Drafter", "DrafterParams", "Engine", "EngineBusyError",

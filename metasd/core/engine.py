@@ -10,15 +10,15 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-
-from .cost import CostModel, StepMeter, attach, decode_step_cost
-from .drafter import Drafter, with_components as _with_components
-from .policy import Policy
-from .request import GenerationResult, Prompt, Request, encode_prompt
-from .rewards import get_reward
-from .scheduler import Scheduler
-from .tokens import check_tokenizers_compatible, eos_token_ids
-from .verifier import Verifier
+from .batching.scheduler import Scheduler
+from .decoding.drafter import Drafter
+from .decoding.drafter import with_components as _with_components
+from .decoding.policy import Policy
+from .decoding.request import GenerationResult, Prompt, Request, encode_prompt
+from .decoding.rewards import get_reward
+from .decoding.tokens import check_tokenizers_compatible, eos_token_ids
+from .execution.verifier import Verifier
+from .pricing.cost import CostModel, StepMeter, attach, decode_step_cost
 
 #: ``Engine.from_config`` reads pool files through the config layer (``metasd.config``), which registers its loader
 #: here when imported (``import metasd`` does): the core itself imports no YAML and no layer above it.
@@ -114,7 +114,7 @@ class Engine:
         learnt across requests, else it is reset per request (MetaSD's episodes). Needed for a pool of two or
         more drafters; with one drafter (or none) there is nothing to choose and it may be left out.
     cost_model: prices the work of a step for the (deterministic) throughput reward; default: the
-        calibration for the verifier's device type (``metasd.core.cost``).
+        calibration for the verifier's device type (``metasd.core.pricing.cost``).
     feedback: "bandit" (the policy learns from the chosen arm's reward) or "full": after each step every other arm
         that can say what it would have had accepted (``Drafter.counterfactual``: lookup drafters, model drafters
         kept in step with ``track``) is scored too, without another verifier forward, and the policy learns from all
@@ -176,8 +176,8 @@ class Engine:
 
     @property
     def clock_device(self):
-        """The device a step's clock reads wait for (``metasd.core.clock.now``): the verifier's when profiling, else
-        None (no synchronisation)."""
+        """The device a step's clock reads wait for (``metasd.core.execution.clock.now``): the verifier's when
+        profiling, else None (no synchronisation)."""
         return self.verifier.device if self.profile else None
 
     # ---------------------------------------------------------------- public API

@@ -5,7 +5,8 @@ pool files, experiments or training.
 >>> from metasd.models import load_model
 >>> model, tokenizer = load_model("bundled:qwen2.5-coder-0.5b-instruct", quantize="int4")
 """
-from metasd.core.tokens import TokenizerMismatchError, check_tokenizers_compatible, config_eos_ids, eos_token_ids
+from metasd.core.decoding.tokens import (TokenizerMismatchError, check_tokenizers_compatible, config_eos_ids,
+                                         eos_token_ids)
 
 from .bundled import bundled_status, cache_dir, needs_preparing, prepare_bundled
 from .catalog import BUNDLED, BUNDLED_PREFIX, BundledModel, bundled_names

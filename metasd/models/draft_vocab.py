@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from metasd.core.staging import to_device
+from metasd.core.execution.staging import to_device
 
 
 class DraftVocab:

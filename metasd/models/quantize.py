@@ -228,7 +228,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight_format(self) -> str:
-        """"int8" or "int4": the format the step cost model prices this layer's rows at (``metasd.core.cost``)."""
+        """"int8" or "int4": the format the step cost model prices this layer's rows at (``metasd.core.pricing.cost``)."""
         return self.mode
 
     @property

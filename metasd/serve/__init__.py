@@ -1,5 +1,5 @@
-"""The HTTP layer: ``metasd serve``, an OpenAI-compatible server over the batch scheduler (``metasd.core.scheduler``),
-which verifies the drafts of many concurrent requests in one forward per step (docs/serving.md).
+"""The HTTP layer: ``metasd serve``, an OpenAI-compatible server over the batch scheduler
+(``metasd.core.batching.scheduler``), which verifies the drafts of many concurrent requests in one forward per step (docs/serving.md).
 
 Importing this package needs nothing beyond metasd's own dependencies; the app (``metasd.serve.app.create_app``)
 needs the ``serve`` extra (fastapi, uvicorn, prometheus-client): ``pip install 'metasd[serve]'``.

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metasd.core.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
+from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
 
 from .errors import ApiError, bad_request, error_body, from_validation
 from .metrics import ServeMetrics

@@ -115,7 +115,7 @@ class SchedulerSettings:
     cost_profile: dict | None = None
 
     def make(self, engine):
-        from metasd.core.scheduler import Scheduler
+        from metasd.core.batching.scheduler import Scheduler
 
         scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
                               share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine))
@@ -129,8 +129,8 @@ class SchedulerSettings:
         (logged: the profile's ``describe()``). None without ``serving.adaptive``."""
         if not self.adaptive:
             return None
-        from metasd.core.adaptive import AdaptiveSpeculation
-        from metasd.core.forward_profile import ForwardProfile, profile_forward
+        from metasd.core.batching.adaptive import AdaptiveSpeculation
+        from metasd.core.pricing.forward_profile import ForwardProfile, profile_forward
 
         if self.cost_profile is not None:
             profile = ForwardProfile.from_dict(self.cost_profile)
@@ -154,7 +154,7 @@ def read_cost_profile(path: str | None, config) -> dict | None:
     if path is None:
         return None
     from metasd.config import ConfigError
-    from metasd.core.forward_profile import ForwardProfile, ProfileError
+    from metasd.core.pricing.forward_profile import ForwardProfile, ProfileError
 
     if not config.serving.adaptive:
         raise ConfigError(f"--cost-profile {path}: the pool does not set serving.adaptive: true")

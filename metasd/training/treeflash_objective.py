@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from metasd.models.draft_vocab import DraftVocab
-from metasd.core.tree import children_lists
+from metasd.core.execution.tree import children_lists
 from metasd.drafters.treeflash import draft_from_block
 from .common import ShardReader
 from .devices import bf16_autocast, to_device

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Sequence, get_args
 
+from ..execution.staging import to_device
 from .drafter import Counterfactual, StepFeedback
 from .metrics import RequestStats
 from .sampling import fit_vocab
-from .staging import to_device
 
 
 class Reward:
@@ -83,7 +83,7 @@ class BlockDivergence(Reward):
 
 class Throughput(Reward):
     """Committed tokens per modeled cost (drafting, catch-up and verification, in verifier decode steps: plain
-    decoding scores 1). Unbounded; deterministic - no clock is read (``metasd.core.cost``). A request's value is
+    decoding scores 1). Unbounded; deterministic - no clock is read (``metasd.core.pricing.cost``). A request's value is
     its tokens over its whole modeled cost."""
 
     name, counterfactual_values = "throughput", True

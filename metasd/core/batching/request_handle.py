@@ -1,6 +1,6 @@
-"""What a scheduler's caller holds and receives (metasd/core/scheduler.py): the ``RequestHandle`` of a submitted request,
-its ``TokenEvent`` s, the per-request ``RequestOptions``, the records listeners get (``SchedulerStep``,
-``RequestFinished``) and the errors ``submit`` raises. Plain data and thread-safe hand-over, no model work."""
+"""What a scheduler's caller holds and receives (metasd/core/batching/scheduler.py): the ``RequestHandle`` of a
+submitted request, its ``TokenEvent`` s, the per-request ``RequestOptions``, the records listeners get
+(``SchedulerStep``, ``RequestFinished``) and the errors ``submit`` raises. Plain data and thread-safe hand-over, no model work."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
-from .detokenize import IncrementalDetokenizer, find_stop
-from .request import GenerationResult
+from ..decoding.detokenize import IncrementalDetokenizer, find_stop
+from ..decoding.request import GenerationResult
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "error")
 
@@ -75,7 +75,7 @@ class SchedulerStep:
     forward_tokens: rows of that forward (padding included: batch_size x the longest [pending] + draft);
     prefill_tokens: prompt tokens prefilled in this step (requests joining); queue_length: requests waiting after
     the step; seconds: the step's wall time (drafting, prefill, verification, commits); adaptive: what adaptive
-    speculation decided (``metasd.core.adaptive.AdaptiveRecord``), None without it."""
+    speculation decided (``metasd.core.batching.adaptive.AdaptiveRecord``), None without it."""
 
     batch_size: int
     forward_tokens: int

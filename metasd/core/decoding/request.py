@@ -15,16 +15,16 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..execution.clock import now
+from ..execution.tree import Draft
+from ..execution.verifier import VerifierOutput
 from .acceptance import accept_greedy, accept_match, accept_rejection
-from .clock import now
 from .detokenize import IncrementalDetokenizer, find_stop
 from .drafter import StepContext, StepFeedback, drafts_lookups
 from .metrics import RequestStats
 from .policy import Policy
 from .request_features import request_features, step_features
 from .sampling import SamplingParams, process_logits
-from .tree import Draft
-from .verifier import VerifierOutput
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 

@@ -46,12 +46,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .acceptance_curve import AcceptanceCurve
-from .allocator import Allocation, checked_min_gain, plan
-from .drafter import drafts_lookups
-from .goodput import counterfactual_share, shared_step_cost
-from .request_features import load_features
-
+from ..decoding.drafter import drafts_lookups
+from ..decoding.request_features import load_features
+from ..pricing.acceptance_curve import AcceptanceCurve
+from ..pricing.allocator import Allocation, checked_min_gain, plan
+from ..pricing.goodput import counterfactual_share, shared_step_cost
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8

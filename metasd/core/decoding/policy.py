@@ -13,7 +13,7 @@ import numpy as np
 from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (policies import them here)
 from .registry import registrar
 
-# A context is a fixed-length feature vector of cheap request features (see ``metasd.core.request_features``);
+# A context is a fixed-length feature vector of cheap request features (see ``metasd.core.decoding.request_features``);
 # context-free policies ignore it.
 Context = Sequence[float] | np.ndarray | None
 
@@ -35,7 +35,7 @@ class Policy(abc.ABC):
 
     #: name used in configs and on the CLI (``policy: {name: ucb}``)
     name: ClassVar[str] = ""
-    #: True for contextual policies: the engine then passes ``metasd.core.request_features.request_features``
+    #: True for contextual policies: the engine then passes ``metasd.core.decoding.request_features.request_features``
     contextual: ClassVar[bool] = False
     #: the hyper-parameters (see the class docstring); the base declares none
     Params: ClassVar[type[PolicyParams]] = PolicyParams

@@ -17,12 +17,12 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..execution.hidden import HiddenStore
+from ..execution.tree import Draft
 from .acceptance import Acceptance, follow
-from .hidden import HiddenStore
 from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (drafters import them here)
 from .registry import registrar
 from .sampling import SamplingParams
-from .tree import Draft
 
 
 @dataclass
@@ -49,7 +49,7 @@ class StepContext:
 @dataclass
 class StepFeedback:
     """One step as the verifier decided it: the record a drafter learns from (``Drafter.observe``) and a
-    reward scores (``metasd.core.rewards``)."""
+    reward scores (``metasd.core.decoding.rewards``)."""
 
     draft: Draft
     acceptance: Acceptance
@@ -57,7 +57,7 @@ class StepFeedback:
     target_probs: torch.Tensor | None = None  # [n+1, vocab] processed verifier probabilities (sampling only)
     target_argmax: torch.Tensor | None = None  # [n+1] verifier argmax (greedy only)
     seconds: float = 0.0  # drafting (catch-up included) + verification wall time of the step
-    cost: float = 0.0  # modeled cost of the same work, in verifier decode steps (metasd.core.cost)
+    cost: float = 0.0  # modeled cost of the same work, in verifier decode steps (metasd.core.pricing.cost)
 
     @property
     def n_accepted(self) -> int:
@@ -245,7 +245,7 @@ class Drafter(abc.ABC):
 class BuildContext:
     """What a drafter may use to build itself from a pool config."""
 
-    verifier: Any  # metasd.core.verifier.Verifier
+    verifier: Any  # metasd.core.execution.verifier.Verifier
     model: str | None  # the entry's model reference
     checkpoint: str | None  # the entry's checkpoint path (resolved against the config's folder)
     #: callable(ref, quantize=None) -> (model, tokenizer), cached per (ref, dtype, quantize) so arms with the

@@ -18,20 +18,20 @@ B = 8 on the measured CPU costs, so the reward also rises with the batch a reque
 level (``policies/per_load.py``) or with the load in the context.
 
 **What a policy then maximises.** Summed over the batch, ``sum_i committed_i / sum_i s_i`` is the step's goodput
-(committed tokens per unit of cost: the allocator's objective, ``metasd.core.allocator``), and since the shares
+(committed tokens per unit of cost: the allocator's objective, ``metasd.core.pricing.allocator``), and since the shares
 add up to the step's cost, an arm that raises ``committed_i / s_i`` for its request raises the batch's ratio (the
 batch's ratio is a weighted mean of the requests' ratios, weights ``s_i``). Note what the equal split does not
 charge: a request whose draft widens ``N`` raises every row's cost, and pays only ``1 / B`` of it; the allocator,
 which sees the whole batch, is what keeps widths in check.
 
 **At B = 1** the share is ``cost(1 + d) + c``: the verification plus drafting cost of the step, the denominator of the
-existing ``throughput`` reward (``metasd.core.rewards.Throughput``: committed tokens / modeled cost in verifier decode
-steps), so ``goodput_reward`` is that reward's form with the forward priced by ``cost``; its counterfactual
+existing ``throughput`` reward (``metasd.core.decoding.rewards.Throughput``: committed tokens / modeled cost in verifier
+decode steps), so ``goodput_reward`` is that reward's form with the forward priced by ``cost``; its counterfactual
 ``(n_acc' + 1) / s'`` is ``Throughput.counterfactual``'s.
 
 **Counterfactual for a smaller budget.** A verified draft of ``d`` nodes tells what budget ``d' < d`` of the same
-drafter would have accepted (``metasd.core.acceptance_curve.accepted_within``). That draft would have been in another
-forward: row i at ``1 + d'`` tokens, the others unchanged, ``N' = max(1 + d', max_{j != i} (1 + d_j))``
+drafter would have accepted (``metasd.core.pricing.acceptance_curve.accepted_within``). That draft would have been in
+another forward: row i at ``1 + d'`` tokens, the others unchanged, ``N' = max(1 + d', max_{j != i} (1 + d_j))``
 (``counterfactual_share``). A request narrower than the others saves nothing on the forward by drafting less - only
 its drafting cost - which is what padding means.
 """

@@ -1,6 +1,6 @@
 """Lossless acceptance rules (docs/algorithms.md#lossless-acceptance).
 
-Conventions, for a draft of n nodes (see ``metasd.core.tree``):
+Conventions, for a draft of n nodes (see ``metasd.core.execution.tree``):
   p: [n+1, vocab] processed verifier probabilities. Row 0 is the verifier's distribution after the last
      committed token (the root); row i+1 is its distribution after draft node i. So the target
      distribution for node i is ``p[parents[i] + 1]``.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execution.tree import Draft, children_lists
 from .sampling import fit_vocab, sample
-from .tree import Draft, children_lists
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The verifier's KV cache for many requests at once (continuous batching, metasd/core/scheduler.py).
+"""The verifier's KV cache for many requests at once (continuous batching, metasd/core/batching/scheduler.py).
 
 Layout: per layer, keys and values of shape [slots, kv_heads, capacity, head_dim]; row b holds request b's committed
 positions 0..length[b]-1 (every committed token but its pending one, the convention of ``Verifier``). The running

@@ -7,8 +7,8 @@ reads it as a price in units of a one-token forward (one plain decode step), thr
 so that a scheduler can weigh a bigger verify against the tokens it is expected to commit under the load it sees.
 
 "Tokens" of a profile are the *total* tokens of one forward, padding included: the batched verifier
-(``metasd.core.batch_verifier``) runs [B, N] (B rows, N = 1 + the longest draft, shorter rows padded), which is
-B * N tokens of work whatever the drafts' lengths; ``rows=B`` profiles exactly that shape, [rows, n // rows].
+(``metasd.core.execution.batch_verifier``) runs [B, N] (B rows, N = 1 + the longest draft, shorter rows padded), which
+is B * N tokens of work whatever the drafts' lengths; ``rows=B`` profiles exactly that shape, [rows, n // rows].
 
 The same function profiles a drafter's model: ``profile_forward(drafter_model, (1, 2, 4, 8))`` prices its forwards in
 units of its own one-token forward; ``drafter.seconds_for(n) / verifier.seconds_for(1)`` puts them in the verifier's
@@ -27,8 +27,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .clock import now
-from .kv_cache import cache_kwargs, crop_to
+from ..execution.clock import now
+from ..execution.kv_cache import cache_kwargs, crop_to
 
 #: A measured time may fall below an earlier (fewer-token) one by noise, but not below this fraction of it: a forward
 #: over more tokens that takes less than half the time of one over fewer is a broken measurement (a warm-up that
@@ -191,8 +191,8 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     rows), for a model whose cache is not one [rows, kv heads, positions, head dim] tensor pair per layer.
 
     Per n in increasing order: ``warmup`` untimed forwards, then ``repeats`` timed ones, the device synchronised
-    before each clock read (``metasd.core.clock.now``); the profile keeps their median. ``max_seconds`` bounds the
-    time of these forwards: before a count (from the third on) its forwards are predicted from the line through the
+    before each clock read (``metasd.core.execution.clock.now``); the profile keeps their median. ``max_seconds`` bounds
+    the time of these forwards: before a count (from the third on) its forwards are predicted from the line through the
     last two medians, and if they would take the profile past the budget that count and every larger one is skipped
     (``meta["skipped"]``) - the fit extrapolates beyond the last measured count, which is linear where forwards are
     slow (compute-bound). A prediction, so the profile may overshoot the budget by one count's forwards (the line

@@ -19,13 +19,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..decoding.drafter import with_components
+from ..decoding.request import Prompt, Request
+from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from .adaptive import AdaptiveSpeculation, StepPlan
-from .batch_verifier import BatchVerifier, Prefill, SlotVerifier
-from .drafter import with_components
-from .request import Prompt, Request
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
-                             RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent,
-                             _TextStream)
+    RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +81,8 @@ class Scheduler:
     ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step, so a long prompt delays the running
     requests by one chunk's forward per step; share_suffix_cache: let the suffix drafter's cross-request cache
     (``cross_request: true``) learn from and draft from every request served (off: each request drafts from its own
-    text only, whatever the pool file says); adaptive: an ``AdaptiveSpeculation`` (metasd/core/adaptive.py: load in the
-    policy's context, drafts sized by the step allocator, steps priced by their share of the forward), or None.
+    text only, whatever the pool file says); adaptive: an ``AdaptiveSpeculation`` (core/batching/adaptive.py: load in
+    the policy's context, drafts sized by the step allocator, steps priced by their share of the forward), or None.
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
     only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.

@@ -141,10 +141,10 @@ class AcceptanceCurve:
 
         path: the accepted node indices, root to leaf (``Acceptance.path``), or for a chain the accepted count ``n``
             (the path ``0..n-1``).
-        drafted: the draft's node count; every grid budget ``d <= drafted`` gets the sample ``accepted_within(path, d)``.
-        budget: the node budget the drafter was given (default ``drafted``). When it drafted fewer nodes than allowed
-            (a lookup drafter with a short match, a model drafter that stopped early) its draft is what every budget in
-            ``(drafted, budget]`` would have produced too, so those grid points get the full draft's count.
+        drafted: the draft's node count; every grid budget ``d <= drafted`` gets the sample ``accepted_within(path,
+        d)``. budget: the node budget the drafter was given (default ``drafted``). When it drafted fewer nodes than
+            allowed (a lookup drafter with a short match, a model drafter that stopped early) its draft is what every
+            budget in ``(drafted, budget]`` would have produced too, so those grid points get the full draft's count.
         """
         if isinstance(path, (int, np.integer)):
             path = range(int(path))

@@ -9,9 +9,9 @@ expected goodput is
 
     G(d_1..d_B) = (B + sum_i a_i(d_i)) / (cost(B * (1 + max_i d_i)) + sum_i c_i(d_i))
 
-with ``a_i`` request i's arm's acceptance curve (``metasd.core.acceptance_curve``) and ``c_i(d)`` its drafting cost for
-``d`` nodes (0 when not given: drafting is free or already paid). The pending token is always in: ``d_i = 0`` still
-verifies row i with one token and commits one token, so no running request ever stalls.
+with ``a_i`` request i's arm's acceptance curve (``metasd.core.pricing.acceptance_curve``) and ``c_i(d)`` its drafting
+cost for ``d`` nodes (0 when not given: drafting is free or already paid). The pending token is always in: ``d_i = 0``
+still verifies row i with one token and commits one token, so no running request ever stalls.
 
 **The width scan.** Because of padding the decision is the common width ``w = max_i d_i``. For each candidate ``w``
 (0, every grid point of the curves, every cap, ``max_width``; all clipped to the budget) the allocator sets
@@ -35,10 +35,10 @@ scans them all. Cost: O(B * C) curve reads and O(B * C) work per width without d
 Dinkelbach round per width with them (numpy, C candidates); deterministic.
 
 **Alternatives.** A request may have other ways to draft than its arm's (``plan(..., alternatives=)``: more (curve,
-drafting cost) pairs under the same cap - ``metasd.core.adaptive`` offers a cascade's lookup arms alone while its model
-has the prompt still to read). Its candidates are then every (option, budget) pair; Dinkelbach's step picks the pair
-maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the arm's own option), and the chosen
-options are returned (``Allocation.options``). Cost: the work above times the number of options.
+drafting cost) pairs under the same cap - ``metasd.core.batching.adaptive`` offers a cascade's lookup arms alone while
+its model has the prompt still to read). Its candidates are then every (option, budget) pair; Dinkelbach's step picks
+the pair maximising ``a(d) - g c(d)`` as it picks a budget (largest budget on ties, then the arm's own option), and the
+chosen options are returned (``Allocation.options``). Cost: the work above times the number of options.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ class RequestStats:
     drafter_per_step: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     catch_up_tokens: int = 0  # committed tokens drafters had to feed beyond the pending one (switching cost)
-    modeled_cost: float = 0.0  # modeled cost of the steps in verifier decode steps (metasd.core.cost; plain = steps)
+    modeled_cost: float = 0.0  # modeled cost of the steps in verifier decode steps (metasd.core.pricing.cost; plain = steps)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
