@@ -367,7 +367,8 @@ class PretrainedDrafter(Drafter):
                 q = process_logits(logits, ctx.sampling)  # [vocab]
                 if shared is not None and (q := shared.restrict(q)) is None:
                     break
-                x = sample(q, ctx.generator).view(1)
+                # a seeded request's keyed noise at the token's position couples the draft to the verifier's draw
+                x = (ctx.noise.choose(q, len(ctx.tokens) + i) if ctx.noise else sample(q, ctx.generator)).view(1)
                 if keep_probs:
                     probs.append(q if shared is None else shared.to_verifier(q))
             drafted.append(x)

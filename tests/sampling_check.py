@@ -118,10 +118,13 @@ def _count_depths(draft, path: list[int], tried: list[int], taken: list[int]) ->
 
 
 def sample_joint(engine, prompt: list[int], n: int, length: int, max_new_tokens: int | None = None, seed: int = 0,
-                 generate=None, **sampling) -> tuple[Counter, dict]:
+                 generate=None, seeded: str = "stream", **sampling) -> tuple[Counter, dict]:
     """(Counter of the first ``length`` new tokens of n seeded requests, their summed draft statistics).
     ``generate(prompt, seeds)``: the results of sampling ``length`` tokens with each seed, instead of
-    ``engine.generate`` one by one (then the per-depth decisions are not counted: ``tried``/``taken`` stay empty)."""
+    ``engine.generate`` one by one (then the per-depth decisions are not counted: ``tried``/``taken`` stay empty).
+    ``seeded``: the engine's ``seeded_sampling`` while sampling - "stream" (the default here: each seed a generator,
+    so the rules that read the drafter's probabilities are the ones tested) or "keyed" (sample-and-match against
+    keyed noise)."""
     sampling = {"temperature": 1.0, **sampling}
     counts: Counter = Counter()
     stats = {"tried": [], "taken": [], "position_drafted": [], "position_accepted": [], "accepted": 0, "drafted": 0}
@@ -136,6 +139,7 @@ def sample_joint(engine, prompt: list[int], n: int, length: int, max_new_tokens:
 
         spied.append((drafter, own))
         drafter.observe = observe
+    mode, engine.seeded_sampling = engine.seeded_sampling, seeded
     try:
         seeds = list(range(seed, seed + n))
         results = (generate(prompt, seeds) if generate is not None else
@@ -147,6 +151,7 @@ def sample_joint(engine, prompt: list[int], n: int, length: int, max_new_tokens:
             stats["accepted"] += r.stats.accepted
             stats["drafted"] += r.stats.drafted
     finally:
+        engine.seeded_sampling = mode
         for drafter, own in spied:
             if own is None:
                 del drafter.observe

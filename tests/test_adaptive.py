@@ -44,7 +44,8 @@ def _serve(engine, adaptive, prompts=PROMPTS, max_new=MAX_NEW, **submit):
     steps = []
     with Scheduler(engine, max_batch=4, adaptive=adaptive) as s:
         s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) and r.batch_size else None)
-        handles = [s.submit(p, n, **submit) for p, n in zip(prompts, max_new)]
+        with s._lock:  # every request queued before the scheduler thread may start any (they start together)
+            handles = [s.submit(p, n, **submit) for p, n in zip(prompts, max_new)]
         return [h.result(timeout=120) for h in handles], steps
 
 
@@ -444,3 +445,44 @@ def test_a_lookup_only_step_does_not_ask_an_arm_with_no_lookup_in_it(verifier_mo
     request.select_arm()
     request.propose(4)
     assert len(asked) == 1 and not asked[0].lookup_only
+
+
+def test_a_request_with_its_own_draft_budget_teaches_the_shared_curves_nothing(verifier_model, tok):
+    # one client's draft_budget 0 (or 1) was recorded as if the allocator's whole budget had been rejected: enough
+    # such requests switched speculation off for everyone. A request that sets its own budget stays out of the curves.
+    from metasd.core.batching.request_handle import RequestOptions
+
+    engine = _engine(verifier_model, tok, _budget_arms(), feedback="full")
+    adaptive = AdaptiveSpeculation(_linear, max_width=12)
+    for budget in (0, 1):
+        got, _ = _serve(engine, adaptive, options=RequestOptions(draft_budget=budget))
+        assert all(r.stats.drafted <= budget * r.stats.steps for r in got)
+    assert all(int(c.counts.sum()) == 0 for c in adaptive.curves.values())
+    _serve(engine, adaptive)
+    assert sum(int(c.counts.sum()) for c in adaptive.curves.values()) > 0
+
+
+def test_counterfactual_drafting_is_priced_in_the_played_arms_units():
+    # with drafting priced by measured seconds, the other arms' drafting (modeled only) is scaled by the measured /
+    # modeled ratio of the drafting seen, not added in modeled units beside measured ones
+    from types import SimpleNamespace
+
+    measured = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.1)
+    step = lambda modeled, seconds: SimpleNamespace(pending_drafting=(modeled, seconds, 0))  # noqa: E731
+    assert measured.modeled_scale(step(0.0, 0.0)) == 1.0  # nothing seen yet
+    assert measured.modeled_scale(step(2.0, 0.4)) == pytest.approx(2.0)  # 0.4 s = 4 units for 2 modeled
+    assert measured.modeled_scale(step(0.0, 0.0)) == pytest.approx(2.0)  # a lookup step keeps the ratio
+    assert 2.0 < measured.modeled_scale(step(1.0, 0.5)) < 5.0  # a running average moving toward 5
+    modeled = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True)
+    assert modeled.modeled_scale(step(2.0, 0.4)) == 1.0  # modeled drafting: already in the same units
+
+
+def test_the_scheduler_hands_the_scale_to_each_step(verifier_model, tok, monkeypatch):
+    expected, scales = _plain(verifier_model, tok), []
+    finish = Request.finish_step
+    monkeypatch.setattr(Request, "finish_step", lambda self, out, **kw: scales.append(kw.get("modeled_scale"))
+                        or finish(self, out, **kw))
+    engine = _engine(verifier_model, tok, _budget_arms(), feedback="full")
+    got, _ = _serve(engine, AdaptiveSpeculation(_linear, max_width=12, price_drafting=True, unit_seconds=1e-3))
+    assert [r.token_ids for r in got] == expected
+    assert scales and all(s is not None for s in scales) and any(s != 1.0 for s in scales)

@@ -222,6 +222,7 @@ def test_drafter_cache_after_acceptance_equals_fresh_prefill(model, mode, temper
         committed[:] = list(PROMPT)
 
     monkeypatch.setattr(PretrainedTreeDrafter, "begin", begin)
+    engine.seeded_sampling = "stream"  # the rules that read q (RSD), whose accepted nodes the cache must gather
     result = engine.generate(PROMPT, max_new_tokens=30, temperature=temperature, seed=3)
     assert len(result.token_ids) == 30 and len(gathered) == result.stats.steps
     assert max(gathered) > 0  # some steps gathered accepted nodes from the tree part of the cache

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable
 
 from metasd.core.decoding.metrics import RequestStats
+from metasd.core.decoding.sampling import GREEDY_BELOW
 from metasd.models.machine import load_per_core
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def compare_with_plain(rec: dict[str, Any], plain: dict[str, Any], temperature: 
     """Set ``rec["matches_plain"]`` (whether its tokens are plain decoding's) where that is defined: greedy decoding
     (a baseline always is) and the same prompt as plain's record of the request. Executors that time plain after a
     method (rotated order) call it once plain's record exists."""
-    greedy = temperature == 0 or kind == "baseline"  # transformers baselines always decode greedily
+    greedy = temperature < GREEDY_BELOW or kind == "baseline"  # transformers baselines always decode greedily
     if greedy and plain["prompt_sha"] == rec["prompt_sha"]:
         rec["matches_plain"] = rec["token_ids"] == plain["token_ids"]
     return rec

@@ -16,6 +16,7 @@ from .decoding.drafter import with_components as _with_components
 from .decoding.policy import Policy
 from .decoding.request import GenerationResult, Prompt, Request, encode_prompt
 from .decoding.rewards import get_reward
+from .decoding.sampling import SEEDED_SAMPLING
 from .decoding.tokens import check_tokenizers_compatible, eos_token_ids
 from .execution.verifier import Verifier
 from .pricing.cost import CostModel, StepMeter, attach, decode_step_cost
@@ -124,6 +125,12 @@ class Engine:
         so that ``RequestStats.draft_s`` / ``verify_s`` time the device's work; otherwise a step synchronises only
         where it reads device data (docs/architecture.md#where-tensors-live). A reward that reads seconds
         (``wall_throughput``) turns it on.
+    seeded_sampling: how a request sampled with a ``seed`` draws: "keyed" (default) - every token from Gumbel noise
+        keyed by (seed, position), verified by sample-and-match, so its text is plain seeded decoding's whatever was
+        drafted or ran beside it; "stream" - from its own seeded generator with the exact rules that read the
+        drafter's probabilities (rejection sampling: more accepted tokens; the same text for the same seed when the
+        request runs alone or its drafts do not depend on other requests). Unseeded requests always draw from a
+        fresh stream. docs/architecture.md#random-streams.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class Engine:
         cost_model: CostModel | None = None,
         feedback: str = "bandit",
         profile: bool = False,
+        seeded_sampling: str = "keyed",
     ):
         self.verifier = verifier
         self.tokenizer = verifier.tokenizer
@@ -161,6 +169,9 @@ class Engine:
             raise ValueError(f"feedback 'full' needs a reward other arms can be scored by without running them "
                              f"(throughput or block_efficiency); reward {reward!r} has no counterfactual values")
         self.feedback = feedback
+        if seeded_sampling not in SEEDED_SAMPLING:
+            raise ValueError(f"seeded_sampling must be one of {list(SEEDED_SAMPLING)}, got {seeded_sampling!r}")
+        self.seeded_sampling = seeded_sampling
         self.profile_asked = bool(profile)
         self.profile = self.profile_asked or bool(getattr(self.reward, "reads_clock", False))
         self.policy = self._check_policy(policy)
@@ -193,12 +204,13 @@ class Engine:
         """A new engine sharing this one's verifier and drafter objects (no model is reloaded).
 
         drafters: names of the arms to keep (default: all); policy: its policy (required for a pool of
-        several); settings: granularity, reward, persistent_policy, categories, cost_model, feedback, profile.
+        several); settings: granularity, reward, persistent_policy, categories, cost_model, feedback, profile,
+        seeded_sampling.
         """
         chosen = self.drafters if drafters is None else [self.drafter(n) for n in drafters]
         kwargs = dict(granularity=self.granularity, reward=self.reward_name, persistent_policy=self.persistent_policy,
                       categories=self.categories, check_tokenizers=False, cost_model=self.cost_model,
-                      feedback=self.feedback, profile=self.profile_asked)
+                      feedback=self.feedback, profile=self.profile_asked, seeded_sampling=self.seeded_sampling)
         kwargs.update(settings)
         return Engine(self.verifier, chosen, policy, **kwargs)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
 import re
 import time
 from typing import Any, AsyncIterator
@@ -16,9 +18,11 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
+from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError
 
 from .errors import ApiError, bad_request, error_body, from_validation
 from .metrics import ServeMetrics
@@ -31,6 +35,10 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", 
                   "stop": "stop", "seed": "seed", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
                   "speculate": "metasd.speculate", "prompt": "prompt"}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+log = logging.getLogger(__name__)
 
 
 class ServeState:
@@ -115,6 +123,9 @@ class ServeState:
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None
         except SchedulerClosedError:
             raise _draining() from None
+        except KVBudgetError as e:  # could never fit, even alone: the client must ask for less
+            raise bad_request(str(e).replace("max_new_tokens", "max_tokens", 2), "max_tokens",
+                              "kv_budget_exceeded") from None
         except ValueError as e:  # the scheduler names the field first ("seed must be ...", "drafter: ...")
             message = str(e)
             field = re.match(r"[a-z_]+", message)
@@ -128,9 +139,15 @@ def _draining() -> ApiError:
                     code="server_shutting_down", headers={"Retry-After": "5"})
 
 
-def _failed(event) -> ApiError:
-    return ApiError(500, f"the request failed inside the server: {event.error or 'unknown error'}",
-                    type="server_error", code="internal_error")
+def _failed(event, request_id: str) -> ApiError:
+    """A request that failed inside the server: what a client may know, never the exception's text (the log has it,
+    under the request's id)."""
+    if event is not None and isinstance(event.error, KVAllocationError):
+        return ApiError(503, "the server could not allocate KV memory for this request; retry later",
+                        type="server_error", code="out_of_memory", headers={"Retry-After": "5"})
+    log.error("request %s failed: %r", request_id, getattr(event, "error", None))
+    return ApiError(500, f"the request failed inside the server (request {request_id}; the server's log has the "
+                         f"error)", type="server_error", code="internal_error")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -150,10 +167,10 @@ async def _collect(handle) -> tuple[str, Any]:
     return "".join(parts), last
 
 
-def _finished(event, completion: Completion) -> tuple[str, dict[str, Any], int]:
+def _finished(event, completion: Completion, request_id: str) -> tuple[str, dict[str, Any], int]:
     """A finished event as (OpenAI finish reason, served record, completion tokens); ApiError when it failed."""
     if event is None or event.finish_reason == "error" or event.error:
-        raise _failed(event)
+        raise _failed(event, request_id)
     if event.finish_reason == "cancelled":
         raise _draining()
     result = event.result
@@ -176,7 +193,7 @@ async def _answer(request: Request, handle, completion: Completion) -> dict[str,
     if not work.done() or work.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed_request")
     text, last = work.result()
-    reason, record, tokens = _finished(last, completion)
+    reason, record, tokens = _finished(last, completion, handle.id)
     return completion.whole(text, reason, tokens, record)
 
 
@@ -188,14 +205,14 @@ async def _stream(handle, completion: Completion) -> AsyncIterator[str]:
             yield sse(completion.chunk(None, first=True))
         async for event in handle.aevents():
             if event.finish_reason in ("error", "cancelled") or event.error:
-                error = _failed(event) if event.finish_reason != "cancelled" else _draining()
+                error = _failed(event, handle.id) if event.finish_reason != "cancelled" else _draining()
                 done = True
                 yield sse(error.body())
                 return
             if event.text and not event.finished:
                 yield sse(completion.chunk(event.text))
             if event.finished:
-                reason, record, tokens = _finished(event, completion)
+                reason, record, tokens = _finished(event, completion, handle.id)
                 done = True
                 yield sse(completion.chunk(event.text, reason, record=record))
                 if completion.include_usage:
@@ -205,6 +222,44 @@ async def _stream(handle, completion: Completion) -> AsyncIterator[str]:
     finally:
         if not done:
             handle.cancel()
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 - at once when its Content-Length says
+    so, else as soon as what arrived passes it - before anything parses it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _send_error(send, _too_large(self.limit))
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _too_large(self.limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than the server's limit of {limit} bytes", code="body_too_large")
+
+
+async def _send_error(send, error: ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class _ServerHeader:
@@ -223,11 +278,12 @@ class _ServerHeader:
 
 
 def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
-               retry_after_s: int = 1, server_id: str | None = None) -> FastAPI:
+               retry_after_s: int = 1, server_id: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
     ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api_key>``; with ``server_id`` every
-    response carries it in ``x-metasd-server``. ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops
-    admission for a graceful shutdown)."""
+    response carries it in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413. ``app.state.serve``
+    is its ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name)
     metrics.attach(scheduler)
     state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s)
@@ -235,6 +291,7 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
     app.state.serve = state
     if server_id:
         app.add_middleware(_ServerHeader, value=server_id)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -248,14 +305,16 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body("internal error (the server's log has it)", "server_error"), status_code=500)
 
     async def generate(request: Request, model: type, kind: str):
         state.check_auth(request)
         if state.draining:
             raise _draining()
-        try:
-            req = model.model_validate_json(await request.body())
+        body = await request.body()
+        try:  # parsing and tokenising a large body is work: off the event loop, which every stream shares
+            req = await run_in_threadpool(model.model_validate_json, body)
         except ValidationError as e:
             raise from_validation(e, accepted_fields(model)) from None
         if req.model != state.model_name:
@@ -263,7 +322,7 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
                               "model", "model_not_found")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        ids, prompt_field = state.prompt_ids(req)
+        ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
         budget = state.budget(req, len(ids), prompt_field)
         handle = state.submit(req, ids, budget)
         completion = Completion(kind, state.model_name, len(ids), req.include_usage())
@@ -288,10 +347,9 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
 
     @app.get("/health")
     async def health():
-        failure = getattr(scheduler, "failure", None)
-        if failure is not None:  # the scheduler thread died: no request can be served (the server must be restarted)
-            return JSONResponse({"status": "failed", "error": f"{type(failure).__name__}: {failure}"[:500]},
-                                status_code=503)
+        healthy, reason = scheduler.health()
+        if not healthy:  # its thread died, or its last steps all failed: a load balancer should send elsewhere
+            return JSONResponse({"status": "failed", "reason": reason}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}

@@ -36,6 +36,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--model-name", help="the model id clients name in 'model' (default: the pool's verifier)")
     p.add_argument("--max-batch", type=int, default=8, help="requests verified together in one step")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    p.add_argument("--kv-budget", type=int, metavar="TOKENS",
+                   help="KV memory for running requests, in positions of the verifier's cache (the drafters' caches "
+                        "are charged to it too); a request reserves prompt + max_tokens + its widest draft when it "
+                        "starts, waits while the budget is full, and gets 400 if it could never fit (default: half "
+                        "the available RAM, or 90%% of a GPU's free memory, after the models load)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                   help="the largest request body read; a larger one gets 413 (default: 8 MiB)")
     p.add_argument("--share-suffix-cache", action="store_true",
                    help="let the suffix drafter draft from every request's text (faster on repeated text, but a "
                         "request's timings and acceptance can then reveal what others asked; docs/serving.md#security)")
@@ -58,6 +65,10 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
+    for name in ("kv_budget", "max_body_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not 0 <= args.port <= 65535:
@@ -113,12 +124,15 @@ class SchedulerSettings:
     adaptive: dict | None = None
     #: a saved ``ForwardProfile.to_dict()`` (--cost-profile): used instead of profiling the verifier at start
     cost_profile: dict | None = None
+    #: --kv-budget: KV positions of the verifier's cache (None: from the free memory)
+    kv_budget: int | None = None
 
     def make(self, engine):
         from metasd.core.batching.scheduler import Scheduler
 
         scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
-                              share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine))
+                              share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine),
+                              kv_budget=self.kv_budget)
         start = getattr(scheduler, "start", None)  # a scheduler that does not start its thread when made
         if start is not None:
             start()
@@ -184,7 +198,7 @@ def serve_command(args) -> int:
     model_name = args.model_name or config.verifier.model
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
-                                 read_cost_profile(args.cost_profile, config))
+                                 read_cost_profile(args.cost_profile, config), args.kv_budget)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
@@ -203,10 +217,12 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
     t0 = time.perf_counter()
     engine = recipe()
     scheduler = settings.make(engine)
+    cache = scheduler.verifier.cache
     print(f"[metasd serve] loaded in {time.perf_counter() - t0:.1f} s; serving {model_name!r} (batch "
-          f"{settings.max_batch}, queue {settings.max_queue}, auth {'on' if api_key else 'off'})", file=sys.stderr,
-          flush=True)
-    app = create_app(scheduler, model_name, api_key)
+          f"{settings.max_batch}, queue {settings.max_queue}, KV budget {cache.budget_bytes / 2**20:.0f} MiB = "
+          f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, auth {'on' if api_key else 'off'})",
+          file=sys.stderr, flush=True)
+    app = create_app(scheduler, model_name, api_key, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,
                             lifespan="off")
     server = DrainingServer(config, app.state.serve, scheduler, args.drain_timeout)

@@ -8,6 +8,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+#: the most stop strings a request may give, and the longest (every step searches the new text for each)
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -68,7 +73,7 @@ class _Common(_Strict):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # not OpenAI's; vLLM takes it too
-    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

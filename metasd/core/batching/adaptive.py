@@ -122,6 +122,7 @@ class AdaptiveSpeculation:
         self.catch_up_rates: dict[str, float] = {}  # per curve key: average cost of one caught-up token
         self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
+        self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
@@ -255,16 +256,35 @@ class AdaptiveSpeculation:
         """Request i's second half of the step (``Request.finish_step``), its step priced at its share of the batched
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
         (``pricer``); then its arm's curve (the request's ``lookup_curve`` where it drafted ``lookup`` only) learns
-        from the accepted path."""
+        from the accepted path at the budget the draft really had (``d_i``, capped by the scheduler's
+        ``max_draft_nodes``) - unless the request set its own ``draft_budget`` or its draft was cut by its last tokens
+        (``StepRecord.cut``): such a draft says nothing of what the allocator's budget buys, and one client's setting
+        must not steer the speculation of all."""
         draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
         cost = self.step_cost(rows_tokens, i, draft_cost)
-        result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i))
+        result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i),
+                                     modeled_scale=self.modeled_scale(request))
         s = request.last_step
         own = self.lookup_curve(request) if lookup else None
-        self.learn(arm, s.path, s.drafted, d_i, draft_cost, catch_up, lookup=own)
+        if request.draft_budget is None and not s.cut:  # a request's own budget, or its last tokens, teach nothing
+            cap = getattr(request, "max_draft_nodes", None)  # of what the allocator's budget buys
+            self.learn(arm, s.path, s.drafted, d_i if cap is None else min(d_i, cap), draft_cost, catch_up, lookup=own)
         if self.drafts(arm, d_i) and not lookup:  # its model read the text (a lookup-only step left it unread)
             self._fed[request] = int(request.length)
         return result
+
+    def modeled_scale(self, request: Any) -> float:
+        """What one unit of modeled drafting cost is in ``cost``'s units: 1 where drafting is priced by the model
+        (``unit_seconds`` None); else the measured / modeled ratio of the drafting the scheduler has seen (a running
+        average over steps that drafted with a model, updated here), so that counterfactual arms - whose drafting is
+        only modeled - are priced in the played arm's measured units."""
+        if self.unit_seconds is None:
+            return 1.0
+        modeled, seconds, _ = request.pending_drafting
+        if modeled > 0 and seconds > 0:
+            ratio = seconds / self.unit_seconds / modeled
+            self._scale = ratio if self._scale is None else DRAFT_COST_DECAY * self._scale + (1 - DRAFT_COST_DECAY) * ratio
+        return self._scale if self._scale is not None else 1.0
 
     def drafting_cost(self, request: Any) -> float:
         """The step's drafting cost of a request (between ``propose`` and ``finish_step``) in ``cost``'s units: its

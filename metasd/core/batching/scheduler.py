@@ -9,7 +9,6 @@ The core knows nothing of HTTP: the OpenAI-compatible server is a layer above it
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import threading
@@ -19,54 +18,15 @@ from typing import Any, Sequence
 
 import torch
 
-from ..decoding.drafter import with_components
-from ..decoding.request import Prompt, Request
+from ..decoding.request import Prompt
 from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
+from ..execution.kv_memory import KVAllocationError, KVGeometry, default_budget_bytes
 from .adaptive import AdaptiveSpeculation, StepPlan
+from .jobs import Forks, Job, drafter_kv_bytes, new_request
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
 
 log = logging.getLogger(__name__)
-
-class _Job:
-    """A request inside the scheduler: the engine's ``Request``, its handle and where it is (queued, prefilling with
-    ``prefill``, running in row ``slot.row``)."""
-
-    def __init__(self, handle: RequestHandle, request: Request, options: RequestOptions):
-        self.handle = handle
-        self.request = request
-        self.options = options
-        self.text = _TextStream(request.engine.tokenizer, request.stop)
-        self.started_at: float | None = None
-        self.first_token_at: float | None = None
-        self.sent = 0  # new tokens sent in events
-        self.prefill: Prefill | None = None
-        self.slot: SlotVerifier | None = None  # its view of the batched verifier, from the start of its prefill
-        self.forks: _Forks | None = None
-        self.begun = False  # the request's drafters started (Request.prefilled)
-
-    @property
-    def id(self) -> str:
-        return self.handle.id
-
-
-class _Forks:
-    """A set of forks of the engine's pool (``Drafter.fork``) that one running request drafts with."""
-
-    def __init__(self, arms, cross_request: bool):
-        memo: dict = {}
-        self.arms = [a.fork(cross_request, memo) for a in arms]
-        self.all = with_components(self.arms)
-
-    def bind(self, request: Request, options: RequestOptions, names: list[str]) -> None:
-        if not options.speculate:
-            request.drafters, request.all_drafters = [], []
-        elif options.drafter is not None:
-            arm = self.arms[names.index(options.drafter)]
-            request.drafters, request.all_drafters = [arm], with_components([arm])
-        else:
-            request.drafters, request.all_drafters = self.arms, self.all
-
 
 class Scheduler:
     """Continuous batching over an ``Engine``: a background thread owns the engine's verifier and drafters - from
@@ -82,7 +42,12 @@ class Scheduler:
     requests by one chunk's forward per step; share_suffix_cache: let the suffix drafter's cross-request cache
     (``cross_request: true``) learn from and draft from every request served (off: each request drafts from its own
     text only, whatever the pool file says); adaptive: an ``AdaptiveSpeculation`` (core/batching/adaptive.py: load in
-    the policy's context, drafts sized by the step allocator, steps priced by their share of the forward), or None.
+    the policy's context, drafts sized by the step allocator, steps priced by their share of the forward), or None;
+    kv_budget: KV memory for the running requests, in positions of the verifier's cache (its bytes per position; the
+    drafters' caches are charged to it too) - a request is admitted with its reservation (prompt + max_new_tokens +
+    max_draft_nodes + 1, rounded up to 256) in hand, waits in the queue while the budget is full, and is refused at
+    ``submit`` when it could never fit (None: a share of the free memory, docs/architecture.md#the-kv-memory-model);
+    max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut).
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
     only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
@@ -90,8 +55,9 @@ class Scheduler:
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
                  share_suffix_cache: bool = False, adaptive: AdaptiveSpeculation | None = None,
-                 name: str = "metasd-scheduler"):
-        for key, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("prefill_chunk", prefill_chunk, 1)):
+                 kv_budget: int | None = None, max_draft_nodes: int = 128, name: str = "metasd-scheduler"):
+        for key, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
+                                ("prefill_chunk", prefill_chunk, 1), ("max_draft_nodes", max_draft_nodes, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
         self.engine = engine
@@ -100,11 +66,17 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.share_suffix_cache = bool(share_suffix_cache)
         self.adaptive = AdaptiveSpeculation.checked(adaptive)
-        self.verifier = BatchVerifier(engine.verifier, max_batch, engine.hidden_layers)
+        if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
+            raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
+        self.max_draft_nodes = max_draft_nodes
+        per_token = KVGeometry.of(engine.verifier.model).bytes_per_token
+        budget = kv_budget * per_token if kv_budget is not None else default_budget_bytes(engine.verifier.device)
+        self.verifier = BatchVerifier(engine.verifier, max_batch, engine.hidden_layers, budget_bytes=budget,
+                                      extra_bytes_per_token=drafter_kv_bytes(engine.all_drafters))
         self._lock = threading.Condition()
-        self._waiting: deque[_Job] = deque()
-        self._prefilling: list[_Job] = []
-        self._running: list[_Job] = []  # index = row of the batched cache
+        self._waiting: deque[Job] = deque()
+        self._prefilling: list[Job] = []
+        self._running: list[Job] = []  # index = row of the batched cache
         self._listeners: list[Listener] = []
         self._ids = itertools.count()
         self._closing = False
@@ -112,8 +84,10 @@ class Scheduler:
         #: the error that stopped the scheduler thread (it then failed every request and takes no more); None while
         #: it runs or after a normal shutdown
         self.failure: BaseException | None = None
+        #: steps in a row whose verifier forward (or its bookkeeping) failed; a step that verifies resets it
+        self.failed_steps = 0
         self._arm_names = [d.name for d in engine.drafters]
-        self._free_forks: list[_Forks] = []
+        self._free_forks: list[Forks] = []
         self._hold = engine.exclusive_use()  # EngineBusyError here when a request runs on the engine
         self._hold.__enter__()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -136,6 +110,19 @@ class Scheduler:
         with self._lock:
             return len(self._running) + len(self._prefilling)
 
+    #: failed steps in a row after which ``health`` says the scheduler is unhealthy
+    UNHEALTHY_AFTER = 3
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why): unhealthy once the thread has stopped on an error, or after ``UNHEALTHY_AFTER`` steps in a
+        row failed (each failed the requests in it). The reason names what happened, not the error's text (which the
+        log has)."""
+        if self.failure is not None:
+            return False, "the scheduler thread stopped on an error; restart the server"
+        if self.failed_steps >= self.UNHEALTHY_AFTER:
+            return False, f"the last {self.failed_steps} steps failed (every request in them got an error)"
+        return True, "ok"
+
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn`` on the scheduler thread with a ``SchedulerStep`` after each step and a ``RequestFinished``
         when a request leaves. It must be quick; an exception it raises is logged and ignored."""
@@ -154,16 +141,9 @@ class Scheduler:
         if self._closing:
             raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
         options = options if options is not None else RequestOptions()
-        self._check_options(options)
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        try:
-            request = Request(self.engine, prompt, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              stop=stop, seed=seed, chat=chat, policy=self._policy_for(options))
-        except TypeError as e:  # a prompt of the wrong type
-            raise ValueError(f"prompt: {e}") from None
-        request.policy = self._policy_for(options)  # None where the request drafts with one named arm (Request
-        request.draft_budget = options.draft_budget  # itself falls back to the engine's policy when given None)
+        request, kv_tokens = new_request(self.engine, prompt, max_new_tokens, options, self._arm_names,
+                                         self.verifier.cache, self.max_draft_nodes, temperature=temperature,
+                                         top_p=top_p, top_k=top_k, stop=stop, seed=seed, chat=chat)
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
@@ -171,7 +151,9 @@ class Scheduler:
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             handle = RequestHandle(rid, request.prompt_ids, self)
-            self._waiting.append(_Job(handle, request, options))
+            job = Job(handle, request, options)
+            job.kv_tokens = kv_tokens
+            self._waiting.append(job)
             self._lock.notify_all()
         return handle
 
@@ -202,24 +184,6 @@ class Scheduler:
         else:
             self.close()
 
-    # ------------------------------------------------------------------ request set-up
-    def _check_options(self, options: RequestOptions) -> None:
-        if not isinstance(options, RequestOptions):
-            raise ValueError(f"options must be a RequestOptions, got {type(options).__name__}")
-        if options.drafter is not None and options.drafter not in self._arm_names:
-            raise ValueError(f"drafter: no drafter named {options.drafter!r} in the pool; drafters: {self._arm_names}")
-        b = options.draft_budget
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
-            raise ValueError(f"draft_budget must be an integer >= 0 or None, got {b!r}")
-
-    def _policy_for(self, options: RequestOptions):
-        """The request's policy: none when it drafts with one named arm (or none); the engine's own when persistent;
-        else a copy (reset when the request starts, as ``Engine.generate`` resets its policy)."""
-        policy = self.engine.policy
-        if policy is None or not options.speculate or options.drafter is not None:
-            return None
-        return policy if self.engine.persistent_policy else copy.deepcopy(policy)
-
     # ------------------------------------------------------------------ the scheduler thread
     def _wake(self) -> None:
         with self._lock:
@@ -229,8 +193,8 @@ class Scheduler:
         return self._deadline is not None and time.perf_counter() >= self._deadline
 
     def _run(self) -> None:
-        # the whole thread in inference mode: the batched cache grows inside the verifier's forward (inference tensors)
-        # and is written in place by commits and row moves outside it
+        # the whole thread in inference mode: the batched cache's buffers are made at admission and written in place by
+        # forwards, commits and row moves
         with torch.inference_mode():
             self._loop()
 
@@ -245,14 +209,21 @@ class Scheduler:
                     cancelled = [j for j in self._waiting if j.handle.cancelled or self._expired()]
                     for j in cancelled:
                         self._waiting.remove(j)
-                    while self._waiting and len(self._prefilling) + len(self._running) < self._max_batch:
-                        self._prefilling.append(self._waiting.popleft())
-                for job in cancelled:
-                    self._leave(job, "cancelled")
-                for job in [j for j in self._prefilling + self._running if j.handle.cancelled or self._expired()]:
-                    self._leave(job, "cancelled")
-                if self._prefilling or self._running:
-                    self._step()
+                    refused = self._admit()
+                try:
+                    for job in cancelled:
+                        self._leave(job, "cancelled")
+                    for job, error in refused:
+                        self._leave(job, "error", error)
+                    for job in [j for j in self._prefilling + self._running if j.handle.cancelled or self._expired()]:
+                        self._leave(job, "cancelled")
+                    if self._prefilling or self._running:
+                        self._step()
+                except Exception as e:  # noqa: BLE001 - a step broke outside a request's own work: its requests fail
+                    log.exception("a scheduler step failed; its requests fail, the scheduler goes on")
+                    self.failed_steps += 1
+                    self._fail_started(e)
+                self.verifier.cache.shrink()
         except BaseException as e:  # noqa: BLE001 - the scheduler itself broke: every request gets the error
             log.exception("the scheduler thread failed")
             self.failure = e
@@ -268,6 +239,26 @@ class Scheduler:
                     job.handle._push(TokenEvent([], "", True, "error", None, e))
         finally:
             self._hold.__exit__(None, None, None)
+
+    def _admit(self) -> list[tuple[Job, Exception]]:
+        """(Holding the lock.) Queued requests start, first come first served, while ``max_batch`` and the KV budget
+        leave room: each reserves its KV rows now, all or nothing. One whose allocation failed is returned with its
+        error (it fails; nothing else changed); the first that does not fit waits, and those behind it too."""
+        refused = []
+        cache = self.verifier.cache
+        while self._waiting and len(self._prefilling) + len(self._running) < self._max_batch:
+            job = self._waiting[0]
+            if not cache.fits(job.kv_tokens):
+                break
+            self._waiting.popleft()
+            try:
+                cache.reserve(job, job.kv_tokens)
+            except KVAllocationError as e:
+                log.error("request %s: %s", job.id, e)
+                refused.append((job, e))
+                continue
+            self._prefilling.append(job)
+        return refused
 
     def _step(self) -> None:
         """One step: a prefill chunk for joining requests, then drafts, one batched verification, commits."""
@@ -288,12 +279,13 @@ class Scheduler:
             outs = self.verifier.verify([j.request.pending for j in running], batch)
         except Exception as e:  # noqa: BLE001 - the forward itself failed: every request in it fails
             log.exception("the batched verification failed")
+            self.failed_steps += 1
             for job in running:
                 self._leave(job, "error", e)
             return
         forward_s = time.perf_counter() - t1
-        done: list[_Job] = []
-        failed: list[tuple[_Job, Exception]] = []
+        done: list[Job] = []
+        failed: list[tuple[Job, Exception]] = []
         records = []
         rows_tokens = [1 + len(d) for d in batch]  # [B] each row's tokens before padding
         for i, (job, out) in enumerate(zip(running, outs)):
@@ -309,10 +301,16 @@ class Scheduler:
             records.append(self._step_record(job))
             if finished:
                 done.append(job)
-        self.verifier.commit([j.slot for j in running])
+        self.verifier.commit([j.slot for j in running])  # raising here fails every request of the step (_loop)
+        self.failed_steps = 0
         for job in running:
             if not any(job is f for f, _ in failed):
-                self._emit_tokens(job)
+                try:
+                    self._emit_tokens(job)
+                except Exception as e:  # noqa: BLE001 - its text could not be streamed: it alone fails
+                    log.exception("request %s failed while streaming its tokens", job.id)
+                    failed.append((job, e))
+                    done = [d for d in done if d is not job]
         for job, e in failed:
             self._leave(job, "error", e)
         for job in done:
@@ -322,7 +320,7 @@ class Scheduler:
         self._notify(SchedulerStep(len(running), forward_tokens, prefill_tokens, self.queue_length,
                                    time.perf_counter() - t0, records, record))
 
-    def _each(self, jobs: list[_Job], fn, doing: str) -> dict[int, Any]:
+    def _each(self, jobs: list[Job], fn, doing: str) -> dict[int, Any]:
         """``fn(job)`` for each job, by ``id(job)``; a job whose call fails leaves with its error (it alone fails)."""
         out: dict[int, Any] = {}
         for job in jobs:
@@ -333,7 +331,7 @@ class Scheduler:
                 self._leave(job, "error", e)
         return out
 
-    def _draft(self, running: list[_Job]) -> tuple[dict, StepPlan | None]:
+    def _draft(self, running: list[Job]) -> tuple[dict, StepPlan | None]:
         """Every running request drafts (``draft_step``); adapting, all select (given the load), the allocator gives
         each ``d_i``, each drafts ``propose(d_i)``. Drafts by job, and the step's ``StepPlan`` (None: not adapting)."""
         adaptive = self.adaptive
@@ -347,12 +345,14 @@ class Scheduler:
         return self._each(running, lambda j: j.request.propose(plan.nodes[id(j)], plan.lookup[id(j)]), "drafting"), plan
 
     def _prefill(self) -> int:
-        """Prefill joining requests, ``prefill_chunk`` prompt tokens in all; a request whose prompt is in joins the
-        batch. Returns the tokens prefilled."""
+        """Prefill joining requests, ``prefill_chunk`` prompt tokens in all, in turn: a request that used the chunk
+        without finishing goes behind the others, so a long prompt does not hold back those that joined after it. A
+        request whose prompt is in joins the batch. Returns the tokens prefilled."""
         budget = self.prefill_chunk
         total = 0
-        while self._prefilling and budget > 0:
-            job = self._prefilling[0]
+        for job in list(self._prefilling):
+            if budget <= 0:
+                break
             try:
                 if job.prefill is None:
                     self._start(job)
@@ -364,42 +364,41 @@ class Scheduler:
                     job.slot.hidden = job.prefill.hidden
                     job.prefill = None
                     with self._lock:
-                        self._prefilling.pop(0)
+                        self._prefilling.remove(job)
                         self._running.append(job)
                     assert self._running[job.slot.row] is job
                     job.begun = True
                     job.request.prefilled()
+                else:
+                    with self._lock:  # its turn is over: behind the other joiners
+                        self._prefilling.remove(job)
+                        self._prefilling.append(job)
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed in its prefill", job.id)
                 self._leave(job, "error", e)
         return total
 
-    def _start(self, job: _Job) -> None:
+    def _start(self, job: Job) -> None:
         """A request leaves the queue: its forks of the pool, its view of the verifier, its episode, its prefill."""
         job.started_at = time.perf_counter()
-        job.forks = self._free_forks.pop() if self._free_forks else _Forks(self.engine.drafters, self.share_suffix_cache)
+        job.forks = self._free_forks.pop() if self._free_forks else Forks(self.engine.drafters, self.share_suffix_cache)
         job.forks.bind(job.request, job.options, self._arm_names)
         job.slot = SlotVerifier(self.engine.verifier, None)
         job.request.verifier = job.slot
         job.request.open()
         job.prefill = Prefill(self.engine.verifier, job.request.prompt_ids[:-1], self.engine.hidden_layers)
 
-    def _step_record(self, job: _Job) -> RequestStepRecord:
+    def _step_record(self, job: Job) -> RequestStepRecord:
         s = job.request.last_step
         return RequestStepRecord(job.id, s.drafter, s.drafted, s.accepted, s.accepted_per_position, s.committed)
 
-    def _emit_tokens(self, job: _Job) -> None:
+    def _emit_tokens(self, job: Job) -> None:
         """The event of the tokens the request committed since its last event (none after an EOS)."""
-        new = job.request.new_ids[job.sent:]
-        job.sent += len(new)
-        if job.first_token_at is None and new:
-            job.first_token_at = time.perf_counter()
-        job.handle._push(TokenEvent(list(new), job.text.add(new)))
+        job.handle._push(job.token_event())
 
-    def _leave(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
+    def _leave(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         """The request leaves (finished, cancelled or failed): its drafters end, its row is freed (the last row moves
         into it), its forks go back to the free list (not after an error: their state is unknown), its last event."""
-        request = job.request
         with self._lock:
             if job in self._prefilling:
                 self._prefilling.remove(job)
@@ -411,35 +410,32 @@ class Scheduler:
                 if moved is not None:
                     self._running[row] = last
                     last.slot.row = row
-        result = None
-        try:
-            if job.begun and error is None:
-                request._finish()
-        except Exception as e:  # noqa: BLE001
-            log.exception("request %s failed at its end", job.id)
-            reason, error = "error", e
-        if job.begun:
-            for d in request.all_drafters:
-                try:
-                    d.end()
-                except Exception:  # noqa: BLE001
-                    log.exception("drafter %s failed at the end of request %s", d.name, job.id)
+        self.verifier.cache.release(job)
+        reason, error = job.end(reason, error)
         if job.forks is not None and error is None:
             self._free_forks.append(job.forks)
         job.forks = None
-        if error is None:
-            if reason == "cancelled":
-                request.stats.stop_reason = "cancelled"
-                request.stats.new_tokens = len(request.new_ids)
-            result = request.result()
-        final_text = job.text.finish(result.text) if result is not None else ""
-        job.handle._push(TokenEvent([], final_text, True, reason, result, error))
-        now = time.perf_counter()
-        sub = job.handle.submitted_at
-        self._notify(RequestFinished(
-            job.id, reason, len(request.prompt_ids), len(request.new_ids),
-            None if job.first_token_at is None else job.first_token_at - sub, now - sub,
-            (job.started_at or now) - sub, request.stats.to_record() if job.started_at is not None else {}, error))
+        event, record = job.last_event(reason, error)
+        job.handle._push(event)
+        self._notify(record)
+
+    def _fail_started(self, error: Exception) -> None:
+        """After a step broke outside any one request's work: every started request fails with ``error`` and the
+        batched cache drops every row (their state is unknown); requests still queued wait for the next step."""
+        with self._lock:
+            jobs = self._prefilling + self._running
+        for job in jobs:
+            try:
+                self._leave(job, "error", error)
+            except Exception:  # noqa: BLE001 - its row could not be freed: the rows are reset below
+                log.exception("request %s could not leave cleanly", job.id)
+                job.handle._push(TokenEvent([], "", True, "error", None, error))
+        with self._lock:
+            self._prefilling.clear()
+            self._running.clear()
+        self.verifier.reset()
+        for job in jobs:
+            self.verifier.cache.release(job)
 
     def _notify(self, record) -> None:
         for fn in list(self._listeners):

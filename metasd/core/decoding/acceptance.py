@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..execution.tree import Draft, children_lists
-from .sampling import fit_vocab, sample
+from .sampling import KeyedNoise, fit_vocab, sample
 
 
 @dataclass
@@ -44,6 +44,17 @@ def accept_match(draft: Draft, p: torch.Tensor, generator: torch.Generator | Non
     At the current node draw y ~ p(row); move to the child whose token is y, if any; else y is the bonus.
     """
     return _walk(draft, lambda row: int(sample(p[row], generator)))
+
+
+def accept_keyed(draft: Draft, p: torch.Tensor, noise: KeyedNoise, start: int) -> Acceptance:
+    """Sample-and-match against keyed noise (a seeded request, docs/architecture.md#random-streams): at the current
+    node the verifier's token is ``argmax(log p(row) + G_t)``, ``t = start + the row's depth`` (``start``: the index of
+    the token row 0 predicts); move to the child with that token, if any; else it is the bonus. Each token is then
+    what plain decoding with the same noise would choose at its position, whatever was drafted.
+
+    p: [n+1, vocab] processed verifier probabilities."""
+    depths = [0] + draft.depths().tolist()  # [n+1] the depth of each row's node (row 0: the root)
+    return _walk(draft, lambda row: int(noise.choose(p[row], start + depths[row])))
 
 
 def _walk(draft: Draft, choose) -> Acceptance:

@@ -71,3 +71,51 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
     lo = max(start - longest + 1, 0)
     hits = [i for s in stops if (i := text.find(s, lo)) != -1]
     return min(hits) if hits else None
+
+
+class StoppingText:
+    """A request's text as its tokens are committed, and its stop strings: read incrementally (one short decode per
+    append), cut before the first stop string once one is complete."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.stopped: str | None = None  # the text once a stop string ended the request, cut before it
+        self._detok: IncrementalDetokenizer | None = None
+        self._fed = 0  # tokens given to _detok
+
+    def _read(self, ids: Sequence[int]) -> str:
+        """Feed the tokens of ``ids`` not fed yet to the incremental detokenizer; its text."""
+        if self._detok is None:
+            self._detok = IncrementalDetokenizer(self.tokenizer)
+        if self._fed < len(ids):
+            self._detok.add(ids[self._fed:])
+            self._fed = len(ids)
+        return self._detok.text
+
+    def final(self, ids: Sequence[int]) -> str:
+        """The whole text of ``ids`` (decoded once), cut before the stop string that ended it."""
+        if self.tokenizer is None or self.stopped is not None:
+            return self.stopped if self.tokenizer is not None else ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def so_far(self, ids: Sequence[int]) -> str:
+        """Complete characters only, ending before a stop string, holding back a tail that could begin one."""
+        if self.tokenizer is None:
+            return ""
+        if self.stopped is not None:
+            return self.stopped
+        text = self._read(ids)
+        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold] if hold else text
+
+    def hit_stop(self, ids: Sequence[int]) -> bool:
+        """Whether the text of ``ids`` now holds a stop string: only the tail the tokens added since the last call can
+        complete is searched. On a hit, the whole text is decoded once and cut before the first."""
+        checked = len(self._detok.text) if self._detok is not None else 0
+        if find_stop(self._read(ids), self.stop, checked) is None:
+            return False
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        self.stopped = text[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
+        return True

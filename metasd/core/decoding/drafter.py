@@ -22,7 +22,7 @@ from ..execution.tree import Draft
 from .acceptance import Acceptance, follow
 from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (drafters import them here)
 from .registry import registrar
-from .sampling import SamplingParams
+from .sampling import KeyedNoise, SamplingParams
 
 
 @dataclass
@@ -34,6 +34,9 @@ class StepContext:
     max_depth: int  # drafts deeper than this are cut (token budget and context length)
     sampling: SamplingParams
     generator: torch.Generator | None = None
+    #: a seeded request's keyed noise (``KeyedNoise``): a drafter that samples the token at position t draws it as
+    #: ``noise.choose(q, t)``, coupled to the verifier's own draw there (None: draw from ``generator``)
+    noise: KeyedNoise | None = None
     hidden: HiddenStore | None = None  # verifier states at positions 0..T-2 for the layers drafters asked for
     step: int = 0
     request: dict[str, Any] = field(default_factory=dict)  # {"category": ..., "max_new_tokens": ...}

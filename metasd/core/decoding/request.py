@@ -18,13 +18,13 @@ import torch
 from ..execution.clock import now
 from ..execution.tree import Draft
 from ..execution.verifier import VerifierOutput
-from .acceptance import accept_greedy, accept_match, accept_rejection
-from .detokenize import IncrementalDetokenizer, find_stop
+from .acceptance import accept_greedy, accept_keyed, accept_match, accept_rejection
+from .detokenize import StoppingText
 from .drafter import StepContext, StepFeedback, drafts_lookups
 from .metrics import RequestStats
 from .policy import Policy
 from .request_features import request_features, step_features
-from .sampling import SamplingParams, process_logits
+from .sampling import KeyedNoise, SamplingParams, process_logits
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
@@ -98,6 +98,9 @@ class StepRecord:
     accepted: int
     committed: int
     path: tuple[int, ...] = ()  # the accepted node indices, root to leaf
+    #: the draft was cut below its node budget by the request itself (its remaining tokens, its own draft_budget): it
+    #: says nothing of what the budget buys, so shared acceptance curves do not learn from it
+    cut: bool = False
 
     @property
     def accepted_per_position(self) -> list[bool]:
@@ -116,6 +119,7 @@ class _PendingStep:
     t0: float  # clock before drafting
     t1: float  # clock after drafting
     asked: bool = True  # whether the drafter was asked to draft (not when the allocator gave the request 0 nodes)
+    cut: bool = False  # cut by the request's remaining tokens or its own draft_budget (``StepRecord.cut``)
 
 
 class Request:
@@ -141,20 +145,22 @@ class Request:
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
         self.category = category
         self.generator = None  # sampling draws on the verifier's device, from this request's own stream
+        self.noise = None  # a seeded request's keyed noise: the verifier's draws (docs/architecture.md#random-streams)
         if not self.sampling.greedy:
             self.generator = torch.Generator(device=engine.verifier.device)
             self.generator.manual_seed(seed if seed is not None else _fresh_seed())
+            if seed is not None and engine.seeded_sampling == "keyed":
+                self.noise = KeyedNoise(seed, engine.verifier.device)
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
-        self._stopped_text: str | None = None  # the text once a stop string ended the request, cut before it
-        self._detok: IncrementalDetokenizer | None = None  # the text so far, one short decode per step
-        self._fed = 0  # new tokens given to _detok
+        self._text = StoppingText(engine.tokenizer, self.stop)  # the text so far, read incrementally; stop strings
         #: what the request runs on: the engine's verifier and pool, unless a ``Scheduler`` binds its own (a slot of
         #: the batched cache, per-request forks of the drafters) before ``start``
         self.verifier = engine.verifier
         self.drafters: list = engine.drafters
         self.all_drafters: list = engine.all_drafters
         self.draft_budget: int | None = None  # most draft nodes verified per step (None: the drafter's draft)
+        self.max_draft_nodes: int | None = None  # a scheduler's cap on any draft (the KV rows it reserved hold it)
         self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
         self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
         self._selected: StepContext | None = None  # between select_arm and propose
@@ -163,31 +169,12 @@ class Request:
     def text(self) -> str:
         """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
         (``text_so_far`` is the incremental read)."""
-        tok = self.engine.tokenizer
-        if tok is None or self._stopped_text is not None:
-            return self._stopped_text if tok is not None else ""
-        return tok.decode(self.new_ids, skip_special_tokens=True)
+        return self._text.final(self.new_ids)
 
     def text_so_far(self) -> str:
         """The text committed so far, read incrementally (one decode of a few tokens per step, not of the whole
-        output): complete characters only, and nothing a stop string may still cut away (it ends before a stop
-        string, and holds back a tail that could begin one)."""
-        if self.engine.tokenizer is None:
-            return ""
-        if self._stopped_text is not None:
-            return self._stopped_text
-        text = self._read_text()
-        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
-        return text[: len(text) - hold] if hold else text
-
-    def _read_text(self) -> str:
-        """Feed the tokens committed since the last read to the incremental detokenizer; its text."""
-        if self._detok is None:
-            self._detok = IncrementalDetokenizer(self.engine.tokenizer)
-        if self._fed < len(self.new_ids):
-            self._detok.add(self.new_ids[self._fed:])
-            self._fed = len(self.new_ids)
-        return self._detok.text
+        output): complete characters only, and nothing a stop string may still cut away."""
+        return self._text.so_far(self.new_ids)
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.text(), list(self.new_ids), list(self.prompt_ids), self.stats)
@@ -254,6 +241,7 @@ class Request:
         self.length = len(self.prompt_ids)
         self.buffer[: self.length] = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
+                             noise=self.noise,
                              hidden=verifier.hidden,
                              request={"category": self.category, "max_new_tokens": self.max_new_tokens})
         for d in self.all_drafters:
@@ -303,6 +291,8 @@ class Request:
         if ctx is None or self._pending_step is not None:
             raise RuntimeError("Request.propose called without select_arm")
         limit = self.draft_budget
+        if self.max_draft_nodes is not None:
+            limit = self.max_draft_nodes if limit is None else min(limit, self.max_draft_nodes)
         if max_nodes is not None:
             limit = max_nodes if limit is None else min(limit, max_nodes)
             ctx = dataclasses.replace(ctx, max_nodes=max_nodes) if max_nodes > 0 else ctx
@@ -313,12 +303,14 @@ class Request:
         with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
             t0 = now(self.engine.clock_device)
             draft = drafter.propose(ctx) if asked else Draft.empty()
+            cut = asked and (self.draft_budget is not None or draft.depth > ctx.max_depth
+                             or (limit is not None and ctx.max_depth < limit))
             if draft.depth > ctx.max_depth:
                 draft = draft.truncated(ctx.max_depth)
             if limit is not None and len(draft) > limit:
                 draft = draft.first(limit)
             t1 = now(self.engine.clock_device)
-        self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1, asked)
+        self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1, asked, cut)
         return draft
 
     @property
@@ -330,8 +322,8 @@ class Request:
         return (0.0, 0.0, 0) if p is None else (p.draft_cost, p.t1 - p.t0 if p.asked else 0.0, p.draft.catch_up)
 
     def finish_step(self, out: VerifierOutput, *, cost: float | None = None, t2: float | None = None,
-                    verify_s: float | None = None, verify_pricer: Callable[[int], float] | None = None
-                    ) -> tuple[list[int], bool]:
+                    verify_s: float | None = None, verify_pricer: Callable[[int], float] | None = None,
+                    modeled_scale: float = 1.0) -> tuple[list[int], bool]:
         """Second half of a step, given the verifier's scores of [pending] + the draft (``out``): accept, commit in
         the verifier's cache, feedback to the drafter, rewards, policy, stats. Returns the committed tokens and
         whether the request is over.
@@ -339,7 +331,9 @@ class Request:
         cost: the step's modeled cost (default: the drafting counted by ``draft_step`` plus a verifier forward over
             the draft's rows, priced from shapes - a batched forward is shared by many requests); t2: the clock after
             the verification (sequential); verify_s: else, how long the verification took; verify_pricer: a
-            scheduler's price of verifying a counterfactual draft of n nodes (default: priced from shapes)."""
+            scheduler's price of verifying a counterfactual draft of n nodes (default: priced from shapes);
+            modeled_scale: what one unit of modeled cost is in ``cost``'s units (a scheduler that prices drafting by
+            measured seconds), so that the other arms' counterfactual drafting is priced as the played arm's is."""
         if self._pending_step is None:
             raise RuntimeError("Request.finish_step called without draft_step")
         p, self._pending_step = self._pending_step, None
@@ -357,7 +351,10 @@ class Request:
             acc = accept_greedy(draft, target_argmax)
         else:
             target_argmax, target_probs = None, process_logits(out.logits, self.sampling)  # [n+1, vocab]
-            acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
+            if self.noise is not None:  # seeded: the verifier alone decides every token (row 0: position length)
+                acc = accept_keyed(draft, target_probs, self.noise, self.length)
+            else:
+                acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
         verifier.commit(acc.path, out)
         committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
         feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=seconds, cost=cost)
@@ -367,13 +364,14 @@ class Request:
         if asked and eng.feedback == "full":
             with eng.meter as tracking:  # model drafters kept in step feed the committed tokens: real work
                 counterfactuals = {j: d.counterfactual(ctx, feedback) for j, d in enumerate(self.drafters) if j != self.arm}
-            feedback.cost = cost = cost + tracking.steps  # the pool's overhead, whichever arm drafted
+            overhead = tracking.steps * modeled_scale  # the pool's overhead, whichever arm drafted
+            feedback.cost = cost = cost + overhead
             # a counterfactual draft of n nodes: verified at the scheduler's price, else a forward over [pending] + n
             verify = verify_pricer or (lambda n: eng.meter.price(verifier.model, n + 1))
             for j, c in counterfactuals.items():
                 if c is not None:
                     own = c.drafting_cost + sum(eng.meter.price(module, rows) for module, rows in c.forwards)
-                    rewards[j] = eng.reward.counterfactual(c, own + verify(c.drafted) + tracking.steps)
+                    rewards[j] = eng.reward.counterfactual(c, own * modeled_scale + verify(c.drafted) + overhead)
                     self._track_acceptance(j, c.n_accepted, c.depth)
         stats.draft_s += t1 - t0
         stats.verify_s += verify_s
@@ -382,7 +380,7 @@ class Request:
         name = drafter.name if drafter is not None else "none"
         stats.record_step(name, draft.depth, len(draft), acc.n_accepted, len(committed), draft.meta)
         self.last_step = StepRecord(name, len(draft), draft.depth, acc.n_accepted, len(committed),
-                                    tuple(int(i) for i in acc.path))
+                                    tuple(int(i) for i in acc.path), p.cut)
         value = eng.reward.step(feedback)
         stats.rewards.append(value)
         self.step_rewards.append(value)
@@ -391,7 +389,7 @@ class Request:
             if policy is not None and eng.granularity == "step":
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
-        done = self._commit(committed, self.eos)
+        committed, done = self._commit(committed, self.eos)
         self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
         self.length += len(committed)
         return committed, done
@@ -422,29 +420,20 @@ class Request:
         stats.wall_s = now(self.verifier.device) - self.t_start
         stats.policy_state = policy.state_dict() if policy is not None else None
 
-    def _commit(self, committed: list[int], eos: set[int]) -> bool:
-        """Append committed tokens; return True when generation is over (EOS, budget or stop string)."""
+    def _commit(self, committed: list[int], eos: set[int]) -> tuple[list[int], bool]:
+        """Append the step's committed tokens one at a time, as plain decoding would commit them: the first that is an
+        EOS, completes a stop string or reaches ``max_new_tokens`` ends generation, and no token after it is kept (so
+        the text, the tokens and their count are plain decoding's). Returns the tokens kept and whether it ended."""
         for i, t in enumerate(committed):
+            self.new_ids.append(t)
             if t in eos:
-                self.new_ids.extend(committed[: i + 1])
-                self.stats.stop_reason = "eos"
-                return True
-        self.new_ids.extend(committed)
-        if self.stop and self._hit_stop():
-            self.stats.stop_reason = "stop"
-            return True
-        if len(self.new_ids) >= self.max_new_tokens:
-            self.stats.stop_reason = "length"
-            return True
-        return False
-
-    def _hit_stop(self) -> bool:
-        """Whether the text now holds a stop string: only the tail the new tokens can complete is searched (the
-        step's tokens decoded incrementally). On a hit, the whole text is decoded once and cut before the first."""
-        checked = len(self._detok.text) if self._detok is not None else 0
-        if find_stop(self._read_text(), self.stop, checked) is None:
-            return False
-        text = self.engine.tokenizer.decode(self.new_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        self._stopped_text = text[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
-        return True
+                reason = "eos"
+            elif self.stop and self._text.hit_stop(self.new_ids):
+                reason = "stop"
+            elif len(self.new_ids) >= self.max_new_tokens:
+                reason = "length"
+            else:
+                continue
+            self.stats.stop_reason = reason
+            return committed[: i + 1], True
+        return committed, False

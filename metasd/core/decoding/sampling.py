@@ -2,7 +2,8 @@
 
 The same processing (temperature, then top-k, then top-p) is applied to verifier logits ``p`` and drafter
 logits ``q`` before any acceptance test, so that acceptance compares like with like. Temperature 0 means
-greedy: the processed distribution is one-hot on the argmax.
+greedy: the processed distribution is one-hot on the argmax; so does any temperature below ``GREEDY_BELOW`` (1e-5),
+where dividing the logits would overflow to infinities and NaN probabilities (on CUDA a device-side assert).
 """
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+
+
+#: temperatures below this act as greedy decoding (the limit of sampling as the temperature goes to 0, without
+#: dividing by it)
+GREEDY_BELOW = 1e-5
 
 
 def _is_int(x) -> bool:
@@ -47,7 +53,7 @@ def check_request(names: dict[str, str] | None = None, **values) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the verifier's distribution is sampled. ``temperature == 0`` is greedy decoding."""
+    """How the verifier's distribution is sampled. ``temperature < GREEDY_BELOW`` (0 included) is greedy decoding."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
@@ -58,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -98,3 +104,57 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """Draw one token per row from probabilities [..., vocab] -> [...] (int64)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+#: how a seeded sampled request draws (``Engine(seeded_sampling=...)``): "keyed" - every token from Gumbel noise keyed
+#: by (seed, choice, position), so the verifier alone decides it; "stream" - from the request's own generator
+SEEDED_SAMPLING = ("keyed", "stream")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One round of SplitMix64 (Steele, Lea & Flood 2014): a 64-bit mix in which every input bit flips each output
+    bit with probability ~1/2 - nearby keys (consecutive positions) give unrelated seeds."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)  # a non-negative int64 for manual_seed
+
+
+class KeyedNoise:
+    """The Gumbel noise a seeded request samples with: for the token at absolute position ``t`` (its index among the
+    request's tokens, prompt included) of choice ``c``, ``G_t = -log(-log U)``, ``U ~ Uniform(0, 1)^vocab`` drawn from
+    a generator seeded with ``mix(seed, c, t)`` - a pure function of the three, whatever was drafted, verified or run
+    beside the request (docs/architecture.md#random-streams). ``argmax(log p + G_t)`` is an exact sample of ``p``
+    (the Gumbel-max trick), so a token chosen this way has the verifier's distribution and depends on nothing else.
+
+    A few positions' vectors are kept (``keep``): a step reads the positions of its draft's depths, the next step
+    mostly the same ones again."""
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu", choice: int = 0, keep: int = 32):
+        self.seed, self.choice, self.device = int(seed), int(choice), torch.device(device)
+        self.keep = keep
+        self._cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._generator = torch.Generator(device=self.device)
+
+    def key(self, position: int) -> int:
+        return _splitmix64(_splitmix64(_splitmix64(self.seed) ^ self.choice) ^ int(position))
+
+    def gumbel(self, position: int, vocab: int) -> torch.Tensor:
+        """G_t: [vocab] float32 on the device."""
+        k = (int(position), int(vocab))
+        g = self._cache.get(k)
+        if g is None:
+            self._generator.manual_seed(self.key(position))
+            u = torch.rand(vocab, generator=self._generator, device=self.device, dtype=torch.float32)
+            g = -torch.log(-torch.log(u.clamp_(min=torch.finfo(torch.float32).tiny, max=1.0 - 2 ** -24)))
+            if len(self._cache) >= self.keep:
+                self._cache.pop(min(self._cache))
+            self._cache[k] = g
+        return g
+
+    def choose(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """The token at ``position`` sampled from ``probs`` [vocab] with this noise: ``argmax(log probs + G_t)`` (a
+        0-d int64 tensor on the device; tokens of probability 0 are never chosen)."""
+        return torch.argmax(torch.log(probs.float()) + self.gumbel(position, probs.shape[-1]), dim=-1)

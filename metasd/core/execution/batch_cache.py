@@ -13,29 +13,41 @@ request's positions, never padding. ``commit`` then keeps, per row, the pending 
 (gathered next to the prefix when the accepted path is not a prefix of the block: a tree) and sets the row's new
 length; what lies beyond a row's length is garbage that the mask hides and the next forward overwrites.
 
-The allocator, and why not transformers' paged cache. transformers' continuous batching (``PagedAttentionCache``)
+Memory (docs/architecture.md#the-kv-memory-model). Nothing is allocated inside a forward. A request reserves its
+positions when it is admitted (``reserve``: prompt + max_new_tokens + the widest draft, rounded up to a bucket); the
+buffers then hold a row per reservation at least (their rows grow by doubling, within the budget, so that admissions
+seldom copy the cache) and as many positions per row as the largest reservation, and are reallocated all-or-nothing
+(``KVAllocationError``, nothing changed) when a reservation needs more. The budget counts
+those bytes plus, per reserved position, what the drafters' own caches cost (``extra_bytes_per_token``); a request
+that leaves returns its reservation (``release``), and the buffers shrink when the largest reservation has left or
+three quarters of the rows are free (``shrink``, between steps).
+
+The layout, and why not transformers' paged cache. transformers' continuous batching (``PagedAttentionCache``)
 splits the cache into fixed-size blocks handed to requests through block tables and packs every request's new
 tokens into one ragged sequence, read by paged attention kernels: no memory is reserved beyond a block per request
 and nothing is padded. It assumes causal attention among a request's new tokens and appends; speculative decoding
 needs a tree mask over them and per-row compaction after acceptance. Here each row is one contiguous stretch of a
 dense buffer, so a tree is an ordinary 4-D mask, compaction is one gather per layer, and any transformers
-attention implementation that takes a 4-D mask (sdpa, eager) runs it. The cost: every row reserves the capacity of
-the longest (the buffers grow, for all rows at once, in steps of ``grow`` positions when a forward needs more), and
-a forward computes attention over W columns for every row, padding included. For the batch sizes a CPU or a single
+attention implementation that takes a 4-D mask (sdpa, eager) runs it. The cost: every row holds the capacity of the
+largest reservation, and a forward computes attention over W columns for every row, padding included (W from the rows' lengths, never from
+their reservations). For the batch sizes a CPU or a single
 GPU serves (a handful to a few dozen requests) and contexts of a few thousand tokens, that waste is small next to
 the weights each forward streams; a paged allocator is the step beyond it.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
+from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVBudgetError, KVGeometry, bucketed
+
 
 class BatchLayer(CacheLayerMixin):
-    """One layer's keys and values for every slot: [slots, kv_heads, capacity, head_dim] each (``BatchCache``)."""
+    """One layer's keys and values for every row: [rows, kv_heads, capacity, head_dim] each (``BatchCache`` allocates
+    them)."""
 
     is_sliding = False
     is_compileable = False
@@ -44,36 +56,20 @@ class BatchLayer(CacheLayerMixin):
     def __init__(self, owner: "BatchCache"):
         super().__init__()
         self.owner = owner
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        o = self.owner
-        shape = (o.slots, key_states.shape[1], o.capacity, key_states.shape[-1])
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)  # zeros: never NaN under a mask
-        self.values = torch.zeros(shape[:-1] + (value_states.shape[-1],), dtype=value_states.dtype,
-                                  device=value_states.device)
+        g = owner.geometry
+        self.dtype, self.device = g.dtype, g.device
+        self.keys = torch.zeros(0, g.kv_heads, 0, g.head_dim, dtype=g.dtype, device=g.device)
+        self.values = torch.zeros_like(self.keys)
         self.is_initialized = True
 
-    def grow(self, capacity: int) -> None:
-        """Reallocate to ``capacity`` positions per row, keeping what is stored."""
-        if not self.is_initialized or self.keys.shape[2] >= capacity:
-            return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[:2] + (capacity,) + old.shape[3:])
-            new[:, :, : old.shape[2]] = old
-            setattr(self, name, new)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated by the owner at admission, never inside a forward
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: [B, kv_heads, N, head_dim] of the forward's new tokens; written at each row's own
         offset; returns keys and values [B, kv_heads, W, head_dim] (W: the forward's width)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        o = self.owner
-        if o.capacity > self.keys.shape[2]:
-            self.grow(o.capacity)
-        rows, pos, width = o.write_index(key_states.device)  # [B, 1], [B, N], W
+        rows, pos, width = self.owner.write_index(key_states.device)  # [B, 1], [B, N], W
         B = key_states.shape[0]
         self.keys[rows, :, pos] = key_states.transpose(1, 2)  # [B, N, kv_heads, head_dim] -> row b, positions pos[b]
         self.values[rows, :, pos] = value_states.transpose(1, 2)
@@ -90,23 +86,139 @@ class BatchLayer(CacheLayerMixin):
 
 
 class BatchCache(Cache):
-    """A transformers ``Cache`` holding ``slots`` requests' KV caches side by side (module docstring).
+    """A transformers ``Cache`` holding up to ``slots`` requests' KV caches side by side (module docstring).
 
-    ``lengths[b]``: cached positions of row b. A forward over rows [0, B) is prepared by ``prepare(B, n_new)``; rows
-    join (``join``: a batch-1 cache of a prefilled request copied into a row), leave (``remove``: the last row moves
-    into the hole) and keep their accepted positions (``commit``).
+    ``lengths[b]``: cached positions of row b. Admission: ``fits`` / ``reserve`` (all-or-nothing) / ``release``,
+    ``shrink`` between steps; ``budget_bytes`` None: no budget. A forward over rows [0, B) is prepared by
+    ``prepare(B, n_new)``; rows join (``join``: a batch-1 cache of a prefilled request copied into a reserved row),
+    leave (``remove``: the last row moves into the hole) and keep their accepted positions (``commit``).
     """
 
-    def __init__(self, num_layers: int, slots: int, grow: int = 256):
+    def __init__(self, geometry: KVGeometry, slots: int, *, budget_bytes: int | None = None,
+                 extra_bytes_per_token: int = 0, bucket: int = RESERVATION_BUCKET):
         super().__init__(layers=[])
-        self.layers = [BatchLayer(self) for _ in range(num_layers)]
+        self.geometry = geometry
+        self.layers = [BatchLayer(self) for _ in range(geometry.layers)]
         self.slots = slots
-        self.grow_by = grow
-        self.capacity = grow
+        self.bucket = bucket
+        self.budget_bytes = budget_bytes
+        self.extra_bytes_per_token = int(extra_bytes_per_token)
+        self.rows = 0  # rows allocated
+        self.capacity = 0  # positions per row allocated
         self.lengths = [0] * slots
         self.active = 0  # rows in use: 0..active-1
+        self.reserved: dict[Hashable, int] = {}  # admitted request -> positions reserved
         self._forward: tuple[int, int] | None = None  # (B, N) of the prepared forward
         self._index: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    # -------------------------------------------------------------- memory
+    def bytes_for(self, reservations: Sequence[int]) -> int:
+        """Bytes the cache holds for these reservations: one row each, as wide as the largest, plus the drafters'
+        share per reserved position."""
+        if not reservations:
+            return 0
+        dense = len(reservations) * max(reservations) * self.geometry.bytes_per_token
+        return dense + self.extra_bytes_per_token * sum(reservations)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held now: the allocated buffers and the drafters' share of the reservations."""
+        return (self.rows * self.capacity * self.geometry.bytes_per_token
+                + self.extra_bytes_per_token * sum(self.reserved.values()))
+
+    def check_admissible(self, tokens: int) -> int:
+        """The reservation for ``tokens`` positions; ``KVBudgetError`` when the budget could never hold it, even alone."""
+        need = bucketed(tokens, self.bucket)
+        if self.budget_bytes is not None and self.bytes_for([need]) > self.budget_bytes:
+            per = self.geometry.bytes_per_token + self.extra_bytes_per_token
+            most = self.budget_bytes // per // self.bucket * self.bucket
+            raise KVBudgetError(f"needs a KV reservation of {need} positions ({tokens} rounded up to {self.bucket}s, "
+                                f"{self.bytes_for([need]) / 2**20:.1f} MiB); the KV budget "
+                                f"({self.budget_bytes / 2**20:.1f} MiB) holds at most {most} for one request")
+        return need
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a reservation of ``tokens`` positions fits the budget beside those held now."""
+        need = bucketed(tokens, self.bucket)
+        if len(self.reserved) >= self.slots:
+            return False
+        return self.budget_bytes is None or self.bytes_for([*self.reserved.values(), need]) <= self.budget_bytes
+
+    def reserve(self, key: Hashable, tokens: int) -> int:
+        """Reserve a row of ``tokens`` positions (rounded up) for ``key``, allocating now - all or nothing
+        (``KVAllocationError`` leaves the cache as it was). Returns the positions reserved."""
+        need = self.check_admissible(tokens)
+        if key in self.reserved:
+            raise ValueError(f"BatchCache: {key!r} already holds a reservation")
+        if not self.fits(tokens):
+            raise RuntimeError(f"BatchCache: a reservation of {need} positions does not fit now (ask fits() first)")
+        rows, capacity = max(self.rows, len(self.reserved) + 1), max(self.capacity, need)
+        if rows > self.rows:  # room for more than one more: doubling keeps the copies of the cache few
+            rows = max(rows, min(2 * self.rows, self.slots, self._rows_within_budget(capacity, need)))
+        if (rows, capacity) != (self.rows, self.capacity):
+            self._resize(rows, capacity)
+        self.reserved[key] = need
+        return need
+
+    def _rows_within_budget(self, capacity: int, need: int) -> int:
+        """The most rows of ``capacity`` positions the budget holds beside the reservations (``need`` included)."""
+        if self.budget_bytes is None:
+            return self.slots
+        spare = self.budget_bytes - self.extra_bytes_per_token * (sum(self.reserved.values()) + need)
+        return max(spare // max(capacity * self.geometry.bytes_per_token, 1), 0)
+
+    def release(self, key: Hashable) -> None:
+        """Return ``key``'s reservation (nothing when it holds none)."""
+        self.reserved.pop(key, None)
+
+    def shrink(self) -> bool:
+        """Between steps: free what no reservation needs - down to the largest reservation's positions when that is
+        less than allocated, and to twice the reservations' rows when three quarters of the rows are free (everything
+        when nothing is reserved). A failed reallocation keeps the buffers as they are. Returns whether it shrank."""
+        rows, capacity = len(self.reserved), max(self.reserved.values(), default=0)
+        if not rows:
+            rows = capacity = 0
+        elif capacity >= self.capacity and rows > self.rows // 4:
+            return False
+        elif rows <= self.rows // 4:
+            rows = 2 * rows  # keep room to grow: shrinking to the last row would copy again at the next admission
+        rows, capacity = min(max(rows, self.active), self.rows), min(capacity, self.capacity)
+        if (rows, capacity) == (self.rows, self.capacity):
+            return False
+        try:
+            self._resize(rows, capacity)
+        except KVAllocationError:
+            return False
+        return True
+
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One buffer (zeros: never NaN under a mask). Tests inject failures here."""
+        g = self.geometry
+        return torch.zeros(shape, dtype=g.dtype, device=g.device)
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        """Reallocate every layer to [rows, kv_heads, capacity, head_dim], keeping the rows in use: every new buffer
+        is allocated before any old one is replaced, so a failure changes nothing."""
+        if rows < self.active or capacity < max(self.lengths[: self.active], default=0):
+            raise ValueError(f"BatchCache: cannot resize to {rows} rows x {capacity} positions: rows in use hold more")
+        g = self.geometry
+        shape = (rows, g.kv_heads, capacity, g.head_dim)
+        new: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for _ in self.layers:
+                new.append((self._allocate(shape), self._allocate(shape)))
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            new.clear()
+            raise KVAllocationError(f"could not allocate the KV cache for {rows} rows x {capacity} positions "
+                                    f"({rows * capacity * g.bytes_per_token / 2**20:.1f} MiB)") from e
+        used = max(self.lengths[: self.active], default=0)
+        for layer, (k, v) in zip(self.layers, new):
+            if self.active and used:
+                k[: self.active, :, :used] = layer.keys[: self.active, :, :used]
+                v[: self.active, :, :used] = layer.values[: self.active, :, :used]
+            layer.keys, layer.values = k, v
+        self.rows, self.capacity = rows, capacity
+        self._index = None
 
     # -------------------------------------------------------------- a forward
     def width(self, n_new: int) -> int:
@@ -115,16 +227,16 @@ class BatchCache(Cache):
         return max(self.lengths[:B], default=0) + n_new
 
     def prepare(self, batch: int, n_new: int) -> int:
-        """Get ready for a forward of rows [0, batch) with ``n_new`` tokens each; returns its width W. Grows the buffers
-        when a row's new tokens would pass their capacity."""
+        """Get ready for a forward of rows [0, batch) with ``n_new`` tokens each; returns its width W. The rows'
+        reservations hold every position it writes (padding included): a forward past them is a bug, refused before
+        anything is written."""
         if batch > self.active:
             raise ValueError(f"a forward of {batch} rows; {self.active} are in use")
-        self._forward, self._index = (batch, n_new), None
         need = max(self.lengths[:batch], default=0) + n_new
         if need > self.capacity:
-            self.capacity = -(-need // self.grow_by) * self.grow_by
-            for layer in self.layers:
-                layer.grow(self.capacity)
+            raise RuntimeError(f"BatchCache: a forward of {n_new} tokens per row needs {need} positions; the rows "
+                               f"hold {self.capacity} (the draft is wider than the reservations allow)")
+        self._forward, self._index = (batch, n_new), None
         return self.width(n_new)
 
     def write_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -164,31 +276,32 @@ class BatchCache(Cache):
             src = torch.tensor(moves_src, device=device)
             dst = torch.tensor(moves_dst, device=device)
             for layer in self.layers:
-                if layer.is_initialized:
-                    for buf in (layer.keys, layer.values):
-                        buf[rows, :, dst] = buf[rows, :, src]  # gathered before written: sources are read first
+                for buf in (layer.keys, layer.values):
+                    buf[rows, :, dst] = buf[rows, :, src]  # gathered before written: sources are read first
         self._forward, self._index = None, None
 
     # -------------------------------------------------------------- rows joining and leaving
     def join(self, prefix: Cache | None, length: int) -> int:
         """Copy a request's prefilled batch-1 cache (``length`` positions; None when the prompt had one token) into the
-        next free row; returns the row."""
-        if self.active >= self.slots:
-            raise RuntimeError(f"BatchCache: all {self.slots} rows are in use")
+        next free row, which its reservation allocated; returns the row. Allocates nothing."""
         row = self.active
-        self.active += 1
-        self.lengths[row] = 0
+        if row >= self.rows:
+            raise RuntimeError(f"BatchCache: no reserved row is free ({self.rows} allocated, {row} in use)")
+        if length > self.capacity:
+            raise RuntimeError(f"BatchCache: a prefix of {length} positions; rows hold {self.capacity}")
         if prefix is not None and length:
-            if length > self.capacity:
-                self.capacity = -(-length // self.grow_by) * self.grow_by
             for layer, src in zip(self.layers, prefix.layers):
-                if not layer.is_initialized:
-                    layer.lazy_initialization(src.keys, src.values)
-                layer.grow(self.capacity)
                 layer.keys[row, :, :length] = src.keys[0, :, :length]
                 layer.values[row, :, :length] = src.values[0, :, :length]
         self.lengths[row] = length
+        self.active += 1
         return row
+
+    def reset(self) -> None:
+        """Drop every row (their requests failed); reservations stay until released."""
+        self.lengths = [0] * self.slots
+        self.active = 0
+        self._forward, self._index = None, None
 
     def remove(self, row: int) -> int | None:
         """Free ``row``; the last row in use moves into it (its positions copied). Returns the row that moved there
@@ -200,9 +313,8 @@ class BatchCache(Cache):
         if row != last:
             n = self.lengths[last]
             for layer in self.layers:
-                if layer.is_initialized:
-                    layer.keys[row, :, :n] = layer.keys[last, :, :n]
-                    layer.values[row, :, :n] = layer.values[last, :, :n]
+                layer.keys[row, :, :n] = layer.keys[last, :, :n]
+                layer.values[row, :, :n] = layer.values[last, :, :n]
             self.lengths[row] = n
             moved = last
         self.lengths[last] = 0
@@ -228,7 +340,10 @@ class BatchCache(Cache):
         return self.layers[layer].values[row, :, : self.lengths[row]]
 
     def __repr__(self) -> str:
-        return f"BatchCache(slots={self.slots}, active={self.active}, lengths={self.lengths[: self.active]})"
+        return (f"BatchCache(slots={self.slots}, rows={self.rows}, capacity={self.capacity}, active={self.active}, "
+                f"lengths={self.lengths[: self.active]})")
 
     def describe(self) -> dict[str, Any]:
-        return {"slots": self.slots, "capacity": self.capacity, "active": self.active}
+        return {"slots": self.slots, "rows": self.rows, "capacity": self.capacity, "active": self.active,
+                "reserved": sum(self.reserved.values()), "held_bytes": self.held_bytes,
+                "budget_bytes": self.budget_bytes}

@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .batch_cache import BatchCache
 from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
+from .kv_memory import KVGeometry
 from .tree import Draft, ancestor_mask
 from .verifier import Verifier, VerifierOutput
 
@@ -114,19 +115,49 @@ class Prefill:
         return len(part)
 
 
-class BatchVerifier:
-    """Scores the drafts of the running requests (rows 0..B-1 of ``cache``) in one forward of the verifier's model."""
+#: rope types whose frequencies depend on the longest position of the batch (so one row's rotation would depend on the
+#: others' lengths): refused by the batched verifier
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+#: attention implementations that take the batch's boolean 4-D mask as it is meant (sdpa: True = attend); eager adds
+#: the mask to the scores (a boolean mask then adds 0 or 1 instead of masking), flash attention ignores it
+MASKED_ATTENTION = ("sdpa",)
 
-    def __init__(self, verifier: Verifier, slots: int, hidden_layers: Sequence[int] = ()):
+
+def check_batchable(model: PreTrainedModel, name: str) -> None:
+    """Refuse, naming the model and the setting, a model the batched verifier would get silently wrong: layers other
+    than full attention (sliding windows), a rope type that reads the batch's longest position, an attention
+    implementation that does not apply a boolean 4-D mask."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(cfg, "layer_types", None) or ()
+    if any(t != "full_attention" for t in types):
+        raise NotImplementedError(f"{name}: the batched verifier supports full-attention layers only; "
+                                  f"this model has layer types {sorted(set(types))}")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(cfg, key, None)
+        kind = (rope or {}).get("rope_type", (rope or {}).get("type")) if isinstance(rope, dict) else None
+        if kind in BATCH_DEPENDENT_ROPE:
+            raise NotImplementedError(f"{name}: {key}.rope_type={kind!r} scales positions by the longest sequence in "
+                                      f"the batch, so one request's output would depend on the others'; the batched "
+                                      f"verifier refuses it (rope types {list(BATCH_DEPENDENT_ROPE)})")
+    attn = getattr(cfg, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", None)
+    if attn not in MASKED_ATTENTION:
+        raise NotImplementedError(f"{name}: attn_implementation={attn!r} does not apply the batch's boolean tree mask "
+                                  f"as written; load the model with attn_implementation='sdpa'")
+
+
+class BatchVerifier:
+    """Scores the drafts of the running requests (rows 0..B-1 of ``cache``) in one forward of the verifier's model.
+    ``budget_bytes``: the KV budget of the rows (None: none); ``extra_bytes_per_token``: what each reserved position
+    costs beside the verifier's cache (the drafters' own caches)."""
+
+    def __init__(self, verifier: Verifier, slots: int, hidden_layers: Sequence[int] = (), *,
+                 budget_bytes: int | None = None, extra_bytes_per_token: int = 0):
         self.verifier = verifier
         self.model: PreTrainedModel = verifier.model
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
-        types = getattr(cfg, "layer_types", None) or ()
-        if any(t != "full_attention" for t in types):
-            raise NotImplementedError(f"{verifier.name}: the batched verifier supports full-attention layers only; "
-                                      f"this model has layer types {sorted(set(types))}")
-        self.cache = BatchCache(verifier.num_layers, slots)
+        check_batchable(self.model, verifier.name)
+        self.cache = BatchCache(KVGeometry.of(self.model), slots, budget_bytes=budget_bytes,
+                                extra_bytes_per_token=extra_bytes_per_token)
         self.forwards = 0  # forwards run (tests count them)
 
     @torch.inference_mode()
@@ -166,3 +197,7 @@ class BatchVerifier:
 
     def remove(self, row: int) -> int | None:
         return self.cache.remove(row)
+
+    def reset(self) -> None:
+        """Drop every row (after a step broke: their requests failed)."""
+        self.cache.reset()

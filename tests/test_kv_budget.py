@@ -1,0 +1,171 @@
+"""KV memory under a budget (docs/architecture.md#the-kv-memory-model): a request reserves its rows when it is admitted
+- all or nothing -, waits while the budget is full, is refused at once when it could never fit, and returns what it
+held when it leaves; nothing is allocated inside a forward, so a failed allocation fails only the request that asked,
+and the others go on with exactly their own text. Also the rest of what keeps one request from reaching the others:
+fair prefill, three failed steps in a row marking the scheduler unhealthy, models the batch would get wrong refused.
+Tiny fp32 models (tests/tiny.py)."""
+import threading
+
+import pytest
+import torch
+
+from metasd.core.batching.scheduler import RequestFinished, Scheduler, SchedulerStep
+from metasd.core.engine import Engine
+from metasd.core.execution.batch_cache import BatchCache
+from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError, KVGeometry
+from metasd.core.execution.verifier import Verifier
+from metasd.drafters import PretrainedDrafter
+from tiny import tiny_qwen, tiny_tokenizer
+
+PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40]]
+MAX_NEW = [20, 14, 25]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _engine(tok, drafters=True):
+    drafter = [PretrainedDrafter(tiny_qwen(seed=0, logit_scale=2.0, context=1024), k=4, name="chain")] if drafters \
+        else []
+    return Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0, context=1024), tok), drafter, check_tokenizers=False)
+
+
+def _alone(engine):
+    return [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def test_the_geometry_prices_a_position_in_every_layer():
+    g = KVGeometry.of(tiny_qwen())  # 2 layers, 2 kv heads of 8 dims, fp32
+    assert (g.layers, g.kv_heads, g.head_dim, g.dtype) == (2, 2, 8, torch.float32)
+    assert g.bytes_per_token == 2 * 2 * 2 * 8 * 4
+
+
+def test_a_request_that_could_never_fit_is_refused_at_submit_naming_the_field(tok):
+    engine = _engine(tok)
+    expected = engine.generate(PROMPTS[0], 20).token_ids
+    with Scheduler(engine, kv_budget=512, max_draft_nodes=16) as s:  # one reservation of 256 with its drafter
+        with pytest.raises(KVBudgetError, match=r"^max_new_tokens: .*KV budget") as e:
+            s.submit(PROMPTS[0], 240)  # 9 + 240 + 16 + 1 positions: a reservation of 512
+        assert isinstance(e.value, ValueError)
+        assert s.submit(PROMPTS[0], 20).result(timeout=60).token_ids == expected
+
+
+def test_requests_wait_for_the_budget_and_each_gets_its_own_text(tok):
+    engine = _engine(tok)
+    expected = _alone(engine)
+    batches, held = [], []
+    with Scheduler(engine, max_batch=3, kv_budget=512, max_draft_nodes=16) as s:
+        cache = s.verifier.cache
+        s.add_listener(lambda r: (batches.append(r.batch_size), held.append(cache.held_bytes))
+                       if isinstance(r, SchedulerStep) else None)
+        handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        got = [h.result(timeout=60).token_ids for h in handles]
+    assert got == expected
+    assert max(batches) == 1  # the budget holds one request at a time: the others waited in the queue
+    assert max(held) <= cache.budget_bytes
+    assert cache.held_bytes == 0 and not cache.reserved and cache.rows == 0  # all of it returned
+
+
+def test_a_failed_allocation_fails_only_the_request_that_asked(tok, monkeypatch):
+    engine = _engine(tok)
+    expected = _alone(engine)
+    gate = threading.Event()
+    with Scheduler(engine, max_batch=3, max_draft_nodes=16) as s:
+        cache = s.verifier.cache
+        calls = {"n": 0}
+        real = BatchCache._allocate
+
+        def failing(self, shape):  # the third request's admission: its second layer cannot be allocated
+            calls["n"] += 1
+            if gate.is_set() and calls["n"] % 4 == 3:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            return real(self, shape)
+        monkeypatch.setattr(BatchCache, "_allocate", failing)
+        first = s.submit(PROMPTS[0], MAX_NEW[0])
+        second = s.submit(PROMPTS[1], MAX_NEW[1])
+        assert first.result(timeout=60).token_ids == expected[0]
+        before = (cache.rows, cache.capacity, dict(cache.reserved))
+        gate.set()
+        long = s.submit(PROMPTS[2] * 20, 30)  # needs more positions per row: the buffers must grow, and cannot
+        with pytest.raises(KVAllocationError):
+            long.result(timeout=60)
+        assert (cache.rows, cache.capacity) == before[:2] or not cache.reserved
+        assert second.result(timeout=60).token_ids == expected[1]
+        gate.clear()
+        after = s.submit(PROMPTS[2], MAX_NEW[2])
+        assert after.result(timeout=60).token_ids == expected[2]
+        assert s.health() == (True, "ok") and s.failed_steps == 0
+    assert cache.held_bytes == 0
+
+
+def test_nothing_is_allocated_inside_a_forward_and_the_buffers_shrink_when_the_longest_leaves(tok, monkeypatch):
+    engine = _engine(tok)
+    in_forward, inside, sizes = [False], [], []
+    model = engine.verifier.model
+    model.register_forward_pre_hook(lambda m, a: in_forward.__setitem__(0, True))
+    model.register_forward_hook(lambda m, a, o: in_forward.__setitem__(0, False))
+    real = BatchCache._allocate
+
+    def counting(self, shape):
+        inside.append(in_forward[0])
+        return real(self, shape)
+    monkeypatch.setattr(BatchCache, "_allocate", counting)
+    with Scheduler(engine, max_batch=3, max_draft_nodes=16) as s:
+        cache = s.verifier.cache
+        s.add_listener(lambda r: sizes.append((cache.rows, cache.capacity)) if isinstance(r, RequestFinished) else None)
+        long = s.submit(PROMPTS[2] * 30, 8)  # 330 prompt tokens: a reservation of 512
+        short = s.submit(PROMPTS[1], 40)  # 256
+        assert long.result(timeout=60) and short.result(timeout=60)
+    assert inside and not any(inside)
+    assert sizes[0] == (2, 512) or sizes[0][1] == 256  # the long one left first: rows shrink to the short one's 256
+    assert (cache.rows, cache.capacity) == (0, 0)
+
+
+def test_three_failed_steps_in_a_row_make_the_scheduler_unhealthy_until_one_succeeds(tok):
+    engine = _engine(tok, drafters=False)
+    expected = engine.generate(PROMPTS[0], 6).token_ids
+    failing = {"left": 3}
+    model = engine.verifier.model
+
+    def fail(m, args, kwargs):
+        if kwargs.get("position_ids") is not None and failing["left"]:  # batched verify forwards, not prefills
+            failing["left"] -= 1
+            raise RuntimeError("injected forward failure")
+    handle = model.register_forward_pre_hook(fail, with_kwargs=True)
+    try:
+        with Scheduler(engine, max_batch=2) as s:
+            for _ in range(3):
+                with pytest.raises(RuntimeError, match="injected"):
+                    s.submit(PROMPTS[0], 6).result(timeout=60)
+            healthy, why = s.health()
+            assert not healthy and why.startswith("the last 3 steps failed") and "injected" not in why
+            assert s.submit(PROMPTS[0], 6).result(timeout=60).token_ids == expected
+            assert s.health() == (True, "ok")
+    finally:
+        handle.remove()
+
+
+def test_a_long_prompt_does_not_hold_back_those_that_join_after_it(tok):
+    engine = _engine(tok, drafters=False)
+    finished = []
+    with Scheduler(engine, max_batch=2, prefill_chunk=8) as s:
+        s.add_listener(lambda r: finished.append(r.id) if isinstance(r, RequestFinished) else None)
+        long = s.submit(PROMPTS[2] * 12, 2, request_id="long")  # 132 prompt tokens: 17 chunks of 8
+        short = s.submit(PROMPTS[1], 2, request_id="short")  # 3 tokens: one chunk
+        long.result(timeout=60), short.result(timeout=60)
+    assert finished == ["short", "long"]  # first come, first prefilled, it would finish ~16 steps later
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda m: setattr(m.config, "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_type='dynamic'"),
+    (lambda m: m.config._attn_implementation_internal if False else m.set_attn_implementation("eager"),
+     "attn_implementation='eager'"),
+])
+def test_models_the_batch_would_get_wrong_are_refused_at_start(tok, change, named):
+    engine = _engine(tok, drafters=False)
+    change(engine.verifier.model)
+    with pytest.raises(NotImplementedError, match=named):
+        Scheduler(engine)

@@ -1,0 +1,98 @@
+"""The server's bounds on what one client can make it do (docs/serving.md#limits-and-what-the-server-guarantees):
+a body over the limit is a 413 before it is parsed, a request the KV budget could never hold is a 400 naming
+``max_tokens``, requests beyond the budget wait their turn and get their own text, a temperature too small to divide
+by is greedy decoding, and parsing and tokenising run off the event loop. Tiny models, a real server on 127.0.0.1,
+httpx and the openai client."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("fastapi")
+
+from metasd.core.batching.scheduler import Scheduler  # noqa: E402
+from metasd.core.engine import Engine  # noqa: E402
+from metasd.core.execution.verifier import Verifier  # noqa: E402
+from metasd.serve.app import ServeState, create_app  # noqa: E402
+from serve_helpers import ServerThread, tiny_engine  # noqa: E402
+from tiny import tiny_qwen, tiny_tokenizer  # noqa: E402
+
+MODEL = "tiny"
+
+
+def _server(engine=None, *, max_body_bytes=64 * 1024, **kw):
+    scheduler = Scheduler(engine or tiny_engine(), **kw)
+    return ServerThread(create_app(scheduler, MODEL, max_body_bytes=max_body_bytes)), scheduler
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed():
+    srv, scheduler = _server(max_body_bytes=2048)
+    try:
+        with srv:
+            big = {"model": MODEL, "prompt": "w10 " * 1000, "max_tokens": 2}
+            r = httpx.post(srv.url + "/v1/completions", json=big)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+            # no Content-Length (chunked): refused once what arrived passes the limit
+            chunks = (b'{"model": "tiny", "prompt": "' + b"w10 " * 200 for _ in range(4))
+            r = httpx.post(srv.url + "/v1/completions", content=chunks, headers={"content-type": "application/json"})
+            assert r.status_code == 413
+            ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2})
+            assert ok.status_code == 200
+    finally:
+        scheduler.close()
+
+
+def test_a_request_the_kv_budget_could_never_hold_is_a_400_naming_max_tokens_and_others_wait_their_turn():
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="tiny"), [])
+    reference = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="ref"), [])
+    srv, scheduler = _server(engine, kv_budget=512, max_draft_nodes=16, max_batch=4)  # two reservations of 256
+    prompts = ["w10 w11 w12", "w20 w21", "w30 w31 w32 w33", "w12 w11"]
+    want = [reference.generate(p, 40).text for p in prompts]
+    try:
+        with srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=600)
+            assert e.value.param == "max_tokens" and e.value.code == "kv_budget_exceeded"
+            assert "KV budget" in e.value.message
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=40,
+                                                                        temperature=0).choices[0].text, prompts))
+            assert got == want
+            assert scheduler.verifier.cache.held_bytes == 0
+    finally:
+        scheduler.close()
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    srv, scheduler = _server()
+    try:
+        with srv:
+            body = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 8}
+            greedy = httpx.post(srv.url + "/v1/completions", json=body | {"temperature": 0}, timeout=60)
+            tiny_t = httpx.post(srv.url + "/v1/completions", json=body | {"temperature": 1e-40, "seed": 1}, timeout=60)
+            assert greedy.status_code == tiny_t.status_code == 200, tiny_t.text
+            assert tiny_t.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    finally:
+        scheduler.close()
+
+
+def test_parsing_and_tokenising_run_off_the_event_loop(monkeypatch):
+    threads = []
+    real = ServeState.prompt_ids
+    monkeypatch.setattr(ServeState, "prompt_ids", lambda self, req: threads.append(threading.current_thread().name)
+                        or real(self, req))
+    srv, scheduler = _server()
+    try:
+        with srv:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2})
+            assert r.status_code == 200
+            loop_thread = srv.thread.name
+    finally:
+        scheduler.close()
+    assert threads and threads[0] != loop_thread
