@@ -1,0 +1,109 @@
+"""Host time per step: what the Python around the forwards costs (policy, drafting bookkeeping, tree masks,
+acceptance, commit, stop checks, the record), measured with models whose forwards cost almost nothing.
+
+Issue "metasd at GPU speed", item 3: a graph-replayed GPU step is a few milliseconds, so the host work around it is
+the next bottleneck. Here the verifier and the drafter are one-layer Qwen2 models of width 16 with the bundled
+vocabulary (151,936 ids, so that reading logits, argmax and sampling have their real size); every model forward is
+timed by hooks and subtracted from the step's wall time. What is left is host time - on this CPU, where the "device"
+is the CPU too, it includes the small tensor ops of acceptance, which a GPU would run asynchronously.
+
+    python benchmarks/host_time.py --steps 200 --out benchmarks/results/host_time.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+VOCAB = 151936
+
+
+def stand_in(seed: int, vocab: int = VOCAB):
+    """A causal LM that costs almost nothing per forward (one layer, width 16) with the real vocabulary."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=None)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class ForwardClock:
+    """Seconds spent inside model forwards (hooks on each model)."""
+
+    def __init__(self, *models):
+        self.seconds, self._start = 0.0, {}
+        for m in models:
+            m.register_forward_pre_hook(lambda mod, a: self._start.__setitem__(id(mod), time.perf_counter()))
+            m.register_forward_hook(lambda mod, a, o: self._add(mod))
+
+    def _add(self, mod):
+        self.seconds += time.perf_counter() - self._start.pop(id(mod))
+
+
+def measure(kind: str, steps: int, temperature: float) -> dict:
+    """Median host milliseconds per step (step wall time minus its forwards) of one request of ``steps`` steps."""
+    from metasd.core.engine import Engine
+    from metasd.core.execution.verifier import Verifier
+    from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
+
+    verifier = stand_in(0)
+    drafter_model = stand_in(0)
+    drafter = {"none": lambda: [], "chain": lambda: PretrainedDrafter(drafter_model, k=4),
+               "tree": lambda: PretrainedTreeDrafter(drafter_model, nodes=16, depth=4, width=4),
+               "ngram": lambda: NGramDrafter(k=8)}[kind]()
+    engine = Engine(Verifier(verifier), drafter, check_tokenizers=False)
+    clock = ForwardClock(verifier, drafter_model)
+    per_step, tokens = [], 0
+    prompt = list(range(1, 65))
+    run = engine._run(prompt, steps * 8, temperature=temperature, seed=0 if temperature else None)
+    last, fwd = time.perf_counter(), clock.seconds
+    for committed in run.steps():
+        now = time.perf_counter()
+        per_step.append(((now - last) - (clock.seconds - fwd)) * 1e3)
+        last, fwd = now, clock.seconds
+        tokens += len(committed)
+        if len(per_step) >= steps:
+            break
+    per_step = per_step[5:]  # the first steps include the prefill and the drafter's start
+    return {"drafter": kind, "temperature": temperature, "steps": len(per_step),
+            "host_ms_median": statistics.median(per_step), "host_ms_p90": sorted(per_step)[int(0.9 * len(per_step))],
+            "tokens_per_step": tokens / max(len(per_step) + 5, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--drafters", nargs="+", default=["none", "chain", "tree", "ngram"])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows = [measure(k, args.steps, t) for t in args.temperatures for k in args.drafters]
+    for r in rows:
+        print(f"{r['drafter']:6s} T={r['temperature']:.0f}: host {r['host_ms_median']:.2f} ms/step median "
+              f"(p90 {r['host_ms_p90']:.2f}), {r['steps']} steps")
+    if args.out:
+        out = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                          f"{args.threads} threads", "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
