@@ -161,7 +161,7 @@ def test_a_long_prompt_does_not_hold_back_those_that_join_after_it(tok):
 @pytest.mark.parametrize("change, named", [
     (lambda m: setattr(m.config, "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_type='dynamic'"),
-    (lambda m: m.config._attn_implementation_internal if False else m.set_attn_implementation("eager"),
+    (lambda m: m.set_attn_implementation("eager"),
      "attn_implementation='eager'"),
 ])
 def test_models_the_batch_would_get_wrong_are_refused_at_start(tok, change, named):
