@@ -7,32 +7,16 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import get_args
 
-from metasd.core.decoding.rewards import RewardName
+from metasd.config.cli_options import HelpFormatter, add_pool_options, check_pool_options
+from metasd.config.cli_options import pool_overrides as _pool_overrides  # noqa: F401 - the tests call it from here
 
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" for options that have a default (not for None or store_true flags)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
+#: ``metasd generate``'s and ``Engine.generate``'s default (the server follows OpenAI's: docs/serving.md#requests)
+DEFAULT_MAX_NEW_TOKENS = 128
 
 # generate's request options, as the CLI spells them in errors (the checks: metasd.core.decoding.sampling.check_request)
 _REQUEST_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "top_k": "--top-k", "threads": "--threads"}
-
-
-def _policy_names() -> str:
-    try:
-        from metasd.core.decoding.policy import POLICIES
-        importlib.import_module("metasd.policies")
-        return ", ".join(sorted(POLICIES))
-    except ImportError:  # pragma: no cover - a broken install still gets a parser
-        return "ucb, thompson, exp3, ..."
 
 
 def _add_generate(sub) -> None:
@@ -41,37 +25,24 @@ def _add_generate(sub) -> None:
     def allowed(key: str) -> str:
         return REQUEST_LIMITS[key][1]
 
-    p = sub.add_parser("generate", help="generate text with speculative decoding", formatter_class=_HelpFormatter,
+    p = sub.add_parser("generate", help="generate text with speculative decoding", formatter_class=HelpFormatter,
                        description="Generate text with speculative decoding. Every option and the pool file are "
                                    "checked before any model loads.")
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
     p.add_argument("--pool", help="pool config YAML (default: the embedded default pool, configs/default.yaml)")
     p.add_argument("--verifier", help="verifier model reference (overrides the pool's): bundled:<name>, a local HF "
                                       "directory or .gguf file, or a hub id")
-    p.add_argument("--drafter", action="append",
-                   help="use only this drafter: a name from the pool, a model reference (bundled:<name>, a local HF "
-                        "directory or .gguf file, or a hub id; drafts chains of --k tokens), 'ngram', or 'none' for "
-                        "plain decoding; repeat for several (default: every drafter of the pool)")
-    p.add_argument("--k", type=int, default=None,
-                   help="draft length (an integer >= 1) of the drafters chosen with --drafter: model references, "
-                        "'ngram', and the pool's pretrained/steered chain drafters (default: the pool's value, "
-                        "else 5 for a model and 10 for ngram)")
-    p.add_argument("--param", action="append", metavar="DRAFTER.KEY=VALUE",
-                   help="set one entry of a drafter's params, for any drafter type, VALUE read as YAML (e.g. "
-                        "--param tree.nodes=48 --param ngram.n_max=3); DRAFTER is a name of the pool, or as given "
-                        "to --drafter; checked like the pool file; repeatable")
-    p.add_argument("--policy", help=f"policy name (default: the pool's): one of {_policy_names()}")
-    p.add_argument("--granularity", choices=["step", "request"],
-                   help="choose a drafter per step or per request (default: the pool's)")
-    p.add_argument("--reward", choices=list(get_args(RewardName)), help="what the policy maximises (default: the pool's)")
-    p.add_argument("--dtype", help="auto | bf16 | fp32 | fp16 (default: the pool's)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help=f"tokens to generate: {allowed('max_new_tokens')}")
+    add_pool_options(p)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"tokens to generate: {allowed('max_new_tokens')}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"sampling temperature: {allowed('temperature')}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass: {allowed('top_p')} (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help=f"keep the k most likely tokens: {allowed('top_k')}")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
+    p.add_argument("--raw", action="store_true",
+                   help="encode the prompt as it is; without it the prompt is a user message through the chat template "
+                        "(Engine.generate and /v1/completions take a string as it is)")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch CPU threads: {allowed('threads')} (default: torch's choice)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -83,103 +54,14 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_generate)
 
 
-def _pool_overrides(args) -> dict:
-    """The pool file's mapping with the command-line overrides applied (validated once, by the caller)."""
-    from metasd.config import default_pool_path, read_yaml_mapping, select_entries
-
-    cfg = read_yaml_mapping(args.pool if args.pool else default_pool_path(), "pool config")
-    if args.verifier or args.dtype:
-        verifier = dict(cfg["verifier"]) if isinstance(cfg.get("verifier"), dict) else {}
-        if args.verifier:
-            verifier["model"] = args.verifier
-        if args.dtype:
-            verifier["dtype"] = args.dtype
-        cfg["verifier"] = verifier
-    if args.drafter:  # the chosen entries become the arms; a fused entry keeps the entries it drafts with
-        entries = list(_pool_drafters(cfg).values())
-        for ref in dict.fromkeys(args.drafter):
-            if ref != "none" and ref not in {d["name"] for d in entries}:
-                entries.append({"name": "ngram", "type": "ngram", "params": {}} if ref == "ngram" else
-                               {"name": ref, "type": "pretrained", "model": ref, "params": {}})
-        cfg["drafters"] = select_entries(entries, [ref for ref in args.drafter if ref != "none"])
-        for d in cfg["drafters"]:
-            if args.k is not None and d["arm"] and d.get("type") in ("pretrained", "ngram", "steered"):
-                d["params"] = {**(d.get("params") or {}), "k": args.k}
-    entries = _pool_drafters(cfg)
-    for name, key, value in map(parse_param, args.param or []):
-        if name not in entries:
-            raise ValueError(f"--param {name}.{key}: no drafter named {name!r} in the pool "
-                             f"(drafters: {', '.join(entries) or 'none'})")
-        entries[name]["params"] = {**(entries[name].get("params") or {}), key: value}
-    if args.policy:
-        old = cfg.get("policy") if isinstance(cfg.get("policy"), dict) else {}
-        cfg["policy"] = {"name": args.policy, "params": {}, "seed": old.get("seed", 0)}
-    if args.granularity:
-        cfg["granularity"] = args.granularity
-    if args.reward:
-        cfg["reward"] = args.reward
-    return cfg
-
-
-def parse_param(item: str) -> tuple[str, str, object]:
-    """``--param DRAFTER.KEY=VALUE`` -> (drafter name, key, YAML value); ``ValueError`` naming the option."""
-    import yaml
-
-    target, sep, value = item.partition("=")
-    name, dot, key = target.strip().rpartition(".")
-    if not (sep and dot and name and key):
-        raise ValueError(f"--param {item!r}: expected DRAFTER.KEY=VALUE, e.g. --param tree.nodes=48")
-    try:
-        return name, key, yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise ValueError(f"--param {item!r}: VALUE is not YAML: {e}") from None
-
-
-def _pool_drafters(cfg: dict) -> dict:
-    drafters = cfg.get("drafters") if isinstance(cfg.get("drafters"), list) else []
-    return {d["name"]: d for d in drafters if isinstance(d, dict) and isinstance(d.get("name"), str)}
-
-
 def _check_options(args) -> None:
-    """Request options, then --drafter / --verifier references: ``ValueError`` naming the option and what it
-    accepts. Cheap (no model, no network), so it runs before the pool is built."""
-    from metasd.models import ModelLoadError, check_model_reference
+    """Request options, then the pool options (--k, --param, --policy, --dtype, --verifier, --drafter): ``ValueError``
+    naming the option and what it accepts. Cheap (no model, no network), so it runs before the pool is built."""
     from metasd.core.decoding.sampling import check_request
 
     check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, threads=args.threads)
-    if args.k is not None and args.k < 1:
-        raise ValueError(f"--k must be an integer >= 1, got {args.k}")
-    for item in args.param or []:
-        parse_param(item)
-    if args.policy:
-        from metasd.config import resolve_policy_class
-
-        resolve_policy_class(args.policy, where="--policy")
-    if args.dtype:
-        from metasd.models import resolve_dtype
-
-        try:
-            resolve_dtype(args.dtype, "cpu")
-        except ValueError as e:
-            raise ValueError(f"--dtype: {e}") from None
-    if args.verifier:
-        try:
-            check_model_reference(args.verifier)
-        except ModelLoadError as e:
-            raise ValueError(f"--verifier {args.verifier!r}: {e}") from None
-    if args.drafter:
-        from metasd.config import default_pool_path, read_yaml_mapping
-
-        names = sorted(_pool_drafters(read_yaml_mapping(args.pool or default_pool_path(), "pool config")))
-        for ref in args.drafter:
-            if ref in ("none", "ngram") or ref in names:
-                continue
-            try:
-                check_model_reference(ref)
-            except ModelLoadError as e:
-                raise ValueError(f"--drafter {ref!r} is not a drafter of the pool ({', '.join(names) or 'none'}), "
-                                 f"'ngram' or 'none', nor a model reference: {e}") from None
+    check_pool_options(args)
 
 
 def _check_context(verifier: str, prompt: str, args) -> None:

@@ -220,7 +220,7 @@ def test_generate_help_shows_defaults_and_allowed_values(capsys):
         main(["generate", "--help"])
     assert done.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for needle in ["--max-new-tokens MAX_NEW_TOKENS tokens to generate: an integer >= 1 (default: 256)",
+    for needle in ["--max-new-tokens MAX_NEW_TOKENS tokens to generate: an integer >= 1 (default: 128)",
                    ">= 0 (0 = greedy) (default: 0.0)", "in (0, 1] (1 = off) (default: 1.0)", ">= 0 (0 = off) (default: 0)",
                    "{throughput,wall_throughput,block_efficiency,block_divergence}", "{step,request}", "one of discounted_ucb,"]:
         assert needle in out, needle
