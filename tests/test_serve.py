@@ -43,10 +43,10 @@ class Recording:
         return getattr(self._s, name)
 
 
-def _serve(engine=None, *, api_key=None, **scheduler_kwargs):
+def _serve(engine=None, *, api_key=None, app_kwargs=None, **scheduler_kwargs):
     scheduler = Recording(Scheduler(engine or tiny_engine(), **scheduler_kwargs))
     getattr(scheduler, "start", lambda: None)()
-    return ServerThread(create_app(scheduler, MODEL, api_key)), scheduler
+    return ServerThread(create_app(scheduler, MODEL, api_key, **(app_kwargs or {}))), scheduler
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def test_a_shared_suffix_cache_leaves_no_trace_in_the_served_record():
 # ------------------------------------------------------------------------------ refusals
 BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", "{not json", None),
-    ("chat", {"foo": 1}, "foo"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # unknown and inert: accepted
     ("chat", {"model": "gpt-4o"}, "model"),
     ("chat", {"max_tokens": "5"}, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),
@@ -233,8 +233,8 @@ def test_the_openai_client_gets_its_bad_request_error(client):
         _chat(client, n=2)
     assert e.value.param == "n" and e.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as e:
-        _chat(client, extra_body={"tools": []})
-    assert e.value.param == "tools" and "Unrecognized request argument" in e.value.message
+        _chat(client, extra_body={"metasd": {"fast": True}})  # metasd's own options stay strict
+    assert e.value.param == "metasd.fast" and "Unrecognized request argument" in e.value.message
 
 
 # ------------------------------------------------------------------------------ faults
@@ -324,16 +324,19 @@ def _wait(cond, timeout=30.0):
         time.sleep(0.01)
 
 
-def test_an_api_key_guards_every_route_but_health():
-    srv, scheduler = _serve(api_key="sekret")
+@pytest.mark.parametrize("metrics_require_key", [False, True])
+def test_an_api_key_guards_every_route_but_health_version_and_metrics(metrics_require_key):
+    srv, scheduler = _serve(api_key="sekret", app_kwargs={"metrics_require_key": metrics_require_key})
+    guarded = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"), ("POST", "/detokenize")]
     try:
         with srv:
             for key in (None, "wrong"):
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
-                for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+                for method, path in guarded + [("GET", "/metrics")] * metrics_require_key:
                     r = httpx.request(method, srv.url + path, headers=headers, json={})
                     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
-            assert httpx.get(srv.url + "/health").status_code == 200
+            for path in ("/health", "/version") + ("/metrics",) * (not metrics_require_key):
+                assert httpx.get(srv.url + path).status_code == 200, path  # a scraper needs no key by default
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
             good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)

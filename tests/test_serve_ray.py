@@ -54,7 +54,8 @@ def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path,
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(PoolEngine(str(pool), threads=1), SchedulerSettings(max_batch=4), "tiny", replicas=2),
+        recipe = PoolEngine.from_file(str(pool), threads=1)
+        serve.run(build_app(recipe, SchedulerSettings(max_batch=4), "tiny", replicas=2),
                   name=APP_NAME, route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -53,7 +53,8 @@ def add_pool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help=f"policy name (default: the pool's): one of {_policy_names()}")
     p.add_argument("--granularity", choices=["step", "request"],
                    help="choose a drafter per step or per request (default: the pool's)")
-    p.add_argument("--reward", choices=list(get_args(RewardName)), help="what the policy maximises (default: the pool's)")
+    p.add_argument("--reward", choices=list(get_args(RewardName)),
+                   help="what the policy maximises (default: the pool's)")
     p.add_argument("--dtype", help="auto | bf16 | fp32 | fp16 (default: the pool's)")
 
 

@@ -25,10 +25,12 @@ from metasd.core.batching.scheduler import QueueFullError, RequestOptions, Sched
 from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError
 
 from .errors import ApiError, bad_request, error_body, from_validation
+from .http_log import HttpObserver
 from .metrics import ServeMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields
+from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields, ignored_fields, refused_field
 from .records import served_record
 from .responses import FINISH_REASONS, Completion, sse
+from .tokenize import add_tokenizer_routes
 
 #: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -46,7 +48,7 @@ class ServeState:
     server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
 
     def __init__(self, scheduler, model_name: str, api_key: str | None, metrics: ServeMetrics,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, max_model_len: int | None = None):
         self.scheduler, self.model_name, self.api_key, self.metrics = scheduler, model_name, api_key, metrics
         self.retry_after_s = retry_after_s
         self.draining = False
@@ -54,6 +56,11 @@ class ServeState:
         engine = scheduler.engine
         self.tokenizer = engine.tokenizer
         self.context_length = engine.verifier.context_length
+        if max_model_len is not None:  # --max-model-len: serve less context than the model has, never more
+            if self.context_length and max_model_len > self.context_length:
+                raise ValueError(f"--max-model-len {max_model_len} exceeds the context of {model_name} "
+                                 f"({self.context_length} tokens)")
+            self.context_length = max_model_len
         self.vocab_size = getattr(getattr(engine.verifier.model, "config", None), "vocab_size", None)
         self.drafters = [d.name for d in engine.drafters]
 
@@ -278,15 +285,17 @@ class _ServerHeader:
 
 
 def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
-               retry_after_s: int = 1, server_id: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True) -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
-    ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api_key>``; with ``server_id`` every
-    response carries it in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413. ``app.state.serve``
-    is its ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
+    ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
+    ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
+    in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413; ``max_model_len`` caps the context
+    served; ``access_log``: a log line per request (logger ``metasd.serve.access``). ``app.state.serve`` is its
+    ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name)
+    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len)
     metrics.attach(scheduler)
-    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s)
     app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     if server_id:
@@ -317,6 +326,13 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
             req = await run_in_threadpool(model.model_validate_json, body)
         except ValidationError as e:
             raise from_validation(e, accepted_fields(model)) from None
+        refused = refused_field(req)
+        if refused:
+            raise bad_request(refused[1], refused[0], "unsupported_value")
+        ignored = ignored_fields(req)
+        if ignored:  # as vLLM: accepted, named in the log, so a client's misspelt option can be found
+            log.warning("%s: the request's fields %s were ignored (not used by this server)", request.url.path,
+                        ", ".join(ignored))
         if req.model != state.model_name:
             raise bad_request(f"The model {req.model!r} does not exist: this server serves {state.model_name!r}",
                               "model", "model_not_found")
@@ -356,7 +372,11 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
 
     @app.get("/metrics")
     async def prometheus(request: Request):
-        state.check_auth(request)
+        if metrics_require_key:
+            state.check_auth(request)
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    add_tokenizer_routes(app, state)
+    app.add_middleware(HttpObserver, metrics=metrics, routes={getattr(r, "path", "") for r in app.routes},
+                       log=access_log)  # the outermost: it sees every answer, a 413 and a 401 included
     return app

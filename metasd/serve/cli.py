@@ -20,20 +20,38 @@ _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def add_serve_parser(sub) -> None:
+    from metasd.config.cli_options import HelpFormatter, add_pool_options
+
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server that batches concurrent requests (docs/serving.md)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Serve a pool over HTTP with OpenAI's routes (/v1/chat/completions, /v1/completions, /v1/models), "
-                    "/health and /metrics; the drafts of concurrent requests are verified in one batched forward per "
-                    f"step. Needs the serve extra: {SERVE_EXTRA}.")
-    p.add_argument("--pool", help="pool config YAML (default: the embedded serving pool, "
-                                  "configs/pools/serve_adaptive.yaml: the default cascade with adaptive speculation)")
+        formatter_class=HelpFormatter,
+        description="Serve a model or a pool over HTTP with OpenAI's routes (/v1/chat/completions, /v1/completions, "
+                    "/v1/models), /tokenize, /detokenize, /version, /health and /metrics; the drafts of concurrent "
+                    "requests are verified in one batched forward per step. Without max_tokens a chat request may use "
+                    "what the context leaves and a completion 16 tokens (OpenAI's defaults; metasd generate and "
+                    f"Engine.generate: 128). Needs the serve extra: {SERVE_EXTRA}.")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="the verifier: bundled:<name>, a local HF directory or .gguf file, or a hub id; drafted for by "
+                        "the serving pool's drafters unless --drafter or --speculative-config says otherwise (default: "
+                        "the serving pool's verifier, bundled:qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--pool", help="pool config YAML, the full form instead of MODEL (default: the embedded serving "
+                                  "pool, configs/pools/serve_adaptive.yaml: the default cascade with adaptive "
+                                  "speculation)")
+    add_pool_options(p)
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's speculative config: {\"method\": \"ngram\" | \"suffix\" | \"draft_model\", \"model\", "
+                        "\"num_speculative_tokens\", \"prompt_lookup_max\", ...}: the pool's drafters replaced by that "
+                        "one drafter, drafting as configured (no adaptive sizing); not with --drafter or --k")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS chooses, printed)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $METASD_API_KEY; "
-                        "none: no authentication)")
-    p.add_argument("--model-name", help="the model id clients name in 'model' (default: the pool's verifier)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics "
+                        "(default: $METASD_API_KEY; none: no authentication)")
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    p.add_argument("--served-model-name", "--model-name", dest="model_name",
+                   help="the model id clients name in 'model' (default: MODEL as given, else the pool's verifier)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="the context served: prompt + max_tokens at most this many tokens (default: the model's)")
     p.add_argument("--max-batch", type=int, default=8, help="requests verified together in one step")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
     p.add_argument("--kv-budget", type=int, metavar="TOKENS",
@@ -48,9 +66,14 @@ def add_serve_parser(sub) -> None:
                         "request's timings and acceptance can then reveal what others asked; docs/serving.md#security)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before cancelling them")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a line of throughput, running and waiting requests and acceptance this often while "
+                        "there is work (0: never)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="do not log a line per HTTP request")
     p.add_argument("--cost-profile", metavar="FILE",
-                   help="a saved ForwardProfile (JSON of to_dict) for a pool with serving.adaptive: skips profiling the "
-                        "verifier at start")
+                   help="a saved ForwardProfile (JSON of to_dict) for a pool with serving.adaptive: skips profiling "
+                        "the verifier at start")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--ray", action="store_true", help="serve with Ray Serve: --replicas copies of the pool behind one "
                                                       "HTTP entry (needs: pip install 'ray[serve]')")
@@ -77,39 +100,93 @@ def _check_args(args) -> None:
         raise ValueError(f"--threads must be an integer >= 1, got {args.threads}")
     if (args.replicas != 1 or args.ray_address) and not args.ray:
         raise ValueError("--replicas and --ray-address need --ray")
+    if args.model and args.pool:
+        raise ValueError(f"give MODEL ({args.model}) or --pool ({args.pool}), not both: a pool file names its verifier "
+                         f"(verifier.model); to serve another model with it, edit that field")
+    if args.speculative_config is not None and (args.drafter or args.k is not None):
+        raise ValueError("--speculative-config sets the drafter and its num_speculative_tokens: give it without "
+                         "--drafter and --k")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be an integer >= 2, got {args.max_model_len}")
+    if args.log_stats_interval < 0:
+        raise ValueError(f"--log-stats-interval must be >= 0 (0: off), got {args.log_stats_interval}")
 
 
 @dataclass(frozen=True)
 class PoolEngine:
-    """A picklable recipe for an engine: the pool file (None: the embedded default) and torch's CPU threads. Ray
-    replicas build their engine from it, each in its own process."""
+    """A picklable recipe for an engine: the pool's mapping (a pool file's with the command line's overrides),
+    where it came from (named in errors), the pool file's folder (relative checkpoints) and torch's CPU threads.
+    Ray replicas build their engine from it, each in its own process."""
 
-    pool: str | None = None
+    config: dict
+    source: str = "default pool"
+    base_dir: str | None = None
     threads: int | None = None
 
     def __call__(self):
         import torch
 
-        from metasd.config import load_pool
+        from metasd.config import build_engine
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        return load_pool(self.pool)
+        return build_engine(self.parse(), Path(self.base_dir) if self.base_dir else None)
+
+    @classmethod
+    def from_file(cls, pool: str | None = None, threads: int | None = None) -> "PoolEngine":
+        """The recipe of a pool file as it is (None: the embedded serving pool)."""
+        from metasd.config import default_serve_pool_path, read_yaml_mapping
+
+        path = pool or default_serve_pool_path()
+        return cls(read_yaml_mapping(path, "pool config"), pool or "the serving pool",
+                   str(Path(pool).resolve().parent) if pool else None, threads)
+
+    def parse(self):
+        from metasd.config import parse_pool_config
+
+        return parse_pool_config(self.config, source=self.source)
 
     def check(self):
-        """The pool file and its model references, before any model loads: ``ConfigError`` naming the bad field."""
-        from metasd.config import check_model_references, check_quantization, read_pool_config
+        """The pool and its model references, before any model loads: ``ConfigError`` naming the bad field."""
+        from metasd.config import ConfigError, check_model_references, check_quantization
 
-        config = read_pool_config(self.pool)
-        check_model_references(config, self.pool or "default pool",
-                               Path(self.pool).resolve().parent if self.pool else None)
+        config = self.parse()
+        check_model_references(config, self.source, Path(self.base_dir) if self.base_dir else None)
         try:
             check_quantization(config)
         except ValueError as e:
-            from metasd.config import ConfigError
-
-            raise ConfigError(f"{self.pool or 'default pool'}: {e}") from None
+            raise ConfigError(f"{self.source}: {e}") from None
         return config
+
+
+def pool_recipe(args) -> PoolEngine:
+    """The engine ``args`` ask for: the pool file (default: the embedded serving pool) with MODEL as its verifier and
+    the drafter options (--drafter, --k, --param, --policy, ..., --speculative-config) applied; everything checked
+    that can be without loading a model (``ValueError`` / ``ConfigError`` naming the option or field)."""
+    from metasd.config import default_serve_pool_path
+    from metasd.config.cli_options import check_pool_options, pool_overrides
+
+    from .speculative import speculative_drafters
+
+    args.verifier = args.model
+    default = default_serve_pool_path()
+    check_pool_options(args, default, verifier_option="MODEL")
+    drafters = speculative_drafters(args.speculative_config) if args.speculative_config is not None else None
+    extra = [f"MODEL {args.model}"] if args.model else []
+    extra += ["--speculative-config"] if drafters is not None else []
+    extra += [f"--drafter {d}" for d in args.drafter or []] + [f"--param {p}" for p in args.param or []]
+    source = (args.pool or "the serving pool") + (" with " + ", ".join(extra) if extra else "")
+    base_dir = str(Path(args.pool).resolve().parent) if args.pool else None
+    recipe = PoolEngine(pool_overrides(args, default, drafters), source, base_dir, args.threads)
+    config = recipe.check()
+    if args.max_model_len is not None:
+        from metasd.models import context_length
+
+        limit = context_length(config.verifier.model)
+        if limit is not None and args.max_model_len > limit:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the context of {config.verifier.model} "
+                             f"({limit} tokens)")
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -191,44 +268,61 @@ def serve_command(args) -> int:
         return 2
     _check_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("METASD_API_KEY") or None
-    from metasd.config import default_serve_pool_path
-
-    recipe = PoolEngine(args.pool if args.pool is not None else str(default_serve_pool_path()), args.threads)
-    config = recipe.check()
-    model_name = args.model_name or config.verifier.model
+    recipe = pool_recipe(args)
+    config = recipe.parse()
+    model_name = args.model_name or args.model or config.verifier.model
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
                                  read_cost_profile(args.cost_profile, config), args.kv_budget)
+    app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
-        return serve_with_ray(recipe, settings, model_name, api_key, args.replicas, args.host, args.port,
+        return serve_with_ray(recipe, settings, model_name, app_options, args.replicas, args.host, args.port,
                               args.ray_address, args.drain_timeout)
-    return _serve_here(recipe, settings, model_name, api_key, args)
+    return _serve_here(recipe, settings, model_name, app_options, args)
 
 
-def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, api_key: str | None, args) -> int:
+@dataclass(frozen=True)
+class AppOptions:
+    """``create_app``'s options from the command line (picklable, for Ray replicas)."""
+
+    api_key: str | None = None
+    max_model_len: int | None = None
+    metrics_require_key: bool = False
+    access_log: bool = True
+
+    def kwargs(self) -> dict:
+        return {"api_key": self.api_key, "max_model_len": self.max_model_len,
+                "metrics_require_key": self.metrics_require_key, "access_log": self.access_log}
+
+
+def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, options: AppOptions, args) -> int:
     import uvicorn
 
     from metasd.serve.app import create_app
     from metasd.serve.server import DrainingServer
+    from metasd.serve.stats_log import StatsLogger, log_to_stderr
 
-    print(f"[metasd serve] loading {recipe.pool or 'the default pool'}", file=sys.stderr, flush=True)
+    log_to_stderr()
+    print(f"[metasd serve] loading {recipe.source}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     engine = recipe()
     scheduler = settings.make(engine)
     cache = scheduler.verifier.cache
     print(f"[metasd serve] loaded in {time.perf_counter() - t0:.1f} s; serving {model_name!r} (batch "
           f"{settings.max_batch}, queue {settings.max_queue}, KV budget {cache.budget_bytes / 2**20:.0f} MiB = "
-          f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, auth {'on' if api_key else 'off'})",
-          file=sys.stderr, flush=True)
-    app = create_app(scheduler, model_name, api_key, max_body_bytes=args.max_body_bytes)
+          f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, auth "
+          f"{'on' if options.api_key else 'off'})", file=sys.stderr, flush=True)
+    app = create_app(scheduler, model_name, max_body_bytes=args.max_body_bytes, **options.kwargs())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,
-                            lifespan="off")
+                            lifespan="off", access_log=False)
     server = DrainingServer(config, app.state.serve, scheduler, args.drain_timeout)
+    stats = StatsLogger(app.state.serve.metrics, scheduler, args.log_stats_interval).start()
     try:
         server.run()
     finally:
+        stats.stop()
         scheduler.close()
     print("[metasd serve] stopped", file=sys.stderr, flush=True)
     return 0

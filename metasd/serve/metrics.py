@@ -7,7 +7,11 @@ counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_ac
 the gauges ``vllm:num_requests_waiting`` (the queue) and ``vllm:num_requests_running`` (the batch), the
 ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` counters and ``vllm:request_success`` (label ``finished_reason``);
 plus ``metasd:drafter_choices`` (label ``drafter``):
-how many request-steps each drafter drafted. Each server has its own ``CollectorRegistry``.
+how many request-steps each drafter drafted; ``vllm:kv_cache_usage_perc`` (the KV memory held, a fraction of the
+budget). Beside them, as vLLM's server exposes them: the process's own metrics (``process_*``, ``python_gc_*``,
+``python_info``) and ``http_requests_total`` (labels ``handler``, ``method``, ``status`` as ``2xx``...) with
+``http_request_duration_seconds``, prometheus-fastapi-instrumentator's names. Each server has its own
+``CollectorRegistry``.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # vLLM's buckets for these histograms
@@ -45,7 +50,18 @@ class ServeMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
-        self._values = values
+        self._values, self.labels = values, dict(zip(labels, values))
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: this process's
+            try:
+                r.register(collector)
+            except ValueError:  # pragma: no cover - already there
+                pass
+        self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                     ["method", "status", "handler"], registry=r)
+        self.http_duration = Histogram("http_request_duration_seconds", "Latency of HTTP requests by handler.",
+                                       ["method", "handler"], registry=r)
+        self.kv_usage_gauge = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of the KV budget held "
+                                                                "(1 = full).", labels, registry=r).labels(*values)
         self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts (request-steps that "
                                                              "verified a draft).")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens (tree nodes).")
@@ -77,9 +93,24 @@ class ServeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def attach(self, scheduler) -> None:
+        self._scheduler = scheduler
         self.waiting.set_function(lambda: scheduler.queue_length)
         self.running.set_function(lambda: scheduler.running)
+        self.kv_usage_gauge.set_function(lambda: self.kv_usage() or 0.0)
         scheduler.add_listener(self.on_record)
+
+    def kv_usage(self) -> float | None:
+        """The KV memory held as a fraction of the budget (None: no budget, or not attached)."""
+        try:
+            cache = self._scheduler.verifier.cache
+            return cache.held_bytes / cache.budget_bytes if cache.budget_bytes else None
+        except (AttributeError, RuntimeError):  # not attached; the reservations changed while summed
+            return None
+
+    def observe_http(self, method: str, handler: str, status: int, seconds: float) -> None:
+        """One answered HTTP request (``handler``: the route, or ``none`` for a path the app does not serve)."""
+        self.http_requests.labels(method, f"{status // 100}xx", handler).inc()
+        self.http_duration.labels(method, handler).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,13 @@
-"""The request bodies the server accepts, as pydantic models that refuse unknown fields and wrong types (``strict``:
-``"5"`` is not an integer), and refuse the OpenAI options metasd cannot honour (``n > 1``, ``logprobs``, a
-``logit_bias``, a JSON ``response_format``, penalties) instead of silently ignoring them (docs/serving.md#requests).
+"""The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
+integer) and the options metasd cannot honour, which would change the output (``n > 1``, ``logprobs``, a
+``logit_bias``, a JSON ``response_format``, penalties, ``tools``, ...: ``refused_field``), instead of silently
+ignoring them; other fields it does not know (``store``, ``metadata``, ``user``, ``parallel_tool_calls``, ...) change
+nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
+(docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,6 +21,72 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class Lenient(BaseModel):
+    """Unknown fields are kept aside (``model_extra``): refused when they would change the output, else ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def _off(*values):
+    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in (None, *values))
+
+
+#: fields metasd does not implement that would change the output: refused unless given their "off" value
+REFUSED = {
+    "tools": (_off([]), "tool calls are not supported"),
+    "tool_choice": (_off("none", "auto"), "tool calls are not supported (only tool_choice 'none' or 'auto' with no "
+                                          "tools)"),
+    "functions": (_off([]), "function calls are not supported"),
+    "function_call": (_off("none", "auto"), "function calls are not supported"),
+    "tool_calls": (_off([]), "tool calls in messages are not supported"),
+    "repetition_penalty": (_off(1, 1.0), "penalties change the verifier's distribution: only 1 is served"),
+    "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
+    "min_tokens": (_off(0), "min_tokens is not supported (only 0)"),
+    "ignore_eos": (_off(False), "ignore_eos is not supported (only false)"),
+    "stop_token_ids": (_off([]), "stop_token_ids is not supported: use stop"),
+    "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
+    "prompt_logprobs": (_off(0), "logprobs are not supported"),
+    "guided_json": (_off(), "structured output is not supported"),
+    "guided_regex": (_off(), "structured output is not supported"),
+    "guided_choice": (_off(), "structured output is not supported"),
+    "guided_grammar": (_off(), "structured output is not supported"),
+    "structured_outputs": (_off(), "structured output is not supported"),
+    "modalities": (_off(["text"]), "only text output is served"),
+    "audio": (_off(), "only text output is served"),
+    "web_search_options": (_off(), "web search is not supported"),
+    "chat_template": (_off(), "only the model's own chat template is served"),
+    "chat_template_kwargs": (_off({}), "chat_template_kwargs are not supported"),
+    "add_generation_prompt": (_off(True), "add_generation_prompt is not supported (only true)"),
+    "continue_final_message": (_off(False), "continue_final_message is not supported (only false)"),
+}
+
+
+def _extras(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
+    """(path, value) of every unknown field in ``model`` and the models inside it (``messages.[0].refusal``)."""
+    out = [(prefix + k, v) for k, v in (model.model_extra or {}).items()]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                out += _extras(item, f"{prefix}{name}." + (f"[{i}]." if i is not None else ""))
+    return out
+
+
+def refused_field(req: BaseModel) -> tuple[str, str] | None:
+    """The first unknown field that would change the output, as (path, why); None when there is none."""
+    for path, value in _extras(req):
+        rule = REFUSED.get(path.rpartition(".")[2])
+        if rule and not rule[0](value):
+            return path, f"{rule[1]}, got {path}={value!r}"
+    return None
+
+
+def ignored_fields(req: BaseModel) -> list[str]:
+    """The unknown fields of ``req`` (paths), accepted and not used: for the server's warning."""
+    return [path for path, _ in _extras(req)]
+
+
 class MetasdOptions(_Strict):
     """metasd's own per-request options, in the extension field ``metasd`` (the openai client sends it with
     ``extra_body={"metasd": {...}}``): the drafter to use (a name of the pool), the most draft tokens a step may
@@ -28,21 +97,21 @@ class MetasdOptions(_Strict):
     speculate: bool = True
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Lenient):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage (and no choices)."""
 
     include_usage: bool = False
     include_obfuscation: bool | None = None  # newer clients send it; streams here carry no obfuscation padding
 
 
-class TextPart(_Strict):
+class TextPart(Lenient):
     """One part of a message's content given as a list: only text parts are served."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Lenient):
     """One chat message; the content as a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -53,10 +122,17 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Lenient):
     """``response_format``: only plain text is served (no JSON mode, no schemas)."""
 
-    type: Literal["text"]
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text(cls, v):
+        if v != "text":
+            raise ValueError(f"structured output is not supported: only {{'type': 'text'}} is served, got {v!r}")
+        return v
 
 
 def _only(value, allowed, what: str):
@@ -65,7 +141,7 @@ def _only(value, allowed, what: str):
     return value
 
 
-class _Common(_Strict):
+class _Common(Lenient):
     """Fields both routes take."""
 
     model: str
@@ -78,7 +154,6 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

@@ -21,15 +21,16 @@ class MetasdReplica:
     """One replica: an engine built from ``recipe``, a running scheduler, and the app over them. Its responses carry
     ``x-metasd-server`` (the replica's id), so a client can tell which replica answered."""
 
-    def __init__(self, recipe, settings, model_name: str, api_key: str | None):
+    def __init__(self, recipe, settings, model_name: str, options):
         self.scheduler = settings.make(recipe())
-        self.model_name, self.api_key = model_name, api_key
+        self.model_name, self.options = model_name, options
         self.replica_id = _replica_id()
 
     def __serve_build_asgi_app__(self):  # Ray Serve calls it after __init__ (serve.ingress() without an app)
         from metasd.serve.app import create_app
 
-        return create_app(self.scheduler, self.model_name, self.api_key, server_id=self.replica_id)
+        options = self.options.kwargs() if self.options is not None else {}
+        return create_app(self.scheduler, self.model_name, server_id=self.replica_id, **options)
 
     def __del__(self):  # Ray Serve stops a replica after its graceful_shutdown_timeout_s
         scheduler = getattr(self, "scheduler", None)
@@ -46,10 +47,11 @@ def _replica_id() -> str:
         return f"pid{os.getpid()}"
 
 
-def build_app(recipe, settings, model_name: str, api_key: str | None = None, replicas: int = 1,
+def build_app(recipe, settings, model_name: str, options=None, replicas: int = 1,
               num_gpus: float | None = None, drain_timeout: float = 30.0):
     """The Ray Serve application (``serve.run`` it): ``replicas`` replicas, each with ``num_gpus`` (default: 1 where
-    the cluster has a GPU for every replica, else none)."""
+    the cluster has a GPU for every replica, else none); ``options``: ``metasd.serve.cli.AppOptions`` (the API key,
+    ...; None: none set)."""
     import ray
     from ray import serve
 
@@ -59,10 +61,10 @@ def build_app(recipe, settings, model_name: str, api_key: str | None = None, rep
         serve.ingress()(MetasdReplica), name="MetasdReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": 1, "num_gpus": num_gpus},
         max_ongoing_requests=settings.max_batch + settings.max_queue, graceful_shutdown_timeout_s=drain_timeout)
-    return deployment.bind(recipe, settings, model_name, api_key)
+    return deployment.bind(recipe, settings, model_name, options)
 
 
-def serve_with_ray(recipe, settings, model_name: str, api_key: str | None, replicas: int, host: str, port: int,
+def serve_with_ray(recipe, settings, model_name: str, options, replicas: int, host: str, port: int,
                    address: str | None, drain_timeout: float = 30.0) -> int:
     """Start (or join) Ray, run the application, serve until SIGTERM / SIGINT, then shut Ray Serve down."""
     try:
@@ -73,7 +75,7 @@ def serve_with_ray(recipe, settings, model_name: str, api_key: str | None, repli
         return 2
     ray.init(address=address, include_dashboard=False) if address else ray.init(include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(recipe, settings, model_name, api_key, replicas, drain_timeout=drain_timeout),
+    serve.run(build_app(recipe, settings, model_name, options, replicas, drain_timeout=drain_timeout),
               name=APP_NAME, route_prefix="/")
     print(f"[metasd serve] {replicas} Ray Serve replica(s) serving {model_name!r} on http://{host}:{port}",
           file=sys.stderr, flush=True)
