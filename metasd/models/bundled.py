@@ -368,6 +368,7 @@ def bundled_status() -> list[dict]:
                 "description": entry.description,
                 "tokenizer": entry.tokenizer,
                 "packages": list(entry.packages),
+                "extra": entry.extra,
                 "packages_installed": not missing,
                 "missing_packages": [entry.packages[i] for i in missing],
                 "cached": cached,
