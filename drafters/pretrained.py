@@ -10,13 +10,14 @@ from typing import Any, Sequence
 import torch
 from pydantic import Field, model_validator
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
                                           StepFeedback, check_params, register_drafter)
 from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.core.execution.kv_cache import cache_kwargs, crop_to
+from metasd.core.execution.static_cache import StaticKVCache, new_cache
 from metasd.models import ModelLoadError, config_eos_ids
 from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.decoding.sampling import process_logits, sample
@@ -85,29 +86,6 @@ class DraftHead(nn.Module):
         reduced = self.head(h)  # [rows, N]
         full = reduced.new_full((reduced.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.token_ids, reduced)
-
-
-def new_cache(model) -> DynamicCache:
-    """A KV cache for ``model``'s forwards. Its sliding-window layers (Gemma 3) keep the positions past the window
-    until a crop, so that drafted positions can be cropped away once the window is full."""
-    cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
-            layer.activate_past_recording()
-    return cache
-
-
-def can_crop(cache: DynamicCache, remove: int) -> bool:
-    """Whether ``remove`` positions can be cropped from the end of ``cache``: a sliding-window layer that has filled
-    its window must still hold every position the window keeps after the crop (it drops older ones at a crop)."""
-    for layer in cache.layers:
-        window = getattr(layer, "sliding_window", None)
-        if not getattr(layer, "is_sliding", False) or window is None or getattr(layer, "keys", None) is None:
-            continue
-        total = int(getattr(layer, "cumulative_length", 0))
-        if total >= window and layer.keys.shape[-2] - remove < min(window - 1, total - remove):
-            return False
-    return True
 
 
 class PretrainedParams(DrafterParams):
@@ -195,7 +173,7 @@ class PretrainedDrafter(Drafter):
         self.confidence_threshold = confidence_threshold
         self.adaptive_k = adaptive_k
         self.k_min, self.k_max = k_min, k_max
-        self.cache: DynamicCache | None = None
+        self.cache: StaticKVCache | None = None
         self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
         self._unread = 0  # draft tokens fed from the device and not read yet (they follow cached_ids in the cache)
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
@@ -219,7 +197,7 @@ class PretrainedDrafter(Drafter):
         return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 
     def begin(self, ctx: StepContext) -> None:
-        self.cache = new_cache(self.model)
+        self.cache = new_cache(self.model, name=self.name)
         self.cached_ids = []
         self._root = None
         self.k = self.k_initial
@@ -277,10 +255,8 @@ class PretrainedDrafter(Drafter):
 
     def _crop_to_common_prefix(self, tokens: list[int], keep_at_most: int) -> int:
         """Crop the cache to its common prefix with ``tokens`` (at most ``keep_at_most`` positions); the positions
-        kept. A cache whose sliding window dropped what the crop needs starts over."""
+        kept (a sliding-window layer keeps every position too, so any crop can be made)."""
         keep = min(common_prefix_len(self.cached_ids, tokens), keep_at_most)
-        if not can_crop(self.cache, len(self.cached_ids) - keep):
-            self.cache, self.cached_ids, keep = new_cache(self.model), [], 0
         crop_to(self.cache, keep)
         del self.cached_ids[keep:]
         return keep

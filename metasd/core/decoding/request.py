@@ -219,7 +219,8 @@ class Request:
     def _start(self) -> None:
         """Prefill the verifier, lay out the context buffer, start the drafters and the policy's episode."""
         self.open()
-        self.verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), self.engine.hidden_layers)
+        self.verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), self.engine.hidden_layers,
+                              reserve=len(self.prompt_ids) + self.max_new_tokens)
         self.prefilled()
 
     def open(self) -> None:

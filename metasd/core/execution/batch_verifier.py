@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .batch_cache import BatchCache
 from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
+from .static_cache import new_cache
 from .tree import Draft, ancestor_mask
 from .verifier import Verifier, VerifierOutput
 
@@ -90,7 +91,7 @@ class Prefill:
         self.ids = list(token_ids)
         self.layers = tuple(sorted(set(layers)))
         self.hidden = HiddenStore(self.layers) if self.layers else None
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model, len(self.ids), verifier.name)
         self.done = 0
         if not self.ids and self.hidden is not None:
             self.hidden.append({layer: torch.empty(0, verifier.hidden_size, dtype=verifier.dtype, device=self.device)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .hidden import HiddenStore
 from .hooks import contiguous_lm_head_input
 from .kv_cache import cache_kwargs, cache_length, keep_positions
+from .static_cache import StaticKVCache, new_cache
 from .staging import to_device
 from .tree import Draft, ancestor_mask
 
@@ -41,7 +42,7 @@ class Verifier:
         self.model = contiguous_lm_head_input(model.eval())
         self.tokenizer = tokenizer
         self.name = name
-        self.cache: DynamicCache | None = None
+        self.cache: StaticKVCache | None = None
         self.hidden: HiddenStore | None = None
         self.hidden_layers: tuple[int, ...] = ()
         self._block_start: int | None = None  # cached positions before the block last verified, until its commit
@@ -63,16 +64,18 @@ class Verifier:
         """Number of positions in the KV cache (committed tokens minus the pending one)."""
         return 0 if self.cache is None else cache_length(self.cache)
 
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+    def reset(self, reserve: int = 0) -> None:
+        """A new, empty KV cache with room for ``reserve`` positions."""
+        self.cache = new_cache(self.model, reserve, self.name)
         self.hidden = None
         self._block_start = None
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = ()) -> None:
+    def prefill(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = (), reserve: int = 0) -> None:
         """Start a request: cache ``token_ids`` (every prompt token but the last, which stays pending) and, for
-        ``hidden_layers``, their hidden states in ``self.hidden``. token_ids: [T] int64."""
-        self.reset()
+        ``hidden_layers``, their hidden states in ``self.hidden``. token_ids: [T] int64. ``reserve``: the positions
+        the request may reach (its KV buffers are allocated that wide now; a forward past them grows them)."""
+        self.reset(max(reserve, len(token_ids)))
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.hidden = HiddenStore(self.hidden_layers) if self.hidden_layers else None
         if len(token_ids) == 0:

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..execution.clock import now
 from ..execution.kv_cache import cache_kwargs, crop_to
+from ..execution.static_cache import StaticKVCache, new_cache
 
 #: A measured time may fall below an earlier (fewer-token) one by noise, but not below this fraction of it: a forward
 #: over more tokens that takes less than half the time of one over fewer is a broken measurement (a warm-up that
@@ -229,13 +230,14 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     model.eval()
     try:
         if prefill:
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model, longest)
             model(input_ids=ids[:, :context].to(device), **cache_kwargs(model, cache), use_cache=True,
                   logits_to_keep=1)
             if rows > 1:
                 cache.batch_repeat_interleave(rows)  # every row the same context
         else:
             cache = _random_cache(model, cfg, rows, context, gen)
+            cache.reserve(longest)  # no timed forward grows the buffers
 
         def timed(n: int) -> float:
             inputs = _forward_inputs(ids, rows, context, n // rows, mask, device)
@@ -272,13 +274,13 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     return ForwardProfile(tokens=counts[: len(medians)], seconds=tuple(medians), name=name, meta=meta)
 
 
-def _random_cache(model: PreTrainedModel, cfg: Any, rows: int, context: int, gen: torch.Generator) -> DynamicCache:
+def _random_cache(model: PreTrainedModel, cfg: Any, rows: int, context: int, gen: torch.Generator) -> StaticKVCache:
     """A cache of ``context`` positions per row holding random keys and values: per layer [rows, kv heads, context,
     head dim] in the model's dtype, on its device (the shapes a prefill would leave in a full-attention decoder)."""
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model, context + 1)
     for layer in range(int(cfg.num_hidden_layers)):
         k, v = (torch.randn(rows, kv_heads, context, head_dim, generator=gen).to(model.device, model.dtype)
                 for _ in range(2))  # [rows, kv_heads, context, head_dim]
