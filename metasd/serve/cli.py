@@ -270,7 +270,7 @@ def serve_command(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("METASD_API_KEY") or None
     recipe = pool_recipe(args)
     config = recipe.parse()
-    model_name = args.model_name or args.model or config.verifier.model
+    model_name = served_model_name(args, config)
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
                                  read_cost_profile(args.cost_profile, config), args.kv_budget)
@@ -281,6 +281,11 @@ def serve_command(args) -> int:
         return serve_with_ray(recipe, settings, model_name, app_options, args.replicas, args.host, args.port,
                               args.ray_address, args.drain_timeout)
     return _serve_here(recipe, settings, model_name, app_options, args)
+
+
+def served_model_name(args, config) -> str:
+    """The id clients send in ``model``: --served-model-name, else MODEL as given, else the pool's verifier."""
+    return args.model_name or args.model or config.verifier.model
 
 
 @dataclass(frozen=True)
