@@ -116,7 +116,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
         raise ConfigError(str(e)) from None
     models = models or ModelCache(config.verifier.device)
     v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype, config.verifier.quantize)
-    verifier = Verifier(v_model, v_tok, name=config.verifier.model)
+    verifier = Verifier(v_model, v_tok, name=config.verifier.model, graphs=config.verifier.graphs)
     drafters = []  # the arms the policy chooses among
     built: dict[str, Any] = {}  # every entry, by name (entries that others draft with included)
     for i, d in enumerate(config.drafters):

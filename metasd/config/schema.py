@@ -32,6 +32,15 @@ class VerifierConfig(_Strict):
     device: str | None = None
     #: weight-only quantization of the verifier: the output is then exactly the quantized model's
     quantize: Quantize = "none"
+    #: verify forwards replayed from CUDA graphs at fixed shapes: auto = where the verifier is on CUDA; on = required
+    #: (refused on another device); off = eager (docs/architecture.md, "The execution layer")
+    graphs: Literal["auto", "on", "off"] = "auto"
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> "VerifierConfig":
+        if self.graphs == "on" and self.device is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"graphs: 'on' needs a CUDA device; device is {self.device!r} (use 'auto' or 'off')")
+        return self
 
 
 class DrafterConfig(_Strict):

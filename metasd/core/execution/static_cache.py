@@ -26,7 +26,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from .kv_memory import RESERVATION_BUCKET, bucketed
+from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 
 #: layer types whose keys and values this cache holds
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -91,6 +91,12 @@ class StaticLayer(CacheLayerMixin):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: [rows, kv_heads, n, head_dim], written at positions length..length+n-1; returns
         the keys and values of positions 0..length+n-1."""
+        fixed = self.owner.fixed
+        if fixed is not None:  # a fixed-shape forward (graph_runner.py): positions and width from its static buffers
+            write, width = fixed  # [n] device int64, W
+            self.k_buf.index_copy_(2, write, key_states)
+            self.v_buf.index_copy_(2, write, value_states)
+            return self.k_buf[:, :, :width], self.v_buf[:, :, :width]
         n = key_states.shape[-2]
         end = self.length + n
         if self.k_buf is None:
@@ -143,6 +149,9 @@ class StaticKVCache(Cache):
         self.layers = [StaticLayer(self, window if t == "sliding_attention" else None) for t in types]
         self.bucket = bucket
         self.reserved = 0
+        #: set by a fixed-shape forward (``graph_runner.py``) while it runs: (write positions [n] on the device, the
+        #: attended width W); each layer then writes there and returns ``[:, :, :W]``, leaving the lengths to the runner
+        self.fixed: tuple[torch.Tensor, int] | None = None
         if reserve:
             self.reserve(reserve)
 
@@ -157,6 +166,30 @@ class StaticKVCache(Cache):
     @property
     def capacity(self) -> int:
         return min((layer.capacity for layer in self.layers), default=0)
+
+    @property
+    def allocated(self) -> bool:
+        return all(layer.k_buf is not None for layer in self.layers)
+
+    def allocate(self, geometry: KVGeometry, rows: int = 1) -> None:
+        """Allocate the layers not allocated yet, ``reserved`` positions wide (a fixed-shape forward's cache is never
+        allocated inside the forward)."""
+        like = torch.empty(rows, geometry.kv_heads, 0, geometry.head_dim, dtype=geometry.dtype, device=geometry.device)
+        for layer in self.layers:
+            if layer.k_buf is None:
+                layer.allocate(like, like, max(self.reserved, self.bucket))
+
+    def set_length(self, length: int) -> None:
+        """Every layer holds ``length`` positions (after a fixed-shape forward wrote them; or 0: reuse the buffers for
+        a new sequence)."""
+        if length > self.capacity:
+            raise ValueError(f"StaticKVCache: a length of {length} positions; the buffers hold {self.capacity}")
+        for layer in self.layers:
+            layer.length = length
+
+    def buffers(self) -> tuple[int, ...]:
+        """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
+        return tuple(ptr for layer in self.layers for ptr in (layer.k_buf.data_ptr(), layer.v_buf.data_ptr()))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0

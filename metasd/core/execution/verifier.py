@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from .graph_runner import GraphRunner, resolve_graphs
 from .hidden import HiddenStore
 from .hooks import contiguous_lm_head_input
 from .kv_cache import cache_kwargs, cache_length, keep_positions
@@ -36,12 +37,21 @@ class Verifier:
 
     ``hidden`` holds, for the layers asked for at ``prefill``, the verifier's hidden states at every cached
     position (None when no layer was asked for): drafters that read verifier states get it as ``ctx.hidden``.
+
+    ``graphs`` ("auto", "on", "off"): verify forwards replayed from CUDA graphs at fixed shapes (``graph_runner.py``);
+    auto = where the model is on CUDA. ``fixed_shapes`` runs those shapes and buffers eagerly without capturing (the
+    CPU check of the graph path; default: as ``graphs`` resolves). With fixed shapes the KV buffers are kept from one
+    request to the next (the graphs read them by address).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "verifier"):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "verifier", *, graphs: str = "auto",
+                 fixed_shapes: bool | None = None):
         self.model = contiguous_lm_head_input(model.eval())
         self.tokenizer = tokenizer
         self.name = name
+        self.capture = resolve_graphs(graphs, model.device, name)
+        self.fixed_shapes = self.capture if fixed_shapes is None else (fixed_shapes or self.capture)
+        self.runner: GraphRunner | None = None
         self.cache: StaticKVCache | None = None
         self.hidden: HiddenStore | None = None
         self.hidden_layers: tuple[int, ...] = ()
@@ -65,8 +75,12 @@ class Verifier:
         return 0 if self.cache is None else cache_length(self.cache)
 
     def reset(self, reserve: int = 0) -> None:
-        """A new, empty KV cache with room for ``reserve`` positions."""
-        self.cache = new_cache(self.model, reserve, self.name)
+        """An empty KV cache with room for ``reserve`` positions (with fixed shapes: the same buffers, emptied)."""
+        if self.fixed_shapes and self.cache is not None:
+            self.cache.set_length(0)
+            self.cache.reserve(reserve)
+        else:
+            self.cache = new_cache(self.model, reserve, self.name)
         self.hidden = None
         self._block_start = None
 
@@ -93,6 +107,13 @@ class Verifier:
         if self.hidden is not None:
             self.hidden.append(self._select_hidden(out))
 
+    def _fixed_runner(self) -> GraphRunner:
+        """The fixed-shape runner over this cache, for the hidden layers of this request."""
+        r = self.runner
+        if r is None or r.cache is not self.cache or r.hidden_layers != self.hidden_layers:
+            self.runner = r = GraphRunner(self.model, self.cache, capture=self.capture, hidden_layers=self.hidden_layers)
+        return r
+
     @torch.inference_mode()
     def verify(self, pending: int, draft: Draft) -> VerifierOutput:
         """Score [pending] + draft in one forward; a tree uses an ancestor-only 4-D mask.
@@ -104,6 +125,12 @@ class Verifier:
         if self._block_start is not None:
             raise RuntimeError("Verifier.verify called twice without a commit in between")
         past = self._block_start = self.cached
+        if self.fixed_shapes and len(draft) + 1 <= self._fixed_runner().largest:
+            tokens = torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens])  # [n+1]
+            depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
+            block = ancestor_mask(draft.parents)  # [n+1, n+1]; a chain's is lower-triangular
+            logits, hidden = self.runner.forward(tokens, depth, block)
+            return VerifierOutput(logits, hidden)
         ids = to_device(torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens]), self.device)[None]  # [1, n+1]
         kwargs = {}
         if len(draft) and not draft.is_chain:
