@@ -370,13 +370,13 @@ def test_metasd_serve_without_a_pool_serves_the_adaptive_pool(monkeypatch):
     from metasd.serve import cli as serve_cli
 
     got = {}
-    monkeypatch.setattr(serve_cli, "_serve_here", lambda recipe, settings, *a: got.update(pool=recipe.pool,
+    monkeypatch.setattr(serve_cli, "_serve_here", lambda recipe, settings, *a: got.update(recipe=recipe,
                                                                                          settings=settings) or 0)
     assert main(["serve"]) == 0
-    assert got["pool"] == str(default_serve_pool_path())
+    assert got["recipe"].parse() == read_pool_config(default_serve_pool_path())
     assert default_serve_pool_path().read_text() == open("configs/pools/serve_adaptive.yaml").read()  # packaged
     assert got["settings"].adaptive["adaptive"] and got["settings"].adaptive["price_drafting"]
-    assert read_pool_config(got["pool"]).arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
+    assert got["recipe"].parse().arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
 
 
 def _caught_up_arm(adaptive, rate=0.5):
