@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_prompts(SimpleNamespace(questions=args.questions, groups=args.groups, per_group=args.per_group,
                                              copy_heavy=args.copy_heavy))
     prompts = [q.turns[0] for q in questions]
-    recipe = PoolEngine(args.pool, args.threads)
+    recipe = PoolEngine.from_file(args.pool, args.threads)
     config = recipe.check()  # a bad pool file fails here, before any model loads
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(max(args.concurrency), 64, False, serving,
