@@ -21,7 +21,10 @@ still run; every result is written as it comes):
    (``set_sync_debug_mode``). Each its own process and file, written after every row.
 6. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
 
-CUDA graphs and static caches are not built: every figure is eager. On a machine without the packages metasd needs
+Section 5 runs every tokens/step row twice - the verifier's verify forwards eager (``graphs: off``) and replayed from
+CUDA graphs (``on``; the dry run: ``fixed``, the same buffers eagerly) - and times transformers' static-cache
+``generate`` (compiled on CUDA: the strongest plain baseline) beside each; the drafters' forwards stay eager. On a
+machine without the packages metasd needs
 (pydantic and its own needs; benchmarks/gpu_wheels.md), install the carried wheels first; metasd itself is imported
 from the checkout (``metasd_layout``).
 """
@@ -202,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes and a few tests: the CPU dry run (seconds)")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for gpu_check.json/.log")
-    p.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time (sections are cut to fit)")
+    p.add_argument("--budget-s", type=float, default=460.0, help="the whole run's time (sections are cut to fit)")
     p.add_argument("--new-tokens", type=int, default=96, help="new tokens per request in the overhead rows")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                    help="run only these (a rerun of what a first run left undone)")
     p.add_argument("--fake-syncs", action="store_true", help=argparse.SUPPRESS)  # section 3, in its own process
     args = p.parse_args(argv)
 
-    taus = [2] if args.quick else [2, 4, 6]
+    taus = [2] if args.quick else [4, 2, 6]  # 4 first: the issue's row if the time runs out
     trees = ["2:4"] if args.quick else ["4:8", "6:16", "8:32:int4"]
     if args.fake_syncs:
         print(json.dumps(fake_syncs(taus, trees)))
@@ -263,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     if args.quick:
         plans = {"tiny": ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees, "--new-tokens", "8",
-                          "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3"]}
+                          "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3",
+                          "--graphs", "off", "fixed", "--static"]}  # fixed: the graph runner's buffers, eager
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
         rows = ["--forward-rows", "1", "2", "4", "8", "16", "32"]
-        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *rows, *common],
-                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *rows, *common],
+        graphs = ["--graphs", "off", "on", "--static"]  # eager and captured verify forwards, beside compiled generate
+        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *rows, *graphs, *common],
+                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *rows, *graphs, *common],
                  "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, *common]}
         plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
     reserve = 0 if args.quick else 60  # for the sampling tests after
@@ -320,8 +325,9 @@ def _summary(results: dict) -> dict:
     for shape, run in s.get("overhead", {}).items():
         for sh in (run.get("figures") or {}).get("shapes", []):
             for row in sh["rows"]:
-                what = f"tau {row['tokens_per_step']}" if "tokens_per_step" in row else \
-                    f"tree {row['depth']}:{row['nodes']}{':' + row['quantize'] if row.get('quantize') else ''}"
+                what = (f"tau {row['tokens_per_step']} graphs {row.get('graphs_setting', 'off')}"
+                        if "tokens_per_step" in row else
+                        f"tree {row['depth']}:{row['nodes']}{':' + row['quantize'] if row.get('quantize') else ''}")
                 if "failed" in row:
                     lines.append(f"{sh['shape']} {what}: FAILED {row['failed']}")
                     continue
@@ -329,7 +335,10 @@ def _summary(results: dict) -> dict:
                 gpu_syncs = row.get("cuda_sync_warnings_per_step")
                 lines.append(
                     f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine {row['engine_share']:.0%}, "
-                    f"{row['speedup_over_transformers']:.2f}x transformers, syncs/step "
+                    f"{row['speedup_over_transformers']:.2f}x transformers"
+                    + (f", {row['speedup_over_static']:.2f}x static-cache generate" if "speedup_over_static" in row
+                       else "")
+                    + ", syncs/step "
                     + (f"cuda {gpu_syncs:.2f}" if gpu_syncs is not None else "cuda -")
                     + (f", fake {fake_row['per_step']:.2f}" if fake_row else ""))
     return {"ok": results.get("ok"), "rows": lines,

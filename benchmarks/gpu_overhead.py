@@ -30,7 +30,10 @@ How it is measured (each a rule that an earlier version broke):
     python benchmarks/gpu_overhead.py --shapes 1.5b 8b --taus 2 4 6 --new-tokens 128 --trees 4:8 6:16 8:32 \
         --out $OUT/gpu_overhead.json
 
-CUDA graphs and static caches are not built (see BENCHMARKS.md): every run here is eager.
+``--graphs off on`` runs each tokens/step row with the verifier's verify forwards eager and replayed from CUDA graphs
+(``metasd/core/execution/graph_runner.py``; the drafters' forwards stay eager); ``--static`` times transformers'
+static-cache ``generate`` (which transformers compiles on CUDA: the strongest plain baseline) beside every row, its
+first call (the compilation) reported apart as ``static_compile_s``.
 """
 from __future__ import annotations
 
@@ -283,10 +286,20 @@ def _spread(values: list[float]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- one row
 
+def static_generate(model, prompt, n):
+    """transformers' strongest plain decoding: ``generate`` over a static KV cache, whose decode step transformers
+    compiles on CUDA (``torch.compile``, CUDA graphs; not on a CPU). The cache length is the same for every call of a
+    shape (one prompt length, ``n`` fixed), so it compiles once."""
+    return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, cache_implementation="static")
+
+
 def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer, target_tau=None,
-                warm_plain: bool = True) -> dict:
-    """Time metasd (``engine``) against transformers' ``generate`` of ``model`` for ``n`` new tokens; check both give
-    ``reference``, and, with ``target_tau``, that every step but the last committed that many tokens."""
+                warm_plain: bool = True, static: bool = False) -> dict:
+    """Time metasd (``engine``) against transformers' ``generate`` of ``model`` for ``n`` new tokens (and, with
+    ``static``, its static-cache compiled ``generate``: the strongest plain baseline); check each gives ``reference``,
+    and, with ``target_tau``, that every step but the last committed that many tokens. The methods' order rotates
+    per repeat."""
     want = reference[:n]
     row: dict = {}
 
@@ -308,19 +321,26 @@ def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer
         return None
 
     try:
-        ours()  # warm-up (allocator, kernels' first calls)
+        seconds, _ = timed(ours, device)  # warm-up (allocator, kernels' first calls, graph captures)
+        row["metasd_warmup_s"] = seconds
         if warm_plain:
             plain()
-        metasd_s, plain_s, decode_s, steps = [], [], [], []
+        methods = [("ours", ours), ("plain", plain)]
+        if static:
+            seconds, _ = timed(lambda: static_generate(model, prompt, n), device)  # compiles here (CUDA)
+            row["static_compile_s"] = seconds
+            row["static_compiled"] = hasattr(model, "_compiled_call")
+            methods.append(("static", lambda: static_generate(model, prompt, n)))
+        metasd_s, plain_s, static_s, decode_s, steps = [], [], [], [], []
         for r in range(repeats):
-            order = (("ours", ours), ("plain", plain)) if r % 2 == 0 else (("plain", plain), ("ours", ours))
+            order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotated: each method leads in turn
             for name, fn in order:
                 seconds, out = timed(fn, device)
-                if name == "plain":
+                if name in ("plain", "static"):
                     if out[0, prompt.shape[1]:].tolist() != want:
-                        raise AssertionError("transformers' tokens differ from the recording (a nondeterministic "
-                                             "kernel?)")
-                    plain_s.append(seconds)
+                        raise AssertionError(f"transformers' {name} tokens differ from the recording (a "
+                                             f"nondeterministic kernel?)")
+                    (plain_s if name == "plain" else static_s).append(seconds)
                     continue
                 problem = check(out)
                 if problem:
@@ -359,6 +379,12 @@ def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer
         "metasd_tok_s": n / statistics.median(metasd_s), "transformers_tok_s": n / statistics.median(plain_s),
         **{f"{k}_per_step": (v / s if v is not None else None) for k, v in counts.items()},
     })
+    if static_s:
+        paired = [st / m for st, m in zip(static_s, metasd_s)]
+        row.update({"speedup_over_static": statistics.median(paired), "speedup_over_static_range": [min(paired),
+                    max(paired)], "static_s": _spread(static_s), "static_tok_s": n / statistics.median(static_s)})
+    runner = getattr(engine.verifier, "runner", None)
+    row["graphs"] = runner.describe() if runner is not None else None
     return row
 
 
@@ -371,7 +397,11 @@ def _fmt(row: dict) -> str:
             f"reads {row['host_reads_per_step']:.1f} uploads {row['blocking_uploads_per_step']:.1f} "
             f"clock {row['clock_syncs_per_step']:.1f}" + (f" cuda syncs {syncs:.1f}" if syncs is not None else "")
             + f"/step, {row['speedup_over_transformers']:.2f}x transformers "
-              f"[{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}]")
+              f"[{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}]"
+            + (f", {row['speedup_over_static']:.2f}x static-cache generate [{row['speedup_over_static_range'][0]:.2f}-"
+               f"{row['speedup_over_static_range'][1]:.2f}]" if "speedup_over_static" in row else "")
+            + (f", graphs {row['graphs']['captured']} captured in {row['graphs']['capture_s']:.1f} s"
+               if row.get("graphs") else ""))
 
 
 # ---------------------------------------------------------------------------------------------- one shape
@@ -384,9 +414,11 @@ def parse_tree(spec: str) -> dict:
 
 
 def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
-            trees: list[dict] = (), forward_rows: list[int] = (), tau_rows: bool = True, save=None) -> dict:
-    """One shape's rows: tokens/step 1 and ``taus`` with the replay drafter (unless ``tau_rows`` is off), then
-    ``trees``; ``save(partial)`` after every row (a run cut short keeps what it measured)."""
+            trees: list[dict] = (), forward_rows: list[int] = (), tau_rows: bool = True, save=None,
+            graphs: list[str] = ("off",), static: bool = False) -> dict:
+    """One shape's rows: tokens/step 1 and ``taus`` with the replay drafter (unless ``tau_rows`` is off), each under
+    every ``graphs`` setting of the verifier, then ``trees``; ``static``: transformers' static-cache ``generate`` timed
+    beside each row; ``save(partial)`` after every row (a run cut short keeps what it measured)."""
     t_build = time.perf_counter()
     model = build(shape, device, dtype)
     synchronize(device)
@@ -404,7 +436,9 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
         log(f"  {shape} forward ms by rows: " + ", ".join(f"{r}: {ms:.2f}" for r, ms in by_rows["ms"].items())
             + (f"; implied dense row cost {by_rows['fit']['implied_dense_row_cost']:.3g}"
                if by_rows["fit"].get("implied_dense_row_cost") is not None else ""))
-    verifier = Verifier(model)
+    verifiers = {g: Verifier(model, graphs="off", fixed_shapes=True) if g == "fixed" else Verifier(model, graphs=g)
+                 for g in graphs}
+    verifier = verifiers[graphs[-1]]  # the trees' rows
     timer = ForwardTimer(model, device)
     rows = []
     result = {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins,
@@ -412,16 +446,17 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     save = save or (lambda partial: None)
     save(result)
     for tau in ([1] + [t for t in taus if t > 1]) if tau_rows else []:
-        drafter = None
-        if tau > 1:
-            drafter = ReplayDrafter(model, accept=tau - 1, wrong=1, rerecord=False)
-            drafter.record(ids, reference)
-        row = {"drafter": "replay" if drafter else "none", "tokens_per_step": tau,
-               **measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device, timer,
-                             target_tau=tau, warm_plain=not rows)}
-        rows.append(row)
-        save(result)
-        log(f"  {shape} tokens/step {tau}: {_fmt(row)}")
+        for g, v in verifiers.items():
+            drafter = None
+            if tau > 1:
+                drafter = ReplayDrafter(model, accept=tau - 1, wrong=1, rerecord=False)
+                drafter.record(ids, reference)
+            row = {"drafter": "replay" if drafter else "none", "tokens_per_step": tau, "graphs_setting": g,
+                   **measure_row(Engine(v, drafter), model, prompt, ids, reference, n, repeats, device, timer,
+                                 target_tau=tau, warm_plain=not rows, static=static)}
+            rows.append(row)
+            save(result)
+            log(f"  {shape} tokens/step {tau} graphs {g}: {_fmt(row)}")
     drafter_shape = DRAFTER_SHAPE.get(shape)
     if trees and drafter_shape is not None:
         small = build(drafter_shape, device, dtype, seed=2)  # the same perm_seed: it continues the text alike
@@ -443,7 +478,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
                 f"{' ' + tree['quantize'] if tree['quantize'] else ''}: "
                 + (f"{row['tokens_per_step_measured']:.2f} tokens/step, " if "failed" not in row else "") + _fmt(row))
         del small
-    del verifier, model
+    del verifier, verifiers, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -464,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--graphs", nargs="+", default=["off"], choices=["auto", "on", "off", "fixed"],
+                   help="the verifier's graphs settings: each tokens/step row runs under each (the trees under the "
+                        "last); fixed = the graph runner's shapes and buffers run eagerly (its CPU path)")
+    p.add_argument("--static", action="store_true",
+                   help="also time transformers' static-cache generate (compiled on CUDA) beside every row")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     if args.repeats < 3:
@@ -473,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = torch.device(args.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-               "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype, "graphs": False,
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype, "graphs": args.graphs,
                "timing": "whole call, prefill included, device synchronised before and after; methods alternated",
                "repeats": args.repeats, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
                "shapes": []}
@@ -487,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for shape in args.shapes:
             done.append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats, device, dtype,
-                                args.trees, args.forward_rows, tau_rows=not args.trees_only, save=save))
+                                args.trees, args.forward_rows, tau_rows=not args.trees_only, save=save,
+                                graphs=args.graphs, static=args.static))
     results["shapes"] = done
     results["wall_s"] = time.perf_counter() - t0
     text = json.dumps(results, indent=1)

@@ -27,14 +27,17 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
         assert s[section]["exit"] == 0 and s[section]["counts"].get("passed", 0) >= 1, s[section]
     figures = s["overhead"]["tiny"]["figures"]
     rows = figures["shapes"][0]["rows"]
-    assert [r.get("tokens_per_step") for r in rows] == [1, 2, None] and not [r for r in rows if "failed" in r]
-    assert rows[1]["tokens_per_step_measured"] > 1.5 and rows[2]["depth"] == 2
+    assert [(r.get("tokens_per_step"), r.get("graphs_setting")) for r in rows] == \
+        [(1, "off"), (1, "fixed"), (2, "off"), (2, "fixed"), (None, None)] and not [r for r in rows if "failed" in r]
+    assert rows[2]["tokens_per_step_measured"] > 1.5 and rows[4]["depth"] == 2
+    assert all(r["static_s"]["median"] > 0 and r["speedup_over_static"] > 0 for r in rows[:4])  # the strongest baseline
+    assert rows[0]["graphs"] is None and rows[1]["graphs"]["eager"] > 0 == rows[1]["graphs"]["captured"]
     assert figures["shapes"][0]["margins"]["ties"] == 0  # decisive greedy decoding
     assert set(figures["shapes"][0]["forward_ms_by_rows"]["ms"]) == {"1", "2"}
     fake = s["fake_syncs"]
     assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] <= 3
     assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
-    assert len(s["summary"]["rows"]) == 3 and (out / "gpu_check.log").exists()
+    assert len(s["summary"]["rows"]) == 5 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")
