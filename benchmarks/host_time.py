@@ -50,14 +50,14 @@ class ForwardClock:
         self.seconds += time.perf_counter() - self._start.pop(id(mod))
 
 
-def measure(kind: str, steps: int, temperature: float) -> dict:
+def measure(kind: str, steps: int, temperature: float, vocab: int = VOCAB) -> dict:
     """Median host milliseconds per step (step wall time minus its forwards) of one request of ``steps`` steps."""
     from metasd.core.engine import Engine
     from metasd.core.execution.verifier import Verifier
     from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
 
-    verifier = stand_in(0)
-    drafter_model = stand_in(0)
+    verifier = stand_in(0, vocab)
+    drafter_model = stand_in(0, vocab)
     drafter = {"none": lambda: [], "chain": lambda: PretrainedDrafter(drafter_model, k=4),
                "tree": lambda: PretrainedTreeDrafter(drafter_model, nodes=16, depth=4, width=4),
                "ngram": lambda: NGramDrafter(k=8)}[kind]()
@@ -75,7 +75,7 @@ def measure(kind: str, steps: int, temperature: float) -> dict:
         if len(per_step) >= steps:
             break
     per_step = per_step[5:]  # the first steps include the prefill and the drafter's start
-    return {"drafter": kind, "temperature": temperature, "steps": len(per_step),
+    return {"drafter": kind, "temperature": temperature, "vocab": vocab, "steps": len(per_step),
             "host_ms_median": statistics.median(per_step), "host_ms_p90": sorted(per_step)[int(0.9 * len(per_step))],
             "tokens_per_step": tokens / max(len(per_step) + 5, 1)}
 
@@ -86,14 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafters", nargs="+", default=["none", "chain", "tree", "ngram"])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vocab", type=int, nargs="+", default=[VOCAB],
+                   help="stand-in vocabulary sizes: the real one (151,936) includes the vocabulary-wide tensor work a "
+                        "GPU runs asynchronously; a small one leaves the Python bookkeeping alone")
     p.add_argument("--out")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    rows = [measure(k, args.steps, t) for t in args.temperatures for k in args.drafters]
+    rows = [measure(k, args.steps, t, v) for v in args.vocab for t in args.temperatures for k in args.drafters]
     for r in rows:
-        print(f"{r['drafter']:6s} T={r['temperature']:.0f}: host {r['host_ms_median']:.2f} ms/step median "
+        print(f"{r['drafter']:6s} T={r['temperature']:.0f} vocab {r['vocab']}: host {r['host_ms_median']:.2f} ms/step median "
               f"(p90 {r['host_ms_p90']:.2f}), {r['steps']} steps")
     if args.out:
         out = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),

@@ -67,8 +67,12 @@ class Draft:
         return bool((self.parents == torch.arange(len(self)) - 1).all())
 
     def depths(self) -> torch.Tensor:
-        """[n] depth of each node; children of the root have depth 1."""
-        return node_depths(self.parents)
+        """[n] depth of each node; children of the root have depth 1 (computed once per ``parents`` tensor: a step
+        reads it several times)."""
+        cached = self.__dict__.get("_depths")
+        if cached is None or cached[0] is not self.parents:
+            cached = self.__dict__["_depths"] = (self.parents, node_depths(self.parents))
+        return cached[1]
 
     @property
     def depth(self) -> int:
@@ -96,11 +100,12 @@ class Draft:
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """[n] parents -> [n] depths (root children: 1)."""
-    depth = torch.zeros(len(parents), dtype=torch.long)
-    for i, p in enumerate(parents.tolist()):
-        depth[i] = 1 if p < 0 else depth[p] + 1
-    return depth
+    """[n] parents -> [n] depths (root children: 1). On host lists: a tree is a few dozen nodes, and one tensor
+    element write costs more than the whole loop."""
+    depth: list[int] = []
+    for p in parents.tolist():
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return torch.tensor(depth, dtype=torch.long)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -109,13 +114,12 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     Index 0 is the root (the last committed token); node i of the draft is index i+1.
     """
     n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[0, 0] = True
+    rows = [[False] * (n + 1) for _ in range(n + 1)]
+    rows[0][0] = True
     for i, p in enumerate(parents.tolist()):
-        row = i + 1
-        mask[row] = mask[p + 1]
-        mask[row, row] = True
-    return mask
+        row = rows[i + 1] = rows[p + 1].copy()  # the parent's ancestors (topological order: already complete)
+        row[i + 1] = True
+    return torch.tensor(rows, dtype=torch.bool)
 
 
 def children_lists(parents: torch.Tensor) -> list[list[int]]:
