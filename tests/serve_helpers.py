@@ -98,3 +98,10 @@ def write_tiny_pool(root: Path) -> Path:
     path = root / "pool.yaml"
     path.write_text(yaml.safe_dump(pool))
     return path
+
+
+def openai_client(server):
+    """The official client against a test server (a running ``ServerThread``): no retries, so a failure shows."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

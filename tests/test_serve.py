@@ -20,7 +20,7 @@ from metasd.core.batching.scheduler import Scheduler  # noqa: E402
 from metasd.core.execution.verifier import Verifier  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.records import SERVED_DRAFTER_COUNTS, SERVED_FIELDS, served_record  # noqa: E402
-from serve_helpers import FAIL, GATE, GATED, SLOW, ServerThread, tiny_engine  # noqa: E402
+from serve_helpers import FAIL, GATE, GATED, SLOW, ServerThread, openai_client, tiny_engine  # noqa: E402
 from tiny import tiny_qwen, tiny_tokenizer  # noqa: E402
 
 MODEL = "tiny"
@@ -60,7 +60,7 @@ def server():
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

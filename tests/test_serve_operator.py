@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 from metasd.core.batching.scheduler import Scheduler  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.stats_log import StatsLogger  # noqa: E402
-from serve_helpers import ServerThread, tiny_engine  # noqa: E402
+from serve_helpers import ServerThread, openai_client, tiny_engine  # noqa: E402
 
 MODEL = "tiny"
 MSG = [{"role": "user", "content": "w10 w11 w12 w10 w11"}]
@@ -36,7 +36,7 @@ def server():
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def _chat(client, **kw):
