@@ -334,8 +334,9 @@ def _summary(results: dict) -> dict:
                 fake_row = fake.get(f"tokens_per_step_{row['tokens_per_step']}") if "tokens_per_step" in row else None
                 gpu_syncs = row.get("cuda_sync_warnings_per_step")
                 lines.append(
-                    f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine {row['engine_share']:.0%}, "
-                    f"{row['speedup_over_transformers']:.2f}x transformers"
+                    f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine "
+                    + (f"{row['engine_share']:.0%}, " if row["engine_share"] is not None else "- (graphs), ")
+                    + f"{row['speedup_over_transformers']:.2f}x transformers"
                     + (f", {row['speedup_over_static']:.2f}x static-cache generate" if "speedup_over_static" in row
                        else "")
                     + ", syncs/step "

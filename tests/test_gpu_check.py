@@ -74,3 +74,20 @@ def test_a_row_fails_loudly_when_a_step_commits_another_number_of_tokens(tiny):
     assert "ms_per_step" in _row(tiny, reference, accept=1, target=2)
     row = _row(tiny, reference, accept=1, target=3)
     assert "committed 2 tokens, not 3" in row["failed"]
+
+
+def test_a_replayed_graph_row_prints_without_forward_figures():
+    """A row whose verify forwards were replayed graphs has no hooked forward time (``engine_share`` None): the row's
+    line and the check's summary say so instead of breaking on it."""
+    import gpu_check
+
+    row = {"ms_per_step": 2.0, "ms_per_step_range": [1.9, 2.1], "verifier_forward_ms_per_step": None,
+           "engine_share": None, "host_reads_per_step": 1.0, "blocking_uploads_per_step": 0.0,
+           "clock_syncs_per_step": 0.0, "cuda_sync_warnings_per_step": 1.0, "speedup_over_transformers": 3.0,
+           "speedup_range": [2.9, 3.1], "speedup_over_static": 1.2, "speedup_over_static_range": [1.1, 1.3],
+           "graphs": {"captured": 4, "capture_s": 2.5}, "tokens_per_step": 4, "graphs_setting": "on"}
+    assert "replayed graphs: no hooks" in gpu_overhead._fmt(row) and "4 captured in 2.5 s" in gpu_overhead._fmt(row)
+    summary = gpu_check._summary({"ok": True, "sections": {"overhead": {"1.5b": {"figures": {"shapes": [
+        {"shape": "1.5b", "rows": [row]}]}}}}})
+    assert summary["rows"] == ["1.5b tau 4 graphs on: 2.00 ms/step, engine - (graphs), 3.00x transformers, 1.20x "
+                               "static-cache generate, syncs/step cuda 1.00"]
