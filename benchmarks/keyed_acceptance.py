@@ -5,7 +5,8 @@ probabilities are known), on the bundled pair (docs/architecture.md#random-strea
 
 For each pool drafter, prompt and seed, both modes decode ``--max-new-tokens`` tokens at ``--temperature``; the table
 gives accepted draft tokens per step and tokens per step (bonus included) per mode, and keyed / stream. Acceptance is
-counted, not timed, so the figures do not depend on the machine's load.
+counted, not timed, so the figures do not depend on the machine's load. The JSON is written after every request
+pair (``"complete": false`` until the last), so a run stopped part-way keeps its rows and their summary.
 
     python benchmarks/keyed_acceptance.py --per-group 1 --seeds 3 --out benchmarks/results/keyed_acceptance.json
 """
@@ -36,6 +37,26 @@ def build(drafters: list[dict]):
                                            "drafters": drafters}))
 
 
+def summarize(rows: list[dict]) -> dict:
+    """Per pool: acceptance of each mode over the rows so far, and keyed / stream tokens per step per request pair."""
+    summary = {}
+    for pool in dict.fromkeys(r["pool"] for r in rows):
+        mine = [r for r in rows if r["pool"] == pool]
+        per = {}
+        for mode in ("stream", "keyed"):
+            steps = sum(r[mode]["steps"] for r in mine)
+            per[mode] = {"accepted_per_step": sum(r[mode]["accepted"] for r in mine) / steps,
+                         "tokens_per_step": sum(r[mode]["new_tokens"] for r in mine) / steps,
+                         "acceptance_rate": sum(r[mode]["accepted"] for r in mine) / max(sum(r[mode]["drafted"]
+                                                                                              for r in mine), 1)}
+        ratios = [(r["keyed"]["new_tokens"] / r["keyed"]["steps"]) / (r["stream"]["new_tokens"] / r["stream"]["steps"])
+                  for r in mine]
+        per["keyed_over_stream_tokens_per_step"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                                    "max": max(ratios)}
+        summary[pool] = per
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pools", nargs="+", default=list(POOLS), choices=list(POOLS))
@@ -54,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     questions = load_questions(SPEC_BENCH_DEFAULT, per_group=args.per_group)
     rows, t0 = [], time.time()
+    command = "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads"
+
+    def write(complete: bool) -> None:  # after every request pair: a run cut short keeps what it measured
+        out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine,
+               "args": vars(args), "complete": complete, "wall_s": time.time() - t0,
+               "summary": summarize(rows), "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
     for pool in args.pools:
         engine = build(POOLS[pool])
         for q in questions:
@@ -68,30 +99,13 @@ def main(argv: list[str] | None = None) -> int:
                                  "drafted": s.drafted}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    summary = {}
-    for pool in args.pools:
-        mine = [r for r in rows if r["pool"] == pool]
-        per = {}
-        for mode in ("stream", "keyed"):
-            steps = sum(r[mode]["steps"] for r in mine)
-            per[mode] = {"accepted_per_step": sum(r[mode]["accepted"] for r in mine) / steps,
-                         "tokens_per_step": sum(r[mode]["new_tokens"] for r in mine) / steps,
-                         "acceptance_rate": sum(r[mode]["accepted"] for r in mine) / max(sum(r[mode]["drafted"]
-                                                                                              for r in mine), 1)}
-        ratios = [(r["keyed"]["new_tokens"] / r["keyed"]["steps"]) / (r["stream"]["new_tokens"] / r["stream"]["steps"])
-                  for r in mine]
-        per["keyed_over_stream_tokens_per_step"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                                    "max": max(ratios)}
-        summary[pool] = per
+                write(complete=False)
+    write(complete=True)
+    for pool, per in summarize(rows).items():
+        r = per["keyed_over_stream_tokens_per_step"]
         print(f"{pool}: tokens/step stream {per['stream']['tokens_per_step']:.2f}, keyed "
               f"{per['keyed']['tokens_per_step']:.2f}; keyed/stream per request median "
-              f"{per['keyed_over_stream_tokens_per_step']['median']:.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
-    out = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",
-           "args": vars(args), "wall_s": time.time() - t0, "summary": summary, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+              f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]")
     return 0
 
 
