@@ -125,12 +125,12 @@ class Verifier:
         if self._block_start is not None:
             raise RuntimeError("Verifier.verify called twice without a commit in between")
         past = self._block_start = self.cached
-        if self.fixed_shapes and len(draft) + 1 <= self._fixed_runner().largest:
+        runner = self._fixed_runner() if self.fixed_shapes else None
+        if runner is not None and runner.fits(len(draft) + 1):
             tokens = torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens])  # [n+1]
             depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
             block = ancestor_mask(draft.parents)  # [n+1, n+1]; a chain's is lower-triangular
-            logits, hidden = self.runner.forward(tokens, depth, block)
-            return VerifierOutput(logits, hidden)
+            return VerifierOutput(*runner.forward(tokens, depth, block))
         ids = to_device(torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens]), self.device)[None]  # [1, n+1]
         kwargs = {}
         if len(draft) and not draft.is_chain:
