@@ -227,7 +227,9 @@ class Engine:
         Keyword arguments: temperature (0 = greedy), top_p, top_k, stop (strings; the text ends before
         the first one), seed (sampling reproducible), policy (overrides the engine's for this call),
         chat (apply the chat template to a string prompt; default: only for message lists),
-        category (request feature for contextual policies).
+        category (request feature for contextual policies), logprobs (None, or k in 0..20: each new token's raw
+        log-probability under the verifier and its k most likely alternatives, in ``result.logprobs``),
+        prompt_logprobs (the same for the prompt's tokens, ``result.prompt_logprobs``; one more prefill cost).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

@@ -44,10 +44,12 @@ class Job:
     def token_event(self) -> TokenEvent:
         """The event of the tokens the request committed since its last event (none after an EOS)."""
         new = self.request.new_ids[self.sent:]
+        scores = self.request.token_logprobs
+        scores = scores[self.sent: self.sent + len(new)] if scores is not None else None
         self.sent += len(new)
         if self.first_token_at is None and new:
             self.first_token_at = time.perf_counter()
-        return TokenEvent(list(new), self.text.add(new))
+        return TokenEvent(list(new), self.text.add(new), logprobs=scores)
 
     def end(self, reason: str, error: BaseException | None) -> tuple[str, BaseException | None]:
         """The request ends (its row already freed): its episode closes (unless it failed) and its drafters end.

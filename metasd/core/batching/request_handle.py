@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ..decoding.detokenize import IncrementalDetokenizer, find_stop
 from ..decoding.request import GenerationResult
+from ..execution.logprobs import TokenLogprob
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "error")
 
@@ -52,6 +53,8 @@ class TokenEvent:
     finish_reason: str | None = None
     result: GenerationResult | None = None
     error: BaseException | None = None
+    #: with ``submit(logprobs=...)``: one per token of ``token_ids`` (``metasd.core.execution.logprobs``)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -132,7 +132,8 @@ class Scheduler:
     def submit(self, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: str | Sequence[str] | None = None, seed: int | None = None,
                chat: bool | None = None, options: RequestOptions | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> RequestHandle:
         """Check a request and queue it; its ``RequestHandle``. ``ValueError`` (naming the field) for a bad request
         - checked here, before anything is queued: an empty prompt, prompt + max_new_tokens over the verifier's
         context, sampling values out of range, an unknown drafter; ``QueueFullError`` when ``max_queue`` requests
@@ -143,7 +144,8 @@ class Scheduler:
         options = options if options is not None else RequestOptions()
         request, kv_tokens = new_request(self.engine, prompt, max_new_tokens, options, self._arm_names,
                                          self.verifier.cache, self.max_draft_nodes, temperature=temperature,
-                                         top_p=top_p, top_k=top_k, stop=stop, seed=seed, chat=chat)
+                                         top_p=top_p, top_k=top_k, stop=stop, seed=seed, chat=chat,
+                                         logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
@@ -362,13 +364,13 @@ class Scheduler:
                 if job.prefill.finished:
                     self.verifier.join(job.slot, job.prefill)
                     job.slot.hidden = job.prefill.hidden
-                    job.prefill = None
+                    scores, job.prefill = job.prefill.scores, None
                     with self._lock:
                         self._prefilling.remove(job)
                         self._running.append(job)
                     assert self._running[job.slot.row] is job
                     job.begun = True
-                    job.request.prefilled()
+                    job.request.prefilled(scores)
                 else:
                     with self._lock:  # its turn is over: behind the other joiners
                         self._prefilling.remove(job)
@@ -386,7 +388,8 @@ class Scheduler:
         job.slot = SlotVerifier(self.engine.verifier, None)
         job.request.verifier = job.slot
         job.request.open()
-        job.prefill = Prefill(self.engine.verifier, job.request.prompt_ids[:-1], self.engine.hidden_layers)
+        job.prefill = Prefill(self.engine.verifier, job.request.prompt_ids[:-1], self.engine.hidden_layers,
+                              **job.request.prompt_scoring())
 
     def _step_record(self, job: Job) -> RequestStepRecord:
         s = job.request.last_step

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -21,12 +21,13 @@ from ..execution.verifier import VerifierOutput
 from .acceptance import accept_greedy, accept_keyed, accept_match, accept_rejection
 from .detokenize import StoppingText
 from .drafter import StepContext, StepFeedback, drafts_lookups
+from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
 from .metrics import RequestStats
 from .policy import Policy
+from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
 from .sampling import KeyedNoise, SamplingParams, process_logits
 
-Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
 
 @dataclass
@@ -38,47 +39,14 @@ class GenerationResult:
     prompt_ids: list[int]
     stats: RequestStats
     extra: dict[str, Any] = field(default_factory=dict)
+    #: with ``logprobs``: one per new token, the verifier's raw log-probability (``metasd.core.decoding.logprobs``)
+    logprobs: list[TokenLogprob] | None = None
+    #: with ``prompt_logprobs``: one per prompt token (None for the first, which nothing predicts)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The request's record (``RequestStats.to_record``) with its text and token ids."""
         return {**self.stats.to_record(), "text": self.text, "token_ids": list(self.token_ids)}
-
-
-def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier") -> list[int]:
-    """Prompt -> token ids, as ``Engine.encode`` does: token ids as given, message lists through the chat template,
-    strings through it when ``chat`` (else encoded as they are). Needs no model, only its tokenizer, so a command can
-    check a prompt's length before any model loads."""
-    def tokenizer_or_fail():
-        if tokenizer is None:
-            raise ValueError(f"{model_name} has no tokenizer: pass token ids")
-        return tokenizer
-
-    if isinstance(prompt, torch.Tensor):
-        return [int(t) for t in prompt.reshape(-1).tolist()]
-    if not isinstance(prompt, str):
-        prompt = list(prompt)
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if isinstance(prompt, str):
-        if chat:
-            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name)
-        return tokenizer_or_fail().encode(prompt, add_special_tokens=True)
-    if all(isinstance(t, int) for t in prompt):
-        return prompt
-    if all(isinstance(m, Mapping) for m in prompt):
-        tok = tokenizer_or_fail()
-        if not getattr(tok, "chat_template", None):
-            raise ValueError(f"{model_name}'s tokenizer has no chat template; pass a string prompt")
-        text = tok.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
-    raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
-
-
-def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int | None, model_name: str) -> None:
-    """``ValueError`` when the prompt and the new tokens do not fit the verifier's context."""
-    if context_length and prompt_tokens + max_new_tokens > context_length:
-        raise ValueError(f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
-                         f"{model_name} ({context_length} tokens)")
 
 
 def _fresh_seed() -> int:
@@ -129,7 +97,7 @@ class Request:
     def __init__(self, engine, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
                  seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
-                 category: str | None = None):
+                 category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None):
         self.engine = engine
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -151,6 +119,10 @@ class Request:
             self.generator.manual_seed(seed if seed is not None else _fresh_seed())
             if seed is not None and engine.seeded_sampling == "keyed":
                 self.noise = KeyedNoise(seed, engine.verifier.device)
+        self.logprobs = check_logprobs(logprobs)  # None, or the alternatives per token (0: the chosen token's only)
+        self.prompt_logprobs = check_logprobs(prompt_logprobs, "prompt_logprobs")
+        self.token_logprobs: list[TokenLogprob] | None = [] if self.logprobs is not None else None
+        self.prompt_token_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill when asked
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
         self._text = StoppingText(engine.tokenizer, self.stop)  # the text so far, read incrementally; stop strings
@@ -177,7 +149,9 @@ class Request:
         return self._text.so_far(self.new_ids)
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.text(), list(self.new_ids), list(self.prompt_ids), self.stats)
+        return GenerationResult(self.text(), list(self.new_ids), list(self.prompt_ids), self.stats,
+                                logprobs=None if self.token_logprobs is None else list(self.token_logprobs),
+                                prompt_logprobs=self.prompt_token_logprobs)
 
     def interrupted_result(self) -> GenerationResult:
         """The result of a request an interrupt cut short: the tokens committed so far, their text, the stats of the
@@ -219,9 +193,9 @@ class Request:
     def _start(self) -> None:
         """Prefill the verifier, lay out the context buffer, start the drafters and the policy's episode."""
         self.open()
-        self.verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), self.engine.hidden_layers,
-                              reserve=len(self.prompt_ids) + self.max_new_tokens)
-        self.prefilled()
+        scored = self.verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), self.engine.hidden_layers,
+                                       reserve=len(self.prompt_ids) + self.max_new_tokens, **self.prompt_scoring())
+        self.prefilled(scored)
 
     def open(self) -> None:
         """Start the request's episode, before its prefill: the policy's reset, the request's features, the clock."""
@@ -231,9 +205,17 @@ class Request:
         self.eos = self.engine.eos_ids()
         self.t_start = now(self.verifier.device)
 
-    def prefilled(self) -> None:
+    def prompt_scoring(self) -> dict[str, Any]:
+        """What the prefill is asked to score (``Verifier.prefill``'s ``score`` and ``top``): the prompt's tokens 1..T
+        when the request asked for its prompt's log-probabilities, else nothing."""
+        return {} if self.prompt_logprobs is None else {"score": self.prompt_ids[1:], "top": self.prompt_logprobs}
+
+    def prefilled(self, prompt_scores: list[TokenLogprob] | None = None) -> None:
         """After the prefill (``self.verifier`` holds the prompt but its last token): lay out the context buffer,
-        start the drafters and pick the arm of a per-request policy."""
+        start the drafters and pick the arm of a per-request policy. ``prompt_scores``: the prefill's log-probabilities
+        of the prompt's tokens 1..T (``prompt_scoring``)."""
+        if self.prompt_logprobs is not None:
+            self.prompt_token_logprobs = [None, *(prompt_scores or [])]
         eng, verifier, stats = self.engine, self.verifier, self.stats
         stats.prefill_s = now(verifier.device) - self.t_start
         # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
@@ -391,6 +373,8 @@ class Request:
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
         committed, done = self._commit(committed, self.eos)
+        if self.token_logprobs is not None:  # of the tokens kept: the raw rows that scored them
+            self.token_logprobs += step_logprobs(out.logits, acc.path, committed, self.logprobs)
         self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
         self.length += len(committed)
         return committed, done

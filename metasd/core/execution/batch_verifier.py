@@ -16,6 +16,7 @@ from .batch_cache import BatchCache
 from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
+from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .static_cache import new_cache
 from .tree import Draft, ancestor_mask
 from .verifier import Verifier, VerifierOutput
@@ -83,9 +84,12 @@ class SlotVerifier:
 
 class Prefill:
     """A joining request's prefill: every prompt token but the last into a batch-1 cache, ``chunk`` tokens per call
-    of ``step``, with the hidden states of ``layers`` for the drafters that read them."""
+    of ``step``, with the hidden states of ``layers`` for the drafters that read them. With ``score`` (the tokens that
+    follow each position: the prompt's tokens 1..T) it keeps their raw log-probabilities in ``scores`` (``top``
+    alternatives each; ``Verifier.prefill``)."""
 
-    def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int]):
+    def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int],
+                 score: Sequence[int] | None = None, top: int = 0):
         self.model = verifier.model
         self.device = verifier.device
         self.ids = list(token_ids)
@@ -93,6 +97,8 @@ class Prefill:
         self.hidden = HiddenStore(self.layers) if self.layers else None
         self.cache = new_cache(self.model, len(self.ids), verifier.name)
         self.done = 0
+        self.score, self.top = (list(score), top) if score is not None else (None, 0)
+        self.scores: list[TokenLogprob] | None = [] if score is not None else None
         if not self.ids and self.hidden is not None:
             self.hidden.append({layer: torch.empty(0, verifier.hidden_size, dtype=verifier.dtype, device=self.device)
                                 for layer in self.layers})
@@ -104,14 +110,18 @@ class Prefill:
     @torch.inference_mode()
     def step(self, chunk: int) -> int:
         """Prefill the next ``chunk`` tokens at most; returns how many."""
+        if self.score is not None:
+            chunk = min(chunk, PROMPT_LOGPROBS_CHUNK)
         part = self.ids[self.done: self.done + chunk]
         if not part:
             return 0
         out = self.model(input_ids=torch.tensor([part], dtype=torch.long, device=self.device),
-                         **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1,
-                         output_hidden_states=bool(self.layers))
+                         **cache_kwargs(self.model, self.cache), use_cache=True,
+                         logits_to_keep=1 if self.score is None else 0, output_hidden_states=bool(self.layers))
         if self.hidden is not None:
             self.hidden.append({layer: out.hidden_states[layer][0] for layer in self.layers})
+        if self.score is not None:
+            self.scores += token_logprobs(out.logits[0], self.score[self.done: self.done + len(part)], self.top)
         self.done += len(part)
         return len(part)
 

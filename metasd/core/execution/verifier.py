@@ -19,6 +19,7 @@ from .graph_runner import GraphRunner, resolve_graphs
 from .hidden import HiddenStore
 from .hooks import contiguous_lm_head_input
 from .kv_cache import cache_kwargs, cache_length, keep_positions
+from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .static_cache import StaticKVCache, new_cache
 from .staging import to_device
 from .tree import Draft, ancestor_mask
@@ -85,10 +86,14 @@ class Verifier:
         self._block_start = None
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = (), reserve: int = 0) -> None:
+    def prefill(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = (), reserve: int = 0,
+                score: Sequence[int] | None = None, top: int = 0) -> list[TokenLogprob] | None:
         """Start a request: cache ``token_ids`` (every prompt token but the last, which stays pending) and, for
         ``hidden_layers``, their hidden states in ``self.hidden``. token_ids: [T] int64. ``reserve``: the positions
-        the request may reach (its KV buffers are allocated that wide now; a forward past them grows them)."""
+        the request may reach (its KV buffers are allocated that wide now; a forward past them grows them).
+        ``score``: the T tokens that follow each position (the prompt's tokens 1..T): their raw log-probabilities
+        (``top`` alternatives each) are returned, computed ``PROMPT_LOGPROBS_CHUNK`` positions per forward; None:
+        the prefill keeps no logits."""
         self.reset(max(reserve, len(token_ids)))
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.hidden = HiddenStore(self.hidden_layers) if self.hidden_layers else None
@@ -96,16 +101,24 @@ class Verifier:
             if self.hidden is not None:
                 self.hidden.append({layer: torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
                                     for layer in self.hidden_layers})
-            return
-        out = self.model(
-            input_ids=to_device(token_ids, self.device)[None],
-            **cache_kwargs(self.model, self.cache),
-            use_cache=True,
-            logits_to_keep=1,  # nothing reads prefill logits: the pending token is scored in the first step
-            output_hidden_states=bool(self.hidden_layers),
-        )
-        if self.hidden is not None:
-            self.hidden.append(self._select_hidden(out))
+            return [] if score is not None else None
+        scored: list[TokenLogprob] = []
+        chunk = len(token_ids) if score is None else PROMPT_LOGPROBS_CHUNK
+        for start in range(0, len(token_ids), chunk):
+            part = token_ids[start: start + chunk]
+            out = self.model(
+                input_ids=to_device(part, self.device)[None],
+                **cache_kwargs(self.model, self.cache),
+                use_cache=True,
+                # nothing reads prefill logits (the pending token is scored in the first step) unless asked to score
+                logits_to_keep=1 if score is None else 0,
+                output_hidden_states=bool(self.hidden_layers),
+            )
+            if self.hidden is not None:
+                self.hidden.append(self._select_hidden(out))
+            if score is not None:
+                scored += token_logprobs(out.logits[0], score[start: start + len(part)], top)
+        return scored if score is not None else None
 
     def _fixed_runner(self) -> GraphRunner:
         """The fixed-shape runner over this cache, for the hidden layers of this request."""
