@@ -2,7 +2,8 @@
 
 fp32, greedy, 2 prompts x 24 new tokens: metasd's output must be token-identical to transformers' plain
 greedy decoding with the fp32 0.5B chain drafter, with the int4 0.5B tree and with the default pool's drafter (a
-cascade: suffix decoding, then the int4 tree, fused into one tree).
+cascade: suffix decoding, then the int4 tree, fused into one tree), whose log-probabilities are also the verifier's
+from one forward over the prompt and the answer.
 Skipped only when the model packages are not installed (the README's test command installs them); set
 METASD_REQUIRE_REAL=1 to make a missing package a failure. The n-gram drafter and every other family are
 checked on tiny models (tests/test_conformance.py); this test is about the real models and their kernels.
@@ -50,12 +51,17 @@ def test_bundled_pair_is_token_identical_to_plain_greedy(pair):
     references = [baselines.plain(vm, x, NEW_TOKENS)[0] for x in ids]
     accepted = {}
 
-    def check(name: str, engine: Engine) -> None:
+    def check(name: str, engine: Engine, logprobs: bool = False) -> None:
         accepted[name] = 0
         for prompt, x, reference in zip(PROMPTS, ids, references):
-            result = engine.generate(x, max_new_tokens=NEW_TOKENS)
+            result = engine.generate(x, max_new_tokens=NEW_TOKENS, logprobs=0 if logprobs else None)
             assert result.token_ids == reference, f"{name} diverged on {prompt[:40]!r}"
             accepted[name] += result.stats.accepted
+            if logprobs:  # the verifier's raw log-probabilities, from the rows that accepted the drafts
+                with torch.no_grad():
+                    logits = vm(input_ids=torch.tensor([x + reference[:-1]])).logits[0, len(x) - 1:]
+                full = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(reference)[:, None])[:, 0]
+                assert [s.logprob for s in result.logprobs] == pytest.approx(full.tolist(), abs=1e-3), name
 
     check("0.5B chain", Engine(verifier, PretrainedDrafter(dm, dt, k=5)))
     # the default pool's drafter: the same 0.5B weights quantized to int4 in place, so the suite never holds
@@ -65,7 +71,7 @@ def test_bundled_pair_is_token_identical_to_plain_greedy(pair):
     check("0.5B int4 tree", Engine(verifier, tree))
     # the default pool (configs/default.yaml): suffix decoding first, the int4 tree where its draft is short
     suffix = SuffixDrafter(max_depth=16, max_nodes=16, name="suffix")
-    check("default cascade", Engine(verifier, FusedDrafter([suffix, tree], enough=6, name="cascade")))
+    check("default cascade", Engine(verifier, FusedDrafter([suffix, tree], enough=6, name="cascade")), logprobs=True)
     # the real drafters are actually used and accepted; int4 drafts nearly as well as fp32
     assert accepted["0.5B chain"] > 0 and accepted["0.5B int4 tree"] > 0.5 * accepted["0.5B chain"]
     assert accepted["default cascade"] > 0.5 * accepted["0.5B chain"]

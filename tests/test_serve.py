@@ -197,7 +197,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"max_tokens": 250}, "max_tokens"),
     ("chat", {"max_completion_tokens": 250}, "max_completion_tokens"),
     ("chat", {"messages": [{"role": "user", "content": " ".join(["w10"] * 300)}]}, "messages"),
-    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # more than MAX_TOP_LOGPROBS
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logit_bias": {"12": 5}}, "logit_bias"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
     ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
@@ -207,7 +208,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"metasd": {"drafter": "nope"}}, "metasd.drafter"),
     ("chat", {"metasd": {"fast": True}}, "metasd.fast"),
     ("chat", {"seed": -1}, "seed"),
-    ("text", {"echo": True}, "echo"),
+    ("text", {"logprobs": -1}, "logprobs"),
     ("text", {"prompt": [5, 999]}, "prompt"),
     ("text", {"prompt": ["w10", "w11"]}, "prompt"),
     ("text", {"best_of": 3}, "best_of"),

@@ -26,6 +26,7 @@ from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError
 
 from .errors import ApiError, bad_request, error_body, from_validation
 from .http_log import HttpObserver
+from .logprobs import TokenNames
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields, ignored_fields, refused_field
 from .records import served_record
@@ -63,6 +64,7 @@ class ServeState:
             self.context_length = max_model_len
         self.vocab_size = getattr(getattr(engine.verifier.model, "config", None), "vocab_size", None)
         self.drafters = [d.name for d in engine.drafters]
+        self.names = TokenNames(self.tokenizer)  # names the tokens of log-probabilities
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -120,11 +122,12 @@ class ServeState:
                               "unknown_drafter")
         options = RequestOptions(drafter=opts.drafter, draft_budget=opts.draft_budget, speculate=opts.speculate) \
             if opts else RequestOptions()
+        logprobs, prompt_logprobs = req.logprob_options()
         try:
             return self.scheduler.submit(
                 ids, max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, stop=req.stops() or None,
-                seed=req.seed, chat=False, options=options)
+                seed=req.seed, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except QueueFullError:
             raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None
@@ -174,6 +177,9 @@ async def _collect(handle) -> tuple[str, Any]:
     return "".join(parts), last
 
 
+
+
+
 def _finished(event, completion: Completion, request_id: str) -> tuple[str, dict[str, Any], int]:
     """A finished event as (OpenAI finish reason, served record, completion tokens); ApiError when it failed."""
     if event is None or event.finish_reason == "error" or event.error:
@@ -201,7 +207,15 @@ async def _answer(request: Request, handle, completion: Completion) -> dict[str,
         raise ApiError(499, "the client closed the request", code="client_closed_request")
     text, last = work.result()
     reason, record, tokens = _finished(last, completion, handle.id)
-    return completion.whole(text, reason, tokens, record)
+    result = last.result
+    echoed = completion.logprobs([], result.prompt_logprobs, handle.prompt_ids) \
+        if completion.echo is not None and completion.names is not None else None
+    logprobs = completion.logprobs(result.logprobs if result is not None else None)
+    if echoed is not None:  # the prompt's tokens first, then the completion's
+        logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+    if completion.echo is not None:
+        text = completion.echo + text
+    return completion.whole(text, reason, tokens, record, logprobs)
 
 
 async def _stream(handle, completion: Completion) -> AsyncIterator[str]:
@@ -210,14 +224,20 @@ async def _stream(handle, completion: Completion) -> AsyncIterator[str]:
     try:
         if completion.kind == "chat":
             yield sse(completion.chunk(None, first=True))
+        echo = completion.echo
         async for event in handle.aevents():
             if event.finish_reason in ("error", "cancelled") or event.error:
                 error = _failed(event, handle.id) if event.finish_reason != "cancelled" else _draining()
                 done = True
                 yield sse(error.body())
                 return
-            if event.text and not event.finished:
-                yield sse(completion.chunk(event.text))
+            if echo is not None and (event.token_ids or (event.finished and event.result is not None)):
+                prompt = event.prompt_logprobs if event.token_ids else event.result.prompt_logprobs
+                yield sse(completion.chunk(echo, logprobs=completion.logprobs([], prompt, handle.prompt_ids)))
+                echo = None  # the prompt (scored by now) before the first new tokens
+            logprobs = completion.logprobs(event.logprobs) if event.token_ids else None
+            if (event.text or logprobs) and not event.finished:
+                yield sse(completion.chunk(event.text, logprobs=logprobs))
             if event.finished:
                 reason, record, tokens = _finished(event, completion, handle.id)
                 done = True
@@ -341,7 +361,11 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
         ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
         budget = state.budget(req, len(ids), prompt_field)
         handle = state.submit(req, ids, budget)
-        completion = Completion(kind, state.model_name, len(ids), req.include_usage())
+        completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
+                                names=state.names if req.logprob_options()[0] is not None else None)
+        if getattr(req, "echo", False):  # the prompt as given (token ids: their text)
+            prompt = req.prompt_value()
+            completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)
         if req.stream:
             return StreamingResponse(_stream(handle, completion), media_type="text/event-stream",
                                      headers=_STREAM_HEADERS)

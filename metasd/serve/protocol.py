@@ -1,6 +1,5 @@
 """The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
-integer) and the options metasd cannot honour, which would change the output (``n > 1``, ``logprobs``, a
-``logit_bias``, a JSON ``response_format``, penalties, ``tools``, ...: ``refused_field``), instead of silently
+integer) and the options metasd cannot honour, which would change the output (``n > 1``, a ``logit_bias``, a JSON ``response_format``, penalties, ``tools``, ...: ``refused_field``), instead of silently
 ignoring them; other fields it does not know (``store``, ``metadata``, ``user``, ``parallel_tool_calls``, ...) change
 nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
 (docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
@@ -10,6 +9,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 
 #: the most stop strings a request may give, and the longest (every step searches the new text for each)
 MAX_STOPS = 16
@@ -190,18 +191,19 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _only(v, (False,), "logprobs are not supported")
 
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v):
-        return _only(v, (0,), "logprobs are not supported")
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs={v} needs logprobs: true")
+        return v
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        """(alternatives per new token, per prompt token) to ask the scheduler for; None: none asked."""
+        return ((self.top_logprobs or 0) if self.logprobs else None), None
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -216,7 +218,7 @@ class CompletionRequest(_Common):
 
     prompt: Annotated[str, Field(min_length=1)] | list[int] | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -227,16 +229,6 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and (not v or (isinstance(v[0], str) and len(v) != 1)):
             raise ValueError("one prompt per request: a string, a list of one string, or a non-empty list of token ids")
         return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _only(v, (0,), "logprobs are not supported")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        return _only(v, (False,), "echo is not supported")
 
     @field_validator("best_of")
     @classmethod
@@ -250,6 +242,10 @@ class CompletionRequest(_Common):
 
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        """(alternatives per new token, per prompt token - only for an ``echo``) to ask the scheduler for."""
+        return self.logprobs, (self.logprobs if self.echo else None)
 
     def prompt_value(self) -> str | list[int]:
         return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt

@@ -9,7 +9,11 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
+
+from metasd.core.execution.logprobs import TokenLogprob
+
+from .logprobs import TokenNames, chat_content, completion_logprobs
 
 #: the scheduler's finish reasons as OpenAI names them (an EOS token is a natural stop)
 FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
@@ -30,6 +34,10 @@ class Completion:
     include_usage: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    #: set when the request asked for log-probabilities: names their tokens (``logprobs``)
+    names: TokenNames | None = None
+    text_offset: int = 0  # completions: where the next token's text starts in the choice's text (streams included)
+    echo: str | None = None  # completions with ``echo``: the prompt's text, sent before the completion's
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -45,28 +53,45 @@ class Completion:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, completion_tokens: int, record: dict[str, Any]) -> dict[str, Any]:
-        """The non-streamed response."""
+    def logprobs(self, scores: Sequence[TokenLogprob] | None, echoed: Sequence[TokenLogprob | None] | None = None,
+                 prompt_ids: Sequence[int] = ()) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` for ``scores`` (None when the request did not ask): chat's ``content`` list, or the
+        completions route's legacy object, ``echoed`` (the prompt's scores, first token unscored) first."""
+        if self.names is None:
+            return None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"content": chat_content(self.names, scores or []), "refusal": None}
+        unscored, scored = None, list(scores or [])
+        if echoed:
+            unscored, scored = prompt_ids[0], [*echoed[1:], *scored]
+        body = completion_logprobs(self.names, scored, self.text_offset, unscored)
+        if body["tokens"]:
+            self.text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
+
+    def whole(self, text: str, finish_reason: str, completion_tokens: int, record: dict[str, Any],
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The non-streamed response (``logprobs``: the choice's, from ``logprobs``)."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": self.usage(completion_tokens),
                 "metasd": record}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
-              record: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One streamed chunk: new text, or (with ``finish_reason``) the last chunk of the choice, which carries the
-        ``metasd`` record; a chat stream's first chunk names the role."""
+              record: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed chunk: new text (and the ``logprobs`` of its tokens), or (with ``finish_reason``) the last chunk
+        of the choice, which carries the ``metasd`` record; a chat stream's first chunk names the role."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None

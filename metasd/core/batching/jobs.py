@@ -46,10 +46,11 @@ class Job:
         new = self.request.new_ids[self.sent:]
         scores = self.request.token_logprobs
         scores = scores[self.sent: self.sent + len(new)] if scores is not None else None
+        prompt = self.request.prompt_token_logprobs if self.sent == 0 and new else None
         self.sent += len(new)
         if self.first_token_at is None and new:
             self.first_token_at = time.perf_counter()
-        return TokenEvent(list(new), self.text.add(new), logprobs=scores)
+        return TokenEvent(list(new), self.text.add(new), logprobs=scores, prompt_logprobs=prompt)
 
     def end(self, reason: str, error: BaseException | None) -> tuple[str, BaseException | None]:
         """The request ends (its row already freed): its episode closes (unless it failed) and its drafters end.

@@ -55,6 +55,8 @@ class TokenEvent:
     error: BaseException | None = None
     #: with ``submit(logprobs=...)``: one per token of ``token_ids`` (``metasd.core.execution.logprobs``)
     logprobs: list[TokenLogprob] | None = None
+    #: with ``submit(prompt_logprobs=...)``, in the first event with tokens: the prompt's (None for its first token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
