@@ -36,12 +36,28 @@ MIN_EXPECTED = 5.0  # a cell expected fewer times than this goes into the pooled
 
 
 @torch.no_grad()
+def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], presence_penalty: float = 0.0,
+              frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """One position's logits [vocab] with vLLM's penalties, token by token (an independent reference for
+    ``metasd.core.decoding.penalties``): repetition over the prompt and the output, then frequency and presence over
+    the output."""
+    row = logits.float().clone()
+    for t in set(prompt) | set(output):
+        if repetition_penalty != 1:
+            row[t] = row[t] / repetition_penalty if row[t] > 0 else row[t] * repetition_penalty
+    for t in set(output):
+        row[t] -= frequency_penalty * output.count(t) + presence_penalty
+    return row
+
+
 def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: float = 0.0,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                **penalties) -> dict[tuple[int, ...], float]:
     """{sequence: p(sequence | prompt)} for every continuation of ``length`` tokens (shorter when it ends at an EOS)
     with probability >= ``floor``, by enumeration: one batched forward of the verifier per position over the prefixes
     that are still >= ``floor`` (a sequence is never more likely than its prefix, so nothing >= floor is missed).
-    Probabilities are the verifier's processed ones (temperature, top-k, top-p, as the engine applies them)."""
+    Probabilities are the verifier's processed ones (``penalties`` - presence_penalty, frequency_penalty,
+    repetition_penalty - then temperature, top-k, top-p, as the engine applies them)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     eos = set(eos)
     done: dict[tuple[int, ...], float] = {}
@@ -50,7 +66,10 @@ def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: f
     for _ in range(length):
         prefixes = list(live)
         batch = torch.tensor([prompt + list(s) for s in prefixes], device=device)
-        probs = process_logits(model(batch).logits[:, -1], params).double().cpu()  # [prefixes, vocab]
+        logits = model(batch).logits[:, -1]  # [prefixes, vocab]
+        if penalties:
+            logits = torch.stack([penalised(row, prompt, list(s), **penalties) for row, s in zip(logits, prefixes)])
+        probs = process_logits(logits, params).double().cpu()  # [prefixes, vocab]
         mass = torch.tensor([live[s] for s in prefixes], dtype=torch.float64)[:, None] * probs
         live = {}
         for row, col in (mass >= floor).logical_and(mass > 0).nonzero().tolist():
@@ -190,7 +209,7 @@ def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_toke
     counts, stats = sample_joint(engine, prompt, n, length, max_new_tokens, seed, generate, **sampling)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     exact = exact_joint(engine.verifier.model, prompt, length, engine.eos_ids(), MIN_EXPECTED / n,
-                        **{k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p")})
+                        **{k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p") or "penalty" in k})
     pvalue, cells, pooled = chi_square(counts, exact, n)
     return JointCheck(pvalue, n, cells, pooled, seconds=seconds, cpu_seconds=cpu, **stats)
 

@@ -201,7 +201,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logit_bias": {"12": 5}}, "logit_bias"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
-    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("chat", {"frequency_penalty": 2.5}, "frequency_penalty"),  # outside OpenAI's [-2, 2]
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),

@@ -1,6 +1,7 @@
 """Log-probabilities over HTTP, driven by the official ``openai`` client: chat ``logprobs`` / ``top_logprobs`` and the
 completions route's ``logprobs`` and ``echo``, streamed and not, with speculation on and off - each equal to the
-verifier's own log-probabilities from one forward over the prompt and the answer (tiny fp32 models)."""
+verifier's own log-probabilities from one forward over the prompt and the answer; penalties equal to a plain penalised
+decoding loop (tiny fp32 models)."""
 from __future__ import annotations
 
 import httpx
@@ -130,3 +131,24 @@ def test_echo_without_logprobs_and_token_id_prompts(served, client):
 def test_bad_completion_logprobs_are_400s(served, body, param):
     r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2} | body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+def test_penalties_over_http_are_plain_penalised_decoding(served, client, speculate):
+    from sampling_check import penalised
+
+    engine, prompt = served.engine, served.engine.encode(PROMPT)
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.4)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                  presence_penalty=penalties["presence_penalty"],
+                                  frequency_penalty=penalties["frequency_penalty"],
+                                  extra_body={"repetition_penalty": penalties["repetition_penalty"],
+                                              "metasd": {"speculate": speculate}})
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(10):
+            logits = engine.verifier.model(input_ids=torch.tensor([prompt + out])).logits[0, -1]
+            out.append(int(penalised(logits, prompt, out, **penalties).argmax()))
+    assert r.choices[0].text == engine.tokenizer.decode(out, skip_special_tokens=True)
+    unpenalised = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert unpenalised.choices[0].text != r.choices[0].text  # the penalties were applied

@@ -229,7 +229,9 @@ class Engine:
         chat (apply the chat template to a string prompt; default: only for message lists),
         category (request feature for contextual policies), logprobs (None, or k in 0..20: each new token's raw
         log-probability under the verifier and its k most likely alternatives, in ``result.logprobs``),
-        prompt_logprobs (the same for the prompt's tokens, ``result.prompt_logprobs``; one more prefill cost).
+        prompt_logprobs (the same for the prompt's tokens, ``result.prompt_logprobs``; one more prefill cost),
+        presence_penalty, frequency_penalty (in [-2, 2]) and repetition_penalty (> 0; 1 = off), applied along each
+        draft node's own path so the output stays plain penalised decoding's (``metasd.core.decoding.penalties``).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

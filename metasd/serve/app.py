@@ -36,7 +36,8 @@ from .tokenize import add_tokenizer_routes
 #: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                   "stop": "stop", "seed": "seed", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
-                  "speculate": "metasd.speculate", "prompt": "prompt"}
+                  "speculate": "metasd.speculate", "prompt": "prompt", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -127,7 +128,8 @@ class ServeState:
             return self.scheduler.submit(
                 ids, max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, stop=req.stops() or None,
-                seed=req.seed, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                seed=req.seed, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                **req.penalties())
         except QueueFullError:
             raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None

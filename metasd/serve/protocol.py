@@ -1,5 +1,5 @@
 """The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
-integer) and the options metasd cannot honour, which would change the output (``n > 1``, a ``logit_bias``, a JSON ``response_format``, penalties, ``tools``, ...: ``refused_field``), instead of silently
+integer) and the options metasd cannot honour, which would change the output (``n > 1``, a ``logit_bias``, a JSON ``response_format``, ``tools``, ...: ``refused_field``), instead of silently
 ignoring them; other fields it does not know (``store``, ``metadata``, ``user``, ``parallel_tool_calls``, ...) change
 nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
 (docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
@@ -40,7 +40,6 @@ REFUSED = {
     "functions": (_off([]), "function calls are not supported"),
     "function_call": (_off("none", "auto"), "function calls are not supported"),
     "tool_calls": (_off([]), "tool calls in messages are not supported"),
-    "repetition_penalty": (_off(1, 1.0), "penalties change the verifier's distribution: only 1 is served"),
     "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
     "min_tokens": (_off(0), "min_tokens is not supported (only 0)"),
     "ignore_eos": (_off(False), "ignore_eos is not supported (only false)"),
@@ -155,8 +154,9 @@ class _Common(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; 1 = off
     logit_bias: dict[str, float] | None = None
     metasd: MetasdOptions | None = None
 
@@ -165,18 +165,17 @@ class _Common(Lenient):
     def _one_choice(cls, v):
         return _only(v, (1,), f"only n=1 is served (one choice per request), got {v}")
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        return _only(v, (0,), f"penalties change the verifier's distribution, which lossless decoding keeps: only 0 "
-                              f"is served, got {v}")
-
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, v):
         if v:
             raise ValueError("logit_bias is not supported (only an empty one is accepted)")
         return v
+
+    def penalties(self) -> dict[str, float]:
+        """The penalties asked for, as ``Scheduler.submit`` takes them (unset: off)."""
+        return {k: float(v) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                if (v := getattr(self, k)) is not None}
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -23,6 +23,7 @@ from .detokenize import StoppingText
 from .drafter import StepContext, StepFeedback, drafts_lookups
 from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
 from .metrics import RequestStats
+from .penalties import PathPenalizer, Penalties
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
@@ -97,11 +98,13 @@ class Request:
     def __init__(self, engine, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
                  seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
-                 category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None):
+                 category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0):
         self.engine = engine
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         self.prompt_ids = engine.encode(prompt, chat)
         if not self.prompt_ids:
             raise ValueError("prompt is empty after tokenisation")
@@ -217,6 +220,7 @@ class Request:
         if self.prompt_logprobs is not None:
             self.prompt_token_logprobs = [None, *(prompt_scores or [])]
         eng, verifier, stats = self.engine, self.verifier, self.stats
+        self.penalizer = None if self.penalties.off else PathPenalizer(self.penalties, self.prompt_ids, verifier.device)
         stats.prefill_s = now(verifier.device) - self.t_start
         # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
         # a view of its first T entries); the last committed token is the pending one
@@ -329,11 +333,13 @@ class Request:
         else:
             verify_s = verify_s or 0.0
             seconds = (t1 - t0) + verify_s
+        # [n+1, vocab]: with penalties, each row penalised along its own path (then temperature, top-k, top-p)
+        logits = out.logits if self.penalizer is None else self.penalizer.apply(out.logits, draft)
         if self.sampling.greedy:
-            target_argmax, target_probs = out.logits.argmax(-1), None  # [n+1] on the verifier's device
+            target_argmax, target_probs = logits.argmax(-1), None  # [n+1] on the verifier's device
             acc = accept_greedy(draft, target_argmax)
         else:
-            target_argmax, target_probs = None, process_logits(out.logits, self.sampling)  # [n+1, vocab]
+            target_argmax, target_probs = None, process_logits(logits, self.sampling)  # [n+1, vocab]
             if self.noise is not None:  # seeded: the verifier alone decides every token (row 0: position length)
                 acc = accept_keyed(draft, target_probs, self.noise, self.length)
             else:
@@ -373,6 +379,8 @@ class Request:
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
         committed, done = self._commit(committed, self.eos)
+        if self.penalizer is not None:
+            self.penalizer.commit(committed)
         if self.token_logprobs is not None:  # of the tokens kept: the raw rows that scored them
             self.token_logprobs += step_logprobs(out.logits, acc.path, committed, self.logprobs)
         self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)

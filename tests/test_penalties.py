@@ -1,0 +1,104 @@
+"""Presence, frequency and repetition penalties (metasd/core/decoding/penalties.py), applied along each draft node's
+own path: greedy output token-identical to a plain penalised decoding loop written independently (one full forward
+per token, the penalties token by token: ``sampling_check.penalised``) for chains, trees and lookups, alone and
+through the scheduler; sampled output distributed as the penalised verifier's through a tree of depth 2 (chi-square);
+out-of-range values refused naming the field. Tiny fp32 models."""
+import pytest
+import torch
+
+from metasd.core.batching.scheduler import Scheduler
+from metasd.core.decoding.penalties import Penalties, PathPenalizer
+from metasd.core.engine import Engine
+from metasd.core.execution.tree import Draft
+from metasd.core.execution.verifier import Verifier
+from metasd.drafters import FusedDrafter, NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
+from sampling_check import joint_check, penalised
+from tiny import tiny_qwen, tiny_tokenizer
+
+PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41, 7, 7, 7, 12, 13]]
+SETTINGS = {"presence": dict(presence_penalty=1.5), "frequency": dict(frequency_penalty=0.7),
+            "repetition": dict(repetition_penalty=1.8),
+            "all": dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3)}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen(seed=0, logit_scale=4.0)
+
+
+def _drafters():
+    soft = lambda: tiny_qwen(seed=0, logit_scale=3.0)  # noqa: E731
+    return {"chain": PretrainedDrafter(soft(), k=4, name="chain"),
+            "tree": PretrainedTreeDrafter(soft(), nodes=10, depth=4, width=2, name="tree"),
+            "lookup": FusedDrafter([SuffixDrafter(max_depth=8, max_nodes=8, name="suffix"),
+                                    NGramDrafter(k=4, n_max=2, name="ngram")], enough=4, name="lookup")}
+
+
+def _plain_penalised(model, prompt: list[int], n: int, **penalties) -> list[int]:
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([prompt + out])).logits[0, -1]
+            out.append(int(penalised(logits, prompt, out, **penalties).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_greedy_is_plain_penalised_decoding_token_for_token(model, tok, setting):
+    penalties = SETTINGS[setting]
+    references = [_plain_penalised(model, p, 24, **penalties) for p in PROMPTS]
+    unpenalised = [Engine(Verifier(model, tok), None, check_tokenizers=False).generate(p, 24).token_ids
+                   for p in PROMPTS]
+    assert references != unpenalised, "the penalties changed nothing: the test could not fail"
+    for name, drafter in [("none", None), *_drafters().items()]:
+        engine = Engine(Verifier(model, tok), drafter, check_tokenizers=False)
+        results = [engine.generate(p, 24, **penalties) for p in PROMPTS]
+        assert [r.token_ids for r in results] == references, name
+        if name in ("chain", "tree"):  # (penalised text repeats little: lookups may find nothing to draft)
+            assert sum(r.stats.accepted for r in results) > 0, f"{name}: nothing accepted, the path rows were not read"
+
+
+def test_scheduler_applies_each_requests_own_penalties(model, tok):
+    engine = Engine(Verifier(model, tok), _drafters()["tree"], check_tokenizers=False)
+    asks = [(PROMPTS[0], SETTINGS["all"]), (PROMPTS[1], {}), (PROMPTS[1], SETTINGS["repetition"])]
+    with Scheduler(engine, max_batch=3) as s:
+        handles = [s.submit(p, 20, **kw) for p, kw in asks]
+        got = [h.result(timeout=120).token_ids for h in handles]
+    assert got == [_plain_penalised(model, p, 20, **kw) for p, kw in asks]
+
+
+def test_rows_are_penalised_along_their_own_path():
+    pen = PathPenalizer(Penalties(frequency=1.0), prompt_ids=[1], device="cpu")
+    logits = torch.zeros(4, 5)  # [n+1, vocab]: root and three nodes
+    draft = Draft(tokens=torch.tensor([2, 3, 2]), parents=torch.tensor([-1, 0, -1]))  # 2 -> 3, and a sibling 2
+    pen.commit([4, 4])
+    out = pen.apply(logits, draft)
+    assert out[0].tolist() == [0, 0, 0, 0, -2]  # committed: token 4 twice
+    assert out[1].tolist() == [0, 0, -1, 0, -2]  # after node 0 (token 2)
+    assert out[2].tolist() == [0, 0, -1, -1, -2]  # after node 1: the path 2, 3
+    assert out[3].tolist() == [0, 0, -1, 0, -2]  # the sibling's path holds its own 2 only
+    assert logits.abs().sum() == 0  # the verifier's logits are not touched (log-probabilities read them raw)
+
+
+def test_sampled_tokens_follow_the_penalised_verifier_through_a_tree_of_depth_2():
+    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
+                                    nodes=6, depth=2)
+    penalties = dict(presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=1.5)
+    check = joint_check(Engine(Verifier(verifier), drafter), [3], 2000, length=3, **penalties)
+    assert check.pvalue > 1e-4, check
+    assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                          ("repetition_penalty", 0.0), ("presence_penalty", "1"),
+                                          ("repetition_penalty", True)])
+def test_out_of_range_penalties_are_refused_naming_the_field(model, tok, field, value):
+    engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        engine.generate([0, 5], 3, **{field: value})
