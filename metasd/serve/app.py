@@ -28,7 +28,8 @@ from .errors import ApiError, bad_request, error_body, from_validation
 from .http_log import HttpObserver
 from .logprobs import TokenNames
 from .metrics import ServeMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields, ignored_fields, refused_field
+from .protocol import (ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults, ignored_fields,
+                       refused_field)
 from .records import served_record
 from .responses import FINISH_REASONS, Completion, sse
 from .tokenize import add_tokenizer_routes
@@ -50,7 +51,7 @@ class ServeState:
     server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
 
     def __init__(self, scheduler, model_name: str, api_key: str | None, metrics: ServeMetrics,
-                 retry_after_s: int = 1, max_model_len: int | None = None):
+                 retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto"):
         self.scheduler, self.model_name, self.api_key, self.metrics = scheduler, model_name, api_key, metrics
         self.retry_after_s = retry_after_s
         self.draining = False
@@ -66,6 +67,12 @@ class ServeState:
         self.vocab_size = getattr(getattr(engine.verifier.model, "config", None), "vocab_size", None)
         self.drafters = [d.name for d in engine.drafters]
         self.names = TokenNames(self.tokenizer)  # names the tokens of log-probabilities
+        if generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
+        #: what a request that leaves a sampling field unset gets: the model's generation_config (``auto``)
+        self.defaults = generation_defaults(engine.verifier.model) if generation_config == "auto" else {}
+        if self.defaults:
+            log.info("request defaults from %s's generation_config: %s", model_name, self.defaults)
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -107,6 +114,8 @@ class ServeState:
         if limit and n_prompt >= limit:
             raise bad_request(f"the prompt is {n_prompt} tokens; {self.model_name}'s context is {limit} tokens",
                               prompt_field, "context_length_exceeded")
+        if budget is None and "max_tokens" in self.defaults:  # the model's max_new_tokens, within the context
+            budget = min(self.defaults["max_tokens"], limit - n_prompt) if limit else self.defaults["max_tokens"]
         if budget is None:
             return limit - n_prompt if limit else 1024
         if limit and n_prompt + budget > limit:
@@ -114,6 +123,12 @@ class ServeState:
                               f"of {limit} tokens (at most {limit - n_prompt} new tokens fit)", field,
                               "context_length_exceeded")
         return budget
+
+    def default(self, req, field: str, fallback):
+        """The request's value of ``field``; unset: the model's generation_config value (``--generation-config
+        auto``), else OpenAI's default ``fallback``."""
+        value = getattr(req, field)
+        return value if value is not None else self.defaults.get(field, fallback)
 
     def submit(self, req, ids: list[int], max_new_tokens: int):
         opts = req.metasd
@@ -126,10 +141,10 @@ class ServeState:
         logprobs, prompt_logprobs = req.logprob_options()
         try:
             return self.scheduler.submit(
-                ids, max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, stop=req.stops() or None,
+                ids, max_new_tokens, temperature=self.default(req, "temperature", 1.0),
+                top_p=self.default(req, "top_p", 1.0), top_k=self.default(req, "top_k", 0), stop=req.stops() or None,
                 seed=req.seed, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                **req.penalties())
+                **req.penalties(self.defaults))
         except QueueFullError:
             raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None
@@ -308,15 +323,18 @@ class _ServerHeader:
 
 def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True) -> FastAPI:
+               max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True,
+               generation_config: str = "auto") -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
     ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
     in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413; ``max_model_len`` caps the context
-    served; ``access_log``: a log line per request (logger ``metasd.serve.access``). ``app.state.serve`` is its
+    served; ``access_log``: a log line per request (logger ``metasd.serve.access``); ``generation_config``: "auto"
+    fills a request's unset temperature, top_p, top_k, repetition_penalty and max_tokens from the model's
+    ``generation_config`` (vLLM's default), "none" leaves OpenAI's defaults. ``app.state.serve`` is its
     ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name)
-    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len)
+    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config)
     metrics.attach(scheduler)
     app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state

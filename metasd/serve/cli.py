@@ -69,6 +69,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="log a line of throughput, running and waiting requests and acceptance this often while "
                         "there is work (0: never)")
+    p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto: a request that leaves temperature, top_p, top_k, repetition_penalty or max_tokens unset "
+                        "gets the model's generation_config value, as vLLM does; none: OpenAI's defaults")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log a line per HTTP request")
     p.add_argument("--cost-profile", metavar="FILE",
@@ -274,7 +277,8 @@ def serve_command(args) -> int:
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
                                  read_cost_profile(args.cost_profile, config), args.kv_budget)
-    app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log)
+    app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log,
+                             args.generation_config)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
@@ -296,10 +300,12 @@ class AppOptions:
     max_model_len: int | None = None
     metrics_require_key: bool = False
     access_log: bool = True
+    generation_config: str = "auto"
 
     def kwargs(self) -> dict:
         return {"api_key": self.api_key, "max_model_len": self.max_model_len,
-                "metrics_require_key": self.metrics_require_key, "access_log": self.access_log}
+                "metrics_require_key": self.metrics_require_key, "access_log": self.access_log,
+                "generation_config": self.generation_config}
 
 
 def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, options: AppOptions, args) -> int:

@@ -172,10 +172,11 @@ class _Common(Lenient):
             raise ValueError("logit_bias is not supported (only an empty one is accepted)")
         return v
 
-    def penalties(self) -> dict[str, float]:
-        """The penalties asked for, as ``Scheduler.submit`` takes them (unset: off)."""
+    def penalties(self, defaults: dict | None = None) -> dict[str, float]:
+        """The penalties asked for, as ``Scheduler.submit`` takes them (unset: ``defaults``' value, else off)."""
+        defaults = defaults or {}
         return {k: float(v) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                if (v := getattr(self, k)) is not None}
+                if (v := getattr(self, k) if getattr(self, k) is not None else defaults.get(k)) is not None}
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -248,6 +249,22 @@ class CompletionRequest(_Common):
 
     def prompt_value(self) -> str | list[int]:
         return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+
+
+#: the ``generation_config`` fields a server started with ``--generation-config auto`` uses as request defaults, by the
+#: request field they fill
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model) -> dict[str, float | int]:
+    """The request defaults a model's ``generation_config`` sets (only what differs from transformers' own defaults,
+    as vLLM reads it), by request field: ``{"temperature": 0.7, "top_p": 0.8, "max_tokens": 512}``."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    diff = config.to_diff_dict()
+    return {field: diff[key] for key, field in GENERATION_DEFAULTS.items() if diff.get(key) is not None}
 
 
 def accepted_fields(model: type[BaseModel]) -> list[str]:
