@@ -193,7 +193,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"stop": [f"w{i}" for i in range(17)]}, "stop"),  # more than MAX_STOPS
     ("chat", {"stop": "w" * 257}, "stop"),  # longer than MAX_STOP_CHARS
     ("chat", {"stop": ["w10", "w" * 257]}, "stop"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 17}, "n"),  # more than MAX_CHOICES
     ("chat", {"max_tokens": 250}, "max_tokens"),
     ("chat", {"max_completion_tokens": 250}, "max_completion_tokens"),
     ("chat", {"messages": [{"role": "user", "content": " ".join(["w10"] * 300)}]}, "messages"),
@@ -232,7 +232,7 @@ def test_bad_input_is_a_400_naming_the_field_and_starts_nothing(server, route, b
 
 def test_the_openai_client_gets_its_bad_request_error(client):
     with pytest.raises(openai.BadRequestError) as e:
-        _chat(client, n=2)
+        _chat(client, n=99)
     assert e.value.param == "n" and e.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, extra_body={"metasd": {"fast": True}})  # metasd's own options stay strict

@@ -152,3 +152,27 @@ def test_penalties_over_http_are_plain_penalised_decoding(served, client, specul
     assert r.choices[0].text == engine.tokenizer.decode(out, skip_special_tokens=True)
     unpenalised = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
     assert unpenalised.choices[0].text != r.choices[0].text  # the penalties were applied
+
+
+def test_n_choices_whole_and_streamed(client):
+    greedy = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=6, temperature=0, n=3,
+                                            logprobs=True)
+    alone = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=6, temperature=0)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.message.content for c in greedy.choices} == {alone.choices[0].message.content}  # greedy: 3 times the same
+    assert greedy.usage.completion_tokens == 3 * alone.usage.completion_tokens
+    assert all(len(c.logprobs.content) == alone.usage.completion_tokens for c in greedy.choices)
+    assert isinstance(greedy.model_extra["metasd"], list) and len(greedy.model_extra["metasd"]) == 3
+
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=3)
+    sampled = client.completions.create(**kw)
+    texts = [c.text for c in sorted(sampled.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1, "choice i samples with seed + i: the choices should differ"
+    assert texts[1] == client.completions.create(**(kw | {"seed": 12, "n": 1})).choices[0].text
+    chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)]
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)}
+    assert [streamed[i] for i in range(3)] == texts
+    assert chunks[-1].usage.completion_tokens == sampled.usage.completion_tokens
+    assert sorted(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason) == \
+        ["length"] * 3

@@ -7,13 +7,11 @@ request, which frees its batch slot at the scheduler's next step.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import re
 import time
-from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
-from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError
+from metasd.core.execution.kv_memory import KVBudgetError
 
 from .errors import ApiError, bad_request, error_body, from_validation
 from .http_log import HttpObserver
@@ -30,8 +28,8 @@ from .logprobs import TokenNames
 from .metrics import ServeMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults, ignored_fields,
                        refused_field)
-from .records import served_record
-from .responses import FINISH_REASONS, Completion, sse
+from .answers import answer, draining, stream
+from .responses import Completion
 from .tokenize import add_tokenizer_routes
 
 #: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
@@ -130,7 +128,20 @@ class ServeState:
         value = getattr(req, field)
         return value if value is not None else self.defaults.get(field, fallback)
 
-    def submit(self, req, ids: list[int], max_new_tokens: int):
+    def submit_choices(self, req, ids: list[int], max_new_tokens: int) -> list:
+        """One scheduler request per choice (``n``; choice i of a seeded request samples with seed + i, so the
+        choices differ and each is reproducible); when one cannot be queued, those queued before it are cancelled."""
+        handles = []
+        try:
+            for i in range(req.n):
+                handles.append(self.submit(req, ids, max_new_tokens, seed_offset=i))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
+    def submit(self, req, ids: list[int], max_new_tokens: int, seed_offset: int = 0):
         opts = req.metasd
         if opts and opts.drafter is not None and opts.drafter not in self.drafters:
             names = ", ".join(self.drafters) or "none"
@@ -143,13 +154,13 @@ class ServeState:
             return self.scheduler.submit(
                 ids, max_new_tokens, temperature=self.default(req, "temperature", 1.0),
                 top_p=self.default(req, "top_p", 1.0), top_k=self.default(req, "top_k", 0), stop=req.stops() or None,
-                seed=req.seed, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                seed=None if req.seed is None else req.seed + seed_offset, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 **req.penalties(self.defaults))
         except QueueFullError:
             raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None
         except SchedulerClosedError:
-            raise _draining() from None
+            raise draining() from None
         except KVBudgetError as e:  # could never fit, even alone: the client must ask for less
             raise bad_request(str(e).replace("max_new_tokens", "max_tokens", 2), "max_tokens",
                               "kv_budget_exceeded") from None
@@ -159,113 +170,6 @@ class ServeState:
             field = field.group(0) if field and field.group(0) in _SUBMIT_PARAMS else \
                 next((f for f in _SUBMIT_PARAMS if f in message), None)
             raise bad_request(message, _SUBMIT_PARAMS.get(field)) from None
-
-
-def _draining() -> ApiError:
-    return ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
-                    code="server_shutting_down", headers={"Retry-After": "5"})
-
-
-def _failed(event, request_id: str) -> ApiError:
-    """A request that failed inside the server: what a client may know, never the exception's text (the log has it,
-    under the request's id)."""
-    if event is not None and isinstance(event.error, KVAllocationError):
-        return ApiError(503, "the server could not allocate KV memory for this request; retry later",
-                        type="server_error", code="out_of_memory", headers={"Retry-After": "5"})
-    log.error("request %s failed: %r", request_id, getattr(event, "error", None))
-    return ApiError(500, f"the request failed inside the server (request {request_id}; the server's log has the "
-                         f"error)", type="server_error", code="internal_error")
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client has gone away (the body is read, so the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(handle) -> tuple[str, Any]:
-    """The request's whole text and its last event."""
-    parts, last = [], None
-    async for event in handle.aevents():
-        parts.append(event.text or "")
-        last = event
-        if event.finished:
-            break
-    return "".join(parts), last
-
-
-
-
-
-def _finished(event, completion: Completion, request_id: str) -> tuple[str, dict[str, Any], int]:
-    """A finished event as (OpenAI finish reason, served record, completion tokens); ApiError when it failed."""
-    if event is None or event.finish_reason == "error" or event.error:
-        raise _failed(event, request_id)
-    if event.finish_reason == "cancelled":
-        raise _draining()
-    result = event.result
-    record = served_record(result.to_record() if result is not None else None)
-    tokens = len(result.token_ids) if result is not None else 0
-    return FINISH_REASONS.get(event.finish_reason, "stop"), record, tokens
-
-
-async def _answer(request: Request, handle, completion: Completion) -> dict[str, Any]:
-    """Wait for the whole completion; cancel the request when the client goes away first."""
-    work = asyncio.ensure_future(_collect(handle))
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            handle.cancel()
-            work.cancel()
-    if not work.done() or work.cancelled():
-        raise ApiError(499, "the client closed the request", code="client_closed_request")
-    text, last = work.result()
-    reason, record, tokens = _finished(last, completion, handle.id)
-    result = last.result
-    echoed = completion.logprobs([], result.prompt_logprobs, handle.prompt_ids) \
-        if completion.echo is not None and completion.names is not None else None
-    logprobs = completion.logprobs(result.logprobs if result is not None else None)
-    if echoed is not None:  # the prompt's tokens first, then the completion's
-        logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
-    if completion.echo is not None:
-        text = completion.echo + text
-    return completion.whole(text, reason, tokens, record, logprobs)
-
-
-async def _stream(handle, completion: Completion) -> AsyncIterator[str]:
-    """The server-sent events of one request; closing the stream (the client went away) cancels the request."""
-    done = False
-    try:
-        if completion.kind == "chat":
-            yield sse(completion.chunk(None, first=True))
-        echo = completion.echo
-        async for event in handle.aevents():
-            if event.finish_reason in ("error", "cancelled") or event.error:
-                error = _failed(event, handle.id) if event.finish_reason != "cancelled" else _draining()
-                done = True
-                yield sse(error.body())
-                return
-            if echo is not None and (event.token_ids or (event.finished and event.result is not None)):
-                prompt = event.prompt_logprobs if event.token_ids else event.result.prompt_logprobs
-                yield sse(completion.chunk(echo, logprobs=completion.logprobs([], prompt, handle.prompt_ids)))
-                echo = None  # the prompt (scored by now) before the first new tokens
-            logprobs = completion.logprobs(event.logprobs) if event.token_ids else None
-            if (event.text or logprobs) and not event.finished:
-                yield sse(completion.chunk(event.text, logprobs=logprobs))
-            if event.finished:
-                reason, record, tokens = _finished(event, completion, handle.id)
-                done = True
-                yield sse(completion.chunk(event.text, reason, record=record))
-                if completion.include_usage:
-                    yield sse(completion.usage_chunk(tokens))
-                yield sse("[DONE]")
-                return
-    finally:
-        if not done:
-            handle.cancel()
 
 
 class _BodyLimit:
@@ -360,7 +264,7 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
     async def generate(request: Request, model: type, kind: str):
         state.check_auth(request)
         if state.draining:
-            raise _draining()
+            raise draining()
         body = await request.body()
         try:  # parsing and tokenising a large body is work: off the event loop, which every stream shares
             req = await run_in_threadpool(model.model_validate_json, body)
@@ -380,16 +284,16 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
         budget = state.budget(req, len(ids), prompt_field)
-        handle = state.submit(req, ids, budget)
+        handles = state.submit_choices(req, ids, budget)
         completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
                                 names=state.names if req.logprob_options()[0] is not None else None)
         if getattr(req, "echo", False):  # the prompt as given (token ids: their text)
             prompt = req.prompt_value()
             completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)
         if req.stream:
-            return StreamingResponse(_stream(handle, completion), media_type="text/event-stream",
+            return StreamingResponse(stream(handles, completion), media_type="text/event-stream",
                                      headers=_STREAM_HEADERS)
-        return JSONResponse(await _answer(request, handle, completion))
+        return JSONResponse(await answer(request, handles, completion))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

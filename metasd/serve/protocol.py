@@ -1,5 +1,5 @@
 """The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
-integer) and the options metasd cannot honour, which would change the output (``n > 1``, a ``logit_bias``, a JSON ``response_format``, ``tools``, ...: ``refused_field``), instead of silently
+integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, a JSON ``response_format``, ``tools``, ...: ``refused_field``), instead of silently
 ignoring them; other fields it does not know (``store``, ``metadata``, ``user``, ``parallel_tool_calls``, ...) change
 nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
 (docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
@@ -15,6 +15,8 @@ from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 #: the most stop strings a request may give, and the longest (every step searches the new text for each)
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+#: the most choices (``n``) one request may ask for: each is a request of its own in the batch
+MAX_CHOICES = 16
 _Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -153,17 +155,12 @@ class _Common(Lenient):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; 1 = off
     logit_bias: dict[str, float] | None = None
     metasd: MetasdOptions | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        return _only(v, (1,), f"only n=1 is served (one choice per request), got {v}")
 
     @field_validator("logit_bias")
     @classmethod

@@ -26,7 +26,8 @@ def sse(data: dict[str, Any] | str) -> str:
 
 @dataclass
 class Completion:
-    """What one request's responses share: its id, kind (``chat`` or ``text``), creation time and model."""
+    """What one request's responses share: its id, kind (``chat`` or ``text``), creation time and model, and per
+    choice (``n`` of them) where its completions route's log-probability offsets stand."""
 
     kind: str
     model: str
@@ -36,8 +37,9 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     #: set when the request asked for log-probabilities: names their tokens (``logprobs``)
     names: TokenNames | None = None
-    text_offset: int = 0  # completions: where the next token's text starts in the choice's text (streams included)
     echo: str | None = None  # completions with ``echo``: the prompt's text, sent before the completion's
+    #: completions: per choice, where its next token's text starts in the choice's text (streams included)
+    text_offsets: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -54,9 +56,9 @@ class Completion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def logprobs(self, scores: Sequence[TokenLogprob] | None, echoed: Sequence[TokenLogprob | None] | None = None,
-                 prompt_ids: Sequence[int] = ()) -> dict[str, Any] | None:
-        """A choice's ``logprobs`` for ``scores`` (None when the request did not ask): chat's ``content`` list, or the
-        completions route's legacy object, ``echoed`` (the prompt's scores, first token unscored) first."""
+                 prompt_ids: Sequence[int] = (), index: int = 0) -> dict[str, Any] | None:
+        """Choice ``index``'s ``logprobs`` for ``scores`` (None when the request did not ask): chat's ``content`` list,
+        or the completions route's legacy object, ``echoed`` (the prompt's scores, first token unscored) first."""
         if self.names is None:
             return None
         if self.kind == "chat":
@@ -64,34 +66,39 @@ class Completion:
         unscored, scored = None, list(scores or [])
         if echoed:
             unscored, scored = prompt_ids[0], [*echoed[1:], *scored]
-        body = completion_logprobs(self.names, scored, self.text_offset, unscored)
+        body = completion_logprobs(self.names, scored, self.text_offsets.get(index, 0), unscored)
         if body["tokens"]:
-            self.text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
+            self.text_offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
         return body
 
-    def whole(self, text: str, finish_reason: str, completion_tokens: int, record: dict[str, Any],
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The non-streamed response (``logprobs``: the choice's, from ``logprobs``)."""
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """One choice of the non-streamed response."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": self.usage(completion_tokens),
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def whole(self, choices: list[dict[str, Any]], completion_tokens: int,
+              record: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+        """The non-streamed response: its ``choices`` (``choice``), the usage of them all and the ``metasd`` record
+        (with n > 1, one per choice)."""
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(completion_tokens),
                 "metasd": record}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
-              record: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One streamed chunk: new text (and the ``logprobs`` of its tokens), or (with ``finish_reason``) the last chunk
-        of the choice, which carries the ``metasd`` record; a chat stream's first chunk names the role."""
+              record: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+              index: int = 0) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``: new text (and the ``logprobs`` of its tokens), or (with
+        ``finish_reason``) the last chunk of the choice, which carries its ``metasd`` record; a chat stream's first
+        chunk of a choice names the role."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
