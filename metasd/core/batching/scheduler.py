@@ -131,10 +131,9 @@ class Scheduler:
 
     def submit(self, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: str | Sequence[str] | None = None, seed: int | None = None,
-               chat: bool | None = None, options: RequestOptions | None = None,
-               request_id: str | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               repetition_penalty: float = 1.0) -> RequestHandle:
+               chat: bool | None = None, options: RequestOptions | None = None, request_id: str | None = None,
+               logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> RequestHandle:
         """Check a request and queue it; its ``RequestHandle``. ``ValueError`` (naming the field) for a bad request
         - checked here, before anything is queued: an empty prompt, prompt + max_new_tokens over the verifier's
         context, sampling values out of range, an unknown drafter; ``QueueFullError`` when ``max_queue`` requests
