@@ -14,7 +14,8 @@ from ..execution.batch_cache import BatchCache
 from ..execution.kv_memory import KVBudgetError, KVGeometry
 from ..decoding.request import Prompt, Request
 from ..execution.batch_verifier import Prefill, SlotVerifier
-from .request_handle import RequestFinished, RequestHandle, RequestOptions, TokenEvent, _TextStream
+from ..execution.prefix_cache import PrefixCache
+from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent, _TextStream
 
 log = logging.getLogger("metasd.core.batching.scheduler")
 
@@ -51,6 +52,11 @@ class Job:
         if self.first_token_at is None and new:
             self.first_token_at = time.perf_counter()
         return TokenEvent(list(new), self.text.add(new), logprobs=scores, prompt_logprobs=prompt)
+
+    def step_record(self) -> RequestStepRecord:
+        """Its part of the last scheduler step."""
+        s = self.request.last_step
+        return RequestStepRecord(self.id, s.drafter, s.drafted, s.accepted, s.accepted_per_position, s.committed)
 
     def end(self, reason: str, error: BaseException | None) -> tuple[str, BaseException | None]:
         """The request ends (its row already freed): its episode closes (unless it failed) and its drafters end.
@@ -103,6 +109,37 @@ class Forks:
             request.drafters, request.all_drafters = [arm], with_components([arm])
         else:
             request.drafters, request.all_drafters = self.arms, self.all
+
+
+def prefix_cache_for(engine, cache: BatchCache) -> PrefixCache:
+    """A prefix cache over the scheduler's batched cache; ``ValueError`` for a pool whose drafters read the verifier's
+    hidden states (the entries keep keys and values only)."""
+    if engine.hidden_layers:
+        raise ValueError(f"prefix_caching: the pool's drafters read the verifier's hidden states (layers "
+                         f"{list(engine.hidden_layers)}), which the prefix cache does not keep")
+    return PrefixCache(cache)
+
+
+def start_prefill(job: Job, engine, prefix_cache: PrefixCache | None) -> None:
+    """The request's prefill, starting after the longest prefix of its prompt the prefix cache holds (not for a request
+    that asked for its prompt's log-probabilities: the prefill computes them); its stats count the prompt tokens
+    reused (``cached_prompt_tokens``)."""
+    ids, scoring = job.request.prompt_ids[:-1], job.request.prompt_scoring()
+    prefix = None
+    if prefix_cache is not None and not scoring:
+        entry, n = prefix_cache.lookup(ids)
+        prefix = (entry, n) if entry is not None else None
+        job.request.stats.cached_prompt_tokens = n
+    job.prefill = Prefill(engine.verifier, ids, engine.hidden_layers, prefix=prefix, **scoring)
+
+
+def store_prefix(job: Job, cache: BatchCache, prefix_cache: PrefixCache) -> None:
+    """Before a request's row is freed: its committed positions (prompt and answer, its pending token excepted) into
+    the prefix cache, for a later request that continues them (the next turn of a chat)."""
+    request, row = job.request, job.slot.row
+    cache.release(job)  # its reservation first: the entry is held in its place
+    sequence = request.prompt_ids + request.new_ids
+    prefix_cache.store(sequence[: min(cache.lengths[row], len(sequence) - 1)], row)
 
 
 def drafter_kv_bytes(drafters) -> int:

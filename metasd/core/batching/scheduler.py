@@ -19,10 +19,10 @@ from typing import Any, Sequence
 import torch
 
 from ..decoding.request import Prompt
-from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
+from ..execution.batch_verifier import BatchVerifier, SlotVerifier
 from ..execution.kv_memory import KVAllocationError, KVGeometry, default_budget_bytes
 from .adaptive import AdaptiveSpeculation, StepPlan
-from .jobs import Forks, Job, drafter_kv_bytes, new_request
+from .jobs import Forks, Job, drafter_kv_bytes, new_request, prefix_cache_for, start_prefill, store_prefix
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
 
@@ -47,7 +47,8 @@ class Scheduler:
     drafters' caches are charged to it too) - a request is admitted with its reservation (prompt + max_new_tokens +
     max_draft_nodes + 1, rounded up to 256) in hand, waits in the queue while the budget is full, and is refused at
     ``submit`` when it could never fit (None: a share of the free memory, docs/architecture.md#the-kv-memory-model);
-    max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut).
+    max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut); prefix_caching:
+    keep finished requests' KV inside the budget to start requests that continue them (``PrefixCache``).
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
     only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
@@ -55,7 +56,8 @@ class Scheduler:
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
                  share_suffix_cache: bool = False, adaptive: AdaptiveSpeculation | None = None,
-                 kv_budget: int | None = None, max_draft_nodes: int = 128, name: str = "metasd-scheduler"):
+                 kv_budget: int | None = None, max_draft_nodes: int = 128, name: str = "metasd-scheduler",
+                 prefix_caching: bool = False):
         for key, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
                                 ("prefill_chunk", prefill_chunk, 1), ("max_draft_nodes", max_draft_nodes, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -73,6 +75,7 @@ class Scheduler:
         budget = kv_budget * per_token if kv_budget is not None else default_budget_bytes(engine.verifier.device)
         self.verifier = BatchVerifier(engine.verifier, max_batch, engine.hidden_layers, budget_bytes=budget,
                                       extra_bytes_per_token=drafter_kv_bytes(engine.all_drafters))
+        self.prefix_cache = prefix_cache_for(engine, self.verifier.cache) if prefix_caching else None
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._prefilling: list[Job] = []
@@ -228,6 +231,8 @@ class Scheduler:
                     self.failed_steps += 1
                     self._fail_started(e)
                 self.verifier.cache.shrink()
+                if self.prefix_cache is not None:
+                    self.prefix_cache.fit()  # entries stored this pass beside rows not shrunk yet
         except BaseException as e:  # noqa: BLE001 - the scheduler itself broke: every request gets the error
             log.exception("the scheduler thread failed")
             self.failure = e
@@ -252,7 +257,8 @@ class Scheduler:
         cache = self.verifier.cache
         while self._waiting and len(self._prefilling) + len(self._running) < self._max_batch:
             job = self._waiting[0]
-            if not cache.fits(job.kv_tokens):
+            stored = self.prefix_cache  # stored prefixes give way (least recently used first) before a request waits
+            if not cache.fits(job.kv_tokens) and not (stored is not None and stored.evict_for(job.kv_tokens)):
                 break
             self._waiting.popleft()
             try:
@@ -302,7 +308,7 @@ class Scheduler:
                 failed.append((job, e))
                 job.slot.kept = None
                 continue
-            records.append(self._step_record(job))
+            records.append(job.step_record())
             if finished:
                 done.append(job)
         self.verifier.commit([j.slot for j in running])  # raising here fails every request of the step (_loop)
@@ -310,7 +316,7 @@ class Scheduler:
         for job in running:
             if not any(job is f for f, _ in failed):
                 try:
-                    self._emit_tokens(job)
+                    job.handle._push(job.token_event())  # the tokens it committed since its last event
                 except Exception as e:  # noqa: BLE001 - its text could not be streamed: it alone fails
                     log.exception("request %s failed while streaming its tokens", job.id)
                     failed.append((job, e))
@@ -390,16 +396,7 @@ class Scheduler:
         job.slot = SlotVerifier(self.engine.verifier, None)
         job.request.verifier = job.slot
         job.request.open()
-        job.prefill = Prefill(self.engine.verifier, job.request.prompt_ids[:-1], self.engine.hidden_layers,
-                              **job.request.prompt_scoring())
-
-    def _step_record(self, job: Job) -> RequestStepRecord:
-        s = job.request.last_step
-        return RequestStepRecord(job.id, s.drafter, s.drafted, s.accepted, s.accepted_per_position, s.committed)
-
-    def _emit_tokens(self, job: Job) -> None:
-        """The event of the tokens the request committed since its last event (none after an EOS)."""
-        job.handle._push(job.token_event())
+        start_prefill(job, self.engine, self.prefix_cache)
 
     def _leave(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         """The request leaves (finished, cancelled or failed): its drafters end, its row is freed (the last row moves
@@ -409,6 +406,8 @@ class Scheduler:
                 self._prefilling.remove(job)
             row = job.slot.row if job.slot is not None and job in self._running else None
         if row is not None:
+            if self.prefix_cache is not None and error is None:
+                store_prefix(job, self.verifier.cache, self.prefix_cache)
             moved = self.verifier.remove(row)
             with self._lock:
                 last = self._running.pop()

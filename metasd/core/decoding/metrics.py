@@ -19,6 +19,7 @@ class RequestStats:
     baseline fills the counters it has (tokens, steps = forwards, wall time) and leaves the rest empty."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt positions reused from the prefix cache instead of prefilled
     new_tokens: int = 0
     steps: int = 0
     drafted: int = 0  # draft tokens scored by the verifier (tree nodes for trees)

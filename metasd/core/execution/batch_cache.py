@@ -108,6 +108,7 @@ class BatchCache(Cache):
         self.lengths = [0] * slots
         self.active = 0  # rows in use: 0..active-1
         self.reserved: dict[Hashable, int] = {}  # admitted request -> positions reserved
+        self.pinned_bytes = 0  # held inside the budget outside the rows: the prefix cache's entries (prefix_cache.py)
         self._forward: tuple[int, int] | None = None  # (B, N) of the prepared forward
         self._index: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
@@ -122,7 +123,12 @@ class BatchCache(Cache):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes held now: the allocated buffers and the drafters' share of the reservations."""
+        """Bytes held now: the allocated buffers, the drafters' share of the reservations and the pinned bytes."""
+        return self.row_bytes + self.pinned_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        """The allocated buffers and the drafters' share of the reservations."""
         return (self.rows * self.capacity * self.geometry.bytes_per_token
                 + self.extra_bytes_per_token * sum(self.reserved.values()))
 
@@ -142,7 +148,8 @@ class BatchCache(Cache):
         need = bucketed(tokens, self.bucket)
         if len(self.reserved) >= self.slots:
             return False
-        return self.budget_bytes is None or self.bytes_for([*self.reserved.values(), need]) <= self.budget_bytes
+        return (self.budget_bytes is None
+                or self.bytes_for([*self.reserved.values(), need]) + self.pinned_bytes <= self.budget_bytes)
 
     def reserve(self, key: Hashable, tokens: int) -> int:
         """Reserve a row of ``tokens`` positions (rounded up) for ``key``, allocating now - all or nothing
@@ -164,7 +171,8 @@ class BatchCache(Cache):
         """The most rows of ``capacity`` positions the budget holds beside the reservations (``need`` included)."""
         if self.budget_bytes is None:
             return self.slots
-        spare = self.budget_bytes - self.extra_bytes_per_token * (sum(self.reserved.values()) + need)
+        spare = (self.budget_bytes - self.pinned_bytes
+                 - self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
         return max(spare // max(capacity * self.geometry.bytes_per_token, 1), 0)
 
     def release(self, key: Hashable) -> None:

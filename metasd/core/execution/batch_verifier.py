@@ -16,6 +16,7 @@ from .batch_cache import BatchCache
 from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
+from .prefix_cache import PrefixEntry
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .static_cache import new_cache
 from .tree import Draft, ancestor_mask
@@ -84,12 +85,13 @@ class SlotVerifier:
 
 class Prefill:
     """A joining request's prefill: every prompt token but the last into a batch-1 cache, ``chunk`` tokens per call
-    of ``step``, with the hidden states of ``layers`` for the drafters that read them. With ``score`` (the tokens that
+    of ``step``, with the hidden states of ``layers`` for the drafters that read them; with ``prefix`` (an entry of the
+    prefix cache and how many of its positions are this prompt's) it starts after them. With ``score`` (the tokens that
     follow each position: the prompt's tokens 1..T) it keeps their raw log-probabilities in ``scores`` (``top``
     alternatives each; ``Verifier.prefill``)."""
 
     def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int],
-                 score: Sequence[int] | None = None, top: int = 0):
+                 score: Sequence[int] | None = None, top: int = 0, prefix: tuple[PrefixEntry, int] | None = None):
         self.model = verifier.model
         self.device = verifier.device
         self.ids = list(token_ids)
@@ -97,6 +99,14 @@ class Prefill:
         self.hidden = HiddenStore(self.layers) if self.layers else None
         self.cache = new_cache(self.model, len(self.ids), verifier.name)
         self.done = 0
+        if prefix is not None:  # its first n positions from the prefix cache: the prefill starts after them
+            entry, n = prefix
+            self.cache.allocate(KVGeometry.of(self.model))
+            for layer, keys, values in zip(self.cache.layers, entry.keys, entry.values):
+                layer.k_buf[0, :, :n] = keys[:, :n]
+                layer.v_buf[0, :, :n] = values[:, :n]
+            self.cache.set_length(n)
+            self.done = n
         self.score, self.top = (list(score), top) if score is not None else (None, 0)
         self.scores: list[TokenLogprob] | None = [] if score is not None else None
         if not self.ids and self.hidden is not None:
