@@ -53,6 +53,12 @@ async def _collect(handle) -> tuple[str, Any]:
     return "".join(parts), last
 
 
+def _cached(event) -> int:
+    """The prompt tokens a finished request reused from the prefix cache."""
+    result = getattr(event, "result", None)
+    return result.stats.cached_prompt_tokens if result is not None else 0
+
+
 def _finished(event, request_id: str) -> tuple[str, dict[str, Any], int]:
     """A finished event as (OpenAI finish reason, served record, completion tokens); ApiError when it failed."""
     if event is None or event.finish_reason == "error" or event.error:
@@ -84,8 +90,9 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
             work.cancel()
     if not work.done() or work.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed_request")
-    choices, records, total = [], [], 0
+    choices, records, total, cached = [], [], 0, 0
     for index, (handle, (text, last)) in enumerate(zip(handles, work.result())):
+        cached = max(cached, _cached(last))
         reason, record, tokens = _finished(last, handle.id)
         result = last.result
         logprobs = None
@@ -98,7 +105,7 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
         choices.append(completion.choice(index, text, reason, logprobs))
         records.append(record)
         total += tokens
-    return completion.whole(choices, total, records[0] if len(records) == 1 else records)
+    return completion.whole(choices, total, records[0] if len(records) == 1 else records, cached)
 
 
 async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str]:
@@ -122,7 +129,7 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
             for index in range(len(handles)):
                 yield sse(completion.chunk(None, first=True, index=index))
         echo = {index: completion.echo for index in range(len(handles))}
-        remaining, total = len(handles), 0
+        remaining, total, cached = len(handles), 0, 0
         while remaining:
             index, event = await queue.get()
             handle = handles[index]
@@ -140,11 +147,11 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                 yield sse(completion.chunk(event.text, logprobs=logprobs, index=index))
             if event.finished:
                 reason, record, tokens = _finished(event, handle.id)
-                total += tokens
+                total, cached = total + tokens, max(cached, _cached(event))
                 remaining -= 1
                 yield sse(completion.chunk(event.text, reason, record=record, index=index))
         if completion.include_usage:
-            yield sse(completion.usage_chunk(total))
+            yield sse(completion.usage_chunk(total, cached))
         yield sse("[DONE]")
     finally:
         for p in pumps:

@@ -59,6 +59,10 @@ def add_serve_parser(sub) -> None:
                         "are charged to it too); a request reserves prompt + max_tokens + its widest draft when it "
                         "starts, waits while the budget is full, and gets 400 if it could never fit (default: half "
                         "the available RAM, or 90%% of a GPU's free memory, after the models load)")
+    p.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="keep finished requests' KV (inside --kv-budget) to start requests that continue "
+                                      "them, e.g. the next turn of a chat (default: on, unless a drafter reads the "
+                                      "verifier's hidden states)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="the largest request body read; a larger one gets 413 (default: 8 MiB)")
     p.add_argument("--share-suffix-cache", action="store_true",
@@ -206,13 +210,16 @@ class SchedulerSettings:
     cost_profile: dict | None = None
     #: --kv-budget: KV positions of the verifier's cache (None: from the free memory)
     kv_budget: int | None = None
+    #: --[no-]enable-prefix-caching (None: on where the pool allows it: no drafter reads the verifier's hidden states)
+    prefix_caching: bool | None = None
 
     def make(self, engine):
         from metasd.core.batching.scheduler import Scheduler
 
+        prefix = self.prefix_caching if self.prefix_caching is not None else not engine.hidden_layers
         scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
                               share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine),
-                              kv_budget=self.kv_budget)
+                              kv_budget=self.kv_budget, prefix_caching=prefix)
         start = getattr(scheduler, "start", None)  # a scheduler that does not start its thread when made
         if start is not None:
             start()
@@ -276,7 +283,7 @@ def serve_command(args) -> int:
     model_name = served_model_name(args, config)
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
-                                 read_cost_profile(args.cost_profile, config), args.kv_budget)
+                                 read_cost_profile(args.cost_profile, config), args.kv_budget, args.prefix_caching)
     app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log,
                              args.generation_config)
     if args.ray:
@@ -323,7 +330,8 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
     cache = scheduler.verifier.cache
     print(f"[metasd serve] loaded in {time.perf_counter() - t0:.1f} s; serving {model_name!r} (batch "
           f"{settings.max_batch}, queue {settings.max_queue}, KV budget {cache.budget_bytes / 2**20:.0f} MiB = "
-          f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, auth "
+          f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, prefix caching "
+          f"{'on' if scheduler.prefix_cache is not None else 'off'}, auth "
           f"{'on' if options.api_key else 'off'})", file=sys.stderr, flush=True)
     app = create_app(scheduler, model_name, max_body_bytes=args.max_body_bytes, **options.kwargs())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,

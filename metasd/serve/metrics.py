@@ -69,6 +69,10 @@ class ServeMetrics:
         self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted tokens per draft token position.", ["position"])
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries: prompt tokens looked up "
+                                                                   "(requests that started, with prefix caching on).")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits: prompt tokens found in the cache, "
+                                                             "not prefilled again.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Count of successfully processed requests "
                                                                "(cancelled: abort).", ["finished_reason"])
@@ -157,6 +161,9 @@ class ServeMetrics:
         with self._lock:
             self._finished.add(done.id)
         self.prompt_tokens.inc(done.prompt_tokens)
+        if getattr(getattr(self, "_scheduler", None), "prefix_cache", None) is not None and done.record:
+            self.prefix_queries.inc(done.prompt_tokens)
+            self.prefix_hits.inc(done.record.get("cached_prompt_tokens", 0))
         reason = _VLLM_FINISHED.get(done.finish_reason)
         if reason:  # a failed request is no success
             self.request_success.labels(*self._values, reason).inc()

@@ -48,9 +48,11 @@ class Completion:
     def object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -79,10 +81,10 @@ class Completion:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def whole(self, choices: list[dict[str, Any]], completion_tokens: int,
-              record: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+              record: dict[str, Any] | list[dict[str, Any]], cached_tokens: int = 0) -> dict[str, Any]:
         """The non-streamed response: its ``choices`` (``choice``), the usage of them all and the ``metasd`` record
         (with n > 1, one per choice)."""
-        return {**self._head(self.object), "choices": choices, "usage": self.usage(completion_tokens),
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(completion_tokens, cached_tokens),
                 "metasd": record}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
@@ -106,7 +108,7 @@ class Completion:
             body["metasd"] = record
         return body
 
-    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """``stream_options.include_usage``: the last chunk, with no choices."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens)}
+        return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens, cached_tokens)}
