@@ -1,4 +1,4 @@
-"""The decoding core, in four layers (docs/architecture.md#layers), with ``Engine`` on top:
+"""The decoding core, in layers (docs/architecture.md#layers), with ``Engine`` on top:
 
 - ``batching``: many requests at once - the ``Scheduler`` (continuous batching), its handles, adaptive speculation;
 - ``decoding``: one request - its step loop, exact acceptance, sampling, statistics, rewards, and the ``Drafter`` and
@@ -6,7 +6,9 @@
 - ``pricing``: the modeled and profiled cost of forwards, acceptance curves, the allocator (beside ``decoding``,
   neither imports the other);
 - ``execution``: executing forwards - the verifier (one request, a batch), KV caches, draft trees and their masks,
-  hidden states, host -> device staging.
+  hidden states, host -> device staging;
+- ``constraints`` (beside ``execution``): structured output - grammar masks for the committed prefix and along every
+  path of a draft tree (llguidance, the ``structured`` extra).
 
 Each imports only the layers below it; the core imports no YAML, MLflow or Ray, and no layer above it."""
 from .batching.scheduler import (QueueFullError, RequestFinished, RequestHandle, RequestOptions, Scheduler,
