@@ -51,13 +51,14 @@ def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], presen
 
 
 def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: float = 0.0,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, constraint=None,
                 **penalties) -> dict[tuple[int, ...], float]:
     """{sequence: p(sequence | prompt)} for every continuation of ``length`` tokens (shorter when it ends at an EOS)
     with probability >= ``floor``, by enumeration: one batched forward of the verifier per position over the prefixes
     that are still >= ``floor`` (a sequence is never more likely than its prefix, so nothing >= floor is missed).
-    Probabilities are the verifier's processed ones (``penalties`` - presence_penalty, frequency_penalty,
-    repetition_penalty - then temperature, top-k, top-p, as the engine applies them)."""
+    Probabilities are the verifier's processed ones (a compiled ``constraint``'s mask after each prefix, from a fresh
+    grammar state; ``penalties`` - presence_penalty, frequency_penalty, repetition_penalty; then temperature, top-k,
+    top-p, as the engine applies them)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     eos = set(eos)
     done: dict[tuple[int, ...], float] = {}
@@ -67,6 +68,13 @@ def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: f
         prefixes = list(live)
         batch = torch.tensor([prompt + list(s) for s in prefixes], device=device)
         logits = model(batch).logits[:, -1]  # [prefixes, vocab]
+        if constraint is not None:
+            masks = []
+            for seq in prefixes:
+                state = constraint.new_state()
+                state.accept_tokens(list(seq))
+                masks.append(state.mask(logits.shape[-1]))
+            logits = logits.masked_fill(~torch.stack(masks), float("-inf"))
         if penalties:
             logits = torch.stack([penalised(row, prompt, list(s), **penalties) for row, s in zip(logits, prefixes)])
         probs = process_logits(logits, params).double().cpu()  # [prefixes, vocab]
@@ -208,8 +216,12 @@ def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_toke
     start, cpu = time.perf_counter(), time.process_time()
     counts, stats = sample_joint(engine, prompt, n, length, max_new_tokens, seed, generate, **sampling)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    exact = exact_joint(engine.verifier.model, prompt, length, engine.eos_ids(), MIN_EXPECTED / n,
-                        **{k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p") or "penalty" in k})
+    processing = {k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p") or "penalty" in k}
+    if sampling.get("constraint") is not None:
+        from metasd.core.constraints import compile_constraint
+
+        processing["constraint"] = compile_constraint(engine.tokenizer, sampling["constraint"], sorted(engine.eos_ids()))
+    exact = exact_joint(engine.verifier.model, prompt, length, engine.eos_ids(), MIN_EXPECTED / n, **processing)
     pvalue, cells, pooled = chi_square(counts, exact, n)
     return JointCheck(pvalue, n, cells, pooled, seconds=seconds, cpu_seconds=cpu, **stats)
 

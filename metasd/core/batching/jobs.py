@@ -172,12 +172,20 @@ def policy_for(engine, options: RequestOptions):
     return policy if engine.persistent_policy else copy.deepcopy(policy)
 
 
+#: what ``Scheduler.submit`` passes on to ``Request`` beside sampling (``Engine.generate``'s keyword arguments)
+PROCESSING = {"logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "constraint"}
+
+
 def new_request(engine, prompt: Prompt, max_new_tokens: int, options: RequestOptions, arm_names: list[str],
                 cache: BatchCache, max_draft_nodes: int, *, seed: int | None, **sampling) -> tuple[Request, int]:
     """A submitted request checked and set up: its ``Request`` (policy, draft budget and cap set) and the KV positions
     its admission reserves. ``ValueError`` naming the field for a bad one, ``KVBudgetError`` (one) for a request the
     KV budget could never hold."""
     check_options(options, arm_names)
+    unknown = sorted(set(sampling) - PROCESSING - {"temperature", "top_p", "top_k", "stop", "chat"})
+    if unknown:
+        raise TypeError(f"submit() got unexpected keyword arguments {unknown}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     try:

@@ -135,22 +135,19 @@ class Scheduler:
     def submit(self, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: str | Sequence[str] | None = None, seed: int | None = None,
                chat: bool | None = None, options: RequestOptions | None = None, request_id: str | None = None,
-               logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> RequestHandle:
+               **processing) -> RequestHandle:
         """Check a request and queue it; its ``RequestHandle``. ``ValueError`` (naming the field) for a bad request
         - checked here, before anything is queued: an empty prompt, prompt + max_new_tokens over the verifier's
         context, sampling values out of range, an unknown drafter; ``QueueFullError`` when ``max_queue`` requests
-        wait; ``SchedulerClosedError`` after shutdown began. Arguments as ``Engine.generate``'s; ``request_id``
-        names the request in events and listener records (default: "req-<n>")."""
+        wait; ``SchedulerClosedError`` after shutdown began. Arguments as ``Engine.generate``'s (``processing``: its
+        logprobs, prompt_logprobs, penalties and constraint, ``jobs.PROCESSING``); ``request_id`` names the request
+        in events and listener records (default: "req-<n>")."""
         if self._closing:
             raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
         options = options if options is not None else RequestOptions()
         request, kv_tokens = new_request(self.engine, prompt, max_new_tokens, options, self._arm_names,
                                          self.verifier.cache, self.max_draft_nodes, temperature=temperature,
-                                         top_p=top_p, top_k=top_k, stop=stop, seed=seed, chat=chat,
-                                         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                         repetition_penalty=repetition_penalty)
+                                         top_p=top_p, top_k=top_k, stop=stop, seed=seed, chat=chat, **processing)
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")

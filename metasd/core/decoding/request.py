@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..constraints import CompiledConstraint, Constraint, compile_constraint
 from ..execution.clock import now
 from ..execution.tree import Draft
 from ..execution.verifier import VerifierOutput
@@ -23,7 +24,8 @@ from .detokenize import StoppingText
 from .drafter import StepContext, StepFeedback, drafts_lookups
 from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
 from .metrics import RequestStats
-from .penalties import PathPenalizer, Penalties
+from .penalties import Penalties
+from .processing import PathProcessing
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
@@ -99,12 +101,16 @@ class Request:
                  top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
                  seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0):
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 constraint: Constraint | CompiledConstraint | None = None):
         self.engine = engine
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         self.penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        if isinstance(constraint, Constraint):  # structured output: compiled for the verifier's tokenizer (cached)
+            constraint = compile_constraint(engine.tokenizer, constraint, sorted(engine.eos_ids()))
+        self.constraint = constraint
         self.prompt_ids = engine.encode(prompt, chat)
         if not self.prompt_ids:
             raise ValueError("prompt is empty after tokenisation")
@@ -220,7 +226,7 @@ class Request:
         if self.prompt_logprobs is not None:
             self.prompt_token_logprobs = [None, *(prompt_scores or [])]
         eng, verifier, stats = self.engine, self.verifier, self.stats
-        self.penalizer = None if self.penalties.off else PathPenalizer(self.penalties, self.prompt_ids, verifier.device)
+        self.processing = PathProcessing.for_request(self.constraint, self.penalties, self.prompt_ids, verifier.device)
         stats.prefill_s = now(verifier.device) - self.t_start
         # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
         # a view of its first T entries); the last committed token is the pending one
@@ -333,8 +339,8 @@ class Request:
         else:
             verify_s = verify_s or 0.0
             seconds = (t1 - t0) + verify_s
-        # [n+1, vocab]: with penalties, each row penalised along its own path (then temperature, top-k, top-p)
-        logits = out.logits if self.penalizer is None else self.penalizer.apply(out.logits, draft)
+        # [n+1, vocab]: the grammar mask and penalties, each row along its own path (then temperature, top-k, top-p)
+        logits = out.logits if self.processing is None else self.processing.apply(out.logits, draft)
         if self.sampling.greedy:
             target_argmax, target_probs = logits.argmax(-1), None  # [n+1] on the verifier's device
             acc = accept_greedy(draft, target_argmax)
@@ -379,8 +385,10 @@ class Request:
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
         committed, done = self._commit(committed, self.eos)
-        if self.penalizer is not None:
-            self.penalizer.commit(committed)
+        if self.processing is not None:
+            self.processing.commit(committed)
+            if not done and self.processing.ended(self.eos):  # the grammar is complete and the model has no EOS
+                done, self.stats.stop_reason = True, "stop"  # to end it with: plain constrained decoding stops here
         if self.token_logprobs is not None:  # of the tokens kept: the raw rows that scored them
             self.token_logprobs += step_logprobs(out.logits, acc.path, committed, self.logprobs)
         self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
