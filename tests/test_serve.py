@@ -200,7 +200,10 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # more than MAX_TOP_LOGPROBS
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logit_bias": {"12": 5}}, "logit_bias"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ("text", {"guided_regex": "[unclosed"}, "guided_regex"),
     ("chat", {"frequency_penalty": 2.5}, "frequency_penalty"),  # outside OpenAI's [-2, 2]
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"temperature": -1}, "temperature"),

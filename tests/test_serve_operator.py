@@ -64,9 +64,9 @@ def test_inert_fields_are_accepted_and_named_in_a_warning(client, caplog):
 @pytest.mark.parametrize("kw, param", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format.type"),
+    ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),
     ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
     ({"messages": MSG + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.[1].tool_calls"),

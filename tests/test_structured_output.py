@@ -102,3 +102,14 @@ def test_a_bad_constraint_is_refused_naming_the_field(model):
     engine = Engine(Verifier(model, TOK), None, check_tokenizers=False)
     with pytest.raises(ValueError, match="pattern"):
         engine.generate(PROMPTS[0], 5, constraint=Constraint.regex("[unclosed"))
+
+
+def test_json_whitespace_is_bounded_between_items():
+    """At most 8 whitespace characters between JSON tokens (metasd's default, ``JSON_DEFAULTS``): with free
+    whitespace a model can spend every token on blanks and never close the object."""
+    tok = TOKENIZERS["bytes"]  # one character per token
+    state = compile_constraint(tok, Constraint.json_object(), [EOS]).new_state()
+    space = tok.encode(" ", add_special_tokens=False)
+    state.accept_tokens(tok.encode("{", add_special_tokens=False) + space * 8)
+    assert not state.mask(len(tok))[space[0]]  # a ninth blank is not allowed
+    assert state.mask(len(tok))[tok.encode('"', add_special_tokens=False)[0]]  # a key is

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from metasd.core.constraints import INSTALL_HINT, ConstraintError, compile_constraint
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
 from metasd.core.execution.kv_memory import KVBudgetError
 
@@ -128,20 +129,34 @@ class ServeState:
         value = getattr(req, field)
         return value if value is not None else self.defaults.get(field, fallback)
 
-    def submit_choices(self, req, ids: list[int], max_new_tokens: int) -> list:
+    def constraint(self, req):
+        """The request's structured output compiled for the verifier's tokenizer (cached per schema), or None; a 400
+        naming the field for a bad one, or when the grammar library is not installed."""
+        try:
+            spec = req.constraint()
+            if spec is None:
+                return None
+            return compile_constraint(self.tokenizer, spec, sorted(self.scheduler.engine.eos_ids()) or None)
+        except ConstraintError as e:
+            raise bad_request(str(e), e.field, "invalid_structured_output") from None
+        except ImportError:
+            raise bad_request(f"the server cannot serve structured output: {INSTALL_HINT}",
+                              "response_format", "structured_output_unavailable") from None
+
+    def submit_choices(self, req, ids: list[int], max_new_tokens: int, constraint=None) -> list:
         """One scheduler request per choice (``n``; choice i of a seeded request samples with seed + i, so the
         choices differ and each is reproducible); when one cannot be queued, those queued before it are cancelled."""
         handles = []
         try:
             for i in range(req.n):
-                handles.append(self.submit(req, ids, max_new_tokens, seed_offset=i))
+                handles.append(self.submit(req, ids, max_new_tokens, seed_offset=i, constraint=constraint))
         except BaseException:
             for h in handles:
                 h.cancel()
             raise
         return handles
 
-    def submit(self, req, ids: list[int], max_new_tokens: int, seed_offset: int = 0):
+    def submit(self, req, ids: list[int], max_new_tokens: int, seed_offset: int = 0, constraint=None):
         opts = req.metasd
         if opts and opts.drafter is not None and opts.drafter not in self.drafters:
             names = ", ".join(self.drafters) or "none"
@@ -155,7 +170,7 @@ class ServeState:
                 ids, max_new_tokens, temperature=self.default(req, "temperature", 1.0),
                 top_p=self.default(req, "top_p", 1.0), top_k=self.default(req, "top_k", 0), stop=req.stops() or None,
                 seed=None if req.seed is None else req.seed + seed_offset, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                **req.penalties(self.defaults))
+                constraint=constraint, **req.penalties(self.defaults))
         except QueueFullError:
             raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None
@@ -284,7 +299,8 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
         budget = state.budget(req, len(ids), prompt_field)
-        handles = state.submit_choices(req, ids, budget)
+        constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
+        handles = state.submit_choices(req, ids, budget, constraint)
         completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
                                 names=state.names if req.logprob_options()[0] is not None else None)
         if getattr(req, "echo", False):  # the prompt as given (token ids: their text)

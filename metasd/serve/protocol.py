@@ -1,5 +1,6 @@
 """The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
-integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, a JSON ``response_format``, ``tools``, ...: ``refused_field``), instead of silently
+integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, ``tools``, ...:
+``refused_field``), instead of silently
 ignoring them; other fields it does not know (``store``, ``metadata``, ``user``, ``parallel_tool_calls``, ...) change
 nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
 (docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
@@ -10,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from metasd.core.constraints import Constraint, ConstraintError
 from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 
 #: the most stop strings a request may give, and the longest (every step searches the new text for each)
@@ -48,11 +50,10 @@ REFUSED = {
     "stop_token_ids": (_off([]), "stop_token_ids is not supported: use stop"),
     "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
     "prompt_logprobs": (_off(0), "logprobs are not supported"),
-    "guided_json": (_off(), "structured output is not supported"),
-    "guided_regex": (_off(), "structured output is not supported"),
-    "guided_choice": (_off(), "structured output is not supported"),
-    "guided_grammar": (_off(), "structured output is not supported"),
-    "structured_outputs": (_off(), "structured output is not supported"),
+    "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
+    "guided_grammar": (_off(), "guided_grammar is not supported: use response_format, guided_json or guided_regex"),
+    "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "
+                                   "guided_regex"),
     "modalities": (_off(["text"]), "only text output is served"),
     "audio": (_off(), "only text output is served"),
     "web_search_options": (_off(), "web search is not supported"),
@@ -125,16 +126,12 @@ class ChatMessage(Lenient):
 
 
 class ResponseFormat(Lenient):
-    """``response_format``: only plain text is served (no JSON mode, no schemas)."""
+    """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (structured output, docs/serving.md#structured-output);
+    the schema is checked when the request is (``Constraint.from_response_format``)."""
 
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text(cls, v):
-        if v != "text":
-            raise ValueError(f"structured output is not supported: only {{'type': 'text'}} is served, got {v!r}")
-        return v
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 def _only(value, allowed, what: str):
@@ -160,6 +157,9 @@ class _Common(Lenient):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; 1 = off
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
+    guided_regex: str | None = None
     metasd: MetasdOptions | None = None
 
     @field_validator("logit_bias")
@@ -175,6 +175,29 @@ class _Common(Lenient):
         return {k: float(v) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                 if (v := getattr(self, k) if getattr(self, k) is not None else defaults.get(k)) is not None}
 
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for (at most one of ``response_format``, ``guided_json``, ``guided_regex``);
+        ``ConstraintError`` naming the field at fault."""
+        given = [name for name in ("guided_json", "guided_regex") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ConstraintError(given[1], f"only one structured output per request; {given[0]} is given too")
+        if not given:
+            return None
+        if given[0] == "guided_regex":
+            try:
+                return Constraint.regex(self.guided_regex)
+            except ConstraintError as e:
+                raise ConstraintError("guided_regex", e.reason) from None
+        if given[0] == "guided_json":
+            try:
+                return Constraint.json_schema(self.guided_json)
+            except ConstraintError as e:
+                raise ConstraintError(f"guided_json.{e.field}" if e.field != "schema" else "guided_json",
+                                      e.reason) from None
+        return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True))
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -189,7 +212,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     @field_validator("top_logprobs")
     @classmethod

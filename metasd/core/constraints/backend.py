@@ -35,14 +35,20 @@ def llguidance_module():
     return llguidance
 
 
+#: llguidance's JSON options every schema gets unless its own "x-guidance" sets them: at most 8 whitespace characters
+#: between two JSON tokens (pretty-printed JSON up to 7 levels deep still fits)
+JSON_DEFAULTS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,8}"}
+
+
 def grammar_source(kind: str, schema: dict[str, Any] | None, pattern: str | None, field: str) -> str:
     """The llguidance grammar (its JSON text) of a regex (``pattern``) or a JSON schema (``schema``); independent of
     any tokenizer. ConstraintError under ``field`` when llguidance cannot read the schema."""
     matcher = llguidance_module().LLMatcher
     if kind == "regex":
         return matcher.grammar_from_regex(pattern)
-    try:
-        return matcher.grammar_from_json_schema(schema)
+    try:  # whitespace between JSON tokens bounded, unless the schema's own "x-guidance" says otherwise: with free
+        # whitespace a model can spend every token on blanks between two items (a loop to max_tokens)
+        return matcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except ValueError as e:
         raise ConstraintError(field, f"does not compile to a grammar: {e}") from None
 
