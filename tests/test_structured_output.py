@@ -113,3 +113,12 @@ def test_json_whitespace_is_bounded_between_items():
     state.accept_tokens(tok.encode("{", add_special_tokens=False) + space * 8)
     assert not state.mask(len(tok))[space[0]]  # a ninth blank is not allowed
     assert state.mask(len(tok))[tok.encode('"', add_special_tokens=False)[0]]  # a key is
+
+
+def test_a_tokenizer_that_cannot_write_the_grammar_is_refused():
+    from tiny import tiny_tokenizer
+
+    words = tiny_tokenizer()  # word-level: no '{' in it
+    engine = Engine(Verifier(tiny_qwen(seed=0, eos=1), words), None, check_tokenizers=False)
+    with pytest.raises(ValueError, match="^constraint: .*cannot write any text"):
+        engine.generate([0, 7], 5, constraint=Constraint.json_object())

@@ -109,7 +109,9 @@ class Request:
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         self.penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         if isinstance(constraint, Constraint):  # structured output: compiled for the verifier's tokenizer (cached)
-            constraint = compile_constraint(engine.tokenizer, constraint, sorted(engine.eos_ids()))
+            constraint = compile_constraint(engine.tokenizer, constraint, sorted(engine.eos_ids()) or None)
+        if constraint is not None and not constraint.new_state().mask(constraint.vocab_size).any():
+            raise ValueError(f"constraint: {engine.verifier.name}'s tokenizer cannot write any text it allows")
         self.constraint = constraint
         self.prompt_ids = engine.encode(prompt, chat)
         if not self.prompt_ids:
