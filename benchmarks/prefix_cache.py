@@ -10,12 +10,13 @@ scheduler's own (submit to first committed token, in-process: no HTTP).
     python benchmarks/prefix_cache.py --out benchmarks/results/prefix_cache.json          # the embedded serving pool
     python benchmarks/prefix_cache.py --pool my_pool.yaml --repeats 3 --threads 2
 
-The serving pool's adaptive speculation (``serving:``) is not used here: the scheduler drafts with the pool's policy,
-as ``Scheduler(engine)`` does; the prefill a hit saves does not depend on it.
+The scheduler is the one ``metasd serve`` makes for the pool (``SchedulerSettings``: the pool's adaptive speculation
+included, its forward profile measured once before the first chat), with one request at a time.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -40,14 +41,15 @@ def history_text(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids).rsplit("\n", 1)[0]
 
 
-def run_chat(engine, prefix_caching: bool, history: str, turns: int, answer_tokens: int) -> list[dict]:
-    """One chat on a fresh scheduler: per turn its TTFT (s), prompt tokens, cached tokens and answer."""
-    from metasd.core.batching.scheduler import RequestFinished, Scheduler
+def run_chat(scheduler, history: str, turns: int, answer_tokens: int) -> list[dict]:
+    """One chat on a fresh scheduler (shut down at the end): per turn its TTFT (s), prompt tokens, cached tokens and
+    answer."""
+    from metasd.core.batching.scheduler import RequestFinished
 
     finished: dict[str, RequestFinished] = {}
     messages = [{"role": "user", "content": f"Here is a Python module:\n\n{history}\n\n{QUESTIONS[0]}"}]
     rows = []
-    with Scheduler(engine, max_batch=1, prefix_caching=prefix_caching) as scheduler:
+    with scheduler:
         scheduler.add_listener(lambda r: finished.__setitem__(r.id, r) if isinstance(r, RequestFinished) else None)
         for turn in range(turns):
             handle = scheduler.submit(messages, answer_tokens, chat=True)
@@ -87,10 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the runs and the summary here (JSON), after every repeat")
     args = p.parse_args(argv)
 
-    from metasd.serve.cli import PoolEngine
+    from metasd.serve.cli import PoolEngine, SchedulerSettings
 
     recipe = PoolEngine.from_file(args.pool, args.threads)
+    config = recipe.parse()
     engine = recipe()
+    settings = SchedulerSettings(max_batch=1, adaptive=config.serving.model_dump() if config.serving.adaptive else None)
+    if settings.adaptive:  # profile the verifier once, not per scheduler (as `metasd serve --cost-profile` reuses one)
+        from metasd.core.pricing.forward_profile import profile_forward
+
+        opts = settings.adaptive["profile"]
+        counts = {"token_counts": opts["token_counts"]} if opts.get("token_counts") else {}
+        profile = profile_forward(engine.verifier.model, **counts, max_seconds=opts["max_seconds"])
+        settings = dataclasses.replace(settings, cost_profile=profile.to_dict())
     history = history_text(engine.tokenizer, args.history_tokens)
     report = {"command": " ".join(["python benchmarks/prefix_cache.py", *(argv or sys.argv[1:])]),
               "machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "pool": recipe.source,
@@ -100,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         order = [True, False] if repeat % 2 == 0 else [False, True]
         run = {}
         for setting in order:
-            run["on" if setting else "off"] = run_chat(engine, setting, history, args.turns, args.answer_tokens)
+            scheduler = dataclasses.replace(settings, prefix_caching=setting).make(engine)
+            run["on" if setting else "off"] = run_chat(scheduler, history, args.turns, args.answer_tokens)
         report["runs"].append(run)
         report["summary"] = summarize(report["runs"], args.turns)
         report["complete"] = repeat == args.repeats - 1
