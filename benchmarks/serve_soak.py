@@ -81,7 +81,10 @@ def tiny_pair():
     return served, reference
 
 
-PROMPTS = ["w10 w11 w12 w10 w11", "w20 w21", "w30 w31 w32 w33 w30 w31", "w40", "w12 w13 w14 w15 w16 w17 w18"]
+#: a 40-word start two prompts share (as a system prompt would): with the prefix cache on, later requests reuse it
+SHARED = " ".join(f"w{20 + i % 30}" for i in range(40))
+PROMPTS = ["w10 w11 w12 w10 w11", "w20 w21", "w30 w31 w32 w33 w30 w31", "w40", "w12 w13 w14 w15 w16 w17 w18",
+           SHARED + " w10 w11", SHARED + " w12"]
 
 
 def plan(n: int, seed: int) -> list[dict]:
@@ -160,8 +163,11 @@ def expected_text(reference, r: dict, check: str) -> str:
 
 
 def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc_p: float = 0.05,
-             forward_p: float = 0.03, kv_budget: int = 2048, body_limit: int = 32 * 1024, seed: int = 0) -> dict:
-    """Run the soak; its report (counts by outcome, faults injected, memory, whether the server answers)."""
+             forward_p: float = 0.03, kv_budget: int = 2048, body_limit: int = 32 * 1024, seed: int = 0,
+             prefix_caching: bool = True) -> dict:
+    """Run the soak; its report (counts by outcome, faults injected, memory, whether the server answers). With
+    ``prefix_caching`` (``metasd serve``'s default) finished requests' KV stays in the budget for later ones: the
+    rows must still be freed when idle, and the stored prefixes stay within the budget."""
     import httpx
 
     from metasd.core.batching.scheduler import Scheduler
@@ -171,7 +177,8 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
     from serve_helpers import ServerThread
 
     served, reference = tiny_pair()
-    scheduler = Scheduler(served, max_batch=4, max_queue=64, kv_budget=kv_budget, max_draft_nodes=16)
+    scheduler = Scheduler(served, max_batch=4, max_queue=64, kv_budget=kv_budget, max_draft_nodes=16,
+                          prefix_caching=prefix_caching)
     faults = Faults(alloc_p, forward_p, seed)
     faults.install(scheduler)
     peak = {"held": 0}
@@ -198,9 +205,9 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
         alive = probe.status_code == 200 and httpx.get(srv.url + "/health", timeout=10).status_code == 200
         cache = scheduler.verifier.cache
         settle_until = time.monotonic() + 10  # the probe's answer arrives before its step ends and the buffers shrink
-        while cache.held_bytes and time.monotonic() < settle_until:
+        while cache.row_bytes and time.monotonic() < settle_until:
             time.sleep(0.01)
-        held_idle = cache.held_bytes
+        held_idle, prefixes_idle = cache.row_bytes, cache.pinned_bytes  # rows freed; stored prefixes may stay
     scheduler.close()
     wall = time.perf_counter() - t0
     tally, wrong, lost, unclear = Counter(), [], [], []
@@ -223,7 +230,8 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             "checked_texts": sum(1 for _, o in outcomes if "text" in o),
             "wrong_outputs": len(wrong), "lost_without_error": len(lost), "errors_without_a_clear_body": len(unclear),
             "server_alive_at_end": alive, "kv_budget_bytes": cache.budget_bytes, "kv_peak_held_bytes": peak["held"],
-            "kv_held_bytes_when_idle": held_idle,
+            "kv_held_bytes_when_idle": held_idle, "kv_prefix_cache_bytes_when_idle": prefixes_idle,
+            "prefix_cache_hit_tokens": scheduler.prefix_cache.stats.hits if scheduler.prefix_cache else None,
             "examples": {"wrong": wrong[:3], "lost": lost[:3], "unclear": unclear[:3]}}
 
 
@@ -235,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alloc-fault", type=float, default=0.05, help="probability a KV allocation fails")
     p.add_argument("--forward-fault", type=float, default=0.03, help="probability a batched forward fails")
     p.add_argument("--kv-budget", type=int, default=2048, help="KV positions of the verifier's cache")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="run without the prefix cache (metasd serve's default has it on)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     report = run_soak(args.requests, args.clients, args.seconds, args.alloc_fault, args.forward_fault, args.kv_budget,
-                      seed=args.seed)
+                      seed=args.seed, prefix_caching=args.prefix_caching)
     report = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",
@@ -252,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: v for k, v in report.items() if k != "examples"}, indent=1))
     ok = (report["wrong_outputs"] == 0 and report["lost_without_error"] == 0 and report["server_alive_at_end"]
-          and report["errors_without_a_clear_body"] == 0 and report["kv_held_bytes_when_idle"] == 0)
+          and report["errors_without_a_clear_body"] == 0 and report["kv_held_bytes_when_idle"] == 0
+          and report["kv_prefix_cache_bytes_when_idle"] <= report["kv_budget_bytes"])
     return 0 if ok else 1
 
 

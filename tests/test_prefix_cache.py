@@ -130,3 +130,23 @@ def test_store_lookup_and_fit_on_the_batched_cache(model):
     cache.remove(row)
     store.fit()  # the rows shrink (nothing is reserved): the entry stays
     assert cache.held_bytes <= cache.budget_bytes and len(store.entries) == 1
+
+
+def test_evicting_among_several_entries_picks_the_least_recently_used(model):
+    from metasd.core.execution.batch_cache import BatchCache
+    from metasd.core.execution.kv_memory import KVGeometry
+    from metasd.core.execution.prefix_cache import PrefixCache
+
+    geometry = KVGeometry.of(model)
+    cache = BatchCache(geometry, slots=2, budget_bytes=4096 * geometry.bytes_per_token)
+    store = PrefixCache(cache, min_tokens=4, max_entries=2)
+    cache.reserve("a", 100)
+    row = cache.join(None, 0)
+    cache.lengths[row] = 100
+    cache.release("a")
+    for start in (0, 1000, 2000):  # three distinct prefixes; max_entries=2 evicts the oldest, not the first listed
+        if start == 2000:
+            store.lookup(list(range(0, 20)))  # the first entry used again: the second is now the oldest
+        assert store.store(list(range(start, start + 20 + start // 100)), row)
+    assert sorted(e.length for e in store.entries) == [20, 40] and store.stats.evicted == 1
+    assert store.evict_for(4096) and len(store.entries) <= 2

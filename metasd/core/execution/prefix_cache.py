@@ -25,7 +25,7 @@ import torch
 from .batch_cache import BatchCache
 
 
-@dataclass
+@dataclass(eq=False)  # entries are compared by identity (removing one must not compare tensors)
 class PrefixEntry:
     """One stored prefix: its token ids and, per layer, keys and values [kv_heads, length, head_dim]."""
 
