@@ -150,3 +150,22 @@ def test_evicting_among_several_entries_picks_the_least_recently_used(model):
         assert store.store(list(range(start, start + 20 + start // 100)), row)
     assert sorted(e.length for e in store.entries) == [20, 40] and store.stats.evicted == 1
     assert store.evict_for(4096) and len(store.entries) <= 2
+
+
+def test_a_failing_prefix_cache_costs_its_hits_not_the_scheduler(model, tok, monkeypatch, caplog):
+    from metasd.core.execution.prefix_cache import PrefixCache
+
+    def broken(self):
+        raise RuntimeError("broken on purpose")
+
+    engine = _engine(model, tok)
+    with Scheduler(engine, prefix_caching=True, kv_budget=1024, max_batch=2) as s:
+        results = [s.submit([0] + [10 + (i + j) % 40 for j in range(140)], 8).result(timeout=120) for i in range(3)]
+        assert s.prefix_cache.entries  # stored while the cache worked
+        monkeypatch.setattr(PrefixCache, "_evict_one", broken)  # admission must evict: it fails
+        monkeypatch.setattr(PrefixCache, "store", lambda *a, **k: broken(None))
+        both = [s.submit([0] + [12 + j % 30 for j in range(200)], 6) for _ in range(2)]
+        assert all(h.result(timeout=120).stats.new_tokens == 6 for h in both)
+        assert s.failure is None and not s.prefix_cache.entries  # dropped, logged
+    assert all(r.stats.new_tokens == 8 for r in results)
+    assert "eviction failed" in caplog.text and "storing its prefix failed" in caplog.text

@@ -139,7 +139,10 @@ def store_prefix(job: Job, cache: BatchCache, prefix_cache: PrefixCache) -> None
     request, row = job.request, job.slot.row
     cache.release(job)  # its reservation first: the entry is held in its place
     sequence = request.prompt_ids + request.new_ids
-    prefix_cache.store(sequence[: min(cache.lengths[row], len(sequence) - 1)], row)
+    try:  # a failure here costs the entry (logged), never the request or the scheduler
+        prefix_cache.store(sequence[: min(cache.lengths[row], len(sequence) - 1)], row)
+    except Exception:  # noqa: BLE001
+        log.exception("request %s: storing its prefix failed", job.id)
 
 
 def drafter_kv_bytes(drafters) -> int:

@@ -17,12 +17,15 @@ than its budget.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .batch_cache import BatchCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)  # entries are compared by identity (removing one must not compare tensors)
@@ -152,10 +155,16 @@ class PrefixCache:
         self.stats.evicted += 1
 
     def evict_for(self, tokens: int) -> bool:
-        """Evict entries, least recently used first, until a reservation of ``tokens`` fits; whether it fits."""
-        while not self.cache.fits(tokens) and self.entries:
-            self._evict_one()
-            self._pin()
+        """Evict entries, least recently used first, until a reservation of ``tokens`` fits; whether it fits. It runs
+        inside the scheduler's admission: should it fail, the error is logged and every entry dropped, so a broken
+        cache costs its hits, never the scheduler."""
+        try:
+            while not self.cache.fits(tokens) and self.entries:
+                self._evict_one()
+                self._pin()
+        except Exception:  # noqa: BLE001 - logged; the entries are dropped below
+            log.exception("prefix cache: eviction failed; every stored prefix is dropped")
+            self.clear()
         return self.cache.fits(tokens)
 
     def clear(self) -> None:
