@@ -16,17 +16,13 @@ top-k and top-p:
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..execution.tree import Draft, ancestor_mask
-
-
-def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+from .sampling import _is_real
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ class Penalties:
                 ("presence_penalty", self.presence, lambda v: -2 <= v <= 2, "in [-2, 2]"),
                 ("frequency_penalty", self.frequency, lambda v: -2 <= v <= 2, "in [-2, 2]"),
                 ("repetition_penalty", self.repetition, lambda v: v > 0, "> 0 (1 = off)")):
-            if not _real(value) or not ok(value):
+            if not _is_real(value) or not ok(value):
                 raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
     @property
