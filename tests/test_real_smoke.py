@@ -75,3 +75,25 @@ def test_bundled_pair_is_token_identical_to_plain_greedy(pair):
     # the real drafters are actually used and accepted; int4 drafts nearly as well as fp32
     assert accepted["0.5B chain"] > 0 and accepted["0.5B int4 tree"] > 0.5 * accepted["0.5B chain"]
     assert accepted["default cascade"] > 0.5 * accepted["0.5B chain"]
+
+
+def test_bundled_pair_calls_a_named_tool_in_its_own_format(pair):
+    """A named tool choice on the bundled 1.5B: the grammar of Qwen's own call format (``<tool_call>`` as its token),
+    the arguments valid under the tool's schema, the same tokens with the 0.5B drafting as without."""
+    from metasd.core.constraints import Constraint
+    from metasd.serve.tools import HermesParser, added_tokens
+
+    vm, vt, dm, dt = pair
+    verifier = Verifier(vm, vt, name="bundled:qwen2.5-coder-1.5b-instruct")
+    weather = {"name": "get_weather", "description": "The current weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    ids = Engine(verifier).encode([{"role": "user", "content": "What is the weather in Paris right now?"}],
+                                  tools=[{"type": "function", "function": weather}])
+    grammar = Constraint.grammar_of(HermesParser().grammar([weather], parallel=False, added=added_tokens(vt)))
+    plain = Engine(verifier).generate(ids, max_new_tokens=32, constraint=grammar)
+    speculative = Engine(verifier, PretrainedDrafter(dm, dt, k=5)).generate(ids, max_new_tokens=32,
+                                                                            constraint=grammar)
+    assert speculative.token_ids == plain.token_ids and speculative.stats.accepted > 0
+    assert plain.token_ids[0] == vt.convert_tokens_to_ids("<tool_call>")
+    content, calls = HermesParser().parse(plain.text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]

@@ -183,7 +183,7 @@ def test_a_shared_suffix_cache_leaves_no_trace_in_the_served_record():
 # ------------------------------------------------------------------------------ refusals
 BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", "{not json", None),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # unknown and inert: accepted
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # the template renders no tools
     ("chat", {"model": "gpt-4o"}, "model"),
     ("chat", {"max_tokens": "5"}, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),

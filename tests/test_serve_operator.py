@@ -56,20 +56,21 @@ def test_inert_fields_are_accepted_and_named_in_a_warning(client, caplog):
     assert answer.choices[0].message.content == plain  # nothing changed
     assert with_history.choices[0].finish_reason == "length"
     warned = " ".join(r.getMessage() for r in caplog.records if "ignored" in r.getMessage())
-    for name in ("store", "metadata", "user", "parallel_tool_calls", "service_tier", "tool_choice", "prompt_cache_key",
+    for name in ("store", "metadata", "user", "service_tier", "prompt_cache_key",
                  "messages.[1].refusal", "messages.[1].audio"):
         assert name in warned, (name, warned)
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     "tools"),  # this chat template does not render tools
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),
+    ({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),  # GBNF, not Lark
     ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
-    ({"messages": MSG + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.[1].tool_calls"),
+    ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),  # the legacy form of tools
+    ({"messages": MSG + [{"role": "tool", "content": "21"}]}, "messages.[1]"),  # no tool_call_id
 ])
 def test_fields_that_would_change_the_output_are_refused_naming_them(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -279,9 +279,10 @@ class Engine:
                 raise o
         return outcomes
 
-    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
-        """Prompt -> token ids. Message lists always get the chat template; strings when ``chat``."""
-        return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name)
+    def encode(self, prompt: Prompt, chat: bool | None = None, tools: Sequence[Mapping] | None = None) -> list[int]:
+        """Prompt -> token ids. Message lists always get the chat template (with ``tools``, OpenAI's tool objects,
+        where given); strings when ``chat``."""
+        return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name, tools)
 
     # ---------------------------------------------------------------- internals
     def _run(self, prompt: Prompt, max_new_tokens: int, **kwargs) -> Request:

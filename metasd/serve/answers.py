@@ -129,6 +129,8 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
             for index in range(len(handles)):
                 yield sse(completion.chunk(None, first=True, index=index))
         echo = {index: completion.echo for index in range(len(handles))}
+        # chat with tools: per choice, the content that is safe to send (none of a call) until the calls are whole
+        calls = {index: completion.tools.stream() for index in range(len(handles))} if completion.tools else {}
         remaining, total, cached = len(handles), 0, 0
         while remaining:
             index, event = await queue.get()
@@ -143,13 +145,22 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                 yield sse(completion.chunk(echo[index], logprobs=logprobs, index=index))
                 echo[index] = None  # the prompt (scored by now) before the first new tokens
             logprobs = completion.logprobs(event.logprobs, index=index) if event.token_ids else None
-            if (event.text or logprobs) and not event.finished:
-                yield sse(completion.chunk(event.text, logprobs=logprobs, index=index))
+            text = calls[index].feed(event.text or "") if calls else event.text
+            if (text or logprobs) and not event.finished:
+                yield sse(completion.chunk(text, logprobs=logprobs, index=index))
             if event.finished:
                 reason, record, tokens = _finished(event, handle.id)
                 total, cached = total + tokens, max(cached, _cached(event))
                 remaining -= 1
-                yield sse(completion.chunk(event.text, reason, record=record, index=index))
+                if calls:
+                    rest, made = calls[index].finish()
+                    text = (text or "") + rest
+                    if made:
+                        if text:
+                            yield sse(completion.chunk(text, index=index))
+                        text, reason = None, "tool_calls"
+                        yield sse(completion.chunk(None, tool_calls=made, index=index))
+                yield sse(completion.chunk(text, reason, record=record, index=index))
         if completion.include_usage:
             yield sse(completion.usage_chunk(total, cached))
         yield sse("[DONE]")

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metasd.core.constraints import INSTALL_HINT, ConstraintError, compile_constraint
+from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
 from metasd.core.execution.kv_memory import KVBudgetError
 
@@ -32,6 +32,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, accepted_fields
 from .answers import answer, draining, stream
 from .responses import Completion
 from .tokenize import add_tokenizer_routes
+from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
 
 #: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -50,7 +51,8 @@ class ServeState:
     server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
 
     def __init__(self, scheduler, model_name: str, api_key: str | None, metrics: ServeMetrics,
-                 retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto"):
+                 retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto",
+                 tool_call_parser: str = "auto"):
         self.scheduler, self.model_name, self.api_key, self.metrics = scheduler, model_name, api_key, metrics
         self.retry_after_s = retry_after_s
         self.draining = False
@@ -72,6 +74,10 @@ class ServeState:
         self.defaults = generation_defaults(engine.verifier.model) if generation_config == "auto" else {}
         if self.defaults:
             log.info("request defaults from %s's generation_config: %s", model_name, self.defaults)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.takes_tools = template_takes_tools(template)
+        #: reads the model's tool calls out of its text (and writes the grammar of an enforced call); None: none
+        self.tool_parser = tool_parser(tool_call_parser, template)
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -98,8 +104,11 @@ class ServeState:
             if bad:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", field)
             return list(prompt), field
+        tools = req.tool_functions() if field == "messages" else None
+        if tools:
+            self.check_tools(req)
         try:
-            ids = engine.encode(prompt, chat=field == "messages")
+            ids = engine.encode(prompt, chat=field == "messages", tools=tools)
         except (ValueError, TypeError) as e:
             raise bad_request(f"{field}: {e}", field) from None
         if not ids:
@@ -129,19 +138,48 @@ class ServeState:
         value = getattr(req, field)
         return value if value is not None else self.defaults.get(field, fallback)
 
+    def check_tools(self, req) -> None:
+        """A 400 when the chat template cannot show the model its tools, or when the request needs its calls read
+        (``tool_choice`` other than ``none``) and no parser knows the model's format."""
+        if not self.takes_tools:
+            raise bad_request(f"{self.model_name}'s chat template does not render tools", "tools", "tools_unsupported")
+        if req.tool_mode() != "none" and self.tool_parser is None:
+            raise bad_request(f"no tool-call parser reads {self.model_name}'s format: start the server with "
+                              f"--tool-call-parser (one of {', '.join(PARSERS)}), or send tool_choice 'none'",
+                              "tool_choice", "tools_unsupported")
+
+    def tool_calls(self, req) -> ToolCalls | None:
+        """How to read the choices' tool calls (None: the request's text is all content)."""
+        if not isinstance(req, ChatCompletionRequest) or req.tool_mode() == "none":
+            return None
+        return ToolCalls(self.tool_parser, req.parallel_tool_calls)
+
     def constraint(self, req):
         """The request's structured output compiled for the verifier's tokenizer (cached per schema), or None; a 400
-        naming the field for a bad one, or when the grammar library is not installed."""
+        naming the field for a bad one, or when the grammar library is not installed. A required or named tool
+        call is one: the grammar of the model's own call format."""
+        mode = req.tool_mode() if isinstance(req, ChatCompletionRequest) else "none"
+        enforced = mode in ("required", "named")  # a call the grammar writes
         try:
             spec = req.constraint()
+            if enforced:
+                if spec is not None:
+                    raise ConstraintError("tool_choice", f"a required tool call is structured output already; "
+                                                         f"drop {spec.kind!r} output or set tool_choice 'auto'")
+                try:
+                    spec = Constraint.grammar_of(self.tool_parser.grammar(
+                        req.callable_functions(), req.parallel_tool_calls, added_tokens(self.tokenizer)))
+                except ConstraintError as e:  # a tool's parameters that are no JSON schema llguidance reads
+                    raise ConstraintError("tools", f"a function's parameters {e.reason}") from None
             if spec is None:
                 return None
             return compile_constraint(self.tokenizer, spec, sorted(self.scheduler.engine.eos_ids()) or None)
         except ConstraintError as e:
             raise bad_request(str(e), e.field, "invalid_structured_output") from None
         except ImportError:
-            raise bad_request(f"the server cannot serve structured output: {INSTALL_HINT}",
-                              "response_format", "structured_output_unavailable") from None
+            raise bad_request(f"the server cannot serve {'a required tool call' if enforced else 'structured output'}"
+                              f": {INSTALL_HINT}", "tool_choice" if enforced else "response_format",
+                              "structured_output_unavailable") from None
 
     def submit_choices(self, req, ids: list[int], max_new_tokens: int, constraint=None) -> list:
         """One scheduler request per choice (``n``; choice i of a seeded request samples with seed + i, so the
@@ -243,17 +281,20 @@ class _ServerHeader:
 def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True,
-               generation_config: str = "auto") -> FastAPI:
+               generation_config: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
     ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
     in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413; ``max_model_len`` caps the context
     served; ``access_log``: a log line per request (logger ``metasd.serve.access``); ``generation_config``: "auto"
     fills a request's unset temperature, top_p, top_k, repetition_penalty and max_tokens from the model's
-    ``generation_config`` (vLLM's default), "none" leaves OpenAI's defaults. ``app.state.serve`` is its
+    ``generation_config`` (vLLM's default), "none" leaves OpenAI's defaults; ``tool_call_parser``: the format the
+    model's tool calls are read in (a name of ``tools.PARSERS``; "auto": from the chat template; "none": tool calls
+    are not read, tool_choice other than 'none' refused). ``app.state.serve`` is its
     ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name)
-    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config)
+    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
+                       tool_call_parser)
     metrics.attach(scheduler)
     app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
@@ -302,7 +343,8 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
         constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
         handles = state.submit_choices(req, ids, budget, constraint)
         completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
-                                names=state.names if req.logprob_options()[0] is not None else None)
+                                names=state.names if req.logprob_options()[0] is not None else None,
+                                tools=state.tool_calls(req))
         if getattr(req, "echo", False):  # the prompt as given (token ids: their text)
             prompt = req.prompt_value()
             completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)

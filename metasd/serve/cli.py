@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metasd.serve import SERVE_EXTRA
+from metasd.serve.tools import PARSERS
 
 _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -76,6 +77,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: a request that leaves temperature, top_p, top_k, repetition_penalty or max_tokens unset "
                         "gets the model's generation_config value, as vLLM does; none: OpenAI's defaults")
+    p.add_argument("--tool-call-parser", choices=["auto", "none", *PARSERS], default="auto",
+                   help="the format the model's tool calls are read in (auto: from its chat template, e.g. hermes for "
+                        "Qwen's <tool_call>; none: tools are shown to the model but its calls not read)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log a line per HTTP request")
     p.add_argument("--cost-profile", metavar="FILE",
@@ -285,7 +289,7 @@ def serve_command(args) -> int:
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
                                  read_cost_profile(args.cost_profile, config), args.kv_budget, args.prefix_caching)
     app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log,
-                             args.generation_config)
+                             args.generation_config, args.tool_call_parser)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
@@ -308,11 +312,12 @@ class AppOptions:
     metrics_require_key: bool = False
     access_log: bool = True
     generation_config: str = "auto"
+    tool_call_parser: str = "auto"
 
     def kwargs(self) -> dict:
         return {"api_key": self.api_key, "max_model_len": self.max_model_len,
                 "metrics_require_key": self.metrics_require_key, "access_log": self.access_log,
-                "generation_config": self.generation_config}
+                "generation_config": self.generation_config, "tool_call_parser": self.tool_call_parser}
 
 
 def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, options: AppOptions, args) -> int:
@@ -334,6 +339,9 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
           f"{'on' if scheduler.prefix_cache is not None else 'off'}, auth "
           f"{'on' if options.api_key else 'off'})", file=sys.stderr, flush=True)
     app = create_app(scheduler, model_name, max_body_bytes=args.max_body_bytes, **options.kwargs())
+    parser = app.state.serve.tool_parser
+    print(f"[metasd serve] tool calls: {f'read in the {parser.name} format' if parser else 'not read'}",
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,
                             lifespan="off", access_log=False)
     server = DrainingServer(config, app.state.serve, scheduler, args.drain_timeout)

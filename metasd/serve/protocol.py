@@ -1,15 +1,15 @@
 """The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
-integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, ``tools``, ...:
-``refused_field``), instead of silently
-ignoring them; other fields it does not know (``store``, ``metadata``, ``user``, ``parallel_tool_calls``, ...) change
-nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
+integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, ``min_p``, ...:
+``refused_field``), instead of silently ignoring them; other fields it does not know (``store``, ``metadata``,
+``user``, ...) change nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
 (docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from metasd.core.constraints import Constraint, ConstraintError
 from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
@@ -38,12 +38,8 @@ def _off(*values):
 
 #: fields metasd does not implement that would change the output: refused unless given their "off" value
 REFUSED = {
-    "tools": (_off([]), "tool calls are not supported"),
-    "tool_choice": (_off("none", "auto"), "tool calls are not supported (only tool_choice 'none' or 'auto' with no "
-                                          "tools)"),
-    "functions": (_off([]), "function calls are not supported"),
-    "function_call": (_off("none", "auto"), "function calls are not supported"),
-    "tool_calls": (_off([]), "tool calls in messages are not supported"),
+    "functions": (_off([]), "the legacy functions field is not supported: use tools"),
+    "function_call": (_off("none", "auto"), "the legacy function_call field is not supported: use tool_choice"),
     "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
     "min_tokens": (_off(0), "min_tokens is not supported (only 0)"),
     "ignore_eos": (_off(False), "ignore_eos is not supported (only false)"),
@@ -51,7 +47,6 @@ REFUSED = {
     "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
     "prompt_logprobs": (_off(0), "logprobs are not supported"),
     "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
-    "guided_grammar": (_off(), "guided_grammar is not supported: use response_format, guided_json or guided_regex"),
     "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "
                                    "guided_regex"),
     "modalities": (_off(["text"]), "only text output is served"),
@@ -114,15 +109,95 @@ class TextPart(Lenient):
     text: str
 
 
-class ChatMessage(Lenient):
-    """One chat message; the content as a string or a list of text parts."""
+class FunctionCall(Lenient):
+    """The function an assistant message called: its name and its arguments as JSON text (OpenAI's) or an object."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    name: str
+    arguments: str | dict[str, Any]
+
+    def argument_object(self) -> dict[str, Any] | str:
+        """The arguments as an object, as chat templates render them (``arguments | tojson``); text that is not a JSON
+        object is passed on as it is."""
+        if isinstance(self.arguments, dict):
+            return self.arguments
+        try:
+            value = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return self.arguments
+        return value if isinstance(value, dict) else self.arguments
+
+
+class MessageToolCall(Lenient):
+    """One tool call of an earlier assistant message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    """One chat message; the content as a string or a list of text parts. An assistant message may carry the
+    ``tool_calls`` it made (its content then may be null), a ``tool`` message the result of one (``tool_call_id``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_needed(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             f"leave it null)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not a {self.role} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as a chat template takes it (``developer`` as ``system``, tool-call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": c.function.argument_object()}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ToolFunction(Lenient):
+    """A function the model may call: its name, what it does and the JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; the arguments follow the schema whenever a call is enforced
+
+
+class Tool(Lenient):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(Lenient):
+    """``tool_choice`` naming the function the model must call."""
+
+    class _Name(Lenient):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
 
 
 class ResponseFormat(Lenient):
@@ -160,6 +235,7 @@ class _Common(Lenient):
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
+    guided_grammar: str | None = None  # a Lark grammar (llguidance's dialect), not xgrammar's EBNF
     metasd: MetasdOptions | None = None
 
     @field_validator("logit_bias")
@@ -178,18 +254,20 @@ class _Common(Lenient):
     def constraint(self) -> Constraint | None:
         """The structured output asked for (at most one of ``response_format``, ``guided_json``, ``guided_regex``);
         ``ConstraintError`` naming the field at fault."""
-        given = [name for name in ("guided_json", "guided_regex") if getattr(self, name) is not None]
+        given = [name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
         if len(given) > 1:
             raise ConstraintError(given[1], f"only one structured output per request; {given[0]} is given too")
         if not given:
             return None
-        if given[0] == "guided_regex":
+        if given[0] in ("guided_regex", "guided_grammar"):
             try:
-                return Constraint.regex(self.guided_regex)
+                if given[0] == "guided_regex":
+                    return Constraint.regex(self.guided_regex)
+                return Constraint.grammar_of(self.guided_grammar)
             except ConstraintError as e:
-                raise ConstraintError("guided_regex", e.reason) from None
+                raise ConstraintError(given[0], e.reason) from None
         if given[0] == "guided_json":
             try:
                 return Constraint.json_schema(self.guided_json)
@@ -212,6 +290,49 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v):
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two functions share a name ({', '.join(names)})")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_its_tool(cls, v, info):
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if not names and v not in (None, "none", "auto"):
+            raise ValueError("'required' or a named function needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names {v.function.name!r}, which is not among the tools ({', '.join(names)})")
+        return v
+
+    def tool_mode(self) -> str:
+        """How this request uses its tools: ``"none"`` (no tools, or never call them: no parsing), ``"auto"`` (the
+        model may call them: its answer is parsed), ``"required"`` (it must: one or more calls, enforced) or
+        ``"named"`` (it must call the one named, enforced)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_functions(self) -> list[dict[str, Any]]:
+        """The tools as the chat template and the call grammar take them; with a named choice the grammar gets only
+        that one (``callable_functions``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def callable_functions(self) -> list[dict[str, Any]]:
+        """The functions a call may name: the named one, else every tool."""
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in functions if f["name"] == self.tool_choice.function.name]
+        return functions
 
     @field_validator("top_logprobs")
     @classmethod
@@ -227,8 +348,8 @@ class ChatCompletionRequest(_Common):
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def prompt(self) -> list[dict[str, str]]:
-        return [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in self.messages]
+    def prompt(self) -> list[dict[str, Any]]:
+        return [m.rendered() for m in self.messages]
 
 
 class CompletionRequest(_Common):

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from metasd.core.execution.logprobs import TokenLogprob
 
 from .logprobs import TokenNames, chat_content, completion_logprobs
+from .tools import ToolCall, ToolCalls
 
 #: the scheduler's finish reasons as OpenAI names them (an EOS token is a natural stop)
 FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
@@ -40,6 +41,8 @@ class Completion:
     echo: str | None = None  # completions with ``echo``: the prompt's text, sent before the completion's
     #: completions: per choice, where its next token's text starts in the choice's text (streams included)
     text_offsets: dict[int, int] = field(default_factory=dict)
+    #: chat with tools the model may call: how its text is read for calls (None: all content)
+    tools: ToolCalls | None = None
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -74,10 +77,16 @@ class Completion:
         return body
 
     def choice(self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        """One choice of the non-streamed response."""
+        """One choice of the non-streamed response; a chat answer's tool calls (``tools``) in ``message.tool_calls``,
+        the finish reason then ``tool_calls``."""
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                message["content"], calls = self.tools.split(text)
+                if calls:
+                    message["tool_calls"] = [c.body() for c in calls]
+                    finish_reason = "tool_calls"
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def whole(self, choices: list[dict[str, Any]], completion_tokens: int,
@@ -89,14 +98,16 @@ class Completion:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
               record: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
-              index: int = 0) -> dict[str, Any]:
-        """One streamed chunk of choice ``index``: new text (and the ``logprobs`` of its tokens), or (with
-        ``finish_reason``) the last chunk of the choice, which carries its ``metasd`` record; a chat stream's first
-        chunk of a choice names the role."""
+              index: int = 0, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``: new text (and the ``logprobs`` of its tokens) or a chat answer's
+        ``tool_calls`` (each whole, in one chunk), or (with ``finish_reason``) the last chunk of the choice, which
+        carries its ``metasd`` record; a chat stream's first chunk of a choice names the role."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [c.body(i) for i, c in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:

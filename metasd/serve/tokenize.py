@@ -2,8 +2,9 @@
 
 ``POST /tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
 "add_generation_prompt": true, "add_special_tokens": false}`` (the chat template applied as ``/v1/chat/completions``
-applies it), either with ``"return_token_strs": true`` and an optional ``model``, and answers ``{"count",
-"max_model_len", "tokens", "token_strs"}``; with their defaults the tokens are what the completion routes prefill.
+applies it, with the request's ``tools``), either with ``"return_token_strs": true`` and an optional ``model``, and
+answers ``{"count", "max_model_len", "tokens", "token_strs"}``; with their defaults the tokens are what the completion
+routes prefill.
 ``POST /detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}``. ``GET /version`` answers
 ``{"version": metasd's version}``.
 """
@@ -17,7 +18,7 @@ from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from .errors import bad_request, from_validation
-from .protocol import ChatMessage, Lenient
+from .protocol import ChatMessage, Lenient, Tool
 
 
 class TokenizeRequest(Lenient):
@@ -26,6 +27,7 @@ class TokenizeRequest(Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # rendered with the messages, as the chat route renders them
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
@@ -66,9 +68,9 @@ def add_tokenizer_routes(app, state) -> None:
         if req.messages is not None:
             if not getattr(tok, "chat_template", None):
                 raise bad_request(f"{state.model_name} has no chat template: tokenize a prompt", "messages")
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                        for m in req.messages]
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = tok.apply_chat_template([m.rendered() for m in req.messages], tools=tools,
+                                           add_generation_prompt=req.add_generation_prompt, tokenize=False)
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

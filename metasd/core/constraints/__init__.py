@@ -1,5 +1,6 @@
-"""Structured output: grammar constraints (a JSON object, a JSON schema, a regex) as allowed-token masks, for the
-committed prefix and for every path of a draft tree, so that masked speculative decoding stays lossless.
+"""Structured output: grammar constraints (a JSON object, a JSON schema, a regex, a Lark grammar) as allowed-token
+masks, for the committed prefix and for every path of a draft tree, so that masked speculative decoding stays
+lossless.
 
 - ``Constraint`` (spec.py): what a request asks for; ``ConstraintError`` (backend.py) names the field at fault.
 - ``ConstraintCompiler`` / ``compile_constraint`` (compiler.py): a constraint compiled for a tokenizer (llguidance,

@@ -41,11 +41,16 @@ JSON_DEFAULTS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\
 
 
 def grammar_source(kind: str, schema: dict[str, Any] | None, pattern: str | None, field: str) -> str:
-    """The llguidance grammar (its JSON text) of a regex (``pattern``) or a JSON schema (``schema``); independent of
-    any tokenizer. ConstraintError under ``field`` when llguidance cannot read the schema."""
+    """The llguidance grammar (its JSON text) of a regex or a Lark grammar (``pattern``) or of a JSON schema
+    (``schema``); independent of any tokenizer. ConstraintError under ``field`` when llguidance cannot read it."""
     matcher = llguidance_module().LLMatcher
     if kind == "regex":
         return matcher.grammar_from_regex(pattern)
+    if kind == "lark":
+        try:
+            return matcher.grammar_from_lark(pattern)
+        except ValueError as e:
+            raise ConstraintError(field, f"does not compile to a grammar: {e}") from None
     try:  # whitespace between JSON tokens bounded, unless the schema's own "x-guidance" says otherwise: with free
         # whitespace a model can spend every token on blanks between two items (a loop to max_tokens)
         return matcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)

@@ -32,7 +32,8 @@ class CompiledConstraint:
     its own ``ConstraintState``.
     """
 
-    def __init__(self, spec: Constraint, ll_tokenizer: Any, eos_token_ids: tuple[int, ...]):
+    def __init__(self, spec: Constraint, ll_tokenizer: Any, eos_token_ids: tuple[int, ...],
+                 special_ids: tuple[int, ...] | None = None):
         llg = llguidance_module()
         self.spec = spec
         self.grammar = spec.grammar()
@@ -47,6 +48,11 @@ class CompiledConstraint:
         self.eos_bits = torch.zeros(self.words, dtype=torch.int32)  # [words]: the end-of-sequence tokens only
         for t in eos_token_ids:
             self.eos_bits[t >> 5] |= _bit(t & 31)
+        #: the special tokens other than end-of-sequence (Qwen's ``<tool_call>``, ...): llguidance's mask can allow one
+        #: where its text fits the grammar, yet refuses to consume it unless the grammar names it as a token; a mask
+        #: keeps such a token only where the matcher would consume it (``ConstraintState._fill``)
+        self.special_ids = tuple(t for t in (special_token_ids(ll_tokenizer) if special_ids is None else special_ids)
+                                 if t not in eos_token_ids)
         self.new_state().mask_bits()  # the first mask builds lexer states later matchers reuse (ms), paid here once
 
     def new_matcher(self) -> Any:
@@ -62,12 +68,19 @@ class CompiledConstraint:
                 f"eos_token_ids={list(self.eos_token_ids)})")
 
 
+def special_token_ids(ll_tokenizer: Any) -> tuple[int, ...]:
+    """The ids llguidance treats as special tokens (every added token of a Hugging Face tokenizer)."""
+    return tuple(t for t in range(int(ll_tokenizer.vocab_size)) if ll_tokenizer.is_special_token(t))
+
+
 class _TokenizerEntry:
-    """One tokenizer's llguidance trie and its compiled constraints (least recently used first)."""
+    """One tokenizer's llguidance trie, its special tokens and its compiled constraints (least recently used
+    first)."""
 
     def __init__(self, tokenizer: Any, ll_tokenizer: Any):
         self.tokenizer = tokenizer  # held, so that its id() is not reused while the entry lives
         self.ll_tokenizer = ll_tokenizer
+        self.special_ids = special_token_ids(ll_tokenizer)
         self.compiled: OrderedDict[str, CompiledConstraint] = OrderedDict()
 
 
@@ -103,7 +116,7 @@ class ConstraintCompiler:
             if compiled is not None:
                 entry.compiled.move_to_end(spec.key)
                 return compiled
-            compiled = CompiledConstraint(spec, entry.ll_tokenizer, eos)
+            compiled = CompiledConstraint(spec, entry.ll_tokenizer, eos, entry.special_ids)
             self.compiles += 1
             entry.compiled[spec.key] = compiled
             while len(entry.compiled) > self.max_grammars:

@@ -1,4 +1,5 @@
-"""What a structured-output request asks for: ``Constraint`` (a JSON object, a JSON schema or a regex) and the
+"""What a structured-output request asks for: ``Constraint`` (a JSON object, a JSON schema, a regex or a Lark grammar)
+and the
 ``ConstraintError`` (backend.py) a bad one raises, naming the field at fault.
 
 A ``Constraint`` is library-agnostic data: it checks its own fields when built and, where llguidance is installed,
@@ -15,8 +16,9 @@ from typing import Any, Mapping
 
 from .backend import ConstraintError, available, check_grammar, grammar_source
 
-#: the kinds of constraint: any JSON object, a JSON object valid under a JSON schema, a string fully matching a regex
-KINDS = ("json_object", "json_schema", "regex")
+#: the kinds of constraint: any JSON object, a JSON object valid under a JSON schema, a string fully matching a regex,
+#: a string in the language of a Lark grammar
+KINDS = ("json_object", "json_schema", "regex", "lark")
 
 
 @dataclass(frozen=True, eq=False)
@@ -25,20 +27,23 @@ class Constraint:
 
     ``kind``: ``"json_object"`` (any JSON object, OpenAI's ``response_format={"type": "json_object"}``),
     ``"json_schema"`` (a JSON object valid under ``schema``, a dict or its JSON text) or ``"regex"`` (the text fully
-    matches ``pattern``; llguidance's syntax, i.e. Rust's ``regex`` crate without look-around or back-references).
-    A field that the kind does not use must be left None; ``schema`` is kept as a private copy (a dict: read it, do
+    matches ``pattern``; llguidance's syntax, i.e. Rust's ``regex`` crate without look-around or back-references) or
+    ``"lark"`` (the text is in the language of the grammar ``lark``, whose rule ``start`` is the whole text; llguidance's
+    Lark dialect, in which ``%json {schema}`` embeds a JSON schema as a rule). A field that the kind does not use must
+    be left None; ``schema`` is kept as a private copy (a dict: read it, do
     not change it). Whitespace between JSON tokens is free (llguidance's default); the generation ends with an
     end-of-sequence token once the text is complete.
 
     Frozen; equal constraints (same kind, same schema whatever its key order, same pattern) are equal and hash
     alike, so they share one compiled grammar (``ConstraintCompiler``). Raises ``ConstraintError`` naming the field.
-    ``Constraint.json_object()``, ``.json_schema(schema)``, ``.regex(pattern)`` and ``.from_response_format(rf)``
-    build one.
+    ``Constraint.json_object()``, ``.json_schema(schema)``, ``.regex(pattern)``, ``.grammar_of(lark)`` and
+    ``.from_response_format(rf)`` build one.
     """
 
     kind: str
     schema: Mapping[str, Any] | str | None = None
     pattern: str | None = None
+    lark: str | None = None
     #: canonical text of the constraint: the cache key (set in __post_init__)
     key: str = field(init=False, repr=False)
 
@@ -54,7 +59,12 @@ class Constraint:
                 raise ConstraintError("pattern", f"kind 'regex' needs a non-empty string, got {self.pattern!r}")
         elif self.pattern is not None:
             raise ConstraintError("pattern", f"is only for kind 'regex', not {self.kind!r}; leave it None")
-        key = json.dumps([self.kind, self.schema, self.pattern], sort_keys=True, separators=(",", ":"))
+        if self.kind == "lark":
+            if not isinstance(self.lark, str) or not self.lark.strip():
+                raise ConstraintError("lark", f"kind 'lark' needs a non-empty grammar, got {self.lark!r}")
+        elif self.lark is not None:
+            raise ConstraintError("lark", f"is only for kind 'lark', not {self.kind!r}; leave it None")
+        key = json.dumps([self.kind, self.schema, self.pattern, self.lark], sort_keys=True, separators=(",", ":"))
         object.__setattr__(self, "key", key)
         _check_grammar(self)
 
@@ -68,12 +78,12 @@ class Constraint:
     def field_name(self) -> str:
         """The field that holds this constraint's grammar source (``schema``, ``pattern``; ``kind`` for
         json_object): where a compile error is reported."""
-        return {"json_schema": "schema", "regex": "pattern"}.get(self.kind, "kind")
+        return {"json_schema": "schema", "regex": "pattern", "lark": "lark"}.get(self.kind, "kind")
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (its JSON text; needs llguidance)."""
-        schema = None if self.kind == "regex" else self.json_schema_source()
-        return grammar_source(self.kind, schema, self.pattern, self.field_name)
+        schema = None if self.kind in ("regex", "lark") else self.json_schema_source()
+        return grammar_source(self.kind, schema, self.pattern if self.kind == "regex" else self.lark, self.field_name)
 
     def json_schema_source(self) -> dict[str, Any]:
         """The JSON schema this constraint compiles from (``{"type": "object"}`` for json_object); a copy."""
@@ -97,6 +107,11 @@ class Constraint:
     def regex(cls, pattern: str) -> "Constraint":
         """Text that fully matches ``pattern``."""
         return cls("regex", pattern=pattern)
+
+    @classmethod
+    def grammar_of(cls, lark: str) -> "Constraint":
+        """Text in the language of the Lark grammar ``lark`` (llguidance's dialect: rule ``start``, ``%json``)."""
+        return cls("lark", lark=lark)
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any] | None,

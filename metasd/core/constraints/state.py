@@ -197,8 +197,12 @@ class ConstraintState:
         target = bits[row]
         if ended:
             target.copy_(self.compiled.eos_bits)
-        else:
-            self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+            return
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        words = target.numpy()
+        for t in self.compiled.special_ids:  # allowed by its text, refused as a token: out (CompiledConstraint)
+            if (int(words[t >> 5]) >> (t & 31)) & 1 and self._matcher.validate_tokens([t]) != 1:
+                words[t >> 5] &= ~(1 << (t & 31)) if (t & 31) != 31 else 0x7FFFFFFF
 
     def __repr__(self) -> str:
         return (f"ConstraintState({self.compiled.spec!r}, committed={self._committed}, "

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from ..constraints import CompiledConstraint, ConstraintState, apply_mask
+from ..constraints import CompiledConstraint, ConstraintError, ConstraintState, apply_mask
 from ..execution.tree import Draft
 from .penalties import PathPenalizer, Penalties
 
@@ -34,6 +34,10 @@ class PathProcessing:
         -inf row (never read: no rule accepts a node of probability 0)."""
         if self.grammar is not None:
             masks = self.grammar.tree_masks(draft.parents, draft.tokens, logits.shape[-1])  # [n+1, vocab] bool
+            if not bool(masks[0].any()):  # a dead end: nothing to sample (softmax of all -inf is NaN)
+                raise ConstraintError("grammar", "allows no token of this tokenizer after the text so far (text it "
+                                                 "asks for may exist only as a special token, which a grammar must "
+                                                 "name as a token: <tool_call>, not \"<tool_call>\")")
             logits = apply_mask(logits.float(), masks)
         if self.penalizer is not None:
             logits = self.penalizer.apply(logits, draft)

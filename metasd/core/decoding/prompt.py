@@ -10,10 +10,12 @@ import torch
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
 
-def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier") -> list[int]:
-    """Prompt -> token ids, as ``Engine.encode`` does: token ids as given, message lists through the chat template,
-    strings through it when ``chat`` (else encoded as they are). Needs no model, only its tokenizer, so a command can
-    check a prompt's length before any model loads."""
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier",
+                  tools: Sequence[Mapping] | None = None) -> list[int]:
+    """Prompt -> token ids, as ``Engine.encode`` does: token ids as given, message lists through the chat template
+    (with ``tools``, OpenAI's tool objects, rendered as the template renders them), strings through it when ``chat``
+    (else encoded as they are). Needs no model, only its tokenizer, so a command can check a prompt's length before
+    any model loads."""
     def tokenizer_or_fail():
         if tokenizer is None:
             raise ValueError(f"{model_name} has no tokenizer: pass token ids")
@@ -27,7 +29,7 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_nam
         raise ValueError("the prompt is empty")
     if isinstance(prompt, str):
         if chat:
-            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name)
+            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name, tools)
         return tokenizer_or_fail().encode(prompt, add_special_tokens=True)
     if all(isinstance(t, int) for t in prompt):
         return prompt
@@ -35,7 +37,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_nam
         tok = tokenizer_or_fail()
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"{model_name}'s tokenizer has no chat template; pass a string prompt")
-        text = tok.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template([dict(m) for m in prompt], tools=[dict(t) for t in tools] if tools else None,
+                                       add_generation_prompt=True, tokenize=False)
         return tok.encode(text, add_special_tokens=False)
     raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
 
