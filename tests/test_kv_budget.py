@@ -100,6 +100,44 @@ def test_a_failed_allocation_fails_only_the_request_that_asked(tok, monkeypatch)
     assert cache.held_bytes == 0
 
 
+def test_any_error_in_admission_or_tidying_fails_only_its_request_and_the_scheduler_goes_on(tok, monkeypatch):
+    # not only allocation failures: whatever raises while a request is admitted fails that request; a failed shrink
+    # or prefix-cache fit after a pass is logged and costs nothing but stored prefixes (both once stopped the thread:
+    # every later request got an error and /health said so for good)
+    engine = _engine(tok)
+    expected = _alone(engine)
+    with Scheduler(engine, max_batch=3, max_draft_nodes=16, prefix_caching=True) as s:
+        cache = s.verifier.cache
+        reserve, shrink, fit = BatchCache.reserve, BatchCache.shrink, s.prefix_cache.fit
+        faults = {"shrink": 1, "fit": 1}
+
+        def reserving(self, owner, tokens):
+            if owner.request.prompt_ids == PROMPTS[1]:
+                raise RuntimeError("injected: admission broke")
+            return reserve(self, owner, tokens)
+
+        def once(name, real):
+            def fn(*a, **k):
+                if faults[name]:
+                    faults[name] -= 1
+                    raise RuntimeError(f"injected: {name} broke")
+                return real(*a, **k)
+            return fn
+        monkeypatch.setattr(BatchCache, "reserve", reserving)
+        monkeypatch.setattr(BatchCache, "shrink", once("shrink", shrink))
+        s.prefix_cache.fit = once("fit", fit)
+        handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        with pytest.raises(RuntimeError, match="admission broke"):
+            handles[1].result(timeout=60)
+        assert handles[0].result(timeout=60).token_ids == expected[0]
+        assert handles[2].result(timeout=60).token_ids == expected[2]
+        assert faults == {"shrink": 0, "fit": 0}, "the injected faults did not fire"
+        monkeypatch.setattr(BatchCache, "reserve", reserve)
+        assert s.submit(PROMPTS[1], MAX_NEW[1]).result(timeout=60).token_ids == expected[1]
+        assert s.failure is None and s.health() == (True, "ok")
+    assert cache.held_bytes == cache.pinned_bytes and not cache.reserved  # only the stored prefixes are held
+
+
 def test_nothing_is_allocated_inside_a_forward_and_the_buffers_shrink_when_the_longest_leaves(tok, monkeypatch):
     engine = _engine(tok)
     in_forward, inside, sizes = [False], [], []

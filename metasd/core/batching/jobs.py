@@ -145,6 +145,21 @@ def store_prefix(job: Job, cache: BatchCache, prefix_cache: PrefixCache) -> None
         log.exception("request %s: storing its prefix failed", job.id)
 
 
+def tidy_memory(cache: BatchCache, prefix_cache: PrefixCache | None) -> None:
+    """After a scheduler pass: idle KV buffers shrink, stored prefixes fit what is left. A failure here is logged and
+    costs the stored prefixes (dropped), never the scheduler: nothing a request needs is touched."""
+    try:
+        cache.shrink()
+    except Exception:  # noqa: BLE001
+        log.exception("shrinking the KV buffers failed; they keep their size until the next pass")
+    if prefix_cache is not None:
+        try:
+            prefix_cache.fit()  # entries stored this pass beside rows not shrunk yet
+        except Exception:  # noqa: BLE001
+            log.exception("fitting the prefix cache failed; every stored prefix is dropped")
+            prefix_cache.clear()
+
+
 def drafter_kv_bytes(drafters) -> int:
     """What one request's forks of ``drafters`` cost in KV memory per cached position: each drafter with a model of
     its own keeps a cache of it per request (``KVGeometry.bytes_per_token``); lookups keep none."""

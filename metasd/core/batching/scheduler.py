@@ -22,7 +22,8 @@ from ..decoding.request import Prompt
 from ..execution.batch_verifier import BatchVerifier, SlotVerifier
 from ..execution.kv_memory import KVAllocationError, KVGeometry, default_budget_bytes
 from .adaptive import AdaptiveSpeculation, StepPlan
-from .jobs import Forks, Job, drafter_kv_bytes, new_request, prefix_cache_for, start_prefill, store_prefix
+from .jobs import (Forks, Job, drafter_kv_bytes, new_request, prefix_cache_for, start_prefill, store_prefix,
+                   tidy_memory)
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
 
@@ -227,9 +228,7 @@ class Scheduler:
                     log.exception("a scheduler step failed; its requests fail, the scheduler goes on")
                     self.failed_steps += 1
                     self._fail_started(e)
-                self.verifier.cache.shrink()
-                if self.prefix_cache is not None:
-                    self.prefix_cache.fit()  # entries stored this pass beside rows not shrunk yet
+                tidy_memory(self.verifier.cache, self.prefix_cache)
         except BaseException as e:  # noqa: BLE001 - the scheduler itself broke: every request gets the error
             log.exception("the scheduler thread failed")
             self.failure = e
@@ -248,20 +247,24 @@ class Scheduler:
 
     def _admit(self) -> list[tuple[Job, Exception]]:
         """(Holding the lock.) Queued requests start, first come first served, while ``max_batch`` and the KV budget
-        leave room: each reserves its KV rows now, all or nothing. One whose allocation failed is returned with its
-        error (it fails; nothing else changed); the first that does not fit waits, and those behind it too."""
+        leave room: each reserves its KV rows now, all or nothing. One whose admission failed (its allocation, or
+        anything else that raised while it was admitted) is returned with its error: it fails, nothing else changed,
+        the scheduler goes on. The first that does not fit waits, and those behind it too."""
         refused = []
         cache = self.verifier.cache
         while self._waiting and len(self._prefilling) + len(self._running) < self._max_batch:
             job = self._waiting[0]
             stored = self.prefix_cache  # stored prefixes give way (least recently used first) before a request waits
-            if not cache.fits(job.kv_tokens) and not (stored is not None and stored.evict_for(job.kv_tokens)):
-                break
-            self._waiting.popleft()
             try:
+                if not cache.fits(job.kv_tokens) and not (stored is not None and stored.evict_for(job.kv_tokens)):
+                    break
+                self._waiting.popleft()
                 cache.reserve(job, job.kv_tokens)
-            except KVAllocationError as e:
-                log.error("request %s: %s", job.id, e)
+            except Exception as e:  # noqa: BLE001 - e.g. KVAllocationError: this request alone fails
+                if self._waiting and self._waiting[0] is job:
+                    self._waiting.popleft()
+                log.error("request %s failed in its admission: %r", job.id, e, exc_info=not isinstance(
+                    e, KVAllocationError))
                 refused.append((job, e))
                 continue
             self._prefilling.append(job)
