@@ -6,7 +6,12 @@ prompt's JSON schema - in an order rotated per prompt and repeat, greedy, ``--ma
 metasd's engine with no drafter (constrained plain decoding is that engine with the grammar mask: transformers has no
 grammar-constrained ``generate`` to compare with). Per repeat: R_u = tokens/s(speculative) / tokens/s(plain) without
 the schema and R_c the same with it, each a geometric mean over the prompts; the figure is the median over repeats of
-R_c / R_u, with its range (the target of issue "Serve like the tools users already run": >= 0.8).
+R_c / R_u, with its range (the target of issue "Serve like the tools users already run": >= 0.8). A fifth method,
+``speculative+schema/unmasked``, is the constrained speculative run with the drafters' own grammar masks off
+(``Engine.mask_drafts = False``; the verifier is masked as always, so the output is the same): R_m = tokens/s(masked)
+/ tokens/s(unmasked), what masking the drafts buys. The last prompt is a tool call (a named ``get_weather``): its
+"schema" is the grammar of the model's own call format (Hermes, ``metasd.serve.tools``), the tool shown to the model
+through its chat template.
 
     python benchmarks/structured.py --out benchmarks/results/structured.json
 """
@@ -42,18 +47,33 @@ PROMPTS = [
      "        else:\n            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]", FUNCTION),
     ("Return a JSON record for a fictional software engineer: name, age, email and a list of skills.", PERSON),
     ("Give the book 'The Pragmatic Programmer' as JSON: title, author, year, genres.", BOOK),
+    ("What is the weather in Paris right now?", {"tool": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {
+            "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}),
 ]
-METHODS = ("plain", "speculative", "plain+schema", "speculative+schema")
+METHODS = ("plain", "speculative", "plain+schema", "speculative+schema", "speculative+schema/unmasked")
 
 
 def run_one(engines: dict, method: str, prompt: str, schema: dict, max_new_tokens: int) -> dict:
     from metasd.core.constraints import Constraint
 
+    from metasd.serve.tools import HermesParser, added_tokens
+
     engine = engines["speculative" if method.startswith("speculative") else "plain"]
-    constraint = Constraint.json_schema(schema) if method.endswith("+schema") else None
+    tool = schema.get("tool")
+    constrained = "+schema" in method
+    messages = [{"role": "user", "content": prompt}]
+    ids = engine.encode(messages, tools=[{"type": "function", "function": tool}] if tool else None)
+    constraint = None
+    if constrained:
+        constraint = Constraint.grammar_of(HermesParser().grammar([tool], False, added_tokens(engine.tokenizer))) \
+            if tool else Constraint.json_schema(schema)
+    engine.mask_drafts = not method.endswith("/unmasked")
     t0 = time.perf_counter()
-    r = engine.generate([{"role": "user", "content": prompt}], max_new_tokens, constraint=constraint)
+    r = engine.generate(ids, max_new_tokens, constraint=constraint)
     seconds = time.perf_counter() - t0
+    engine.mask_drafts = True
     return {"method": method, "tokens": len(r.token_ids), "seconds": seconds,
             "tokens_per_s": len(r.token_ids) / seconds, "tokens_per_step": r.stats.mean_tokens_per_step,
             "stop_reason": r.stats.stop_reason, "text": r.text, "token_ids": r.token_ids}
@@ -74,18 +94,22 @@ def summarize(rows: list[dict], repeats: int) -> dict:
         prompts = sorted({r["prompt"] for r in mine})
         ru = geomean([tps[p, "speculative"] / tps[p, "plain"] for p in prompts])
         rc = geomean([tps[p, "speculative+schema"] / tps[p, "plain+schema"] for p in prompts])
-        per.append({"repeat": rep, "R_u": ru, "R_c": rc, "ratio": rc / ru})
+        rm = geomean([tps[p, "speculative+schema"] / tps[p, "speculative+schema/unmasked"] for p in prompts])
+        per.append({"repeat": rep, "R_u": ru, "R_c": rc, "ratio": rc / ru, "R_m": rm,
+                    "R_m_per_prompt": {p: tps[p, "speculative+schema"] / tps[p, "speculative+schema/unmasked"]
+                                       for p in prompts}})
     if not per:
         return {}
     out = {"per_repeat": per}
-    for key in ("R_u", "R_c", "ratio"):
+    for key in ("R_u", "R_c", "ratio", "R_m"):
         vals = [p[key] for p in per]
         out[key] = {"median": statistics.median(vals), "range": [min(vals), max(vals)]}
     same = [r for r in rows if r["method"].startswith("speculative")]
-    plain = {(r["repeat"], r["prompt"], r["method"].replace("speculative", "plain")): r["token_ids"] for r in rows
-             if r["method"].startswith("plain")}
-    out["identical_to_plain"] = sum(plain.get((r["repeat"], r["prompt"], r["method"].replace("speculative", "plain")))
-                                    == r["token_ids"] for r in same)
+    plain = {(r["repeat"], r["prompt"], r["method"]): r["token_ids"] for r in rows if r["method"].startswith("plain")}
+
+    def twin(r):
+        return r["repeat"], r["prompt"], r["method"].replace("speculative", "plain").removesuffix("/unmasked")
+    out["identical_to_plain"] = sum(plain.get(twin(r)) == r["token_ids"] for r in same)
     out["compared"] = len(same)
     return out
 
@@ -120,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             for method in METHODS[shift:] + METHODS[:shift]:
                 row = run_one(engines, method, prompt, schema, args.max_new_tokens)
                 report["rows"].append({"repeat": rep, "prompt": i, **row})
-                print(f"repeat {rep + 1} prompt {i + 1} {method:>20}: {row['tokens_per_s']:.2f} tok/s, "
+                print(f"repeat {rep + 1} prompt {i + 1} {method:>28}: {row['tokens_per_s']:.2f} tok/s, "
                       f"{row['tokens_per_step']:.2f} tokens/step, {row['stop_reason']}", flush=True)
             report["summary"] = summarize(report["rows"], args.repeats)
             if args.out:

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
                                           StepFeedback, check_params, register_drafter)
+from metasd.core.constraints.guide import DraftGuide
 from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 from metasd.core.execution.static_cache import StaticKVCache, new_cache
@@ -333,10 +334,20 @@ class PretrainedDrafter(Drafter):
 
         The chain is drafted on the model's device and read by the host once, at the end: each token is fed to the
         next forward as a device tensor. Only a stop rule reads each token as it goes, to save the forwards after it:
-        the confidence stop (the token's probability) and ``stop_ids`` (the token itself)."""
+        the confidence stop (the token's probability) and ``stop_ids`` (the token itself).
+
+        A constrained request (``ctx.grammar``; drafter and verifier sharing ids) masks each token's logits to the
+        grammar after the tokens before it (``DraftGuide``), so the chain stays inside it; reading each token to
+        advance the grammar is a host read per token then."""
         drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
         probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
+        guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and shared is None and self.bridge is None \
+            else None
         for i in range(depth):
+            if guide is not None:
+                logits = guide.mask([i - 1], logits.reshape(1, -1))[0]  # [vocab]: after node i-1 (-1: the root)
+                if not bool(torch.isfinite(logits).any()):
+                    break  # nothing the grammar allows: the chain ends here
             if ctx.sampling.greedy:
                 x = logits.argmax(-1, keepdim=True)
             else:
@@ -348,6 +359,8 @@ class PretrainedDrafter(Drafter):
                 if keep_probs:
                     probs.append(q if shared is None else shared.to_verifier(q))
             drafted.append(x)
+            if guide is not None:
+                guide.add(i, i - 1, int(x))
             if i == depth - 1 or (stop_ids and int(x) in stop_ids) or self._unsure(logits, x):
                 break
             logits = self._forward(x)

@@ -59,6 +59,7 @@ from transformers import PreTrainedModel
 
 from metasd.core.decoding.drafter import (Bool, Counterfactual, DrafterParams, Float, Int, StepContext, StepFeedback,
                                           check_params, register_drafter)
+from metasd.core.constraints.guide import DraftGuide
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.decoding.sampling import process_logits
 from metasd.core.execution.staging import to_device
@@ -144,6 +145,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         self.min_path_prob = float(min_path_prob)
         self.branching = branching
         self._pending: tuple[Draft, GrowingTree, list[int]] | None = None
+        self._guide: DraftGuide | None = None  # the grammar along the draft being grown (make_draft)
 
     # ---------------------------------------------------------------- request life cycle
     def begin(self, ctx: StepContext) -> None:
@@ -170,6 +172,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         root_logits = self.sync(tokens)
         mode = "dynamic" if ctx.sampling.greedy else self.mode
         tree = GrowingTree(base=len(tokens))
+        # a constrained request: every node's logits masked to the grammar after its path (DraftGuide)
+        self._guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and self.bridge is None else None
         if mode == "dynamic":
             keep, probs = self._grow_dynamic(tree, root_logits, depth, ctx), None
         else:
@@ -198,6 +202,17 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         tree.mark_fed(feed)
         return logits
 
+    def _add(self, tree: GrowingTree, token: int, parent: int) -> int:
+        node = tree.add(token, parent)
+        if self._guide is not None:
+            self._guide.add(node, parent, token)
+        return node
+
+    def _guided(self, logits: torch.Tensor, nodes: list[int]) -> torch.Tensor:
+        """logits [len(nodes), vocab] after each node (-1: the root), masked to the grammar where the request has
+        one (``make_draft``)."""
+        return logits if self._guide is None else self._guide.mask(nodes, logits)
+
     def _log_scores(self, logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Log-probabilities used to rank dynamic-tree nodes (float32, -inf for excluded tokens)."""
         if ctx.sampling.greedy:
@@ -216,7 +231,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
                 for v, t in zip(vals[row], idx[row]):
                     if v == float("-inf"):
                         break
-                    new.append(tree.add(t, parent))
+                    new.append(self._add(tree, t, parent))
                     scores.append(base + v)
             return new
 
@@ -227,7 +242,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         # lists its nodes best first, so that is exactly the unbounded draft's first max_nodes nodes (the pruning
         # below never changes the top-``nodes`` set, only how many forwards grow it), at fewer forwards
         nodes = self.nodes if ctx.max_nodes is None else min(self.nodes, ctx.max_nodes)
-        level = add_children([-1], self._log_scores(root_logits, ctx)[None])
+        level = add_children([-1], self._log_scores(self._guided(root_logits.reshape(1, -1), [-1]), ctx))
         for _ in range(2, depth + 1):
             frontier = [i for i in rank(level)[: self.frontier] if scores[i] >= self.min_log_path_prob]
             if len(scores) >= nodes:  # a child scores <= its parent and loses ties: prune hopeless parents
@@ -235,7 +250,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
                 frontier = [i for i in frontier if scores[i] > threshold]
             if not frontier:
                 break
-            logits = self._feed(tree, frontier)
+            logits = self._guided(self._feed(tree, frontier), frontier)
             level = add_children(frontier, self._log_scores(logits, ctx))
         # best first: a topological order too (a child scores <= its parent and loses ties to it), so that a node
         # budget (Draft.first(n)) keeps the n best nodes
@@ -255,12 +270,12 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             q_drawn = q[drawn].tolist() if drawn else []  # their probabilities: the group's second host read
             new = []
             for t, q_t in zip(drawn, q_drawn):
-                new.append(tree.add(t, parent))
+                new.append(self._add(tree, t, parent))
                 rows.append(q)
                 logq.append((logq[parent] if parent >= 0 else 0.0) + math.log(max(q_t, 1e-45)))
             return new
 
-        q_root = process_logits(root_logits, ctx.sampling)
+        q_root = process_logits(self._guided(root_logits.reshape(1, -1), [-1])[0], ctx.sampling)
         level = add_children(-1, q_root, min(self.branching[0], self.nodes))
         for d in range(1, depth):
             remaining = self.nodes - len(tree)
@@ -268,7 +283,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
                 break
             b = self.branching[min(d, len(self.branching) - 1)]
             parents = sorted(level, key=lambda i: (-logq[i], i))[: -(-remaining // b)]
-            q = process_logits(self._feed(tree, parents), ctx.sampling)
+            q = process_logits(self._guided(self._feed(tree, parents), parents), ctx.sampling)
             level = []
             for row, parent in enumerate(parents):
                 k = min(b, self.nodes - len(tree))
@@ -300,17 +315,17 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         beam = [-1]
         phi = torch.zeros(1, dtype=torch.float64)
         value = torch.zeros(1, dtype=torch.float64)
-        q = process_logits(root_logits, ctx.sampling)[None]  # [1, V]
+        q = process_logits(self._guided(root_logits.reshape(1, -1), [-1])[0], ctx.sampling)[None]  # [1, V]
         for d in range(depth):
             k = min(self.width, self.nodes - len(tree))
             if k <= 0 or not beam:
                 break
             if d > 0:
-                q = process_logits(self._feed(tree, beam), ctx.sampling)  # [B, V]
+                q = process_logits(self._guided(self._feed(tree, beam), beam), ctx.sampling)  # [B, V]
             chosen = self._beam_select(phi, value, q.log(), k, ctx.generator)
             new_beam, new_phi, new_value = [], [], []
             for row, token, p, v in chosen:
-                new_beam.append(tree.add(token, beam[row]))
+                new_beam.append(self._add(tree, token, beam[row]))
                 rows.append(q[row])
                 new_phi.append(p)
                 new_value.append(v)

@@ -156,6 +156,32 @@ def test_committed_state_is_unchanged_by_tree_masks(compiler):
     assert state.is_terminated() and twin.is_terminated()
 
 
+def test_after_tree_masks_committing_goes_on_as_a_replay_does(compiler):
+    # llguidance 1.9.1: a matcher that consumes two tokens, computes masks in between and rolls back gives wrong masks
+    # for tokens committed later (found when drafts were grammar-masked: a greedy answer left plain decoding's). The
+    # walk now never rolls back; here the case that showed it, then random trees, each followed by a commit
+    tok = TOKENIZERS["bpe"]
+    compiled = compiler.compile(tok, SPECS["json_schema"])
+    # a greedy answer of tiny_qwen(seed=3) under SCHEMA: '{\n  "name":\n\n  "x|Ƙ907", "age": 1\n \n \n \n' ...
+    committed = [329, 79, 267, 70, 259, 200, 278, 89, 93, 132, 248, 296, 266, 264, 269, 18, 274, 274, 274, 274]
+    assert tok.convert_ids_to_tokens([261, 80, 271, 331, 303]) == [',Ġ"', "o", 'k":Ġ', ',Ġ"kin', 'd":Ġ']
+    cases = [(committed, [-1, -1, 1], [261, 331, 303], [261, 80, 271])]
+    rng = random.Random(5)
+    base = encode(tok, '{"name": "Al')
+    for _ in range(12):
+        parents, tokens = random_tree(compiled, base, 12, rng)
+        path = next((p for p in sorted(paths(parents, tokens), key=len, reverse=True)
+                     if replay_mask(compiled, base, p, compiled.vocab_size).any() and EOS not in p), [])
+        cases.append((base, parents, tokens, path))
+    for start, parents, tokens, path in cases:
+        state = compiled.new_state()
+        state.accept_tokens(start)
+        state.tree_masks(parents, tokens, compiled.vocab_size)
+        state.accept_tokens(path)  # a step commits its accepted path at once
+        assert torch.equal(state.mask(compiled.vocab_size), replay_mask(compiled, start, path, compiled.vocab_size)), \
+            (start, parents, tokens, path)
+
+
 def test_committed_state_is_unchanged_when_the_walk_fails(compiler, monkeypatch):
     tok = TOKENIZERS["bpe"]
     compiled = compiler.compile(tok, SPECS["json_object"])
@@ -165,11 +191,11 @@ def test_committed_state_is_unchanged_when_the_walk_fails(compiler, monkeypatch)
     calls = []
     real_fill = type(state)._fill
 
-    def failing_fill(self, bits, row, ended):
+    def failing_fill(self, bits, row, ended, matcher=None):
         calls.append(row)
         if len(calls) == 4:
             raise RuntimeError("injected")
-        real_fill(self, bits, row, ended)
+        real_fill(self, bits, row, ended, matcher)
 
     monkeypatch.setattr(type(state), "_fill", failing_fill)
     chain = encode(tok, ", 2, 3]")

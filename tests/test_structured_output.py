@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("llguidance", reason="structured output needs llguidance (pip install -e '.[structured]')")
 
 from metasd.core.batching.scheduler import Scheduler  # noqa: E402
-from metasd.core.constraints import Constraint, apply_mask, compile_constraint  # noqa: E402
+from metasd.core.constraints import Constraint, apply_mask, compile_constraint, reachable_nodes  # noqa: E402
 from metasd.core.engine import Engine  # noqa: E402
 from metasd.core.execution.verifier import Verifier  # noqa: E402
 from metasd.drafters import FusedDrafter, NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter  # noqa: E402
@@ -122,3 +122,44 @@ def test_a_tokenizer_that_cannot_write_the_grammar_is_refused():
     engine = Engine(Verifier(tiny_qwen(seed=0, eos=1), words), None, check_tokenizers=False)
     with pytest.raises(ValueError, match="^(tokenizer: llguidance cannot use|constraint: .*cannot write any text)"):
         engine.generate([0, 7], 5, constraint=Constraint.json_object())
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_model_drafters_draft_inside_the_grammar_and_gain_acceptance(model, name):
+    # drafts masked along their own paths (DraftGuide): every drafted node is one the grammar allows, the output is
+    # unchanged, and where the grammar leaves few tokens (a regex) masked drafts are accepted far more often
+    spec = SPECS["regex"]
+    reachable, accepted = [], {}
+    engine = Engine(Verifier(model, TOK), _drafters()[name], check_tokenizers=False)
+    real = engine.drafters[0].propose
+
+    def spying(ctx):
+        draft = real(ctx)
+        if engine.mask_drafts and len(draft):
+            masks = ctx.grammar.tree_masks(draft.parents, draft.tokens, V)
+            reachable.append(bool(reachable_nodes(masks, draft.parents, draft.tokens).all()))
+        return draft
+    engine.drafters[0].propose = spying
+    texts = {}
+    for masked in (False, True):
+        engine.mask_drafts = masked
+        results = [engine.generate(p, 40, constraint=spec) for p in PROMPTS]
+        texts[masked] = [r.token_ids for r in results]
+        accepted[masked] = sum(r.stats.accepted for r in results)
+    assert texts[True] == texts[False]
+    assert reachable and all(reachable), "a masked draft left the grammar"
+    assert accepted[True] > 2 * max(accepted[False], 1), accepted
+
+
+@pytest.mark.parametrize("mode", ["rsd_c", "rsd_s"])
+def test_sampling_through_grammar_masked_tree_drafts_is_exact(mode):
+    # as above, but the drafter knows nothing of the grammar: its q is masked by it (the guide), and the draft carries
+    # the masked q it drew from, which rejection sampling uses
+    verifier = tiny_qwen(seed=5, vocab=V, layers=1, logit_scale=8.0, eos=EOS)
+    draft_model = tiny_qwen(seed=6, vocab=V, layers=1, logit_scale=4.0, eos=EOS)
+    shape = {"branching": [3, 1]} if mode == "rsd_c" else {"width": 3}
+    drafter = PretrainedTreeDrafter(draft_model, mode=mode, nodes=6, depth=2, **shape)
+    check = joint_check(Engine(Verifier(verifier, TOK), drafter, check_tokenizers=False), [5], 2000, length=3,
+                        constraint=Constraint.regex(r"[a-d]{2,4}"))
+    assert check.pvalue > 1e-4, check
+    assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check

@@ -181,6 +181,9 @@ class Engine:
         attach([verifier.model, *(m for d in self.all_drafters for m in d.modules())])
         self.meter = StepMeter(self.cost_model, decode_step_cost(verifier.model, self.cost_model))
         self.hidden_layers = tuple(sorted({layer for d in self.all_drafters for layer in d.hidden_layers}))
+        #: model drafters draft under a constrained request's grammar (``StepContext.grammar``); False only to
+        #: measure what that buys - outputs are the same either way
+        self.mask_drafts = True
         for layer in self.hidden_layers:
             if not 0 <= layer <= verifier.num_layers:
                 raise ValueError(f"a drafter asks for verifier layer {layer}; {verifier.name} has hidden states 0..{verifier.num_layers}")

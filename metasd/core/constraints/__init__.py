@@ -7,6 +7,7 @@ lossless.
   the optional dependency ``metasd[structured]``), cached per (tokenizer, end-of-sequence ids, constraint).
 - ``ConstraintState`` (state.py): one request's grammar state - ``accept_tokens``, ``mask``, ``eos_allowed``,
   ``is_complete``, ``is_terminated``, ``tree_masks``.
+- ``DraftGuide`` (guide.py): the grammar along a draft a model drafter grows, to mask its logits.
 - ``apply_mask``, ``unpack_bitmask``, ``reachable_nodes`` (masking.py): the masks as tensors.
 
 Every module imports without llguidance: specs are then checked field by field only (their grammar when compiled),
@@ -14,12 +15,13 @@ and compiling raises ImportError with the install command.
 """
 from .backend import INSTALL_HINT, ConstraintError
 from .compiler import DEFAULT_COMPILER, CompiledConstraint, ConstraintCompiler, compile_constraint
+from .guide import DraftGuide
 from .masking import apply_mask, reachable_nodes, unpack_bitmask
 from .spec import KINDS, Constraint
 from .state import ConstraintState, ConstraintViolation
 
 __all__ = [
     "DEFAULT_COMPILER", "INSTALL_HINT", "KINDS", "CompiledConstraint", "Constraint", "ConstraintCompiler",
-    "ConstraintError", "ConstraintState", "ConstraintViolation", "apply_mask", "compile_constraint",
+    "ConstraintError", "ConstraintState", "DraftGuide", "ConstraintViolation", "apply_mask", "compile_constraint",
     "reachable_nodes", "unpack_bitmask",
 ]

@@ -146,8 +146,8 @@ class ConstraintState:
         ``reachable_nodes(masks, parents, tokens)`` lists the reachable nodes; the masks depend only on the draft,
         so they can be computed before the verifier's forward (and unreachable nodes pruned from it).
 
-        Cost: one consume and one mask computation per reachable node (a depth-first walk with rollback); the
-        committed state is unchanged afterwards, also when an error interrupts the walk.
+        Cost: per reachable node, a copy of its parent's matcher (microseconds), one consume and one mask computation;
+        the committed state is never changed (no rollback: see ``tree_bitmask``).
         """
         return unpack_bitmask(self.tree_bitmask(parents, tokens), vocab)
 
@@ -160,48 +160,38 @@ class ConstraintState:
         bits = torch.zeros((n + 1, self.compiled.words), dtype=torch.int32)  # [n+1, words], 0 bits = disallowed
         view = bits.numpy()  # the same memory: bit tests without tensor indexing
         self._fill(bits, 0, self._terminated)
+        # each reachable node's own matcher: a copy of its parent's that consumed its token. Never consume and roll
+        # back one matcher: llguidance 1.9.1 computing a mask between consuming and rolling back can leave the
+        # matcher wrong for later tokens (the committed text's next mask then differs from a replay's)
+        matchers: list[Any] = [self._matcher] + [None] * n  # matchers[r]: the state after row r's path
         ended = [self._terminated] + [False] * n  # ended[r]: row r's path holds an end-of-sequence token
-        kids: list[list[int]] = [[] for _ in range(n + 1)]  # kids[r]: the nodes whose parent's row is r
-        for i, p in enumerate(parents_l):
-            kids[p + 1].append(i)
-        vocab, m = self.vocab_size, self._matcher
-        depth = 0  # tokens consumed on the current path, rolled back on the way up
-        stack: list[tuple[int, bool]] = [(c, False) for c in reversed(kids[0])]  # (node, leaving it)
-        try:
-            while stack:
-                i, leaving = stack.pop()
-                if leaving:
-                    m.rollback(1)
-                    depth -= 1
-                    continue
-                t, row = tokens_l[i], parents_l[i] + 1
-                if t >= vocab or not (int(view[row, t >> 5]) >> (t & 31)) & 1:
-                    continue  # unreachable: its row and its subtree's stay all zero
-                if t in self._eos:  # allowed here: the text ends; nothing to consume, nothing to roll back
-                    ended[i + 1] = True
-                elif m.try_consume_tokens([t]) == 1:  # the mask allowed it, so it does
-                    depth += 1
-                    stack.append((i, True))
-                else:
-                    continue
-                self._fill(bits, i + 1, ended[i + 1])
-                stack.extend((c, False) for c in reversed(kids[i + 1]))
-        finally:
-            if depth:
-                m.rollback(depth)
+        vocab = self.vocab_size
+        for i, (p, t) in enumerate(zip(parents_l, tokens_l)):
+            row = p + 1
+            if (row > 0 and matchers[row] is None) or t >= vocab or not (int(view[row, t >> 5]) >> (t & 31)) & 1:
+                continue  # unreachable: its row and its subtree's stay all zero
+            if t in self._eos or ended[row]:  # the text ends here: nothing to consume, only EOS may follow
+                matchers[i + 1], ended[i + 1] = matchers[row], True
+            else:
+                child = matchers[row].deep_copy()
+                if child.try_consume_tokens([t]) != 1:
+                    continue  # the mask allowed it, so this does not happen; if it did, the node is unreachable
+                matchers[i + 1] = child
+            self._fill(bits, i + 1, ended[i + 1], matchers[i + 1])
         return bits
 
-    def _fill(self, bits: torch.Tensor, row: int, ended: bool) -> None:
-        """Write into ``bits[row]`` (int32 [words], contiguous) the mask after the matcher's tokens, or after an
-        end-of-sequence token when ``ended`` (the end-of-sequence tokens only)."""
+    def _fill(self, bits: torch.Tensor, row: int, ended: bool, matcher: Any = None) -> None:
+        """Write into ``bits[row]`` (int32 [words], contiguous) the mask after ``matcher``'s tokens (default: the
+        committed ones), or after an end-of-sequence token when ``ended`` (the end-of-sequence tokens only)."""
         target = bits[row]
         if ended:
             target.copy_(self.compiled.eos_bits)
             return
-        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        matcher = self._matcher if matcher is None else matcher
+        matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
         words = target.numpy()
         for t in self.compiled.special_ids:  # allowed by its text, refused as a token: out (CompiledConstraint)
-            if (int(words[t >> 5]) >> (t & 31)) & 1 and self._matcher.validate_tokens([t]) != 1:
+            if (int(words[t >> 5]) >> (t & 31)) & 1 and matcher.validate_tokens([t]) != 1:
                 words[t >> 5] &= ~(1 << (t & 31)) if (t & 31) != 31 else 0x7FFFFFFF
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..constraints import ConstraintState
 from ..execution.hidden import HiddenStore
 from ..execution.tree import Draft
 from .acceptance import Acceptance, follow
@@ -44,6 +45,9 @@ class StepContext:
     #: None: no bound. A drafter may honour it to draft less, but only so that its draft is still exactly the one it
     #: would have drafted without the bound, cut to its first ``max_nodes`` nodes (budget counterfactuals rely on it)
     max_nodes: int | None = None
+    #: a constrained request's committed grammar state (never change it: ``DraftGuide`` forks it): model drafters
+    #: mask their logits along each draft path with it, so that drafts stay inside the grammar; None: no grammar
+    grammar: ConstraintState | None = None
     #: draft with lookups alone (``Drafter.lookup``): a drafter that runs a model drafts nothing this step and reads
     #: the committed text when it next drafts (an allocator's choice while a model has a long prompt still to read)
     lookup_only: bool = False

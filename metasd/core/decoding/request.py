@@ -236,8 +236,8 @@ class Request:
         self.length = len(self.prompt_ids)
         self.buffer[: self.length] = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
-                             noise=self.noise,
-                             hidden=verifier.hidden,
+                             noise=self.noise, hidden=verifier.hidden,
+                             grammar=self.processing.grammar if self.processing and eng.mask_drafts else None,
                              request={"category": self.category, "max_new_tokens": self.max_new_tokens})
         for d in self.all_drafters:
             d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))
