@@ -208,6 +208,11 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             self._guide.add(node, parent, token)
         return node
 
+    def _expandable(self, nodes: list[int]) -> list[int]:
+        """The nodes worth drafting below: all of them, or under a grammar those inside it and before an
+        end-of-sequence token (``DraftGuide.expandable``)."""
+        return nodes if self._guide is None else [i for i in nodes if self._guide.expandable(i)]
+
     def _guided(self, logits: torch.Tensor, nodes: list[int]) -> torch.Tensor:
         """logits [len(nodes), vocab] after each node (-1: the root), masked to the grammar where the request has
         one (``make_draft``)."""
@@ -244,7 +249,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         nodes = self.nodes if ctx.max_nodes is None else min(self.nodes, ctx.max_nodes)
         level = add_children([-1], self._log_scores(self._guided(root_logits.reshape(1, -1), [-1]), ctx))
         for _ in range(2, depth + 1):
-            frontier = [i for i in rank(level)[: self.frontier] if scores[i] >= self.min_log_path_prob]
+            frontier = [i for i in self._expandable(rank(level))[: self.frontier]
+                        if scores[i] >= self.min_log_path_prob]
             if len(scores) >= nodes:  # a child scores <= its parent and loses ties: prune hopeless parents
                 threshold = scores[rank(range(len(scores)))[nodes - 1]]
                 frontier = [i for i in frontier if scores[i] > threshold]
@@ -282,7 +288,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             if remaining <= 0 or not level:
                 break
             b = self.branching[min(d, len(self.branching) - 1)]
-            parents = sorted(level, key=lambda i: (-logq[i], i))[: -(-remaining // b)]
+            parents = sorted(self._expandable(level), key=lambda i: (-logq[i], i))[: -(-remaining // b)]
+            if not parents:
+                break
             q = process_logits(self._guided(self._feed(tree, parents), parents), ctx.sampling)
             level = []
             for row, parent in enumerate(parents):
@@ -321,6 +329,11 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             if k <= 0 or not beam:
                 break
             if d > 0:
+                open_ = set(self._expandable(beam))
+                keep = [r for r, i in enumerate(beam) if i in open_]
+                beam, phi, value = [beam[r] for r in keep], phi[keep], value[keep]
+                if not beam:
+                    break
                 q = process_logits(self._guided(self._feed(tree, beam), beam), ctx.sampling)  # [B, V]
             chosen = self._beam_select(phi, value, q.log(), k, ctx.generator)
             new_beam, new_phi, new_value = [], [], []

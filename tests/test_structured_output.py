@@ -138,6 +138,8 @@ def test_model_drafters_draft_inside_the_grammar_and_gain_acceptance(model, name
         if engine.mask_drafts and len(draft):
             masks = ctx.grammar.tree_masks(draft.parents, draft.tokens, V)
             reachable.append(bool(reachable_nodes(masks, draft.parents, draft.tokens).all()))
+            below_eos = [i for i, p in enumerate(draft.parents.tolist()) if p >= 0 and int(draft.tokens[p]) == EOS]
+            assert not below_eos, "drafted past an end-of-sequence token: rows no answer keeps"
         return draft
     engine.drafters[0].propose = spying
     texts = {}
@@ -146,6 +148,8 @@ def test_model_drafters_draft_inside_the_grammar_and_gain_acceptance(model, name
         results = [engine.generate(p, 40, constraint=spec) for p in PROMPTS]
         texts[masked] = [r.token_ids for r in results]
         accepted[masked] = sum(r.stats.accepted for r in results)
+        for r in results:  # the step counts hold the kept tokens only, not those accepted past the end
+            assert sum(r.stats.tokens_per_step) == len(r.token_ids) and r.stats.accepted < len(r.token_ids)
     assert texts[True] == texts[False]
     assert reachable and all(reachable), "a masked draft left the grammar"
     assert accepted[True] > 2 * max(accepted[False], 1), accepted

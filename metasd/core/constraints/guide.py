@@ -50,13 +50,20 @@ class DraftGuide:
     def allows(self, node: int) -> bool:
         return self._state(node) is not None
 
+    def expandable(self, node: int) -> bool:
+        """Whether drafting below ``node`` can help: its path is inside the grammar and holds no end-of-sequence
+        token (a tree drafter expands only such nodes; its ``masks`` row is all False otherwise)."""
+        state = self._state(node)
+        return state is not None and not state.is_terminated()
+
     def masks(self, nodes: Sequence[int], vocab: int) -> torch.Tensor:
-        """bool [len(nodes), vocab]: the tokens allowed after each node (all False below a node outside the
-        grammar)."""
+        """bool [len(nodes), vocab]: the tokens allowed after each node; all False below a node outside the grammar
+        and below an end-of-sequence token (the request ends there: drafting on would only add rows no answer
+        keeps)."""
         rows = [self._state(n) for n in nodes]
         out = torch.zeros((len(rows), vocab), dtype=torch.bool)
         for i, state in enumerate(rows):
-            if state is not None:
+            if state is not None and not state.is_terminated():
                 out[i] = state.mask(vocab)
         return out
 

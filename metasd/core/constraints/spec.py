@@ -28,11 +28,11 @@ class Constraint:
     ``kind``: ``"json_object"`` (any JSON object, OpenAI's ``response_format={"type": "json_object"}``),
     ``"json_schema"`` (a JSON object valid under ``schema``, a dict or its JSON text) or ``"regex"`` (the text fully
     matches ``pattern``; llguidance's syntax, i.e. Rust's ``regex`` crate without look-around or back-references) or
-    ``"lark"`` (the text is in the language of the grammar ``lark``, whose rule ``start`` is the whole text; llguidance's
-    Lark dialect, in which ``%json {schema}`` embeds a JSON schema as a rule). A field that the kind does not use must
-    be left None; ``schema`` is kept as a private copy (a dict: read it, do
-    not change it). Whitespace between JSON tokens is free (llguidance's default); the generation ends with an
-    end-of-sequence token once the text is complete.
+    ``"lark"`` (the text is in the language of the grammar ``lark``, whose rule ``start`` is the whole text;
+    llguidance's Lark dialect, in which ``%json {schema}`` embeds a JSON schema as a rule). A field that the kind does
+    not use must be left None; ``schema`` is kept as a private copy (a dict: read it, do not change it). Whitespace
+    between JSON tokens is bounded (``backend.JSON_DEFAULTS``); the generation ends with an end-of-sequence token once
+    the text is complete.
 
     Frozen; equal constraints (same kind, same schema whatever its key order, same pattern) are equal and hash
     alike, so they share one compiled grammar (``ConstraintCompiler``). Raises ``ConstraintError`` naming the field.

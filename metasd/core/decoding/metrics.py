@@ -41,6 +41,14 @@ class RequestStats:
     #: flag counted when true, any other value counted as "key=value"), e.g. {"tree": {"steps": 9, "drafter_forwards": 52}}
     drafter_counts: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    def drop_uncommitted(self, n: int) -> None:
+        """The last step's last ``n`` committed tokens were cut (they came after the request's end): they leave its
+        tokens per step and, as far as they were accepted draft tokens, the accepted count."""
+        tau = self.tokens_per_step[-1]  # the step's accepted draft tokens, then its bonus token
+        kept = tau - n
+        self.accepted -= max(0, (tau - 1) - kept)  # accepted draft tokens among the kept: min(kept, tau - 1)
+        self.tokens_per_step[-1] = kept
+
     def record_step(self, drafter: str, draft_depth: int, draft_nodes: int, n_accepted: int, committed: int,
                     meta: Mapping[str, Any] | None = None) -> None:
         counts = self.drafter_counts.setdefault(drafter, {})

@@ -386,7 +386,10 @@ class Request:
             if policy is not None and eng.granularity == "step":
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
-        committed, done = self._commit(committed, self.eos)
+        kept, done = self._commit(committed, self.eos)
+        if len(kept) < len(committed):  # tokens past the end (EOS, a stop, max_new_tokens) count for nothing
+            stats.drop_uncommitted(len(committed) - len(kept))
+        committed = kept
         if self.processing is not None:
             self.processing.commit(committed)
             if not done and self.processing.ended(self.eos):  # the grammar is complete and the model has no EOS
