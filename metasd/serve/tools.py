@@ -108,9 +108,10 @@ class HermesParser(ToolCallParser):
             except json.JSONDecodeError:
                 log.info("a tool call that is not JSON was returned as content: %.200r", body)
                 return text, []
-            arguments = value.get("arguments", value.get("parameters")) if isinstance(value, dict) else None
-            if not isinstance(value.get("name") if isinstance(value, dict) else None, str) or \
-                    not isinstance(arguments, dict):
+            if not isinstance(value, dict):
+                value = {}
+            arguments = value.get("arguments", value.get("parameters"))  # some models write "parameters"
+            if not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
                 log.info("a tool call without a name and an arguments object was returned as content: %.200r", body)
                 return text, []
             calls.append(ToolCall(value["name"], arguments))
