@@ -20,8 +20,8 @@ class DraftGuide:
     """The grammar states of a growing draft, one per node it has masked below (made lazily, by forking the parent's
     state and accepting the node's token). Node -1 is the root: the request's committed state (a fork of it; the
     committed state is never changed). ``add(node, parent, token)`` records a node; ``mask(nodes, logits)`` masks
-    the logits rows after those nodes ([len(nodes), vocab]); ``allows(node)`` says whether a node's path is inside
-    the grammar (a node outside it gets an all-False row: nothing is drafted below it).
+    the logits rows after those nodes ([len(nodes), vocab]); ``expandable(node)`` says whether drafting below a node
+    can help (a node outside the grammar, or after an end-of-sequence token, gets an all-False row).
     """
 
     def __init__(self, committed: ConstraintState):
@@ -46,9 +46,6 @@ class DraftGuide:
                 state = None
         self._states[node] = state
         return state
-
-    def allows(self, node: int) -> bool:
-        return self._state(node) is not None
 
     def expandable(self, node: int) -> bool:
         """Whether drafting below ``node`` can help: its path is inside the grammar and holds no end-of-sequence

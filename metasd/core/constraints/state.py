@@ -168,9 +168,9 @@ class ConstraintState:
         vocab = self.vocab_size
         for i, (p, t) in enumerate(zip(parents_l, tokens_l)):
             row = p + 1
-            if (row > 0 and matchers[row] is None) or t >= vocab or not (int(view[row, t >> 5]) >> (t & 31)) & 1:
-                continue  # unreachable: its row and its subtree's stay all zero
-            if t in self._eos or ended[row]:  # the text ends here: nothing to consume, only EOS may follow
+            if t >= vocab or not (int(view[row, t >> 5]) >> (t & 31)) & 1:
+                continue  # unreachable (an unreachable parent's row is all zero): its row and its subtree's stay so
+            if t in self._eos:  # the text ends here (after an ended row only EOS is allowed): nothing to consume
                 matchers[i + 1], ended[i + 1] = matchers[row], True
             else:
                 child = matchers[row].deep_copy()
