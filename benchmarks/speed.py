@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -66,6 +67,7 @@ from metasd.data import GROUP_ORDER, SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 from metasd.core.execution.hooks import contiguous_lm_head_input, remove_lm_head_hook
 from metasd.models import load_model
+from metasd.models.devices import cpu_has_native_bf16
 
 PLAIN = "plain (transformers +fix)"
 ASSISTED = "assisted 0.5B (transformers +fix)"
@@ -162,6 +164,10 @@ def build_methods(args, vm, vt, dm, dt):
             qm, _ = cache.load(args.drafter, args.dtype, q, drafter=True)  # the very model the pools' drafters use
             methods[f"assisted 0.5B {q} (transformers +fix)"] = hf(lambda ids, qm=qm: baselines.assisted(vm, qm, ids, n),
                                                                    vm, qm)
+    if args.no_drafter:  # metasd's engine around the verifier alone: its overhead over plain decoding
+        methods["metasd engine, no drafter"] = engine_method([])
+    if args.llama_cpp:
+        methods.update(llama_cpp_methods(args, vt))
     for spec in args.extra_pool or []:
         name, path = spec.rsplit("=", 1)  # the name may hold "=" (k=5), a path rarely does
         cfg = read_pool_config(path)
@@ -180,8 +186,51 @@ def build_methods(args, vm, vt, dm, dt):
     return methods
 
 
-#: method -> the method whose output it must reproduce (pools over a quantized verifier); others: plain bf16
-REFERENCE_OF: dict[str, str] = {}
+#: method -> the method whose output it must reproduce (pools over a quantized verifier, llama.cpp's speculative
+#: tools), None where no output is comparable (other weights); others: plain bf16
+REFERENCE_OF: dict[str, str | None] = {}
+
+LLAMA_PLAIN = "llama.cpp plain bf16"
+
+
+def llama_cpp_methods(args, vt) -> dict:
+    """llama.cpp's plain, speculative (0.5B bf16 draft, each ``--llama-cpp-n-max``) and lookup decoding on the same
+    bf16 weights (converted from metasd's cache), and its plain decoding on the Q4_K_M GGUF as shipped (other weights:
+    no identity check). Timed by llama.cpp's own clock (prefill + decode, model load excluded); tokens: those the
+    tool delivered, up to its end token and at most ``--max-new-tokens`` (``tool_tokens``: what the tool counted, its
+    surplus included; ``metasd.bench.llama_cpp``). The speculative tools must reproduce llama.cpp's plain output."""
+    from metasd.bench.llama_cpp import LlamaCpp, build_tools, converted_gguf, shipped_gguf
+
+    print("llama.cpp: building its tools and converting the bf16 weights (once; cached under "
+          "<metasd cache>/llama.cpp) ...", flush=True)
+    lc = LlamaCpp(build_tools(), vt, threads=args.threads)
+    target, draft = converted_gguf(args.verifier, "bf16"), converted_gguf(args.drafter, "bf16")
+    n = args.max_new_tokens
+
+    def method(command):
+        def run(ids):
+            r = lc.run(command(lc.prompt_text(ids)), ids)
+            out = lc.token_ids(r, n)  # the tokens delivered: up to the end token, at most n
+            figures = {"tokens": min(r.new_tokens, len(out)), "tool_tokens": r.new_tokens,
+                       "stopped_at_eos": r.stopped_at_eos}
+            if r.drafted is not None:
+                figures.update(drafted=r.drafted, accepted=r.accepted)
+            return out, r.seconds, None, figures
+        return run
+
+    methods = {LLAMA_PLAIN: method(lambda p: lc.completion_command(target, p, n))}
+    for k in args.llama_cpp_n_max:
+        name = f"llama.cpp speculative 0.5B bf16 n-max {k}"
+        methods[name] = method(lambda p, k=k: lc.speculative_command(target, draft, p, n, k))
+        REFERENCE_OF[name] = LLAMA_PLAIN
+    name = f"llama.cpp lookup n-max {args.llama_cpp_lookup_n_max}"
+    methods[name] = method(lambda p: lc.lookup_command(target, p, n, args.llama_cpp_lookup_n_max))
+    REFERENCE_OF[name] = LLAMA_PLAIN
+    q4 = shipped_gguf(args.verifier)
+    name = "llama.cpp plain Q4_K_M (other weights)"
+    methods[name] = method(lambda p: lc.completion_command(q4, p, n))
+    REFERENCE_OF[name] = None
+    return methods
 
 
 def select(methods: dict, only: list[str] | None, keep=()) -> dict:
@@ -216,6 +265,15 @@ def main(argv=None) -> int:
     p.add_argument("--as-shipped", action="store_true",
                    help="also time plain, assisted and prompt lookup as transformers ships them (no LM-head fix), "
                         "labelled '(as shipped)'; ratios are never computed against them")
+    p.add_argument("--no-drafter", action="store_true",
+                   help="also time metasd's engine with no drafter (plain decoding through metasd)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also time llama.cpp on the same bf16 weights: plain, speculative with the 0.5B draft, lookup, "
+                        "and plain on the shipped Q4_K_M GGUF (builds llama.cpp's tools and converts the weights "
+                        "first: ~15 minutes once; metasd.bench.llama_cpp)")
+    p.add_argument("--llama-cpp-n-max", type=int, action="append",
+                   help="llama-speculative's --spec-draft-n-max (repeatable; default 4, 8 and 16)")
+    p.add_argument("--llama-cpp-lookup-n-max", type=int, default=8, help="llama-lookup's --spec-draft-n-max")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -226,6 +284,7 @@ def main(argv=None) -> int:
                    help="run only methods whose name contains this (plain (transformers +fix) always runs)")
     add_run_options(p, "benchmarks/results/speed.json")
     args = p.parse_args(argv)
+    args.llama_cpp_n_max = args.llama_cpp_n_max or [4, 8, 16]
     if args.table:
         saved = json.loads(Path(args.table).read_text())
         print(tables(saved["rows"], args.oracle or saved["args"].get("oracle")))
@@ -239,7 +298,8 @@ def main(argv=None) -> int:
         questions += build_copy_heavy(args.copy_heavy)
     vm, vt = load_model(args.verifier, dtype=args.dtype, quantize=args.verifier_quantize)
     dm, dt = load_model(args.drafter, dtype=args.dtype)
-    methods = select(build_methods(args, vm, vt, dm, dt), args.only, keep={PLAIN, *REFERENCE_OF.values()})
+    methods = select(build_methods(args, vm, vt, dm, dt), args.only,
+                     keep={PLAIN, *filter(None, REFERENCE_OF.values())})
     probe = Engine(Verifier(vm, vt), [])
     margins_pass = None
     if args.temperature == 0:
@@ -296,6 +356,9 @@ def run_repeats(args, argv, questions, methods: dict, probe: Engine, margins_pas
             row["methods"] = {name: row["methods"][name] for name in methods}  # table order, not timing order
             for name, out in outs.items():  # identity against each method's reference
                 entry, other = row["methods"][name], reference_of.get(name)
+                if name in reference_of and other is None:  # other weights: no output to compare with
+                    entry["identical"] = None
+                    continue
                 target = outs.get(other) if other else (ref["token_ids"] if ref else None)
                 if target is None:
                     entry["identical"] = None
@@ -325,7 +388,51 @@ def tables(rows: list[dict], oracle: list[str] | None = None, compare=COMPARE) -
         parts.append(steps_table(rows))
     if reuse_table(rows):
         parts.append(reuse_table(rows))
+    if llama_table(rows):
+        parts.append(llama_table(rows))
     return "\n\n".join(parts)
+
+
+def llama_table(rows: list[dict]) -> str:
+    """Markdown, runs with llama.cpp: per method the geometric mean over prompts of its tok/s (median over repeats per
+    prompt), and prompt by prompt against llama.cpp's plain decoding and its best single method on the same bf16
+    weights (the one with the best geometric mean against plain; ``stats.prompt_geomean``: per prompt the median of
+    the paired per-repeat ratios, geometric mean over the prompts, [min, max] of the per-repeat geometric means)."""
+    methods = _methods(rows)
+    if LLAMA_PLAIN not in methods:
+        return ""
+    llama_bf16 = [m for m in methods if m.startswith("llama.cpp") and "other weights" not in m]
+
+    def vs(m, ref):
+        g = stats.prompt_geomean(rows, m, ref)
+        return (g[0], g[1]) if g else None
+
+    best = max(llama_bf16, key=lambda m: vs(m, LLAMA_PLAIN)[0] if vs(m, LLAMA_PLAIN) else 0.0)
+
+    def cell(m, ref):
+        g = vs(m, ref)
+        if g is None:
+            return "-"
+        return f"{g[0]:.2f}x [{min(g[1]):.2f}, {max(g[1]):.2f}]" if len(g[1]) > 1 else f"{g[0]:.2f}x"
+
+    def tps_geomean(m):
+        per: dict[str, list[float]] = {}
+        for r in rows:
+            e = r["methods"].get(m)
+            if e and "error" not in e and e.get("seconds", 0) > 0:
+                per.setdefault(r["question_id"], []).append(e["tokens"] / e["seconds"])
+        meds = [statistics.median(v) for v in per.values()]
+        return math.exp(sum(map(math.log, meds)) / len(meds)) if meds else float("nan")
+
+    lines = [f"| method | tok/s (geometric mean over prompts) | vs llama.cpp plain bf16 | vs llama.cpp's best single "
+             f"method ({best}) |", "|---|---|---|---|"]
+    for m in methods:
+        if m == ORACLE:
+            continue
+        lines.append(f"| {m} | {tps_geomean(m):.2f} | {cell(m, LLAMA_PLAIN)} | {cell(m, best)} |")
+    lines += ["", "Per prompt the median over repeats of the paired ratio (the two methods on the same prompt in the "
+              "same repeat), geometric mean over the prompts; [min, max]: the per-repeat geometric means."]
+    return "\n".join(lines)
 
 
 def add_run_options(p: argparse.ArgumentParser, out: str) -> None:
@@ -363,7 +470,8 @@ def write_result(args, argv, rows, t_start, references=None) -> None:
     result = {
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+                   f", native CPU bf16: {cpu_has_native_bf16()}",
         "args": vars(args), "wall_s": time.time() - t_start, "rows": rows, "references": references or {},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,8 @@ def test_baselines_carry_the_lm_head_fix_and_as_shipped_rows_do_not(script, monk
     common = dict(max_new_tokens=4, temperature=0.0, seed=0, k=3, dtype="fp32", extra_pool=None, as_shipped=True,
                   verifier="tiny-v", verifier_quantize="none")
     if script == "speed":
-        args = argparse.Namespace(**common, drafter="tiny-d", plain_quantize=None, assistant_quantize=None)
+        args = argparse.Namespace(**common, drafter="tiny-d", plain_quantize=None, assistant_quantize=None,
+                                  no_drafter=False, llama_cpp=False)
     else:
         args = argparse.Namespace(**common, assistant="tiny-a", assistant_quantize="none", confidence_threshold=None)
     methods = mod.build_methods(args, vm, tok, am, tok)

