@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -402,34 +401,26 @@ def llama_table(rows: list[dict]) -> str:
     if LLAMA_PLAIN not in methods:
         return ""
     llama_bf16 = [m for m in methods if m.startswith("llama.cpp") and "other weights" not in m]
+    to_plain = {m: stats.prompt_geomean(rows, m, LLAMA_PLAIN) for m in methods}
+    best = max(llama_bf16, key=lambda m: to_plain[m][0] if to_plain[m] else 0.0)
 
-    def vs(m, ref):
-        g = stats.prompt_geomean(rows, m, ref)
-        return (g[0], g[1]) if g else None
-
-    best = max(llama_bf16, key=lambda m: vs(m, LLAMA_PLAIN)[0] if vs(m, LLAMA_PLAIN) else 0.0)
-
-    def cell(m, ref):
-        g = vs(m, ref)
+    def cell(g):
         if g is None:
             return "-"
-        return f"{g[0]:.2f}x [{min(g[1]):.2f}, {max(g[1]):.2f}]" if len(g[1]) > 1 else f"{g[0]:.2f}x"
+        overall, per_repeat = g
+        return f"{overall:.2f}x [{min(per_repeat):.2f}, {max(per_repeat):.2f}]" if len(per_repeat) > 1 else f"{overall:.2f}x"
 
     def tps_geomean(m):
-        per: dict[str, list[float]] = {}
-        for r in rows:
-            e = r["methods"].get(m)
-            if e and "error" not in e and e.get("seconds", 0) > 0:
-                per.setdefault(r["question_id"], []).append(e["tokens"] / e["seconds"])
-        meds = [statistics.median(v) for v in per.values()]
-        return math.exp(sum(map(math.log, meds)) / len(meds)) if meds else float("nan")
+        per = {q: [e["tokens"] / e["seconds"] for e in es if e.get("seconds", 0) > 0] for q, es in _by_prompt(rows, m).items()}
+        meds = [statistics.median(v) for v in per.values() if v]
+        return statistics.geometric_mean(meds) if meds else float("nan")
 
     lines = [f"| method | tok/s (geometric mean over prompts) | vs llama.cpp plain bf16 | vs llama.cpp's best single "
              f"method ({best}) |", "|---|---|---|---|"]
     for m in methods:
         if m == ORACLE:
             continue
-        lines.append(f"| {m} | {tps_geomean(m):.2f} | {cell(m, LLAMA_PLAIN)} | {cell(m, best)} |")
+        lines.append(f"| {m} | {tps_geomean(m):.2f} | {cell(to_plain[m])} | {cell(stats.prompt_geomean(rows, m, best))} |")
     lines += ["", "Per prompt the median over repeats of the paired ratio (the two methods on the same prompt in the "
               "same repeat), geometric mean over the prompts; [min, max]: the per-repeat geometric means."]
     return "\n".join(lines)

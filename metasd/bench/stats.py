@@ -19,7 +19,6 @@ is never counted).
 """
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Iterable, Sequence
 
@@ -89,13 +88,10 @@ def prompt_geomean(rows: list[dict], name: str, reference: str) -> tuple[float, 
             per_prompt.setdefault(r["question_id"], {})[r.get("repeat", 0)] = ratio
     if not per_prompt:
         return None
-
-    def geomean(xs):
-        return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-    overall = geomean([statistics.median(by_rep.values()) for by_rep in per_prompt.values()])
+    overall = statistics.geometric_mean([statistics.median(by_rep.values()) for by_rep in per_prompt.values()])
     reps = sorted({rep for by_rep in per_prompt.values() for rep in by_rep})
-    per_repeat = [geomean([by_rep[rep] for by_rep in per_prompt.values() if rep in by_rep]) for rep in reps]
+    per_repeat = [statistics.geometric_mean([by_rep[rep] for by_rep in per_prompt.values() if rep in by_rep])
+                  for rep in reps]
     return overall, per_repeat
 
 
