@@ -176,7 +176,12 @@ def build_methods(args, vm, vt, dm, dt):
             r = engine.generate(ids, max_new_tokens=n, **sampling(args))
             return r.token_ids, r.stats.wall_s, r.stats.mean_tokens_per_step, engine_figures(r.stats)
         methods[name] = run
-        if cfg.verifier.quantize != args.verifier_quantize:  # outputs are that quantized verifier's
+        if cfg.verifier.backend == "llama.cpp":  # outputs are llama.cpp's computation of the verifier
+            if not args.llama_cpp:
+                raise SystemExit(f"--extra-pool {name!r}: its verifier runs on llama.cpp; add --llama-cpp for its "
+                                 "reference (llama.cpp's own plain decoding)")
+            REFERENCE_OF[name] = LLAMA_PLAIN
+        elif cfg.verifier.quantize != args.verifier_quantize:  # outputs are that quantized verifier's
             plain_q = f"plain {cfg.verifier.quantize} verifier (transformers +fix)"
             if plain_q not in methods:
                 raise SystemExit(f"--extra-pool {name!r}: its verifier is {cfg.verifier.quantize}; add "

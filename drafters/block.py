@@ -285,6 +285,7 @@ class BlockDrafter(Drafter):
     the entry's ``model`` reference).
     """
 
+    verifier_weights = True  # runs / reads the verifier's torch model
     kind = "block"
     model_field, checkpoint_field = "optional", "required"
     Params = BlockParams

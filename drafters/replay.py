@@ -41,6 +41,7 @@ class ReplayDrafter(Drafter):
     draft whose acceptance is known in advance, for overhead benchmarks (greedy requests; under sampling its drafts
     are verified exactly like any other, at whatever acceptance the samples give)."""
 
+    verifier_weights = True  # runs / reads the verifier's torch model
     kind = "replay"
     model_field, checkpoint_field = "never", "never"
     Params = ReplayParams

@@ -20,6 +20,7 @@ class VerifierStateDrafter(Drafter):
     ``(network, verifier_model, vocab, ..., name=, checkpoint=)`` in its constructor and quantizes its own
     layers in ``quantize``."""
 
+    verifier_weights = True  # reads the verifier's torch model
     model_field, checkpoint_field = "never", "required"
     load_checkpoint: ClassVar[Callable[[str | Path], tuple[Any, Any, dict]]]
 

@@ -210,9 +210,10 @@ def chi_square(counts: Counter, exact: dict[tuple[int, ...], float], n: int) -> 
 
 
 def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_tokens: int | None = None,
-                seed: int = 0, generate=None, **sampling) -> JointCheck:
+                seed: int = 0, generate=None, reference=None, **sampling) -> JointCheck:
     """Chi-square test of the first ``length`` tokens of n seeded requests (``max_new_tokens``: default ``length``)
-    against the verifier's exact joint distribution; see the module docstring."""
+    against the verifier's exact joint distribution; see the module docstring. ``reference``: the torch model that
+    distribution is enumerated from (default: the verifier's; a verifier on another backend names its weights')."""
     start, cpu = time.perf_counter(), time.process_time()
     counts, stats = sample_joint(engine, prompt, n, length, max_new_tokens, seed, generate, **sampling)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -221,7 +222,7 @@ def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_toke
         from metasd.core.constraints import compile_constraint
 
         processing["constraint"] = compile_constraint(engine.tokenizer, sampling["constraint"], sorted(engine.eos_ids()))
-    exact = exact_joint(engine.verifier.model, prompt, length, engine.eos_ids(), MIN_EXPECTED / n, **processing)
+    exact = exact_joint(reference if reference is not None else engine.verifier.model, prompt, length, engine.eos_ids(), MIN_EXPECTED / n, **processing)
     pvalue, cells, pooled = chi_square(counts, exact, n)
     return JointCheck(pvalue, n, cells, pooled, seconds=seconds, cpu_seconds=cpu, **stats)
 

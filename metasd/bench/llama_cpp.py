@@ -5,8 +5,9 @@ A benchmark-time tool, not a runtime dependency of metasd:
 - ``build_tools`` downloads the ``llama-cpp-python`` sdist (the package registry is the one source this project may
   reach; the sdist vendors llama.cpp's source) and builds llama.cpp's command-line tools with cmake (Release,
   ``GGML_NATIVE=ON``: the kernels this CPU has) under ``llama_cpp_dir()``; idempotent;
-- ``converted_gguf`` converts a bundled model's cached bf16 safetensors with llama.cpp's own
-  ``convert_hf_to_gguf.py --outtype bf16`` - the very weights metasd's bf16 runs load;
+- ``converted_gguf`` (``metasd.models.llama_cpp_source``, shared with the llama.cpp verifier backend) converts a
+  bundled model's cached bf16 safetensors with llama.cpp's own ``convert_hf_to_gguf.py --outtype bf16`` - the very
+  weights metasd's bf16 runs load;
   ``shipped_gguf`` writes the bundled Q4_K_M GGUF as shipped (other weights: other outputs);
 - ``LlamaCpp`` runs ``llama-completion`` (plain), ``llama-speculative`` (a draft model) and ``llama-lookup`` (prompt
   lookup) greedily on one prompt and reads their own timings: the timing boundary is prefill + decode (model load
@@ -24,16 +25,15 @@ its own).
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from metasd.models.bundled import BUNDLED_PREFIX, assemble_gguf, cache_dir, prepared_dir
+from metasd.models.bundled import BUNDLED_PREFIX, assemble_gguf
+from metasd.models.llama_cpp_source import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, converted_gguf, fetch_source,
+                                            llama_cpp_dir, run_logged, source_dir)
 
 __all__ = [
     "LLAMA_CPP_PYTHON_VERSION",
@@ -49,16 +49,10 @@ __all__ = [
     "shipped_gguf",
 ]
 
-#: the llama-cpp-python release whose vendored llama.cpp is built (its sdist carries the source)
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 #: the tools built: plain decoding, draft-model speculation, prompt lookup, the server
 TOOLS = ("llama-completion", "llama-speculative", "llama-lookup", "llama-server")
 #: what llama-completion prints on stdout when it sampled an end-of-generation token
 _END_OF_TEXT = " [end of text]\n"
-
-
-class LlamaCppError(RuntimeError):
-    """A llama.cpp tool failed, printed what could not be read, or tokenized the prompt differently."""
 
 
 @dataclass(frozen=True)
@@ -74,80 +68,25 @@ class LlamaCppRun:
     accepted: int | None = None
 
 
-def llama_cpp_dir() -> Path:
-    """Where the llama.cpp source, build and GGUF files live: ``<metasd cache>/llama.cpp``."""
-    return cache_dir() / "llama.cpp"
-
-
-def _source_dir(root: Path) -> Path:
-    return root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-
-
-def _run(cmd: list[str], log: Path, **kwargs) -> None:
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, **kwargs)
-    if done.returncode != 0:
-        raise LlamaCppError(f"{cmd[0]} failed (exit {done.returncode}); see {log}")
-
-
 def build_tools(root: Path | None = None, jobs: int = 2) -> Path:
     """Build llama.cpp's ``TOOLS`` once (minutes: ~11 on 2 cores) and return their directory; returns at once when
     they are built. Needs cmake, ninja and a C++ compiler; the sdist comes from the package index (``pip download``)."""
     root = Path(root) if root is not None else llama_cpp_dir()
-    src = _source_dir(root)
-    bin_dir = src / "build" / "bin"
+    bin_dir = source_dir(root) / "build" / "bin"
     if all((bin_dir / t).is_file() for t in TOOLS):
         return bin_dir
-    root.mkdir(parents=True, exist_ok=True)
+    src = fetch_source(root)
     log = root / "build.log"
-    if not (src / "CMakeLists.txt").is_file():
-        sdist = root / "sdist"
-        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
-              "--no-binary", ":all:", "--no-deps", "-d", str(sdist)], log)
-        archive = next(sdist.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(archive) as tar:
-            tar.extractall(root / "src", filter="data")
-    _run(["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    run_logged(["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
           "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], log, cwd=src)
-    _run(["cmake", "--build", "build", "-j", str(jobs), "--target", *TOOLS], log, cwd=src)
+    run_logged(["cmake", "--build", "build", "-j", str(jobs), "--target", *TOOLS], log, cwd=src)
     return bin_dir
-
-
-def _gguf_name(ref: str, kind: str) -> str:
-    return f"{ref.removeprefix(BUNDLED_PREFIX)}-{kind}.gguf"
-
-
-def converted_gguf(ref: str, outtype: str = "bf16", root: Path | None = None) -> Path:
-    """``ref``'s cached safetensors (a bundled model, prepared) converted by llama.cpp's ``convert_hf_to_gguf.py`` to
-    a GGUF of ``outtype`` - the same weights metasd loads; converted once (a minute or two)."""
-    root = Path(root) if root is not None else llama_cpp_dir()
-    out = root / "gguf" / _gguf_name(ref, outtype)
-    if out.is_file():
-        return out
-    model_dir = prepared_dir(ref) if ref.startswith(BUNDLED_PREFIX) else Path(ref)
-    if model_dir is None or not (model_dir / "config.json").is_file():
-        raise LlamaCppError(f"{ref}: no prepared model directory to convert (run `metasd models prepare` first)")
-    src = _source_dir(root)
-    if not (src / "convert_hf_to_gguf.py").is_file():
-        raise LlamaCppError(f"{src}: no llama.cpp source; build_tools() first")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src / "gguf-py"), os.environ.get("PYTHONPATH")]))}
-    try:
-        _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
-              "--outfile", str(partial)], root / "convert.log", env=env)
-        partial.replace(out)
-    finally:
-        partial.unlink(missing_ok=True)
-    return out
 
 
 def shipped_gguf(ref: str, root: Path | None = None) -> Path:
     """The bundled model's GGUF as its packages ship it (Q4_K_M): other weights than the bf16 runs, other outputs."""
     root = Path(root) if root is not None else llama_cpp_dir()
-    return assemble_gguf(ref, root / "gguf" / _gguf_name(ref, "q4_k_m"))
+    return assemble_gguf(ref, root / "gguf" / f"{ref.removeprefix(BUNDLED_PREFIX)}-q4_k_m.gguf")
 
 
 def _number(pattern: str, text: str, what: str, cast=float):

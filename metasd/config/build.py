@@ -13,11 +13,12 @@ from metasd.core.engine import Engine
 from metasd.core.decoding.policy import Policy, make_policy
 from metasd.core.execution.verifier import Verifier
 from metasd.drafters.budgeted import NoSpeculation, budget_arms
-from metasd.models import ModelLoadError, check_model_reference, check_quantize, load_model, resolve_device, resolve_dtype
+from metasd.models import (ModelLoadError, check_model_reference, check_quantize, load_model, load_model_shape,
+                           resolve_device, resolve_dtype, resolve_model)
 
 from .files import ConfigError, read_yaml_mapping, validate_config
 from .plugins import resolve_drafter_class, resolve_policy_class
-from .schema import PolicyConfig, PoolConfig
+from .schema import LLAMA_CPP_DTYPES, PolicyConfig, PoolConfig, VerifierConfig
 
 DEFAULT_POOL = "default.yaml"
 
@@ -108,6 +109,31 @@ def check_model_references(config: PoolConfig, source: str = "<pool>", base_dir:
         raise ConfigError("\n".join([f"{source}: invalid pool config", *lines]))
 
 
+def build_verifier(config: VerifierConfig, models: ModelCache):
+    """The verifier of a pool's ``verifier`` entry: a ``Verifier`` over the torch model, or - ``backend: llama.cpp`` -
+    a ``LlamaCppVerifier`` over a GGUF of the same weights (converted once; a ``.gguf`` model as it is)."""
+    if config.backend == "torch":
+        v_model, v_tok = models.load(config.model, config.dtype, config.quantize)
+        return Verifier(v_model, v_tok, name=config.model, graphs=config.graphs)
+    from metasd.core.execution.llama_cpp_verifier import LlamaCppVerifier, llama_cpp_module
+    from metasd.models.llama_cpp_source import converted_gguf
+
+    llama_cpp_module()  # the extra's absence named before any model loads or converts
+    src = resolve_model(config.model)
+    if src.kind == "hub":
+        raise ConfigError(f"verifier.model {config.model!r}: backend 'llama.cpp' runs a bundled model, a local model "
+                          "directory or a .gguf file")
+    shape, tokenizer = load_model_shape(config.model, "bf16" if config.dtype == "auto" else config.dtype)
+    if src.kind == "gguf":
+        gguf = Path(src.path) / src.gguf_file
+    else:
+        # a bundled model's GGUF carries its tokenizer (llama.cpp's own tools run it too); a local directory's none,
+        # so that any tokenizer converts: metasd tokenizes with the Hugging Face tokenizer and feeds llama.cpp ids
+        bundled = src.kind == "bundled"
+        gguf = converted_gguf(config.model if bundled else str(src.path), LLAMA_CPP_DTYPES[config.dtype], vocab=bundled)
+    return LlamaCppVerifier(gguf, shape, tokenizer, name=config.model, threads=config.threads, context=config.context)
+
+
 def build_engine(config: PoolConfig, base_dir: Path | None = None, models: ModelCache | None = None, **engine_kwargs):
     """Load the models of a validated pool config and compose the engine."""
     try:
@@ -115,8 +141,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
     except ValueError as e:
         raise ConfigError(str(e)) from None
     models = models or ModelCache(config.verifier.device)
-    v_model, v_tok = models.load(config.verifier.model, config.verifier.dtype, config.verifier.quantize)
-    verifier = Verifier(v_model, v_tok, name=config.verifier.model, graphs=config.verifier.graphs)
+    verifier = build_verifier(config.verifier, models)
     drafters = []  # the arms the policy chooses among
     built: dict[str, Any] = {}  # every entry, by name (entries that others draft with included)
     for i, d in enumerate(config.drafters):
@@ -128,6 +153,9 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
         def load(ref, quantize=None, _dtype=dtype, _quantize=d.quantize):
             return models.load(ref, _dtype, _quantize if quantize is None else quantize, drafter=True)
 
+        if cls.verifier_weights and not isinstance(verifier, Verifier):
+            raise ConfigError(f"drafters.{i} ({d.name!r}): type {d.type!r} reads the verifier's torch weights, which "
+                              f"the {config.verifier.backend} backend does not have (use verifier: {{backend: torch}})")
         build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
                              quantize=d.quantize, tokenizer=d.tokenizer, pool=dict(built))
         try:

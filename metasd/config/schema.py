@@ -24,6 +24,9 @@ class _Strict(BaseModel):
 
 
 Quantize = Literal["none", "int8", "int4"]
+#: a llama.cpp verifier's dtype -> the GGUF type its weights are converted to (auto: bf16, the bundled cache's own)
+LLAMA_CPP_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp16": "f16", "float16": "f16",
+                    "fp32": "f32", "float32": "f32"}
 
 
 class VerifierConfig(_Strict):
@@ -35,11 +38,33 @@ class VerifierConfig(_Strict):
     #: verify forwards replayed from CUDA graphs at fixed shapes: auto = where the verifier is on CUDA; on = required
     #: (refused on another device); off = eager (docs/architecture.md, "The execution layer")
     graphs: Literal["auto", "on", "off"] = "auto"
+    #: what runs the verifier's forwards: torch (transformers) or llama.cpp (llama-cpp-python, CPU; the model is
+    #: converted to a GGUF of ``dtype`` - auto: bf16, the bundled weights - once; a ``.gguf`` model runs as it is)
+    backend: Literal["torch", "llama.cpp"] = "torch"
+    #: llama.cpp backend: its threads (default: torch's) and KV positions (default: the model's context, <= 8192)
+    threads: int | None = Field(default=None, ge=1)
+    context: int | None = Field(default=None, ge=16)
 
     @model_validator(mode="after")
     def _graphs_need_cuda(self) -> "VerifierConfig":
         if self.graphs == "on" and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError(f"graphs: 'on' needs a CUDA device; device is {self.device!r} (use 'auto' or 'off')")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> "VerifierConfig":
+        if self.backend == "llama.cpp":
+            if self.quantize != "none":
+                raise ValueError("quantize applies to torch weights; with backend 'llama.cpp' give a quantized .gguf "
+                                 "file as the model instead")
+            if self.graphs == "on":
+                raise ValueError("graphs: 'on' is a torch (CUDA) setting; backend 'llama.cpp' runs on the CPU")
+            if self.device is not None and self.device != "cpu":
+                raise ValueError(f"backend 'llama.cpp' runs on the CPU; device is {self.device!r}")
+            if self.dtype not in LLAMA_CPP_DTYPES:
+                raise ValueError(f"dtype {self.dtype!r} with backend 'llama.cpp': one of {sorted(LLAMA_CPP_DTYPES)}")
+        elif self.threads is not None or self.context is not None:
+            raise ValueError("threads and context are llama.cpp backend settings (backend: llama.cpp)")
         return self
 
 

@@ -184,6 +184,11 @@ class Engine:
         #: model drafters draft under a constrained request's grammar (``StepContext.grammar``); False only to
         #: measure what that buys - outputs are the same either way
         self.mask_drafts = True
+        backend = getattr(verifier, "backend", "torch")
+        if self.hidden_layers and backend != "torch":
+            readers = [d.name for d in self.all_drafters if d.hidden_layers]
+            raise ValueError(f"drafters {readers} read the verifier's hidden states, which the {backend} backend does "
+                             "not hand out (verifier: {backend: torch})")
         for layer in self.hidden_layers:
             if not 0 <= layer <= verifier.num_layers:
                 raise ValueError(f"a drafter asks for verifier layer {layer}; {verifier.name} has hidden states 0..{verifier.num_layers}")

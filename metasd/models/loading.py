@@ -244,3 +244,24 @@ def load_model(
     quantize_model(model, quantize, name=f"model {ref!r}", prefill_copy=prefill_copy)
     logger.info("loaded %s (%s, %s, %s, quantize %s) in %.1f s", ref, src.kind, dt, dev, quantize, time.perf_counter() - t0)
     return model, tok
+
+
+def load_model_shape(ref: str, dtype: str | torch.dtype = "auto") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """The causal LM of ``ref`` without its weights - built from its config on the ``meta`` device, with its
+    generation config - and its tokenizer: what a verifier whose forwards run outside torch (the llama.cpp backend)
+    prices its forwards from and reads its end tokens from. Nothing allocates or runs the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src = resolve_model(ref)
+    dt = resolve_dtype(dtype, torch.device("cpu"))
+    config = _wrap_local(src, "config", lambda: _from_pretrained(AutoConfig, src))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dt)
+    try:
+        model.generation_config = _from_pretrained(GenerationConfig, src)
+    except (OSError, ValueError):
+        pass  # no generation_config.json: the one from_config derived from the config stands
+    model.eval()
+    model.requires_grad_(False)
+    tok = _wrap_local(src, "tokenizer", lambda: _from_pretrained(AutoTokenizer, src))
+    return model, tok

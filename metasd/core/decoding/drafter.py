@@ -147,6 +147,9 @@ class Drafter(abc.ABC):
     #: whether it drafts by looking up the committed text (suffix trees, n-grams): no model forward, nothing of note
     #: to catch up on - it drafts in ``StepContext.lookup_only`` steps
     lookup: ClassVar[bool] = False
+    #: whether it reads the verifier's torch weights (its LM head, or runs the verifier itself): refused with a
+    #: verifier on another backend (llama.cpp), which has none
+    verifier_weights: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
     tokenizer = None  # set by drafters with their own tokenizer, checked against the verifier's
     #: set by a drafter that drafts in ``tokenizer``'s ids and translates its drafts (cross-tokenizer drafting): the

@@ -258,6 +258,8 @@ class Request:
         draft = self.draft_step()
         with self.engine.meter.resumed() as meter:  # the step's cost: drafting (counted so far) and verifying
             out = self.verifier.verify(self.pending, draft)
+            if getattr(self.verifier, "backend", "torch") != "torch":  # a forward no torch hook saw: priced by shape
+                meter.add(self.verifier.model, len(draft) + 1)
             t2 = now(self.engine.clock_device)
         return self.finish_step(out, cost=meter.steps, t2=t2)
 

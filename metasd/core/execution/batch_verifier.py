@@ -173,6 +173,10 @@ class BatchVerifier:
 
     def __init__(self, verifier: Verifier, slots: int, hidden_layers: Sequence[int] = (), *,
                  budget_bytes: int | None = None, extra_bytes_per_token: int = 0):
+        backend = getattr(verifier, "backend", "torch")
+        if backend != "torch":
+            raise ValueError(f"the scheduler (metasd serve, batched generation) batches torch verifiers only; "
+                             f"{verifier.name} runs on {backend} (one request at a time: Engine.generate)")
         self.verifier = verifier
         self.model: PreTrainedModel = verifier.model
         self.hidden_layers = tuple(sorted(set(hidden_layers)))

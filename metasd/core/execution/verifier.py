@@ -45,6 +45,8 @@ class Verifier:
     request to the next (the graphs read them by address).
     """
 
+    backend = "torch"
+
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "verifier", *, graphs: str = "auto",
                  fixed_shapes: bool | None = None):
         self.model = contiguous_lm_head_input(model.eval())

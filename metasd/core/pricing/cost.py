@@ -299,6 +299,11 @@ class StepMeter:
             cost = self._forward_costs[id(module)] = ForwardCost.of(module, self.model)
         return cost(rows) / self.unit
 
+    def add(self, module: nn.Module, rows: int) -> None:
+        """Count a forward of ``module`` over ``rows`` positions that ran outside torch, where no hook sees it (the
+        llama.cpp verifier backend, whose ``module`` is the model's shape on the meta device), as the hooks would."""
+        self.total += self.price(module, rows) * self.unit
+
     def __enter__(self) -> "StepMeter":
         if _OPEN.meter is self:  # entered through ``resumed()``: keep counting
             return self
