@@ -145,7 +145,8 @@ def _generate(args) -> int:
     try:  # Ctrl-C: what was generated so far, then its stats; exit 130, no traceback
         t0 = time.perf_counter()
         engine = build_engine(config, Path(args.pool).resolve().parent if args.pool else None)
-        print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"[metasd] loaded in {time.perf_counter() - t0:.1f} s: verifier {engine.verifier.describe()}",
+              file=sys.stderr, flush=True)
         if args.input:
             with open(args.output, "w") as out:
                 done, failed = run_offline(engine, requests, out, max_batch=args.max_batch)

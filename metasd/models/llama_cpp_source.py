@@ -85,7 +85,7 @@ def run_logged(cmd: list[str], log: Path, **kwargs) -> None:
 
 
 def fetch_source(root: Path | None = None) -> Path:
-    """llama.cpp's source directory, downloaded (``pip download`` of the sdist, ~60 MB) and unpacked once."""
+    """llama.cpp's source directory, downloaded (``pip download`` of the sdist) and unpacked once."""
     root = Path(root) if root is not None else llama_cpp_dir()
     src = source_dir(root)
     if (src / "CMakeLists.txt").is_file():

@@ -138,6 +138,7 @@ class LlamaCppVerifier:
         return self._past
 
     def describe(self) -> str:
+        """Where its forwards run, for a log line."""
         return f"{self.name} on llama.cpp ({self.gguf.name}, {self.threads} threads, context {self.context_length})"
 
     def reset(self, reserve: int = 0) -> None:

@@ -72,6 +72,10 @@ class Verifier:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    def describe(self) -> str:
+        """Where its forwards run, for a log line."""
+        return f"{self.name} on torch ({self.device}, {str(self.dtype).removeprefix('torch.')})"
+
     @property
     def cached(self) -> int:
         """Number of positions in the KV cache (committed tokens minus the pending one)."""
