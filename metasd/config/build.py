@@ -153,7 +153,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
         def load(ref, quantize=None, _dtype=dtype, _quantize=d.quantize):
             return models.load(ref, _dtype, _quantize if quantize is None else quantize, drafter=True)
 
-        if cls.verifier_weights and not isinstance(verifier, Verifier):
+        if cls.verifier_weights and verifier.backend != "torch":
             raise ConfigError(f"drafters.{i} ({d.name!r}): type {d.type!r} reads the verifier's torch weights, which "
                               f"the {config.verifier.backend} backend does not have (use verifier: {{backend: torch}})")
         build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
