@@ -12,15 +12,12 @@ package index); skipped with that reason where the extra is absent, except under
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("METASD_REQUIRE_LLAMA_CPP") == "1":  # CI installs the extra: its absence is a failure there
-    import llama_cpp  # noqa: F401
-else:
-    pytest.importorskip("llama_cpp", reason="the llama-cpp extra (llama-cpp-python) is not installed")
+from llama_cpp_models import gguf_of, require_llama_cpp
+
+require_llama_cpp()
 
 from metasd.core import Engine  # noqa: E402
 from metasd.core.decoding.drafter import Drafter  # noqa: E402
@@ -28,16 +25,8 @@ from metasd.core.execution.llama_cpp_verifier import LlamaCppVerifier  # noqa: E
 from metasd.core.execution.tree import Draft  # noqa: E402
 from metasd.drafters import NGramDrafter, PretrainedTreeDrafter  # noqa: E402
 from metasd.drafters.suffix import SuffixDrafter  # noqa: E402
-from metasd.models.llama_cpp_source import convert_to_gguf  # noqa: E402
 from sampling_check import joint_check  # noqa: E402
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer  # noqa: E402
-
-
-def gguf_of(model, tmp_path_factory, name: str):
-    """``model`` saved and converted by llama.cpp's converter to an f32 GGUF without a vocabulary."""
-    folder = tmp_path_factory.mktemp(name)
-    model.save_pretrained(folder / "hf")
-    return convert_to_gguf(folder / "hf", folder / f"{name}.gguf", "f32", vocab=False)
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +135,10 @@ def test_what_the_backend_cannot_do_is_refused_by_name(tiny):
     model, gguf = tiny
     with pytest.raises(ValueError, match=r"\['reader'\] read the verifier's hidden states.*llama.cpp"):
         Engine(LlamaCppVerifier(gguf, model, name="tiny"), _HiddenReader("reader"))
-    from metasd.core.batching.scheduler import Scheduler
+    from metasd.core.execution.batch_verifier import BatchVerifier
 
     with pytest.raises(ValueError, match="batches torch verifiers only.*llama.cpp"):
-        Scheduler(Engine(LlamaCppVerifier(gguf, model, name="tiny")))
+        BatchVerifier(LlamaCppVerifier(gguf, model, name="tiny"), 4)
     v = LlamaCppVerifier(gguf, model, name="tiny", context=64)
     with pytest.raises(ValueError, match="70 positions do not fit in the llama.cpp context of 64"):
         v.prefill(torch.arange(10), reserve=70)

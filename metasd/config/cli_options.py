@@ -1,5 +1,5 @@
 """The pool options ``metasd generate`` and ``metasd serve`` share: ``--drafter``, ``--k``, ``--param``, ``--policy``,
-``--granularity``, ``--reward``, ``--dtype`` (and the verifier, ``--verifier`` or serve's MODEL), applied to a pool
+``--granularity``, ``--reward``, ``--dtype``, ``--backend`` (and the verifier, ``--verifier`` or serve's MODEL), applied to a pool
 file's mapping and checked before any model loads; and the help formatter both commands use.
 
 Here, below both commands (``metasd.cli`` is above ``metasd.serve``, which may not import it), so neither copies it.
@@ -56,6 +56,9 @@ def add_pool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward", choices=list(get_args(RewardName)),
                    help="what the policy maximises (default: the pool's)")
     p.add_argument("--dtype", help="auto | bf16 | fp32 | fp16 (default: the pool's)")
+    p.add_argument("--backend", choices=["torch", "llama.cpp"],
+                   help="what runs the verifier's forwards (default: the pool's): torch, or llama.cpp on a GGUF of the "
+                        "same weights (pip install 'metasd[llama-cpp]'; CPU; drafters stay on torch)")
 
 
 def _base_path(args, default: Path | None) -> Path | str:
@@ -73,12 +76,15 @@ def pool_overrides(args, default: Path | None = None, drafters: list[dict] | Non
     command-line overrides applied; ``drafters``: entries that replace the pool's (serve's --speculative-config).
     Validated once, by the caller."""
     cfg = read_yaml_mapping(_base_path(args, default), "pool config")
-    if args.verifier or args.dtype:
+    backend = getattr(args, "backend", None)
+    if args.verifier or args.dtype or backend:
         verifier = dict(cfg["verifier"]) if isinstance(cfg.get("verifier"), dict) else {}
         if args.verifier:
             verifier["model"] = args.verifier
         if args.dtype:
             verifier["dtype"] = args.dtype
+        if backend:
+            verifier["backend"] = backend
         cfg["verifier"] = verifier
     if drafters is not None:  # the drafters as given, alone: no arm "none", no adaptive sizing of their drafts
         cfg["drafters"], cfg["no_speculation_arm"] = drafters, False

@@ -59,11 +59,12 @@ def add_serve_parser(sub) -> None:
                    help="KV memory for running requests, in positions of the verifier's cache (the drafters' caches "
                         "are charged to it too); a request reserves prompt + max_tokens + its widest draft when it "
                         "starts, waits while the budget is full, and gets 400 if it could never fit (default: half "
-                        "the available RAM, or 90%% of a GPU's free memory, after the models load)")
+                        "the available RAM, or 90%% of a GPU's free memory, after the models load; on the llama.cpp "
+                        "backend the verifier's context, which --kv-budget may not exceed)")
     p.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
                    default=None, help="keep finished requests' KV (inside --kv-budget) to start requests that continue "
                                       "them, e.g. the next turn of a chat (default: on, unless a drafter reads the "
-                                      "verifier's hidden states)")
+                                      "verifier's hidden states or the verifier runs on llama.cpp)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="the largest request body read; a larger one gets 413 (default: 8 MiB)")
     p.add_argument("--share-suffix-cache", action="store_true",
@@ -214,13 +215,15 @@ class SchedulerSettings:
     cost_profile: dict | None = None
     #: --kv-budget: KV positions of the verifier's cache (None: from the free memory)
     kv_budget: int | None = None
-    #: --[no-]enable-prefix-caching (None: on where the pool allows it: no drafter reads the verifier's hidden states)
+    #: --[no-]enable-prefix-caching (None: on where the pool allows it: the torch backend, no drafter reading the
+    #: verifier's hidden states)
     prefix_caching: bool | None = None
 
     def make(self, engine):
         from metasd.core.batching.scheduler import Scheduler
 
-        prefix = self.prefix_caching if self.prefix_caching is not None else not engine.hidden_layers
+        torch_backend = getattr(engine.verifier, "backend", "torch") == "torch"
+        prefix = self.prefix_caching if self.prefix_caching is not None else torch_backend and not engine.hidden_layers
         scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
                               share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine),
                               kv_budget=self.kv_budget, prefix_caching=prefix)
@@ -235,14 +238,17 @@ class SchedulerSettings:
         if not self.adaptive:
             return None
         from metasd.core.batching.adaptive import AdaptiveSpeculation
-        from metasd.core.pricing.forward_profile import ForwardProfile, profile_forward
+        from metasd.core.pricing.forward_profile import ForwardProfile, profile_forward, profile_llama_cpp
 
         if self.cost_profile is not None:
             profile = ForwardProfile.from_dict(self.cost_profile)
         else:
             opts = self.adaptive["profile"]
             counts = {"token_counts": opts["token_counts"]} if opts.get("token_counts") else {}
-            profile = profile_forward(engine.verifier.model, **counts, max_seconds=opts["max_seconds"])
+            if getattr(engine.verifier, "backend", "torch") == "llama.cpp":
+                profile = profile_llama_cpp(engine.verifier, **counts, max_seconds=opts["max_seconds"])
+            else:
+                profile = profile_forward(engine.verifier.model, **counts, max_seconds=opts["max_seconds"])
         print(f"[metasd serve] adaptive speculation, max_width {self.adaptive['max_width']}; {profile.describe()}",
               file=sys.stderr, flush=True)
         measured = self.adaptive["draft_cost"] == "measured"
@@ -333,6 +339,9 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
     engine = recipe()
     scheduler = settings.make(engine)
     cache = scheduler.verifier.cache
+    describe = getattr(engine.verifier, "describe", None)
+    if describe is not None:
+        print(f"[metasd serve] verifier: {describe()}", file=sys.stderr, flush=True)
     print(f"[metasd serve] loaded in {time.perf_counter() - t0:.1f} s; serving {model_name!r} (batch "
           f"{settings.max_batch}, queue {settings.max_queue}, KV budget {cache.budget_bytes / 2**20:.0f} MiB = "
           f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, prefix caching "

@@ -11,9 +11,9 @@ import torch
 
 from ..decoding.drafter import with_components
 from ..execution.batch_cache import BatchCache
-from ..execution.kv_memory import KVBudgetError, KVGeometry
+from ..execution.kv_memory import KVBudgetError, KVGeometry, default_budget_bytes
 from ..decoding.request import Prompt, Request
-from ..execution.batch_verifier import Prefill, SlotVerifier
+from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from ..execution.prefix_cache import PrefixCache
 from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent, _TextStream
 
@@ -114,14 +114,32 @@ class Forks:
 def prefix_cache_for(engine, cache: BatchCache) -> PrefixCache:
     """A prefix cache over the scheduler's batched cache; ``ValueError`` for a pool whose drafters read the verifier's
     hidden states (the entries keep keys and values only)."""
+    if getattr(engine.verifier, "backend", "torch") != "torch":
+        raise ValueError(f"prefix_caching: not built for the {engine.verifier.backend} backend (its requests prefill "
+                         f"their whole prompt); turn it off (--no-enable-prefix-caching)")
     if engine.hidden_layers:
         raise ValueError(f"prefix_caching: the pool's drafters read the verifier's hidden states (layers "
                          f"{list(engine.hidden_layers)}), which the prefix cache does not keep")
     return PrefixCache(cache)
 
 
-def start_prefill(job: Job, engine, prefix_cache: PrefixCache | None) -> None:
-    """The request's prefill, starting after the longest prefix of its prompt the prefix cache holds (not for a request
+def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):
+    """The scheduler's batched verifier over ``engine.verifier``: a ``BatchVerifier`` whose KV budget is ``kv_budget``
+    positions of the verifier's cache (None: a share of the free memory), the drafters' caches charged to it; on the
+    llama.cpp backend a ``LlamaCppBatchVerifier`` over its context's cells."""
+    verifier = engine.verifier
+    if getattr(verifier, "backend", "torch") == "llama.cpp":
+        from ..execution.llama_cpp_batch import LlamaCppBatchVerifier
+
+        return LlamaCppBatchVerifier(verifier, max_batch, engine.hidden_layers, kv_budget=kv_budget)
+    per_token = KVGeometry.of(verifier.model).bytes_per_token
+    budget = kv_budget * per_token if kv_budget is not None else default_budget_bytes(verifier.device)
+    return BatchVerifier(verifier, max_batch, engine.hidden_layers, budget_bytes=budget,
+                         extra_bytes_per_token=drafter_kv_bytes(engine.all_drafters))
+
+
+def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) -> None:
+    """The request's prefill (``verifier``: the scheduler's batched verifier, which makes it), starting after the longest prefix of its prompt the prefix cache holds (not for a request
     that asked for its prompt's log-probabilities: the prefill computes them); its stats count the prompt tokens
     reused (``cached_prompt_tokens``)."""
     ids, scoring = job.request.prompt_ids[:-1], job.request.prompt_scoring()
@@ -130,7 +148,7 @@ def start_prefill(job: Job, engine, prefix_cache: PrefixCache | None) -> None:
         entry, n = prefix_cache.lookup(ids)
         prefix = (entry, n) if entry is not None else None
         job.request.stats.cached_prompt_tokens = n
-    job.prefill = Prefill(engine.verifier, ids, engine.hidden_layers, prefix=prefix, **scoring)
+    job.prefill = verifier.start_prefill(ids, engine.hidden_layers, prefix=prefix, **scoring)
 
 
 def store_prefix(job: Job, cache: BatchCache, prefix_cache: PrefixCache) -> None:

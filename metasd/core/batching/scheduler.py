@@ -19,10 +19,10 @@ from typing import Any, Sequence
 import torch
 
 from ..decoding.request import Prompt
-from ..execution.batch_verifier import BatchVerifier, SlotVerifier
-from ..execution.kv_memory import KVAllocationError, KVGeometry, default_budget_bytes
+from ..execution.batch_verifier import SlotVerifier
+from ..execution.kv_memory import KVAllocationError
 from .adaptive import AdaptiveSpeculation, StepPlan
-from .jobs import (Forks, Job, drafter_kv_bytes, new_request, prefix_cache_for, start_prefill, store_prefix,
+from .jobs import (Forks, Job, batch_verifier_for, new_request, prefix_cache_for, start_prefill, store_prefix,
                    tidy_memory)
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
@@ -72,10 +72,7 @@ class Scheduler:
         if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
             raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
         self.max_draft_nodes = max_draft_nodes
-        per_token = KVGeometry.of(engine.verifier.model).bytes_per_token
-        budget = kv_budget * per_token if kv_budget is not None else default_budget_bytes(engine.verifier.device)
-        self.verifier = BatchVerifier(engine.verifier, max_batch, engine.hidden_layers, budget_bytes=budget,
-                                      extra_bytes_per_token=drafter_kv_bytes(engine.all_drafters))
+        self.verifier = batch_verifier_for(engine, max_batch, kv_budget)
         self.prefix_cache = prefix_cache_for(engine, self.verifier.cache) if prefix_caching else None
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -396,7 +393,7 @@ class Scheduler:
         job.slot = SlotVerifier(self.engine.verifier, None)
         job.request.verifier = job.slot
         job.request.open()
-        start_prefill(job, self.engine, self.prefix_cache)
+        start_prefill(job, self.engine, self.verifier, self.prefix_cache)
 
     def _leave(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         """The request leaves (finished, cancelled or failed): its drafters end, its row is freed (the last row moves
@@ -405,6 +402,9 @@ class Scheduler:
             if job in self._prefilling:
                 self._prefilling.remove(job)
             row = job.slot.row if job.slot is not None and job in self._running else None
+        if job.prefill is not None:  # it left during its prefill
+            prefill, job.prefill = job.prefill, None
+            self.verifier.abandon(prefill)
         if row is not None:
             if self.prefix_cache is not None and error is None:
                 store_prefix(job, self.verifier.cache, self.prefix_cache)

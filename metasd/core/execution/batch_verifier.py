@@ -217,6 +217,14 @@ class BatchVerifier:
                 s.kept = None
         self.cache.commit(kept)
 
+    def start_prefill(self, token_ids: list[int], layers: Sequence[int] = (), score: Sequence[int] | None = None,
+                      top: int = 0, prefix: tuple[PrefixEntry, int] | None = None) -> Prefill:
+        """A joining request's prefill (``Prefill``), into a batch-1 cache of its own."""
+        return Prefill(self.verifier, token_ids, layers, score, top, prefix)
+
+    def abandon(self, prefill: Prefill) -> None:
+        """A request left during its prefill: nothing to free here (its batch-1 cache goes with it)."""
+
     def join(self, slot: SlotVerifier, prefill: Prefill) -> None:
         slot.row = self.cache.join(prefill.cache if prefill.done else None, prefill.done)
 

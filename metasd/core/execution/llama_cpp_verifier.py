@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -191,6 +192,18 @@ class LlamaCppVerifier:
                 scored += token_logprobs(logits, score[start: start + len(part)], top)
         self._past = len(ids)
         return scored if score is not None else None
+
+    def timed_forward(self, n: int) -> float:
+        """Seconds of one forward over ``n`` tokens after the cached positions (a chain in sequence 0, logits at every
+        position, as a verify computes them); the cache is left as it was (forward profiles)."""
+        if self._past + n > self.context_length or n > self.batch_tokens:
+            raise ValueError(f"{self.name}: a forward of {n} tokens after {self._past} does not fit the llama.cpp "
+                             f"context ({self.context_length} positions, {self.batch_tokens} a forward)")
+        start = time.perf_counter()
+        self._decode([0] * n, range(self._past, self._past + n), [(0,)] * n, True)
+        elapsed = time.perf_counter() - start
+        self.lib.llama_memory_seq_rm(self._memory, 0, self._past, -1)
+        return elapsed
 
     @torch.inference_mode()
     def verify(self, pending: int, draft: Draft) -> VerifierOutput:

@@ -22,7 +22,7 @@ import math
 import numbers
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -162,7 +162,8 @@ class ForwardProfile:
 
     def describe(self) -> str:
         """One line for logs: the name, how it was measured, and each point as ms and cost."""
-        how = ", ".join(f"{k} {self.meta[k]}" for k in ("device", "dtype", "context", "rows") if k in self.meta)
+        how = ", ".join(f"{k} {self.meta[k]}" for k in ("backend", "device", "dtype", "context", "rows")
+                       if k in self.meta)
         points = ", ".join(f"{t} tok {s * 1e3:.3g} ms ({self.cost(t):.2f}x)" for t, s in zip(self.tokens, self.seconds))
         return f"forward profile {self.name or '?'}" + (f" ({how})" if how else "") + f": {points}"
 
@@ -247,19 +248,7 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
             crop_to(cache, context)
             return elapsed
 
-        spent, medians, skipped = 0.0, [], []
-        for k, n in enumerate(counts):
-            if max_seconds is not None and k >= 2:
-                (n0, s0), (n1, s1) = zip(counts[k - 2: k], medians[k - 2: k])
-                predicted = s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1)  # the line through the last two points
-                if spent + predicted * (warmup + repeats) > max_seconds:
-                    skipped = list(counts[k:])
-                    break
-            t0 = now(device)
-            for _ in range(warmup):
-                timed(n)
-            medians.append(statistics.median(timed(n) for _ in range(repeats)))
-            spent += now(device) - t0
+        medians, skipped, spent = _measure(counts, timed, repeats, warmup, max_seconds, device)
     finally:
         if was_training:
             model.train()
@@ -272,6 +261,57 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     if name is None:
         name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     return ForwardProfile(tokens=counts[: len(medians)], seconds=tuple(medians), name=name, meta=meta)
+
+
+def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int, warmup: int,
+             max_seconds: float | None, device: torch.device) -> tuple[list[float], list[int], float]:
+    """``profile_forward``'s loop over the counts: per n, ``warmup`` untimed then ``repeats`` timed calls of
+    ``timed(n)`` (seconds); counts predicted to take the profile past ``max_seconds`` skipped. (medians, skipped,
+    seconds spent)."""
+    spent, medians, skipped = 0.0, [], []
+    for k, n in enumerate(counts):
+        if max_seconds is not None and k >= 2:
+            (n0, s0), (n1, s1) = zip(counts[k - 2: k], medians[k - 2: k])
+            predicted = s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1)  # the line through the last two points
+            if spent + predicted * (warmup + repeats) > max_seconds:
+                skipped = list(counts[k:])
+                break
+        t0 = now(device)
+        for _ in range(warmup):
+            timed(n)
+        medians.append(statistics.median(timed(n) for _ in range(repeats)))
+        spent += now(device) - t0
+    return medians, skipped, spent
+
+
+def profile_llama_cpp(verifier, token_counts: Sequence[int] = (1, 4, 16, 64, 256), *, context: int = 256,
+                      repeats: int = 3, warmup: int = 1, max_seconds: float | None = 5.0,
+                      seed: int = 0) -> ForwardProfile:
+    """``profile_forward`` for a ``LlamaCppVerifier``: the median seconds of its forwards over n new tokens (one
+    ``llama_decode``, logits at every position, ``LlamaCppVerifier.timed_forward``) after a prefill of ``context``
+    random tokens; the verifier's cache is empty afterwards. Arguments as ``profile_forward``'s."""
+    try:
+        counts = _check_counts(token_counts, "token_counts")
+    except ProfileError as e:
+        raise ValueError(str(e)) from None
+    _check_arg(_is_int(context) and context >= 1, f"context: must be an integer >= 1, got {context!r}")
+    _check_arg(_is_int(repeats) and repeats >= 1, f"repeats: must be an integer >= 1, got {repeats!r}")
+    _check_arg(_is_int(warmup) and warmup >= 0, f"warmup: must be an integer >= 0, got {warmup!r}")
+    _check_arg(context + counts[-1] <= verifier.context_length and counts[-1] <= verifier.batch_tokens,
+               f"token_counts: {counts[-1]} tokens after a context of {context} exceed the llama.cpp context "
+               f"({verifier.context_length} positions, {verifier.batch_tokens} a forward)")
+    gen = torch.Generator().manual_seed(seed)
+    verifier.prefill(torch.randint(0, verifier.vocab_size, (context,), generator=gen))
+    try:
+        medians, skipped, spent = _measure(counts, verifier.timed_forward, repeats, warmup, max_seconds,
+                                           torch.device("cpu"))
+    finally:
+        verifier.reset()
+    meta = {"device": "cpu", "backend": "llama.cpp", "gguf": verifier.gguf.name, "context": context, "rows": 1,
+            "repeats": repeats, "warmup": warmup, "threads": verifier.threads, "seconds_spent": round(spent, 3)}
+    if skipped:
+        meta["skipped"] = skipped
+    return ForwardProfile(tokens=counts[: len(medians)], seconds=tuple(medians), name=verifier.name, meta=meta)
 
 
 def _random_cache(model: PreTrainedModel, cfg: Any, rows: int, context: int, gen: torch.Generator) -> StaticKVCache:
