@@ -16,6 +16,11 @@ Servers (``--servers``; each started by this script alone on the machine, health
   (``configs/pools/serve_adaptive.yaml``) since load run 5; load runs 1-3 served the default cascade
   (``configs/default.yaml``) - for it now: ``--extra-pool cascade=configs/default.yaml``.
 - ``--extra-pool NAME=pool.yaml``: ``metasd serve --pool pool.yaml`` as server NAME.
+- ``metasd-llama-cpp`` / ``metasd-llama-cpp-off``: ``metasd serve --backend llama.cpp`` (its default pool, the
+  verifier's forwards in llama.cpp over the bf16 GGUF of the same weights), speculation on / off.
+- ``llama-server`` / ``llama-server-draft``: llama.cpp's own server on that GGUF (``llama_server_command``), plain
+  and with the bundled 0.5B bf16 GGUF as its draft model. Not in the default ``--servers``: they need llama.cpp's
+  tools built (``metasd.bench.llama_cpp.build_tools``, ~11 min once) and the extra ``llama-cpp`` for metasd's rows.
 
 Each server gets ``OMP_NUM_THREADS=MKL_NUM_THREADS=--threads`` (and metasd serve ``--threads``) and runs one at a
 time; the client (this process, asyncio + the official ``openai`` AsyncOpenAI client, streaming) shares the machine
@@ -267,15 +272,21 @@ def ratio(rows, a, ca, b, cb, key="output_tok_s") -> tuple[str, str]:
     return ("-", "-") if mr is None else (fmt_mr(mr) + "x", v)
 
 
+#: (server, reference) ratios the table gives where both ran, beside every server against transformers serve
+PAIRS = (("metasd", "metasd-off"), ("metasd-llama-cpp", "llama-server"), ("metasd-llama-cpp", "llama-server-draft"),
+         ("metasd-llama-cpp", "metasd-llama-cpp-off"), ("metasd-llama-cpp-off", "llama-server"),
+         ("llama-server-draft", "llama-server"))
+
+
 def ratio_table(rows) -> str:
     """Markdown: output tok/s ratios per concurrency level (metasd default and off, extra pools, against
-    transformers serve; metasd default against off), and each server's scaling from c=1 to c=8 (or from its lowest
+    transformers serve; the ``PAIRS``: metasd default against off, metasd on llama.cpp against llama-server with and
+    without its draft model), and each server's scaling from c=1 to c=8 (or from its lowest
     to its highest level when those are missing)."""
     servers = servers_in(rows)
     pairs = [(s, "transformers") for s in servers if s != "transformers"]
-    if "metasd" in servers and "metasd-off" in servers:
-        pairs.append(("metasd", "metasd-off"))
-    pairs = [(a, b) for a, b in pairs if b in servers]
+    pairs += [(a, b) for a, b in PAIRS if a in servers]
+    pairs = [(a, b) for a, b in dict.fromkeys(pairs) if b in servers]
     lines = []
     if pairs:
         lines += ["| c | " + " | ".join(f"{a} vs {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
@@ -300,11 +311,11 @@ def ratio_table(rows) -> str:
     return "\n".join(lines)
 
 
-def identity_line(rows) -> str:
-    """How many completions of each server have the text transformers serve gave the same prompt (greedy)."""
+def identity_line(rows, reference: str = "transformers") -> str:
+    """How many completions of each server have the text the ``reference`` server gave the same prompt (greedy)."""
     ref = {}
     for r in rows:
-        if r["server"] == "transformers":
+        if r["server"] == reference:
             for q in r.get("requests", []):
                 if q.get("ok"):
                     ref.setdefault(q["question_id"], q.get("text"))
@@ -312,13 +323,14 @@ def identity_line(rows) -> str:
         return ""
     parts = []
     for s in servers_in(rows):
-        if s == "transformers":
+        if s == reference:
             continue
         pairs = [(q.get("text"), ref[q["question_id"]]) for r in rows if r["server"] == s
                  for q in r.get("requests", []) if q.get("ok") and q["question_id"] in ref]
         if pairs:
             parts.append(f"{s} {sum(a == b for a, b in pairs)}/{len(pairs)}")
-    return "completions identical to transformers serve's text for the same prompt: " + ", ".join(parts) if parts else ""
+    label = "transformers serve" if reference == "transformers" else reference
+    return (f"completions identical to {label}'s text for the same prompt: " + ", ".join(parts)) if parts else ""
 
 
 def print_tables(rows) -> None:
@@ -327,25 +339,39 @@ def print_tables(rows) -> None:
     if t:
         print()
         print(t)
-    line = identity_line(rows)
-    if line:
-        print()
-        print(line)
+    for reference in ("transformers", "llama-server"):  # llama.cpp's servers against llama.cpp's plain decoding
+        line = identity_line(rows, reference)
+        if line:
+            print()
+            print(line)
 
 
 # --------------------------------------------------------------------------------------------- servers
 @dataclass
 class ServerSpec:
     name: str
-    kind: str  # "transformers" | "metasd"
+    kind: str  # "transformers" | "metasd" | "llama-server"
     pool: str | None = None
     extra_body: dict | None = None
+    args: tuple[str, ...] = ()  # more command-line arguments of this server
+
+
+#: metasd serve with its verifier on llama.cpp (the same bf16 weights as a GGUF)
+ON_LLAMA_CPP = ("--backend", "llama.cpp")
+#: the bundled draft model llama-server's speculative row drafts with (its bf16 GGUF, as llama-speculative's rows)
+DRAFT = "bundled:qwen2.5-coder-0.5b-instruct"
 
 
 def server_specs(args) -> list[ServerSpec]:
     known = {"transformers": ServerSpec("transformers", "transformers"),
              "metasd-off": ServerSpec("metasd-off", "metasd", extra_body=SPECULATE_OFF),
-             "metasd": ServerSpec("metasd", "metasd")}
+             "metasd": ServerSpec("metasd", "metasd"),
+             "metasd-llama-cpp-off": ServerSpec("metasd-llama-cpp-off", "metasd", extra_body=SPECULATE_OFF,
+                                                args=ON_LLAMA_CPP),
+             "metasd-llama-cpp": ServerSpec("metasd-llama-cpp", "metasd", args=ON_LLAMA_CPP),
+             "llama-server": ServerSpec("llama-server", "llama-server"),
+             "llama-server-draft": ServerSpec("llama-server-draft", "llama-server",
+                                              args=("--spec-draft-n-max", str(args.llama_server_draft_n_max)))}
     for spec in args.extra_pool or []:
         name, path = spec.rsplit("=", 1)
         known[name] = ServerSpec(name, "metasd", pool=str(Path(path).resolve()))
@@ -381,12 +407,33 @@ def server_command(spec: ServerSpec, args, port: int, model_dir: Path, num_block
         return head + ["serve", "--continuous-batching", "--device", "cpu", "--dtype", "bfloat16",
                 "--host", "127.0.0.1", "--port", str(port), "--cb-num-blocks", str(num_blocks),
                 "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "warning", str(model_dir)]
-    cmd = list(args.metasd_cmd) + ["--host", "127.0.0.1", "--port", str(port),
+    if spec.kind == "llama-server":
+        return llama_server_command(spec, args, port)
+    cmd = list(args.metasd_cmd) + list(spec.args) + ["--host", "127.0.0.1", "--port", str(port),
                                    "--max-batch", str(args.max_batch or max(args.concurrency)),
                                    "--threads", str(args.threads)]
     if spec.pool:
         cmd += ["--pool", spec.pool]
     return cmd + list(args.metasd_arg or [])
+
+
+def llama_server_command(spec: ServerSpec, args, port: int) -> list[str]:
+    """llama.cpp's own server on the bundled verifier's bf16 GGUF (the weights metasd's bf16 runs and its llama.cpp
+    backend load; built and converted once, benchmarks/speed.py's llama.cpp rows do the same): one slot per request in
+    flight at the highest concurrency, each with room for the longest prompt and --max-tokens, its prompt cache off
+    (``--no-cache-prompt``, ``--cache-ram 0``: every prompt repeats across levels, as for transformers serve); the
+    draft row adds the bundled 0.5B's bf16 GGUF (``-md``) drafting ``--llama-server-draft-n-max`` tokens."""
+    from metasd.bench.llama_cpp import build_tools
+    from metasd.models.llama_cpp_source import converted_gguf
+
+    slots = max(args.concurrency)
+    cmd = [str(build_tools() / "llama-server"), "-m", str(converted_gguf(VERIFIER, "bf16")), "--host", "127.0.0.1",
+           "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots),
+           "-c", str(slots * args.llama_server_slot_context), "--no-cache-prompt", "--cache-ram", "0", "--no-webui",
+           "--jinja", "--alias", VERIFIER]
+    if spec.args:
+        cmd += ["-md", str(converted_gguf(DRAFT, "bf16")), "-td", str(args.threads), *spec.args]
+    return cmd
 
 
 class Server:
@@ -622,6 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metasd-cmd", nargs="+", default=[sys.executable, "-m", "metasd.cli", "serve"],
                    help="the command that starts metasd serve (before --host/--port/...)")
     p.add_argument("--metasd-arg", action="append", help="one more argument for metasd serve (repeatable)")
+    p.add_argument("--llama-server-draft-n-max", type=int, default=8,
+                   help="llama-server-draft: --spec-draft-n-max (the best of 4, 8, 16 in the llama.cpp speed rows)")
+    p.add_argument("--llama-server-slot-context", type=int, default=2048,
+                   help="llama-server: KV positions per slot (-c is this x the highest concurrency)")
     p.add_argument("--extra-pool", action="append",
                    help="NAME=pool.yaml: also load `metasd serve --pool pool.yaml` as server NAME (repeatable)")
     p.add_argument("--out", default="benchmarks/results/serve_load.json",

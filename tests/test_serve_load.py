@@ -153,3 +153,42 @@ def test_resume_needs_the_same_arguments(sl, tmp_path):
     other = sl.build_parser().parse_args(["--out", str(out), "--resume", "--max-tokens", "8"])
     with pytest.raises(SystemExit, match="concurrency, max_tokens"):
         sl.resumed_rows(other)
+
+
+def test_llama_cpp_servers_commands_ratios_and_identity(sl, monkeypatch):
+    """llama-server (plain and with its draft model) and metasd serve on the llama.cpp backend: their commands, the
+    ratios of metasd on llama.cpp against llama.cpp's own server, and identity against llama-server's text."""
+    import metasd.bench.llama_cpp as bench_llama_cpp
+    import metasd.models.llama_cpp_source as source
+
+    monkeypatch.setattr(bench_llama_cpp, "build_tools", lambda: Path("/bin"))
+    monkeypatch.setattr(source, "converted_gguf", lambda ref, outtype="bf16", **_: Path(f"/g/{ref}-{outtype}.gguf"))
+    args = sl.build_parser().parse_args(["--servers", "llama-server", "llama-server-draft", "metasd-llama-cpp",
+                                         "metasd-llama-cpp-off", "--concurrency", "1", "4", "--threads", "2"])
+    specs = {s.name: s for s in sl.server_specs(args)}
+    plain = sl.server_command(specs["llama-server"], args, 7, Path("/m"), 1)
+    assert plain[0] == "/bin/llama-server" and plain[plain.index("-m") + 1] == f"/g/{sl.VERIFIER}-bf16.gguf"
+    for flag, value in (("-np", "4"), ("-c", "8192"), ("-t", "2"), ("--port", "7"), ("--cache-ram", "0")):
+        assert plain[plain.index(flag) + 1] == value
+    assert "--no-cache-prompt" in plain and "-md" not in plain
+    draft = sl.server_command(specs["llama-server-draft"], args, 7, Path("/m"), 1)
+    assert draft[draft.index("-md") + 1] == f"/g/{sl.DRAFT}-bf16.gguf" and draft[-2:] == ["--spec-draft-n-max", "8"]
+    on = sl.server_command(specs["metasd-llama-cpp"], args, 7, Path("/m"), 1)
+    assert on[on.index("serve") + 1: on.index("serve") + 3] == ["--backend", "llama.cpp"]
+    assert specs["metasd-llama-cpp-off"].extra_body == {"metasd": {"speculate": False}}
+
+    def row(server, c, rep, tok_s, text="x"):
+        return {"server": server, "concurrency": c, "repeat": rep, "output_tok_s": tok_s,
+                "requests": [{"ok": True, "question_id": "q1", "text": text}]}
+    rows = [row(s, c, rep, base * c + rep, text) for rep in (0, 1) for c in (1, 4)
+            for s, base, text in (("llama-server", 10.0, "x"), ("llama-server-draft", 12.0, "x"),
+                                  ("metasd-llama-cpp", 20.0, "x"), ("metasd-llama-cpp-off", 10.0, "y"))]
+    ratios = sl.ratio_table(rows)
+    header = ratios.splitlines()[0]
+    for pair in ("metasd-llama-cpp vs llama-server", "metasd-llama-cpp vs llama-server-draft",
+                 "metasd-llama-cpp vs metasd-llama-cpp-off", "llama-server-draft vs llama-server"):
+        assert pair in header
+    assert "| 1 | " in ratios and "transformers" not in ratios
+    assert sl.identity_line(rows) == ""  # no transformers serve in this run
+    line = sl.identity_line(rows, "llama-server")
+    assert line.startswith("completions identical to llama-server's text") and line.endswith("llama-server-draft 4/4, metasd-llama-cpp 4/4, metasd-llama-cpp-off 0/4")
