@@ -22,6 +22,7 @@ from metasd.core.execution.llama_cpp_verifier import LlamaCppVerifier  # noqa: E
 from metasd.core.execution.tree import Draft  # noqa: E402
 from metasd.drafters import FusedDrafter, NGramDrafter, PretrainedTreeDrafter  # noqa: E402
 from metasd.drafters.suffix import SuffixDrafter  # noqa: E402
+from sampling_check import joint_check  # noqa: E402
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer  # noqa: E402
 
 PROMPTS = [[4, 9, 4, 9, 4, 9, 17, 4, 9], [0], [21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41, 7, 7, 7, 12, 13, 21, 22],
@@ -140,6 +141,75 @@ def test_scheduler_on_the_backend_gives_engine_generate_tokens(tiny, pool):
     assert isinstance(bv, LlamaCppBatchVerifier) and sorted(bv._free) == list(range(bv.verifier.max_sequences))
 
 
+def test_sampling_through_the_batched_backend_follows_the_verifier_at_depth_two(tmp_path_factory):
+    """Three sampled tokens of seeded requests served eight at a time, drafted by a recursive-rejection tree of depth 2
+    and verified in batched llama.cpp decodes, follow the verifier's joint distribution (enumerated from the torch
+    weights the GGUF holds); the rule decided at depth 2 both ways."""
+    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0, context=4096)  # eight requests' reservations
+    drafter_model = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0)
+    engine = Engine(LlamaCppVerifier(gguf_of(verifier, tmp_path_factory, "sharp"), verifier, name="sharp",
+                                     context=2048), PretrainedTreeDrafter(drafter_model, depth=2, mode="rsd_c",
+                                                                         branching=[2, 2], nodes=6))
+
+    def generate(prompt, seeds):
+        with Scheduler(engine, max_batch=8, max_queue=len(seeds), max_draft_nodes=6) as s:
+            handles = [s.submit(prompt, 3, temperature=1.0, seed=seed) for seed in seeds]
+            return [h.result(timeout=300) for h in handles]
+
+    n = 2000
+    check = joint_check(engine, [3], n, length=3, generate=generate, reference=verifier)
+    print(check)
+    assert check.pvalue > 1e-4, f"sampled tokens do not follow the verifier: {check}"
+    drafted, accepted = check.position_drafted[1], check.position_accepted[1]  # steps whose draft reached depth 2
+    assert accepted >= n // 10 and drafted - accepted >= n // 20, check
+
+
+def _recording(verifier, fail_on: int | None = None):
+    """Wrap ``verifier._decode``: record each call's (tokens, tokens with logits); raise for a batch holding token
+    ``fail_on`` as a prompt token (one without logits: drafts and generated tokens have them)."""
+    calls, decode = [], verifier._decode
+
+    def wrapped(tokens, positions, sequences, outputs):
+        flags = [outputs] * len(tokens) if isinstance(outputs, bool) else list(outputs)
+        calls.append((len(tokens), sum(flags)))
+        if fail_on is not None and any(t == fail_on and not f for t, f in zip(tokens, flags)):
+            raise RuntimeError("decode failed on purpose")
+        return decode(tokens, positions, sequences, outputs)
+
+    verifier._decode = wrapped
+    return calls
+
+
+def test_prompt_chunks_ride_with_the_verify_and_a_failed_decode_fails_only_its_requests(tiny):
+    """A joining request's prompt chunks go into the running rows' verify decode (one llama_decode a step); a decode
+    that fails fails the requests it held - the running ones and the one whose prompt chunk was in it, which must not
+    run on missing cells - and the backend serves the next request right."""
+    model, gguf = tiny
+    engine = Engine(LlamaCppVerifier(gguf, model, name="tiny", context=2048), _tree(), check_tokenizers=False)
+    expected = [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+    calls = _recording(engine.verifier)
+    with Scheduler(engine, max_batch=3, prefill_chunk=4) as s:
+        first = s.submit(PROMPTS[0], 150)
+        next(first.events(timeout=60))  # running: the next prompt's chunks join its verifies
+        got = s.submit(PROMPTS[2], MAX_NEW[2]).result(timeout=120).token_ids
+    assert got == expected[2]
+    assert any(0 < with_logits < n for n, with_logits in calls), "no prompt chunk rode along with a verify"
+
+    engine.verifier._decode = LlamaCppVerifier._decode.__get__(engine.verifier)
+    _recording(engine.verifier, fail_on=63)
+    bad_prompt = [1, 2, 3, 4, 5, 6, 63, 7, 8, 9, 10, 11, 12]
+    with Scheduler(engine, max_batch=3, prefill_chunk=4) as s:
+        running = s.submit(PROMPTS[0], 150)
+        next(running.events(timeout=60))
+        bad = s.submit(bad_prompt, 10)
+        assert list(bad.events(timeout=60))[-1].finish_reason == "error"
+        assert list(running.events(timeout=60))[-1].finish_reason == "error"  # it was in the failed decode
+        after = s.submit(PROMPTS[3], MAX_NEW[3]).result(timeout=60).token_ids
+        bv = s.verifier
+    assert after == expected[3]
+    assert sorted(bv._free) == list(range(bv.verifier.max_sequences)) and not bv._broken
+
+
 def test_requests_cancelled_in_their_prefill_free_their_sequence(tiny):
     model, gguf = tiny
     engine = Engine(LlamaCppVerifier(gguf, model, name="tiny", context=2048), _tree(), check_tokenizers=False)
@@ -167,8 +237,11 @@ def test_what_serving_on_the_backend_refuses_is_named(tiny):
         Scheduler(engine, kv_budget=1024)
     with pytest.raises(ValueError, match="max_batch=300: the llama.cpp backend holds 256 sequences"):
         Scheduler(engine, max_batch=300)
+    with Scheduler(engine, max_batch=100) as s:  # 256 sequences: 100 requests, one tree leaf each
+        assert s.max_draft_nodes == 1
     expected = engine.generate([1, 2, 3], 5).token_ids
     with Scheduler(engine, max_batch=2) as s:
+        assert s.max_draft_nodes == 127
         with pytest.raises(KVBudgetError, match="the llama.cpp context holds 512"):
             s.submit(list(range(50)), 400)
         assert s.submit([1, 2, 3], 5).result(timeout=60).token_ids == expected

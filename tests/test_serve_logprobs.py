@@ -176,3 +176,40 @@ def test_n_choices_whole_and_streamed(client):
     assert chunks[-1].usage.completion_tokens == sampled.usage.completion_tokens
     assert sorted(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason) == \
         ["length"] * 3
+
+
+@pytest.mark.parametrize("route", ["chat", "text"])
+def test_vllm_prompt_logprobs_are_the_verifiers(served, client, route):
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}} -
+    the prompt token first (its rank among the position's tokens), then the top k - from one forward of the verifier;
+    beside ``echo`` with fewer alternatives, each gets its own number; refused with stream (as vLLM)."""
+    engine = served.engine
+    k = 3
+    if route == "chat":
+        r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4, temperature=0,
+                                           extra_body={"prompt_logprobs": k})
+        prompt = engine.encode(MSG)
+    else:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True,
+                                      extra_body={"prompt_logprobs": k})
+        prompt = engine.encode(PROMPT)
+        assert all(len(top) <= 2 for top in r.choices[0].logprobs.top_logprobs[1:])  # echo keeps logprobs=1
+    scores = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    ref = _reference(engine, prompt, [])
+    for i, (entry, token) in enumerate(zip(scores[1:], prompt[1:])):
+        row = ref[i]
+        first = next(iter(entry))
+        assert int(first) == token and entry[first]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        assert entry[first]["rank"] == int((row > row[token]).sum()) + 1
+        assert entry[first]["decoded_token"] == engine.tokenizer.decode([token])
+        best = row.topk(k).indices.tolist()
+        assert set(map(int, entry)) == {token, *best}
+        for rank, t in enumerate(best, start=1):
+            assert entry[str(t)]["logprob"] == pytest.approx(float(row[t]), abs=1e-4)
+            assert entry[str(t)]["rank"] == rank or t == token
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+    bad = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                                           "stream": True, "prompt_logprobs": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", bad.text

@@ -372,6 +372,30 @@ def test_param_sets_params_of_any_drafter_type(tmp_path):
     assert [(d.name, d.params["n_min"]) for d in cfg.drafters] == [("ngram", 2)]
 
 
+def test_backend_option_sets_the_verifiers_backend_and_bad_combinations_are_refused(tmp_path):
+    """``--backend llama.cpp`` sets ``verifier.backend`` (generate and serve); with a pool setting that means nothing
+    there (``quantize``) the pool is refused naming the field, before any model loads."""
+    from metasd.cli import _pool_overrides, build_parser
+    from metasd.config import ConfigError
+
+    argv = ["generate", "--pool", str(_pool_file(tmp_path)), "--backend", "llama.cpp"]
+    cfg = parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv)))
+    assert cfg.verifier.backend == "llama.cpp"
+    argv = ["generate", "--pool", str(_pool_file(tmp_path))]
+    assert parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv))).verifier.backend == "torch"
+    pools = Path(__file__).resolve().parents[1] / "configs" / "pools"
+    argv = ["generate", "--backend", "llama.cpp", "--pool", str(pools / "verifier_int8.yaml")]
+    with pytest.raises(ConfigError, match="quantize"):
+        parse_pool_config(_pool_overrides(build_parser(argv).parse_args(argv)))
+    from metasd.config.build import default_serve_pool_path
+    from metasd.config.cli_options import pool_overrides
+
+    argv = ["serve", "bundled:qwen2.5-coder-1.5b-instruct", "--backend", "llama.cpp"]
+    args = build_parser(argv).parse_args(argv)
+    args.verifier = args.model
+    assert parse_pool_config(pool_overrides(args, default_serve_pool_path())).verifier.backend == "llama.cpp"
+
+
 def test_drafter_option_on_the_default_cascade_keeps_the_entries_an_arm_drafts_with():
     """The embedded default's one arm is a fused cascade over two ``arm: false`` entries: ``--drafter`` with any of
     its names gives a valid pool whose arms are exactly the chosen ones, each after the entries it drafts with."""

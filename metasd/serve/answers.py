@@ -102,7 +102,8 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
         logprobs = own if logprobs is None else {k: logprobs[k] + own[k] for k in own}
         if completion.echo is not None:
             text = completion.echo + text
-        choices.append(completion.choice(index, text, reason, logprobs))
+        prompt_scores = result.prompt_logprobs if result is not None else None
+        choices.append(completion.choice(index, text, reason, logprobs, prompt_scores))
         records.append(record)
         total += tokens
     return completion.whole(choices, total, records[0] if len(records) == 1 else records, cached)

@@ -344,7 +344,9 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
         handles = state.submit_choices(req, ids, budget, constraint)
         completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
                                 names=state.names if req.logprob_options()[0] is not None else None,
-                                tools=state.tool_calls(req))
+                                tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
+                                prompt_scores=None if req.prompt_logprobs is None else (state.names,
+                                                                                        req.prompt_logprobs))
         if getattr(req, "echo", False):  # the prompt as given (token ids: their text)
             prompt = req.prompt_value()
             completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)

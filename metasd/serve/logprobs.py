@@ -89,3 +89,20 @@ def completion_logprobs(names: TokenNames, scores: Sequence[TokenLogprob], offse
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(names: TokenNames, scores: Sequence[TokenLogprob | None], top: int
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first: nothing predicts it) or
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` - the prompt token first, then its position's ``top`` most
+    likely tokens not already listed (rank 1 = the most likely)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for s in scores:
+        if s is None:
+            out.append(None)
+            continue
+        entry = {str(s.token): {"logprob": s.logprob, "rank": s.rank, "decoded_token": names(s.token)[0]}}
+        for rank, (token, lp) in enumerate(s.top[:top], start=1):
+            entry.setdefault(str(token), {"logprob": lp, "rank": rank, "decoded_token": names(token)[0]})
+        out.append(entry)
+    return out

@@ -45,7 +45,6 @@ REFUSED = {
     "ignore_eos": (_off(False), "ignore_eos is not supported (only false)"),
     "stop_token_ids": (_off([]), "stop_token_ids is not supported: use stop"),
     "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
-    "prompt_logprobs": (_off(0), "logprobs are not supported"),
     "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
     "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "
                                    "guided_regex"),
@@ -236,7 +235,16 @@ class _Common(Lenient):
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
     guided_grammar: str | None = None  # a Lark grammar (llguidance's dialect), not xgrammar's EBNF
+    #: vLLM's extension: the prompt tokens' log-probabilities, each with this many alternatives (not with stream)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     metasd: MetasdOptions | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v, info):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -343,7 +351,7 @@ class ChatCompletionRequest(_Common):
 
     def logprob_options(self) -> tuple[int | None, int | None]:
         """(alternatives per new token, per prompt token) to ask the scheduler for; None: none asked."""
-        return ((self.top_logprobs or 0) if self.logprobs else None), None
+        return ((self.top_logprobs or 0) if self.logprobs else None), self.prompt_logprobs
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -384,8 +392,10 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
     def logprob_options(self) -> tuple[int | None, int | None]:
-        """(alternatives per new token, per prompt token - only for an ``echo``) to ask the scheduler for."""
-        return self.logprobs, (self.logprobs if self.echo else None)
+        """(alternatives per new token, per prompt token - for an ``echo`` with ``logprobs``, or ``prompt_logprobs``:
+        the larger) to ask the scheduler for."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return self.logprobs, max(asked, default=None)
 
     def prompt_value(self) -> str | list[int]:
         return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt

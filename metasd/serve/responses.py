@@ -5,6 +5,7 @@ by ``metasd.serve.records.served_record`` (docs/serving.md#the-metasd-extension-
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -13,7 +14,7 @@ from typing import Any, Sequence
 
 from metasd.core.execution.logprobs import TokenLogprob
 
-from .logprobs import TokenNames, chat_content, completion_logprobs
+from .logprobs import TokenNames, chat_content, completion_logprobs, vllm_prompt_logprobs
 from .tools import ToolCall, ToolCalls
 
 #: the scheduler's finish reasons as OpenAI names them (an EOS token is a natural stop)
@@ -43,6 +44,11 @@ class Completion:
     text_offsets: dict[int, int] = field(default_factory=dict)
     #: chat with tools the model may call: how its text is read for calls (None: all content)
     tools: ToolCalls | None = None
+    #: completions with ``echo`` and ``logprobs``: alternatives per echoed prompt token (the scheduler may have scored
+    #: more, for ``prompt_logprobs``)
+    echo_top: int | None = None
+    #: vLLM's ``prompt_logprobs`` asked: (token names, alternatives per prompt token)
+    prompt_scores: tuple[TokenNames, int] | None = None
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -70,15 +76,18 @@ class Completion:
             return {"content": chat_content(self.names, scores or []), "refusal": None}
         unscored, scored = None, list(scores or [])
         if echoed:
-            unscored, scored = prompt_ids[0], [*echoed[1:], *scored]
+            top = self.echo_top
+            trimmed = [e if top is None else dataclasses.replace(e, top=e.top[:top]) for e in echoed[1:]]
+            unscored, scored = prompt_ids[0], [*trimmed, *scored]
         body = completion_logprobs(self.names, scored, self.text_offsets.get(index, 0), unscored)
         if body["tokens"]:
             self.text_offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
         return body
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None,
+               prompt_scores: Sequence[TokenLogprob | None] | None = None) -> dict[str, Any]:
         """One choice of the non-streamed response; a chat answer's tool calls (``tools``) in ``message.tool_calls``,
-        the finish reason then ``tool_calls``."""
+        the finish reason then ``tool_calls``; with ``prompt_scores`` asked for, vLLM's ``prompt_logprobs``."""
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tools is not None:
@@ -86,8 +95,13 @@ class Completion:
                 if calls:
                     message["tool_calls"] = [c.body() for c in calls]
                     finish_reason = "tool_calls"
-            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.prompt_scores is not None:
+            names, top = self.prompt_scores
+            body["prompt_logprobs"] = vllm_prompt_logprobs(names, prompt_scores or [], top)
+        return body
 
     def whole(self, choices: list[dict[str, Any]], completion_tokens: int,
               record: dict[str, Any] | list[dict[str, Any]], cached_tokens: int = 0) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from fastapi import Request
 from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from metasd.core.decoding.prompt import render_chat
+
 from .errors import bad_request, from_validation
 from .protocol import ChatMessage, Lenient, Tool
 
@@ -69,8 +71,7 @@ def add_tokenizer_routes(app, state) -> None:
             if not getattr(tok, "chat_template", None):
                 raise bad_request(f"{state.model_name} has no chat template: tokenize a prompt", "messages")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text = tok.apply_chat_template([m.rendered() for m in req.messages], tools=tools,
-                                           add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            text = render_chat(tok, [m.rendered() for m in req.messages], tools, req.add_generation_prompt)
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

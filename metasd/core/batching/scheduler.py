@@ -48,7 +48,8 @@ class Scheduler:
     drafters' caches are charged to it too) - a request is admitted with its reservation (prompt + max_new_tokens +
     max_draft_nodes + 1, rounded up to 256) in hand, waits in the queue while the budget is full, and is refused at
     ``submit`` when it could never fit (None: a share of the free memory, docs/architecture.md#the-kv-memory-model);
-    max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut); prefix_caching:
+    max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut; at most the batched
+    verifier's ``node_limit`` where it has one: llama.cpp's sequences); prefix_caching:
     keep finished requests' KV inside the budget to start requests that continue them (``PrefixCache``).
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
@@ -71,8 +72,8 @@ class Scheduler:
         self.adaptive = AdaptiveSpeculation.checked(adaptive)
         if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
             raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
-        self.max_draft_nodes = max_draft_nodes
         self.verifier = batch_verifier_for(engine, max_batch, kv_budget)
+        self.max_draft_nodes = min(max_draft_nodes, getattr(self.verifier, "node_limit", max_draft_nodes))
         self.prefix_cache = prefix_cache_for(engine, self.verifier.cache) if prefix_caching else None
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()

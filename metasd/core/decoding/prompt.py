@@ -1,5 +1,5 @@
-"""From what a caller gives to the verifier's token ids: ``encode_prompt`` (strings, chat messages, token ids) and the
-context check (``check_context``). Needs no model, only its tokenizer, so a command can check a prompt before any model
+"""From what a caller gives to the verifier's token ids: ``encode_prompt`` (strings, chat messages, token ids; chat
+messages through ``render_chat``) and the context check (``check_context``). Needs no model, only its tokenizer, so a command can check a prompt before any model
 loads."""
 from __future__ import annotations
 
@@ -8,6 +8,15 @@ from typing import Mapping, Sequence
 import torch
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The text of chat ``messages`` through the tokenizer's chat template (which it must have), OpenAI's ``tools``
+    rendered as the template renders them: what a chat prompt's tokens encode (without special tokens added), for
+    ``encode_prompt`` and the server's ``/tokenize`` alike."""
+    return tokenizer.apply_chat_template([dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
+                                         add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier",
@@ -37,9 +46,7 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_nam
         tok = tokenizer_or_fail()
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"{model_name}'s tokenizer has no chat template; pass a string prompt")
-        text = tok.apply_chat_template([dict(m) for m in prompt], tools=[dict(t) for t in tools] if tools else None,
-                                       add_generation_prompt=True, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(render_chat(tok, prompt, tools), add_special_tokens=False)
     raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
 
 

@@ -8,9 +8,16 @@ of the scheduler map to those sequences, so a request that leaves frees its cell
 takes its index without a copy. A verify feeds every row's pending token and draft in one ``llama_decode``: a chain's
 nodes go into the row's own sequence; a tree gets, per leaf, a temporary sequence that first shares the row's prefix
 (``seq_cp``), each node belonging to the sequences of the leaves below it - the ancestor mask, as in
-``LlamaCppVerifier``. A token sees only cells of its own sequences, so no request sees another's. Commit, per row:
+``LlamaCppVerifier``. A token sees only cells of its own sequences, so no request sees another's. The build holds 256
+sequences: one per request, the rest for leaves, so a request's drafts are cut to ``node_limit`` nodes (31 at
+``max_batch`` 8; a tree has at most as many leaves as nodes). Commit, per row:
 the leaf below the last accepted node gives the path; its cells past the path are cut, the path's cells join the
 row's sequence, and every temporary sequence is dropped (cells no sequence holds any more are free).
+
+Prefill. A joining request's prompt goes into its sequence in chunks, as on torch, but a chunk is not decoded alone:
+it waits for the step's verify and goes into the same ``llama_decode`` ahead of the drafts (``defer``), so the running
+requests' tokens ride along with the prompt's, as in llama.cpp's own server. A decode that fails marks the sequences
+whose prompt it held, and those requests fail at their next step instead of running on missing cells.
 
 Memory. The context's cells are the KV budget: a request is admitted with its reservation (prompt + max_new_tokens
 + the widest draft + 1, rounded up to 256 positions, as ``BatchCache``) when the reservations fit in the cells
@@ -19,6 +26,7 @@ here: they grow with the requests' lengths in host memory.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -30,6 +38,8 @@ from .tree import Draft
 from .verifier import VerifierOutput
 
 __all__ = ["CellBudget", "LlamaCppBatchVerifier", "LlamaCppPrefill"]
+
+log = logging.getLogger(__name__)
 
 
 class CellBudget:
@@ -118,9 +128,11 @@ class LlamaCppPrefill:
         part = self.ids[self.done: self.done + chunk]
         if not part:
             return 0
-        logits = v._decode(part, range(self.done, self.done + len(part)), [(self.seq,)] * len(part),
-                           self.score is not None)
-        if self.score is not None:
+        self.owner.check(self.seq)
+        if self.score is None:  # decoded with the next verify (the running rows' tokens ride along), or sooner
+            self.owner.defer(self.seq, part, self.done)
+        else:
+            logits = v._decode(part, range(self.done, self.done + len(part)), [(self.seq,)] * len(part), True)
             self.scores += token_logprobs(logits, self.score[self.done: self.done + len(part)], self.top)
         self.done += len(part)
         return len(part)
@@ -146,11 +158,22 @@ class LlamaCppBatchVerifier:
         self.verifier = verifier
         self.model = verifier.model
         self.hidden_layers: tuple[int, ...] = ()
+        #: the most draft nodes a row may verify: every row's tree leaves (at most its nodes) must find a sequence
+        #: beside one per request, so a step never runs out of them (the scheduler cuts longer drafts to it)
+        self.node_limit = (verifier.max_sequences - slots) // slots
+        if self.node_limit < 8:
+            log.warning("%s: max_batch=%d leaves %d draft nodes per request on the llama.cpp backend (its %d sequences "
+                        "hold the requests and their trees' leaves)", verifier.name, slots, self.node_limit,
+                        verifier.max_sequences)
         self.cache = CellBudget(cells, slots, KVGeometry.of(verifier.model))
         self.forwards = 0
         self._row_seq: list[int] = []  # sequence of each running row
         self._free = list(range(verifier.max_sequences - 1, -1, -1))  # free sequence ids (pop from the end)
         self._leaves: list[list[int] | None] = []  # per row of the verified block: its trees' per-node sequences
+        #: prefill chunks not decoded yet, (sequence, tokens, first position): the next verify decodes them first, in
+        #: the same llama_decode (``defer``)
+        self._deferred: list[tuple[int, list[int], int]] = []
+        self._broken: set[int] = set()  # sequences a failed decode left incomplete: their requests fail (``check``)
         verifier.reset()
 
     # -------------------------------------------------------------- prefill, join, leave
@@ -162,10 +185,41 @@ class LlamaCppBatchVerifier:
         return LlamaCppPrefill(self, self._take(), token_ids, score, top)
 
     def abandon(self, prefill: LlamaCppPrefill) -> None:
-        """A request left during its prefill: its sequence's cells are freed."""
+        """A request left during its prefill: its chunks not decoded yet are dropped, its sequence's cells freed."""
+        self._deferred = [c for c in self._deferred if c[0] != prefill.seq]
         self._drop(prefill.seq)
 
+    def defer(self, seq: int, tokens: list[int], start: int) -> None:
+        """A prefill chunk (positions ``start``.. of sequence ``seq``) to decode with the next verify: one llama_decode
+        then carries the prompt tokens and the running rows' drafts, so decoding rides along with prefilling (as
+        llama.cpp's own server batches them). Decoded at once when it cannot wait: its sequence already has a chunk
+        waiting, or the waiting tokens would pass the context's batch."""
+        if any(s == seq for s, _, _ in self._deferred) or \
+                sum(len(t) for _, t, _ in self._deferred) + len(tokens) > self.verifier.batch_tokens:
+            self.flush()
+        self._deferred.append((seq, list(tokens), start))
+
+    def flush(self) -> None:
+        """Decode the waiting prefill chunks now (no logits). A failure marks their sequences broken (``check``)."""
+        chunks, self._deferred = self._deferred, []
+        if not chunks:
+            return
+        try:
+            self.verifier._decode([t for _, ts, _ in chunks for t in ts],
+                                  [p for _, ts, a in chunks for p in range(a, a + len(ts))],
+                                  [(s,) for s, ts, _ in chunks for _ in ts], False)
+        except BaseException:
+            self._broken.update(s for s, _, _ in chunks)
+            raise
+
+    def check(self, seq: int) -> None:
+        """Raise for a sequence whose prefill chunk a failed decode lost (its request must fail, not run on holes)."""
+        if seq in self._broken:
+            raise RuntimeError(f"{self.verifier.name}: a decode holding this request's prompt failed; its KV is "
+                               f"incomplete")
+
     def join(self, slot: SlotVerifier, prefill: LlamaCppPrefill) -> None:
+        self.check(prefill.seq)
         row = self.cache.active
         self._row_seq.append(prefill.seq)
         self.cache.lengths[row] = prefill.done
@@ -192,7 +246,7 @@ class LlamaCppBatchVerifier:
     def reset(self) -> None:
         """Drop every row and prefill (after a step broke: their requests failed): the context is cleared."""
         self.verifier.reset()
-        self._row_seq, self._leaves = [], []
+        self._row_seq, self._leaves, self._deferred, self._broken = [], [], [], set()
         self._free = list(range(self.verifier.max_sequences - 1, -1, -1))
         self.cache.reset()
 
@@ -204,6 +258,7 @@ class LlamaCppBatchVerifier:
 
     def _drop(self, seq: int) -> None:
         self.verifier.lib.llama_memory_seq_rm(self.verifier._memory, seq, -1, -1)
+        self._broken.discard(seq)
         self._free.append(seq)
 
     # -------------------------------------------------------------- a verify
@@ -230,18 +285,33 @@ class LlamaCppBatchVerifier:
                 positions.append([past + d for d in [0, *draft.depths().tolist()]])
                 sequences.append(per_node or [(seq,)] * (n + 1))
                 sizes.append(n + 1)
+            for seq in self._row_seq[:B]:
+                self.check(seq)
             if max(sizes, default=0) > v.batch_tokens:
                 raise ValueError(f"{v.name}: a draft of {max(sizes) - 1} nodes exceeds the llama.cpp backend's "
                                  f"{v.batch_tokens - 1}")
+            # waiting prefill chunks first, segments with no logits; a joining row's chunk also goes into its tree's
+            # leaf sequences, which copied the row's prefix before these cells existed
+            leaves_of = {self._row_seq[b]: per_node[0] for b, per_node in enumerate(leaves) if per_node is not None}
+            chunks, self._deferred = self._deferred, []
+            segments = [(ts, range(a, a + len(ts)), [(s, *leaves_of.get(s, ()))] * len(ts), False)
+                        for s, ts, a in chunks]
+            segments += [(tokens[b], positions[b], sequences[b], True) for b in range(B)]
             logits = []
-            for group in _groups(sizes, v.batch_tokens):  # each group one llama_decode
-                flat = [x for b in group for x in tokens[b]]
-                out = v._decode(flat, [p for b in group for p in positions[b]],
-                                [s for b in group for s in sequences[b]], True)
-                start = 0
-                for b in group:
-                    logits.append(out[start: start + sizes[b]])
-                    start += sizes[b]
+            try:
+                for group in _groups([len(g[0]) for g in segments], v.batch_tokens):  # each group one llama_decode
+                    parts = [segments[i] for i in group]
+                    out = v._decode([t for p in parts for t in p[0]], [x for p in parts for x in p[1]],
+                                    [q for p in parts for q in p[2]],
+                                    [p[3] for p in parts for _ in p[0]])
+                    start = 0
+                    for p in parts:
+                        if p[3]:
+                            logits.append(out[start: start + len(p[0])])
+                            start += len(p[0])
+            except BaseException:
+                self._broken.update(s for s, _, _ in chunks)
+                raise
         except BaseException:
             self._leaves = leaves
             self._release_leaves()

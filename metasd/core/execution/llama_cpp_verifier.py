@@ -152,13 +152,14 @@ class LlamaCppVerifier:
         self._block = None
 
     def _decode(self, tokens: Sequence[int], positions: Sequence[int], sequences: Sequence[Sequence[int]],
-                outputs: bool) -> torch.Tensor | None:
-        """One llama_decode of ``tokens`` at ``positions`` in ``sequences``; their logits [n, vocab] (float32, host)
-        when ``outputs``."""
+                outputs: bool | Sequence[bool]) -> torch.Tensor | None:
+        """One llama_decode of ``tokens`` at ``positions`` in ``sequences``; the logits [m, vocab] (float32, host) of
+        the tokens ``outputs`` marks (True: every token; False: none, and None is returned)."""
         b, n = self._batch, len(tokens)
+        flags = [bool(outputs)] * n if isinstance(outputs, bool) else [bool(o) for o in outputs]
         b.n_tokens = n
         for i in range(n):
-            b.token[i], b.pos[i], b.logits[i] = int(tokens[i]), int(positions[i]), int(outputs)
+            b.token[i], b.pos[i], b.logits[i] = int(tokens[i]), int(positions[i]), flags[i]
             seqs = sequences[i]
             b.n_seq_id[i] = len(seqs)
             row = b.seq_id[i]
@@ -168,9 +169,10 @@ class LlamaCppVerifier:
         if rc != 0:
             raise RuntimeError(f"{self.name}: llama_decode returned {rc} for {n} tokens at position {positions[0]} "
                                f"(context {self.context_length})")
-        if not outputs:
+        m = sum(flags)
+        if not m:
             return None
-        logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self._ctx), shape=(n, self.vocab_size))
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self._ctx), shape=(m, self.vocab_size))
         return torch.from_numpy(logits.copy())
 
     @torch.inference_mode()

@@ -29,6 +29,8 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    #: the token's rank among the position's tokens (1: the most likely; ties share the better rank), as vLLM's
+    rank: int | None = None
 
 
 def check_logprobs(value, name: str = "logprobs") -> int | None:
@@ -54,13 +56,15 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
         return []
     logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [m, vocab]
     ids = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)
-    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()  # [m]
+    chosen = logp.gather(1, ids[:, None])  # [m, 1]
+    ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()  # [m]
+    chosen = chosen[:, 0].tolist()
     if top <= 0:
-        return [TokenLogprob(int(t), float(lp)) for t, lp in zip(tokens, chosen)]
+        return [TokenLogprob(int(t), float(lp), rank=int(r)) for t, lp, r in zip(tokens, chosen, ranks)]
     values, indices = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [m, top] each
     values, indices = values.tolist(), indices.tolist()
-    return [TokenLogprob(int(t), float(lp), list(zip(ix, vs)))
-            for t, lp, ix, vs in zip(tokens, chosen, indices, values)]
+    return [TokenLogprob(int(t), float(lp), list(zip(ix, vs)), int(r))
+            for t, lp, ix, vs, r in zip(tokens, chosen, indices, values, ranks)]
 
 
 def step_logprobs(logits: torch.Tensor, path: Sequence[int], committed: Sequence[int], top: int) -> list[TokenLogprob]:
