@@ -191,4 +191,5 @@ def test_llama_cpp_servers_commands_ratios_and_identity(sl, monkeypatch):
     assert "| 1 | " in ratios and "transformers" not in ratios
     assert sl.identity_line(rows) == ""  # no transformers serve in this run
     line = sl.identity_line(rows, "llama-server")
-    assert line.startswith("completions identical to llama-server's text") and line.endswith("llama-server-draft 4/4, metasd-llama-cpp 4/4, metasd-llama-cpp-off 0/4")
+    assert line.startswith("completions identical to llama-server's text")
+    assert line.endswith("llama-server-draft 4/4, metasd-llama-cpp 4/4, metasd-llama-cpp-off 0/4")

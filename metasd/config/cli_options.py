@@ -1,6 +1,6 @@
 """The pool options ``metasd generate`` and ``metasd serve`` share: ``--drafter``, ``--k``, ``--param``, ``--policy``,
-``--granularity``, ``--reward``, ``--dtype``, ``--backend`` (and the verifier, ``--verifier`` or serve's MODEL), applied to a pool
-file's mapping and checked before any model loads; and the help formatter both commands use.
+``--granularity``, ``--reward``, ``--dtype``, ``--backend`` (and the verifier, ``--verifier`` or serve's MODEL),
+applied to a pool file's mapping and checked before any model loads; and the help formatter both commands use.
 
 Here, below both commands (``metasd.cli`` is above ``metasd.serve``, which may not import it), so neither copies it.
 """

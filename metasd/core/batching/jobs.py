@@ -139,9 +139,9 @@ def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):
 
 
 def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) -> None:
-    """The request's prefill (``verifier``: the scheduler's batched verifier, which makes it), starting after the longest prefix of its prompt the prefix cache holds (not for a request
-    that asked for its prompt's log-probabilities: the prefill computes them); its stats count the prompt tokens
-    reused (``cached_prompt_tokens``)."""
+    """The request's prefill (made by ``verifier``, the scheduler's batched verifier), starting after the longest
+    prefix of its prompt the prefix cache holds (not for a request that asked for its prompt's log-probabilities: the
+    prefill computes them); its stats count the prompt tokens reused (``cached_prompt_tokens``)."""
     ids, scoring = job.request.prompt_ids[:-1], job.request.prompt_scoring()
     prefix = None
     if prefix_cache is not None and not scoring:

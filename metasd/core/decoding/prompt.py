@@ -1,6 +1,6 @@
 """From what a caller gives to the verifier's token ids: ``encode_prompt`` (strings, chat messages, token ids; chat
-messages through ``render_chat``) and the context check (``check_context``). Needs no model, only its tokenizer, so a command can check a prompt before any model
-loads."""
+messages through ``render_chat``) and the context check (``check_context``). Needs no model, only its tokenizer, so a
+command can check a prompt before any model loads."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence

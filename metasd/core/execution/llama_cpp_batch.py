@@ -33,6 +33,7 @@ import torch
 
 from .batch_verifier import SlotVerifier
 from .kv_memory import RESERVATION_BUCKET, KVBudgetError, KVGeometry, bucketed
+from .llama_cpp_verifier import leaf_sequences
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .tree import Draft
 from .verifier import VerifierOutput
@@ -147,7 +148,8 @@ class LlamaCppBatchVerifier:
     def __init__(self, verifier, slots: int, hidden_layers: Sequence[int] = (), *, kv_budget: int | None = None):
         if hidden_layers:
             raise ValueError(f"{verifier.name}: the llama.cpp backend has no hidden states (layers "
-                             f"{list(hidden_layers)} asked for); drafters that read them need verifier: {{backend: torch}}")
+                             f"{list(hidden_layers)} asked for); drafters that read them need "
+                             f"verifier: {{backend: torch}}")
         if slots + 1 > verifier.max_sequences:
             raise ValueError(f"max_batch={slots}: the llama.cpp backend holds {verifier.max_sequences} sequences "
                              f"(one per request, the rest for draft trees' leaves)")
@@ -272,6 +274,8 @@ class LlamaCppBatchVerifier:
             raise RuntimeError("LlamaCppBatchVerifier.verify called twice without a commit in between")
         tokens, positions, sequences, sizes = [], [], [], []
         leaves: list[list[int] | None] = []
+        for seq in self._row_seq[:B]:
+            self.check(seq)
         try:
             for b in range(B):
                 draft, past, seq = drafts[b], self.cache.lengths[b], self._row_seq[b]
@@ -285,8 +289,6 @@ class LlamaCppBatchVerifier:
                 positions.append([past + d for d in [0, *draft.depths().tolist()]])
                 sequences.append(per_node or [(seq,)] * (n + 1))
                 sizes.append(n + 1)
-            for seq in self._row_seq[:B]:
-                self.check(seq)
             if max(sizes, default=0) > v.batch_tokens:
                 raise ValueError(f"{v.name}: a draft of {max(sizes) - 1} nodes exceeds the llama.cpp backend's "
                                  f"{v.batch_tokens - 1}")
@@ -322,26 +324,20 @@ class LlamaCppBatchVerifier:
 
     def _tree_sequences(self, seq: int, parents: list[int]) -> list[list[int]]:
         """Per block row (0 = pending, i+1 = node i) of a tree in row sequence ``seq``: the temporary sequences of the
-        leaves below it, each holding the row's prefix."""
-        n = len(parents)
-        has_child = [False] * (n + 1)
-        for p in parents:
-            has_child[p + 1] = True
-        per_node: list[list[int]] = [[] for _ in range(n + 1)]
-        lib, mem = self.verifier.lib, self.verifier._memory
-        for row in range(n + 1):
-            if not has_child[row]:
-                try:
-                    leaf = self._take()
-                except RuntimeError:
-                    for s in {s for node in per_node for s in node}:
-                        self._drop(s)
-                    raise
-                per_node[row].append(leaf)
-                lib.llama_memory_seq_cp(mem, seq, leaf, -1, -1)
-        for row in range(n, 0, -1):  # parents come before their children: fold each row's sequences into its parent's
-            per_node[parents[row - 1] + 1].extend(per_node[row])
-        return per_node
+        leaves below it, each holding the row's prefix (``leaf_sequences``); none kept when they run out."""
+        taken: list[int] = []
+
+        def new_leaf() -> int:
+            taken.append(self._take())
+            self.verifier.lib.llama_memory_seq_cp(self.verifier._memory, seq, taken[-1], -1, -1)
+            return taken[-1]
+
+        try:
+            return leaf_sequences(parents, new_leaf)
+        except RuntimeError:
+            for s in taken:
+                self._drop(s)
+            raise
 
     def _release_leaves(self) -> None:
         for per_node in self._leaves:

@@ -33,7 +33,7 @@ from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .tree import Draft
 from .verifier import VerifierOutput
 
-__all__ = ["LlamaCppVerifier", "llama_cpp_module"]
+__all__ = ["LlamaCppVerifier", "leaf_sequences", "llama_cpp_module"]
 
 #: llama.cpp's limit on sequence ids (LLAMA_MAX_SEQ): sequence 0 holds the prefix, so a tree has at most 255 leaves
 MAX_SEQUENCES = 256
@@ -57,6 +57,22 @@ def llama_cpp_module():
         lib.llama_log_set(_LOG_CALLBACK, None)
         lib.llama_backend_init()
     return lib
+
+
+def leaf_sequences(parents: Sequence[int], new_leaf) -> list[list[int]]:
+    """The sequences of a draft tree in a unified KV cache, per block row (0 = the pending token, i+1 = node i): the
+    sequences of the leaves below it, so that each node sees exactly its ancestors. ``new_leaf()`` gives a leaf its
+    sequence (one that already holds the committed prefix), leaves in row order.
+
+    parents: [n] each node's parent node (-1: the pending token)."""
+    n = len(parents)
+    has_child = [False] * (n + 1)
+    for p in parents:
+        has_child[p + 1] = True
+    per_node: list[list[int]] = [[] if has_child[row] else [new_leaf()] for row in range(n + 1)]
+    for row in range(n, 0, -1):  # parents come before their children: fold each row's sequences into its parent's
+        per_node[parents[row - 1] + 1].extend(per_node[row])
+    return per_node
 
 
 class LlamaCppVerifier:
@@ -227,23 +243,20 @@ class LlamaCppVerifier:
         return VerifierOutput(logits, {})
 
     def _tree_sequences(self, parents: list[int]) -> list[list[int]]:
-        """Per block row (0 = pending, i+1 = node i): the sequences of the leaves below it; each leaf's sequence
+        """Per block row (0 = pending, i+1 = node i): the sequences of the leaves below it, 1..L; each leaf's sequence
         first receives the committed prefix."""
-        n = len(parents)
-        has_child = [False] * (n + 1)
-        for p in parents:
-            has_child[p + 1] = True
-        leaves = [r for r in range(n + 1) if not has_child[r]]
-        if len(leaves) >= self.max_sequences:
-            raise ValueError(f"{self.name}: a draft tree of {len(leaves)} leaves exceeds the llama.cpp backend's "
+        leaves = len(parents) + 1 - len(set(parents))  # rows no node names as its parent (-1 names row 0)
+        if leaves >= self.max_sequences:
+            raise ValueError(f"{self.name}: a draft tree of {leaves} leaves exceeds the llama.cpp backend's "
                              f"{self.max_sequences - 1}")
-        seqs: list[list[int]] = [[] for _ in range(n + 1)]
-        for s, leaf in enumerate(leaves, start=1):
-            seqs[leaf].append(s)
+        ids = iter(range(1, leaves + 1))
+
+        def new_leaf() -> int:
+            s = next(ids)
             self.lib.llama_memory_seq_cp(self._memory, 0, s, -1, -1)
-        for r in range(n, 0, -1):  # parents come before their children: fold each row's sequences into its parent's
-            seqs[parents[r - 1] + 1].extend(seqs[r])
-        return seqs
+            return s
+
+        return leaf_sequences(parents, new_leaf)
 
     @torch.inference_mode()
     def commit(self, path: Sequence[int], out: VerifierOutput | None = None) -> torch.Tensor:

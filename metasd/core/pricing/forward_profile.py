@@ -173,6 +173,18 @@ def _check_arg(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _checked_counts(token_counts: Sequence[int], context: int, repeats: int, warmup: int) -> tuple[int, ...]:
+    """The arguments every profile takes, checked (ValueError naming the one at fault); the token counts."""
+    try:
+        counts = _check_counts(token_counts, "token_counts")
+    except ProfileError as e:
+        raise ValueError(str(e)) from None
+    _check_arg(_is_int(context) and context >= 1, f"context: must be an integer >= 1, got {context!r}")
+    _check_arg(_is_int(repeats) and repeats >= 1, f"repeats: must be an integer >= 1, got {repeats!r}")
+    _check_arg(_is_int(warmup) and warmup >= 0, f"warmup: must be an integer >= 0, got {warmup!r}")
+    return counts
+
+
 @torch.inference_mode()
 def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4, 16, 64, 256), *, rows: int = 1,
                     context: int = 256, repeats: int = 3, warmup: int = 1, max_seconds: float | None = 5.0,
@@ -206,16 +218,10 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     the global random state is untouched. Raises ValueError naming the argument at fault (rows < 1, n not a multiple
     of rows, a context beyond the model's positions, ...)."""
     _check_arg(_is_int(rows) and rows >= 1, f"rows: must be an integer >= 1, got {rows!r}")
-    try:
-        counts = _check_counts(token_counts, "token_counts")
-    except ProfileError as e:
-        raise ValueError(str(e)) from None
+    counts = _checked_counts(token_counts, context, repeats, warmup)
     for i, n in enumerate(counts):
         _check_arg(n % rows == 0, f"token_counts[{i}]: {n} tokens do not split into rows={rows} rows "
                                   f"(a forward runs [rows, n // rows])")
-    _check_arg(_is_int(context) and context >= 1, f"context: must be an integer >= 1, got {context!r}")
-    _check_arg(_is_int(repeats) and repeats >= 1, f"repeats: must be an integer >= 1, got {repeats!r}")
-    _check_arg(_is_int(warmup) and warmup >= 0, f"warmup: must be an integer >= 0, got {warmup!r}")
     _check_arg(max_seconds is None or (_is_real(max_seconds) and max_seconds > 0),
                f"max_seconds: must be a number > 0 or None, got {max_seconds!r}")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -290,13 +296,7 @@ def profile_llama_cpp(verifier, token_counts: Sequence[int] = (1, 4, 16, 64, 256
     """``profile_forward`` for a ``LlamaCppVerifier``: the median seconds of its forwards over n new tokens (one
     ``llama_decode``, logits at every position, ``LlamaCppVerifier.timed_forward``) after a prefill of ``context``
     random tokens; the verifier's cache is empty afterwards. Arguments as ``profile_forward``'s."""
-    try:
-        counts = _check_counts(token_counts, "token_counts")
-    except ProfileError as e:
-        raise ValueError(str(e)) from None
-    _check_arg(_is_int(context) and context >= 1, f"context: must be an integer >= 1, got {context!r}")
-    _check_arg(_is_int(repeats) and repeats >= 1, f"repeats: must be an integer >= 1, got {repeats!r}")
-    _check_arg(_is_int(warmup) and warmup >= 0, f"warmup: must be an integer >= 0, got {warmup!r}")
+    counts = _checked_counts(token_counts, context, repeats, warmup)
     _check_arg(context + counts[-1] <= verifier.context_length and counts[-1] <= verifier.batch_tokens,
                f"token_counts: {counts[-1]} tokens after a context of {context} exceed the llama.cpp context "
                f"({verifier.context_length} positions, {verifier.batch_tokens} a forward)")
