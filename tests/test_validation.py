@@ -45,8 +45,9 @@ def no_model_load(monkeypatch):
                "prepare_bundled", metasd.config.build.build_engine: "build_engine"}
     for module in [m for name, m in sys.modules.items() if name.startswith("metasd")]:
         for attr, value in list(vars(module).items()):
-            if callable(value) and value in loaders:
-                monkeypatch.setattr(module, attr, refuse(loaders[value]))
+            loader = next((name for fn, name in loaders.items() if value is fn), None)  # identity: any callable,
+            if loader is not None:  # hashable or not (a ctypes callback), compares
+                monkeypatch.setattr(module, attr, refuse(loader))
     monkeypatch.setattr(metasd.config.ModelCache, "load", refuse("ModelCache.load"))
     return calls
 

@@ -14,6 +14,7 @@ from ..execution.batch_cache import BatchCache
 from ..execution.kv_memory import KVBudgetError, KVGeometry, default_budget_bytes
 from ..decoding.request import Prompt, Request
 from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
+from ..execution.llama_cpp_batch import LlamaCppBatchVerifier  # needs no llama-cpp-python until one is made
 from ..execution.prefix_cache import PrefixCache
 from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent, _TextStream
 
@@ -129,8 +130,6 @@ def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):
     llama.cpp backend a ``LlamaCppBatchVerifier`` over its context's cells."""
     verifier = engine.verifier
     if getattr(verifier, "backend", "torch") == "llama.cpp":
-        from ..execution.llama_cpp_batch import LlamaCppBatchVerifier
-
         return LlamaCppBatchVerifier(verifier, max_batch, engine.hidden_layers, kv_budget=kv_budget)
     per_token = KVGeometry.of(verifier.model).bytes_per_token
     budget = kv_budget * per_token if kv_budget is not None else default_budget_bytes(verifier.device)
