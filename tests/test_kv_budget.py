@@ -12,7 +12,10 @@ import torch
 from metasd.core.batching.scheduler import RequestFinished, Scheduler, SchedulerStep
 from metasd.core.engine import Engine
 from metasd.core.execution.batch_cache import BatchCache
+from metasd.core.execution import batch_verifier
+from metasd.core.execution.kv_cache import cache_kwargs
 from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError, KVGeometry
+from metasd.core.execution.static_cache import new_cache
 from metasd.core.execution.verifier import Verifier
 from metasd.drafters import PretrainedDrafter
 from tiny import tiny_qwen, tiny_tokenizer
@@ -159,6 +162,59 @@ def test_nothing_is_allocated_inside_a_forward_and_the_buffers_shrink_when_the_l
     assert inside and not any(inside)
     assert sizes[0] == (2, 512) or sizes[0][1] == 256  # the long one left first: rows shrink to the short one's 256
     assert (cache.rows, cache.capacity) == (0, 0)
+
+
+def _feed(model, cache, ids):
+    model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True)
+
+
+@torch.inference_mode()
+def test_a_prefill_writes_into_its_reserved_row_through_reallocations_and_joins_out_of_order():
+    # a joining prefill once filled a batch-1 cache of its own (memory outside the KV budget, then copied into a row):
+    # now it writes into a row its reservation allocated, which must keep its content when the buffers are
+    # reallocated under it and when another request's staged row is swapped with it at a join
+    model = tiny_qwen(seed=0, context=1024)
+    a_ids, b_ids = list(range(3, 23)), list(range(40, 47))
+    reference = {}
+    for name, ids in (("a", a_ids), ("b", b_ids)):
+        ref = new_cache(model)
+        _feed(model, ref, ids)
+        reference[name] = [(layer.keys.clone(), layer.values.clone()) for layer in ref.layers]
+    cache = BatchCache(KVGeometry.of(model), 4)
+    cache.reserve("a", 64)
+    cache.reserve("b", 64)
+    ra, rb = cache.stage(), cache.stage()
+    assert (ra.row, rb.row) == (0, 1)
+    _feed(model, ra, a_ids[:8])
+    _feed(model, rb, b_ids)
+    cache.reserve("c", 600)  # wider rows: every buffer is reallocated while both prefills are under way
+    assert cache.capacity >= 600
+    assert cache.join_staged(rb) == 0  # b finished first: it takes row 0, a's staged row moves to row 1
+    assert ra.row == 1 and cache.staged == {1: ra}
+    _feed(model, ra, a_ids[8:])  # a's prefill goes on in its new row
+    assert cache.join_staged(ra) == 1 and not cache.staged and cache.active == 2
+    for row, name in ((0, "b"), (1, "a")):
+        assert cache.lengths[row] == len(reference[name][0][0][0, 0])
+        for layer, (keys, values) in enumerate(reference[name]):
+            torch.testing.assert_close(cache.row_keys(layer, row), keys[0])
+            torch.testing.assert_close(cache.row_values(layer, row), values[0])
+    staged = cache.stage()
+    cache.unstage(staged)  # its request left during its prefill: the row is free again
+    assert not cache.staged and cache.stage().row == staged.row
+
+
+def test_prefills_allocate_nothing_outside_the_batched_cache(tok, monkeypatch):
+    engine = _engine(tok)
+    expected = _alone(engine) + [engine.generate(PROMPTS[2] * 12, 10).token_ids]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a prefill allocated a cache of its own")
+    monkeypatch.setattr(batch_verifier, "new_cache", refused)
+    with Scheduler(engine, max_batch=4, prefill_chunk=5, max_draft_nodes=16) as s:  # prefills in turns, joins in any order
+        handles = [s.submit(p, n) for p, n in zip(PROMPTS + [PROMPTS[2] * 12], MAX_NEW + [10])]
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
+        cache = s.verifier.cache
+    assert not cache.staged and cache.held_bytes == 0
 
 
 def test_three_failed_steps_in_a_row_make_the_scheduler_unhealthy_until_one_succeeds(tok):

@@ -33,9 +33,9 @@ class Scheduler:
     """Continuous batching over an ``Engine``: a background thread owns the engine's verifier and drafters - from
     construction to shutdown no other request may run on them (``Engine.generate`` on the same engine raises
     ``EngineBusyError``) - and runs every submitted request. Each step: requests waiting are admitted up to
-    ``max_batch`` (a joining request is prefilled alone, ``prefill_chunk`` tokens per step, then copied into a row of
-    the batched cache), every running request drafts with its own forks of the pool's drafters, one verifier forward
-    scores all the drafts (``BatchVerifier``), each request accepts and commits its own path, and finished or cancelled
+    ``max_batch`` (a joining request is prefilled alone, ``prefill_chunk`` tokens per step, into the row of the batched
+    cache its reservation allocated), every running request drafts with its own forks of the pool's drafters, one
+    verifier forward scores all the drafts (``BatchVerifier``), each request accepts and commits its own path, and finished or cancelled
     requests leave (docs/architecture.md#serving-the-scheduler-and-the-batched-cache).
 
     max_batch: requests running (or prefilling) at once; max_queue: requests waiting beyond them (``submit`` raises

@@ -43,6 +43,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVBudgetError, KVGeometry, bucketed
+from .row_cache import RowCache
 
 
 class BatchLayer(CacheLayerMixin):
@@ -90,7 +91,8 @@ class BatchCache(Cache):
 
     ``lengths[b]``: cached positions of row b. Admission: ``fits`` / ``reserve`` (all-or-nothing) / ``release``,
     ``shrink`` between steps; ``budget_bytes`` None: no budget. A forward over rows [0, B) is prepared by
-    ``prepare(B, n_new)``; rows join (``join``: a batch-1 cache of a prefilled request copied into a reserved row),
+    ``prepare(B, n_new)``; a joining request prefills into a free row of its own (``stage``: a ``RowCache``, outside
+    the running rows), then joins (``join_staged``: its row becomes row B; ``join`` copies a batch-1 cache instead),
     leave (``remove``: the last row moves into the hole) and keep their accepted positions (``commit``).
     """
 
@@ -108,6 +110,7 @@ class BatchCache(Cache):
         self.lengths = [0] * slots
         self.active = 0  # rows in use: 0..active-1
         self.reserved: dict[Hashable, int] = {}  # admitted request -> positions reserved
+        self.staged: dict[int, RowCache] = {}  # rows >= active that joining requests prefill into
         self.pinned_bytes = 0  # held inside the budget outside the rows: the prefix cache's entries (prefix_cache.py)
         self._forward: tuple[int, int] | None = None  # (B, N) of the prepared forward
         self._index: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -190,7 +193,7 @@ class BatchCache(Cache):
             return False
         elif rows <= self.rows // 4:
             rows = 2 * rows  # keep room to grow: shrinking to the last row would copy again at the next admission
-        rows, capacity = min(max(rows, self.active), self.rows), min(capacity, self.capacity)
+        rows, capacity = min(max(rows, self._rows_in_use()[0]), self.rows), min(capacity, self.capacity)
         if (rows, capacity) == (self.rows, self.capacity):
             return False
         try:
@@ -198,6 +201,12 @@ class BatchCache(Cache):
         except KVAllocationError:
             return False
         return True
+
+    def _rows_in_use(self) -> tuple[int, int]:
+        """(rows, positions) a reallocation must keep: the running rows and the staged ones (their prefills)."""
+        rows = max([self.active] + [r + 1 for r in self.staged])
+        used = max([0] + self.lengths[: self.active] + [c.length for c in self.staged.values()])
+        return rows, used
 
     def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One buffer (zeros: never NaN under a mask). Tests inject failures here."""
@@ -207,7 +216,8 @@ class BatchCache(Cache):
     def _resize(self, rows: int, capacity: int) -> None:
         """Reallocate every layer to [rows, kv_heads, capacity, head_dim], keeping the rows in use: every new buffer
         is allocated before any old one is replaced, so a failure changes nothing."""
-        if rows < self.active or capacity < max(self.lengths[: self.active], default=0):
+        keep, used = self._rows_in_use()
+        if rows < keep or capacity < used:
             raise ValueError(f"BatchCache: cannot resize to {rows} rows x {capacity} positions: rows in use hold more")
         g = self.geometry
         shape = (rows, g.kv_heads, capacity, g.head_dim)
@@ -219,11 +229,10 @@ class BatchCache(Cache):
             new.clear()
             raise KVAllocationError(f"could not allocate the KV cache for {rows} rows x {capacity} positions "
                                     f"({rows * capacity * g.bytes_per_token / 2**20:.1f} MiB)") from e
-        used = max(self.lengths[: self.active], default=0)
         for layer, (k, v) in zip(self.layers, new):
-            if self.active and used:
-                k[: self.active, :, :used] = layer.keys[: self.active, :, :used]
-                v[: self.active, :, :used] = layer.values[: self.active, :, :used]
+            if keep and used:
+                k[:keep, :, :used] = layer.keys[:keep, :, :used]
+                v[:keep, :, :used] = layer.values[:keep, :, :used]
             layer.keys, layer.values = k, v
         self.rows, self.capacity = rows, capacity
         self._index = None
@@ -305,10 +314,51 @@ class BatchCache(Cache):
         self.active += 1
         return row
 
+    def stage(self) -> RowCache:
+        """A free row outside the running ones for a joining request to prefill into (its reservation allocated it)."""
+        for row in range(self.active, self.rows):
+            if row not in self.staged:
+                self.staged[row] = RowCache(self, row)
+                return self.staged[row]
+        raise RuntimeError(f"BatchCache: no reserved row is free to prefill into ({self.rows} allocated, "
+                           f"{self.active} running, {len(self.staged)} prefilling)")
+
+    def unstage(self, staged: RowCache) -> None:
+        """Its request left during its prefill: the row is free again."""
+        if self.staged.get(staged.row) is staged:
+            del self.staged[staged.row]
+
+    def join_staged(self, staged: RowCache) -> int:
+        """A prefilled request joins: its staged row becomes the next running row (swapped with what lies there, another
+        request's staged row or nothing), without copying its cache anywhere else. Returns the row."""
+        if self.staged.get(staged.row) is not staged:
+            raise RuntimeError(f"BatchCache: row {staged.row} is not staged by this prefill")
+        row, target = staged.row, self.active
+        del self.staged[row]
+        if row != target:
+            other = self.staged.pop(target, None)
+            n = max(staged.length, other.length if other is not None else 0)
+            if n:
+                for layer in self.layers:
+                    for buf in (layer.keys, layer.values):
+                        buf[[row, target], :, :n] = buf[[target, row], :, :n]  # the right side is a copy: a swap
+            if other is not None:
+                for layer in other.layers:
+                    layer.row = row
+                other.row = row
+                self.staged[row] = other
+            for layer in staged.layers:
+                layer.row = target
+            staged.row = target
+        self.lengths[target] = staged.length
+        self.active += 1
+        return target
+
     def reset(self) -> None:
         """Drop every row (their requests failed); reservations stay until released."""
         self.lengths = [0] * self.slots
         self.active = 0
+        self.staged.clear()
         self._forward, self._index = None, None
 
     def remove(self, row: int) -> int | None:

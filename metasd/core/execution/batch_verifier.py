@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .batch_cache import BatchCache
+from .batch_cache import BatchCache, RowCache
 from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
@@ -84,20 +84,24 @@ class SlotVerifier:
 
 
 class Prefill:
-    """A joining request's prefill: every prompt token but the last into a batch-1 cache, ``chunk`` tokens per call
+    """A joining request's prefill: every prompt token but the last into ``cache`` (the batched cache's row staged for
+    it, or a batch-1 cache of its own), ``chunk`` tokens per call
     of ``step``, with the hidden states of ``layers`` for the drafters that read them; with ``prefix`` (an entry of the
     prefix cache and how many of its positions are this prompt's) it starts after them. With ``score`` (the tokens that
     follow each position: the prompt's tokens 1..T) it keeps their raw log-probabilities in ``scores`` (``top``
     alternatives each; ``Verifier.prefill``)."""
 
     def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int],
-                 score: Sequence[int] | None = None, top: int = 0, prefix: tuple[PrefixEntry, int] | None = None):
+                 score: Sequence[int] | None = None, top: int = 0, prefix: tuple[PrefixEntry, int] | None = None,
+                 cache: RowCache | None = None):
         self.model = verifier.model
         self.device = verifier.device
         self.ids = list(token_ids)
         self.layers = tuple(sorted(set(layers)))
         self.hidden = HiddenStore(self.layers) if self.layers else None
-        self.cache = new_cache(self.model, len(self.ids), verifier.name)
+        #: where the prompt's keys and values go: the batched cache's row for it (``BatchCache.stage``), or a batch-1
+        #: cache of its own
+        self.cache = cache if cache is not None else new_cache(self.model, len(self.ids), verifier.name)
         self.done = 0
         if prefix is not None:  # its first n positions from the prefix cache: the prefill starts after them
             entry, n = prefix
@@ -219,14 +223,22 @@ class BatchVerifier:
 
     def start_prefill(self, token_ids: list[int], layers: Sequence[int] = (), score: Sequence[int] | None = None,
                       top: int = 0, prefix: tuple[PrefixEntry, int] | None = None) -> Prefill:
-        """A joining request's prefill (``Prefill``), into a batch-1 cache of its own."""
-        return Prefill(self.verifier, token_ids, layers, score, top, prefix)
+        """A joining request's prefill (``Prefill``), straight into a free row of the batched cache that its
+        reservation allocated (``BatchCache.stage``): a prefill allocates nothing."""
+        row = self.cache.stage()
+        try:
+            return Prefill(self.verifier, token_ids, layers, score, top, prefix, cache=row)
+        except BaseException:
+            self.cache.unstage(row)
+            raise
 
     def abandon(self, prefill: Prefill) -> None:
-        """A request left during its prefill: nothing to free here (its batch-1 cache goes with it)."""
+        """A request left during its prefill: its staged row is free again."""
+        self.cache.unstage(prefill.cache)
 
     def join(self, slot: SlotVerifier, prefill: Prefill) -> None:
-        slot.row = self.cache.join(prefill.cache if prefill.done else None, prefill.done)
+        """A prefilled request joins: its staged row becomes a running row (nothing is copied out of it)."""
+        slot.row = self.cache.join_staged(prefill.cache)
 
     def remove(self, row: int) -> int | None:
         return self.cache.remove(row)
