@@ -132,12 +132,6 @@ class ServeState:
                               "context_length_exceeded")
         return budget
 
-    def default(self, req, field: str, fallback):
-        """The request's value of ``field``; unset: the model's generation_config value (``--generation-config
-        auto``), else OpenAI's default ``fallback``."""
-        value = getattr(req, field)
-        return value if value is not None else self.defaults.get(field, fallback)
-
     def check_tools(self, req) -> None:
         """A 400 when the chat template cannot show the model its tools, or when the request needs its calls read
         (``tool_choice`` other than ``none``) and no parser knows the model's format."""
@@ -205,10 +199,9 @@ class ServeState:
         logprobs, prompt_logprobs = req.logprob_options()
         try:
             return self.scheduler.submit(
-                ids, max_new_tokens, temperature=self.default(req, "temperature", 1.0),
-                top_p=self.default(req, "top_p", 1.0), top_k=self.default(req, "top_k", 0), stop=req.stops() or None,
-                seed=None if req.seed is None else req.seed + seed_offset, chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                constraint=constraint, **req.penalties(self.defaults))
+                ids, max_new_tokens, stop=req.stops() or None, seed=None if req.seed is None else req.seed + seed_offset,
+                chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
+                **req.sampling(self.defaults))
         except QueueFullError:
             raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None

@@ -253,11 +253,18 @@ class _Common(Lenient):
             raise ValueError("logit_bias is not supported (only an empty one is accepted)")
         return v
 
-    def penalties(self, defaults: dict | None = None) -> dict[str, float]:
-        """The penalties asked for, as ``Scheduler.submit`` takes them (unset: ``defaults``' value, else off)."""
+    def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
+        """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the
+        request's value; unset, the model's ``generation_config`` value (``defaults``: ``generation_defaults``, with
+        ``--generation-config auto``); else OpenAI's default (``SAMPLING_FALLBACKS``; a penalty left out: off)."""
         defaults = defaults or {}
-        return {k: float(v) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                if (v := getattr(self, k) if getattr(self, k) is not None else defaults.get(k)) is not None}
+        out: dict[str, float | int] = {}
+        for field, fallback in SAMPLING_FALLBACKS.items():
+            value = getattr(self, field)
+            value = value if value is not None else defaults.get(field, fallback)
+            if value is not None:
+                out[field] = int(value) if field == "top_k" else float(value)
+        return out
 
     def constraint(self) -> Constraint | None:
         """The structured output asked for (at most one of ``response_format``, ``guided_json``, ``guided_regex``);
@@ -399,6 +406,12 @@ class CompletionRequest(_Common):
 
     def prompt_value(self) -> str | list[int]:
         return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+
+
+#: OpenAI's value of a sampling field that neither the request nor the model's generation_config sets (None: the
+#: penalty is off)
+SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": None,
+                      "frequency_penalty": None, "repetition_penalty": None}
 
 
 #: the ``generation_config`` fields a server started with ``--generation-config auto`` uses as request defaults, by the
