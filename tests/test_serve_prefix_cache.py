@@ -36,6 +36,9 @@ def test_the_second_turn_of_a_chat_hits_the_prefix_cache_with_identical_output()
         second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=10, temperature=0)
         streamed = list(client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=10, temperature=0,
                                                        stream=True, stream_options={"include_usage": True}))
+        # a request for its prompt's log-probabilities prefills it all and does not consult the cache: no query
+        client.completions.create(model=MODEL, prompt="w10 w11 w12 w13", max_tokens=2, temperature=0, echo=True,
+                                  logprobs=1)
         hits, queries = _metric(srv.url, "vllm:prefix_cache_hits_total"), _metric(srv.url, "vllm:prefix_cache_queries_total")
     scheduler.close()
     assert first.usage.prompt_tokens_details.cached_tokens == 0

@@ -70,7 +70,7 @@ class ServeMetrics:
                                         "Accepted tokens per draft token position.", ["position"])
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries: prompt tokens looked up "
-                                                                   "(requests that started, with prefix caching on).")
+                                                                   "(whole prompts of the requests that consulted it).")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits: prompt tokens found in the cache, "
                                                              "not prefilled again.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -93,6 +93,7 @@ class ServeMetrics:
         self._last_step: dict[Any, float] = {}  # request id -> when its previous step ended (inter-token latency)
         self._finished: set = set()  # requests finished since the last step record
         self._lock = threading.Lock()
+        self._prefix_seen = (0, 0)  # the prefix cache's (queries, hits) already counted
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -161,9 +162,11 @@ class ServeMetrics:
         with self._lock:
             self._finished.add(done.id)
         self.prompt_tokens.inc(done.prompt_tokens)
-        if getattr(getattr(self, "_scheduler", None), "prefix_cache", None) is not None and done.record:
-            self.prefix_queries.inc(done.prompt_tokens)
-            self.prefix_hits.inc(done.record.get("cached_prompt_tokens", 0))
+        store = getattr(getattr(self, "_scheduler", None), "prefix_cache", None)
+        if store is not None:  # the prefix cache's own counts (one definition: PrefixCacheStats), passed on as they grow
+            seen, self._prefix_seen = self._prefix_seen, (store.stats.queries, store.stats.hits)
+            self.prefix_queries.inc(self._prefix_seen[0] - seen[0])
+            self.prefix_hits.inc(self._prefix_seen[1] - seen[1])
         reason = _VLLM_FINISHED.get(done.finish_reason)
         if reason:  # a failed request is no success
             self.request_success.labels(*self._values, reason).inc()

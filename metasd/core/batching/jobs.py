@@ -144,7 +144,7 @@ def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) 
     ids, scoring = job.request.prompt_ids[:-1], job.request.prompt_scoring()
     prefix = None
     if prefix_cache is not None and not scoring:
-        entry, n = prefix_cache.lookup(ids)
+        entry, n = prefix_cache.lookup(job.request.prompt_ids)
         prefix = (entry, n) if entry is not None else None
         job.request.stats.cached_prompt_tokens = n
     job.prefill = verifier.start_prefill(ids, engine.hidden_layers, prefix=prefix, **scoring)

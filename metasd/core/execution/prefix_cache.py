@@ -48,8 +48,8 @@ class PrefixEntry:
 
 @dataclass
 class PrefixCacheStats:
-    """Counted in prompt tokens, as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``: tokens looked up, tokens
-    found; entries stored and evicted."""
+    """Counted in prompt tokens, as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` (which the server exports
+    from these): the prompts looked up, whole; the positions found, not prefilled again; entries stored and evicted."""
 
     queries: int = 0
     hits: int = 0
@@ -76,10 +76,12 @@ class PrefixCache:
     def _pin(self) -> None:
         self.cache.pinned_bytes = self.held_bytes
 
-    def lookup(self, ids: Sequence[int]) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest prefix with ``ids`` (the positions a prefill would compute) and that length;
-        (None, 0) below ``min_tokens``. Counts the query and the hit."""
-        self.stats.queries += len(ids)
+    def lookup(self, prompt: Sequence[int]) -> tuple[PrefixEntry | None, int]:
+        """The entry sharing the longest prefix with the positions a prefill of ``prompt`` would compute (all its tokens
+        but the last, which is pending) and that length; (None, 0) below ``min_tokens``. Counts the query (the whole
+        prompt, as vLLM does) and the hit."""
+        self.stats.queries += len(prompt)
+        ids = prompt[:-1]
         if not ids or not self.entries:
             return None, 0
         query = torch.as_tensor(list(ids), dtype=torch.long)
