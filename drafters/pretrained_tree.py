@@ -218,11 +218,25 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         one (``make_draft``)."""
         return logits if self._guide is None else self._guide.mask(nodes, logits)
 
-    def _log_scores(self, logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Log-probabilities used to rank dynamic-tree nodes (float32, -inf for excluded tokens)."""
+    def _log_scores(self, logits: torch.Tensor, ctx: StepContext, tree: GrowingTree, parents: list[int]
+                    ) -> torch.Tensor:
+        """Log-probabilities used to rank dynamic-tree nodes (float32, -inf for excluded tokens): logits [len(parents),
+        vocab] after each of ``parents`` (-1: the root). A seeded request (``ctx.noise``) ranks each parent's children by
+        ``log q + G_t`` - the verifier's own keyed noise at their position t - renormalised: the first child of every
+        node is then the token the verifier picks where q = p, so the tree holds the keyed chain the chain drafter
+        drafts (sample-and-match accepts whatever matches; ``_keyed``)."""
         if ctx.sampling.greedy:
             return torch.log_softmax(logits.float(), dim=-1)
-        return process_logits(logits, ctx.sampling).log()
+        logq = process_logits(logits, ctx.sampling).log()
+        return torch.log_softmax(self._keyed(logq, ctx, tree, parents), dim=-1) if ctx.noise is not None else logq
+
+    @staticmethod
+    def _keyed(logq: torch.Tensor, ctx: StepContext, tree: GrowingTree, parents: list[int]) -> torch.Tensor:
+        """logq [len(parents), vocab] perturbed by the keyed Gumbel noise of its children's positions (a child of a
+        node at depth d is the request's token at position base + d)."""
+        noise = torch.stack([ctx.noise.gumbel(tree.base + (tree.depths[p] if p >= 0 else 0), logq.shape[-1])
+                             for p in parents]).to(logq.device)  # [len(parents), vocab]
+        return logq.float() + noise
 
     def _grow_dynamic(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[int]:
         """EAGLE-2-style expansion; returns the kept node ids, best first (every prefix is ancestor-closed)."""
@@ -247,7 +261,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         # lists its nodes best first, so that is exactly the unbounded draft's first max_nodes nodes (the pruning
         # below never changes the top-``nodes`` set, only how many forwards grow it), at fewer forwards
         nodes = self.nodes if ctx.max_nodes is None else min(self.nodes, ctx.max_nodes)
-        level = add_children([-1], self._log_scores(self._guided(root_logits.reshape(1, -1), [-1]), ctx))
+        level = add_children([-1], self._log_scores(self._guided(root_logits.reshape(1, -1), [-1]), ctx, tree, [-1]))
         for _ in range(2, depth + 1):
             frontier = [i for i in self._expandable(rank(level))[: self.frontier]
                         if scores[i] >= self.min_log_path_prob]
@@ -257,14 +271,21 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             if not frontier:
                 break
             logits = self._guided(self._feed(tree, frontier), frontier)
-            level = add_children(frontier, self._log_scores(logits, ctx))
+            level = add_children(frontier, self._log_scores(logits, ctx, tree, frontier))
         # best first: a topological order too (a child scores <= its parent and loses ties to it), so that a node
         # budget (Draft.first(n)) keeps the n best nodes
         return rank(range(len(scores)))[:nodes]
 
-    def _sample_siblings(self, q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
-        """k tokens drawn without replacement from q [vocab], in draw order."""
-        return gumbel_top_k(q.log(), k, generator)
+    def _sample_siblings(self, q: torch.Tensor, k: int, ctx: StepContext, tree: GrowingTree, parent: int) -> list[int]:
+        """k tokens drawn without replacement from q [vocab], in draw order: Gumbel-top-k with the request's generator,
+        or for a seeded request with the verifier's keyed noise at the children's position (the first sibling is then
+        its keyed draw, as the chain drafter's; sample-and-match verifies a seeded request's tree)."""
+        if ctx.noise is not None:
+            keys = self._keyed(q.log()[None], ctx, tree, [parent])[0]
+            top = keys.topk(min(k, keys.shape[-1]))
+            vals, idx = torch.stack([top.values, top.indices.to(keys.dtype)]).tolist()  # one host read
+            return [int(i) for v, i in zip(vals, idx) if v != float("-inf")]
+        return gumbel_top_k(q.log(), k, ctx.generator)
 
     def _grow_rsd_c(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[torch.Tensor]:
         """RSD-C: returns the probs row of every node (its parent's processed q)."""
@@ -272,7 +293,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         logq: list[float] = []
 
         def add_children(parent: int, q: torch.Tensor, k: int) -> list[int]:
-            drawn = self._sample_siblings(q, k, ctx.generator)
+            drawn = self._sample_siblings(q, k, ctx, tree, parent)
             q_drawn = q[drawn].tolist() if drawn else []  # their probabilities: the group's second host read
             new = []
             for t, q_t in zip(drawn, q_drawn):

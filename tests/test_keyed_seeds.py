@@ -114,3 +114,20 @@ def test_keyed_sampling_follows_the_verifier_at_depth_two(kind):
     check = joint_check(engine, [3], 4000, length=3, seeded="keyed")
     assert check.pvalue > 1e-4, check
     assert check.tried_at(2) > 200 and 0 < check.taken_at(2) < check.tried_at(2), check
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "rsd_c"])
+def test_a_tree_drafter_drafts_from_the_verifiers_keyed_noise(tok, mode):
+    # the drafter is the verifier's own model (q = p): a tree whose first child at every node is the keyed draw at
+    # that node's position holds exactly the path plain keyed decoding takes, so every step accepts the full depth.
+    # Ranked by q alone (before the coupling), the verifier's keyed draw was often no child at all
+    model = tiny_qwen(seed=0, logit_scale=1.0)
+    shape = dict(nodes=14, depth=3, width=2, frontier=4) if mode == "dynamic" else dict(nodes=14, depth=3,
+                                                                                         branching=[2])
+    engine = Engine(Verifier(model, tok), PretrainedTreeDrafter(model, mode=mode, **shape), check_tokenizers=False)
+    plain = Engine(Verifier(model, tok), [], check_tokenizers=False)
+    for seed in range(3):
+        got = engine.generate(PROMPTS[0], 24, temperature=1.0, seed=seed)
+        assert got.token_ids == plain.generate(PROMPTS[0], 24, temperature=1.0, seed=seed).token_ids
+        full = [t for t in got.stats.tokens_per_step[:-1]]  # the last step may be cut by max_new_tokens
+        assert full == [4] * len(full), (seed, got.stats.tokens_per_step)

@@ -267,8 +267,8 @@ def test_rsd_sampling_matches_the_verifier_distribution(small_pair, mode):
     assert _sampling_pvalue(engine) > 1e-3
 
 
-def _with_replacement_siblings(self, q, k, generator):
-    return torch.multinomial(q, k, replacement=True, generator=generator).tolist()
+def _with_replacement_siblings(self, q, k, ctx, tree, parent):
+    return torch.multinomial(q, k, replacement=True, generator=ctx.generator).tolist()
 
 
 def _with_replacement_beam(self, phi, value, logq, k, generator):
