@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from metasd.core.pricing.cost import open_meter
-from metasd.core.decoding.drafter import Counterfactual, Drafter, StepContext, StepFeedback
+from metasd.core.decoding.drafter import Counterfactual, Drafter, StepContext, StepFeedback, drafting_loop
+from metasd.core.execution.draft_batch import Drafting, drive
 from metasd.core.execution.tree import Draft
 
 #: the name of the no-speculation arm (reserved when a pool's ``no_speculation_arm`` is true)
@@ -108,10 +109,15 @@ class BudgetedArm(Drafter):
         return []  # the inner drafter's networks are counted as the inner drafter's
 
     def propose(self, ctx: StepContext) -> Draft:
+        return drive(self.drafting(ctx))
+
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """The inner drafter's drafting loop under this arm's budget, cut to it (the inner drafter's forwards are
+        yielded: batched drafting)."""
         limit = self.budget if ctx.max_nodes is None else min(self.budget, ctx.max_nodes)
-        meter = open_meter()
-        before = meter.steps if meter is not None else 0.0
-        full = self.inner.propose(dataclasses.replace(ctx, max_nodes=limit))
+        before = open_meter().steps if open_meter() is not None else 0.0
+        full = yield from drafting_loop(self.inner, dataclasses.replace(ctx, max_nodes=limit))
+        meter = open_meter()  # the meter open now: a scheduler drafting many requests opens each one's own
         cost = (meter.steps - before) if meter is not None else 0.0
         reindexed = full.depth > ctx.max_depth
         if reindexed:  # cut here (the request would), so that the budget counts the nodes that are verified

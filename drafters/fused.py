@@ -15,7 +15,8 @@ from pydantic import Field, model_validator
 
 from metasd.core.decoding.acceptance import Acceptance, follow
 from metasd.core.decoding.drafter import (Drafter, DrafterParams, Int, StepContext, StepFeedback, check_params,
-                                          register_drafter)
+                                          drafting_loop, register_drafter)
+from metasd.core.execution.draft_batch import Drafting, drive
 from metasd.core.execution.tree import Draft
 
 
@@ -93,6 +94,10 @@ class FusedDrafter(Drafter):
         return []  # the arms' networks are counted as the arms'
 
     def propose(self, ctx: StepContext) -> Draft:
+        return drive(self.drafting(ctx))
+
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """The arms' drafting loops one after another (their forwards yielded: batched drafting), merged."""
         tokens: list[int] = []
         parents: list[int] = []
         index: dict[tuple[int, int], int] = {}  # (fused parent, token) -> fused node
@@ -112,7 +117,7 @@ class FusedDrafter(Drafter):
             if lookup_only and not arm.lookup:  # a model arm: it reads the committed text when it next drafts
                 meta["lookup_only"] = True
                 continue
-            draft = arm.propose(ctx)
+            draft = yield from drafting_loop(arm, ctx)
             catch_up += draft.catch_up
             budget = len(draft) if self.nodes is None else min(self.nodes[i], len(draft))
             mapped: list[int] = []  # arm node -> fused node, -1: dropped (over the fused tree's bound)

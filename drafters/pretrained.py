@@ -17,11 +17,12 @@ from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, Drafter
                                           StepFeedback, check_params, register_drafter)
 from metasd.core.constraints.guide import DraftGuide
 from metasd.core.execution.hooks import contiguous_lm_head_input
-from metasd.core.execution.kv_cache import cache_kwargs, crop_to
+from metasd.core.execution.kv_cache import crop_to
 from metasd.core.execution.static_cache import StaticKVCache, new_cache
 from metasd.models import ModelLoadError, config_eos_ids
 from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.decoding.sampling import process_logits, sample
+from metasd.core.execution.draft_batch import Drafting, Feed, drive, forward_logits
 from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import Draft
 
@@ -221,29 +222,32 @@ class PretrainedDrafter(Drafter):
     def _logits(self, last_only: bool, **inputs) -> torch.Tensor:
         """One forward of the drafter model through its cache; next-token logits [rows, vocab] (the last row
         only when ``last_only``), from the draft head when there is one."""
-        if self.draft_head is None:
-            return self.model(**inputs, **cache_kwargs(self.model, self.cache), use_cache=True,
-                              logits_to_keep=int(last_only)).logits[0]
-        base = self.model.base_model
-        h = base(**inputs, **cache_kwargs(base, self.cache), use_cache=True).last_hidden_state[0]  # [n, d]
-        return self.draft_head(h[-1:] if last_only else h)
+        return forward_logits(self.model, self.draft_head, self.cache, last_only, **inputs)
 
-    def _forward(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Feed ``ids`` after the cached tokens; return the next-token logits [vocab]. ``ids``: host ints, or a device
-        tensor [n] of draft tokens not read yet (their ids join ``cached_ids`` once the draft is read)."""
-        x = ids.view(1, -1) if isinstance(ids, torch.Tensor) else to_device([ids], self.model.device, torch.long)
+    def _forward_steps(self, ids: list[int] | torch.Tensor) -> Drafting:
+        """Feed ``ids`` after the cached tokens (a ``Feed`` the drafting loop yields); return the next-token logits
+        [vocab]. ``ids``: host ints, or a device tensor [n] of draft tokens not read yet (their ids join
+        ``cached_ids`` once the draft is read)."""
         start = len(self.cached_ids) + self._unread
-        with self.steering.feeding(start, ids) if self.steering is not None else nullcontext():
-            logits = self._logits(True, input_ids=x)
+        around = (lambda: self.steering.feeding(start, ids)) if self.steering is not None else None
+        logits = yield Feed(self.model, self.draft_head, self.cache, ids, last_only=True, around=around)
         if isinstance(ids, torch.Tensor):
             self._unread += ids.numel()
         else:
             self.cached_ids.extend(ids)
         return logits[-1]
 
+    def _forward(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """``_forward_steps`` run alone."""
+        return drive(self._forward_steps(ids))
+
     @torch.inference_mode()
     def sync(self, tokens: list[int]) -> torch.Tensor:
         """Bring the cache up to ``tokens`` (all committed); return the logits after the last one [vocab]."""
+        return drive(self._sync_steps(tokens))
+
+    def _sync_steps(self, tokens: list[int]) -> Drafting:
+        """``sync`` as a drafting loop (its catch-up forward yielded)."""
         if self.cache is None:
             self.begin(None)  # type: ignore[arg-type]
         root, self._root = self._root, None
@@ -252,7 +256,7 @@ class PretrainedDrafter(Drafter):
             return root[1]
         keep = self._crop_to_common_prefix(tokens, len(tokens) - 1)
         self.last_catch_up = len(tokens) - keep - 1
-        return self._forward(tokens[keep:])
+        return (yield from self._forward_steps(tokens[keep:]))
 
     def _crop_to_common_prefix(self, tokens: list[int], keep_at_most: int) -> int:
         """Crop the cache to its common prefix with ``tokens`` (at most ``keep_at_most`` positions); the positions
@@ -311,22 +315,28 @@ class PretrainedDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
-        with self.steered_step(ctx):
-            return self.make_draft(ctx)
+        return drive(self.drafting(ctx))
 
-    def make_draft(self, ctx: StepContext) -> Draft:
-        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``."""
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """``propose`` as a loop that yields its forwards (``Feed``): a scheduler runs those of many requests in one
+        forward (core/execution/draft_batch.py); ``propose`` runs them one by one."""
+        with torch.inference_mode(), self.steered_step(ctx):
+            return (yield from self.make_draft(ctx))
+
+    def make_draft(self, ctx: StepContext) -> Drafting:
+        """The draft of one step (a chain here; the tree drafter overrides it), inside ``steered_step``: a drafting
+        loop (it yields its forwards)."""
         if self.bridge is not None:
-            return self.make_translated_draft(ctx)
+            return (yield from self.make_translated_draft(ctx))
         depth = min(self.k, ctx.max_depth)
         if depth <= 0:
             return Draft.empty()
-        logits = self.sync(ctx.tokens.tolist())  # [vocab]
-        tokens, probs = self._draft_chain(logits, depth, ctx)
+        logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab]
+        tokens, probs = yield from self._draft_chain(logits, depth, ctx)
         return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
 
     def _draft_chain(self, logits: torch.Tensor, depth: int, ctx: StepContext, stop_ids: frozenset[int] = frozenset(),
-                     keep_probs: bool = True, shared: SharedVocab | None = None) -> tuple[list[int], list[torch.Tensor]]:
+                     keep_probs: bool = True, shared: SharedVocab | None = None) -> Drafting:
         """Up to ``depth`` tokens drawn one by one from the logits after the synced tokens (greedy: argmax; else
         sampled from the processed q, whose rows are returned when ``keep_probs``). A token in ``stop_ids`` ends
         the chain. With ``shared`` (sampling only), q is restricted to the ids shared with the verifier and its rows
@@ -338,7 +348,7 @@ class PretrainedDrafter(Drafter):
 
         A constrained request (``ctx.grammar``; drafter and verifier sharing ids) masks each token's logits to the
         grammar after the tokens before it (``DraftGuide``), so the chain stays inside it; reading each token to
-        advance the grammar is a host read per token then."""
+        advance the grammar is a host read per token then. A drafting loop: returns (tokens, q rows)."""
         drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
         probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
         guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and shared is None and self.bridge is None \
@@ -363,13 +373,13 @@ class PretrainedDrafter(Drafter):
                 guide.add(i, i - 1, int(x))
             if i == depth - 1 or (stop_ids and int(x) in stop_ids) or self._unsure(logits, x):
                 break
-            logits = self._forward(x)
+            logits = yield from self._forward_steps(x)
         tokens = torch.cat(drafted).tolist() if drafted else []  # the step's one read of the draft
         self.cached_ids.extend(tokens[: self._unread])  # the draft tokens fed above, now known to the host
         self._unread = 0
         return tokens, probs
 
-    def make_translated_draft(self, ctx: StepContext) -> Draft:
+    def make_translated_draft(self, ctx: StepContext) -> Drafting:
         """Cross-tokenizer drafting (docs/algorithms.md#cross-tokenizer-drafting): bring the drafter's own ids of the
         committed text up to date (a tail window re-encoded), catch the cache up on them, draft ``k`` tokens of its
         own, and translate their text into the verifier's ids (the last one kept). That draft carries
@@ -382,15 +392,15 @@ class PretrainedDrafter(Drafter):
         view = self.bridge.view(committed)
         if view is None:  # the committed ids end inside a character: draft again next step
             return Draft.empty()
-        logits = self.sync(view)
+        logits = yield from self._sync_steps(view)
         if not ctx.sampling.greedy and self._shared_vocab() is not None:  # exact ratio rule on shared tokens
-            drafted, probs = self._draft_chain(logits, min(self.k, ctx.max_depth), ctx, self.bridge.stop_ids,
-                                               shared=self.shared)
+            drafted, probs = yield from self._draft_chain(logits, min(self.k, ctx.max_depth), ctx, self.bridge.stop_ids,
+                                                          shared=self.shared)
             if not drafted:
                 return Draft.empty()
             return Draft.chain(self.shared.verifier_ids(drafted), torch.stack(probs), catch_up=self.last_catch_up,
                                drafter_tokens=len(drafted), reencoded=self.bridge.reencoded)
-        drafted, _ = self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
+        drafted, _ = yield from self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
         text, _ = self.bridge.draft_text(view, drafted)
         # the last verifier token is kept even where more text could still grow it (a partial token): it ends at a
         # drafter token boundary, mostly a word's end, and a wrong one costs one verified row (docs/algorithms.md)

@@ -50,7 +50,6 @@ replacement makes no sense for argmax verification; the fallback is recorded as 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Annotated, Any, Literal, Sequence
 
 import torch
@@ -62,7 +61,7 @@ from metasd.core.decoding.drafter import (Bool, Counterfactual, DrafterParams, F
 from metasd.core.constraints.guide import DraftGuide
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.decoding.sampling import process_logits
-from metasd.core.execution.staging import to_device
+from metasd.core.execution.draft_batch import Drafting, Feed, drive
 from metasd.core.execution.tree import Draft
 
 from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k, noise_dtype, read_topk
@@ -163,22 +162,22 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         self._pending = None
 
     # ---------------------------------------------------------------- drafting
-    def make_draft(self, ctx: StepContext) -> Draft:
+    def make_draft(self, ctx: StepContext) -> Drafting:
         depth = min(self.depth, ctx.max_depth)
         if depth <= 0 or ctx.max_nodes == 0:
             return Draft.empty()
         self._settle()
         tokens = ctx.tokens.tolist()
-        root_logits = self.sync(tokens)
+        root_logits = yield from self._sync_steps(tokens)
         mode = "dynamic" if ctx.sampling.greedy else self.mode
         tree = GrowingTree(base=len(tokens))
         # a constrained request: every node's logits masked to the grammar after its path (DraftGuide)
         self._guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and self.bridge is None else None
         if mode == "dynamic":
-            keep, probs = self._grow_dynamic(tree, root_logits, depth, ctx), None
+            keep, probs = (yield from self._grow_dynamic(tree, root_logits, depth, ctx)), None
         else:
             grow = self._grow_rsd_c if mode == "rsd_c" else self._grow_rsd_s
-            rows = grow(tree, root_logits, depth, ctx)
+            rows = yield from grow(tree, root_logits, depth, ctx)
             keep = list(range(len(tree)))
             probs = torch.stack(rows) if rows else None
         remap = {old: new for new, old in enumerate(keep)}
@@ -188,19 +187,23 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         self._pending = (draft, tree, keep)
         return draft
 
-    def _feed(self, tree: GrowingTree, feed: list[int]) -> torch.Tensor:
-        """One drafter forward over tree nodes ``feed``; returns their next-token logits [len(feed), vocab]."""
+    def _feed_steps(self, tree: GrowingTree, feed: list[int]) -> Drafting:
+        """One drafter forward over tree nodes ``feed`` (a ``Feed`` the drafting loop yields); returns their
+        next-token logits [len(feed), vocab]."""
         expected = tree.base + tree.n_fed
         if cache_length(self.cache) != expected:
             raise RuntimeError(f"{self.name}: drafter cache holds {cache_length(self.cache)} positions, expected {expected}")
-        mask, positions = tree.inputs(feed)
-        device = self.model.device
+        mask, positions = tree.inputs(feed)  # [1, 1, q, kv], [1, q]
         tokens = [tree.tokens[i] for i in feed]
-        ids = to_device([tokens], device, torch.long)
-        with self.steering.feeding_tree(expected, tokens) if self.steering is not None else nullcontext():
-            logits = self._logits(False, input_ids=ids, attention_mask=to_device(mask, device), position_ids=to_device(positions, device))
+        around = (lambda: self.steering.feeding_tree(expected, tokens)) if self.steering is not None else None
+        logits = yield Feed(self.model, self.draft_head, self.cache, tokens, mask=mask[0, 0], positions=positions[0],
+                            around=around)
         tree.mark_fed(feed)
         return logits
+
+    def _feed(self, tree: GrowingTree, feed: list[int]) -> torch.Tensor:
+        """``_feed_steps`` run alone."""
+        return drive(self._feed_steps(tree, feed))
 
     def _add(self, tree: GrowingTree, token: int, parent: int) -> int:
         node = tree.add(token, parent)
@@ -238,8 +241,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
                              for p in parents]).to(logq.device)  # [len(parents), vocab]
         return logq.float() + noise
 
-    def _grow_dynamic(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[int]:
-        """EAGLE-2-style expansion; returns the kept node ids, best first (every prefix is ancestor-closed)."""
+    def _grow_dynamic(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> Drafting:
+        """EAGLE-2-style expansion (a drafting loop); returns the kept node ids, best first (every prefix is
+        ancestor-closed)."""
         scores: list[float] = []
 
         def add_children(parents: list[int], logp: torch.Tensor) -> list[int]:
@@ -270,7 +274,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
                 frontier = [i for i in frontier if scores[i] > threshold]
             if not frontier:
                 break
-            logits = self._guided(self._feed(tree, frontier), frontier)
+            logits = self._guided((yield from self._feed_steps(tree, frontier)), frontier)
             level = add_children(frontier, self._log_scores(logits, ctx, tree, frontier))
         # best first: a topological order too (a child scores <= its parent and loses ties to it), so that a node
         # budget (Draft.first(n)) keeps the n best nodes
@@ -287,8 +291,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             return [int(i) for v, i in zip(vals, idx) if v != float("-inf")]
         return gumbel_top_k(q.log(), k, ctx.generator)
 
-    def _grow_rsd_c(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[torch.Tensor]:
-        """RSD-C: returns the probs row of every node (its parent's processed q)."""
+    def _grow_rsd_c(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> Drafting:
+        """RSD-C (a drafting loop): returns the probs row of every node (its parent's processed q)."""
         rows: list[torch.Tensor] = []
         logq: list[float] = []
 
@@ -312,7 +316,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             parents = sorted(self._expandable(level), key=lambda i: (-logq[i], i))[: -(-remaining // b)]
             if not parents:
                 break
-            q = process_logits(self._guided(self._feed(tree, parents), parents), ctx.sampling)
+            q = process_logits(self._guided((yield from self._feed_steps(tree, parents)), parents), ctx.sampling)
             level = []
             for row, parent in enumerate(parents):
                 k = min(b, self.nodes - len(tree))
@@ -338,8 +342,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         vocab = logq.shape[-1]
         return [(int(i) // vocab, int(i) % vocab, c, v) for i, c, v in zip(*picked) if v != float("-inf")]
 
-    def _grow_rsd_s(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> list[torch.Tensor]:
-        """RSD-S (stochastic beam search): returns the probs row of every node (its parent's processed q)."""
+    def _grow_rsd_s(self, tree: GrowingTree, root_logits: torch.Tensor, depth: int, ctx: StepContext) -> Drafting:
+        """RSD-S (stochastic beam search; a drafting loop): returns the probs row of every node (its parent's
+        processed q)."""
         rows: list[torch.Tensor] = []
         beam = [-1]
         phi = torch.zeros(1, dtype=torch.float64)
@@ -355,7 +360,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
                 beam, phi, value = [beam[r] for r in keep], phi[keep], value[keep]
                 if not beam:
                     break
-                q = process_logits(self._guided(self._feed(tree, beam), beam), ctx.sampling)  # [B, V]
+                q = process_logits(self._guided((yield from self._feed_steps(tree, beam)), beam), ctx.sampling)  # [B, V]
             chosen = self._beam_select(phi, value, q.log(), k, ctx.generator)
             new_beam, new_phi, new_value = [], [], []
             for row, token, p, v in chosen:

@@ -367,9 +367,9 @@ def test_batched_requests_run_budget_arms_on_forks_sharing_one_drafter_each(mode
     pool = [*budget_arms(inner, (2, 8)), NoSpeculation()]
     engine = Engine(Verifier(verifier_model), pool, UCB1(3), feedback="full")
     used: dict[int, set] = {}  # request (its ctx.request mapping) -> the inner drafters its budget arms drafted with
-    propose = BudgetedArm.propose
-    monkeypatch.setattr(BudgetedArm, "propose", lambda self, ctx: used.setdefault(id(ctx.request), set()).add(
-        id(self.inner)) or propose(self, ctx))
+    drafting = BudgetedArm.drafting  # what a request runs to draft (its propose runs it too)
+    monkeypatch.setattr(BudgetedArm, "drafting", lambda self, ctx: used.setdefault(id(ctx.request), set()).add(
+        id(self.inner)) or drafting(self, ctx))
     prompts = [PROMPT, PROMPT[3:], PROMPT[:9] + [5, 7]]
     results = engine.generate_batch(prompts, max_new_tokens=20, max_batch=3)
     for prompt, result in zip(prompts, results):

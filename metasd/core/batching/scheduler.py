@@ -22,6 +22,7 @@ from ..decoding.request import Prompt
 from ..execution.batch_verifier import SlotVerifier
 from ..execution.kv_memory import KVAllocationError
 from .adaptive import AdaptiveSpeculation, StepPlan
+from .drafting import each_drafts
 from .jobs import (Forks, Job, batch_verifier_for, new_request, prefix_cache_for, start_prefill, store_prefix,
                    tidy_memory)
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
@@ -273,12 +274,9 @@ class Scheduler:
         t0 = time.perf_counter()
         prefill_tokens = self._prefill()
         running = list(self._running)
+        drafts, plan = self._draft(running) if running else ({}, None)
+        running = list(self._running)  # compact again: rows that failed while drafting left
         if not running:  # only prefills this step (reported: its prompt tokens count)
-            self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
-            return
-        drafts, plan = self._draft(running)
-        running = list(self._running)  # compact again: failed rows left
-        if not running:
             self._notify(SchedulerStep(0, 0, prefill_tokens, self.queue_length, time.perf_counter() - t0))
             return
         batch = [drafts[id(j)] for j in running]
@@ -340,17 +338,18 @@ class Scheduler:
         return out
 
     def _draft(self, running: list[Job]) -> tuple[dict, StepPlan | None]:
-        """Every running request drafts (``draft_step``); adapting, all select (given the load), the allocator gives
-        each ``d_i``, each drafts ``propose(d_i)``. Drafts by job, and the step's ``StepPlan`` (None: not adapting)."""
-        adaptive = self.adaptive
+        """Every running request selects its arm (adapting: given the load, and the allocator gives each ``d_i``), then
+        all draft together (``drafting.each_drafts``). Drafts by job, the step's ``StepPlan`` (None: not adapting)."""
+        adaptive, clock, fail = self.adaptive, self.engine.clock_device, lambda j, e: self._leave(j, "error", e)
         if adaptive is None:
-            return self._each(running, lambda j: j.request.draft_step(), "drafting"), None
+            self._each(running, lambda j: j.request.select_arm(), "selecting its drafter")
+            return each_drafts(list(self._running), lambda j: (None, False), fail, clock), None
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
         plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running],
                                   [j.request for j in running])
-        return self._each(running, lambda j: j.request.propose(plan.nodes[id(j)], plan.lookup[id(j)]), "drafting"), plan
+        return each_drafts(running, lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, clock), plan
 
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all, in turn: a request that used the chunk

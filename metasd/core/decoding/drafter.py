@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..constraints import ConstraintState
+from ..execution.draft_batch import Drafting
 from ..execution.hidden import HiddenStore
 from ..execution.tree import Draft
 from .acceptance import Acceptance, follow
@@ -166,6 +167,16 @@ class Drafter(abc.ABC):
     def propose(self, ctx: StepContext) -> Draft:
         """Draft continuations of ``ctx.tokens`` (depth <= ctx.max_depth). May return an empty draft."""
 
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """``propose`` as a loop that yields the model forwards it needs (``Feed``) and gets their logits back, so
+        that a scheduler runs the forwards of many requests' drafters in one (batched drafting,
+        core/execution/draft_batch.py). Returns the draft. The default drafts at once, yielding nothing: a drafter
+        whose forwards are worth sharing (the pretrained chain and tree drafters; the fused and budget arms around
+        them) writes its propose as this loop and runs it with ``draft_batch.drive``. Callers take a drafter's loop
+        through ``drafting_loop``, which honours a ``propose`` replaced after the loop was written."""
+        return self.propose(ctx)
+        yield  # noqa: unreachable - makes this a generator
+
     def observe(self, feedback: StepFeedback) -> None:
         """The verifier accepted ``feedback.acceptance.path``; adapt (draft length, caches) if useful."""
 
@@ -280,6 +291,21 @@ class BuildContext:
         if self.quantize != "none":
             raise ValueError(f"drafter {name!r} of type {kind!r} has no model weights to quantize "
                              f"(field 'quantize' is {self.quantize!r}; remove it)")
+
+
+def _defined_at(cls: type, name: str) -> int:
+    """Where in ``cls``'s method resolution order ``name`` is defined (0: by ``cls`` itself)."""
+    return next((i for i, c in enumerate(cls.__mro__) if name in vars(c)), len(cls.__mro__))
+
+
+def drafting_loop(drafter: Drafter, ctx: StepContext) -> Drafting:
+    """The drafter's drafting loop (``Drafter.drafting``) - unless its ``propose`` was replaced over that loop (on the
+    instance, or by a class or mixin that overrides ``propose`` and comes before ``drafting``'s in the method
+    resolution order): then a loop that calls that ``propose`` at once, so that what ``propose`` does always runs."""
+    cls = type(drafter)
+    if "propose" in vars(drafter) or _defined_at(cls, "propose") < _defined_at(cls, "drafting"):
+        return Drafter.drafting(drafter, ctx)
+    return drafter.drafting(ctx)
 
 
 def drafts_lookups(drafter: Drafter) -> bool:

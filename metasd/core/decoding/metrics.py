@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ..execution.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestStats:
@@ -148,3 +150,43 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+@dataclass
+class GenerationResult:
+    """Output of one request: the new text and tokens, and how they were produced."""
+
+    text: str
+    token_ids: list[int]  # new tokens only (EOS included when generation stopped on it)
+    prompt_ids: list[int]
+    stats: RequestStats
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: with ``logprobs``: one per new token, the verifier's raw log-probability (``metasd.core.decoding.logprobs``)
+    logprobs: list[TokenLogprob] | None = None
+    #: with ``prompt_logprobs``: one per prompt token (None for the first, which nothing predicts)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        """The request's record (``RequestStats.to_record``) with its text and token ids."""
+        return {**self.stats.to_record(), "text": self.text, "token_ids": list(self.token_ids)}
+
+
+@dataclass
+class StepRecord:
+    """What one step of a request did (``Request.last_step``): the drafter, its draft's nodes and depth as verified,
+    the accepted draft tokens (a root-to-node path: positions 1..accepted of the draft) and the committed tokens."""
+
+    drafter: str
+    drafted: int
+    depth: int
+    accepted: int
+    committed: int
+    path: tuple[int, ...] = ()  # the accepted node indices, root to leaf
+    #: the draft was cut below its node budget by the request itself (its remaining tokens, its own draft_budget): it
+    #: says nothing of what the budget buys, so shared acceptance curves do not learn from it
+    cut: bool = False
+
+    @property
+    def accepted_per_position(self) -> list[bool]:
+        """Per draft depth 1..depth: whether the step accepted a token there."""
+        return [i < self.accepted for i in range(self.depth)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -17,13 +17,14 @@ import torch
 
 from ..constraints import CompiledConstraint, Constraint, compile_constraint
 from ..execution.clock import now
+from ..execution.draft_batch import Drafting, drive
 from ..execution.tree import Draft
 from ..execution.verifier import VerifierOutput
 from .acceptance import accept_greedy, accept_keyed, accept_match, accept_rejection
 from .detokenize import StoppingText
-from .drafter import StepContext, StepFeedback, drafts_lookups
+from .drafter import StepContext, StepFeedback, drafting_loop, drafts_lookups
 from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
-from .metrics import RequestStats
+from .metrics import GenerationResult, RequestStats, StepRecord  # noqa: F401 - re-exported
 from .penalties import Penalties
 from .processing import PathProcessing
 from .policy import Policy
@@ -33,50 +34,10 @@ from .sampling import KeyedNoise, SamplingParams, process_logits
 
 
 
-@dataclass
-class GenerationResult:
-    """Output of one request: the new text and tokens, and how they were produced."""
-
-    text: str
-    token_ids: list[int]  # new tokens only (EOS included when generation stopped on it)
-    prompt_ids: list[int]
-    stats: RequestStats
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: with ``logprobs``: one per new token, the verifier's raw log-probability (``metasd.core.decoding.logprobs``)
-    logprobs: list[TokenLogprob] | None = None
-    #: with ``prompt_logprobs``: one per prompt token (None for the first, which nothing predicts)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    def to_record(self) -> dict[str, Any]:
-        """The request's record (``RequestStats.to_record``) with its text and token ids."""
-        return {**self.stats.to_record(), "text": self.text, "token_ids": list(self.token_ids)}
-
-
 def _fresh_seed() -> int:
     """A seed for an unseeded sampled request, from the OS's entropy: ``torch.seed()`` would reseed the caller's global
     torch RNG (and so change every draw their own code makes after the request)."""
     return secrets.randbits(63)
-
-
-@dataclass
-class StepRecord:
-    """What one step of a request did (``Request.last_step``): the drafter, its draft's nodes and depth as verified,
-    the accepted draft tokens (a root-to-node path: positions 1..accepted of the draft) and the committed tokens."""
-
-    drafter: str
-    drafted: int
-    depth: int
-    accepted: int
-    committed: int
-    path: tuple[int, ...] = ()  # the accepted node indices, root to leaf
-    #: the draft was cut below its node budget by the request itself (its remaining tokens, its own draft_budget): it
-    #: says nothing of what the budget buys, so shared acceptance curves do not learn from it
-    cut: bool = False
-
-    @property
-    def accepted_per_position(self) -> list[bool]:
-        """Per draft depth 1..depth: whether the step accepted a token there."""
-        return [i < self.accepted for i in range(self.depth)]
 
 
 @dataclass
@@ -147,6 +108,7 @@ class Request:
         self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
         self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
         self._selected: StepContext | None = None  # between select_arm and propose
+        self._proposal: tuple | None = None  # between drafting and drafted: (ctx, drafter, asked, max_nodes)
         self.load: np.ndarray | None = None  # [2] load features a scheduler sets; appended last to a step context
 
     def text(self) -> str:
@@ -284,30 +246,44 @@ class Request:
         """Draft with the selected arm (the engine's meter counts the work), cut to the token budget, ``draft_budget``
         and ``max_nodes`` (the allocator's node budget, passed to the drafter as ``StepContext.max_nodes``, as
         ``lookup_only`` is: an arm with no lookup in it, ``drafts_lookups``, is then not asked)."""
+        loop = self.drafting(max_nodes, lookup_only)
+        with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
+            t0 = now(self.engine.clock_device)
+            draft = drive(loop) if loop is not None else Draft.empty()
+            t1 = now(self.engine.clock_device)
+        return self.drafted(draft, meter.steps, t0, t1)
+
+    def drafting(self, max_nodes: int | None = None, lookup_only: bool = False) -> Drafting | None:
+        """``propose``'s first half: the selected arm's drafting loop (``Drafter.drafting``; None: the arm is not
+        asked - no drafter, 0 nodes, or lookups only and the arm has none). A scheduler runs the loops of all its
+        requests together (one drafter forward per level for all); ``drafted`` takes the draft."""
         ctx, self._selected = self._selected, None
         if ctx is None or self._pending_step is not None:
             raise RuntimeError("Request.propose called without select_arm")
-        limit = self.draft_budget
-        if self.max_draft_nodes is not None:
-            limit = self.max_draft_nodes if limit is None else min(limit, self.max_draft_nodes)
-        if max_nodes is not None:
-            limit = max_nodes if limit is None else min(limit, max_nodes)
-            ctx = dataclasses.replace(ctx, max_nodes=max_nodes) if max_nodes > 0 else ctx
+        if max_nodes is not None and max_nodes > 0:
+            ctx = dataclasses.replace(ctx, max_nodes=max_nodes)
         ctx = dataclasses.replace(ctx, lookup_only=True) if lookup_only else ctx
         drafter = self.drafters[self.arm] if self.drafters else None
         # at 0 nodes: a plain step (the drafter catches up later)
         asked = drafter is not None and max_nodes != 0 and (not lookup_only or drafts_lookups(drafter))
-        with self.engine.meter as meter:  # counts the modeled cost of drafting (and, sequentially, of verifying)
-            t0 = now(self.engine.clock_device)
-            draft = drafter.propose(ctx) if asked else Draft.empty()
-            cut = asked and (self.draft_budget is not None or draft.depth > ctx.max_depth
-                             or (limit is not None and ctx.max_depth < limit))
-            if draft.depth > ctx.max_depth:
-                draft = draft.truncated(ctx.max_depth)
-            if limit is not None and len(draft) > limit:
-                draft = draft.first(limit)
-            t1 = now(self.engine.clock_device)
-        self._pending_step = _PendingStep(ctx, drafter, draft, meter.steps, t0, t1, asked, cut)
+        self._proposal = (ctx, drafter, asked, max_nodes)
+        return drafting_loop(drafter, ctx) if asked else None
+
+    def drafted(self, draft: Draft, cost: float, t0: float, t1: float) -> Draft:
+        """``propose``'s second half: the draft (its modeled cost, the clock before and after drafting it), cut to
+        the budgets; the step waits for its verification (``finish_step``)."""
+        (ctx, drafter, asked, max_nodes), self._proposal = self._proposal, None
+        limit = self.draft_budget
+        for bound in (self.max_draft_nodes, max_nodes):
+            if bound is not None:
+                limit = bound if limit is None else min(limit, bound)
+        cut = asked and (self.draft_budget is not None or draft.depth > ctx.max_depth
+                         or (limit is not None and ctx.max_depth < limit))
+        if draft.depth > ctx.max_depth:
+            draft = draft.truncated(ctx.max_depth)
+        if limit is not None and len(draft) > limit:
+            draft = draft.first(limit)
+        self._pending_step = _PendingStep(ctx, drafter, draft, cost, t0, t1, asked, cut)
         return draft
 
     @property

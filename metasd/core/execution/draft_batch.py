@@ -1,0 +1,228 @@
+"""Drafter forwards of many requests in one (batched drafting, docs/architecture.md#batched-drafting).
+
+A model drafter writes its drafting loop as a generator (``Drafter.drafting``) that yields a ``Feed`` for every
+forward it needs - the tokens to feed after its own cache, their attention mask and positions - and gets the logits
+back. ``drive`` runs one such loop alone (``Engine.generate``: each feed is one forward, exactly the forward the loop
+made itself before). The scheduler advances the loops of all its running requests together and runs the feeds of
+one round that share a model as ONE forward (``feed_groups``, ``run_group``): row b feeds its q_b tokens after its own cache's L_b
+positions, padded to Q = max q_b; each row's keys and values are written into its own cache (``StackedCache``) and the
+forward attends over W = max(L_b + Q) columns of the rows side by side, under a mask [B, 1, Q, W] that shows row b
+its own prefix and what its feed's mask allows - never another row, never padding. So one drafter forward per level
+serves the whole batch, as the verifier's forward does.
+
+What stays alone: a feed that must run inside a context of its own (``around``: a steering guide on the shared
+model), a feed longer than ``LONG_FEED`` tokens (a new request's prompt: padding the others to it would cost more than
+its own forward), a model whose cache has sliding-window layers, and a group of one.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Generator, Sequence
+
+import torch
+from torch import nn
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from .kv_cache import cache_kwargs, cache_length
+from .kv_memory import KVGeometry
+from .staging import to_device
+from .static_cache import StaticKVCache
+
+#: feeds longer than this run alone (a catch-up over a new request's prompt)
+LONG_FEED = 16
+
+#: a drafting loop: yields the forwards it needs, receives their logits, returns its draft (or anything)
+Drafting = Generator["Feed", torch.Tensor, Any]
+
+
+@dataclass
+class Feed:
+    """One forward a drafting loop asks for: ``ids`` fed after the ``cache``'s L positions through ``model`` (and
+    ``head``, a draft head over the base model's last hidden states, where the drafter has one). Returns logits
+    [q, vocab] (the last row only, [1, vocab], with ``last_only``).
+
+    mask: [q, L + q] bool (True = attend) over the cached positions and the fed ones; None: causal. positions: [q]
+    position ids; None: L .. L + q - 1. around: a context the forward must run in (a steering guide acting on the
+    shared model while this forward runs): such a feed runs alone."""
+
+    model: nn.Module
+    head: nn.Module | None
+    cache: StaticKVCache
+    ids: list[int] | torch.Tensor  # [q] host ints, or int64 on the model's device (draft tokens not read yet)
+    mask: torch.Tensor | None = None  # [q, L + q] bool
+    positions: torch.Tensor | None = None  # [q] int64
+    last_only: bool = False
+    around: Callable[[], ContextManager] | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.numel()) if isinstance(self.ids, torch.Tensor) else len(self.ids)
+
+    def batch_key(self) -> tuple[int, int] | None:
+        """Feeds with one key run in one forward; None: this one runs alone."""
+        if self.around is not None or self.length > LONG_FEED or any(layer.is_sliding for layer in self.cache.layers):
+            return None
+        return id(self.model), id(self.head)
+
+
+def forward_logits(model: nn.Module, head: nn.Module | None, cache: Cache, last_only: bool, **inputs) -> torch.Tensor:
+    """One forward of a drafter model through ``cache`` (batch 1); next-token logits [rows, vocab] (the last row only
+    when ``last_only``), from ``head`` (a draft head over the base model's hidden states) where given."""
+    if head is None:
+        return model(**inputs, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=int(last_only)).logits[0]
+    base = model.base_model
+    h = base(**inputs, **cache_kwargs(base, cache), use_cache=True).last_hidden_state[0]  # [n, d]
+    return head(h[-1:] if last_only else h)
+
+
+def run_feed(feed: Feed) -> torch.Tensor:
+    """A feed alone: the forward the drafter ran itself before batched drafting."""
+    device = feed.model.device
+    x = feed.ids.view(1, -1) if isinstance(feed.ids, torch.Tensor) else to_device([feed.ids], device, torch.long)
+    inputs: dict[str, Any] = {"input_ids": x}
+    if feed.mask is not None:
+        inputs["attention_mask"] = to_device(feed.mask[None, None], device)
+    if feed.positions is not None:
+        inputs["position_ids"] = to_device(feed.positions[None], device)
+    with feed.around() if feed.around is not None else nullcontext():
+        return forward_logits(feed.model, feed.head, feed.cache, feed.last_only, **inputs)
+
+
+class _StackedLayer(CacheLayerMixin):
+    """Layer ``index`` of every row's own cache, seen as one [B, kv_heads, W, head_dim] layer for one forward."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "StackedCache", index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: [B, kv_heads, Q, head_dim]; row b's written at its own cache's L_b..L_b+Q-1
+        (padding included: past its new length, overwritten later); returns every row's first W positions."""
+        o = self.owner
+        Q = key_states.shape[-2]
+        keys, values = [], []
+        for b, (cache, start) in enumerate(zip(o.caches, o.starts)):
+            layer = cache.layers[self.index]
+            layer.k_buf[:, :, start: start + Q] = key_states[b: b + 1]
+            layer.v_buf[:, :, start: start + Q] = value_states[b: b + 1]
+            keys.append(layer.k_buf[:, :, : o.width])
+            values.append(layer.v_buf[:, :, : o.width])
+        return torch.cat(keys), torch.cat(values)  # [B, kv_heads, W, head_dim]: a copy of the rows' caches
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.owner.starts)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StackedCache(Cache):
+    """The caches of B requests (one drafter model) as one batched transformers ``Cache`` for one forward of Q tokens
+    per row: each row's keys land in its own cache; attention reads W = max(L_b + Q) columns of all of them. Rows'
+    buffers are concatenated per layer (a copy of their first W positions): the price of rows that live in separate
+    caches. Lengths are set by ``run_group`` after the forward (each row keeps its q_b real tokens)."""
+
+    def __init__(self, caches: Sequence[StaticKVCache], starts: Sequence[int], width: int):
+        super().__init__(layers=[])
+        self.caches, self.starts, self.width = list(caches), list(starts), width
+        self.layers = [_StackedLayer(self, i) for i in range(len(self.caches[0].layers))]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.starts)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.width, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+    """Feeds of one model (same ``batch_key``) in one forward; their logits, each as ``run_feed`` returns them."""
+    model, head = feeds[0].model, feeds[0].head
+    device = model.device
+    B = len(feeds)
+    q = [f.length for f in feeds]
+    starts = [cache_length(f.cache) for f in feeds]
+    Q = max(q)
+    W = max(s + Q for s in starts)
+    geometry = KVGeometry.of(model)
+    for f in feeds:  # every row's buffers hold the W columns attention reads (allocated now if never used)
+        f.cache.reserve(W)
+        f.cache.allocate(geometry)
+    ids = torch.zeros(B, Q, dtype=torch.long, device=device)  # [B, Q]
+    pos = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
+    mask = torch.zeros(B, 1, Q, W, dtype=torch.bool)  # [B, 1, Q, W]
+    for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
+        ids[b, :n] = f.ids.view(-1) if isinstance(f.ids, torch.Tensor) else torch.tensor(f.ids, dtype=torch.long)
+        pos[b, :n] = f.positions if f.positions is not None else s + torch.arange(n)
+        pos[b, n:] = s + torch.arange(n, Q)
+        if f.mask is not None:
+            mask[b, 0, :n, : s + n] = f.mask
+        else:
+            mask[b, 0, :n, :s] = True
+            mask[b, 0, :n, s: s + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        pad = torch.arange(n, Q)
+        mask[b, 0, pad, s + pad] = True  # a padding query sees itself only: finite, and read by no one
+    stacked = StackedCache([f.cache for f in feeds], starts, W)
+    inputs = dict(input_ids=ids, position_ids=pos.to(device), attention_mask=mask.to(device), use_cache=True)
+    # the LM head runs over the positions some row reads: each row's last where every feed wants its last only
+    keep = sorted({n - 1 for n in q}) if all(f.last_only for f in feeds) else None
+    if head is None:
+        logits = model(**inputs, **cache_kwargs(model, stacked), logits_to_keep=0 if keep is None else torch.tensor(
+            keep, device=device)).logits  # [B, len(keep) or Q, vocab]
+    else:
+        h = model.base_model(**inputs, **cache_kwargs(model.base_model, stacked)).last_hidden_state  # [B, Q, d]
+        h = h if keep is None else h[:, keep]
+        logits = head(h.reshape(-1, h.shape[-1])).view(B, h.shape[1], -1)
+    column = {p: i for i, p in enumerate(keep)} if keep is not None else None
+    out = []
+    for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
+        f.cache.set_length(s + n)
+        last = column[n - 1] if column is not None else n - 1
+        out.append(logits[b, last: last + 1] if f.last_only else logits[b, :n])
+    return out
+
+
+def feed_groups(feeds: Sequence[Feed]) -> list[list[int]]:
+    """Indices of ``feeds`` grouped into the forwards that run them: feeds sharing a ``batch_key`` together, the
+    others one by one (in order)."""
+    groups: dict[Any, list[int]] = {}
+    alone: list[list[int]] = []
+    for i, f in enumerate(feeds):
+        key = f.batch_key()
+        if key is None:
+            alone.append([i])
+        else:
+            groups.setdefault(key, []).append(i)
+    return alone + list(groups.values())
+
+
+def run_group(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+    """One group of ``feed_groups``: one forward (a group of one runs as ``run_feed``)."""
+    return [run_feed(feeds[0])] if len(feeds) == 1 else _run_batch(feeds)
+
+
+def drive(loop: Drafting) -> Any:
+    """Run a drafting loop alone: each feed it yields is one forward. Returns what the loop returns."""
+    try:
+        feed = next(loop)
+        while True:
+            feed = loop.send(run_feed(feed))
+    except StopIteration as done:
+        return done.value
