@@ -153,3 +153,23 @@ def test_a_propose_replaced_over_the_drafting_loop_is_what_the_scheduler_runs(to
             got = [h.result(timeout=60).token_ids for h in [s.submit(p, n) for p, n in zip(PROMPTS[:2], MAX_NEW[:2])]]
         assert got == expected
         assert (len(calls) > 0) == (drafter is not plain)  # the loop itself calls no propose
+
+
+def test_batch_drafting_off_runs_every_forward_alone_with_the_same_output(tok):
+    drafter_model = tiny_qwen(seed=0, logit_scale=1.5)
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=2.0), tok), PretrainedDrafter(drafter_model, k=4),
+                    check_tokenizers=False)
+    rows = []
+
+    def width(module, args, kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+    drafter_model.register_forward_pre_hook(width, with_kwargs=True)
+    got = {}
+    for batched in (True, False):
+        rows.clear()
+        with Scheduler(engine, max_batch=4, batch_drafting=batched) as s:
+            with s._lock:
+                handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+            got[batched] = [h.result(timeout=60).token_ids for h in handles]
+        assert (max(rows) > 1) == batched
+    assert got[True] == got[False]

@@ -36,12 +36,13 @@ class _Row:
         self.error: Exception | None = None
 
 
-def draft_together(requests: Sequence[Request], asks: Sequence[tuple[int | None, bool]],
-                   clock: Any = None) -> list[Draft | Exception]:
+def draft_together(requests: Sequence[Request], asks: Sequence[tuple[int | None, bool]], clock: Any = None,
+                   batched: bool = True) -> list[Draft | Exception]:
     """Every request drafts with its selected arm (``asks``: its node budget and lookup-only flag, as
     ``Request.propose`` takes them), all loops advanced together. Returns per request its draft, cut to its budgets
     and recorded for its ``finish_step`` (``Request.drafted``), or the exception its drafting raised (it alone
-    failed; a shared forward that raised fails the requests in it)."""
+    failed; a shared forward that raised fails the requests in it). ``batched`` False runs every feed alone (as
+    before batched drafting: to measure it, or to rule it out)."""
     rows = []
     for request, (nodes, lookup) in zip(requests, asks):
         meter = StepMeter(request.engine.meter.model, request.engine.meter.unit)
@@ -72,7 +73,7 @@ def draft_together(requests: Sequence[Request], asks: Sequence[tuple[int | None,
     while pending:
         round_ = sorted(pending.items())
         pending.clear()
-        for group in feed_groups([feed for _, feed in round_]):
+        for group in feed_groups([feed for _, feed in round_]) if batched else [[g] for g in range(len(round_))]:
             members = [round_[g][0] for g in group]
             shared = StepMeter(rows[members[0]].meter.model, rows[members[0]].meter.unit)
             t0 = now(clock)
@@ -103,10 +104,10 @@ def draft_together(requests: Sequence[Request], asks: Sequence[tuple[int | None,
 
 
 def each_drafts(jobs: Sequence[Any], asks: Callable[[Any], tuple[int | None, bool]], fail: Callable[[Any, Exception],
-                None], clock: Any = None) -> dict[int, Draft]:
+                None], clock: Any = None, batched: bool = True) -> dict[int, Draft]:
     """``draft_together`` for scheduler jobs (``job.request``): their drafts by ``id(job)``; a job whose drafting
     failed is handed to ``fail`` with its error."""
-    results = draft_together([j.request for j in jobs], [asks(j) for j in jobs], clock)
+    results = draft_together([j.request for j in jobs], [asks(j) for j in jobs], clock, batched)
     drafts: dict[int, Draft] = {}
     for job, result in zip(jobs, results):
         if isinstance(result, Exception):

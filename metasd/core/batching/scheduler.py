@@ -51,7 +51,9 @@ class Scheduler:
     ``submit`` when it could never fit (None: a share of the free memory, docs/architecture.md#the-kv-memory-model);
     max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut; at most the batched
     verifier's ``node_limit`` where it has one: llama.cpp's sequences); prefix_caching:
-    keep finished requests' KV inside the budget to start requests that continue them (``PrefixCache``).
+    keep finished requests' KV inside the budget to start requests that continue them (``PrefixCache``);
+    batch_drafting: run the drafter forwards of a drafting round that share a model as one (``drafting.py``; False:
+    each request's alone, to measure or rule it out).
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
     only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
@@ -60,7 +62,7 @@ class Scheduler:
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256,
                  share_suffix_cache: bool = False, adaptive: AdaptiveSpeculation | None = None,
                  kv_budget: int | None = None, max_draft_nodes: int = 128, name: str = "metasd-scheduler",
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, batch_drafting: bool = True):
         for key, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
                                 ("prefill_chunk", prefill_chunk, 1), ("max_draft_nodes", max_draft_nodes, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -69,7 +71,7 @@ class Scheduler:
         self._max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.share_suffix_cache = bool(share_suffix_cache)
+        self.share_suffix_cache, self.batch_drafting = bool(share_suffix_cache), bool(batch_drafting)
         self.adaptive = AdaptiveSpeculation.checked(adaptive)
         if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
             raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
@@ -183,10 +185,7 @@ class Scheduler:
 
     def __exit__(self, exc_type, *exc: Any) -> None:
         """Leaving a ``with`` block waits for every request (``shutdown()``); on an exception, cancels them."""
-        if exc_type is None:
-            self.shutdown()
-        else:
-            self.close()
+        self.shutdown() if exc_type is None else self.close()
 
     # ------------------------------------------------------------------ the scheduler thread
     def _wake(self) -> None:
@@ -340,16 +339,17 @@ class Scheduler:
     def _draft(self, running: list[Job]) -> tuple[dict, StepPlan | None]:
         """Every running request selects its arm (adapting: given the load, and the allocator gives each ``d_i``), then
         all draft together (``drafting.each_drafts``). Drafts by job, the step's ``StepPlan`` (None: not adapting)."""
-        adaptive, clock, fail = self.adaptive, self.engine.clock_device, lambda j, e: self._leave(j, "error", e)
+        adaptive, fail = self.adaptive, lambda j, e: self._leave(j, "error", e)
+        how = (self.engine.clock_device, self.batch_drafting)
         if adaptive is None:
             self._each(running, lambda j: j.request.select_arm(), "selecting its drafter")
-            return each_drafts(list(self._running), lambda j: (None, False), fail, clock), None
+            return each_drafts(list(self._running), lambda j: (None, False), fail, *how), None
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
         plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running],
                                   [j.request for j in running])
-        return each_drafts(running, lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, clock), plan
+        return each_drafts(running, lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, *how), plan
 
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all, in turn: a request that used the chunk
