@@ -93,7 +93,7 @@ def fetch_source(root: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / "sdist"
     run_logged([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
-                "--no-binary", ":all:", "--no-deps", "-d", str(sdist)], root / "fetch.log")
+                "--no-binary", "llama-cpp-python", "--no-deps", "-d", str(sdist)], root / "fetch.log")
     archive = next(sdist.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"), None)
     if archive is None:
         raise LlamaCppError(f"pip downloaded no llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz into {sdist}")
