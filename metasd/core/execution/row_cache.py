@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import CacheLayerMixin
 
 from .kv_memory import KVGeometry
+from .static_cache import LengthLayer
 
 
-class RowLayer(CacheLayerMixin):
+class RowLayer(LengthLayer):
     """One layer of a staged row (``RowCache``): a batch-1 forward writes at the row's length and reads ``[row:row+1,
     :, :length]``, a view of the batched buffer."""
 
@@ -69,15 +69,6 @@ class RowLayer(CacheLayerMixin):
         v[:, :, self.length: end] = value_states
         self.length = end
         return k[:, :, :end], v[:, :, :end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class RowCache(Cache):

@@ -32,7 +32,22 @@ from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class StaticLayer(CacheLayerMixin):
+class LengthLayer(CacheLayerMixin):
+    """A cache layer holding ``length`` positions of one sequence: what transformers asks of its size."""
+
+    length: int = 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StaticLayer(LengthLayer):
     """One layer's preallocated keys and values, [rows, kv_heads, capacity, head_dim] each, and its length."""
 
     is_compileable = False
@@ -107,15 +122,6 @@ class StaticLayer(CacheLayerMixin):
         self.v_buf[:, :, self.length: end] = value_states
         self.length = end
         return self.k_buf[:, :, :end], self.v_buf[:, :, :end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
