@@ -12,10 +12,9 @@ import torch
 from metasd.core.batching.scheduler import RequestFinished, Scheduler, SchedulerStep
 from metasd.core.engine import Engine
 from metasd.core.execution.batch_cache import BatchCache
-from metasd.core.execution import batch_verifier
 from metasd.core.execution.kv_cache import cache_kwargs
 from metasd.core.execution.kv_memory import KVAllocationError, KVBudgetError, KVGeometry
-from metasd.core.execution.static_cache import new_cache
+from metasd.core.execution.static_cache import StaticLayer, new_cache
 from metasd.core.execution.verifier import Verifier
 from metasd.drafters import PretrainedDrafter
 from tiny import tiny_qwen, tiny_tokenizer
@@ -204,12 +203,12 @@ def test_a_prefill_writes_into_its_reserved_row_through_reallocations_and_joins_
 
 
 def test_prefills_allocate_nothing_outside_the_batched_cache(tok, monkeypatch):
-    engine = _engine(tok)
+    engine = _engine(tok, drafters=False)  # no drafter caches: every single-sequence cache would be a prefill's
     expected = _alone(engine) + [engine.generate(PROMPTS[2] * 12, 10).token_ids]
 
     def refused(*args, **kwargs):
         raise AssertionError("a prefill allocated a cache of its own")
-    monkeypatch.setattr(batch_verifier, "new_cache", refused)
+    monkeypatch.setattr(StaticLayer, "allocate", refused)
     with Scheduler(engine, max_batch=4, prefill_chunk=5, max_draft_nodes=16) as s:  # prefills in turns, joins in any order
         handles = [s.submit(p, n) for p, n in zip(PROMPTS + [PROMPTS[2] * 12], MAX_NEW + [10])]
         assert [h.result(timeout=60).token_ids for h in handles] == expected

@@ -114,7 +114,7 @@ def test_store_lookup_and_fit_on_the_batched_cache(model):
     cache = BatchCache(geometry, slots=2, budget_bytes=300 * geometry.bytes_per_token)
     store = PrefixCache(cache, min_tokens=4)
     cache.reserve("a", 200)  # one row of 256 positions
-    row = cache.join(None, 0)
+    row = cache.join_staged(cache.stage())
     cache.lengths[row] = 200
     for layer in cache.layers:
         layer.keys[row, :, :200] = torch.randn_like(layer.keys[row, :, :200])
@@ -141,7 +141,7 @@ def test_evicting_among_several_entries_picks_the_least_recently_used(model):
     cache = BatchCache(geometry, slots=2, budget_bytes=4096 * geometry.bytes_per_token)
     store = PrefixCache(cache, min_tokens=4, max_entries=2)
     cache.reserve("a", 100)
-    row = cache.join(None, 0)
+    row = cache.join_staged(cache.stage())
     cache.lengths[row] = 100
     cache.release("a")
     for start in (0, 1000, 2000):  # three distinct prefixes; max_entries=2 evicts the oldest, not the first listed

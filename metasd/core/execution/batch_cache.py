@@ -92,7 +92,7 @@ class BatchCache(Cache):
     ``lengths[b]``: cached positions of row b. Admission: ``fits`` / ``reserve`` (all-or-nothing) / ``release``,
     ``shrink`` between steps; ``budget_bytes`` None: no budget. A forward over rows [0, B) is prepared by
     ``prepare(B, n_new)``; a joining request prefills into a free row of its own (``stage``: a ``RowCache``, outside
-    the running rows), then joins (``join_staged``: its row becomes row B; ``join`` copies a batch-1 cache instead),
+    the running rows), then joins (``join_staged``: its row becomes row B),
     leave (``remove``: the last row moves into the hole) and keep their accepted positions (``commit``).
     """
 
@@ -298,22 +298,6 @@ class BatchCache(Cache):
         self._forward, self._index = None, None
 
     # -------------------------------------------------------------- rows joining and leaving
-    def join(self, prefix: Cache | None, length: int) -> int:
-        """Copy a request's prefilled batch-1 cache (``length`` positions; None when the prompt had one token) into the
-        next free row, which its reservation allocated; returns the row. Allocates nothing."""
-        row = self.active
-        if row >= self.rows:
-            raise RuntimeError(f"BatchCache: no reserved row is free ({self.rows} allocated, {row} in use)")
-        if length > self.capacity:
-            raise RuntimeError(f"BatchCache: a prefix of {length} positions; rows hold {self.capacity}")
-        if prefix is not None and length:
-            for layer, src in zip(self.layers, prefix.layers):
-                layer.keys[row, :, :length] = src.keys[0, :, :length]
-                layer.values[row, :, :length] = src.values[0, :, :length]
-        self.lengths[row] = length
-        self.active += 1
-        return row
-
     def stage(self) -> RowCache:
         """A free row outside the running ones for a joining request to prefill into (its reservation allocated it)."""
         for row in range(self.active, self.rows):

@@ -18,7 +18,6 @@ from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
 from .prefix_cache import PrefixEntry
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
-from .static_cache import new_cache
 from .tree import Draft, ancestor_mask
 from .verifier import Verifier, VerifierOutput
 
@@ -85,27 +84,23 @@ class SlotVerifier:
 
 class Prefill:
     """A joining request's prefill: every prompt token but the last into ``cache`` (the batched cache's row staged for
-    it, or a batch-1 cache of its own), ``chunk`` tokens per call
-    of ``step``, with the hidden states of ``layers`` for the drafters that read them; with ``prefix`` (an entry of the
+    it, ``BatchCache.stage``), ``chunk`` tokens per call of ``step``, with the hidden states of ``layers`` for the drafters that read them; with ``prefix`` (an entry of the
     prefix cache and how many of its positions are this prompt's) it starts after them. With ``score`` (the tokens that
     follow each position: the prompt's tokens 1..T) it keeps their raw log-probabilities in ``scores`` (``top``
     alternatives each; ``Verifier.prefill``)."""
 
     def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int],
-                 score: Sequence[int] | None = None, top: int = 0, prefix: tuple[PrefixEntry, int] | None = None,
-                 cache: RowCache | None = None):
+                 cache: RowCache, score: Sequence[int] | None = None, top: int = 0,
+                 prefix: tuple[PrefixEntry, int] | None = None):
         self.model = verifier.model
         self.device = verifier.device
         self.ids = list(token_ids)
         self.layers = tuple(sorted(set(layers)))
         self.hidden = HiddenStore(self.layers) if self.layers else None
-        #: where the prompt's keys and values go: the batched cache's row for it (``BatchCache.stage``), or a batch-1
-        #: cache of its own
-        self.cache = cache if cache is not None else new_cache(self.model, len(self.ids), verifier.name)
+        self.cache = cache  # where the prompt's keys and values go: its row of the batched cache
         self.done = 0
         if prefix is not None:  # its first n positions from the prefix cache: the prefill starts after them
             entry, n = prefix
-            self.cache.allocate(KVGeometry.of(self.model))
             for layer, keys, values in zip(self.cache.layers, entry.keys, entry.values):
                 layer.k_buf[0, :, :n] = keys[:, :n]
                 layer.v_buf[0, :, :n] = values[:, :n]
@@ -227,7 +222,7 @@ class BatchVerifier:
         reservation allocated (``BatchCache.stage``): a prefill allocates nothing."""
         row = self.cache.stage()
         try:
-            return Prefill(self.verifier, token_ids, layers, score, top, prefix, cache=row)
+            return Prefill(self.verifier, token_ids, layers, row, score, top, prefix)
         except BaseException:
             self.cache.unstage(row)
             raise

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from transformers import Cache
 
-from .kv_memory import KVGeometry
 from .static_cache import LengthLayer
 
 
@@ -80,9 +79,6 @@ class RowCache(Cache):
         super().__init__(layers=[])
         self.owner, self.row = owner, row
         self.layers = [RowLayer(owner, i, row) for i in range(owner.geometry.layers)]
-
-    def allocate(self, geometry: KVGeometry, rows: int = 1) -> None:
-        """Nothing to allocate: the row is (``StaticKVCache``'s interface, for a prefill that starts from a prefix)."""
 
     def set_length(self, length: int) -> None:
         if length > self.owner.capacity:
