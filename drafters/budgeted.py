@@ -115,7 +115,8 @@ class BudgetedArm(Drafter):
         """The inner drafter's drafting loop under this arm's budget, cut to it (the inner drafter's forwards are
         yielded: batched drafting)."""
         limit = self.budget if ctx.max_nodes is None else min(self.budget, ctx.max_nodes)
-        before = open_meter().steps if open_meter() is not None else 0.0
+        meter = open_meter()
+        before = meter.steps if meter is not None else 0.0
         full = yield from drafting_loop(self.inner, dataclasses.replace(ctx, max_nodes=limit))
         meter = open_meter()  # the meter open now: a scheduler drafting many requests opens each one's own
         cost = (meter.steps - before) if meter is not None else 0.0

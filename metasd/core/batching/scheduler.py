@@ -35,9 +35,10 @@ class Scheduler:
     construction to shutdown no other request may run on them (``Engine.generate`` on the same engine raises
     ``EngineBusyError``) - and runs every submitted request. Each step: requests waiting are admitted up to
     ``max_batch`` (a joining request is prefilled alone, ``prefill_chunk`` tokens per step, into the row of the batched
-    cache its reservation allocated), every running request drafts with its own forks of the pool's drafters, one
-    verifier forward scores all the drafts (``BatchVerifier``), each request accepts and commits its own path, and finished or cancelled
-    requests leave (docs/architecture.md#serving-the-scheduler-and-the-batched-cache).
+    cache its reservation allocated), every running request drafts with its own forks of the pool's drafters (their
+    model forwards shared, ``drafting.py``), one verifier forward scores all the drafts (``BatchVerifier``), each
+    request accepts and commits its own path, and finished or cancelled requests leave
+    (docs/architecture.md#serving-the-scheduler-and-the-batched-cache).
 
     max_batch: requests running (or prefilling) at once; max_queue: requests waiting beyond them (``submit`` raises
     ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step, so a long prompt delays the running
