@@ -6,11 +6,22 @@ absurd ones, and streams they abandon mid-way, while the server's KV allocations
 failed must have got an OpenAI-style error, the server must answer, and the KV memory it accounts must be back
 within its budget (zero once idle).
 
-The server runs in this process (a uvicorn thread on 127.0.0.1, a free port) over tiny random fp32 models - exact
-comparison, and faults injected where they happen (``BatchCache._allocate``, the verifier's forward). Bounded: at
-most ``--requests`` requests and ``--seconds`` of sending.
+The server runs in this process (a uvicorn thread on 127.0.0.1, a free port), faults injected where they happen
+(``BatchCache._allocate``, the verifier's forward). Bounded: at most ``--requests`` requests and ``--seconds`` of
+sending. Two kinds of models:
+
+- by default tiny random fp32 models: every answer must be exactly its text alone;
+- with ``--pool`` a real pool (``default``: ``metasd serve``'s own) in the dtype it asks for - bf16 on a CPU with
+  native bf16 - where a batched tree verify and plain decoding's one-token forwards round differently, so an answer may
+  leave plain decoding's text at a near-tie. Such an answer is walked token by token (``tie_walk``): at every place
+  it leaves plain decoding, the token it took must be one the reference ranked within ``--tie-margin`` of its own
+  choice (greedy: log-probabilities; seeded: log-probability / T + the request's keyed Gumbel noise, rescaled by T),
+  and from there plain decoding is followed again. Anything else is a wrong output. The server runs with
+  ``generation_config="none"`` (OpenAI's defaults for unset fields), so the reference decodes what was asked.
 
     python benchmarks/serve_soak.py --requests 400 --clients 8 --out benchmarks/results/serve_soak.json
+    python benchmarks/serve_soak.py --pool default --requests 160 --clients 6 --threads 2 \
+        --out benchmarks/results/serve_soak_real.json
 """
 from __future__ import annotations
 
@@ -27,6 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MODEL = "tiny"
+#: the name the real pool is served as
+REAL_MODEL = "metasd-soak"
+#: the largest log-probability gap at which a bf16 answer may leave plain decoding's (``--tie-margin``): the top-5
+#: log-probabilities of the default pool's tree verifies and of plain decoding's one-token forwards differed by up to
+#: 0.244 on the bundled pair in bf16 (BENCHMARKS.md, "Log-probabilities under speculation")
+BF16_TIE_MARGIN = 0.25
 KINDS = ("greedy", "greedy_stream", "seeded", "malformed", "unknown_field", "oversized", "absurd", "disconnect")
 
 
@@ -81,21 +98,45 @@ def tiny_pair():
     return served, reference
 
 
+def real_pool(pool: str):
+    """(engine served, reference engine, the pool's serving section or None) for a pool file (``default``: the pool
+    ``metasd serve`` runs without ``--pool``). The reference is plain decoding on the same verifier, run after the
+    server has stopped."""
+    from metasd.config import build_engine, default_serve_pool_path, read_pool_config
+    from metasd.core.engine import Engine
+
+    config = read_pool_config(default_serve_pool_path() if pool == "default" else pool)
+    served = build_engine(config)
+    serving = config.serving.model_dump() if config.serving.adaptive else None
+    return served, Engine(served.verifier, None), serving
+
+
 #: a 40-word start two prompts share (as a system prompt would): with the prefix cache on, later requests reuse it
 SHARED = " ".join(f"w{20 + i % 30}" for i in range(40))
 PROMPTS = ["w10 w11 w12 w10 w11", "w20 w21", "w30 w31 w32 w33 w30 w31", "w40", "w12 w13 w14 w15 w16 w17 w18",
            SHARED + " w10 w11", SHARED + " w12"]
+#: the real pool's prompts (completions: raw text, no chat template): code to continue, prose, a list, and two that
+#: share a system-prompt-like start
+REAL_SHARED = ("You are a careful assistant for a team of software engineers. Answer briefly, with correct code where "
+               "code is asked for, and say when you are unsure.\n\n")
+REAL_PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                "The three most common causes of a memory leak in a long-running Python service are",
+                "Translate into French: The weather is nice today, so we will walk to the station.\nFrench:",
+                "1. Preheat the oven to 200 degrees.\n2.",
+                "import json\n\n\ndef load_config(path):\n",
+                REAL_SHARED + "Question: what does a KV cache store?\nAnswer:",
+                REAL_SHARED + "Question: write a SQL query counting the rows of a table named users.\nAnswer:"]
 
 
-def plan(n: int, seed: int) -> list[dict]:
+def plan(n: int, seed: int, prompts: list[str] = PROMPTS, model: str = MODEL) -> list[dict]:
     """n requests: a kind each (normal ones most often) and its parameters."""
     rng = random.Random(seed)
     weights = [5, 3, 3, 1, 1, 1, 2, 2]
     out = []
     for i in range(n):
         kind = rng.choices(KINDS, weights)[0]
-        out.append({"i": i, "kind": kind, "prompt": rng.choice(PROMPTS), "max_tokens": rng.choice([4, 12, 30]),
-                    "seed": rng.randrange(1000), "temperature": rng.choice([0.7, 1.0])})
+        out.append({"i": i, "kind": kind, "prompt": rng.choice(prompts), "max_tokens": rng.choice([4, 12, 30]),
+                    "seed": rng.randrange(1000), "temperature": rng.choice([0.7, 1.0]), "model": model})
     return out
 
 
@@ -104,11 +145,11 @@ def send(url: str, r: dict, body_limit: int) -> dict:
     import httpx
 
     path = url + "/v1/completions"
-    base = {"model": MODEL, "prompt": r["prompt"], "max_tokens": r["max_tokens"]}
+    base = {"model": r["model"], "prompt": r["prompt"], "max_tokens": r["max_tokens"]}
     kind = r["kind"]
     try:
         if kind == "malformed":
-            resp = httpx.post(path, content=b'{"model": "tiny", "prompt": ',
+            resp = httpx.post(path, content=b'{"model": "' + r["model"].encode() + b'", "prompt": ',
                               headers={"content-type": "application/json"}, timeout=60)
         elif kind == "unknown_field":  # accepted with a warning (as vLLM does): the text must be plain greedy's
             resp = httpx.post(path, json=base | {"temperature": 0, "best_guess": True}, timeout=60)
@@ -162,12 +203,65 @@ def expected_text(reference, r: dict, check: str) -> str:
     return reference.generate(r["prompt"], r["max_tokens"], temperature=r["temperature"], seed=r["seed"]).text
 
 
+def tie_walk(reference, r: dict, check: str, served: str, tie_margin: float, max_divergences: int = 8) -> dict:
+    """Whether ``served`` is plain decoding's text up to near-ties: follow the reference (plain decoding with the
+    top-20 log-probabilities) along the served text; where the served text leaves it, the token it took must be among
+    the reference's top 20 and within ``tie_margin`` of the reference's choice - greedy: ``lp(ref) - lp(served)``;
+    seeded: ``T * [(lp/T + G)(ref) - (lp/T + G)(served)]`` with G the request's keyed Gumbel noise at that position
+    (``KeyedNoise``, choice 0): the score the token was drawn by. Then plain decoding is followed from the served token.
+    Returns {"ok", "margins": the gap at each place left, "reason" when not ok}."""
+    from metasd.core.decoding.prompt import encode_prompt
+    from metasd.core.decoding.sampling import KeyedNoise
+
+    tok = reference.verifier.tokenizer
+    prompt = encode_prompt(tok, r["prompt"])
+    sampled = check == "seeded"
+    temperature = r["temperature"] if sampled else 1.0
+    noise = KeyedNoise(r["seed"]) if sampled else None
+    width = reference.verifier.model.config.vocab_size  # the logits' width: what the keyed noise is drawn over
+    kwargs = {"temperature": r["temperature"], "seed": r["seed"]} if sampled else {}
+
+    def text(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    def fits(ids):  # the decoded ids are a start of the served text (a split character's replacement mark aside)
+        return served.startswith(text(ids).rstrip("\ufffd"))
+
+    forced, margins = [], []
+    while len(margins) <= max_divergences:
+        result = reference.generate(prompt + forced, r["max_tokens"] - len(forced), logprobs=20, **kwargs)
+        ids = forced + list(result.token_ids)
+        if text(ids) == served:
+            return {"ok": True, "margins": margins}
+        j = next((j for j in range(len(forced), len(ids)) if not fits(ids[: j + 1])), None)
+        if j is None:
+            return {"ok": False, "margins": margins, "reason": "the served text goes on past plain decoding's end"}
+        row = result.logprobs[j - len(forced)]
+        logp = dict(row.top) | {row.token: row.logprob}
+        taken = [t for t in logp if t != ids[j] and fits(ids[:j] + [t])]
+        if not taken:
+            return {"ok": False, "margins": margins, "reason": f"token {j} is not among plain decoding's top 20"}
+
+        def score(t):
+            g = noise.gumbel(len(prompt) + j, width)[t].item() if sampled else 0.0
+            return logp[t] / temperature + g
+        t = max(taken, key=score)
+        margin = temperature * (score(ids[j]) - score(t))
+        margins.append(round(margin, 4))
+        if margin > tie_margin or margin < -1e-3:  # a negative gap: plain decoding did not take its best score
+            return {"ok": False, "margins": margins, "reason": f"token {j}: gap {margin:.4f} to plain decoding's"}
+        forced = ids[:j] + [t]
+    return {"ok": False, "margins": margins, "reason": f"more than {max_divergences} near-ties"}
+
+
 def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc_p: float = 0.05,
              forward_p: float = 0.03, kv_budget: int = 2048, body_limit: int = 32 * 1024, seed: int = 0,
-             prefix_caching: bool = True) -> dict:
+             prefix_caching: bool = True, pool: str | None = None, tie_margin: float | None = None) -> dict:
     """Run the soak; its report (counts by outcome, faults injected, memory, whether the server answers). With
     ``prefix_caching`` (``metasd serve``'s default) finished requests' KV stays in the budget for later ones: the
-    rows must still be freed when idle, and the stored prefixes stay within the budget."""
+    rows must still be freed when idle, and the stored prefixes stay within the budget. ``pool``: a real pool file
+    (``default``: ``metasd serve``'s) instead of the tiny models, its answers checked by ``tie_walk`` within
+    ``tie_margin`` (default ``BF16_TIE_MARGIN``; the tiny models: 0, exact)."""
     import httpx
 
     from metasd.core.batching.scheduler import Scheduler
@@ -176,17 +270,27 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from serve_helpers import ServerThread
 
-    served, reference = tiny_pair()
-    scheduler = Scheduler(served, max_batch=4, max_queue=64, kv_budget=kv_budget, max_draft_nodes=16,
-                          prefix_caching=prefix_caching)
+    if pool is None:
+        served, reference = tiny_pair()
+        scheduler = Scheduler(served, max_batch=4, max_queue=64, kv_budget=kv_budget, max_draft_nodes=16,
+                              prefix_caching=prefix_caching)
+        model, prompts, tie_margin = MODEL, PROMPTS, tie_margin or 0.0
+    else:
+        from metasd.serve.cli import SchedulerSettings
+
+        served, reference, serving = real_pool(pool)
+        scheduler = SchedulerSettings(max_batch=4, max_queue=64, adaptive=serving, kv_budget=kv_budget,
+                                      prefix_caching=prefix_caching).make(served)
+        model, prompts = REAL_MODEL, REAL_PROMPTS
+        tie_margin = BF16_TIE_MARGIN if tie_margin is None else tie_margin
     faults = Faults(alloc_p, forward_p, seed)
     faults.install(scheduler)
     peak = {"held": 0}
     scheduler.add_listener(lambda _: peak.__setitem__("held", max(peak["held"], scheduler.verifier.cache.held_bytes)))
-    todo = plan(requests, seed)
+    todo = plan(requests, seed, prompts, model)
     deadline = time.monotonic() + seconds
     outcomes: list[tuple[dict, dict]] = []
-    srv = ServerThread(create_app(scheduler, MODEL, max_body_bytes=body_limit))
+    srv = ServerThread(create_app(scheduler, model, max_body_bytes=body_limit, generation_config="none"))
     t0 = time.perf_counter()
     with srv:
         def one(r):
@@ -200,7 +304,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
         settle_until = time.monotonic() + 30  # the abandoned streams leave within a step; then the server is idle
         while scheduler.running and time.monotonic() < settle_until:
             time.sleep(0.05)
-        probe = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 3,
+        probe = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": prompts[0], "max_tokens": 3,
                                                               "temperature": 0}, timeout=60)
         alive = probe.status_code == 200 and httpx.get(srv.url + "/health", timeout=10).status_code == 200
         cache = scheduler.verifier.cache
@@ -210,7 +314,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
         held_idle, prefixes_idle = cache.row_bytes, cache.pinned_bytes  # rows freed; stored prefixes may stay
     scheduler.close()
     wall = time.perf_counter() - t0
-    tally, wrong, lost, unclear = Counter(), [], [], []
+    tally, wrong, lost, unclear, near_ties = Counter(), [], [], [], []
     for r, o in outcomes:
         status = o["status"]
         tally[f"{r['kind']}:{status}"] += 1
@@ -221,7 +325,8 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             if not (isinstance(err, dict) and err.get("message") and err.get("type")):
                 unclear.append((r, o))
         elif "text" in o and o["text"] != expected_text(reference, r, o["check"]):
-            wrong.append((r, o))
+            walk = tie_walk(reference, r, o["check"], o["text"], tie_margin)
+            (near_ties if walk["ok"] else wrong).append((r, o | {"walk": walk}))
     return {"requests_planned": requests, "requests_sent": sum(1 for _, o in outcomes if o["status"] != "not_sent"),
             "clients": clients, "wall_s": round(wall, 1), "by_kind_and_status": dict(sorted(tally.items())),
             "bad_inputs_tried": dict(Counter(r["kind"] for r, o in outcomes if r["kind"] not in
@@ -229,10 +334,13 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             "faults_injected": dict(faults.counts),
             "checked_texts": sum(1 for _, o in outcomes if "text" in o),
             "wrong_outputs": len(wrong), "lost_without_error": len(lost), "errors_without_a_clear_body": len(unclear),
+            "model": "tiny random fp32" if pool is None else f"pool {pool}: {served.verifier.describe()}",
+            "tie_margin": tie_margin, "left_plain_decoding_at_near_ties": len(near_ties),
+            "near_tie_gaps": sorted(g for _, o in near_ties for g in o["walk"]["margins"]),
             "server_alive_at_end": alive, "kv_budget_bytes": cache.budget_bytes, "kv_peak_held_bytes": peak["held"],
             "kv_held_bytes_when_idle": held_idle, "kv_prefix_cache_bytes_when_idle": prefixes_idle,
             "prefix_cache_hit_tokens": scheduler.prefix_cache.stats.hits if scheduler.prefix_cache else None,
-            "examples": {"wrong": wrong[:3], "lost": lost[:3], "unclear": unclear[:3]}}
+            "examples": {"wrong": wrong[:3], "lost": lost[:3], "unclear": unclear[:3], "near_ties": near_ties[:3]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-budget", type=int, default=2048, help="KV positions of the verifier's cache")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="run without the prefix cache (metasd serve's default has it on)")
+    p.add_argument("--pool", help="a real pool file instead of the tiny models ('default': metasd serve's own); "
+                                   "answers are checked up to near-ties (--tie-margin)")
+    p.add_argument("--tie-margin", type=float, help=f"with --pool: the largest log-probability gap at which an answer "
+                                                    f"may leave plain decoding's (default {BF16_TIE_MARGIN})")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -253,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     report = run_soak(args.requests, args.clients, args.seconds, args.alloc_fault, args.forward_fault, args.kv_budget,
-                      seed=args.seed, prefix_caching=args.prefix_caching)
+                      seed=args.seed, prefix_caching=args.prefix_caching, pool=args.pool,
+                      tie_margin=args.tie_margin)
     report = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",

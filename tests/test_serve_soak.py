@@ -24,3 +24,44 @@ def test_a_small_soak_with_faults_loses_nothing_and_returns_no_wrong_text():
     assert report["faults_injected"].get("allocation", 0) > 0 and report["faults_injected"].get("forward", 0) > 0
     assert report["checked_texts"] >= 10  # enough answers were compared for the zero to mean something
     assert {"malformed", "oversized", "absurd", "disconnect"} <= set(report["bad_inputs_tried"])
+
+
+@pytest.mark.parametrize("check", ["greedy", "seeded"])
+def test_the_near_tie_walk_accepts_a_runner_up_within_the_margin_and_nothing_else(check):
+    """The real-pool soak's check (``tie_walk``): a text that leaves plain decoding at one place, for the token plain
+    decoding ranked second (greedy: by log-probability; seeded: by log-probability / T + the request's keyed noise),
+    and follows plain decoding from there is accepted within a margin above that gap and refused below it; plain
+    decoding's own text is accepted with no gap."""
+    soak = load_script("serve_soak")
+    from metasd.core.decoding.sampling import KeyedNoise
+
+    _, reference = soak.tiny_pair()
+    r = {"prompt": "w10 w11 w12 w10 w11", "max_tokens": 12, "temperature": 0.7, "seed": 5}
+    kwargs = {"temperature": 0.7, "seed": 5} if check == "seeded" else {}
+    plain = reference.generate(r["prompt"], 12, logprobs=20, **kwargs)
+    assert soak.tie_walk(reference, r, check, plain.text, 0.0) == {"ok": True, "margins": []}
+
+    prompt = reference.encode(r["prompt"])
+    j = 3  # leave plain decoding at the 4th new token
+    row = plain.logprobs[j]
+    logp = dict(row.top) | {row.token: row.logprob}
+    noise = KeyedNoise(5)
+    width = reference.verifier.model.config.vocab_size
+
+    def score(t):
+        if check == "greedy":
+            return logp[t]
+        return logp[t] / 0.7 + noise.gumbel(len(prompt) + j, width)[t].item()
+    ranked = sorted(logp, key=score, reverse=True)
+    assert ranked[0] == plain.token_ids[j]  # the score plain decoding chose by
+    runner_up = ranked[1]
+    gap = (score(ranked[0]) - score(runner_up)) * (0.7 if check == "seeded" else 1.0)
+    forced = list(plain.token_ids[:j]) + [runner_up]
+    rest = reference.generate(prompt + forced, 12 - len(forced), **kwargs)
+    served = reference.verifier.tokenizer.decode(forced + list(rest.token_ids), skip_special_tokens=True)
+    assert served != plain.text
+
+    walk = soak.tie_walk(reference, r, check, served, gap + 1e-3)
+    assert walk["ok"] and walk["margins"] == [pytest.approx(gap, abs=1e-3)], walk
+    assert not soak.tie_walk(reference, r, check, served, gap / 2)["ok"]
+    assert not soak.tie_walk(reference, r, check, served + " w99", gap + 1e-3)["ok"]  # more than plain decoding gives
