@@ -605,8 +605,9 @@ def load_prompts(args):
     from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 
     paths = args.questions or [str(SPEC_BENCH_DEFAULT)]
-    groups = getattr(args, "groups", None)
-    questions = ([q for path in paths for q in load_questions(path, groups=groups, per_group=args.per_group)]
+    groups, categories = getattr(args, "groups", None), getattr(args, "categories", None)
+    questions = ([q for path in paths
+                  for q in load_questions(path, groups=groups, per_group=args.per_group, categories=categories)]
                  if args.per_group else [])
     if args.copy_heavy:
         from metasd.data.copy_heavy import build_copy_heavy
@@ -651,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", action="append", help="Spec-Bench-format JSONL (repeatable; default: Spec-Bench)")
     p.add_argument("--per-group", type=int, default=2)
     p.add_argument("--groups", nargs="+", help="only these Spec-Bench groups (default: all)")
+    p.add_argument("--categories", nargs="+", help="only these Spec-Bench categories (e.g. coding math: prompts "
+                                                   "outside the plan the allocator was tuned on)")
     p.add_argument("--copy-heavy", type=int, default=0, metavar="N", help="also N prompts per copy-heavy category")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -96,6 +96,8 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         "lookup_only_steps": sum(o > 0 for s in decode if s.adaptive is not None
                                  for o in getattr(s.adaptive, "options", [])),
         "draft_costs": dict(adaptive.draft_costs) if adaptive is not None else None,
+        # per load level and node budget: what the allocator charges (older checkouts: none)
+        "draft_prices": adaptive.draft_prices.to_dict() if getattr(adaptive, "draft_prices", None) else None,
         # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
         "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,
     }
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", action="append", help="Spec-Bench-format JSONL (repeatable; default: Spec-Bench)")
     p.add_argument("--per-group", type=int, default=1)
     p.add_argument("--groups", nargs="+", help="only these Spec-Bench groups (default: all)")
+    p.add_argument("--categories", nargs="+", help="only these Spec-Bench categories (e.g. coding math)")
     p.add_argument("--copy-heavy", type=int, default=0, metavar="N", help="also N prompts per copy-heavy category")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--cost-profile", help="a saved ForwardProfile JSON instead of profiling (as metasd serve's)")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from metasd.serve.cli import PoolEngine, SchedulerSettings, read_cost_profile
 
     questions = load_prompts(SimpleNamespace(questions=args.questions, groups=args.groups, per_group=args.per_group,
-                                             copy_heavy=args.copy_heavy))
+                                             categories=args.categories, copy_heavy=args.copy_heavy))
     prompts = [q.turns[0] for q in questions]
     recipe = PoolEngine.from_file(args.pool, args.threads)
     config = recipe.check()  # a bad pool file fails here, before any model loads
