@@ -16,12 +16,14 @@ wires the building blocks of speculation under load into its step:
    ``unit_seconds`` when given, else the meter's modeled cost), and a counterfactual draft of ``n`` nodes the forward
    it would have been in (``goodput.counterfactual_share``);
 4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``), and its drafting cost:
-   per step (an exponential average over the steps it drafted) and per caught-up token (from a step whose drafter fed
-   more than ``max_width`` committed tokens: a request's first draft feeds its prompt). With ``price_drafting=True``
-   the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = average + rate * unfed * (1 + a(d)) /
-   remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining tokens; 0 at ``d = 0``,
-   where the drafter is not asked at all), and ``min_gain`` keeps a step plain unless drafting is expected to beat it
-   by that factor;
+   per step, per load level and node budget (``DraftPrices``: a 4-node draft costs less than a 48-node one, and a
+   request's share of a batched drafter forward falls as more requests draft beside it), and per caught-up token (from
+   a step whose drafter fed more than ``max_width`` committed tokens: a request's first draft feeds its prompt). With
+   ``price_drafting=True`` the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = price(level, d) + rate
+   * unfed * (1 + a(d)) / remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining
+   tokens; 0 at ``d = 0``, where the drafter is not asked at all; at a load level where the arm has not drafted yet,
+   ``price`` is the nearest level's scaled by their rows - an optimistic prior one step there corrects), and ``min_gain``
+   keeps a step plain unless drafting is expected to beat it by that factor;
 5. **deferred catch-up** (``defer_catch_up``, with ``price_drafting``) - while a request's arm runs a model that has
    more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
    cascade: suffix decoding first), the allocator may instead let it draft with the lookups alone
@@ -47,9 +49,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..decoding.drafter import drafts_lookups
-from ..decoding.request_features import load_features
+from ..decoding.request_features import LOAD_LEVELS, load_features, load_level
 from ..pricing.acceptance_curve import AcceptanceCurve
 from ..pricing.allocator import Allocation, checked_min_gain, plan
+from ..pricing.draft_prices import DraftPrices
 from ..pricing.goodput import counterfactual_share, shared_step_cost
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
@@ -119,6 +122,8 @@ class AdaptiveSpeculation:
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
+        # the same per load level and node budget: what is charged (a level stands for its most requests)
+        self.draft_prices = DraftPrices(DRAFT_COST_DECAY, level_rows=LOAD_LEVELS + (2 * LOAD_LEVELS[-1],))
         self.catch_up_rates: dict[str, float] = {}  # per curve key: average cost of one caught-up token
         self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
@@ -189,7 +194,7 @@ class AdaptiveSpeculation:
         caps = [self.cap(a) for a in arms]
         curves = [self.curve(a) if c > 0 else None for a, c in zip(arms, caps)]
         reqs = list(requests) if requests is not None else [None] * len(arms)
-        costs = [self.draft_cost(a, r) if c > 0 and self.price_drafting else None
+        costs = [self.draft_cost(a, r, running=len(arms)) if c > 0 and self.price_drafting else None
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
@@ -217,24 +222,34 @@ class AdaptiveSpeculation:
         first draft, the tokens committed since the last step it drafted in after that."""
         return max(int(request.length) - self._fed.get(request, 0), 0)
 
-    def draft_cost(self, arm: Any, request: Any = None) -> Callable[[int], float] | None:
+    def draft_cost(self, arm: Any, request: Any = None, running: int | None = None) -> Callable[[int], float] | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
-        draft) and for ``d > 0``: the arm's average per-step drafting cost plus, where the request's drafters have
-        more than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up
-        amortized over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the
-        arm's learnt cost of a caught-up token, ``remaining`` the tokens the request may still commit and
-        ``1 + a(d)`` the tokens a step commits. None before the arm has drafted once."""
+        draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
+        (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by their
+        rows; the arm's average over all its steps when ``running`` is None) plus, where the request's drafters have more
+        than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up amortized
+        over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the arm's learnt
+        cost of a caught-up token, ``remaining`` the tokens the request may still commit and ``1 + a(d)`` the tokens
+        a step commits. None before the arm has drafted once."""
         key = self.curve_key(arm)
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:
             return None
-        c = c or 0.0
+        if running is None:
+            def per_step(d, c=c or 0.0):
+                return c
+        else:
+            level = load_level(running)
+
+            def per_step(d):
+                price = self.draft_prices.price(key, level, d)
+                return 0.0 if price is None else price
         unfed = self.unfed(request) if request is not None else 0
         if rate is None or unfed <= self.max_width:
-            return lambda d, c=c: c if d > 0 else 0.0
+            return lambda d: per_step(d) if d > 0 else 0.0
         one_off = rate * unfed / max(int(request.max_new_tokens) - len(request.new_ids), 1)
         curve = self.curve(arm)
-        return lambda d, c=c: c + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
+        return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
         """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
@@ -268,7 +283,8 @@ class AdaptiveSpeculation:
         own = self.lookup_curve(request) if lookup else None
         if request.draft_budget is None and not s.cut:  # a request's own budget, or its last tokens, teach nothing
             cap = getattr(request, "max_draft_nodes", None)  # of what the allocator's budget buys
-            self.learn(arm, s.path, s.drafted, d_i if cap is None else min(d_i, cap), draft_cost, catch_up, lookup=own)
+            self.learn(arm, s.path, s.drafted, d_i if cap is None else min(d_i, cap), draft_cost, catch_up, lookup=own,
+                       running=len(rows_tokens))
         if self.drafts(arm, d_i) and not lookup:  # its model read the text (a lookup-only step left it unread)
             self._fed[request] = int(request.length)
         return result
@@ -293,14 +309,15 @@ class AdaptiveSpeculation:
         return seconds / self.unit_seconds if self.unit_seconds is not None else modeled
 
     def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None,
-              catch_up: int = 0, lookup: AcceptanceCurve | None = None) -> None:
+              catch_up: int = 0, lookup: AcceptanceCurve | None = None, running: int | None = None) -> None:
         """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
         accepted; ``draft_cost`` (the step's drafting cost, ``drafting_cost``) updates its average drafting cost -
         or, where the drafter caught up more than ``max_width`` committed tokens (``catch_up``: a request's first
         draft feeds its prompt), its cost per caught-up token: ``(draft_cost - average) / catch_up``. A one-off
         catch-up is charged to its step's reward but is not the price of the request's later steps. ``lookup``: the
         arm's lookups drafted alone - this curve (the request's ``lookup_curve``) and their costs (``lookup_key``)
-        learn instead."""
+        learn instead. ``running``: the requests in the step - a steady step's cost is then also learnt as the price
+        of ``budget`` nodes at that load level (``draft_prices``)."""
         if not self.drafts(arm, budget):
             return
         key = self.lookup_key(arm) if lookup is not None else self.curve_key(arm)
@@ -313,6 +330,8 @@ class AdaptiveSpeculation:
             key_costs, c = self.catch_up_rates, max(c - self.draft_costs.get(key, 0.0), 0.0) / catch_up
         else:
             key_costs = self.draft_costs
+            if running is not None:
+                self.draft_prices.learn(key, load_level(running), budget, c)
         prev = key_costs.get(key)
         key_costs[key] = c if prev is None else DRAFT_COST_DECAY * prev + (1 - DRAFT_COST_DECAY) * c
 

@@ -1,0 +1,58 @@
+"""Drafting priced per load level and node budget (``metasd.core.pricing.draft_prices``): a price learnt with one
+request drafting 32-node trees does not price four requests drafting 4-node ones (batched drafting shares each
+forward; fewer nodes run fewer levels)."""
+import pytest
+
+from metasd.core.batching.adaptive import AdaptiveSpeculation
+from metasd.core.pricing.draft_prices import DraftPrices
+from metasd.drafters.budgeted import budget_arms
+
+from test_adaptive import _cascade, _linear, _Pending  # noqa: E402
+
+
+def test_a_price_is_read_back_per_level_and_interpolated_between_budgets():
+    prices = DraftPrices(decay=0.5)
+    assert prices.price("arm", 0, 8) is None and not prices.known("arm", 0)
+    prices.learn("arm", 0, 4, 1.0)
+    prices.learn("arm", 0, 16, 4.0)
+    prices.learn("arm", 0, 16, 2.0)  # an exponential average: 0.5 * 4 + 0.5 * 2
+    assert prices.price("arm", 0, 16) == pytest.approx(3.0)
+    assert prices.price("arm", 0, 10) == pytest.approx(1.0 + (3.0 - 1.0) * 6 / 12)  # linear between 4 and 16
+    assert prices.price("arm", 0, 2) == pytest.approx(0.5)  # below the smallest: in proportion to the nodes
+    assert prices.price("arm", 0, 48) == pytest.approx(3.0)  # above the largest: the widest learnt
+    assert prices.price("arm", 0, 0) == 0.0  # no nodes, no drafting
+    assert prices.price("other", 0, 4) is None  # nothing learnt for another arm
+    # a level not learnt: the nearest learnt one's, scaled by their rows (1 request at level 0, 4 at level 2)
+    assert prices.price("arm", 2, 4) == pytest.approx(1.0 * 1 / 4)
+    prices.learn("arm", 2, 0, 9.0)  # a step that did not draft teaches nothing
+    assert not prices.known("arm", 2)
+    prices.learn("arm", 3, 4, 0.8)  # level 3 (8 rows) is now the nearest learnt level to levels 4 and 2
+    assert prices.price("arm", 4, 4) == pytest.approx(0.8 * 8 / 16)
+    assert prices.price("arm", 2, 4) == pytest.approx(0.8 * 8 / 4)
+    assert prices.price("arm", 1, 4) == pytest.approx(1.0 * 1 / 2)  # level 0 (1 away) is nearer than level 3 (2 away)
+    assert prices.to_dict()["arm@level3"] == {4: 0.8}
+    del prices._table[("arm", 3)]
+    assert prices.to_dict() == {"arm@level0": {4: 1.0, 16: pytest.approx(3.0)}}
+    with pytest.raises(ValueError, match="decay"):
+        DraftPrices(decay=1.0)
+
+
+def test_a_price_learnt_alone_does_not_keep_four_requests_from_drafting():
+    adaptive = AdaptiveSpeculation(_linear, max_width=16, price_drafting=True)
+    arm = budget_arms(_cascade(), (4, 16))[1]
+    for _ in range(10):  # alone, any draft costs 3 one-token forwards a step: not worth drafting at all
+        for budget in (2, 4, 16):
+            adaptive.learn(arm, [0, 1], budget, budget, draft_cost=3.0, running=1)
+    assert adaptive.allocate([arm]).nodes == [0]
+    reqs = [_Pending(length=10, max_new_tokens=64) for _ in range(4)]
+    for r in reqs:
+        adaptive._fed[r] = 10
+    # four running, not drafted at yet: the lone price shared four ways (3 / 4 a request) - still not worth it
+    assert adaptive.draft_cost(arm, reqs[0], running=4)(4) == pytest.approx(3.0 / 4)
+    assert adaptive.allocate([arm] * 4, reqs).nodes == [0] * 4
+    for _ in range(10):  # batched, a request's share of a 4-node draft is small: it keeps drafting
+        adaptive.learn(arm, [0, 1], 4, 4, draft_cost=0.05, running=4)
+    assert adaptive.draft_prices.price("cascade", 2, 4) == pytest.approx(0.05)
+    assert all(n > 0 for n in adaptive.allocate([arm] * 4, reqs).nodes)
+    assert adaptive.draft_cost(arm, reqs[0], running=1)(4) == pytest.approx(3.0)  # alone: its own price
+    assert adaptive.allocate([arm]).nodes == [0]
