@@ -428,20 +428,3 @@ def test_min_gain_keeps_a_step_plain_unless_drafting_is_expected_to_gain_that_mu
     for bad in (0.99, float("nan"), True):
         with pytest.raises(ValueError, match="min_gain"):
             plan(curves, caps, cost, min_gain=bad)
-
-
-def test_one_unlucky_wide_draft_does_not_pin_the_wider_budgets():
-    # a request's first draft: 16 nodes, nothing accepted; then 4-node drafts with 3 accepted each. Without more
-    # samples the wider budgets are read as the chain the 4-node budget implies, not pooled down to its value
-    curve = AcceptanceCurve()
-    curve.update([], 16)
-    for _ in range(18):
-        curve.update([0, 1, 2], 4)
-    values = dict(zip(DEFAULT_GRID, curve.values().tolist()))
-    alpha = implied_alpha(values[4], 4)
-    assert values[16] == pytest.approx(geometric_prior(alpha, 16)) and values[16] > values[4] + 0.5
-    for _ in range(2):  # seen three times with nothing accepted: now it is evidence
-        curve.update([], 16)
-    values = dict(zip(DEFAULT_GRID, curve.values().tolist()))
-    assert values[16] == pytest.approx(values[8])  # pooled with the narrower budgets it failed beside
-    assert values[16] < geometric_prior(implied_alpha(values[4], 4), 16) - 0.5
