@@ -20,7 +20,7 @@ sending. Two kinds of models:
   ``generation_config="none"`` (OpenAI's defaults for unset fields), so the reference decodes what was asked.
 
     python benchmarks/serve_soak.py --requests 400 --clients 8 --out benchmarks/results/serve_soak.json
-    python benchmarks/serve_soak.py --pool default --requests 160 --clients 6 --threads 2 \
+    python benchmarks/serve_soak.py --pool default --requests 160 --clients 6 --threads 2 --alloc-fault 0.001 \
         --out benchmarks/results/serve_soak_real.json
 """
 from __future__ import annotations
@@ -298,8 +298,8 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
                 return r, {"status": "not_sent"}
             return r, send(srv.url, r, body_limit)
 
-        with ThreadPoolExecutor(clients) as pool:
-            outcomes = list(pool.map(one, todo))
+        with ThreadPoolExecutor(clients) as senders:
+            outcomes = list(senders.map(one, todo))
         faults.on = False
         settle_until = time.monotonic() + 30  # the abandoned streams leave within a step; then the server is idle
         while scheduler.running and time.monotonic() < settle_until:
@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=600.0, help="stop sending after this long")
-    p.add_argument("--alloc-fault", type=float, default=0.05, help="probability a KV allocation fails")
+    p.add_argument("--alloc-fault", type=float, default=0.05,
+                   help="probability a KV allocation fails (each layer's key and value buffers are allocations of "
+                        "their own: a real model makes ~60 per resize, so use ~0.001 with --pool)")
     p.add_argument("--forward-fault", type=float, default=0.03, help="probability a batched forward fails")
     p.add_argument("--kv-budget", type=int, default=2048, help="KV positions of the verifier's cache")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
