@@ -1,6 +1,6 @@
 """A fault and soak run of ``metasd serve`` (issue: "A server that survives faults and hostile input"): concurrent
 clients send a mix of normal requests (greedy and seeded sampling, streamed and not), malformed, oversized and
-absurd ones, and streams they abandon mid-way, while the server's KV allocations and batched forwards fail at random
+absurd ones, streams they abandon mid-way and bodies they send only half of, while the server's KV allocations and batched forwards fail at random
 (injected). Afterwards every request that succeeded must have returned exactly what ``Engine.generate`` gives alone
 (greedy: its greedy text; seeded: plain seeded decoding's text, docs/architecture.md#random-streams), every one that
 failed must have got an OpenAI-style error, the server must answer, and the KV memory it accounts must be back
@@ -30,7 +30,9 @@ import json
 import os
 import platform
 import random
+import re
 import sys
+import socket
 import threading
 import time
 from collections import Counter
@@ -44,7 +46,8 @@ REAL_MODEL = "metasd-soak"
 #: log-probabilities of the default pool's tree verifies and of plain decoding's one-token forwards differed by up to
 #: 0.244 on the bundled pair in bf16 (BENCHMARKS.md, "Log-probabilities under speculation")
 BF16_TIE_MARGIN = 0.25
-KINDS = ("greedy", "greedy_stream", "seeded", "malformed", "unknown_field", "oversized", "absurd", "disconnect")
+KINDS = ("greedy", "greedy_stream", "seeded", "malformed", "unknown_field", "oversized", "absurd", "disconnect",
+         "slow_body")
 
 
 class Faults:
@@ -131,7 +134,7 @@ REAL_PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\
 def plan(n: int, seed: int, prompts: list[str] = PROMPTS, model: str = MODEL) -> list[dict]:
     """n requests: a kind each (normal ones most often) and its parameters."""
     rng = random.Random(seed)
-    weights = [5, 3, 3, 1, 1, 1, 2, 2]
+    weights = [5, 3, 3, 1, 1, 1, 2, 2, 1]
     out = []
     for i in range(n):
         kind = rng.choices(KINDS, weights)[0]
@@ -170,6 +173,8 @@ def send(url: str, r: dict, body_limit: int) -> dict:
                 for _ in s.iter_lines():
                     break  # the first event, then the client goes away
             return {"status": "disconnected"}
+        elif kind == "slow_body":  # half the body, then nothing: the server must give up on it (408)
+            return send_half_a_body(url, json.dumps(base | {"temperature": 0}).encode())
         elif kind == "greedy_stream":
             text, error = "", None
             with httpx.stream("POST", path, json=base | {"temperature": 0, "stream": True}, timeout=60) as s:
@@ -195,6 +200,28 @@ def send(url: str, r: dict, body_limit: int) -> dict:
         return {"status": resp.status_code, "error": resp.json().get("error")}
     except Exception as e:  # noqa: BLE001 - no answer at all: a lost request
         return {"status": "lost", "exception": f"{type(e).__name__}: {e}"}
+
+
+def send_half_a_body(url: str, body: bytes) -> dict:
+    """POST ``body``'s first half over a raw socket, its Content-Length saying the whole, and wait for the answer;
+    the outcome as ``send``'s (the status and error body the server sent)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, answer = data.partition(b"\r\n\r\n")
+    return {"status": int(head.split(b" ", 2)[1]), "error": json.loads(answer).get("error")}
+
+
+def _content_length(data: bytes) -> int:
+    match = re.search(rb"(?i)\r\ncontent-length: *(\d+)", data.split(b"\r\n\r\n", 1)[0])
+    return int(match.group(1)) if match else 0
 
 
 def expected_text(reference, r: dict, check: str) -> str:
@@ -256,12 +283,14 @@ def tie_walk(reference, r: dict, check: str, served: str, tie_margin: float, max
 
 def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc_p: float = 0.05,
              forward_p: float = 0.03, kv_budget: int = 2048, body_limit: int = 32 * 1024, seed: int = 0,
-             prefix_caching: bool = True, pool: str | None = None, tie_margin: float | None = None) -> dict:
+             prefix_caching: bool = True, pool: str | None = None, tie_margin: float | None = None,
+             body_timeout: float = 1.0) -> dict:
     """Run the soak; its report (counts by outcome, faults injected, memory, whether the server answers). With
     ``prefix_caching`` (``metasd serve``'s default) finished requests' KV stays in the budget for later ones: the
     rows must still be freed when idle, and the stored prefixes stay within the budget. ``pool``: a real pool file
     (``default``: ``metasd serve``'s) instead of the tiny models, its answers checked by ``tie_walk`` within
-    ``tie_margin`` (default ``BF16_TIE_MARGIN``; the tiny models: 0, exact)."""
+    ``tie_margin`` (default ``BF16_TIE_MARGIN``; the tiny models: 0, exact); ``body_timeout``: the server's
+    ``--body-timeout`` (what a client sending half a body waits for its 408)."""
     import httpx
 
     from metasd.core.batching.scheduler import Scheduler
@@ -290,7 +319,8 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
     todo = plan(requests, seed, prompts, model)
     deadline = time.monotonic() + seconds
     outcomes: list[tuple[dict, dict]] = []
-    srv = ServerThread(create_app(scheduler, model, max_body_bytes=body_limit, generation_config="none"))
+    srv = ServerThread(create_app(scheduler, model, max_body_bytes=body_limit, body_timeout_s=body_timeout,
+                                generation_config="none"))
     t0 = time.perf_counter()
     with srv:
         def one(r):
@@ -359,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "answers are checked up to near-ties (--tie-margin)")
     p.add_argument("--tie-margin", type=float, help=f"with --pool: the largest log-probability gap at which an answer "
                                                     f"may leave plain decoding's (default {BF16_TIE_MARGIN})")
+    p.add_argument("--body-timeout", type=float, default=1.0,
+                   help="the server's --body-timeout: what a client that sends half a body waits for its 408")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -368,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     report = run_soak(args.requests, args.clients, args.seconds, args.alloc_fault, args.forward_fault, args.kv_budget,
                       seed=args.seed, prefix_caching=args.prefix_caching, pool=args.pool,
-                      tie_margin=args.tie_margin)
+                      tie_margin=args.tie_margin, body_timeout=args.body_timeout)
     report = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",

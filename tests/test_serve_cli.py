@@ -33,6 +33,7 @@ def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
 
 @pytest.mark.parametrize("args,message", [(["--max-batch", "0"], "--max-batch must be an integer >= 1"),
                                           (["--max-queue", "-1"], "--max-queue must be an integer >= 0"),
+                                          (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0"),
                                           (["--replicas", "2"], "--replicas and --ray-address need --ray"),
                                           (["--pool", "missing.yaml"], "missing.yaml")])
 def test_bad_options_exit_2_before_any_model_loads(args, message, capsys):

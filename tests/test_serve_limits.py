@@ -1,10 +1,11 @@
-"""The server's bounds on what one client can make it do (docs/serving.md#limits-and-what-the-server-guarantees):
-a body over the limit is a 413 before it is parsed, a request the KV budget could never hold is a 400 naming
-``max_tokens``, requests beyond the budget wait their turn and get their own text, a temperature too small to divide
-by is greedy decoding, and parsing and tokenising run off the event loop. Tiny models, a real server on 127.0.0.1,
-httpx and the openai client."""
+"""The server's bounds on what one client can make it do (docs/serving.md#limits-and-what-the-server-guarantees): a body
+over the limit is a 413 before it is parsed, one too slow to arrive a 408, a request the KV budget could never hold
+is a 400 naming ``max_tokens``, requests beyond the budget wait their turn and get their own text, a temperature too
+small to divide by is greedy decoding, and parsing and tokenising run off the event loop. Tiny models, a real server
+on 127.0.0.1, httpx and the openai client."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,10 @@ from tiny import tiny_qwen, tiny_tokenizer  # noqa: E402
 MODEL = "tiny"
 
 
-def _server(engine=None, *, max_body_bytes=64 * 1024, **kw):
+def _server(engine=None, *, max_body_bytes=64 * 1024, body_timeout_s=60.0, **kw):
     scheduler = Scheduler(engine or tiny_engine(), **kw)
-    return ServerThread(create_app(scheduler, MODEL, max_body_bytes=max_body_bytes)), scheduler
+    app = create_app(scheduler, MODEL, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    return ServerThread(app), scheduler
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed():
@@ -43,6 +45,45 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed():
             assert r.status_code == 413
             ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2})
             assert ok.status_code == 200
+    finally:
+        scheduler.close()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends on ``sock`` until it closes it (or the socket's timeout passes)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except socket.timeout:
+        pass
+    return data
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_holds_up_no_one_else():
+    srv, scheduler = _server(body_timeout_s=1.0)
+    try:
+        with srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            slow = socket.create_connection(("127.0.0.1", port), timeout=20)
+            t0 = time.monotonic()
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 200\r\n\r\n" + b'{"model": "tiny", ')  # 17 of 200 bytes, then nothing
+            ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2})
+            assert ok.status_code == 200  # served while the slow body waits
+            answer = _answer(slow)
+            waited = time.monotonic() - t0
+            slow.close()
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b'"body_timeout"' in answer and 0.9 < waited < 15
+            # reads after a complete body are not bounded: a stream outlasting the timeout is whole
+            scheduler.add_listener(lambda record: time.sleep(0.6))  # every step (and finish) 0.6 s slower
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            t0 = time.monotonic()
+            chunks = list(client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=40, temperature=0,
+                                                    stream=True))
+            assert time.monotonic() - t0 > 1.0
+            assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     finally:
         scheduler.close()
 

@@ -104,7 +104,7 @@ def test_help_prints_each_default_once(capsys):
     assert [o.split()[0] for o in options if o.count("(default") > 1] == []
     for needle in ("--port PORT port to listen on (0: one the OS chooses, printed) (default: 8000)",
                    "--max-body-bytes MAX_BODY_BYTES the largest request body read; a larger one gets 413 (default: 8 "
-                   "MiB) --share", "--metrics-require-key /metrics needs the API key too --served-model-name"):
+                   "MiB) --body-timeout SECONDS", "--metrics-require-key /metrics needs the API key too --served-model-name"):
         assert needle in out, needle
 
 

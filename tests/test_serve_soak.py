@@ -1,8 +1,8 @@
 """The fault and soak run (benchmarks/serve_soak.py) at a small size: concurrent clients with normal, malformed,
-oversized and absurd requests and abandoned streams, while KV allocations and batched forwards fail at random. Every
-answered request has exactly its text alone, every failure an OpenAI-style error, none is lost, the server answers
-afterwards and its KV rows are freed (the stored prefixes of the prefix cache, on as `metasd serve` has it, stay within the
-budget)."""
+oversized and absurd requests, abandoned streams and half-sent bodies, while KV allocations and batched forwards fail
+at random. Every answered request has exactly its text alone, every failure an OpenAI-style error, none is lost, the
+server answers afterwards and its KV rows are freed (the stored prefixes of the prefix cache, on as `metasd serve`
+has it, stay within the budget)."""
 import pytest
 
 pytest.importorskip("fastapi")
@@ -23,7 +23,8 @@ def test_a_small_soak_with_faults_loses_nothing_and_returns_no_wrong_text():
     assert report["prefix_cache_hit_tokens"] > 0  # later requests reused a shared start: checked texts include them
     assert report["faults_injected"].get("allocation", 0) > 0 and report["faults_injected"].get("forward", 0) > 0
     assert report["checked_texts"] >= 10  # enough answers were compared for the zero to mean something
-    assert {"malformed", "oversized", "absurd", "disconnect"} <= set(report["bad_inputs_tried"])
+    assert {"malformed", "oversized", "absurd", "disconnect", "slow_body"} <= set(report["bad_inputs_tried"])
+    assert report["by_kind_and_status"].get("slow_body:408", 0) == report["bad_inputs_tried"]["slow_body"]
 
 
 @pytest.mark.parametrize("check", ["greedy", "seeded"])

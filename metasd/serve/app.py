@@ -7,9 +7,11 @@ request, which frees its batch slot at the scheduler's next step.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import math
 import re
 import time
 
@@ -42,6 +44,9 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", 
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+#: seconds a client has to send its whole request body, from the first read; a slower one gets 408 (nginx's
+#: ``client_body_timeout`` is 60 s between two reads: a total bounds a client that trickles a byte a minute too)
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +225,13 @@ class ServeState:
 
 class _BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is refused with 413 - at once when its Content-Length says
-    so, else as soon as what arrived passes it - before anything parses it."""
+    so, else as soon as what arrived passes it - before anything parses it; a body not complete ``timeout`` seconds
+    after the app first reads it is refused with 408 (a client that sends slowly holds a connection, never the
+    scheduler: nothing is submitted before the body is parsed). Reads after the body (a stream's wait for the client
+    to disconnect) are not bounded."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -231,15 +239,26 @@ class _BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await _send_error(send, _too_large(self.limit))
-        seen = 0
+        seen, complete, deadline = 0, False, None
 
         async def counted():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete, deadline
+            if complete:
+                return await receive()
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within the server's {self.timeout:g} s",
+                               code="body_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
                     raise _too_large(self.limit)
+                complete = not message.get("more_body", False)
+            else:  # http.disconnect: nothing more will come
+                complete = True
             return message
 
         await self.app(scope, counted, send)
@@ -273,12 +292,13 @@ class _ServerHeader:
 
 def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True,
                generation_config: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
     ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
-    in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413; ``max_model_len`` caps the context
+    in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413, one not received within ``body_timeout_s`` seconds
+    408; ``max_model_len`` caps the context
     served; ``access_log``: a log line per request (logger ``metasd.serve.access``); ``generation_config``: "auto"
     fills a request's unset temperature, top_p, top_k, repetition_penalty and max_tokens from the model's
     ``generation_config`` (vLLM's default), "none" leaves OpenAI's defaults; ``tool_call_parser``: the format the
@@ -293,7 +313,9 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
     app.state.serve = state
     if server_id:
         app.add_middleware(_ServerHeader, value=server_id)
-    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    if not (isinstance(body_timeout_s, (int, float)) and math.isfinite(body_timeout_s) and body_timeout_s > 0):
+        raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {body_timeout_s!r}")
+    app.add_middleware(_BodyLimit, limit=max_body_bytes, timeout=float(body_timeout_s))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):

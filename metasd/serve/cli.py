@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -67,6 +68,8 @@ def add_serve_parser(sub) -> None:
                                       "verifier's hidden states or the verifier runs on llama.cpp)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="the largest request body read; a larger one gets 413 (default: 8 MiB)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds a client has to send its whole request body; a slower one gets 408 (default: 60)")
     p.add_argument("--share-suffix-cache", action="store_true",
                    help="let the suffix drafter draft from every request's text (faster on repeated text, but a "
                         "request's timings and acceptance can then reveal what others asked; docs/serving.md#security)")
@@ -104,6 +107,8 @@ def _check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+    if not (math.isfinite(args.body_timeout) and args.body_timeout > 0):
+        raise ValueError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not 0 <= args.port <= 65535:
@@ -347,7 +352,8 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
           f"{cache.budget_bytes // cache.geometry.bytes_per_token} positions, prefix caching "
           f"{'on' if scheduler.prefix_cache is not None else 'off'}, auth "
           f"{'on' if options.api_key else 'off'})", file=sys.stderr, flush=True)
-    app = create_app(scheduler, model_name, max_body_bytes=args.max_body_bytes, **options.kwargs())
+    app = create_app(scheduler, model_name, max_body_bytes=args.max_body_bytes,
+                     body_timeout_s=args.body_timeout, **options.kwargs())
     parser = app.state.serve.tool_parser
     print(f"[metasd serve] tool calls: {f'read in the {parser.name} format' if parser else 'not read'}",
           file=sys.stderr, flush=True)
