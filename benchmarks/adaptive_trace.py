@@ -52,14 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
 
     def learnt() -> str:
-        step_times = {lv: {k: round(v, 3) for k, v in t.items()}
-                      for lv, t in adaptive.step_times.to_dict().items()} if adaptive.step_times else None
         curves = {k: [round(v, 2) for v in c.values().tolist()] for k, c in adaptive.curves.items()}
         grid = next(iter(adaptive.curves.values())).grid.tolist() if adaptive.curves else []
         prices = {k: {b: round(c, 3) for b, c in row.items()} for k, row in adaptive.draft_prices.to_dict().items()}
         return (f"  curves on grid {grid}: {json.dumps(curves)}\n  prices (one-token forwards): {json.dumps(prices)}\n"
-                f"  catch-up per token: {json.dumps({k: round(v, 4) for k, v in adaptive.catch_up_rates.items()})}\n"
-                f"  step times per level: {json.dumps(step_times)}")
+                f"  catch-up per token: {json.dumps({k: round(v, 4) for k, v in adaptive.catch_up_rates.items()})}")
 
     try:
         if args.warmup:

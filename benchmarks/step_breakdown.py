@@ -100,8 +100,6 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         "draft_prices": adaptive.draft_prices.to_dict() if getattr(adaptive, "draft_prices", None) else None,
         # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
         "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,
-        # the forward's slowdown against the profile and the step's own work, per load level (older checkouts: none)
-        "step_times": adaptive.step_times.to_dict() if getattr(adaptive, "step_times", None) else None,
     }
 
 

@@ -23,10 +23,7 @@ wires the building blocks of speculation under load into its step:
    * unfed * (1 + a(d)) / remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining
    tokens; 0 at ``d = 0``, where the drafter is not asked at all; at a load level where the arm has not drafted yet,
    ``price`` is the nearest level's scaled by their rows - an optimistic prior one step there corrects), and ``min_gain``
-   keeps a step plain unless drafting is expected to beat it by that factor. With ``unit_seconds`` (measured drafting),
-   the forward's cost is read as what a step really costs at the load level beside its priced parts (``StepTimes``:
-   the forward's slowdown against the profile and the step's work outside its forwards, learnt from the steps run;
-   ``cost_at``) - in the allocation and in the step prices of 3.;
+   keeps a step plain unless drafting is expected to beat it by that factor;
 5. **deferred catch-up** (``defer_catch_up``, with ``price_drafting``) - while a request's arm runs a model that has
    more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
    cascade: suffix decoding first), the allocator may instead let it draft with the lookups alone
@@ -57,7 +54,6 @@ from ..pricing.acceptance_curve import AcceptanceCurve
 from ..pricing.allocator import Allocation, checked_min_gain, plan
 from ..pricing.draft_prices import DraftPrices
 from ..pricing.goodput import counterfactual_share, shared_step_cost
-from ..pricing.step_times import StepTimes
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8
@@ -134,9 +130,6 @@ class AdaptiveSpeculation:
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
-        # with measured drafting: how much slower than profiled a step's forward runs, and its work beside its forwards
-        self.step_times = StepTimes(self.cost, self.unit_seconds) if self.unit_seconds is not None else None
-        self._step_drafting_s = 0.0  # drafting seconds of the step being finished, summed over its requests
 
     @classmethod
     def checked(cls, adaptive: Any) -> "AdaptiveSpeculation | None":
@@ -205,14 +198,8 @@ class AdaptiveSpeculation:
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
-        return plan(curves, caps, self.cost_at(len(arms)), max_width=self.max_width, draft_costs=costs,
-                    min_gain=self.min_gain, alternatives=others)
-
-    def cost_at(self, running: int) -> Callable[[int], float]:
-        """What a step's verify forward over n tokens costs with ``running`` requests: the profile's ``cost``, or with
-        measured drafting (``unit_seconds``) that scaled to how the forward really runs at that load plus the step's
-        work beside its forwards (``StepTimes``, learnt from the steps run)."""
-        return self.cost if self.step_times is None else self.step_times.step_cost(load_level(running))
+        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
+                    alternatives=others)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
@@ -264,26 +251,20 @@ class AdaptiveSpeculation:
         curve = self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
-    def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int, verify_s: float | None = None,
-               step_s: float | None = None, prefilled: bool = False) -> AdaptiveRecord:
-        """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record. With
-        ``verify_s`` and ``step_s`` (the forward's and the whole step's seconds) a step that ``prefilled`` nothing
-        teaches ``step_times`` (with the drafting seconds its requests' ``finish`` summed)."""
+    def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
+        """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
         self.last_forward_tokens = forward_tokens
-        drafting_s, self._step_drafting_s = self._step_drafting_s, 0.0
-        if self.step_times is not None and verify_s and step_s and not prefilled and nodes:
-            self.step_times.observe(load_level(len(nodes)), forward_tokens, verify_s, step_s, drafting_s)
         return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options))
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
         """Request i's share of the step: ``cost(B N) / B + draft_cost`` (``shared_step_cost``)."""
-        return shared_step_cost(self.cost_at(len(rows_tokens)), rows_tokens, i, max(float(draft_cost), 0.0))
+        return shared_step_cost(self.cost, rows_tokens, i, max(float(draft_cost), 0.0))
 
     def pricer(self, rows_tokens: Sequence[int], i: int) -> Callable[[int], float]:
         """The verification price of a counterfactual draft of n nodes for request i: its share of the forward with
         row i at ``1 + n`` tokens and the others as verified (``counterfactual_share``)."""
-        rows, cost = list(rows_tokens), self.cost_at(len(rows_tokens))
-        return lambda n: counterfactual_share(cost, rows, i, int(n))
+        rows = list(rows_tokens)
+        return lambda n: counterfactual_share(self.cost, rows, i, int(n))
 
     def finish(self, request: Any, out: Any, verify_s: float, rows_tokens: Sequence[int], i: int, arm: Any,
                d_i: int, lookup: bool = False) -> tuple[list[int], bool]:
@@ -295,7 +276,6 @@ class AdaptiveSpeculation:
         (``StepRecord.cut``): such a draft says nothing of what the allocator's budget buys, and one client's setting
         must not steer the speculation of all."""
         draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
-        self._step_drafting_s += max(float(request.pending_drafting[1]), 0.0)
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i),
                                      modeled_scale=self.modeled_scale(request))

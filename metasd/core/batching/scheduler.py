@@ -322,8 +322,7 @@ class Scheduler:
         for job in done:
             self._leave(job, job.request.stats.stop_reason)
         forward_tokens = len(running) * max(rows_tokens)  # the padded [B, N] forward
-        record = plan and self.adaptive.record(plan.alloc, [plan.nodes[id(j)] for j in running], forward_tokens,
-                                               forward_s, time.perf_counter() - t0, prefill_tokens > 0)
+        record = plan and self.adaptive.record(plan.alloc, [plan.nodes[id(j)] for j in running], forward_tokens)
         self._notify(SchedulerStep(len(running), forward_tokens, prefill_tokens, self.queue_length,
                                    time.perf_counter() - t0, records, record))
 
@@ -349,7 +348,8 @@ class Scheduler:
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
-        plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running], [j.request for j in running])
+        plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running],
+                                  [j.request for j in running])
         return each_drafts(running, lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, *how), plan
 
     def _prefill(self) -> int:
