@@ -146,6 +146,33 @@ def test_what_the_backend_cannot_do_is_refused_by_name(tiny):
         LlamaCppVerifier(gguf.with_name("no-such.gguf"), model)
 
 
+def test_quantized_weights_a_build_with_amx_kernels_would_crash_on_are_refused_before_any_forward(tiny, monkeypatch):
+    from metasd.core.execution import llama_cpp_verifier as backend
+
+    amx = "CPU : AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+    assert backend.crashes_on_amx(amx, 15)  # Q4_K_M: a segmentation fault in llama_decode, seen with 0.3.36
+    assert backend.crashes_on_amx(amx, 7) and backend.crashes_on_amx(amx, 2)  # Q8_0, Q4_0: seen too
+    assert not any(backend.crashes_on_amx(amx, t) for t in (0, 1, 32))  # f32, f16, bf16 run
+    assert not backend.crashes_on_amx(amx, None)  # not recorded: not refused
+    assert not backend.crashes_on_amx(amx.replace("AMX_INT8 = 1 | ", ""), 15)  # a build without AMX runs them
+    model, gguf = tiny
+    assert LlamaCppVerifier(gguf, model, name="tiny").vocab_size == 64  # this f32 GGUF, on any build
+    lib = backend.llama_cpp_module()
+    monkeypatch.setattr(lib, "llama_print_system_info", lambda: amx.encode())
+    real = lib.llama_model_meta_val_str
+
+    def q4_k_m(m, key, buf, size):  # the file as if quantized: what the GGUF of a Q4_K_M download records
+        if key != b"general.file_type":
+            return real(m, key, buf, size)
+        buf.value = b"15"
+        return 2
+
+    monkeypatch.setattr(lib, "llama_model_meta_val_str", q4_k_m)
+    with pytest.raises(ValueError, match=r"tiny: tiny.*gguf holds quantized weights \(GGUF file type 15\).*AMX.*"
+                                         r"GGML_AMX_INT8=OFF"):
+        LlamaCppVerifier(gguf, model, name="tiny")
+
+
 def test_a_pool_runs_on_the_backend(tiny, tmp_path):
     """``verifier: {backend: llama.cpp}`` in a pool: a local model directory converted once (f32 here), its output
     the torch pool's; settings that mean nothing there are refused when the pool is read."""

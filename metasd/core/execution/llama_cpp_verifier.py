@@ -33,7 +33,7 @@ from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .tree import Draft
 from .verifier import VerifierOutput
 
-__all__ = ["LlamaCppVerifier", "leaf_sequences", "llama_cpp_module"]
+__all__ = ["LlamaCppVerifier", "crashes_on_amx", "leaf_sequences", "llama_cpp_module"]
 
 #: llama.cpp's limit on sequence ids (LLAMA_MAX_SEQ): sequence 0 holds the prefix, so a tree has at most 255 leaves
 MAX_SEQUENCES = 256
@@ -57,6 +57,24 @@ def llama_cpp_module():
         lib.llama_log_set(_LOG_CALLBACK, None)
         lib.llama_backend_init()
     return lib
+
+
+#: GGUF ``general.file_type`` values of unquantized weights (LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16)
+FLOAT_FILE_TYPES = frozenset({0, 1, 32})
+#: how to build llama-cpp-python without ggml's AMX kernels (keep the AVX512 flags the CPU has)
+NO_AMX_BUILD = ("CMAKE_ARGS=\"-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
+                "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                "-DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-cache-dir --no-deps "
+                "--no-binary llama-cpp-python llama-cpp-python==0.3.36")
+
+
+def crashes_on_amx(system_info: str, file_type: int | None) -> bool:
+    """Whether llama.cpp as built would crash on these weights: the build has ggml's AMX kernels (``AMX_INT8 = 1`` in
+    ``llama_print_system_info``) and the GGUF is quantized. With llama-cpp-python 0.3.36 built ``GGML_NATIVE`` on a CPU
+    with AMX, every quantized GGUF tried (Q4_K_M, Q4_0, Q8_0) ends the process with a segmentation fault inside
+    ``llama_decode``; the same source without the AMX kernels runs them (BENCHMARKS.md, "llama.cpp on the same weights,
+    on a CPU with AMX"). ``file_type``: the GGUF's ``general.file_type`` (None: not recorded - not refused)."""
+    return "AMX_INT8 = 1" in system_info and file_type is not None and file_type not in FLOAT_FILE_TYPES
 
 
 def leaf_sequences(parents: Sequence[int], new_leaf) -> list[list[int]]:
@@ -109,6 +127,7 @@ class LlamaCppVerifier:
         self._model = lib.llama_model_load_from_file(str(self.gguf).encode(), lib.llama_model_default_params())
         if not self._model:
             raise ValueError(f"{name}: llama.cpp could not load {str(self.gguf)!r}")
+        self._refuse_a_crash(name)
         self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
         if self.vocab_size != int(cfg.vocab_size):
             raise ValueError(f"{name}: {self.gguf.name} has {self.vocab_size} tokens, the model's config "
@@ -140,6 +159,18 @@ class LlamaCppVerifier:
             lib.llama_free(self._ctx)
         if getattr(self, "_model", None):
             lib.llama_model_free(self._model)
+
+    def _refuse_a_crash(self, name: str) -> None:
+        """A clear error, before any forward, where this llama.cpp build would crash on these weights
+        (``crashes_on_amx``)."""
+        buf = ctypes.create_string_buffer(32)
+        n = self.lib.llama_model_meta_val_str(self._model, b"general.file_type", buf, len(buf))
+        file_type = int(buf.value) if n > 0 and buf.value.isdigit() else None
+        if crashes_on_amx(self.lib.llama_print_system_info().decode(errors="replace"), file_type):
+            raise ValueError(f"{name}: {self.gguf.name} holds quantized weights (GGUF file type {file_type}), which "
+                             f"the installed llama-cpp-python's AMX kernels crash on (a segmentation fault in its "
+                             f"first forward, seen with 0.3.36 on CPUs with AMX). Use a bf16 or f16 GGUF, or "
+                             f"reinstall llama-cpp-python without AMX: {NO_AMX_BUILD}")
 
     @property
     def device(self) -> torch.device:
