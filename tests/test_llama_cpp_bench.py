@@ -155,3 +155,15 @@ def test_speed_compares_llama_cpp_outputs_with_their_own_plain_and_picks_the_bes
     assert "best single method (llama.cpp speculative n-max 4)" in table  # Q4_K_M is faster but other weights
     line = next(l for l in table.splitlines() if l.startswith("| pool d |"))
     assert line == "| pool d | 7.50 | 2.50x [2.50, 2.50] | 1.25x [1.25, 1.25] |"
+
+
+def test_the_tools_are_built_for_the_cpu_and_without_amx_kernels_where_the_cpu_has_amx():
+    from metasd.bench.llama_cpp import cpu_build_flags
+
+    assert cpu_build_flags({"avx2", "avx512f"}) == ("build", ["-DGGML_NATIVE=ON"])  # no AMX: ggml's own choice
+    amx = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512vbmi", "avx512_bf16", "amx_int8", "amx_tile"}
+    build, options = cpu_build_flags(amx)
+    assert build == "build-noamx" and "-DGGML_NATIVE=OFF" in options  # a native build compiles the AMX kernels
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(options)
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX2=ON"} <= set(options)
+    assert {"-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_BMI2=OFF"} <= set(options)  # what it lacks: off

@@ -4,7 +4,9 @@ A benchmark-time tool, not a runtime dependency of metasd:
 
 - ``build_tools`` downloads the ``llama-cpp-python`` sdist (the package registry is the one source this project may
   reach; the sdist vendors llama.cpp's source) and builds llama.cpp's command-line tools with cmake (Release,
-  ``GGML_NATIVE=ON``: the kernels this CPU has) under ``llama_cpp_dir()``; idempotent;
+  ``GGML_NATIVE=ON``: the kernels this CPU has) under ``llama_cpp_dir()``; idempotent. On a CPU with AMX it builds
+  the instruction sets the CPU has without ggml's AMX kernels instead (``cpu_build_flags``): with them, every
+  quantized GGUF crashes this llama.cpp (docs/models.md);
 - ``converted_gguf`` (``metasd.models.llama_cpp_source``, shared with the llama.cpp verifier backend) converts a
   bundled model's cached bf16 safetensors with llama.cpp's own ``convert_hf_to_gguf.py --outtype bf16`` - the very
   weights metasd's bf16 runs load;
@@ -42,6 +44,7 @@ __all__ = [
     "LlamaCppRun",
     "TOOLS",
     "build_tools",
+    "cpu_build_flags",
     "converted_gguf",
     "llama_cpp_dir",
     "parse_completion",
@@ -68,18 +71,47 @@ class LlamaCppRun:
     accepted: int | None = None
 
 
+#: ggml's cmake options for the instruction sets /proc/cpuinfo names (what ``GGML_NATIVE`` would pick, but AMX)
+_GGML_ISA = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("avx_vnni", "GGML_AVX_VNNI"), ("fma", "GGML_FMA"),
+             ("f16c", "GGML_F16C"), ("bmi2", "GGML_BMI2"), ("avx512f", "GGML_AVX512"),
+             ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+             ("avx512_bf16", "GGML_AVX512_BF16"))
+
+
+def cpu_build_flags(cpu_flags: set[str]) -> tuple[str, list[str]]:
+    """(build directory, cmake options) for llama.cpp on a CPU with ``cpu_flags`` (/proc/cpuinfo's): ``GGML_NATIVE``
+    in ``build``, except on a CPU with AMX (``amx_int8``), where llama-cpp-python 0.3.36's AMX kernels crash on every
+    quantized GGUF: then the instruction sets the CPU has, the AMX kernels off, in ``build-noamx``."""
+    if "amx_int8" not in cpu_flags:
+        return "build", ["-DGGML_NATIVE=ON"]
+    isa = [f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in _GGML_ISA]
+    return "build-noamx", ["-DGGML_NATIVE=OFF", *isa, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+                           "-DGGML_AMX_BF16=OFF"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the native build
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
 def build_tools(root: Path | None = None, jobs: int = 2) -> Path:
     """Build llama.cpp's ``TOOLS`` once (minutes: ~11 on 2 cores) and return their directory; returns at once when
-    they are built. Needs cmake, ninja and a C++ compiler; the sdist comes from the package index (``pip download``)."""
+    they are built. Needs cmake, ninja and a C++ compiler; the sdist comes from the package index (``pip download``).
+    The build options: ``cpu_build_flags`` for this CPU."""
     root = Path(root) if root is not None else llama_cpp_dir()
-    bin_dir = source_dir(root) / "build" / "bin"
+    build, options = cpu_build_flags(_cpu_flags())
+    bin_dir = source_dir(root) / build / "bin"
     if all((bin_dir / t).is_file() for t in TOOLS):
         return bin_dir
     src = fetch_source(root)
     log = root / "build.log"
-    run_logged(["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], log, cwd=src)
-    run_logged(["cmake", "--build", "build", "-j", str(jobs), "--target", *TOOLS], log, cwd=src)
+    run_logged(["cmake", "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *options,
+                "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], log, cwd=src)
+    run_logged(["cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS], log, cwd=src)
     return bin_dir
 
 
