@@ -33,6 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from metasd.core.execution.llama_cpp_verifier import cpu_flags as read_cpu_flags, no_amx_cmake_options
 from metasd.models.bundled import BUNDLED_PREFIX, assemble_gguf
 from metasd.models.llama_cpp_source import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, converted_gguf, fetch_source,
                                             llama_cpp_dir, run_logged, source_dir)
@@ -71,31 +72,13 @@ class LlamaCppRun:
     accepted: int | None = None
 
 
-#: ggml's cmake options for the instruction sets /proc/cpuinfo names (what ``GGML_NATIVE`` would pick, but AMX)
-_GGML_ISA = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("avx_vnni", "GGML_AVX_VNNI"), ("fma", "GGML_FMA"),
-             ("f16c", "GGML_F16C"), ("bmi2", "GGML_BMI2"), ("avx512f", "GGML_AVX512"),
-             ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
-             ("avx512_bf16", "GGML_AVX512_BF16"))
-
-
 def cpu_build_flags(cpu_flags: set[str]) -> tuple[str, list[str]]:
     """(build directory, cmake options) for llama.cpp on a CPU with ``cpu_flags`` (/proc/cpuinfo's): ``GGML_NATIVE``
     in ``build``, except on a CPU with AMX (``amx_int8``), where llama-cpp-python 0.3.36's AMX kernels crash on every
     quantized GGUF: then the instruction sets the CPU has, the AMX kernels off, in ``build-noamx``."""
     if "amx_int8" not in cpu_flags:
         return "build", ["-DGGML_NATIVE=ON"]
-    isa = [f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in _GGML_ISA]
-    return "build-noamx", ["-DGGML_NATIVE=OFF", *isa, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-                           "-DGGML_AMX_BF16=OFF"]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: the native build
-        return set()
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
+    return "build-noamx", no_amx_cmake_options(cpu_flags)
 
 
 def build_tools(root: Path | None = None, jobs: int = 2) -> Path:
@@ -103,7 +86,7 @@ def build_tools(root: Path | None = None, jobs: int = 2) -> Path:
     they are built. Needs cmake, ninja and a C++ compiler; the sdist comes from the package index (``pip download``).
     The build options: ``cpu_build_flags`` for this CPU."""
     root = Path(root) if root is not None else llama_cpp_dir()
-    build, options = cpu_build_flags(_cpu_flags())
+    build, options = cpu_build_flags(read_cpu_flags())
     bin_dir = source_dir(root) / build / "bin"
     if all((bin_dir / t).is_file() for t in TOOLS):
         return bin_dir

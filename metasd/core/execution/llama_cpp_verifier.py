@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import re
 import time
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +34,8 @@ from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .tree import Draft
 from .verifier import VerifierOutput
 
-__all__ = ["LlamaCppVerifier", "crashes_on_amx", "leaf_sequences", "llama_cpp_module"]
+__all__ = ["LlamaCppVerifier", "cpu_flags", "crashes_on_amx", "leaf_sequences", "llama_cpp_module",
+           "no_amx_cmake_options", "no_amx_reinstall"]
 
 #: llama.cpp's limit on sequence ids (LLAMA_MAX_SEQ): sequence 0 holds the prefix, so a tree has at most 255 leaves
 MAX_SEQUENCES = 256
@@ -61,11 +63,35 @@ def llama_cpp_module():
 
 #: GGUF ``general.file_type`` values of unquantized weights (LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16)
 FLOAT_FILE_TYPES = frozenset({0, 1, 32})
-#: how to build llama-cpp-python without ggml's AMX kernels (keep the AVX512 flags the CPU has)
-NO_AMX_BUILD = ("CMAKE_ARGS=\"-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
-                "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                "-DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-cache-dir --no-deps "
-                "--no-binary llama-cpp-python llama-cpp-python==0.3.36")
+#: ggml's cmake options for the instruction sets /proc/cpuinfo names (what ``GGML_NATIVE`` would pick, but AMX)
+GGML_ISA = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("avx_vnni", "GGML_AVX_VNNI"), ("fma", "GGML_FMA"),
+            ("f16c", "GGML_F16C"), ("bmi2", "GGML_BMI2"), ("avx512f", "GGML_AVX512"),
+            ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+            ("avx512_bf16", "GGML_AVX512_BF16"))
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo names them (empty where there is none: not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def no_amx_cmake_options(flags: set[str]) -> list[str]:
+    """cmake options building llama.cpp for a CPU with ``flags`` without ggml's AMX kernels: each instruction set of
+    ``GGML_ISA`` on where the CPU has it, ``GGML_NATIVE`` (which would compile the AMX kernels in) and AMX off."""
+    isa = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in GGML_ISA]
+    return ["-DGGML_NATIVE=OFF", *isa, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def no_amx_reinstall(flags: set[str]) -> str:
+    """The command that reinstalls llama-cpp-python without ggml's AMX kernels for a CPU with ``flags``
+    (``--no-cache-dir``: pip otherwise reuses the wheel it built before, AMX kernels included)."""
+    return (f"CMAKE_ARGS=\"-DLLAVA_BUILD=OFF {' '.join(no_amx_cmake_options(flags))}\" pip install --force-reinstall "
+            f"--no-cache-dir --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36")
 
 
 def crashes_on_amx(system_info: str, file_type: int | None) -> bool:
@@ -170,7 +196,7 @@ class LlamaCppVerifier:
             raise ValueError(f"{name}: {self.gguf.name} holds quantized weights (GGUF file type {file_type}), which "
                              f"the installed llama-cpp-python's AMX kernels crash on (a segmentation fault in its "
                              f"first forward, seen with 0.3.36 on CPUs with AMX). Use a bf16 or f16 GGUF, or "
-                             f"reinstall llama-cpp-python without AMX: {NO_AMX_BUILD}")
+                             f"reinstall llama-cpp-python without AMX: {no_amx_reinstall(cpu_flags())}")
 
     @property
     def device(self) -> torch.device:
