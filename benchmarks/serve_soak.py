@@ -1,10 +1,10 @@
 """A fault and soak run of ``metasd serve`` (issue: "A server that survives faults and hostile input"): concurrent
-clients send a mix of normal requests (greedy and seeded sampling, streamed and not), malformed, oversized and
-absurd ones, streams they abandon mid-way and bodies they send only half of, while the server's KV allocations and batched forwards fail at random
-(injected). Afterwards every request that succeeded must have returned exactly what ``Engine.generate`` gives alone
-(greedy: its greedy text; seeded: plain seeded decoding's text, docs/architecture.md#random-streams), every one that
-failed must have got an OpenAI-style error, the server must answer, and the KV memory it accounts must be back
-within its budget (zero once idle).
+clients send a mix of normal requests (greedy and seeded sampling, streamed and not), malformed, oversized and absurd
+ones, streams they abandon mid-way and bodies they send only half of, while the server's KV allocations and batched
+forwards fail at random (injected). Afterwards every request that succeeded must have returned exactly what
+``Engine.generate`` gives alone (greedy: its greedy text; seeded: plain seeded decoding's text,
+docs/architecture.md#random-streams), every one that failed must have got an OpenAI-style error, the server must
+answer, and the KV memory it accounts must be back within its budget (zero once idle).
 
 The server runs in this process (a uvicorn thread on 127.0.0.1, a free port), faults injected where they happen
 (``BatchCache._allocate``, the verifier's forward). Bounded: at most ``--requests`` requests and ``--seconds`` of

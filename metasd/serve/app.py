@@ -292,19 +292,20 @@ class _ServerHeader:
 
 def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None, metrics_require_key: bool = False, access_log: bool = True,
-               generation_config: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
+               metrics_require_key: bool = False, access_log: bool = True, generation_config: str = "auto",
+               tool_call_parser: str = "auto") -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
     ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
-    in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413, one not received within ``body_timeout_s`` seconds
-    408; ``max_model_len`` caps the context
-    served; ``access_log``: a log line per request (logger ``metasd.serve.access``); ``generation_config``: "auto"
-    fills a request's unset temperature, top_p, top_k, repetition_penalty and max_tokens from the model's
-    ``generation_config`` (vLLM's default), "none" leaves OpenAI's defaults; ``tool_call_parser``: the format the
-    model's tool calls are read in (a name of ``tools.PARSERS``; "auto": from the chat template; "none": tool calls
-    are not read, tool_choice other than 'none' refused). ``app.state.serve`` is its
-    ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
+    in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413, one not received within
+    ``body_timeout_s`` seconds 408; ``max_model_len`` caps the context served; ``access_log``: a log line per
+    request (logger ``metasd.serve.access``); ``generation_config``: "auto" fills a request's unset temperature,
+    top_p, top_k, repetition_penalty and max_tokens from the model's ``generation_config`` (vLLM's default), "none"
+    leaves OpenAI's defaults; ``tool_call_parser``: the format the model's tool calls are read in (a name of
+    ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
+    'none' refused). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful
+    shutdown)."""
     metrics = metrics or ServeMetrics(model_name)
     state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
                        tool_call_parser)
