@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from safetensors.torch import save_file
 
+from metasd.core.execution.draft_batch import Drafting, RowFeed, drive
 from metasd.core.pricing.cost import counted_linear
 from metasd.core.execution.staging import to_device
 from metasd.models.draft_vocab import DraftVocab
@@ -350,20 +351,36 @@ class BlockDrafter(Drafter):
             self.lm.end()
 
     # ---------------------------------------------------------------- drafting
-    @torch.inference_mode()
-    def lattice(self, h: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head i's top-m candidates for token pending+1+i: (full token ids [depth, m], log-probs [depth, m])."""
-        w = self.heads.lm_weight
-        logits = self.heads(h.to(w.dtype).reshape(1, -1).contiguous())[0, :depth]  # [depth, N]
-        top = logits.float().log_softmax(-1).topk(self.top_m, dim=-1)
+    def _head_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """The heads' input row for the verifier state h [d]: [1, d] in the heads' dtype."""
+        return h.to(self.heads.lm_weight.dtype).reshape(1, -1).contiguous()
+
+    def _top(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [k, N] of the heads -> head i's top-m (full token ids [depth, m], log-probs [depth, m])."""
+        top = logits[:depth].float().log_softmax(-1).topk(self.top_m, dim=-1)
         return self.heads.vocab.to_full(top.indices), top.values
 
     @torch.inference_mode()
+    def lattice(self, h: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head i's top-m candidates for token pending+1+i: (full token ids [depth, m], log-probs [depth, m])."""
+        return self._top(self.heads(self._head_rows(h))[0], depth)
+
+    @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
+        return drive(self.drafting(ctx))
+
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """``propose`` as a drafting loop: the heads' forward is yielded (a ``RowFeed``: one row, the verifier's
+        state), so that a scheduler runs the heads of all its requests that draft with them in one call."""
+        with torch.inference_mode():
+            return (yield from self._draft(ctx))
+
+    def _draft(self, ctx: StepContext) -> Drafting:
         depth = min(self.k, ctx.max_depth)
         if depth <= 0 or ctx.hidden is None or len(ctx.hidden) == 0:
             return Draft.empty()
-        cand, logp = self.lattice(ctx.hidden.last(self.heads.hidden_layer), depth)  # [depth, m] each
+        logits = yield RowFeed(self.heads, self._head_rows(ctx.hidden.last(self.heads.hidden_layer)))  # [1, k, N]
+        cand, logp = self._top(logits[0], depth)  # [depth, m] each
         both = torch.stack([cand.float(), logp]).tolist()  # the lattice in one host read (ids < 2**24: exact)
         cand_l, logp_l = [[int(x) for x in row] for row in both[0]], both[1]
         catch_up = 0

@@ -43,6 +43,7 @@ from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import Bool, DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
 from metasd.core.decoding.sampling import process_logits, sample
+from metasd.core.execution.draft_batch import Drafting, PackedFeed, RowFeed, drive
 from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import Draft
 
@@ -137,14 +138,15 @@ class HiddenStateDrafter(VerifierStateDrafter):
     def observe(self, feedback) -> None:
         self._own_rows = len(feedback.committed)
 
-    def _forward(self, h: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed inputs h [n, d] at positions start.. (= the cache length); returns predicted states [n, d]."""
-        s, (k, v) = self.net.step(h, torch.arange(start, start + len(h), device=h.device), self._kv)
+    def _forward(self, h: torch.Tensor, start: int) -> Drafting:
+        """Feed inputs h [n, d] at positions start.. (= the cache length): one recurrence step, yielded as a
+        ``PackedFeed`` (a scheduler packs the steps of all its requests into one); returns predicted states [n, d]."""
+        s, (k, v) = yield PackedFeed(self.net, h, torch.arange(start, start + len(h), device=h.device), self._kv)
         self._kv = (k, v) if self._kv is None else (torch.cat([self._kv[0], k], 1), torch.cat([self._kv[1], v], 1))
         return s
 
-    def _states(self, ctx: StepContext, D: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        """[D, d] token-free states of positions T-1..T-2+D (depths 1..D) and this step's counts."""
+    def _states(self, ctx: StepContext, D: int) -> Drafting:
+        """(a drafting loop) [D, d] token-free states of positions T-1..T-2+D (depths 1..D) and this step's counts."""
         P = len(ctx.tokens) - 1  # pending position; real rows 0..P-1
         if ctx.hidden is None or len(ctx.hidden) < P:
             raise RuntimeError(f"{self.name}: the engine gave {0 if ctx.hidden is None else len(ctx.hidden)} verifier "
@@ -157,14 +159,14 @@ class HiddenStateDrafter(VerifierStateDrafter):
             R = min(R, P - 1) if self._kv is not None and R <= P else 0  # refeed >= 1 row: its output is s_{T-1}
             self._kv = None if R == 0 else (self._kv[0][:, :R], self._kv[1][:, :R])
             rows = ctx.hidden.get(self.net.cfg.state_layer)[R:P]
-            s = self._forward(rows, R)
+            s = yield from self._forward(rows, R)
             forwards = 1
             self._real, self._pred = P, s[-1:]
             R, have = P, P
         reused = min(D, have - P + 1) if reusable else 0
         while self._real + len(self._pred) - 1 < P - 1 + D:  # extend the recurrence by one position
             last = self._real + len(self._pred) - 1
-            self._pred = torch.cat([self._pred, self._forward(self._pred[-1:], last)])
+            self._pred = torch.cat([self._pred, (yield from self._forward(self._pred[-1:], last))])
             forwards += 1
         off = P - self._real
         meta = {"reused_states": reused, "drafter_forwards": forwards, "refreshed": not reusable,
@@ -173,12 +175,13 @@ class HiddenStateDrafter(VerifierStateDrafter):
         return self._pred[off:off + D], meta
 
     # ---------------------------------------------------------- drafting
-    def _logits(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """states [n, d], full token ids [n] injected at those positions -> [n, N] draft-vocabulary logits."""
+    def _logits(self, states: torch.Tensor, tokens: torch.Tensor) -> Drafting:
+        """(a drafting loop) states [n, d], full token ids [n] injected at those positions -> [n, N] draft-vocabulary
+        logits; the head's call is yielded (a ``RowFeed``: a scheduler scores every request's rows in one call)."""
         emb = self.pieces.embed(tokens, self.net.dtype)
-        return self.head(self.net.inject(states, emb)).float()
+        return (yield RowFeed(self.head, self.net.inject(states, emb))).float()
 
-    def _chain(self, states: torch.Tensor, root: int, ctx: StepContext) -> Draft:
+    def _chain(self, states: torch.Tensor, root: int, ctx: StepContext) -> Drafting:
         """One token per depth, drafted on the device (each depth injects the previous depth's token) and read once."""
         greedy = ctx.sampling.greedy
         device = states.device
@@ -186,7 +189,7 @@ class HiddenStateDrafter(VerifierStateDrafter):
         prev = to_device([root], device, torch.long)  # [1] full id injected at the next depth
         toks, rows = [], []
         for d in range(len(states)):
-            logits = self._logits(states[d:d + 1], prev)[0]  # [N]
+            logits = (yield from self._logits(states[d:d + 1], prev))[0]  # [N]
             if greedy:
                 tok = logits.argmax(-1, keepdim=True)
             else:
@@ -201,7 +204,7 @@ class HiddenStateDrafter(VerifierStateDrafter):
             probs[:, token_ids] = torch.stack(rows)
         return Draft.chain(torch.cat(toks).tolist(), probs)  # the chain's one host read
 
-    def _tree(self, states: torch.Tensor, root: int) -> Draft:
+    def _tree(self, states: torch.Tensor, root: int) -> Drafting:
         """Beam-expanded tree (as EAGLE-2 grows its trees), one batched head call per depth: at depth d the
         ``k`` best nodes of depth d-1 by path log-prob (the root at d = 1) inject their token into the depth-d
         state and each gets its top-``k`` children; the draft keeps the ``nodes`` best nodes overall. A child's
@@ -216,7 +219,7 @@ class HiddenStateDrafter(VerifierStateDrafter):
         token_ids = self.vocab.ids_on(device)  # [N] reduced index -> full id
         for d in range(D):
             toks = to_device([root if i < 0 else tokens[i] for i in frontier], device, torch.long)  # [F]
-            logits = self._logits(states[d:d + 1].expand(len(frontier), -1), toks)  # [F, N]
+            logits = yield from self._logits(states[d:d + 1].expand(len(frontier), -1), toks)  # [F, N]
             top = logits.log_softmax(-1).topk(k)
             base = to_device([0.0 if i < 0 else scores[i] for i in frontier], device, torch.float32)[:, None]  # [F, 1]
             # path log-probs and full ids of the level's candidates in one host read (ids < 2**24: exact in float32)
@@ -237,15 +240,24 @@ class HiddenStateDrafter(VerifierStateDrafter):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
+        return drive(self.drafting(ctx))
+
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """``propose`` as a drafting loop: its recurrence steps and head calls are yielded, so that a scheduler runs
+        those of all its requests drafting with this network as one step / one call per depth."""
+        with torch.inference_mode():
+            return (yield from self._draft(ctx))
+
+    def _draft(self, ctx: StepContext) -> Drafting:
         D = min(self.depth, ctx.max_depth)
         if D <= 0 or len(ctx.tokens) < 2:  # no depth to draft, or no verifier state yet (one-token prompt)
             draft = Draft.empty()
             draft.meta.update(reused_states=0, drafter_forwards=0, refreshed=False, catch_up=0)
             return draft
-        states, meta = self._states(ctx, D)
+        states, meta = yield from self._states(ctx, D)
         self.last_states = states.clone()
         root = int(ctx.tokens[-1])
-        draft = self._chain(states, root, ctx) if self.mode == "chain" else self._tree(states, root)
+        draft = yield from (self._chain(states, root, ctx) if self.mode == "chain" else self._tree(states, root))
         draft.meta.update(meta)
         draft.catch_up = int(meta["catch_up"])
         return draft

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
+from metasd.core.execution.draft_batch import BlockFeed, Drafting, drive
 from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import Draft
 
@@ -316,6 +317,12 @@ class TreeFlashDrafter(VerifierStateDrafter):
     @torch.inference_mode()
     def block_states(self, ctx: StepContext) -> torch.Tensor:
         """[B, d] backbone output for the block after ``ctx.tokens``."""
+        return drive(self._block_states(ctx))
+
+    def _block_states(self, ctx: StepContext) -> Drafting:
+        """``block_states`` as a drafting loop: the backbone's block forward is yielded (a ``BlockFeed``), so that a
+        scheduler runs the blocks of all its requests drafting with this model in one forward. The context's
+        catch-up (projecting the verifier states of new rows) runs here, per request."""
         self._last_catch_up = max(self._sync_context(ctx) - self._own_rows, 0)
         self._own_rows = 0
         T = len(ctx.tokens)
@@ -327,16 +334,24 @@ class TreeFlashDrafter(VerifierStateDrafter):
         L = self.model.cfg.output_skip_layer
         if L is not None and T >= 2:
             skip = ctx.hidden.get(L)[T - 2:T - 1]
-        return self.model(block, positions, self._context(), None, self._ctx_last, skip)[0]
+        return (yield BlockFeed(self.model, block, positions, self._context(), self._ctx_last, skip))[0]
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
+        return drive(self.drafting(ctx))
+
+    def drafting(self, ctx: StepContext) -> Drafting:
+        """``propose`` as a drafting loop (its block forward yielded; ``_block_states``)."""
+        with torch.inference_mode():
+            return (yield from self._draft(ctx))
+
+    def _draft(self, ctx: StepContext) -> Drafting:
         depth = min(self.block_size - 1, ctx.max_depth)
         if depth <= 0:
             self._sync_context(ctx)
             self._own_rows = 0
             return Draft.empty()
-        h = self.block_states(ctx)
+        h = yield from self._block_states(ctx)
         toks, parents = draft_from_block(self.model, self.pieces, h, int(ctx.tokens[-1]), self.mode, depth,
                                          self.m, self.k, self.tree_size)
         full = self.vocab.to_full(torch.tensor(toks, dtype=torch.long))

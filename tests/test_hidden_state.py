@@ -18,6 +18,7 @@ from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.hidden_state import load_train_hidden_state_config, train_hidden_state
 from metasd.core import HiddenStore, Verifier
+from drafting_helpers import drive_together
 from sampling_check import joint_check
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
@@ -439,3 +440,50 @@ def test_training_config_paths_expand_environment_variables(tmp_path, monkeypatc
     monkeypatch.delenv("METASD_DATA")
     with pytest.raises(ValueError, match=r"(?s)env.yaml.*features.*METASD_DATA.*not set"):
         load_train_hidden_state_config(path)
+
+
+# ---------------------------------------------------------------- batched drafting
+PROMPTS = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_drafts_made_side_by_side_equal_drafts_made_alone(verifier_model, mode):
+    # four requests' drafting loops advanced together: their recurrence steps packed into one step (pasts of different
+    # lengths side by side, a block-diagonal mask) and their head calls stacked; every draft and every depth state is
+    # what the request drafts alone, in D + D calls for the four instead of 4 (D + D)
+    drafter = _drafter(verifier_model, mode=mode, depth=4, nodes=9, k=3)
+    ctxs = [_ctx(verifier_model, p) for p in PROMPTS]
+    alone = [drafter.fork() for _ in PROMPTS]
+    expected = [d.propose(ctx) for d, ctx in zip(alone, ctxs)]
+    together = [drafter.fork() for _ in PROMPTS]
+    layer_rows = []
+    drafter.net.layer.register_forward_pre_hook(lambda module, args: layer_rows.append(args[0].shape[0]))
+    drafts, calls = drive_together([d.drafting(ctx) for d, ctx in zip(together, ctxs)])
+    for got, want, a, t in zip(drafts, expected, alone, together):
+        assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+        assert torch.allclose(t.last_states, a.last_states, atol=1e-5)
+        assert got.meta["drafter_forwards"] == want.meta["drafter_forwards"] == 4
+    assert len(calls) == 8 and set(calls) == {4}, calls  # 4 recurrence steps, then 4 head calls, each for all four
+    assert layer_rows[0] == sum(len(p) - 1 for p in PROMPTS)  # the refresh: every request's real states, packed
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_concurrent_requests_share_the_recurrence_and_decode_as_alone(verifier_model, mode):
+    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+    drafter = _drafter(verifier_model, mode=mode)
+    engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
+    max_new = [20, 14, 26, 9]
+    alone = [engine.generate(p, n) for p, n in zip(PROMPTS, max_new)]
+    layer_rows, per_step = [], []
+    drafter.net.layer.register_forward_pre_hook(lambda module, args: layer_rows.append(args[0].shape[0]))
+    with Scheduler(engine, max_batch=4) as s:
+        s.add_listener(lambda r: per_step.append((r.batch_size, len(layer_rows))) if isinstance(r, SchedulerStep)
+                       else None)
+        with s._lock:  # all queued before the scheduler thread starts any: they run side by side
+            handles = [s.submit(p, n) for p, n in zip(PROMPTS, max_new)]
+        results = [h.result(timeout=120) for h in handles]
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
+    steps = [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]
+    full = [n for b, n in steps if b == 4]
+    assert full and max(full) <= RUN["depth"] and max(layer_rows) >= 4, steps  # one recurrence step per depth

@@ -419,3 +419,60 @@ def test_training_loads_only_the_verifier_parts_it_needs(tmp_path, tied):
                  (part.model.norm.weight, full.model.norm.weight)]:
         assert torch.equal(a, b.to(torch.bfloat16))
     assert part.model.layers[0].mlp.up_proj.weight.is_meta  # the rest is never read from disk
+
+
+# ---------------------------------------------------------------- batched drafting
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_of_four_requests_run_as_one_forward_and_draft_as_alone(verifier_model, mode):
+    # four requests' drafting loops advanced together (as the scheduler does): their blocks run as ONE backbone
+    # forward, each over its own context (contexts of 2..10 rows, padded and masked), and every draft is the one the
+    # request makes alone
+    from drafting_helpers import drive_together
+    from metasd.core import HiddenStore
+    from metasd.core.decoding.drafter import StepContext
+    from metasd.core.decoding.sampling import SamplingParams
+
+    drafter = TreeFlashDrafter(_untrained(extras=True), verifier_model, DraftVocab(torch.arange(50, 2, -1), 64),
+                               mode=mode, m=3, k=3, tree_size=12)
+    prompts = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
+
+    def ctx(tokens):
+        store = HiddenStore(drafter.hidden_layers)
+        with torch.no_grad():
+            out = verifier_model(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        store.append({layer: out.hidden_states[layer][0] for layer in drafter.hidden_layers})
+        return StepContext(tokens=torch.tensor(tokens), prompt_len=len(tokens), max_depth=8,
+                           sampling=SamplingParams(), hidden=store)
+
+    ctxs = [ctx(p) for p in prompts]
+    expected = [drafter.fork().propose(c) for c in ctxs]
+    blocks = []
+    drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
+    drafts, calls = drive_together([drafter.fork().drafting(c) for c in ctxs])
+    assert blocks == [4] and calls == [4], (blocks, calls)  # one backbone forward for the four blocks
+    for got, want in zip(drafts, expected):
+        assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+        assert len(got) > 1
+
+
+def test_concurrent_requests_share_the_block_forward_and_decode_as_alone(verifier_model):
+    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+
+    drafter = TreeFlashDrafter(_untrained(extras=True), verifier_model, DraftVocab(torch.arange(50, 2, -1), 64),
+                               mode="treeflash", m=3, k=3, tree_size=12)
+    engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
+    prompts = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
+    max_new = [20, 14, 26, 9]
+    alone = [engine.generate(p, n) for p, n in zip(prompts, max_new)]
+    blocks, per_step = [], []
+    drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
+    with Scheduler(engine, max_batch=4) as s:
+        s.add_listener(lambda r: per_step.append((r.batch_size, len(blocks))) if isinstance(r, SchedulerStep) else None)
+        with s._lock:  # all queued before the scheduler thread starts any: they run side by side
+            handles = [s.submit(p, n) for p, n in zip(prompts, max_new)]
+        results = [h.result(timeout=120) for h in handles]
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
+    steps = [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]
+    full = [n for b, n in steps if b == 4]
+    assert full and max(full) == 1 and max(blocks) == 4, steps  # one block forward per step for the whole batch

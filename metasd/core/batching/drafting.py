@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..decoding.request import Request
 from ..execution.clock import now
 from ..execution.draft_batch import Feed, feed_groups, run_group
@@ -36,6 +38,9 @@ class _Row:
         self.error: Exception | None = None
 
 
+# in inference mode: the loops enter it too and hold it across their feeds, so they exit it in whatever order they
+# end - each restoring the mode it found, which is then always on (outside it, interleaved exits would leave it on)
+@torch.inference_mode()
 def draft_together(requests: Sequence[Request], asks: Sequence[tuple[int | None, bool]], clock: Any = None,
                    batched: bool = True) -> list[Draft | Exception]:
     """Every request drafts with its selected arm (``asks``: its node budget and lookup-only flag, as

@@ -10,6 +10,15 @@ forward attends over W = max(L_b + Q) columns of the rows side by side, under a 
 its own prefix and what its feed's mask allows - never another row, never padding. So one drafter forward per level
 serves the whole batch, as the verifier's forward does.
 
+A drafter whose forward has no cache - a draft head over the verifier's hidden states (the block drafter's heads, the
+hidden-state drafter's head) - yields a ``RowFeed`` instead: the rows it scores; the round's row feeds of one module
+run as ONE call over their rows stacked, every row's output its own (the module treats rows independently). A
+recurrence network that keeps its keys and values itself (the hidden-state drafter's ``HiddenStateNet.step``) yields a
+``PackedFeed``: the round's packed feeds of one network run as ONE step over their rows packed into one sequence -
+their pasts side by side, a block-diagonal mask that shows each feed its own past and its own causal block, no padding.
+A one-shot block drafter (TreeFlash's backbone over each request's own context) yields a ``BlockFeed``: the round's
+block feeds of one model run as ONE forward of their blocks, each context padded to the longest and masked.
+
 What stays alone: a feed that must run inside a context of its own (``around``: a steering guide on the shared
 model), a feed longer than ``LONG_FEED`` tokens (a new request's prompt: padding the others to it would cost more than
 its own forward), a model whose cache has sliding-window layers, and a group of one.
@@ -34,7 +43,7 @@ from .static_cache import StaticKVCache
 LONG_FEED = 16
 
 #: a drafting loop: yields the forwards it needs, receives their logits, returns its draft (or anything)
-Drafting = Generator["Feed", torch.Tensor, Any]
+Drafting = Generator["Feed | RowFeed | PackedFeed | BlockFeed", Any, Any]
 
 
 @dataclass
@@ -67,6 +76,66 @@ class Feed:
         return id(self.model), id(self.head)
 
 
+@dataclass
+class RowFeed:
+    """A forward without a cache a drafting loop asks for: ``module`` over ``rows`` [n, d], a module that computes
+    every row on its own (a draft head over verifier hidden states: ``BlockHeads``). Returns ``module(rows)``
+    [n, ...]. Row feeds of one module run as one call over their rows stacked."""
+
+    module: nn.Module
+    rows: torch.Tensor  # [n, d]
+
+    @property
+    def length(self) -> int:
+        return int(self.rows.shape[0])
+
+    def batch_key(self) -> tuple[str, int]:
+        return "rows", id(self.module)
+
+
+@dataclass
+class PackedFeed:
+    """One step of a recurrence network with keys and values of its own a drafting loop asks for: ``module.step(inputs,
+    positions, past, mask)`` (``HiddenStateNet.step``: inputs [n, d] at ``positions`` [n] after ``past``, keys and values
+    [n_kv, L, head_dim] each or None; causal). Returns the step's (outputs [n, d], (keys, values) [n_kv, n, head_dim])
+    for the loop to keep. Packed feeds of one network run as one step over their rows packed (``_run_packed``)."""
+
+    module: nn.Module
+    inputs: torch.Tensor  # [n, d]
+    positions: torch.Tensor  # [n] int64
+    past: tuple[torch.Tensor, torch.Tensor] | None  # [n_kv, L, head_dim] each
+
+    @property
+    def length(self) -> int:
+        return int(self.inputs.shape[0])
+
+    def batch_key(self) -> tuple[str, int]:
+        return "packed", id(self.module)
+
+
+@dataclass
+class BlockFeed:
+    """One block forward of a one-shot block drafter a drafting loop asks for (``TreeFlashModel.forward``): the block
+    ``block`` [1, B, d] at ``positions`` [1, B] over the request's own ``context`` (per layer (keys, values)
+    [1, n_kv, n, head_dim]), with ``last_ctx`` [1, w] and ``skip`` [1, d] where the request has them. Returns
+    h [1, B, d]. Block feeds of one model (and the same B, and the same of those two present) run as one forward of
+    their blocks (``_run_blocks``)."""
+
+    module: nn.Module
+    block: torch.Tensor  # [1, B, d]
+    positions: torch.Tensor  # [1, B] int64
+    context: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, n_kv, n, head_dim] each
+    last_ctx: torch.Tensor | None = None  # [1, w]
+    skip: torch.Tensor | None = None  # [1, d]
+
+    @property
+    def length(self) -> int:
+        return int(self.block.shape[1])
+
+    def batch_key(self) -> tuple:
+        return "block", id(self.module), self.length, self.last_ctx is None, self.skip is None
+
+
 def forward_logits(model: nn.Module, head: nn.Module | None, cache: Cache, last_only: bool, **inputs) -> torch.Tensor:
     """One forward of a drafter model through ``cache`` (batch 1); next-token logits [rows, vocab] (the last row only
     when ``last_only``), from ``head`` (a draft head over the base model's hidden states) where given."""
@@ -77,8 +146,14 @@ def forward_logits(model: nn.Module, head: nn.Module | None, cache: Cache, last_
     return head(h[-1:] if last_only else h)
 
 
-def run_feed(feed: Feed) -> torch.Tensor:
+def run_feed(feed: Feed | RowFeed | PackedFeed | BlockFeed) -> Any:
     """A feed alone: the forward the drafter ran itself before batched drafting."""
+    if isinstance(feed, RowFeed):
+        return feed.module(feed.rows)
+    if isinstance(feed, PackedFeed):
+        return feed.module.step(feed.inputs, feed.positions, feed.past)
+    if isinstance(feed, BlockFeed):
+        return feed.module(feed.block, feed.positions, feed.context, None, feed.last_ctx, feed.skip)
     device = feed.model.device
     x = feed.ids.view(1, -1) if isinstance(feed.ids, torch.Tensor) else to_device([feed.ids], device, torch.long)
     inputs: dict[str, Any] = {"input_ids": x}
@@ -152,6 +227,59 @@ class StackedCache(Cache):
         return False
 
 
+def _run_rows(feeds: Sequence[RowFeed]) -> list[torch.Tensor]:
+    """Row feeds of one module in one call over their rows stacked; each feed's rows of the output."""
+    out = feeds[0].module(torch.cat([f.rows for f in feeds]))  # [sum n, ...]
+    return list(out.split([f.length for f in feeds]))
+
+
+def _run_packed(feeds: Sequence[PackedFeed]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    """Packed feeds of one network as one step: feed f's n_f rows after its L_f past positions, all rows in one sequence
+    of N = sum n_f after the pasts concatenated (P = sum L_f columns), under a mask [N, P + N] that shows each row its
+    own feed's past and the rows of its own feed up to itself - so each feed's outputs are what its step alone gives.
+    Returns each feed's (outputs [n_f, d], (keys, values) [n_kv, n_f, head_dim])."""
+    module = feeds[0].module
+    device = feeds[0].inputs.device
+    pasts = [0 if f.past is None else int(f.past[0].shape[1]) for f in feeds]
+    ns = [f.length for f in feeds]
+    P, N = sum(pasts), sum(ns)
+    mask = torch.zeros(N, P + N, dtype=torch.bool, device=device)  # [N, P + N]
+    past_at = row_at = 0
+    for L, n in zip(pasts, ns):
+        mask[row_at: row_at + n, past_at: past_at + L] = True
+        mask[row_at: row_at + n, P + row_at: P + row_at + n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        past_at, row_at = past_at + L, row_at + n
+    held = [f.past for f in feeds if f.past is not None]
+    past = (torch.cat([k for k, _ in held], 1), torch.cat([v for _, v in held], 1)) if held else None
+    dtype = feeds[0].inputs.dtype if all(f.inputs.dtype == feeds[0].inputs.dtype for f in feeds) else module.dtype
+    inputs = torch.cat([f.inputs.to(dtype) for f in feeds])  # [N, d]
+    out, (keys, values) = module.step(inputs, torch.cat([f.positions for f in feeds]), past, mask)
+    return [(o, (k, v)) for o, k, v in zip(out.split(ns), keys.split(ns, 1), values.split(ns, 1))]
+
+
+def _run_blocks(feeds: Sequence[BlockFeed]) -> list[torch.Tensor]:
+    """Block feeds of one model as one forward of A blocks: each request's context keys and values padded to the
+    longest n (zeros) and masked out (``ctx_mask`` [A, n]); returns each feed's h [1, B, d]."""
+    lengths = [int(f.context[0][0].shape[2]) for f in feeds]
+    n = max(lengths)
+    k0 = feeds[0].context[0][0]
+    context = []
+    for layer in range(len(feeds[0].context)):  # [A, n_kv, n, head_dim] each
+        keys = k0.new_zeros(len(feeds), k0.shape[1], n, k0.shape[3])
+        values = torch.zeros_like(keys)
+        for a, (f, m) in enumerate(zip(feeds, lengths)):
+            keys[a, :, :m] = f.context[layer][0][0]
+            values[a, :, :m] = f.context[layer][1][0]
+        context.append((keys, values))
+    mask = None
+    if min(lengths) < n:
+        mask = torch.arange(n, device=k0.device)[None, :] < torch.tensor(lengths, device=k0.device)[:, None]  # [A, n]
+    cat = (lambda xs: None if xs[0] is None else torch.cat(xs))
+    h = feeds[0].module(torch.cat([f.block for f in feeds]), torch.cat([f.positions for f in feeds]), context, mask,
+                        cat([f.last_ctx for f in feeds]), cat([f.skip for f in feeds]))  # [A, B, d]
+    return list(h.split(1))
+
+
 def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
     """Feeds of one model (same ``batch_key``) in one forward; their logits, each as ``run_feed`` returns them."""
     model, head = feeds[0].model, feeds[0].head
@@ -199,7 +327,7 @@ def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
     return out
 
 
-def feed_groups(feeds: Sequence[Feed]) -> list[list[int]]:
+def feed_groups(feeds: Sequence[Feed | RowFeed | PackedFeed | BlockFeed]) -> list[list[int]]:
     """Indices of ``feeds`` grouped into the forwards that run them: feeds sharing a ``batch_key`` together, the
     others one by one (in order)."""
     groups: dict[Any, list[int]] = {}
@@ -213,9 +341,15 @@ def feed_groups(feeds: Sequence[Feed]) -> list[list[int]]:
     return alone + list(groups.values())
 
 
-def run_group(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+def run_group(feeds: Sequence[Feed | RowFeed | PackedFeed | BlockFeed]) -> list[Any]:
     """One group of ``feed_groups``: one forward (a group of one runs as ``run_feed``)."""
-    return [run_feed(feeds[0])] if len(feeds) == 1 else _run_batch(feeds)
+    if len(feeds) == 1:
+        return [run_feed(feeds[0])]
+    if isinstance(feeds[0], RowFeed):
+        return _run_rows(feeds)
+    if isinstance(feeds[0], BlockFeed):
+        return _run_blocks(feeds)
+    return _run_packed(feeds) if isinstance(feeds[0], PackedFeed) else _run_batch(feeds)
 
 
 def drive(loop: Drafting) -> Any:

@@ -1,0 +1,29 @@
+"""Drafting loops driven side by side, as the scheduler's batched drafting does (core/batching/drafting.py), for tests
+that compare a drafter's drafts made together with those it makes alone."""
+import torch
+
+from metasd.core.execution.draft_batch import feed_groups, run_group
+
+
+@torch.inference_mode()  # as the scheduler's draft_together: the loops' own inference-mode blocks end in any order
+def drive_together(loops):
+    """Drafting loops (``Drafter.drafting``) advanced together: each round's feeds of one network run in one call
+    (``feed_groups``, ``run_group``). Returns (each loop's draft, the size of every call made)."""
+    drafts, pending, calls = [None] * len(loops), {}, []
+
+    def advance(i, value):
+        try:
+            pending[i] = loops[i].send(value)
+        except StopIteration as done:
+            drafts[i] = done.value
+
+    for i in range(len(loops)):
+        advance(i, None)
+    while pending:
+        round_ = sorted(pending.items())
+        pending.clear()
+        for group in feed_groups([feed for _, feed in round_]):
+            calls.append(len(group))
+            for g, out in zip(group, run_group([round_[g][1] for g in group])):
+                advance(round_[g][0], out)
+    return drafts, calls
