@@ -27,3 +27,17 @@ def drive_together(loops):
             for g, out in zip(group, run_group([round_[g][1] for g in group])):
                 advance(round_[g][0], out)
     return drafts, calls
+
+
+def schedule_together(engine, prompts, max_new, count):
+    """The requests submitted to a ``Scheduler`` before its thread starts any, so that they run side by side.
+    ``count()``: a running count (a hook's calls) read after every step. Returns (the results, per step after the first
+    (its batch size, what ``count`` grew by in it))."""
+    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+    per_step = []
+    with Scheduler(engine, max_batch=len(prompts)) as s:
+        s.add_listener(lambda r: per_step.append((r.batch_size, count())) if isinstance(r, SchedulerStep) else None)
+        with s._lock:
+            handles = [s.submit(p, n) for p, n in zip(prompts, max_new)]
+        results = [h.result(timeout=120) for h in handles]
+    return results, [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]

@@ -304,7 +304,7 @@ def test_concurrent_requests_run_the_heads_as_one_call_and_decode_as_alone(refin
     # the scheduler's batched drafting (core/batching/drafting.py): the heads of four running requests score their
     # four verifier states in ONE call per step (a RowFeed each), and each request's steps are those it takes alone -
     # the same drafts, so the same tokens per step (a row given another request's state would draft its cycle)
-    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+    from drafting_helpers import schedule_together
 
     _, model, _ = cycle_setup
     heads = _heads(model, trained[0])
@@ -312,16 +312,11 @@ def test_concurrent_requests_run_the_heads_as_one_call_and_decode_as_alone(refin
     prompts = [[0] + cyc(2, 4), [0] + cyc(5, 9), [0] + cyc(0, 2), [0] + cyc(3, 6)]
     max_new = [30, 22, 36, 14]
     alone = [engine.generate(p, n) for p, n in zip(prompts, max_new)]
-    rows, per_step = [], []
+    rows = []
     heads.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
-    with Scheduler(engine, max_batch=4) as s:
-        s.add_listener(lambda r: per_step.append((r.batch_size, len(rows))) if isinstance(r, SchedulerStep) else None)
-        with s._lock:  # all queued before the scheduler thread starts any: they run side by side
-            handles = [s.submit(p, n) for p, n in zip(prompts, max_new)]
-        results = [h.result(timeout=120) for h in handles]
+    results, calls = schedule_together(engine, prompts, max_new, lambda: len(rows))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
     assert sum(a.stats.accepted for a in alone) > 40  # the trained heads draft the cycle: acceptance decides
-    calls = [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]
     full = [n for b, n in calls if b == 4]
     assert full and max(full) == 1 and max(rows) == 4, calls  # one heads call per step for the whole batch

@@ -469,21 +469,15 @@ def test_drafts_made_side_by_side_equal_drafts_made_alone(verifier_model, mode):
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_concurrent_requests_share_the_recurrence_and_decode_as_alone(verifier_model, mode):
-    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+    from drafting_helpers import schedule_together
     drafter = _drafter(verifier_model, mode=mode)
     engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
     max_new = [20, 14, 26, 9]
     alone = [engine.generate(p, n) for p, n in zip(PROMPTS, max_new)]
-    layer_rows, per_step = [], []
+    layer_rows = []
     drafter.net.layer.register_forward_pre_hook(lambda module, args: layer_rows.append(args[0].shape[0]))
-    with Scheduler(engine, max_batch=4) as s:
-        s.add_listener(lambda r: per_step.append((r.batch_size, len(layer_rows))) if isinstance(r, SchedulerStep)
-                       else None)
-        with s._lock:  # all queued before the scheduler thread starts any: they run side by side
-            handles = [s.submit(p, n) for p, n in zip(PROMPTS, max_new)]
-        results = [h.result(timeout=120) for h in handles]
+    results, steps = schedule_together(engine, PROMPTS, max_new, lambda: len(layer_rows))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
-    steps = [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]
     full = [n for b, n in steps if b == 4]
     assert full and max(full) <= RUN["depth"] and max(layer_rows) >= 4, steps  # one recurrence step per depth

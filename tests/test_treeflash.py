@@ -456,7 +456,7 @@ def test_blocks_of_four_requests_run_as_one_forward_and_draft_as_alone(verifier_
 
 
 def test_concurrent_requests_share_the_block_forward_and_decode_as_alone(verifier_model):
-    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+    from drafting_helpers import schedule_together
 
     drafter = TreeFlashDrafter(_untrained(extras=True), verifier_model, DraftVocab(torch.arange(50, 2, -1), 64),
                                mode="treeflash", m=3, k=3, tree_size=12)
@@ -464,15 +464,10 @@ def test_concurrent_requests_share_the_block_forward_and_decode_as_alone(verifie
     prompts = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
     max_new = [20, 14, 26, 9]
     alone = [engine.generate(p, n) for p, n in zip(prompts, max_new)]
-    blocks, per_step = [], []
+    blocks = []
     drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
-    with Scheduler(engine, max_batch=4) as s:
-        s.add_listener(lambda r: per_step.append((r.batch_size, len(blocks))) if isinstance(r, SchedulerStep) else None)
-        with s._lock:  # all queued before the scheduler thread starts any: they run side by side
-            handles = [s.submit(p, n) for p, n in zip(prompts, max_new)]
-        results = [h.result(timeout=120) for h in handles]
+    results, steps = schedule_together(engine, prompts, max_new, lambda: len(blocks))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
-    steps = [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]
     full = [n for b, n in steps if b == 4]
     assert full and max(full) == 1 and max(blocks) == 4, steps  # one block forward per step for the whole batch
