@@ -6,7 +6,12 @@ of the answer's tokens come from the model's own bf16 LM head and from the same 
 in fp32. Printed: the largest and median absolute difference of the chosen tokens' log-probabilities and the largest of
 the top-5 values, between the two shapes with each head, and between the heads for each shape.
 
-    python benchmarks/logprobs_head_precision.py --threads 2
+``--fp32-attention`` runs the model's attention in fp32 (queries, keys and values upcast, the output rounded back to
+bf16): whether the shapes' difference comes from bf16 attention. It does not close the gap (BENCHMARKS.md): a
+rounding flip anywhere - even the linear layers, whose rows agree in all but ~1e-4 of values between one row and 40
+- spreads to most of the next layer's values.
+
+    python benchmarks/logprobs_head_precision.py --threads 2 [--fp32-attention]
 """
 from __future__ import annotations
 
@@ -15,10 +20,25 @@ import argparse
 PROMPT = "Explain what a KV cache is in two sentences."
 
 
+def _register_fp32_attention() -> str:
+    """Registers with transformers an attention that runs torch's SDPA in fp32 over bf16 inputs; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sdpa_fp32(module, query, key, value, attention_mask, **kwargs):  # [batch, heads, q, head_dim] each
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                              **kwargs)
+        return out.to(query.dtype), weights
+
+    AttentionInterface.register("sdpa_fp32", sdpa_fp32)
+    return "sdpa_fp32"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--fp32-attention", action="store_true", help="attention in fp32 (inputs upcast, output in bf16)")
     args = p.parse_args(argv)
     import torch
 
@@ -30,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = read_yaml_mapping(default_pool_path(), "pool config")
     verifier = metasd.load_pool(None, {"verifier": {**raw["verifier"], "dtype": "bf16"}}).verifier
     model = verifier.model
+    if args.fp32_attention:
+        model.set_attn_implementation(_register_fp32_attention())
     plain = Engine(verifier, None)
     messages = [{"role": "user", "content": PROMPT}]
     prompt = plain.encode(messages)
@@ -65,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         top_diff = (top.values - b.gather(1, top.indices)).abs()
         print(f"{name}: chosen max {diff.max():.4f} median {diff.median():.4f}; top-5 max {top_diff.max():.4f}")
 
-    print(f"{len(chosen)} answer tokens, verifier {verifier.describe()}")
+    attention = model.config._attn_implementation
+    print(f"{len(chosen)} answer tokens, verifier {verifier.describe()}, attention {attention}")
     compare(whole_bf16, step_bf16, "bf16 head: one forward vs token by token")
     compare(whole_fp32, step_fp32, "fp32 head: one forward vs token by token")
     compare(whole_fp32, whole_bf16, "one forward: fp32 head vs bf16 head")
