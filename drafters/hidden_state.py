@@ -242,13 +242,10 @@ class HiddenStateDrafter(VerifierStateDrafter):
     def propose(self, ctx: StepContext) -> Draft:
         return drive(self.drafting(ctx))
 
+    @torch.inference_mode()  # on a generator: each stretch between its feeds runs in inference mode
     def drafting(self, ctx: StepContext) -> Drafting:
         """``propose`` as a drafting loop: its recurrence steps and head calls are yielded, so that a scheduler runs
         those of all its requests drafting with this network as one step / one call per depth."""
-        with torch.inference_mode():
-            return (yield from self._draft(ctx))
-
-    def _draft(self, ctx: StepContext) -> Drafting:
         D = min(self.depth, ctx.max_depth)
         if D <= 0 or len(ctx.tokens) < 2:  # no depth to draft, or no verifier state yet (one-token prompt)
             draft = Draft.empty()

@@ -340,12 +340,9 @@ class TreeFlashDrafter(VerifierStateDrafter):
     def propose(self, ctx: StepContext) -> Draft:
         return drive(self.drafting(ctx))
 
+    @torch.inference_mode()  # on a generator: each stretch between its feeds runs in inference mode
     def drafting(self, ctx: StepContext) -> Drafting:
         """``propose`` as a drafting loop (its block forward yielded; ``_block_states``)."""
-        with torch.inference_mode():
-            return (yield from self._draft(ctx))
-
-    def _draft(self, ctx: StepContext) -> Drafting:
         depth = min(self.block_size - 1, ctx.max_depth)
         if depth <= 0:
             self._sync_context(ctx)
