@@ -269,6 +269,10 @@ class BlockDrafter(Drafter):
             self.lm.end()
 
     # ---------------------------------------------------------------- drafting
+    def _heads_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The verifier state h [d] as the heads' input row [1, d]."""
+        return h.to(self.heads.lm_weight.dtype).reshape(1, -1).contiguous()
+
     def _top(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads' logits [k, N] -> head i's top-m (full token ids [depth, m], log-probs [depth, m])."""
         top = logits[:depth].float().log_softmax(-1).topk(self.top_m, dim=-1)
@@ -277,7 +281,7 @@ class BlockDrafter(Drafter):
     @torch.inference_mode()
     def lattice(self, h: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Head i's top-m candidates for token pending+1+i from the verifier state h [d]."""
-        return self._top(self.heads(h.to(self.heads.lm_weight.dtype).reshape(1, -1).contiguous())[0], depth)
+        return self._top(self.heads(self._heads_input(h))[0], depth)
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
@@ -290,8 +294,7 @@ class BlockDrafter(Drafter):
         depth = min(self.k, ctx.max_depth)
         if depth <= 0 or ctx.hidden is None or len(ctx.hidden) == 0:
             return Draft.empty()
-        h = ctx.hidden.last(self.heads.hidden_layer)
-        logits = yield RowFeed(self.heads, h.to(self.heads.lm_weight.dtype).reshape(1, -1).contiguous())  # [1, k, N]
+        logits = yield RowFeed(self.heads, self._heads_input(ctx.hidden.last(self.heads.hidden_layer)))  # [1, k, N]
         cand, logp = self._top(logits[0], depth)  # [depth, m] each
         both = torch.stack([cand.float(), logp]).tolist()  # the lattice in one host read (ids < 2**24: exact)
         cand_l, logp_l = [[int(x) for x in row] for row in both[0]], both[1]

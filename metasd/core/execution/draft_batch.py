@@ -75,6 +75,14 @@ class Feed:
             return None
         return id(self.model), id(self.head)
 
+    def run(self) -> torch.Tensor:
+        """This feed alone: the forward the drafter ran itself before batched drafting."""
+        return _run_alone(self)
+
+    @staticmethod
+    def run_together(feeds: Sequence["Feed"]) -> list[torch.Tensor]:
+        return _run_batch(feeds)
+
 
 @dataclass
 class RowFeed:
@@ -92,13 +100,21 @@ class RowFeed:
     def batch_key(self) -> tuple[str, int]:
         return "rows", id(self.module)
 
+    def run(self) -> torch.Tensor:
+        return self.module(self.rows)
+
+    @staticmethod
+    def run_together(feeds: Sequence["RowFeed"]) -> list[torch.Tensor]:
+        return _run_rows(feeds)
+
 
 @dataclass
 class PackedFeed:
     """One step of a recurrence network with keys and values of its own a drafting loop asks for: ``module.step(inputs,
-    positions, past, mask)`` (``HiddenStateNet.step``: inputs [n, d] at ``positions`` [n] after ``past``, keys and values
-    [n_kv, L, head_dim] each or None; causal). Returns the step's (outputs [n, d], (keys, values) [n_kv, n, head_dim])
-    for the loop to keep. Packed feeds of one network run as one step over their rows packed (``_run_packed``)."""
+    positions, past, mask)`` of a module with a ``dtype`` (``HiddenStateNet``: inputs [n, d] at ``positions`` [n]
+    after ``past``, keys and values [n_kv, L, head_dim] each or None; causal). Returns the step's (outputs [n, d],
+    (keys, values) [n_kv, n, head_dim]) for the loop to keep. Packed feeds of one network run as one step over their
+    rows packed (``_run_packed``)."""
 
     module: nn.Module
     inputs: torch.Tensor  # [n, d]
@@ -111,6 +127,13 @@ class PackedFeed:
 
     def batch_key(self) -> tuple[str, int]:
         return "packed", id(self.module)
+
+    def run(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return self.module.step(self.inputs, self.positions, self.past)
+
+    @staticmethod
+    def run_together(feeds: Sequence["PackedFeed"]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+        return _run_packed(feeds)
 
 
 @dataclass
@@ -135,6 +158,13 @@ class BlockFeed:
     def batch_key(self) -> tuple:
         return "block", id(self.module), self.length, self.last_ctx is None, self.skip is None
 
+    def run(self) -> torch.Tensor:
+        return self.module(self.block, self.positions, self.context, None, self.last_ctx, self.skip)
+
+    @staticmethod
+    def run_together(feeds: Sequence["BlockFeed"]) -> list[torch.Tensor]:
+        return _run_blocks(feeds)
+
 
 def forward_logits(model: nn.Module, head: nn.Module | None, cache: Cache, last_only: bool, **inputs) -> torch.Tensor:
     """One forward of a drafter model through ``cache`` (batch 1); next-token logits [rows, vocab] (the last row only
@@ -147,13 +177,12 @@ def forward_logits(model: nn.Module, head: nn.Module | None, cache: Cache, last_
 
 
 def run_feed(feed: Feed | RowFeed | PackedFeed | BlockFeed) -> Any:
-    """A feed alone: the forward the drafter ran itself before batched drafting."""
-    if isinstance(feed, RowFeed):
-        return feed.module(feed.rows)
-    if isinstance(feed, PackedFeed):
-        return feed.module.step(feed.inputs, feed.positions, feed.past)
-    if isinstance(feed, BlockFeed):
-        return feed.module(feed.block, feed.positions, feed.context, None, feed.last_ctx, feed.skip)
+    """A feed alone (its kind's ``run``): the forward the drafter ran itself before batched drafting."""
+    return feed.run()
+
+
+def _run_alone(feed: Feed) -> torch.Tensor:
+    """A transformers-model feed alone: one forward of batch 1 through its own cache."""
     device = feed.model.device
     x = feed.ids.view(1, -1) if isinstance(feed.ids, torch.Tensor) else to_device([feed.ids], device, torch.long)
     inputs: dict[str, Any] = {"input_ids": x}
@@ -251,8 +280,7 @@ def _run_packed(feeds: Sequence[PackedFeed]) -> list[tuple[torch.Tensor, tuple[t
         past_at, row_at = past_at + L, row_at + n
     held = [f.past for f in feeds if f.past is not None]
     past = (torch.cat([k for k, _ in held], 1), torch.cat([v for _, v in held], 1)) if held else None
-    dtype = feeds[0].inputs.dtype if all(f.inputs.dtype == feeds[0].inputs.dtype for f in feeds) else module.dtype
-    inputs = torch.cat([f.inputs.to(dtype) for f in feeds])  # [N, d]
+    inputs = torch.cat([f.inputs.to(module.dtype) for f in feeds])  # [N, d] (as step casts them)
     out, (keys, values) = module.step(inputs, torch.cat([f.positions for f in feeds]), past, mask)
     return [(o, (k, v)) for o, k, v in zip(out.split(ns), keys.split(ns, 1), values.split(ns, 1))]
 
@@ -343,13 +371,7 @@ def feed_groups(feeds: Sequence[Feed | RowFeed | PackedFeed | BlockFeed]) -> lis
 
 def run_group(feeds: Sequence[Feed | RowFeed | PackedFeed | BlockFeed]) -> list[Any]:
     """One group of ``feed_groups``: one forward (a group of one runs as ``run_feed``)."""
-    if len(feeds) == 1:
-        return [run_feed(feeds[0])]
-    if isinstance(feeds[0], RowFeed):
-        return _run_rows(feeds)
-    if isinstance(feeds[0], BlockFeed):
-        return _run_blocks(feeds)
-    return _run_packed(feeds) if isinstance(feeds[0], PackedFeed) else _run_batch(feeds)
+    return [feeds[0].run()] if len(feeds) == 1 else type(feeds[0]).run_together(feeds)
 
 
 def drive(loop: Drafting) -> Any:
