@@ -4,6 +4,10 @@ import torch
 
 from metasd.core.execution.draft_batch import feed_groups, run_group
 
+#: four prompts of different lengths (each under LONG_FEED: their first catch-ups share a forward too), their lengths
+PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
+MAX_NEW = [20, 14, 26, 9]
+
 
 @torch.inference_mode()  # as the scheduler's draft_together: the loops' own inference-mode blocks end in any order
 def drive_together(loops):

@@ -13,12 +13,10 @@ from metasd.core.execution.verifier import Verifier
 from metasd.drafters import FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
 from metasd.drafters.budgeted import budget_arms
 from metasd.policies import make_policy
+from drafting_helpers import MAX_NEW, PROMPTS
 from sampling_check import joint_check
 from tiny import tiny_qwen, tiny_tokenizer
 
-#: four prompts of different lengths (each under LONG_FEED: their first catch-ups share a forward too)
-PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
-MAX_NEW = [20, 14, 26, 9]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from metasd.training.data import Example
 from metasd.training.features import extract_features
 from metasd.training.hidden_state import load_train_hidden_state_config, train_hidden_state
 from metasd.core import HiddenStore, Verifier
-from drafting_helpers import drive_together
+from drafting_helpers import MAX_NEW, PROMPTS, drive_together
 from sampling_check import joint_check
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
@@ -443,7 +443,6 @@ def test_training_config_paths_expand_environment_variables(tmp_path, monkeypatc
 
 
 # ---------------------------------------------------------------- batched drafting
-PROMPTS = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -472,11 +471,10 @@ def test_concurrent_requests_share_the_recurrence_and_decode_as_alone(verifier_m
     from drafting_helpers import schedule_together
     drafter = _drafter(verifier_model, mode=mode)
     engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
-    max_new = [20, 14, 26, 9]
-    alone = [engine.generate(p, n) for p, n in zip(PROMPTS, max_new)]
+    alone = [engine.generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     layer_rows = []
     drafter.net.layer.register_forward_pre_hook(lambda module, args: layer_rows.append(args[0].shape[0]))
-    results, steps = schedule_together(engine, PROMPTS, max_new, lambda: len(layer_rows))
+    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: len(layer_rows))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
     full = [n for b, n in steps if b == 4]

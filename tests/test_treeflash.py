@@ -427,14 +427,13 @@ def test_blocks_of_four_requests_run_as_one_forward_and_draft_as_alone(verifier_
     # four requests' drafting loops advanced together (as the scheduler does): their blocks run as ONE backbone
     # forward, each over its own context (contexts of 2..10 rows, padded and masked), and every draft is the one the
     # request makes alone
-    from drafting_helpers import drive_together
+    from drafting_helpers import PROMPTS, drive_together
     from metasd.core import HiddenStore
     from metasd.core.decoding.drafter import StepContext
     from metasd.core.decoding.sampling import SamplingParams
 
     drafter = TreeFlashDrafter(_untrained(extras=True), verifier_model, DraftVocab(torch.arange(50, 2, -1), 64),
                                mode=mode, m=3, k=3, tree_size=12)
-    prompts = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
 
     def ctx(tokens):
         store = HiddenStore(drafter.hidden_layers)
@@ -444,7 +443,7 @@ def test_blocks_of_four_requests_run_as_one_forward_and_draft_as_alone(verifier_
         return StepContext(tokens=torch.tensor(tokens), prompt_len=len(tokens), max_depth=8,
                            sampling=SamplingParams(), hidden=store)
 
-    ctxs = [ctx(p) for p in prompts]
+    ctxs = [ctx(p) for p in PROMPTS]
     expected = [drafter.fork().propose(c) for c in ctxs]
     blocks = []
     drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
@@ -456,17 +455,15 @@ def test_blocks_of_four_requests_run_as_one_forward_and_draft_as_alone(verifier_
 
 
 def test_concurrent_requests_share_the_block_forward_and_decode_as_alone(verifier_model):
-    from drafting_helpers import schedule_together
+    from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
 
     drafter = TreeFlashDrafter(_untrained(extras=True), verifier_model, DraftVocab(torch.arange(50, 2, -1), 64),
                                mode="treeflash", m=3, k=3, tree_size=12)
     engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
-    prompts = [PROMPT, [0, 50, 9], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40], [0, 13, 14, 13]]
-    max_new = [20, 14, 26, 9]
-    alone = [engine.generate(p, n) for p, n in zip(prompts, max_new)]
+    alone = [engine.generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     blocks = []
     drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
-    results, steps = schedule_together(engine, prompts, max_new, lambda: len(blocks))
+    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: len(blocks))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
     full = [n for b, n in steps if b == 4]
