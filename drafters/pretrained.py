@@ -229,8 +229,8 @@ class PretrainedDrafter(Drafter):
         [vocab]. ``ids``: host ints, or a device tensor [n] of draft tokens not read yet (their ids join
         ``cached_ids`` once the draft is read)."""
         start = len(self.cached_ids) + self._unread
-        around = (lambda: self.steering.feeding(start, ids)) if self.steering is not None else None
-        logits = yield Feed(self.model, self.draft_head, self.cache, ids, last_only=True, around=around)
+        steer = self.steering.steer(start, ids) if self.steering is not None else None
+        logits = yield Feed(self.model, self.draft_head, self.cache, ids, last_only=True, steer=steer)
         if isinstance(ids, torch.Tensor):
             self._unread += ids.numel()
         else:

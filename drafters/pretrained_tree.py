@@ -195,9 +195,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             raise RuntimeError(f"{self.name}: drafter cache holds {cache_length(self.cache)} positions, expected {expected}")
         mask, positions = tree.inputs(feed)  # [1, 1, q, kv], [1, q]
         tokens = [tree.tokens[i] for i in feed]
-        around = (lambda: self.steering.feeding_tree(expected, tokens)) if self.steering is not None else None
+        steer = self.steering.steer_tree(expected, tokens) if self.steering is not None else None
         logits = yield Feed(self.model, self.draft_head, self.cache, tokens, mask=mask[0, 0], positions=positions[0],
-                            around=around)
+                            steer=steer)
         tree.mark_fed(feed)
         return logits
 

@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import copy
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from metasd.core.decoding.drafter import StepContext, register_drafter
+from metasd.core.execution.draft_batch import Steer
 from metasd.models.quantize import quantize_model
 
 from .pretrained import PretrainedDrafter, PretrainedParams
@@ -61,8 +62,9 @@ from .pretrained_tree import PretrainedTreeDrafter, PretrainedTreeParams
 class Steering:
     """The SD² part of a steered drafter, composed into a pretrained chain or tree drafter as its ``steering``:
     hooks on the drafter model, one guide per step and the timing rules of the module docstring. The drafter
-    brackets a step's forwards with ``step(ctx)`` and each forward with ``feeding`` (catch-up and chain
-    tokens) or ``feeding_tree`` (one tree level).
+    brackets a step's forwards with ``step(ctx)`` and gives each forward the biases ``steer`` (catch-up and chain
+    tokens) or ``steer_tree`` (one tree level) returns, which the forward - alone or batched with other requests'
+    (core/execution/draft_batch.py) - adds through the hooks.
 
     module: the ``SteeringModule`` (None: a plain drafter that still reads no verifier layers).
     trace: set to a list to record ``(position, token, guide_row)`` for every fed position (guide_row None =
@@ -99,23 +101,23 @@ class Steering:
         finally:
             self.delta = None
 
-    def feeding(self, start: int, ids: list[int] | torch.Tensor):
-        """Context of a forward feeding ``ids`` (host ints, or a device tensor [n] of unread draft tokens) at positions
-        ``start..``: steered from ``steer_from`` on."""
+    def steer(self, start: int, ids: list[int] | torch.Tensor) -> Steer | None:
+        """The biases of a forward feeding ``ids`` (host ints, or a device tensor [n] of unread draft tokens) at
+        positions ``start..``: steered from ``steer_from`` on (None: no position is)."""
         n_plain = len(ids) if self.delta is None else min(max(self.steer_from - start, 0), len(ids))
         if self.trace is not None:
             ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids  # a host read, for the trace only
             self.trace.extend((start + i, t, None if i < n_plain else self.guide_row) for i, t in enumerate(ids))
         if n_plain == len(ids):
-            return nullcontext()
+            return None
         mask = (torch.arange(len(ids), device=self.delta.device) >= n_plain)[:, None] if n_plain else None
-        return self.injector.active(self.delta, mask)
+        return Steer(self.injector, self.delta, mask)
 
-    def feeding_tree(self, start: int, tokens: list[int]):
-        """Context of one tree level's forward (nodes at cache positions ``start..``): all with the step's guide."""
+    def steer_tree(self, start: int, tokens: list[int]) -> Steer | None:
+        """The biases of one tree level's forward (nodes at cache positions ``start..``): all with the step's guide."""
         if self.trace is not None:
             self.trace.extend((start + i, t, self.guide_row if self.delta is not None else None) for i, t in enumerate(tokens))
-        return nullcontext() if self.delta is None else self.injector.active(self.delta)
+        return None if self.delta is None else Steer(self.injector, self.delta)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"checkpoint": self.checkpoint}

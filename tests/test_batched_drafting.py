@@ -7,11 +7,13 @@ import torch
 
 from metasd.core.batching.scheduler import Scheduler, SchedulerStep
 from metasd.core.engine import Engine
-from metasd.core.execution.draft_batch import LONG_FEED, Feed, feed_groups, run_feed, run_group
+from metasd.core.execution.draft_batch import LONG_FEED, Feed, Steer, feed_groups, run_feed, run_group
 from metasd.core.execution.static_cache import new_cache
 from metasd.core.execution.verifier import Verifier
-from metasd.drafters import FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
+from metasd.drafters import (FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, SteeredDrafter, SteeredTreeDrafter,
+                             SuffixDrafter)
 from metasd.drafters.budgeted import budget_arms
+from metasd.drafters.steering_net import Injector, SteeringModule
 from metasd.policies import make_policy
 from drafting_helpers import MAX_NEW, PROMPTS
 from sampling_check import joint_check
@@ -24,8 +26,22 @@ def tok():
     return tiny_tokenizer()
 
 
+def _steering(model, seed=0):
+    """A steering module for ``model`` under the tiny 2-layer verifier with random (non-zero) biases: steered drafts
+    differ from plain ones."""
+    module = SteeringModule.for_models(model, 32, guide_layers=[0, 1, 2], seed=seed)
+    with torch.no_grad():
+        module.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return module
+
+
 def _pool(kind: str, model):
     """(drafters, rounds): the most drafter forwards one step of a request makes - its catch-up, then a level each."""
+    if kind == "steered":
+        return [SteeredDrafter(model, steering=_steering(model), k=4, name="steered")], 4
+    if kind == "steered_tree":
+        return [SteeredTreeDrafter(model, steering=_steering(model), mode="dynamic", nodes=8, depth=3, width=2,
+                                   name="steered_tree")], 3
     if kind == "chain":
         return [PretrainedDrafter(model, k=4, name="chain")], 4
     if kind == "tree":
@@ -38,7 +54,7 @@ def _pool(kind: str, model):
     return [*budget_arms(cascade, (4, 8))], 3
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "rsd_c", "cascade"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "rsd_c", "cascade", "steered", "steered_tree"])
 def test_concurrent_requests_draft_one_forward_per_level_and_decode_as_alone(tok, kind):
     drafter_model = tiny_qwen(seed=0, logit_scale=1.5)
     drafters, rounds = _pool(kind, drafter_model)
@@ -57,6 +73,8 @@ def test_concurrent_requests_draft_one_forward_per_level_and_decode_as_alone(tok
             handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
         results = [h.result(timeout=120) for h in handles]
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    if kind.startswith("steered"):  # each row took its own guide's bias: the drafts are the ones made alone
+        assert [r.stats.tokens_per_step for r in results] == [e.stats.tokens_per_step for e in expected]
     steps = [(b, f - before) for (b, f), (_, before) in zip(per_step[1:], per_step)]
     full = [f for b, f in steps if b == 4]
     assert full, "no step ran all four requests"
@@ -92,6 +110,43 @@ def test_a_batched_forward_gives_each_row_its_own_forwards_logits_and_cache():
         assert b.get_seq_length() == a.get_seq_length()
         for la, lb in zip(a.layers, b.layers):
             torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_steered_feeds_in_one_forward_each_take_their_own_bias():
+    # three requests of one steered drafter (one injector on the model), each with its step's own bias, one with its
+    # first two positions unsteered (a prompt's end), feeds of different lengths: the forward together gives each
+    # row the logits and cache of its forward alone; a plain feed of the same model is grouped apart
+    model = tiny_qwen(seed=3)
+    module = _steering(model, seed=1)
+    injector = Injector(model, module.spec)
+    deltas = [module(torch.randn(96, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    assert not torch.equal(deltas[0], deltas[1])
+    steers = [Steer(injector, deltas[0]), Steer(injector, deltas[1], torch.tensor([[False], [False], [True]])),
+              Steer(injector, deltas[2])]
+    feeds_of = [lambda c, s: Feed(model, None, c, [11, 12, 13], last_only=True, steer=s),
+                lambda c, s: Feed(model, None, c, [20, 21, 22], steer=s),
+                lambda c, s: Feed(model, None, c, [30], steer=s)]
+    prefixes = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4, 4, 5]]
+    alone, together = [], []
+    for prefix in prefixes:
+        pair = [new_cache(model), new_cache(model)]
+        for c in pair:
+            model(input_ids=torch.tensor([prefix]), past_key_values=c, use_cache=True)
+        alone.append(pair[0])
+        together.append(pair[1])
+    want = [run_feed(make(c, s)) for make, c, s in zip(feeds_of, alone, steers)]
+    feeds = [make(c, s) for make, c, s in zip(feeds_of, together, steers)]
+    plain = Feed(model, None, new_cache(model), [5])
+    assert feed_groups([*feeds, plain]) == [[0, 1, 2], [3]]
+    got = run_group(feeds)
+    for w, g, a, b in zip(want, got, alone, together):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
+    assert injector.delta is None  # the hooks are off again after the forward
+    assert (want[0] - run_feed(feeds_of[0](new_cache(model), None))).abs().max() > 1e-3  # the biases matter
+    injector.remove()
 
 
 def test_feeds_that_must_run_alone_are_not_grouped():

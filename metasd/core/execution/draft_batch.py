@@ -19,8 +19,12 @@ their pasts side by side, a block-diagonal mask that shows each feed its own pas
 A one-shot block drafter (TreeFlash's backbone over each request's own context) yields a ``BlockFeed``: the round's
 block feeds of one model run as ONE forward of their blocks, each context padded to the longest and masked.
 
-What stays alone: a feed that must run inside a context of its own (``around``: a steering guide on the shared
-model), a feed longer than ``LONG_FEED`` tokens (a new request's prompt: padding the others to it would cost more than
+A steered drafter (SD², drafters/steered.py) adds biases to its model's activations through forward hooks; its feed
+says which (``Steer``: the hooks' ``injector``, the step's bias and which fed positions take it), and a group of steered
+feeds of one injector runs as one forward with every row's own bias stacked [B, 1, n_steered, d_out] and its own
+position mask padded [B, Q, 1] - the hooks add row b's bias to row b only.
+
+What stays alone: a feed that must run inside a context of its own (``around``), a feed longer than ``LONG_FEED`` tokens (a new request's prompt: padding the others to it would cost more than
 its own forward), a model whose cache has sliding-window layers, and a group of one.
 """
 from __future__ import annotations
@@ -53,8 +57,9 @@ class Feed:
     [q, vocab] (the last row only, [1, vocab], with ``last_only``).
 
     mask: [q, L + q] bool (True = attend) over the cached positions and the fed ones; None: causal. positions: [q]
-    position ids; None: L .. L + q - 1. around: a context the forward must run in (a steering guide acting on the
-    shared model while this forward runs): such a feed runs alone."""
+    position ids; None: L .. L + q - 1. steer: the activation biases a steered drafter adds in this forward (None:
+    none). around: a context the forward must run in (anything acting on the shared model while this forward runs
+    that cannot be told per row): such a feed runs alone."""
 
     model: nn.Module
     head: nn.Module | None
@@ -63,17 +68,18 @@ class Feed:
     mask: torch.Tensor | None = None  # [q, L + q] bool
     positions: torch.Tensor | None = None  # [q] int64
     last_only: bool = False
+    steer: "Steer | None" = None
     around: Callable[[], ContextManager] | None = None
 
     @property
     def length(self) -> int:
         return int(self.ids.numel()) if isinstance(self.ids, torch.Tensor) else len(self.ids)
 
-    def batch_key(self) -> tuple[int, int] | None:
+    def batch_key(self) -> tuple[int, int, int | None] | None:
         """Feeds with one key run in one forward; None: this one runs alone."""
         if self.around is not None or self.length > LONG_FEED or any(layer.is_sliding for layer in self.cache.layers):
             return None
-        return id(self.model), id(self.head)
+        return id(self.model), id(self.head), None if self.steer is None else id(self.steer.injector)
 
     def run(self) -> torch.Tensor:
         """This feed alone: the forward the drafter ran itself before batched drafting."""
@@ -82,6 +88,34 @@ class Feed:
     @staticmethod
     def run_together(feeds: Sequence["Feed"]) -> list[torch.Tensor]:
         return _run_batch(feeds)
+
+
+@dataclass
+class Steer:
+    """The biases a steered drafter's hooks add in one forward (``drafters.steering_net.Injector``): ``delta``
+    [n_steered, d_out], one per steered layer, added to the fed positions where ``mask`` [q, 1] is 1 (None: all of
+    them). ``injector.active(delta, mask)`` is the context its hooks add them in; it takes a stacked delta
+    [B, 1, n_steered, d_out] and mask [B, Q, 1] for a batched forward."""
+
+    injector: Any
+    delta: torch.Tensor  # [n_steered, d_out]
+    mask: torch.Tensor | None = None  # [q, 1]
+
+    def active(self) -> ContextManager:
+        return self.injector.active(self.delta, self.mask)
+
+    @staticmethod
+    def stacked(feeds: Sequence["Feed"], Q: int) -> ContextManager:
+        """The context of one forward of ``feeds`` (one injector; feed b's q_b tokens padded to Q): each row's own
+        delta and mask, padding unsteered."""
+        steers = [f.steer for f in feeds]
+        if steers[0] is None:
+            return nullcontext()
+        delta = torch.stack([s.delta for s in steers])[:, None]  # [B, 1, n_steered, d_out]
+        mask = delta.new_zeros(len(feeds), Q, 1)  # [B, Q, 1]
+        for b, (f, s) in enumerate(zip(feeds, steers)):
+            mask[b, : f.length] = 1.0 if s.mask is None else s.mask.to(mask.dtype)
+        return steers[0].injector.active(delta, mask)
 
 
 @dataclass
@@ -190,7 +224,8 @@ def _run_alone(feed: Feed) -> torch.Tensor:
         inputs["attention_mask"] = to_device(feed.mask[None, None], device)
     if feed.positions is not None:
         inputs["position_ids"] = to_device(feed.positions[None], device)
-    with feed.around() if feed.around is not None else nullcontext():
+    with feed.around() if feed.around is not None else nullcontext(), \
+            feed.steer.active() if feed.steer is not None else nullcontext():
         return forward_logits(feed.model, feed.head, feed.cache, feed.last_only, **inputs)
 
 
@@ -339,13 +374,14 @@ def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
     inputs = dict(input_ids=ids, position_ids=pos.to(device), attention_mask=mask.to(device), use_cache=True)
     # the LM head runs over the positions some row reads: each row's last where every feed wants its last only
     keep = sorted({n - 1 for n in q}) if all(f.last_only for f in feeds) else None
-    if head is None:
-        logits = model(**inputs, **cache_kwargs(model, stacked), logits_to_keep=0 if keep is None else torch.tensor(
-            keep, device=device)).logits  # [B, len(keep) or Q, vocab]
-    else:
-        h = model.base_model(**inputs, **cache_kwargs(model.base_model, stacked)).last_hidden_state  # [B, Q, d]
-        h = h if keep is None else h[:, keep]
-        logits = head(h.reshape(-1, h.shape[-1])).view(B, h.shape[1], -1)
+    with Steer.stacked(feeds, Q):
+        if head is None:
+            logits = model(**inputs, **cache_kwargs(model, stacked), logits_to_keep=0 if keep is None else
+                           torch.tensor(keep, device=device)).logits  # [B, len(keep) or Q, vocab]
+        else:
+            h = model.base_model(**inputs, **cache_kwargs(model.base_model, stacked)).last_hidden_state  # [B, Q, d]
+            h = h if keep is None else h[:, keep]
+            logits = head(h.reshape(-1, h.shape[-1])).view(B, h.shape[1], -1)
     column = {p: i for i, p in enumerate(keep)} if keep is not None else None
     out = []
     for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
