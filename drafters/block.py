@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from pydantic import Field
 from safetensors.torch import save_file
 
-from metasd.core.execution.draft_batch import Drafting, RowFeed, drive
+from metasd.core.execution.draft_batch import Drafting, Feed, RowFeed, drive
 from metasd.core.pricing.cost import counted_linear
 from metasd.core.execution.staging import to_device
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import Drafter, DrafterParams, Float, Int, StepContext, check_params, register_drafter
-from metasd.core.execution.kv_cache import cache_kwargs, cache_length, crop_to
+from metasd.core.execution.kv_cache import cache_length, crop_to
 from metasd.models.packed_weights import load_weights
 from metasd.models.quantize import dense_weight
 from metasd.core.execution.tree import Draft
@@ -300,7 +300,7 @@ class BlockDrafter(Drafter):
         cand_l, logp_l = [[int(x) for x in row] for row in both[0]], both[1]
         catch_up = 0
         if self.refine == "neural":
-            best = self._beam_search(ctx.tokens.tolist(), cand_l, logp_l)
+            best = yield from self._beam_steps(ctx.tokens.tolist(), cand_l, logp_l)
             catch_up = self.lm.last_catch_up
         elif self.refine == "ngram":
             tokens = ctx.tokens.tolist()
@@ -328,8 +328,13 @@ class BlockDrafter(Drafter):
         The LM scores every beam of a depth in one forward over the beams' new tokens, with an
         ancestor-only mask over the nodes fed so far; its cache is cropped back to the committed tokens.
         """
+        return drive(self._beam_steps(tokens, cand, logp))
+
+    def _beam_steps(self, tokens: list[int], cand: list[list[int]], logp: list[list[float]]) -> Drafting:
+        """``_beam_search`` as a drafting loop: the LM's catch-up and its forward per depth are yielded (``Feed`` s),
+        so that a scheduler runs those of all its requests rescoring with one LM in one forward."""
         lm = self.lm
-        first = lm.sync(tokens).float().log_softmax(-1)  # LM distribution of token pending+1
+        first = (yield from lm._sync_steps(tokens)).float().log_softmax(-1)  # LM distribution of token pending+1
         committed = cache_length(lm.cache)
         vocab = first.shape[-1]
         # beams: (score, path, node index among fed nodes or -1 for the root, LM log-probs after the path)
@@ -348,7 +353,8 @@ class BlockDrafter(Drafter):
                 grown = heapq.nlargest(self.paths, grown, key=lambda g: g[0])
                 if i == depth - 1:
                     return [(s, path) for s, path, _ in grown]
-                new_lp = self._score_nodes(committed, fed_parents, [(path[-1], node) for _, path, node in grown], i)
+                new_lp = yield from self._score_nodes(committed, fed_parents,
+                                                      [(path[-1], node) for _, path, node in grown], i)
                 start = len(fed_parents)
                 fed_parents.extend(node for _, _, node in grown)
                 beams = [(s, path, start + j, new_lp[j]) for j, (s, path, _) in enumerate(grown)]
@@ -356,21 +362,19 @@ class BlockDrafter(Drafter):
             crop_to(lm.cache, committed)
         return []
 
-    def _score_nodes(self, committed: int, fed_parents: list[int], new: list[tuple[int, int]], depth: int) -> torch.Tensor:
-        """Feed new tree nodes (token, parent node) at tree depth ``depth`` into the LM; their log-probs [n, vocab]."""
+    def _score_nodes(self, committed: int, fed_parents: list[int], new: list[tuple[int, int]], depth: int) -> Drafting:
+        """Feed new tree nodes (token, parent node) at tree depth ``depth`` into the LM (a ``Feed`` yielded); returns
+        their log-probs [n, vocab]."""
         n_old, n_new = len(fed_parents), len(new)
         anc = torch.zeros(n_old + n_new, n_old + n_new, dtype=torch.bool)  # node -> its ancestors and itself
         for j, par in enumerate(fed_parents + [par for _, par in new]):
             if par >= 0:
                 anc[j] = anc[par]
             anc[j, j] = True
-        mask = torch.cat([torch.ones(n_new, committed, dtype=torch.bool), anc[n_old:]], dim=1)
-        model = self.lm.model
-        out = model(input_ids=to_device([[t for t, _ in new]], model.device, torch.long),
-                    attention_mask=to_device(mask[None, None], model.device),
-                    position_ids=torch.full((1, n_new), committed + depth, device=model.device),
-                    **cache_kwargs(model, self.lm.cache), use_cache=True)
-        return out.logits[0].float().log_softmax(-1)
+        mask = torch.cat([torch.ones(n_new, committed, dtype=torch.bool), anc[n_old:]], dim=1)  # [n, L + n]
+        logits = yield Feed(self.lm.model, None, self.lm.cache, [t for t, _ in new], mask=mask,
+                            positions=torch.full((n_new,), committed + depth, dtype=torch.long))  # [n, vocab]
+        return logits.float().log_softmax(-1)
 
     def describe(self) -> dict[str, Any]:
         d = {**super().describe(), "k": self.k, "top_m": self.top_m, "paths": self.paths, "refine": self.refine,

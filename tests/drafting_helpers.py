@@ -35,8 +35,8 @@ def drive_together(loops):
 
 def schedule_together(engine, prompts, max_new, count):
     """The requests submitted to a ``Scheduler`` before its thread starts any, so that they run side by side.
-    ``count()``: a running count (a hook's calls) read after every step. Returns (the results, per step after the first
-    (its batch size, what ``count`` grew by in it))."""
+    ``count()``: a running count (a hook's calls), or a tuple of them, read after every step. Returns (the results, per
+    step after the first (its batch size, what ``count`` grew by in it))."""
     from metasd.core.batching.scheduler import Scheduler, SchedulerStep
     per_step = []
     with Scheduler(engine, max_batch=len(prompts)) as s:
@@ -44,4 +44,6 @@ def schedule_together(engine, prompts, max_new, count):
         with s._lock:
             handles = [s.submit(p, n) for p, n in zip(prompts, max_new)]
         results = [h.result(timeout=120) for h in handles]
-    return results, [(b, n - before) for (b, n), (_, before) in zip(per_step[1:], per_step)]
+    def grew(now, before):  # a count, or a tuple of counts
+        return tuple(a - b for a, b in zip(now, before)) if isinstance(now, tuple) else now - before
+    return results, [(b, grew(n, before)) for (b, n), (_, before) in zip(per_step[1:], per_step)]

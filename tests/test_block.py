@@ -1,4 +1,5 @@
 """Block drafter (drafters/block.py) and its training (metasd/training/block.py) on tiny models."""
+import copy
 import itertools
 import json
 import math
@@ -299,24 +300,35 @@ def test_config_files_and_pool_entry(cycle_setup, trained, tmp_path):
 
 
 # ---------------------------------------------------------------- batched drafting
-@pytest.mark.parametrize("refine", ["none", "ngram"])
+@pytest.mark.parametrize("refine", ["none", "ngram", "neural"])
 def test_concurrent_requests_run_the_heads_as_one_call_and_decode_as_alone(refine, cycle_setup, trained):
     # the scheduler's batched drafting (core/batching/drafting.py): the heads of four running requests score their
     # four verifier states in ONE call per step (a RowFeed each), and each request's steps are those it takes alone -
-    # the same drafts, so the same tokens per step (a row given another request's state would draft its cycle)
+    # the same drafts, so the same tokens per step (a row given another request's state would draft its cycle); the
+    # neural rescoring LM's forwards (its catch-up, then one per depth over the beams) are one per round for all
     from drafting_helpers import schedule_together
 
     _, model, _ = cycle_setup
     heads = _heads(model, trained[0])
-    engine = Engine(Verifier(model), _drafter(refine, heads, paths=2), check_tokenizers=False)
+    lm_model = copy.deepcopy(model)  # an LM that knows the cycles: a row given another request's scores would rank
+    drafter = _drafter(refine, heads, paths=2, lm_model=lm_model)  # that request's next token first
+    if refine == "neural":
+        drafter.weight = 3.0
+    engine = Engine(Verifier(model), drafter, check_tokenizers=False)
     prompts = [[0] + cyc(2, 4), [0] + cyc(5, 9), [0] + cyc(0, 2), [0] + cyc(3, 6)]
     max_new = [30, 22, 36, 14]
     alone = [engine.generate(p, n) for p, n in zip(prompts, max_new)]
-    rows = []
+    rows, lm_rows = [], []
     heads.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
-    results, calls = schedule_together(engine, prompts, max_new, lambda: len(rows))
+    lm_model.register_forward_pre_hook(lambda module, args, kwargs: lm_rows.append(kwargs["input_ids"].shape[0]),
+                                       with_kwargs=True)
+    results, calls = schedule_together(engine, prompts, max_new, lambda: (len(rows), len(lm_rows)))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
     assert sum(a.stats.accepted for a in alone) > 40  # the trained heads draft the cycle: acceptance decides
     full = [n for b, n in calls if b == 4]
-    assert full and max(full) == 1 and max(rows) == 4, calls  # one heads call per step for the whole batch
+    assert full and max(h for h, _ in full) == 1 and max(rows) == 4, calls  # one heads call per step for the batch
+    if refine == "neural":  # its catch-up and a forward per depth after the first: K forwards a step, shared
+        assert max(n for _, n in full) == K and max(lm_rows) == 4, calls
+    else:
+        assert not lm_rows
