@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
-from metasd.core.execution.draft_batch import BlockFeed, Drafting, drive
+from metasd.core.execution.draft_batch import BlockFeed, Drafting, RowFeed, drive
 from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import Draft
 
@@ -148,15 +148,34 @@ def treeflash_tables(cand: torch.Tensor, cond_logp: Sequence[torch.Tensor], k: i
 
 # ---------------------------------------------------------------- one draft from block states
 @torch.no_grad()
+class BlockRows:
+    """The per-row networks a TreeFlash draft runs after its block forward, as callables over rows (each a
+    ``RowFeed``'s module, so that a scheduler runs those of all its requests drafting with one model in one call):
+    ``logits`` [n, d] backbone rows -> [n, N] draft-vocabulary logits; ``ar`` [n, 2 d] (a marginal state beside the
+    embedding of the previous token) -> [n, N] log-probs of the AR-corrected state."""
+
+    def __init__(self, model: TreeFlashModel, pieces: VerifierPieces):
+        self.model, self.pieces = model, pieces
+        self.logits = lambda h: model.logits(pieces, h)
+        self.ar = lambda rows: model.logits(pieces, model.ar_hidden(*rows.chunk(2, -1), pieces)).float().log_softmax(-1)
+
+
 def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Tensor, root: int, mode: str,
                      depth: int, m: int, k: int, tree_size: int) -> tuple[list[int], list[int]]:
     """h [B, d] backbone output of one block; returns (reduced-vocab tokens, parents) of the draft.
 
     depth: deepest depth to draft (<= B-1)."""
+    return drive(draft_from_block_steps(BlockRows(model, pieces), h, root, mode, depth, m, k, tree_size))
+
+
+def draft_from_block_steps(nets: BlockRows, h: torch.Tensor, root: int, mode: str, depth: int, m: int, k: int,
+                           tree_size: int) -> Drafting:
+    """``draft_from_block`` as a drafting loop: its logits over the block's rows and its AR pass over the candidates
+    are yielded (``RowFeed`` s of ``nets``)."""
     if depth <= 0:
         return [], []
     hd = h[1:depth + 1]  # [D, d]: row i predicts depth i+1
-    logits = model.logits(pieces, hd).float()
+    logits = (yield RowFeed(nets.logits, hd)).float()  # [D, N]
     if mode == "chain":
         toks = logits.argmax(-1).tolist()
         return toks, list(range(-1, len(toks) - 1))
@@ -164,6 +183,7 @@ def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Ten
     if mode == "marginal":
         return build_tree(marginal_tables(logp, k), tree_size)[:2]
     # treeflash: candidates, then one batched AR pass over (depth, previous token) pairs
+    pieces = nets.pieces
     m = min(m, logp.shape[-1])
     cand = logp[: depth - 1].topk(m, dim=-1).indices if depth > 1 else logp.new_zeros(0, m, dtype=torch.long)
     dt = h.dtype
@@ -174,8 +194,7 @@ def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Ten
         full_cand = pieces.to_full(cand)
         prev.append(pieces.embed(full_cand.reshape(-1), dt))  # [(D-1) m, d]
         rows.append(hd[1:, None, :].expand(-1, m, -1).reshape(-1, hd.shape[-1]))
-    h_tilde = model.ar_hidden(torch.cat(rows), torch.cat(prev), pieces)
-    cond = model.logits(pieces, h_tilde).float().log_softmax(-1)
+    cond = yield RowFeed(nets.ar, torch.cat([torch.cat(rows), torch.cat(prev)], -1))  # [1 + (D-1) m, N]
     cond_logp = [cond[0:1]] + list(cond[1:].reshape(depth - 1, m, -1)) if depth > 1 else [cond[0:1]]
     return build_tree(treeflash_tables(cand, cond_logp, k), tree_size)[:2]
 
@@ -256,6 +275,7 @@ class TreeFlashDrafter(VerifierStateDrafter):
         self.model = model.to(self.device, dtype).eval().requires_grad_(False)
         self.vocab = vocab
         self.pieces = VerifierPieces.from_model(verifier_model, vocab.token_ids)
+        self.block_rows = BlockRows(self.model, self.pieces)  # shared by the forks: their row feeds group together
         self.hidden_layers = tuple(cfg.context_layers)
         self.checkpoint = checkpoint
         self._ctx_kv: list[list[torch.Tensor]] | None = None  # per layer [k, v] caches [1, n_kv, n, hd]
@@ -349,8 +369,8 @@ class TreeFlashDrafter(VerifierStateDrafter):
             self._own_rows = 0
             return Draft.empty()
         h = yield from self._block_states(ctx)
-        toks, parents = draft_from_block(self.model, self.pieces, h, int(ctx.tokens[-1]), self.mode, depth,
-                                         self.m, self.k, self.tree_size)
+        toks, parents = yield from draft_from_block_steps(self.block_rows, h, int(ctx.tokens[-1]), self.mode, depth,
+                                                          self.m, self.k, self.tree_size)
         full = self.vocab.to_full(torch.tensor(toks, dtype=torch.long))
         return Draft(full, torch.tensor(parents, dtype=torch.long), catch_up=self._last_catch_up)
 

@@ -120,11 +120,12 @@ class Steer:
 
 @dataclass
 class RowFeed:
-    """A forward without a cache a drafting loop asks for: ``module`` over ``rows`` [n, d], a module that computes
-    every row on its own (a draft head over verifier hidden states: ``BlockHeads``). Returns ``module(rows)``
-    [n, ...]. Row feeds of one module run as one call over their rows stacked."""
+    """A forward without a cache a drafting loop asks for: ``module`` over ``rows`` [n, d], a module (or any callable)
+    that computes every row on its own (a draft head over verifier hidden states: ``BlockHeads``; TreeFlash's logits
+    and AR pass: ``BlockRows``). Returns ``module(rows)`` [n, ...]. Row feeds of one module run as one call over their
+    rows stacked."""
 
-    module: nn.Module
+    module: nn.Module | Callable[[torch.Tensor], torch.Tensor]
     rows: torch.Tensor  # [n, d]
 
     @property
