@@ -63,9 +63,14 @@ def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path,
             return client.completions.with_raw_response.create(model="tiny", prompt=[10 + i, SLOW, 11], max_tokens=8,
                                                                 temperature=0)
 
-        with ThreadPoolExecutor(8) as threads:
-            raw = list(threads.map(ask, range(8)))
-        assert len({r.headers["x-metasd-server"] for r in raw}) == 2  # both replicas answered
+        raw, servers = [], set()
+        for _ in range(3):  # rounds of 8 until both replicas answered (on a crowded machine the proxy once gave one
+            with ThreadPoolExecutor(8) as threads:  # replica all 8 of a round)
+                raw += threads.map(ask, range(8))
+            servers = {r.headers["x-metasd-server"] for r in raw}
+            if len(servers) == 2:
+                break
+        assert len(servers) == 2  # both replicas answered
         for r in raw:
             answer = r.parse()
             assert answer.usage.completion_tokens == 8 and answer.choices[0].finish_reason == "length"
