@@ -100,7 +100,32 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         "draft_prices": adaptive.draft_prices.to_dict() if getattr(adaptive, "draft_prices", None) else None,
         # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
         "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,
+        "calibration": calibration(decode, getattr(adaptive, "unit_seconds", None)),
     }
+
+
+def calibration(steps: list, unit_seconds: float | None) -> dict | None:
+    """How the allocator's model of a step compares with the step it ran: per step with an adaptive record, the
+    goodput it expected of its allocation (``AdaptiveRecord.goodput``: committed tokens per one-token forward of the
+    profile) against the goodput the step realized (tokens committed over its wall seconds in the same units), split
+    by steps that drafted nothing (width 0: the model is the profile's forward cost alone) and steps that drafted
+    (acceptance curves and drafting prices too). A realized / expected ratio lower for plain steps than for drafting
+    ones means the model underrates drafting. None without an adaptive pool or a unit."""
+    if not unit_seconds:
+        return None
+    out: dict[str, dict] = {}
+    for kind in ("plain", "drafting"):
+        rows = [s for s in steps if s.adaptive is not None and (s.adaptive.width > 0) == (kind == "drafting")]
+        if not rows:
+            continue
+        ratios = [sum(r.committed for r in s.requests) / (s.seconds / unit_seconds) / s.adaptive.goodput
+                  for s in rows if s.seconds > 0 and s.adaptive.goodput > 0]
+        out[kind] = {"steps": len(rows), "realized_over_expected_p50": statistics.median(ratios) if ratios else None,
+                     "expected_goodput_mean": statistics.fmean(s.adaptive.goodput for s in rows),
+                     "seconds_mean": statistics.fmean(s.seconds for s in rows),
+                     "committed_mean": statistics.fmean(sum(r.committed for r in s.requests) for s in rows),
+                     "batch_mean": statistics.fmean(s.batch_size for s in rows)}
+    return out
 
 
 def table(rows: list[dict]) -> str:
