@@ -39,13 +39,15 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
+    vocab = model.config.vocab_size
 
     def caches(B: int) -> list:
         out = []
         for b in range(B):
             c = new_cache(model)
             with torch.inference_mode():
-                model(input_ids=torch.randint(100, 1000, (1, args.prefix + 7 * b)), past_key_values=c, use_cache=True)
+                model(input_ids=torch.randint(0, min(vocab, 1000), (1, args.prefix + 7 * b)), past_key_values=c,
+                      use_cache=True)
             out.append(c)
         return out
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats + 2):
             for c, n in zip(cs, lengths):
                 c.set_length(n)
-            feeds = [Feed(model, None, c, list(range(200, 200 + q))) for c in cs]
+            feeds = [Feed(model, None, c, [(200 + i) % vocab for i in range(q)]) for c in cs]
             t0 = time.perf_counter()
             with torch.inference_mode():
                 if together and B > 1:

@@ -48,3 +48,38 @@ def test_speculation_off_drafts_nothing(tmp_path, questions):
     (row,) = json.loads(out.read_text())["rows"]
     assert set(row["arm_steps"]) == {"none"}
     assert row["widths"] == {} and row["draft_costs"] is None and row["mean_forward_tokens"] <= 2
+
+
+def test_calibration_compares_each_steps_realized_goodput_with_the_expected_one():
+    from types import SimpleNamespace as NS
+
+    script = load_script("step_breakdown")
+
+    def step(width, goodput, seconds, committed):
+        return NS(adaptive=NS(width=width, goodput=goodput), seconds=seconds, batch_size=len(committed),
+                  requests=[NS(committed=c) for c in committed])
+
+    steps = [step(0, 2.0, 0.2, [1, 1]),  # plain: 2 tokens in 2 units -> 1.0 a unit, half the 2.0 expected
+             step(8, 5.0, 0.4, [6, 4]),  # drafting: 10 tokens in 4 units -> 2.5, half the 5.0 expected
+             step(4, 2.0, 0.1, [3, 1])]  # 4 tokens in 1 unit -> 4.0, twice the 2.0 expected
+    cal = script.calibration(steps, unit_seconds=0.1)
+    assert cal["plain"]["steps"] == 1 and cal["plain"]["realized_over_expected_p50"] == pytest.approx(0.5)
+    assert cal["drafting"]["steps"] == 2 and cal["drafting"]["realized_over_expected_p50"] == pytest.approx(1.25)
+    assert cal["drafting"]["committed_mean"] == 7 and cal["drafting"]["batch_mean"] == 2
+    assert script.calibration(steps, unit_seconds=None) is None
+
+
+def test_draft_rows_times_a_tiny_models_batched_forwards(tmp_path):
+    from tiny import tiny_qwen, tiny_tokenizer
+
+    model_dir = tmp_path / "tiny"
+    tiny_qwen(seed=0).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "rows.json"
+    script = load_script("draft_rows")
+    assert script.main(["--model", str(model_dir), "--quantize", "none", "--dtype", "float32", "--prefix", "8",
+                        "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["tokens_per_row"]) for r in rows] == script.SHAPES
+    for r in rows:
+        assert all(t > 0 for t in r["together_ms"]) and (("one_by_one_ms" in r) == (r["rows"] > 1))
