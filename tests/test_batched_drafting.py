@@ -5,7 +5,7 @@ batched path at depth 2). Tiny fp32 models (tests/tiny.py)."""
 import pytest
 import torch
 
-from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+from metasd.core.batching.scheduler import Scheduler
 from metasd.core.engine import Engine
 from metasd.core.execution.draft_batch import LONG_FEED, Feed, Steer, feed_groups, run_feed, run_group
 from metasd.core.execution.static_cache import new_cache
@@ -15,7 +15,7 @@ from metasd.drafters import (FusedDrafter, PretrainedDrafter, PretrainedTreeDraf
 from metasd.drafters.budgeted import budget_arms
 from metasd.drafters.steering_net import Injector, SteeringModule
 from metasd.policies import make_policy
-from drafting_helpers import MAX_NEW, PROMPTS
+from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
 from sampling_check import joint_check
 from tiny import tiny_qwen, tiny_tokenizer
 
@@ -61,21 +61,13 @@ def test_concurrent_requests_draft_one_forward_per_level_and_decode_as_alone(tok
     policy = make_policy("ucb", len(drafters), seed=0) if len(drafters) > 1 else None
     engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=2.0), tok), drafters, policy, check_tokenizers=False)
     expected = [engine.generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
-    forwards, rows, per_step = [0], [], []
-
-    def count(module, args, kwargs):  # every drafter forward and its rows
-        forwards[0] += 1
-        rows.append(kwargs["input_ids"].shape[0])
-    drafter_model.register_forward_pre_hook(count, with_kwargs=True)
-    with Scheduler(engine, max_batch=4) as s:
-        s.add_listener(lambda r: per_step.append((r.batch_size, forwards[0])) if isinstance(r, SchedulerStep) else None)
-        with s._lock:  # all queued before the scheduler thread starts any: they run side by side
-            handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
-        results = [h.result(timeout=120) for h in handles]
+    rows = []  # every drafter forward's rows
+    drafter_model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: len(rows))
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     if kind.startswith("steered"):  # each row took its own guide's bias: the drafts are the ones made alone
         assert [r.stats.tokens_per_step for r in results] == [e.stats.tokens_per_step for e in expected]
-    steps = [(b, f - before) for (b, f), (_, before) in zip(per_step[1:], per_step)]
     full = [f for b, f in steps if b == 4]
     assert full, "no step ran all four requests"
     # one drafter forward per level for the whole batch: a step of four requests costs what one request's step does
