@@ -110,7 +110,10 @@ def calibration(steps: list, unit_seconds: float | None) -> dict | None:
     profile) against the goodput the step realized (tokens committed over its wall seconds in the same units), split
     by steps that drafted nothing (width 0: the model is the profile's forward cost alone) and steps that drafted
     (acceptance curves and drafting prices too). A realized / expected ratio lower for plain steps than for drafting
-    ones means the model underrates drafting. None without an adaptive pool or a unit."""
+    ones means the model underrates drafting. Each side apart where the record has the expected tokens: the tokens
+    committed over those expected (the acceptance curves' error) and the step's seconds over its modeled cost (the
+    forward profile's and the drafting prices' error, and the work outside them). None without an adaptive pool or a
+    unit."""
     if not unit_seconds:
         return None
     out: dict[str, dict] = {}
@@ -120,7 +123,14 @@ def calibration(steps: list, unit_seconds: float | None) -> dict | None:
             continue
         ratios = [sum(r.committed for r in s.requests) / (s.seconds / unit_seconds) / s.adaptive.goodput
                   for s in rows if s.seconds > 0 and s.adaptive.goodput > 0]
+        # the goodput's two sides apart (older checkouts record no expected tokens): tokens committed over expected,
+        # and the step's seconds (in one-token forwards) over its modeled cost, tokens / goodput
+        known = [s for s in rows if getattr(s.adaptive, "tokens", 0) > 0 and s.adaptive.goodput > 0]
+        tokens = [sum(r.committed for r in s.requests) / s.adaptive.tokens for s in known]
+        costs = [(s.seconds / unit_seconds) / (s.adaptive.tokens / s.adaptive.goodput) for s in known]
         out[kind] = {"steps": len(rows), "realized_over_expected_p50": statistics.median(ratios) if ratios else None,
+                     "tokens_realized_over_expected_p50": statistics.median(tokens) if tokens else None,
+                     "cost_realized_over_expected_p50": statistics.median(costs) if costs else None,
                      "expected_goodput_mean": statistics.fmean(s.adaptive.goodput for s in rows),
                      "seconds_mean": statistics.fmean(s.seconds for s in rows),
                      "committed_mean": statistics.fmean(sum(r.committed for r in s.requests) for s in rows),

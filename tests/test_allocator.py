@@ -206,6 +206,9 @@ def test_allocation_stays_in_budget_keeps_pending_tokens_and_is_deterministic(se
         assert a.goodput == pytest.approx(expected_goodput(curves, a.nodes, cost, draft_costs=draft_costs))
         assert a.goodput == max(a.table.values()) and a.table[a.width] == a.goodput
         assert max(a.nodes) <= a.width
+        # the tokens it expects to commit: the pending token per request plus each curve's acceptance at its budget
+        assert a.tokens == pytest.approx(len(curves) + sum(0.0 if cu is None else min(max(cu.expected(d), 0.0), d)
+                                                           for cu, d in zip(curves, a.nodes)))
     again = plan(curves, caps, cost, max_width=max_width, draft_costs=draft_costs)
     assert again == a
     assert allocate(curves, caps, cost, max_width=max_width, draft_costs=draft_costs) == a.nodes

@@ -55,16 +55,22 @@ def test_calibration_compares_each_steps_realized_goodput_with_the_expected_one(
 
     script = load_script("step_breakdown")
 
-    def step(width, goodput, seconds, committed):
-        return NS(adaptive=NS(width=width, goodput=goodput), seconds=seconds, batch_size=len(committed),
-                  requests=[NS(committed=c) for c in committed])
+    def step(width, goodput, seconds, committed, tokens):
+        return NS(adaptive=NS(width=width, goodput=goodput, tokens=tokens), seconds=seconds,
+                  batch_size=len(committed), requests=[NS(committed=c) for c in committed])
 
-    steps = [step(0, 2.0, 0.2, [1, 1]),  # plain: 2 tokens in 2 units -> 1.0 a unit, half the 2.0 expected
-             step(8, 5.0, 0.4, [6, 4]),  # drafting: 10 tokens in 4 units -> 2.5, half the 5.0 expected
-             step(4, 2.0, 0.1, [3, 1])]  # 4 tokens in 1 unit -> 4.0, twice the 2.0 expected
+    steps = [step(0, 2.0, 0.2, [1, 1], 2.0),  # plain: 2 tokens in 2 units -> 1.0 a unit, half the 2.0 expected
+             step(8, 5.0, 0.4, [6, 4], 10.0),  # drafting: 10 tokens in 4 units -> 2.5, half the 5.0 expected
+             step(4, 2.0, 0.1, [3, 1], 2.0)]  # 4 tokens in 1 unit -> 4.0, twice the 2.0 expected
     cal = script.calibration(steps, unit_seconds=0.1)
     assert cal["plain"]["steps"] == 1 and cal["plain"]["realized_over_expected_p50"] == pytest.approx(0.5)
     assert cal["drafting"]["steps"] == 2 and cal["drafting"]["realized_over_expected_p50"] == pytest.approx(1.25)
+    # the two sides: plain 2 of 2 tokens, 2 units for an expected 1; drafting 10 of 10 and 4 of 2 tokens (median
+    # 1.5), 4 units for 2 and 1 unit for 1 (median 1.5)
+    assert cal["plain"]["tokens_realized_over_expected_p50"] == 1.0
+    assert cal["plain"]["cost_realized_over_expected_p50"] == pytest.approx(2.0)
+    assert cal["drafting"]["tokens_realized_over_expected_p50"] == pytest.approx(1.5)
+    assert cal["drafting"]["cost_realized_over_expected_p50"] == pytest.approx(1.5)
     assert cal["drafting"]["committed_mean"] == 7 and cal["drafting"]["batch_mean"] == 2
     assert script.calibration(steps, unit_seconds=None) is None
 

@@ -80,6 +80,8 @@ class AdaptiveRecord:
     goodput: float
     table: dict[int, float] = field(default_factory=dict)
     options: list[int] = field(default_factory=list)
+    #: the tokens the allocation is expected to commit (``Allocation.tokens``; its modeled cost: tokens / goodput)
+    tokens: float = 0.0
 
 
 class AdaptiveSpeculation:
@@ -254,7 +256,7 @@ class AdaptiveSpeculation:
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
         """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
         self.last_forward_tokens = forward_tokens
-        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options))
+        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens)
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
         """Request i's share of the step: ``cost(B N) / B + draft_cost`` (``shared_step_cost``)."""

@@ -65,6 +65,7 @@ class Allocation:
     table: candidate width -> the expected goodput of the allocation made for it (for logs and tests).
     options: per request, the option it drafts with: 0 its arm's curve and cost, k > 0 ``alternatives[i][k - 1]``
         (0 where it drafts no node).
+    tokens: the tokens ``nodes`` are expected to commit, ``B + sum_i a_i(d_i)`` (its cost is ``tokens / goodput``).
     """
 
     nodes: list[int]
@@ -72,6 +73,7 @@ class Allocation:
     goodput: float
     table: dict[int, float] = field(default_factory=dict)
     options: list[int] = field(default_factory=list)
+    tokens: float = 0.0
 
 
 def _curve_values(curve: Curve, ws: np.ndarray) -> np.ndarray:
@@ -238,7 +240,7 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     g, w, pick = best
     nodes = [int(x) for x in ws[budget_of[pick]].tolist()]
     options = [int(o) if d > 0 else 0 for o, d in zip(option_of[pick].tolist(), nodes)]  # no node: no option
-    return Allocation(nodes, int(w), g, table, options)
+    return Allocation(nodes, int(w), g, table, options, float(B + acc[rows, pick].sum()))
 
 
 def allocate(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[[int], float], *,
