@@ -147,7 +147,6 @@ def treeflash_tables(cand: torch.Tensor, cond_logp: Sequence[torch.Tensor], k: i
 
 
 # ---------------------------------------------------------------- one draft from block states
-@torch.no_grad()
 class BlockRows:
     """The per-row networks a TreeFlash draft runs after its block forward, as callables over rows (each a
     ``RowFeed``'s module, so that a scheduler runs those of all its requests drafting with one model in one call):
@@ -160,6 +159,7 @@ class BlockRows:
         self.ar = lambda rows: model.logits(pieces, model.ar_hidden(*rows.chunk(2, -1), pieces)).float().log_softmax(-1)
 
 
+@torch.no_grad()
 def draft_from_block(model: TreeFlashModel, pieces: VerifierPieces, h: torch.Tensor, root: int, mode: str,
                      depth: int, m: int, k: int, tree_size: int) -> tuple[list[int], list[int]]:
     """h [B, d] backbone output of one block; returns (reduced-vocab tokens, parents) of the draft.
