@@ -242,6 +242,18 @@ def test_a_full_queue_refuses_without_starting_anything(verifier_model, tok):
     assert "refused" not in started and set(started) == {running.id, *(h.id for h in queued)}
 
 
+def test_a_burst_at_an_idle_scheduler_fills_its_batch_before_its_queue(verifier_model, tok):
+    # max_batch + max_queue requests arriving before the scheduler thread admits any (a Ray Serve router sends a
+    # replica that many at once) are all taken: those the next step admits into free slots are not "waiting"
+    engine = _engine(verifier_model, tok)
+    with Scheduler(engine, max_batch=2, max_queue=1) as s:
+        with s._lock:  # the scheduler thread admits nothing meanwhile
+            handles = [s.submit(PROMPTS[i], 3) for i in range(3)]
+            with pytest.raises(QueueFullError):
+                s.submit(PROMPTS[3], 3)
+        assert [len(h.result(timeout=60).token_ids) for h in handles] == [3, 3, 3]
+
+
 def test_each_step_is_one_verifier_forward_for_the_whole_batch(verifier_model, tok):
     engine = _engine(verifier_model, tok, _tree())
     forwards = []

@@ -40,21 +40,21 @@ class Scheduler:
     request accepts and commits its own path, and finished or cancelled requests leave
     (docs/architecture.md#serving-the-scheduler-and-the-batched-cache).
 
-    max_batch: requests running (or prefilling) at once; max_queue: requests waiting beyond them (``submit`` raises
-    ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step, so a long prompt delays the running
-    requests by one chunk's forward per step; share_suffix_cache: let the suffix drafter's cross-request cache
-    (``cross_request: true``) learn from and draft from every request served (off: each request drafts from its own
-    text only, whatever the pool file says); adaptive: an ``AdaptiveSpeculation`` (core/batching/adaptive.py: load in
-    the policy's context, drafts sized by the step allocator, steps priced by their share of the forward), or None;
-    kv_budget: KV memory for the running requests, in positions of the verifier's cache (its bytes per position; the
-    drafters' caches are charged to it too) - a request is admitted with its reservation (prompt + max_new_tokens +
-    max_draft_nodes + 1, rounded up to 256) in hand, waits in the queue while the budget is full, and is refused at
-    ``submit`` when it could never fit (None: a share of the free memory, docs/architecture.md#the-kv-memory-model);
-    max_draft_nodes: the most draft nodes any step verifies for one request (longer drafts are cut; at most the batched
-    verifier's ``node_limit`` where it has one: llama.cpp's sequences); prefix_caching:
-    keep finished requests' KV inside the budget to start requests that continue them (``PrefixCache``);
-    batch_drafting: run the drafter forwards of a drafting round that share a model as one (``drafting.py``; False:
-    each request's alone, to measure or rule it out).
+    max_batch: requests running (or prefilling) at once; max_queue: requests waiting beyond them and the batch's free
+    slots (``submit`` raises ``QueueFullError`` past it); prefill_chunk: prompt tokens prefilled per step, so a long
+    prompt delays the running requests by one chunk's forward per step; share_suffix_cache: let the suffix drafter's
+    cross-request cache (``cross_request: true``) learn from and draft from every request served (off: each request
+    drafts from its own text only, whatever the pool file says); adaptive: an ``AdaptiveSpeculation``
+    (core/batching/adaptive.py: load in the policy's context, drafts sized by the step allocator, steps priced by their
+    share of the forward), or None; kv_budget: KV memory for the running requests, in positions of the verifier's cache
+    (its bytes per position; the drafters' caches are charged to it too) - a request is admitted with its reservation
+    (prompt + max_new_tokens + max_draft_nodes + 1, rounded up to 256) in hand, waits in the queue while the budget is
+    full, and is refused at ``submit`` when it could never fit (None: a share of the free memory,
+    docs/architecture.md#the-kv-memory-model); max_draft_nodes: the most draft nodes any step verifies for one request
+    (longer drafts are cut; at most the batched verifier's ``node_limit`` where it has one: llama.cpp's sequences);
+    prefix_caching: keep finished requests' KV inside the budget to start requests that continue them (``PrefixCache``);
+    batch_drafting: run the drafter forwards of a drafting round that share a model as one (``drafting.py``; False: each
+    request's alone, to measure or rule it out).
 
     Requests share the engine's policy when it is persistent (``persistent_policy``; the scheduler thread is its
     only user), else each gets a fresh copy of it, as ``Engine.generate`` starts each request from a reset policy.
@@ -154,7 +154,7 @@ class Scheduler:
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) >= self.max_queue + max(self._max_batch - self.running, 0):  # free slots fill first
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             handle = RequestHandle(rid, request.prompt_ids, self)
