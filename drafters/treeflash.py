@@ -157,6 +157,14 @@ class BlockRows:
         self.model, self.pieces = model, pieces
         self.logits = lambda h: model.logits(pieces, h)
         self.ar = lambda rows: model.logits(pieces, model.ar_hidden(*rows.chunk(2, -1), pieces)).float().log_softmax(-1)
+        self.context = self._context  # one bound method: a row feed's module is grouped by its identity
+
+    def _context(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verifier states of new context rows [n, len(context_layers) * d_v] at ``positions`` [n] -> (their
+        projection [n, w], their keys and values [n, layers, 2, n_kv, head_dim])."""
+        proj = self.model.project_context(hidden)
+        kv = self.model.context_kv(proj, positions)  # per layer (k, v) [1, n_kv, n, hd]
+        return proj, torch.stack([torch.stack([k[0], v[0]]) for k, v in kv]).permute(3, 0, 1, 2, 4)
 
 
 @torch.no_grad()
@@ -298,8 +306,10 @@ class TreeFlashDrafter(VerifierStateDrafter):
     def observe(self, feedback) -> None:
         self._own_rows = len(feedback.committed)  # the pending token and the accepted nodes get states
 
-    def _sync_context(self, ctx: StepContext) -> int:
-        """Project the verifier states of rows not seen yet; returns how many rows were added."""
+    def _sync_context_steps(self, ctx: StepContext) -> Drafting:
+        """Project the verifier states of rows not seen yet; returns how many rows were added. A drafting loop: the
+        projection of the new rows is yielded (a ``RowFeed`` with their positions), so that a scheduler projects those
+        of all its requests in one call."""
         n = len(ctx.tokens) - 1  # rows 0..T-2 are committed tokens with verifier states
         if ctx.hidden is None:
             raise RuntimeError(f"{self.name}: the engine gave no verifier hidden states (layers {self.hidden_layers})")
@@ -310,11 +320,13 @@ class TreeFlashDrafter(VerifierStateDrafter):
         new = n - self._ctx_rows
         if new > 0:
             hidden = torch.cat([ctx.hidden.get(layer)[self._ctx_rows:n] for layer in self.hidden_layers], dim=-1)
-            proj = self.model.project_context(hidden)
+            positions = torch.arange(self._ctx_rows, n, device=hidden.device)
+            proj, packed = yield RowFeed(self.block_rows.context, hidden, positions)  # [new, w], [new, L, 2, n_kv, hd]
             self._ctx_last = proj[-1:]
-            kv = self.model.context_kv(proj, torch.arange(self._ctx_rows, n, device=proj.device))
+            kv = [(layer[0].transpose(0, 1)[None], layer[1].transpose(0, 1)[None])  # [1, n_kv, new, hd] each
+                  for layer in packed.permute(1, 2, 0, 3, 4)]
             if self._ctx_kv is None:
-                self._ctx_kv = [[k, v] for k, v in kv]
+                self._ctx_kv = [[k.contiguous(), v.contiguous()] for k, v in kv]
             else:
                 for cache, (k, v) in zip(self._ctx_kv, kv):
                     cache[0] = torch.cat([cache[0], k], dim=2)
@@ -343,7 +355,7 @@ class TreeFlashDrafter(VerifierStateDrafter):
         """``block_states`` as a drafting loop: the backbone's block forward is yielded (a ``BlockFeed``), so that a
         scheduler runs the blocks of all its requests drafting with this model in one forward. The context's
         catch-up (projecting the verifier states of new rows) runs here, per request."""
-        self._last_catch_up = max(self._sync_context(ctx) - self._own_rows, 0)
+        self._last_catch_up = max((yield from self._sync_context_steps(ctx)) - self._own_rows, 0)
         self._own_rows = 0
         T = len(ctx.tokens)
         root = int(ctx.tokens[-1])
@@ -365,7 +377,7 @@ class TreeFlashDrafter(VerifierStateDrafter):
         """``propose`` as a drafting loop (its block forward yielded; ``_block_states``)."""
         depth = min(self.block_size - 1, ctx.max_depth)
         if depth <= 0:
-            self._sync_context(ctx)
+            yield from self._sync_context_steps(ctx)
             self._own_rows = 0
             return Draft.empty()
         h = yield from self._block_states(ctx)

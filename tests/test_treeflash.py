@@ -448,8 +448,9 @@ def test_blocks_of_four_requests_run_as_one_forward_and_draft_as_alone(verifier_
     blocks = []
     drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
     drafts, calls = drive_together([drafter.fork().drafting(c) for c in ctxs])
-    # one backbone forward for the four blocks, one call of the logits over their rows, one AR pass (treeflash mode)
-    assert blocks == [4] and calls == [4, 4] + [4] * (mode == "treeflash"), (blocks, calls)
+    # one projection of the four requests' new context rows, one backbone forward for the four blocks, one call of the
+    # logits over their rows, one AR pass (treeflash mode)
+    assert blocks == [4] and calls == [4, 4, 4] + [4] * (mode == "treeflash"), (blocks, calls)
     for got, want in zip(drafts, expected):
         assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
         assert len(got) > 1
@@ -462,13 +463,16 @@ def test_concurrent_requests_share_the_block_forward_and_decode_as_alone(verifie
                                mode="treeflash", m=3, k=3, tree_size=12)
     engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
     alone = [engine.generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
-    blocks, ar_rows = [], []
+    blocks, ar_rows, projected = [], [], []
     drafter.model.register_forward_pre_hook(lambda module, args: blocks.append(args[0].shape[0]))
     drafter.model.ar.register_forward_pre_hook(lambda module, args: ar_rows.append(args[0].shape[0]))
-    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: (len(blocks), len(ar_rows)))
+    drafter.model.fc.register_forward_pre_hook(lambda module, args: projected.append(args[0].shape[0]))
+    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: (len(blocks), len(ar_rows), len(projected)))
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
     full = [n for b, n in steps if b == 4]
-    # one block forward and one AR pass per step for the whole batch (the AR pass over every request's candidates)
-    assert full and max(n for n, _ in full) == 1 and max(blocks) == 4, steps
-    assert max(n for _, n in full) == 1 and max(ar_rows) > 1 + 3 * (drafter.block_size - 2), (steps, ar_rows)
+    # one block forward, one AR pass and one context projection per step for the whole batch (the AR pass over every
+    # request's candidates, the projection over every request's new rows)
+    assert full and max(n[0] for n in full) == 1 and max(blocks) == 4, steps
+    assert max(n[1] for n in full) == 1 and max(ar_rows) > 1 + 3 * (drafter.block_size - 2), (steps, ar_rows)
+    assert max(n[2] for n in full) == 1 and max(projected) > max(len(p) for p in PROMPTS), (steps, projected)

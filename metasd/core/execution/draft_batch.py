@@ -120,26 +120,28 @@ class Steer:
 
 @dataclass
 class RowFeed:
-    """A forward without a cache a drafting loop asks for: ``module`` over ``rows`` [n, d], a module (or any callable)
-    that computes every row on its own (a draft head over verifier hidden states: ``BlockHeads``; TreeFlash's logits
-    and AR pass: ``BlockRows``). Returns ``module(rows)`` [n, ...]. Row feeds of one module run as one call over their
-    rows stacked."""
+    """A forward without a cache a drafting loop asks for: ``module`` over ``rows`` [n, d] (and their ``positions``
+    [n] where given: ``module(rows, positions)``), a module (or any callable) that computes every row on its own (a
+    draft head over verifier hidden states: ``BlockHeads``; TreeFlash's context projection, logits and AR pass:
+    ``BlockRows``). Returns ``module(rows)`` [n, ...], or a tuple of such tensors. Row feeds of one module run as one
+    call over their rows stacked."""
 
-    module: nn.Module | Callable[[torch.Tensor], torch.Tensor]
+    module: nn.Module | Callable[..., Any]
     rows: torch.Tensor  # [n, d]
+    positions: torch.Tensor | None = None  # [n] int64
 
     @property
     def length(self) -> int:
         return int(self.rows.shape[0])
 
-    def batch_key(self) -> tuple[str, int]:
-        return "rows", id(self.module)
+    def batch_key(self) -> tuple[str, int, bool]:
+        return "rows", id(self.module), self.positions is None
 
-    def run(self) -> torch.Tensor:
-        return self.module(self.rows)
+    def run(self) -> Any:
+        return self.module(self.rows) if self.positions is None else self.module(self.rows, self.positions)
 
     @staticmethod
-    def run_together(feeds: Sequence["RowFeed"]) -> list[torch.Tensor]:
+    def run_together(feeds: Sequence["RowFeed"]) -> list[Any]:
         return _run_rows(feeds)
 
 
@@ -292,10 +294,16 @@ class StackedCache(Cache):
         return False
 
 
-def _run_rows(feeds: Sequence[RowFeed]) -> list[torch.Tensor]:
-    """Row feeds of one module in one call over their rows stacked; each feed's rows of the output."""
-    out = feeds[0].module(torch.cat([f.rows for f in feeds]))  # [sum n, ...]
-    return list(out.split([f.length for f in feeds]))
+def _run_rows(feeds: Sequence[RowFeed]) -> list[Any]:
+    """Row feeds of one module in one call over their rows stacked; each feed's rows of the output (of each output,
+    where the module returns a tuple)."""
+    rows = torch.cat([f.rows for f in feeds])  # [sum n, d]
+    out = (feeds[0].module(rows) if feeds[0].positions is None else
+           feeds[0].module(rows, torch.cat([f.positions for f in feeds])))  # [sum n, ...] (or a tuple of them)
+    sizes = [f.length for f in feeds]
+    if isinstance(out, tuple):
+        return list(zip(*(o.split(sizes) for o in out)))
+    return list(out.split(sizes))
 
 
 def _run_packed(feeds: Sequence[PackedFeed]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
