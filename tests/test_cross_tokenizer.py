@@ -283,6 +283,29 @@ def test_greedy_output_is_the_verifiers(verifier, which):
         assert result.stats.mean_tokens_per_step > k + 0.2  # k words and the bonus a step (dropping the last: k)
 
 
+def test_concurrent_requests_draft_in_shared_forwards_and_decode_as_alone(verifier):
+    # the scheduler's batched drafting with a drafter of another tokenizer: each request's catch-up over its own view
+    # and its chain levels share one drafter forward per round, and every request's steps are those it takes alone
+    from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
+
+    model, tok = _spaced_drafter(SHARP / 3)
+    # in float64: this drafter computes what the verifier's weights compute, and in float32 one of its near-ties rounds
+    # differently in a padded batch than alone (drafts differ, output not: checked); float64 draws the same drafts
+    model = model.double()
+    drafter = PretrainedDrafter(model, tok, k=3, verifier_tokenizer=verifier.tokenizer, name="x")
+    engine = Engine(verifier, drafter)
+    alone = [engine.generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    rows = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: len(rows))
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert [r.stats.tokens_per_step for r in results] == [a.stats.tokens_per_step for a in alone]
+    assert sum(a.stats.accepted for a in alone) > 10
+    full = [n for b, n in steps if b == 4]
+    assert full and max(full) <= 3 and max(rows) == 4, steps  # the catch-up and two levels: 3 forwards for all four
+
+
 def test_view_and_cache_follow_the_committed_text(verifier):
     """After every step (drafts partly accepted) the drafter's view spells the committed text - one drafter word per
     verifier word with this tokenizer - and its cache holds exactly its cached ids, which share the view's prefix up
