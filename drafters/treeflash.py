@@ -148,8 +148,9 @@ def treeflash_tables(cand: torch.Tensor, cond_logp: Sequence[torch.Tensor], k: i
 
 # ---------------------------------------------------------------- one draft from block states
 class BlockRows:
-    """The per-row networks a TreeFlash draft runs after its block forward, as callables over rows (each a
+    """The per-row networks a TreeFlash draft runs around its block forward, as callables over rows (each a
     ``RowFeed``'s module, so that a scheduler runs those of all its requests drafting with one model in one call):
+    ``context`` (before it) new verifier rows and their positions -> their projection and context keys and values;
     ``logits`` [n, d] backbone rows -> [n, N] draft-vocabulary logits; ``ar`` [n, 2 d] (a marginal state beside the
     embedding of the previous token) -> [n, N] log-probs of the AR-corrected state."""
 
@@ -353,8 +354,8 @@ class TreeFlashDrafter(VerifierStateDrafter):
 
     def _block_states(self, ctx: StepContext) -> Drafting:
         """``block_states`` as a drafting loop: the backbone's block forward is yielded (a ``BlockFeed``), so that a
-        scheduler runs the blocks of all its requests drafting with this model in one forward. The context's
-        catch-up (projecting the verifier states of new rows) runs here, per request."""
+        scheduler runs the blocks of all its requests drafting with this model in one forward; the context's
+        catch-up before it (``_sync_context_steps``) is yielded too."""
         self._last_catch_up = max((yield from self._sync_context_steps(ctx)) - self._own_rows, 0)
         self._own_rows = 0
         T = len(ctx.tokens)

@@ -24,8 +24,9 @@ says which (``Steer``: the hooks' ``injector``, the step's bias and which fed po
 feeds of one injector runs as one forward with every row's own bias stacked [B, 1, n_steered, d_out] and its own
 position mask padded [B, Q, 1] - the hooks add row b's bias to row b only.
 
-What stays alone: a feed that must run inside a context of its own (``around``), a feed longer than ``LONG_FEED`` tokens (a new request's prompt: padding the others to it would cost more than
-its own forward), a model whose cache has sliding-window layers, and a group of one.
+What stays alone: a feed that must run inside a context of its own (``around``), a feed longer than ``LONG_FEED``
+tokens (a new request's prompt: padding the others to it would cost more than its own forward), a model whose cache
+has sliding-window layers, and a group of one.
 """
 from __future__ import annotations
 
