@@ -80,6 +80,23 @@ def test_entries_stay_inside_the_budget_and_give_way_to_admissions(model, tok):
     assert after <= 2
 
 
+def test_an_entry_stored_beside_a_longer_request_never_shows_the_memory_past_its_budget(model, tok):
+    # the short request leaves first: its entry is copied while its row is still allocated (every row as wide as the
+    # long request's reservation, the budget full), which passes the budget until the row is freed; the scheduler
+    # fits the memory (here: older entries give way) before it reports the request's end or the step
+    engine = _engine(model, tok, "none")
+    held = []
+    with Scheduler(engine, prefix_caching=True, kv_budget=1024, max_batch=2) as s:
+        cache = s.verifier.cache
+        s.add_listener(lambda r: held.append(cache.held_bytes))
+        for i in range(3):
+            both = [s.submit([0] + [13 + (i + j) % 37 for j in range(100 + 7 * k)], 4 + 40 * k) for k in range(2)]
+            assert [h.result(timeout=120).stats.new_tokens for h in both] == [4, 44]
+        stats = s.prefix_cache.stats
+    assert max(held) <= cache.budget_bytes, (max(held), cache.budget_bytes)
+    assert stats.stored == 6 and stats.evicted > 0  # every entry was stored: the fit evicted older ones for it
+
+
 def test_prompt_logprobs_skip_the_cache_and_stay_right(model, tok):
     engine = _engine(model, tok)
     with Scheduler(engine, prefix_caching=True) as s:

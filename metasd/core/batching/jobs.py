@@ -150,6 +150,19 @@ def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) 
     job.prefill = verifier.start_prefill(ids, engine.hidden_layers, prefix=prefix, **scoring)
 
 
+def free_row(job: Job, verifier: BatchVerifier, prefix_cache: PrefixCache | None) -> int | None:
+    """A started request's row leaves the batched cache; returns the row moved into its place (``BatchCache.remove``).
+    With a prefix cache, its committed positions are stored first (``store_prefix``), beside the row still allocated:
+    the entry can take the cache past its budget until the row is gone, so the memory is fitted right after (rows
+    shrink, or stored entries give way) - every record and step the scheduler reports sees it within its budget."""
+    if prefix_cache is not None:
+        store_prefix(job, verifier.cache, prefix_cache)
+    moved = verifier.remove(job.slot.row)
+    if prefix_cache is not None:
+        fit_prefixes(prefix_cache)
+    return moved
+
+
 def store_prefix(job: Job, cache: BatchCache, prefix_cache: PrefixCache) -> None:
     """Before a request's row is freed: its committed positions (prompt and answer, its pending token excepted) into
     the prefix cache, for a later request that continues them (the next turn of a chat)."""
@@ -170,11 +183,16 @@ def tidy_memory(cache: BatchCache, prefix_cache: PrefixCache | None) -> None:
     except Exception:  # noqa: BLE001
         log.exception("shrinking the KV buffers failed; they keep their size until the next pass")
     if prefix_cache is not None:
-        try:
-            prefix_cache.fit()  # entries stored this pass beside rows not shrunk yet
-        except Exception:  # noqa: BLE001
-            log.exception("fitting the prefix cache failed; every stored prefix is dropped")
-            prefix_cache.clear()
+        fit_prefixes(prefix_cache)
+
+
+def fit_prefixes(prefix_cache: PrefixCache) -> None:
+    """``PrefixCache.fit``: a failure is logged and drops the stored prefixes, never fails a request or the scheduler."""
+    try:
+        prefix_cache.fit()
+    except Exception:  # noqa: BLE001
+        log.exception("fitting the prefix cache failed; every stored prefix is dropped")
+        prefix_cache.clear()
 
 
 def drafter_kv_bytes(drafters) -> int:

@@ -23,7 +23,7 @@ from ..execution.batch_verifier import SlotVerifier
 from ..execution.kv_memory import KVAllocationError
 from .adaptive import AdaptiveSpeculation, StepPlan
 from .drafting import each_drafts
-from .jobs import (Forks, Job, batch_verifier_for, new_request, prefix_cache_for, start_prefill, store_prefix,
+from .jobs import (Forks, Job, batch_verifier_for, free_row, new_request, prefix_cache_for, start_prefill,
                    tidy_memory)
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
@@ -407,9 +407,7 @@ class Scheduler:
             prefill, job.prefill = job.prefill, None
             self.verifier.abandon(prefill)
         if row is not None:
-            if self.prefix_cache is not None and error is None:
-                store_prefix(job, self.verifier.cache, self.prefix_cache)
-            moved = self.verifier.remove(row)
+            moved = free_row(job, self.verifier, self.prefix_cache if error is None else None)
             with self._lock:
                 last = self._running.pop()
                 if moved is not None:

@@ -11,9 +11,11 @@ bf16 can flip a near-tie of the top two logits, as batching itself can (docs/mod
 
 Memory: the entries' bytes are held inside the scheduler's KV budget (``BatchCache.pinned_bytes``); an admission that
 does not fit evicts entries, least recently used first, before it waits; an entry that would not fit beside the
-reservations is not stored. An entry is copied while its request's row is still allocated, so until the scheduler's
-next ``fit`` (the same pass of its loop: rows shrink, or entries are evicted) the cache can hold up to that entry more
-than its budget.
+reservations is not stored. An entry is copied while its request's row is still allocated, so until that row is
+freed the cache can hold up to that entry more than its budget; the scheduler calls ``fit`` right after (rows
+shrink, or entries are evicted, least recently used first), before the request's end or its step is reported
+(``jobs.free_row``). Only a reader in another thread (the server's ``vllm:kv_cache_usage_perc``) can catch that
+moment, as it can catch a reallocation holding old and new buffers at once.
 """
 from __future__ import annotations
 
