@@ -187,7 +187,7 @@ def tidy_memory(cache: BatchCache, prefix_cache: PrefixCache | None) -> None:
 
 
 def fit_prefixes(prefix_cache: PrefixCache) -> None:
-    """``PrefixCache.fit``: a failure is logged and drops the stored prefixes, never fails a request or the scheduler."""
+    """``PrefixCache.fit``; a failure is logged and drops the stored prefixes, never a request or the scheduler."""
     try:
         prefix_cache.fit()
     except Exception:  # noqa: BLE001
