@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from metasd.core.batching.adaptive import AdaptiveSpeculation
+from metasd.core.decoding.request_features import load_level
 from metasd.core.engine import Engine
 from metasd.core.pricing.goodput import shared_step_cost
 from metasd.core.decoding.request import Request
@@ -488,3 +489,48 @@ def test_the_scheduler_hands_the_scale_to_each_step(verifier_model, tok, monkeyp
     got, _ = _serve(engine, AdaptiveSpeculation(_linear, max_width=12, price_drafting=True, unit_seconds=1e-3))
     assert [r.token_ids for r in got] == expected
     assert scales and all(s is not None for s in scales) and any(s != 1.0 for s in scales)
+
+
+def test_the_forward_is_priced_at_its_measured_ratio_to_the_profile_per_load_level():
+    # 4 requests with a caught-up arm whose 4-node drafts commit ~3 tokens: its drafting price sits between what a
+    # plain step and a drafting step cost at the profile's price and at twice it. Measured forwards twice as dear as
+    # profiled make the saved forwards worth twice as much: the allocator then drafts
+    from types import SimpleNamespace
+
+    adaptive = AdaptiveSpeculation(_linear, max_width=4, price_drafting=True, unit_seconds=0.25)
+    arm = budget_arms(_cascade(), (4,))[0]
+    for _ in range(20):
+        adaptive.learn(arm, [0, 1, 2], 4, 4, draft_cost=0.0, running=4)
+    a = adaptive.curve(arm).expected(4)
+    price = 1.5 * ((1 + a) * _linear(4) - _linear(20)) / 4  # plain and drafting tie at 1.5x the profile
+    for _ in range(20):
+        adaptive.learn(arm, [0, 1, 2], 4, 4, draft_cost=price, running=4)
+    steady = [_Pending(length=100, max_new_tokens=64) for _ in range(4)]
+    for r in steady:
+        adaptive._fed[r] = 100
+    assert adaptive.forward_ratio(4) == 1.0 and adaptive.allocate([arm] * 4, steady).nodes == [0] * 4
+    plain = SimpleNamespace(width=0, goodput=1.0, table={}, options=[], tokens=4.0)
+    adaptive.record(plain, [0] * 4, 4, forward_s=2 * 0.25 * _linear(4))  # a plain step took 2x its profiled price
+    assert adaptive.forward_ratio(4) == pytest.approx(2.0)
+    assert adaptive.forward_ratio(3) == pytest.approx(2.0) and adaptive.forward_ratio(1) == pytest.approx(2.0)
+    assert min(adaptive.allocate([arm] * 4, steady).nodes) > 0
+    # every verify price of the level reads it: the step's share and a counterfactual's
+    assert adaptive.step_cost([5, 5, 5, 5], 0, 0.3) == pytest.approx(2.0 * _linear(20) / 4 + 0.3)
+    assert adaptive.pricer([5, 1, 1, 1], 1)(4) == pytest.approx(2.0 * _linear(20) / 4)
+    adaptive.record(plain, [0], 1, forward_s=0.25 * _linear(1))  # alone: the profile's price, its own level
+    assert adaptive.forward_ratio(1) == pytest.approx(1.0) and adaptive.forward_ratio(4) == pytest.approx(2.0)
+    adaptive.record(plain, [0] * 4, 4, forward_s=0.25 * _linear(4))  # an exponential average, toward 1
+    assert 1.0 < adaptive.forward_ratio(4) < 2.0
+    modeled = AdaptiveSpeculation(_linear, max_width=4)  # no unit: a forward's seconds cannot be put in its units
+    modeled.record(plain, [0] * 4, 4, forward_s=1.0)
+    assert modeled.forward_ratios == {} and modeled.forward_ratio(4) == 1.0
+
+
+def test_the_scheduler_hands_each_forwards_seconds_to_the_adaptation(verifier_model, tok):
+    expected = _plain(verifier_model, tok)
+    engine = _engine(verifier_model, tok, _budget_arms(), feedback="full")
+    adaptive = AdaptiveSpeculation(_linear, max_width=12, price_drafting=True, unit_seconds=1e-3)
+    got, steps = _serve(engine, adaptive)
+    assert [r.token_ids for r in got] == expected
+    levels = {load_level(s.batch_size) for s in steps}
+    assert set(adaptive.forward_ratios) == levels and all(r > 0 for r in adaptive.forward_ratios.values())

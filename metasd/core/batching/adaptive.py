@@ -22,8 +22,8 @@ wires the building blocks of speculation under load into its step:
    ``price_drafting=True`` the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = price(level, d) + rate
    * unfed * (1 + a(d)) / remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining
    tokens; 0 at ``d = 0``, where the drafter is not asked at all; at a load level where the arm has not drafted yet,
-   ``price`` is the nearest level's scaled by their rows - an optimistic prior one step there corrects), and ``min_gain``
-   keeps a step plain unless drafting is expected to beat it by that factor;
+   ``price`` is the nearest level's scaled by their rows - an optimistic prior one step there corrects), and
+   ``min_gain`` keeps a step plain unless drafting is expected to beat it by that factor;
 5. **deferred catch-up** (``defer_catch_up``, with ``price_drafting``) - while a request's arm runs a model that has
    more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
    cascade: suffix decoding first), the allocator may instead let it draft with the lookups alone
@@ -33,6 +33,15 @@ wires the building blocks of speculation under load into its step:
    request's text (a quote of its prompt), not of the arm, so one request's long quotes do not promise another
    request the same. A long prompt the model's catch-up does not pay for can still be drafted from - suffix
    decoding's case - and a request whose lookups find nothing is soon back to its arm or to plain steps.
+
+6. **the forward's real price** (with ``unit_seconds``) - the profile times one row's forward once, at start; a step's
+   batched forward of B rows, over the rows' real contexts, on a machine whose speed drifts, costs another multiple of
+   it. Each step's measured forward seconds over its modeled cost (``cost(B N)`` one-token forwards) are averaged per
+   load level (``forward_ratio``) and every verify price of the level - the allocator's, the step's share, a
+   counterfactual's - is the profile's cost times that ratio (``forward_cost``). Drafting is priced by its measured
+   seconds, so without it a forward dearer than profiled made drafting look dearer than it is beside the forward it
+   saves (on this CPU at 4 requests: plain steps took 1.26x the profile's price, one run decoded 47 of 65 steps
+   plain where a fixed tree 8 was faster).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -57,6 +66,8 @@ from ..pricing.goodput import counterfactual_share, shared_step_cost
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8
+#: weight of the past in a load level's forward ratio (measured / profiled seconds of the verify forward)
+FORWARD_RATIO_DECAY = 0.8
 
 
 class StepPlan(NamedTuple):
@@ -130,6 +141,7 @@ class AdaptiveSpeculation:
         self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
+        self.forward_ratios: dict[int, float] = {}  # load level -> measured / profiled verify forward (module doc, 6.)
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
@@ -200,8 +212,9 @@ class AdaptiveSpeculation:
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
-        return plan(curves, caps, self.cost, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
-                    alternatives=others)
+        ratio = self.forward_ratio(len(arms))
+        return plan(curves, caps, lambda n: ratio * self.cost(n), max_width=self.max_width, draft_costs=costs,
+                    min_gain=self.min_gain, alternatives=others)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
@@ -228,11 +241,11 @@ class AdaptiveSpeculation:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
         (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by their
-        rows; the arm's average over all its steps when ``running`` is None) plus, where the request's drafters have more
-        than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up amortized
-        over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the arm's learnt
-        cost of a caught-up token, ``remaining`` the tokens the request may still commit and ``1 + a(d)`` the tokens
-        a step commits. None before the arm has drafted once."""
+        rows; the arm's average over all its steps when ``running`` is None) plus, where the request's drafters have
+        more than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up
+        amortized over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the arm's
+        learnt cost of a caught-up token, ``remaining`` the tokens the request may still commit and ``1 + a(d)`` the
+        tokens a step commits. None before the arm has drafted once."""
         key = self.curve_key(arm)
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:
@@ -253,20 +266,42 @@ class AdaptiveSpeculation:
         curve = self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
-    def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int) -> AdaptiveRecord:
-        """After the step's forward (``forward_tokens``: B * N, the next step's load feature): its record."""
+    def forward_ratio(self, running: int) -> float:
+        """The verify forward's measured / profiled cost at ``running`` requests' load level (module docstring, 6.):
+        the level's average, else the nearest level's that has one (the lower on a tie), else 1."""
+        if not self.forward_ratios:
+            return 1.0
+        level = load_level(running)
+        return self.forward_ratios[min(self.forward_ratios, key=lambda lv: (abs(lv - level), lv))]
+
+    def forward_cost(self, n_tokens: int, running: int) -> float:
+        """The price of a verify forward over ``n_tokens`` (padding included) with ``running`` rows: the profile's
+        cost times the level's ``forward_ratio``."""
+        return self.forward_ratio(running) * self.cost(n_tokens)
+
+    def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int,
+               forward_s: float | None = None) -> AdaptiveRecord:
+        """After the step's forward (``forward_tokens``: B * N, the next step's load feature; ``forward_s``: its
+        measured seconds, which the level's ``forward_ratio`` learns from when ``unit_seconds`` is set): its record."""
         self.last_forward_tokens = forward_tokens
+        modeled = self.cost(forward_tokens) if nodes else 0.0
+        if self.unit_seconds is not None and forward_s is not None and forward_s > 0 and modeled > 0:
+            level, ratio = load_level(len(nodes)), forward_s / self.unit_seconds / modeled
+            prev = self.forward_ratios.get(level)
+            self.forward_ratios[level] = ratio if prev is None else (FORWARD_RATIO_DECAY * prev
+                                                                     + (1 - FORWARD_RATIO_DECAY) * ratio)
         return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens)
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
-        """Request i's share of the step: ``cost(B N) / B + draft_cost`` (``shared_step_cost``)."""
-        return shared_step_cost(self.cost, rows_tokens, i, max(float(draft_cost), 0.0))
+        """Request i's share of the step: ``forward_cost(B N) / B + draft_cost`` (``shared_step_cost``)."""
+        ratio = self.forward_ratio(len(rows_tokens))
+        return shared_step_cost(lambda n: ratio * self.cost(n), rows_tokens, i, max(float(draft_cost), 0.0))
 
     def pricer(self, rows_tokens: Sequence[int], i: int) -> Callable[[int], float]:
         """The verification price of a counterfactual draft of n nodes for request i: its share of the forward with
-        row i at ``1 + n`` tokens and the others as verified (``counterfactual_share``)."""
-        rows = list(rows_tokens)
-        return lambda n: counterfactual_share(self.cost, rows, i, int(n))
+        row i at ``1 + n`` tokens and the others as verified (``counterfactual_share``, at ``forward_cost``)."""
+        rows, ratio = list(rows_tokens), self.forward_ratio(len(rows_tokens))
+        return lambda n: counterfactual_share(lambda m: ratio * self.cost(m), rows, i, int(n))
 
     def finish(self, request: Any, out: Any, verify_s: float, rows_tokens: Sequence[int], i: int, arm: Any,
                d_i: int, lookup: bool = False) -> tuple[list[int], bool]:
@@ -301,7 +336,8 @@ class AdaptiveSpeculation:
         modeled, seconds, _ = request.pending_drafting
         if modeled > 0 and seconds > 0:
             ratio = seconds / self.unit_seconds / modeled
-            self._scale = ratio if self._scale is None else DRAFT_COST_DECAY * self._scale + (1 - DRAFT_COST_DECAY) * ratio
+            self._scale = ratio if self._scale is None else (DRAFT_COST_DECAY * self._scale
+                                                             + (1 - DRAFT_COST_DECAY) * ratio)
         return self._scale if self._scale is not None else 1.0
 
     def drafting_cost(self, request: Any) -> float:

@@ -322,7 +322,8 @@ class Scheduler:
         for job in done:
             self._leave(job, job.request.stats.stop_reason)
         forward_tokens = len(running) * max(rows_tokens)  # the padded [B, N] forward
-        record = plan and self.adaptive.record(plan.alloc, [plan.nodes[id(j)] for j in running], forward_tokens)
+        record = plan and self.adaptive.record(plan.alloc, [plan.nodes[id(j)] for j in running], forward_tokens,
+                                               forward_s)
         self._notify(SchedulerStep(len(running), forward_tokens, prefill_tokens, self.queue_length,
                                    time.perf_counter() - t0, records, record))
 
