@@ -256,6 +256,10 @@ def tie_walk(reference, r: dict, check: str, served: str, tie_margin: float, max
 
     forced, margins = [], []
     while len(margins) <= max_divergences:
+        if len(forced) >= r["max_tokens"]:  # it left plain decoding at its last token: nothing more to generate
+            if text(forced) == served:
+                return {"ok": True, "margins": margins}
+            return {"ok": False, "margins": margins, "reason": "the served text goes on past max_tokens"}
         result = reference.generate(prompt + forced, r["max_tokens"] - len(forced), logprobs=20, **kwargs)
         ids = forced + list(result.token_ids)
         if text(ids) == served:
