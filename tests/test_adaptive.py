@@ -239,7 +239,7 @@ def test_the_adaptive_pool_file_parses():
 
     config = read_pool_config("configs/pools/serve_adaptive.yaml")
     assert config.serving.adaptive and config.policy.name == "per_load" and config.feedback == "full"
-    assert config.arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
+    assert config.arm_names == ["cascade@4", "cascade@16", "cascade@48"]  # a plain step is the allocator's choice
     assert not read_pool_config(None).serving.adaptive  # the default pool is unchanged
 
 
@@ -379,7 +379,7 @@ def test_metasd_serve_without_a_pool_serves_the_adaptive_pool(monkeypatch):
     assert got["recipe"].parse() == read_pool_config(default_serve_pool_path())
     assert default_serve_pool_path().read_text() == open("configs/pools/serve_adaptive.yaml").read()  # packaged
     assert got["settings"].adaptive["adaptive"] and got["settings"].adaptive["price_drafting"]
-    assert got["recipe"].parse().arm_names == ["cascade@4", "cascade@16", "cascade@48", "none"]
+    assert got["recipe"].parse().arm_names == ["cascade@4", "cascade@16", "cascade@48"]
 
 
 def _caught_up_arm(adaptive, rate=0.5):

@@ -62,7 +62,7 @@ def test_drafter_options_apply_to_the_serving_pool_over_model(tiny_dir):
     config = _pool(tiny_dir, "--drafter", "ngram", "--k", "4", "--param", "ngram.n_max=2")
     assert config.verifier.model == tiny_dir
     assert _drafters(config) == [("ngram", "ngram", None, {"k": 4, "n_max": 2}, True)]
-    assert config.serving.adaptive and config.no_speculation_arm  # the serving pool's, as generate keeps its pool's
+    assert config.serving.adaptive and config.policy.name == "per_load"  # the serving pool's, as generate keeps its
     default = _pool()
     assert default.verifier.model == "bundled:qwen2.5-coder-1.5b-instruct" and default.serving.adaptive
 

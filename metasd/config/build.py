@@ -34,7 +34,7 @@ DEFAULT_SERVE_POOL = "pools/serve_adaptive.yaml"
 
 def default_serve_pool_path() -> Path:
     """The embedded pool ``metasd serve`` runs without ``--pool`` (``configs/pools/serve_adaptive.yaml``: the default
-    pool's cascade as budget arms and ``none``, sized to the load by adaptive speculation)."""
+    pool's cascade as budget arms, sized to the load by adaptive speculation)."""
     return Path(str(resources.files("metasd.configs") / DEFAULT_SERVE_POOL))
 
 
