@@ -534,3 +534,31 @@ def test_the_scheduler_hands_each_forwards_seconds_to_the_adaptation(verifier_mo
     assert [r.token_ids for r in got] == expected
     levels = {load_level(s.batch_size) for s in steps}
     assert set(adaptive.forward_ratios) == levels and all(r > 0 for r in adaptive.forward_ratios.values())
+
+
+def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_prices_again():
+    # drafting priced far above what it saves: the allocator keeps every step plain, and a level that decodes plain
+    # never measures its drafting again - so every PROBE_EVERY-th plain step in a row drafts once, at the width the
+    # allocator rated best, each request up to its cap; the step's price then updates the level's estimate
+    from metasd.core.batching.adaptive import PROBE_EVERY
+
+    adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.25)
+    arm = budget_arms(_cascade(), (4,))[0]
+    for _ in range(20):
+        adaptive.learn(arm, [0, 1], 4, 4, draft_cost=50.0, running=2)
+    steady = [_Pending(length=100, max_new_tokens=64) for _ in range(2)]
+    for r in steady:
+        adaptive._fed[r] = 100
+    allocs = [adaptive.allocate([arm, arm], steady) for _ in range(2 * PROBE_EVERY)]
+    probes = [i for i, a in enumerate(allocs) if a.width > 0]
+    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    w = allocs[-1].width  # the drafting width rated best (the cheapest here: 1 node)
+    assert max(allocs[-1].table, key=lambda x: allocs[-1].table[x] if x else -1) == w
+    assert allocs[-1].nodes == [w, w] and allocs[-1].options == [0, 0]
+    for _ in range(PROBE_EVERY - 1):  # a request without an arm never drafts, in a probe either
+        assert adaptive.allocate([arm, None], steady).nodes == [0, 0]
+    assert adaptive.allocate([arm, None], steady).nodes == [w, 0]
+    alone = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True)
+    assert adaptive.plain_runs and all(alone.allocate([None, None], steady).nodes == [0, 0] for _ in range(40))
+    unpriced = AdaptiveSpeculation(lambda n: 1.0 + 10.0 * n, max_width=8)  # plain by the forward alone: no probe
+    assert all(unpriced.allocate([arm, arm], steady).width == 0 for _ in range(2 * PROBE_EVERY))
