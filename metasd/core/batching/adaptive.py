@@ -219,8 +219,7 @@ class AdaptiveSpeculation:
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
-        ratio = self.forward_ratio(len(arms))
-        alloc = plan(curves, caps, lambda n: ratio * self.cost(n), max_width=self.max_width, draft_costs=costs,
+        alloc = plan(curves, caps, self.forward_cost(len(arms)), max_width=self.max_width, draft_costs=costs,
                      min_gain=self.min_gain, alternatives=others)
         return self.probe(alloc, curves, caps)
 
@@ -302,10 +301,11 @@ class AdaptiveSpeculation:
         level = load_level(running)
         return self.forward_ratios[min(self.forward_ratios, key=lambda lv: (abs(lv - level), lv))]
 
-    def forward_cost(self, n_tokens: int, running: int) -> float:
-        """The price of a verify forward over ``n_tokens`` (padding included) with ``running`` rows: the profile's
-        cost times the level's ``forward_ratio``."""
-        return self.forward_ratio(running) * self.cost(n_tokens)
+    def forward_cost(self, running: int) -> Callable[[int], float]:
+        """The price of a verify forward with ``running`` rows over n tokens (padding included): the profile's cost
+        times the level's ``forward_ratio`` (read once, here)."""
+        ratio = self.forward_ratio(running)
+        return lambda n: ratio * self.cost(n)
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int,
                forward_s: float | None = None) -> AdaptiveRecord:
@@ -321,15 +321,14 @@ class AdaptiveSpeculation:
         return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens)
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
-        """Request i's share of the step: ``forward_cost(B N) / B + draft_cost`` (``shared_step_cost``)."""
-        ratio = self.forward_ratio(len(rows_tokens))
-        return shared_step_cost(lambda n: ratio * self.cost(n), rows_tokens, i, max(float(draft_cost), 0.0))
+        """Request i's share of the step: ``forward_cost(B)(B N) / B + draft_cost`` (``shared_step_cost``)."""
+        return shared_step_cost(self.forward_cost(len(rows_tokens)), rows_tokens, i, max(float(draft_cost), 0.0))
 
     def pricer(self, rows_tokens: Sequence[int], i: int) -> Callable[[int], float]:
         """The verification price of a counterfactual draft of n nodes for request i: its share of the forward with
         row i at ``1 + n`` tokens and the others as verified (``counterfactual_share``, at ``forward_cost``)."""
-        rows, ratio = list(rows_tokens), self.forward_ratio(len(rows_tokens))
-        return lambda n: counterfactual_share(lambda m: ratio * self.cost(m), rows, i, int(n))
+        rows, cost = list(rows_tokens), self.forward_cost(len(rows_tokens))
+        return lambda n: counterfactual_share(cost, rows, i, int(n))
 
     def finish(self, request: Any, out: Any, verify_s: float, rows_tokens: Sequence[int], i: int, arm: Any,
                d_i: int, lookup: bool = False) -> tuple[list[int], bool]:
