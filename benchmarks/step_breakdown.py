@@ -104,6 +104,35 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
     }
 
 
+def trace_steps(scheduler, path: Path) -> None:
+    """Append one JSON line per decode step to ``path`` (emptied first): the step's batch, seconds and forward tokens,
+    its ``AdaptiveRecord`` (width, nodes, expected goodput per width), each request's drafter, drafted, accepted and
+    committed tokens and, for an adaptive pool, the learnt acceptance curves and drafting prices as they stand after
+    the step - what the allocator reads next. For finding why a run chose the widths it did."""
+    import dataclasses
+
+    from metasd.core.batching.request_handle import SchedulerStep
+
+    path.write_text("")
+    adaptive = scheduler.adaptive
+
+    def write(event) -> None:
+        if not isinstance(event, SchedulerStep) or event.batch_size == 0:
+            return
+        line = {"batch": event.batch_size, "seconds": event.seconds, "forward_tokens": event.forward_tokens,
+                "requests": [{"id": r.id, "drafter": r.drafter, "drafted": r.drafted, "accepted": r.accepted,
+                              "committed": r.committed} for r in event.requests],
+                "adaptive": dataclasses.asdict(event.adaptive) if event.adaptive is not None else None}
+        if adaptive is not None:
+            line["curves"] = {k: c.values().round(3).tolist() for k, c in adaptive.curves.items()}
+            line["draft_prices"] = adaptive.draft_prices.to_dict()
+            line["forward_ratios"] = dict(adaptive.forward_ratios)
+        with path.open("a") as f:
+            f.write(json.dumps(line, default=float) + "\n")
+
+    scheduler.add_listener(write)
+
+
 def calibration(steps: list, unit_seconds: float | None) -> dict | None:
     """How the allocator's model of a step compares with the step it ran: per step with an adaptive record, the
     goodput it expected of its allocation (``AdaptiveRecord.goodput``: committed tokens per one-token forward of the
@@ -163,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--cost-profile", help="a saved ForwardProfile JSON instead of profiling (as metasd serve's)")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--trace", help="write one JSON line per step here: the allocation (width, nodes, expected "
+                   "goodput per width), what each request drafted, accepted and committed, and for an adaptive pool "
+                   "the acceptance curves and drafting prices after the step")
     args = p.parse_args(argv)
     if any(c < 1 for c in args.concurrency) or args.max_tokens < 1:
         p.error("--concurrency and --max-tokens must be >= 1")
@@ -179,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                  read_cost_profile(args.cost_profile, config))
     scheduler = settings.make(recipe())
     timer = PhaseTimer(scheduler)
+    if args.trace:
+        trace_steps(scheduler, Path(args.trace))
     rows = []
     try:
         sent = 0  # the prompts go round across levels: level after level, every prompt gets its turn
