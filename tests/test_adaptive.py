@@ -559,6 +559,27 @@ def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_pric
         assert adaptive.allocate([arm, None], steady).nodes == [0, 0]
     assert adaptive.allocate([arm, None], steady).nodes == [w, 0]
     alone = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True)
-    assert adaptive.plain_runs and all(alone.allocate([None, None], steady).nodes == [0, 0] for _ in range(40))
+    assert all(alone.allocate([None, None], steady).nodes == [0, 0] for _ in range(40))
     unpriced = AdaptiveSpeculation(lambda n: 1.0 + 10.0 * n, max_width=8)  # plain by the forward alone: no probe
     assert all(unpriced.allocate([arm, arm], steady).width == 0 for _ in range(2 * PROBE_EVERY))
+
+
+def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_the_wider_prices_again():
+    # 2 nodes learnt cheap, 4 and 8 learnt dear: the allocator keeps drafting 2 and never measures the wider prices
+    # again - so every PROBE_EVERY-th step in a row at that width drafts once at the wider width it rated best
+    from metasd.core.batching.adaptive import PROBE_EVERY
+
+    adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.25)
+    arm = budget_arms(_cascade(), (8,))[0]
+    for budget, cost in ((2, 0.1), (4, 50.0), (8, 50.0)):
+        for _ in range(20):
+            adaptive.learn(arm, [0, 1], budget, budget, draft_cost=cost, running=1)
+    steady = [_Pending(length=100, max_new_tokens=64)]
+    adaptive._fed[steady[0]] = 100
+    allocs = [adaptive.allocate([arm], steady) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, a in enumerate(allocs) if a.width != 2] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    probe = allocs[-1]
+    assert probe.width == max((w for w in probe.table if w > 2), key=lambda x: probe.table[x]) and probe.width > 2
+    assert probe.nodes == [probe.width] and probe.table[probe.width] <= probe.table[2]  # not the model's choice
+    capped = budget_arms(_cascade(), (2,))[0]  # nothing wider is possible: no probe
+    assert all(adaptive.allocate([capped], steady).nodes == [2] for _ in range(2 * PROBE_EVERY))

@@ -42,10 +42,12 @@ wires the building blocks of speculation under load into its step:
    seconds, so without it a forward dearer than profiled made drafting look dearer than it is beside the forward it
    saves (on this CPU at 4 requests: plain steps took 1.26x the profile's price, one run decoded 47 of 65 steps
    plain where a fixed tree 8 was faster).
-7. **probes** (with ``price_drafting``) - a load level that decodes plain never measures its drafting again, so a
-   price learnt high (a first contact, a slow moment) would keep it plain for good; after ``PROBE_EVERY`` plain steps
-   in a row where a request could draft, one step drafts at the width the allocator rated best (``probe``), and its
-   measured price and accepted tokens update the level's estimates.
+7. **probes** (with ``price_drafting``) - a load level never measures the widths it does not draft, so a price learnt
+   high (a first contact, a slow moment) would keep it plain - or at a narrow width - for good: wider drafts are
+   priced and rated from what narrower ones measured. After ``PROBE_EVERY`` steps in a row at one width where a
+   wider one was possible, one step drafts at the wider width the allocator rated best (``probe``), and its measured
+   price and accepted tokens update the level's estimates. One sample moves a learnt estimate only so far: a pool
+   whose policy never picks a wide arm can still stay narrow (BENCHMARKS.md, "Budget arms as exploration").
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -72,7 +74,8 @@ from ..pricing.goodput import counterfactual_share, shared_step_cost
 DRAFT_COST_DECAY = 0.8
 #: weight of the past in a load level's forward ratio (measured / profiled seconds of the verify forward)
 FORWARD_RATIO_DECAY = 0.8
-#: after this many plain steps in a row at a load level where requests could draft, one step drafts (``probe``)
+#: after this many steps in a row at one width of a load level where a wider one was possible, one step drafts wider
+#: (``probe``)
 PROBE_EVERY = 16
 
 
@@ -148,7 +151,8 @@ class AdaptiveSpeculation:
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
         self.forward_ratios: dict[int, float] = {}  # load level -> measured / profiled verify forward (module doc, 6.)
-        self.plain_runs: dict[int, int] = {}  # load level -> plain steps in a row where a request could draft
+        # load level -> (width, steps in a row at it where a wider width was possible)
+        self.width_runs: dict[int, tuple[int, int]] = {}
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
@@ -224,21 +228,24 @@ class AdaptiveSpeculation:
         return self.probe(alloc, curves, caps)
 
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int]) -> Allocation:
-        """``alloc``, unless it is the ``PROBE_EVERY``-th plain step in a row at its load level where a request could
-        draft (a cap > 0): then every request drafts ``min(w, cap_i)`` nodes with its arm, ``w`` the drafting width
-        the allocator rated best - a price or a curve the allocator rates out is never measured again at that level,
-        so estimates learnt high (a first contact's drafting, a slow moment) would keep the level plain for good.
-        Only with ``price_drafting`` (unpriced, drafting is rated out by the curves and forward alone)."""
+        """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level with the same width ``v``
+        while a wider width was possible (a request's cap above it): then every request drafts ``min(w, cap_i)``
+        nodes with its arm, ``w`` the width above ``v`` the allocator rated best - a price or a curve point the
+        allocator rates out is never measured again at that level, so estimates learnt high (a first contact's
+        drafting, a slow moment) would keep the level plain, or narrow, for good. Only with ``price_drafting``
+        (unpriced, drafting is rated out by the curves and forward alone)."""
         level = load_level(len(caps))
-        drafting = [w for w in alloc.table if w > 0]
-        if alloc.width > 0 or not drafting or max(caps, default=0) == 0 or not self.price_drafting:
-            self.plain_runs[level] = 0
+        wider = [w for w in alloc.table if w > alloc.width]
+        if not wider or max(caps, default=0) <= alloc.width or not self.price_drafting:
+            self.width_runs.pop(level, None)
             return alloc
-        self.plain_runs[level] = self.plain_runs.get(level, 0) + 1
-        if self.plain_runs[level] < PROBE_EVERY:
+        width, run = self.width_runs.get(level, (alloc.width, 0))
+        run = run + 1 if width == alloc.width else 1
+        if run < PROBE_EVERY:
+            self.width_runs[level] = (alloc.width, run)
             return alloc
-        self.plain_runs[level] = 0
-        w = max(drafting, key=lambda x: (alloc.table[x], -x))
+        self.width_runs.pop(level, None)
+        w = max(wider, key=lambda x: (alloc.table[x], -x))
         nodes = [min(w, c) for c in caps]
         tokens = len(caps) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
         return Allocation(nodes, w, alloc.table[w], dict(alloc.table), [0] * len(caps), tokens)
