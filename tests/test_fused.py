@@ -122,7 +122,8 @@ def test_a_cascade_stops_after_a_draft_deep_enough():
     deep = Fixed([5, 6, 7], [-1, 0, 1], "lookup")  # depth 3
     model = Counting([9], [-1], "model")
     assert FusedDrafter([deep, model], enough=3).propose(None).meta["cascade_stop"] and model.calls == 0
-    assert FusedDrafter([deep, model], enough=4).propose(None).tokens.tolist() == [5, 6, 7, 9] and model.calls == 1
+    # not deep enough: the model drafts too, and its nodes come first
+    assert FusedDrafter([deep, model], enough=4).propose(None).tokens.tolist() == [9, 5, 6, 7] and model.calls == 1
 
 
 class _Lookup(Fixed):
@@ -144,4 +145,25 @@ def test_a_lookup_only_step_drafts_with_the_lookup_arms_and_tells_only_them():
     fused.observe(StepFeedback(draft, Acceptance([0], 4), committed=[5, 4]))
     assert suffix.seen == [([0], 4)] and model.seen == []  # the model drafted nothing: it is told nothing
     full = fused.propose(None)
-    assert full.tokens.tolist() == [5, 6, 9, 3]  # outside a lookup-only step both arms draft
+    assert full.tokens.tolist() == [5, 9, 3, 6]  # outside a lookup-only step both arms draft, the model's nodes first
+
+
+def test_a_cascade_bounded_where_the_lookup_was_shallow_keeps_the_models_nodes():
+    # four one-token guesses (shallow, but wide enough to fill a 3-node bound) and a model's 3-node chain: the model's
+    # nodes come first, so the bound keeps them - and the bounded draft is the unbounded one's first nodes (what budget
+    # arms and acceptance curves assume)
+    from metasd.core import StepContext
+    from metasd.core.decoding.sampling import SamplingParams
+
+    suffix, model = _Lookup([5, 6, 7, 8], [-1, -1, -1, -1], "suffix"), Fixed([9, 3, 4], [-1, 0, 1], "model")
+    fused = FusedDrafter([suffix, model], enough=2)
+    unbounded = fused.propose(None)
+    assert unbounded.tokens.tolist() == [9, 3, 4, 5, 6, 7, 8]
+    assert unbounded.parents.tolist() == [-1, 0, 1, -1, -1, -1, -1]
+    ctx = StepContext(tokens=torch.tensor(PROMPT), prompt_len=len(PROMPT), max_depth=8, sampling=SamplingParams(),
+                      max_nodes=3)
+    bounded = fused.propose(ctx)
+    assert bounded.tokens.tolist() == [9, 3, 4]
+    assert bounded.meta["nodes_model"] == 3 and bounded.meta["nodes_suffix"] == 0
+    deep = FusedDrafter([_Lookup([5, 6], [-1, 0], "suffix"), model], enough=2).propose(ctx)
+    assert deep.tokens.tolist() == [5, 6] and deep.meta["cascade_stop"]  # deep enough: the lookup alone, as before
