@@ -287,3 +287,37 @@ def test_bad_arguments_are_named(kwargs, field):
     model = tiny_qwen(seed=0)
     with pytest.raises(ValueError, match=f"^{field}: "):
         profile_forward(model, **kwargs)
+
+
+@pytest.mark.parametrize("stalled", [16, 64, 1])
+def test_a_count_timed_through_a_stall_is_timed_again(monkeypatch, stalled):
+    """Forwards of 10 ms + 1 ms per 100 tokens, except the first time a count is timed (warm-up and timed forwards),
+    at 6x: a stall of the machine. 64 tokens at 6x are dearer per token than 16: timed again; one token at 6x makes 4
+    tokens under half its seconds: one token timed again (16 at 6x breaks both rules). The lower median stays, and a
+    count in shape is timed once."""
+    model = tiny_qwen(seed=5)
+    rec = _Recorder(model, monkeypatch)
+    rec.JITTER = (1.0,)
+    seen: list[int] = []
+
+    def hook(module, args, kwargs):
+        n = kwargs["input_ids"].shape[1]
+        first_round = seen.count(n) < 2  # warm-up + one timed forward per round
+        seen.append(n)
+        rec.durations.append(1e-3 * (10 + n / 100) * (6.0 if n == stalled and first_round else 1.0))
+        rec.clock += rec.durations[-1]
+
+    rec.handle.remove()
+    rec.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        p = profile_forward(model, (1, 4, 16, 64), context=2, repeats=1, warmup=1, max_seconds=None)
+    finally:
+        rec.handle.remove()
+    assert p.meta["retimed"] == [stalled]
+    assert p.seconds == pytest.approx([1e-3 * (10 + n / 100) for n in (1, 4, 16, 64)])
+    assert {n: seen.count(n) for n in (1, 4, 16, 64)} == {n: 4 if n == stalled else 2 for n in (1, 4, 16, 64)}
+    clean = _Recorder(model, monkeypatch)
+    try:
+        assert "retimed" not in profile_forward(model, (1, 4, 16, 64), context=2, max_seconds=None).meta
+    finally:
+        clean.handle.remove()

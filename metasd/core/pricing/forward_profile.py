@@ -254,7 +254,7 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
             crop_to(cache, context)
             return elapsed
 
-        medians, skipped, spent = _measure(counts, timed, repeats, warmup, max_seconds, device)
+        medians, skipped, spent, retimed = _measure(counts, timed, repeats, warmup, max_seconds, device)
     finally:
         if was_training:
             model.train()
@@ -262,6 +262,8 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
             "repeats": repeats, "warmup": warmup, "mask": mask, "prefill": prefill, "seconds_spent": round(spent, 3)}
     if skipped:
         meta["skipped"] = skipped
+    if retimed:
+        meta["retimed"] = retimed
     if device.type == "cpu":
         meta["threads"] = torch.get_num_threads()
     if name is None:
@@ -270,11 +272,25 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
 
 
 def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int, warmup: int,
-             max_seconds: float | None, device: torch.device) -> tuple[list[float], list[int], float]:
+             max_seconds: float | None, device: torch.device) -> tuple[list[float], list[int], float, list[int]]:
     """``profile_forward``'s loop over the counts: per n, ``warmup`` untimed then ``repeats`` timed calls of
-    ``timed(n)`` (seconds); counts predicted to take the profile past ``max_seconds`` skipped. (medians, skipped,
-    seconds spent)."""
-    spent, medians, skipped = 0.0, [], []
+    ``timed(n)`` (seconds); counts predicted to take the profile past ``max_seconds`` skipped. A count whose median
+    breaks the profile's shape against the count before it, m - dearer per token than m (``s(n) / n > s(m) / m``: a
+    bigger forward amortizes its fixed cost, so only a stall of the machine makes it dearer per token) or under half
+    m's seconds (then m's were the stall) - is timed once more, the lower median kept: one stall while profiling
+    (one seen on this VM: 16 tokens at 6.4x one token's seconds, where every other start measured 1.0-1.1x) would
+    price every wide draft of the server's life. (medians, skipped, seconds spent, counts timed again)."""
+    spent, medians, skipped, retimed = 0.0, [], [], []
+
+    def median_of(n: int) -> float:
+        nonlocal spent
+        t0 = now(device)
+        for _ in range(warmup):
+            timed(n)
+        out = statistics.median(timed(n) for _ in range(repeats))
+        spent += now(device) - t0
+        return out
+
     for k, n in enumerate(counts):
         if max_seconds is not None and k >= 2:
             (n0, s0), (n1, s1) = zip(counts[k - 2: k], medians[k - 2: k])
@@ -282,12 +298,17 @@ def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int,
             if spent + predicted * (warmup + repeats) > max_seconds:
                 skipped = list(counts[k:])
                 break
-        t0 = now(device)
-        for _ in range(warmup):
-            timed(n)
-        medians.append(statistics.median(timed(n) for _ in range(repeats)))
-        spent += now(device) - t0
-    return medians, skipped, spent
+        medians.append(median_of(n))
+        if k == 0:
+            continue
+        m = counts[k - 1]
+        if medians[k] / n > medians[k - 1] / m:  # this count stalled
+            retimed.append(n)
+            medians[k] = min(medians[k], median_of(n))
+        elif medians[k] < medians[k - 1] / 2:  # the count before it stalled
+            retimed.append(m)
+            medians[k - 1] = min(medians[k - 1], median_of(m))
+    return medians, skipped, spent, retimed
 
 
 def profile_llama_cpp(verifier, token_counts: Sequence[int] = (1, 4, 16, 64, 256), *, context: int = 256,
@@ -303,14 +324,16 @@ def profile_llama_cpp(verifier, token_counts: Sequence[int] = (1, 4, 16, 64, 256
     gen = torch.Generator().manual_seed(seed)
     verifier.prefill(torch.randint(0, verifier.vocab_size, (context,), generator=gen))
     try:
-        medians, skipped, spent = _measure(counts, verifier.timed_forward, repeats, warmup, max_seconds,
-                                           torch.device("cpu"))
+        medians, skipped, spent, retimed = _measure(counts, verifier.timed_forward, repeats, warmup, max_seconds,
+                                                    torch.device("cpu"))
     finally:
         verifier.reset()
     meta = {"device": "cpu", "backend": "llama.cpp", "gguf": verifier.gguf.name, "context": context, "rows": 1,
             "repeats": repeats, "warmup": warmup, "threads": verifier.threads, "seconds_spent": round(spent, 3)}
     if skipped:
         meta["skipped"] = skipped
+    if retimed:
+        meta["retimed"] = retimed
     return ForwardProfile(tokens=counts[: len(medians)], seconds=tuple(medians), name=verifier.name, meta=meta)
 
 
