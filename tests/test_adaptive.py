@@ -1,5 +1,7 @@
 """Adaptive speculation in the scheduler (metasd/core/batching/adaptive.py): the load reaches the policy, the allocator
 sizes every draft, steps are priced by their share of the batched forward - and outputs stay exact. Tiny fp32 models."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -325,6 +327,43 @@ def test_a_one_off_catch_up_is_learnt_per_token_and_amortized_over_the_request()
     assert adaptive.draft_cost(arm)(4) == pytest.approx(0.5)  # no request: the steady price
 
 
+class _Finishing(_Pending):
+    """A request at the end of its step (``AdaptiveSpeculation.finish``): it commits two tokens; its draft of 4 nodes
+    had its first node accepted."""
+
+    draft_budget, max_draft_nodes = None, None
+
+    def __init__(self, length, seconds, catch_up):
+        super().__init__(length=length, max_new_tokens=64, seconds=seconds, modeled=0.1)
+        self.pending_drafting = (0.1, seconds, catch_up)
+        self.last_step = SimpleNamespace(path=[0], drafted=4, cut=False)
+
+    def finish_step(self, out, **kwargs):
+        self.length += 2
+        return [1, 2], False
+
+
+def test_a_drafting_step_after_plain_ones_is_priced_without_its_backlog():
+    # a request that decoded plain for 6 steps has 6 tokens its drafters never read; the step it drafts again
+    # catches them up - a one-off, priced at the arm's rate per caught-up token, not the price of drafting 4 nodes
+    # (else every plain run would make drafting look dearer: each probe out of a plain run would teach it)
+    adaptive = AdaptiveSpeculation(_linear, max_width=8, unit_seconds=0.25)
+    arm = budget_arms(_cascade(), (4,))[0]
+    adaptive.catch_up_rates["cascade"] = 0.1  # one-token forwards per caught-up token
+    behind = _Finishing(length=110, seconds=0.625, catch_up=7)  # 2.5 one-token forwards of drafting
+    adaptive._fed[behind] = 104
+    adaptive.finish(behind, None, 0.1, [5], 0, arm, 4)
+    assert adaptive.draft_prices.price("cascade", load_level(1), 4) == pytest.approx(2.5 - 0.1 * 6)
+    assert adaptive._fed[behind] == 112 and adaptive.unfed(behind) == 0
+    steady = AdaptiveSpeculation(_linear, max_width=8, unit_seconds=0.25)
+    steady.catch_up_rates["cascade"] = 0.1
+    drafted_last = _Finishing(length=110, seconds=0.625, catch_up=2)  # its drafters read everything but its bonus
+    steady._fed[drafted_last] = 110
+    steady.finish(drafted_last, None, 0.1, [5], 0, arm, 4)
+    assert steady.draft_prices.price("cascade", load_level(1), 4) == pytest.approx(2.5)
+    assert adaptive.draft_costs["cascade"] == pytest.approx(1.9) and steady.draft_costs["cascade"] == pytest.approx(2.5)
+
+
 def test_the_catch_up_price_keeps_a_short_request_from_drafting():
     # two running requests, one long prompt about to finish: its drafter's catch-up does not pay, the other drafts
     adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True)
@@ -552,8 +591,8 @@ def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_pric
     allocs = [adaptive.allocate([arm, arm], steady) for _ in range(2 * PROBE_EVERY)]
     probes = [i for i, a in enumerate(allocs) if a.width > 0]
     assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
-    w = allocs[-1].width  # the drafting width rated best (the cheapest here: 1 node)
-    assert max(allocs[-1].table, key=lambda x: allocs[-1].table[x] if x else -1) == w
+    w = allocs[-1].width  # the widest width scanned: its draft samples every narrower budget
+    assert w == max(allocs[-1].table) == 4  # the arm's cap
     assert allocs[-1].nodes == [w, w] and allocs[-1].options == [0, 0]
     for _ in range(PROBE_EVERY - 1):  # a request without an arm never drafts, in a probe either
         assert adaptive.allocate([arm, None], steady).nodes == [0, 0]
@@ -579,7 +618,7 @@ def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_th
     allocs = [adaptive.allocate([arm], steady) for _ in range(2 * PROBE_EVERY)]
     assert [i for i, a in enumerate(allocs) if a.width != 2] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
     probe = allocs[-1]
-    assert probe.width == max((w for w in probe.table if w > 2), key=lambda x: probe.table[x]) and probe.width > 2
-    assert probe.nodes == [probe.width] and probe.table[probe.width] <= probe.table[2]  # not the model's choice
+    assert probe.width == max(probe.table) == 8  # the widest scanned: one draft samples every budget up to 8
+    assert probe.nodes == [8] and probe.table[8] <= probe.table[2]  # not the model's choice
     capped = budget_arms(_cascade(), (2,))[0]  # nothing wider is possible: no probe
     assert all(adaptive.allocate([capped], steady).nodes == [2] for _ in range(2 * PROBE_EVERY))

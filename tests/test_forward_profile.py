@@ -313,7 +313,7 @@ def test_a_count_timed_through_a_stall_is_timed_again(monkeypatch, stalled):
         p = profile_forward(model, (1, 4, 16, 64), context=2, repeats=1, warmup=1, max_seconds=None)
     finally:
         rec.handle.remove()
-    assert p.meta["retimed"] == [stalled]
+    assert p.meta["retimed"] == [stalled] and p.describe().endswith(f"; retimed {stalled} tok")  # the server logs it
     assert p.seconds == pytest.approx([1e-3 * (10 + n / 100) for n in (1, 4, 16, 64)])
     assert {n: seen.count(n) for n in (1, 4, 16, 64)} == {n: 4 if n == stalled else 2 for n in (1, 4, 16, 64)}
     clean = _Recorder(model, monkeypatch)

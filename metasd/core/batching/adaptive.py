@@ -45,9 +45,9 @@ wires the building blocks of speculation under load into its step:
 7. **probes** (with ``price_drafting``) - a load level never measures the widths it does not draft, so a price learnt
    high (a first contact, a slow moment) would keep it plain - or at a narrow width - for good: wider drafts are
    priced and rated from what narrower ones measured. After ``PROBE_EVERY`` steps in a row at one width where a
-   wider one was possible, one step drafts at the wider width the allocator rated best (``probe``), and its measured
-   price and accepted tokens update the level's estimates. One sample moves a learnt estimate only so far: a pool
-   whose policy never picks a wide arm can still stay narrow (BENCHMARKS.md, "Budget arms as exploration").
+   wider one was possible, one step drafts at the widest width scanned (``probe``): its verified draft samples every
+   narrower budget's acceptance at once, and its measured price and accepted tokens update the level's estimates
+   (not enough where the policy's arm caps the probe: docs/algorithms.md, "The step, adapting", 7.).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -230,10 +230,12 @@ class AdaptiveSpeculation:
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int]) -> Allocation:
         """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level with the same width ``v``
         while a wider width was possible (a request's cap above it): then every request drafts ``min(w, cap_i)``
-        nodes with its arm, ``w`` the width above ``v`` the allocator rated best - a price or a curve point the
-        allocator rates out is never measured again at that level, so estimates learnt high (a first contact's
-        drafting, a slow moment) would keep the level plain, or narrow, for good. Only with ``price_drafting``
-        (unpriced, drafting is rated out by the curves and forward alone)."""
+        nodes with its arm, ``w`` the widest width the allocator scanned (at most the selected arms' caps) - a price or a curve point the allocator
+        rates out is never measured again at that level, so estimates learnt low or high (a first contact's draft, a
+        slow moment) would keep the level plain, or narrow, for good; the widest draft samples the acceptance of every
+        narrower budget at once (``AcceptanceCurve.update``) and the price of the widest, between which the narrower
+        prices are read. Only with ``price_drafting`` (unpriced, drafting is rated out by the curves and forward
+        alone)."""
         level = load_level(len(caps))
         wider = [w for w in alloc.table if w > alloc.width]
         if not wider or max(caps, default=0) <= alloc.width or not self.price_drafting:
@@ -245,7 +247,7 @@ class AdaptiveSpeculation:
             self.width_runs[level] = (alloc.width, run)
             return alloc
         self.width_runs.pop(level, None)
-        w = max(wider, key=lambda x: (alloc.table[x], -x))
+        w = max(wider)  # one verified draft of w nodes samples every budget <= w of its curve at once
         nodes = [min(w, c) for c in caps]
         tokens = len(caps) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
         return Allocation(nodes, w, alloc.table[w], dict(alloc.table), [0] * len(caps), tokens)
@@ -347,6 +349,7 @@ class AdaptiveSpeculation:
         (``StepRecord.cut``): such a draft says nothing of what the allocator's budget buys, and one client's setting
         must not steer the speculation of all."""
         draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
+        backlog = self.unfed(request)  # committed before this step, unread by its drafters (0: it drafted last step)
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i),
                                      modeled_scale=self.modeled_scale(request))
@@ -355,7 +358,7 @@ class AdaptiveSpeculation:
         if request.draft_budget is None and not s.cut:  # a request's own budget, or its last tokens, teach nothing
             cap = getattr(request, "max_draft_nodes", None)  # of what the allocator's budget buys
             self.learn(arm, s.path, s.drafted, d_i if cap is None else min(d_i, cap), draft_cost, catch_up, lookup=own,
-                       running=len(rows_tokens))
+                       running=len(rows_tokens), backlog=backlog)
         if self.drafts(arm, d_i) and not lookup:  # its model read the text (a lookup-only step left it unread)
             self._fed[request] = int(request.length)
         return result
@@ -381,7 +384,8 @@ class AdaptiveSpeculation:
         return seconds / self.unit_seconds if self.unit_seconds is not None else modeled
 
     def learn(self, arm: Any, path: Sequence[int], drafted: int, budget: int, draft_cost: float | None = None,
-              catch_up: int = 0, lookup: AcceptanceCurve | None = None, running: int | None = None) -> None:
+              catch_up: int = 0, lookup: AcceptanceCurve | None = None, running: int | None = None,
+              backlog: int = 0) -> None:
         """The arm's curve learns from its verified draft: ``drafted`` nodes under node budget ``budget``, ``path``
         accepted; ``draft_cost`` (the step's drafting cost, ``drafting_cost``) updates its average drafting cost -
         or, where the drafter caught up more than ``max_width`` committed tokens (``catch_up``: a request's first
@@ -389,7 +393,11 @@ class AdaptiveSpeculation:
         catch-up is charged to its step's reward but is not the price of the request's later steps. ``lookup``: the
         arm's lookups drafted alone - this curve (the request's ``lookup_curve``) and their costs (``lookup_key``)
         learn instead. ``running``: the requests in the step - a steady step's cost is then also learnt as the price
-        of ``budget`` nodes at that load level (``draft_prices``)."""
+        of ``budget`` nodes at that load level (``draft_prices``). ``backlog``: tokens committed before the step that
+        the drafters had not read (steps the request decoded plain since it last drafted); their catch-up, at the
+        arm's learnt cost per caught-up token, is taken out of the cost first - the price is what a step costs a
+        request that drafts every step, and a step after plain ones (a probe's) must not teach that drafting is dearer
+        than it is (each plain step would make the next drafting step dearer: a lock-in into plain steps)."""
         if not self.drafts(arm, budget):
             return
         key = self.lookup_key(arm) if lookup is not None else self.curve_key(arm)
@@ -402,6 +410,7 @@ class AdaptiveSpeculation:
             key_costs, c = self.catch_up_rates, max(c - self.draft_costs.get(key, 0.0), 0.0) / catch_up
         else:
             key_costs = self.draft_costs
+            c = max(c - self.catch_up_rates.get(key, 0.0) * min(max(int(backlog), 0), catch_up), 0.0)
             if running is not None:
                 self.draft_prices.learn(key, load_level(running), budget, c)
         prev = key_costs.get(key)

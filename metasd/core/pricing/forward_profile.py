@@ -165,7 +165,9 @@ class ForwardProfile:
         how = ", ".join(f"{k} {self.meta[k]}" for k in ("backend", "device", "dtype", "context", "rows")
                        if k in self.meta)
         points = ", ".join(f"{t} tok {s * 1e3:.3g} ms ({self.cost(t):.2f}x)" for t, s in zip(self.tokens, self.seconds))
-        return f"forward profile {self.name or '?'}" + (f" ({how})" if how else "") + f": {points}"
+        notes = "".join(f"; {k} {', '.join(map(str, self.meta[k]))} tok" for k in ("skipped", "retimed")
+                        if self.meta.get(k))
+        return f"forward profile {self.name or '?'}" + (f" ({how})" if how else "") + f": {points}{notes}"
 
 
 def _check_arg(ok: bool, message: str) -> None:
