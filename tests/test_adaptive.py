@@ -622,3 +622,24 @@ def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_th
     assert probe.nodes == [8] and probe.table[8] <= probe.table[2]  # not the model's choice
     capped = budget_arms(_cascade(), (2,))[0]  # nothing wider is possible: no probe
     assert all(adaptive.allocate([capped], steady).nodes == [2] for _ in range(2 * PROBE_EVERY))
+
+
+def test_a_draft_shallower_than_the_requests_last_tokens_still_teaches_the_curves(verifier_model, tok):
+    # every request here has fewer tokens left than the 48 nodes the allocator may give, and a draft of the tiny
+    # cascade is at most 6 deep (16 for a suffix match): a draft the remaining tokens did not bound is what the budget
+    # buys and is learnt - only one that reached the depth bound is left out (before, every step was: a 64-token answer
+    # taught the 48-node budget nothing after its first 16 tokens)
+    expected = [Engine(Verifier(verifier_model, tok), None, check_tokenizers=False).generate(p, 12).token_ids
+                for p in PROMPTS]
+    engine = _engine(verifier_model, tok, [FusedDrafter([SuffixDrafter(max_depth=4, max_nodes=8, name="suffix"),
+                                                         PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0),
+                                                                               mode="dynamic", nodes=12, depth=3,
+                                                                               width=3, name="model")],
+                                                        enough=6, name="cascade")], policy=None)
+    adaptive = AdaptiveSpeculation(lambda n: 1.0, max_width=48)  # a flat forward: the widest draft is the best
+    got, steps = _serve(engine, adaptive, max_new=[12] * len(PROMPTS))
+    assert [r.token_ids for r in got] == expected
+    assert min(s.adaptive.width for s in steps if s.adaptive.width > 0) > 12  # every draft's budget beyond the 12
+    drafting = sum(1 for s in steps for r in s.requests if r.drafted > 0)
+    learnt = int(adaptive.curves["cascade"].counts[0])  # the 1-node budget: every learnt draft samples it
+    assert drafting > 0 and learnt >= drafting - 2 * len(PROMPTS)  # at most the last steps of each request cut

@@ -277,8 +277,10 @@ class Request:
         for bound in (self.max_draft_nodes, max_nodes):
             if bound is not None:
                 limit = bound if limit is None else min(limit, bound)
+        # cut: the draft is not what the allocator's budget buys - the request's own budget, or its last tokens'
+        # depth bound reached (a draft that stopped shallower than the bound was not shaped by it)
         cut = asked and (self.draft_budget is not None or draft.depth > ctx.max_depth
-                         or (limit is not None and ctx.max_depth < limit))
+                         or (limit is not None and ctx.max_depth < limit and draft.depth >= ctx.max_depth))
         if draft.depth > ctx.max_depth:
             draft = draft.truncated(ctx.max_depth)
         if limit is not None and len(draft) > limit:
