@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--cost-profile", help="a saved ForwardProfile JSON instead of profiling (as metasd serve's)")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="N requests of 8 tokens ('Say hi.', serve_load.py's warm-up) before the first level, untimed")
     p.add_argument("--trace", help="write one JSON line per step here: the allocation (width, nodes, expected "
                    "goodput per width), what each request drafted, accepted and committed, and for an adaptive pool "
                    "the acceptance curves and drafting prices after the step")
@@ -215,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         trace_steps(scheduler, Path(args.trace))
     rows = []
     try:
+        for _ in range(args.warmup):  # what serve_load.py sends each server first: the scheduler learns from it too
+            scheduler.submit("Say hi.", 8, chat=True).result(timeout=3600)
+        timer.take()
         sent = 0  # the prompts go round across levels: level after level, every prompt gets its turn
         for c in args.concurrency:
             rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off, first=sent))
