@@ -230,12 +230,12 @@ class AdaptiveSpeculation:
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int]) -> Allocation:
         """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level with the same width ``v``
         while a wider width was possible (a request's cap above it): then every request drafts ``min(w, cap_i)``
-        nodes with its arm, ``w`` the widest width the allocator scanned (at most the selected arms' caps) - a price or a curve point the allocator
-        rates out is never measured again at that level, so estimates learnt low or high (a first contact's draft, a
-        slow moment) would keep the level plain, or narrow, for good; the widest draft samples the acceptance of every
-        narrower budget at once (``AcceptanceCurve.update``) and the price of the widest, between which the narrower
-        prices are read. Only with ``price_drafting`` (unpriced, drafting is rated out by the curves and forward
-        alone)."""
+        nodes with its arm, ``w`` the widest width the allocator scanned (at most the selected arms' caps). A price or
+        a curve point the allocator rates out is never measured again at that level, so estimates learnt low or high
+        (a first contact's draft, a slow moment) would keep the level plain, or narrow, for good; the widest draft
+        samples the acceptance of every narrower budget at once (``AcceptanceCurve.update``) and the price of the
+        widest, between which the narrower prices are read. Only with ``price_drafting`` (unpriced, drafting is rated
+        out by the curves and forward alone)."""
         level = load_level(len(caps))
         wider = [w for w in alloc.table if w > alloc.width]
         if not wider or max(caps, default=0) <= alloc.width or not self.price_drafting:
