@@ -17,6 +17,7 @@ prices at the end of the level.
     python benchmarks/step_breakdown.py --pool configs/pools/serve_adaptive.yaml --concurrency 1 2 4 8 16 \\
         --groups MT QA math translation --copy-heavy 1 --max-tokens 16 --threads 1 --out step_breakdown.json
     python benchmarks/step_breakdown.py --pool configs/pools/serve_adaptive.yaml --off ...   # speculation off
+    python benchmarks/step_breakdown.py ... --warmup 1 --trace steps.jsonl   # as a server sees it; every step's choice
 
 One process, one thread by default: run it alone on the machine (docs: BENCHMARKS.md, "How we measure").
 """
