@@ -45,7 +45,8 @@ wires the building blocks of speculation under load into its step:
 7. **probes** (with ``price_drafting``) - a load level never measures the widths it does not draft, so a price learnt
    high (a first contact, a slow moment) would keep it plain - or at a narrow width - for good: wider drafts are
    priced and rated from what narrower ones measured. After ``PROBE_EVERY`` steps in a row at one width where a
-   wider one was possible, one step drafts at the widest width scanned (``probe``): its verified draft samples every
+   wider one was possible, one step drafts at the widest width rated at least half as good as the choice
+   (``probe``, ``PROBE_FLOOR``): its verified draft samples every
    narrower budget's acceptance at once, and its measured price and accepted tokens update the level's estimates
    (not enough where the policy's arm caps the probe: docs/algorithms.md, "The step, adapting", 7.).
 
@@ -77,6 +78,8 @@ FORWARD_RATIO_DECAY = 0.8
 #: after this many steps in a row at one width of a load level where a wider one was possible, one step drafts wider
 #: (``probe``)
 PROBE_EVERY = 16
+#: a probe drafts the widest width whose expected goodput is at least this share of the allocation's
+PROBE_FLOOR = 0.5
 
 
 class StepPlan(NamedTuple):
@@ -230,7 +233,8 @@ class AdaptiveSpeculation:
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int]) -> Allocation:
         """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level with the same width ``v``
         while a wider width was possible (a request's cap above it): then every request drafts ``min(w, cap_i)``
-        nodes with its arm, ``w`` the widest width the allocator scanned (at most the selected arms' caps). A price or
+        nodes with its arm, ``w`` the widest width the allocator rates at least ``PROBE_FLOOR`` times as good as its
+        choice, else the best-rated wider one (at most the selected arms' caps). A price or
         a curve point the allocator rates out is never measured again at that level, so estimates learnt low or high
         (a first contact's draft, a slow moment) would keep the level plain, or narrow, for good; the widest draft
         samples the acceptance of every narrower budget at once (``AcceptanceCurve.update``) and the price of the
@@ -247,7 +251,10 @@ class AdaptiveSpeculation:
             self.width_runs[level] = (alloc.width, run)
             return alloc
         self.width_runs.pop(level, None)
-        w = max(wider)  # one verified draft of w nodes samples every budget <= w of its curve at once
+        # the widest width rated at least half as good as the choice (one verified draft of w nodes samples every
+        # budget <= w at once), else the best-rated wider one: a 48-node probe beside 8 rows costs ~6 plain steps
+        fair = [x for x in wider if alloc.table[x] >= PROBE_FLOOR * alloc.goodput]
+        w = max(fair) if fair else max(wider, key=lambda x: (alloc.table[x], -x))
         nodes = [min(w, c) for c in caps]
         tokens = len(caps) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
         return Allocation(nodes, w, alloc.table[w], dict(alloc.table), [0] * len(caps), tokens)
