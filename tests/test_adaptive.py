@@ -645,9 +645,10 @@ def test_a_draft_shallower_than_the_requests_last_tokens_still_teaches_the_curve
     assert drafting > 0 and learnt >= drafting - 2 * len(PROMPTS)  # at most the last steps of each request cut
 
 
-def test_a_probe_drafts_the_widest_width_rated_at_least_half_as_good_as_the_choice():
+def test_a_probe_drafts_the_widest_width_rated_nearly_as_good_as_the_choice():
     # one verified draft samples every narrower budget, but a 48-node probe beside many rows costs several plain
-    # steps: the probe takes the widest width rated >= PROBE_FLOOR x the allocation, else the best-rated wider one
+    # steps (at 8 requests on this CPU: 3.4-4.0 s at 20-21 tokens/s against ~27 for plain steps, with a floor of
+    # half): the probe takes the widest width rated >= PROBE_FLOOR x the allocation, else the best-rated wider one
     from metasd.core.batching.adaptive import PROBE_EVERY, PROBE_FLOOR
     from metasd.core.pricing.allocator import Allocation
 
@@ -657,7 +658,7 @@ def test_a_probe_drafts_the_widest_width_rated_at_least_half_as_good_as_the_choi
         plain = Allocation([0] * len(caps), 0, table[0], dict(table), [0] * len(caps), float(len(caps)))
         return [adaptive.probe(plain, [None] * len(caps), list(caps)) for _ in range(PROBE_EVERY)][-1]
 
-    assert PROBE_FLOOR == 0.5
-    assert probed({0: 3.0, 2: 2.9, 8: 1.6, 48: 0.3}).nodes == [8, 8]  # 48 rated under half: left out
-    assert probed({0: 3.0, 2: 1.0, 8: 0.5, 48: 0.3}).nodes == [2, 2]  # none at half: the best-rated wider
-    assert probed({0: 3.0, 2: 2.9, 8: 2.0, 48: 1.9}, caps=(48, 4)).nodes == [48, 4]  # each row within its cap
+    assert PROBE_FLOOR == 0.9
+    assert probed({0: 3.0, 2: 2.95, 8: 2.8, 48: 1.6}).nodes == [8, 8]  # 48 rated under the floor: left out
+    assert probed({0: 3.0, 2: 1.0, 8: 0.5, 48: 0.3}).nodes == [2, 2]  # none at the floor: the best-rated wider
+    assert probed({0: 3.0, 2: 2.9, 8: 2.95, 48: 2.8}, caps=(48, 4)).nodes == [48, 4]  # each row within its cap

@@ -45,7 +45,7 @@ wires the building blocks of speculation under load into its step:
 7. **probes** (with ``price_drafting``) - a load level never measures the widths it does not draft, so a price learnt
    high (a first contact, a slow moment) would keep it plain - or at a narrow width - for good: wider drafts are
    priced and rated from what narrower ones measured. After ``PROBE_EVERY`` steps in a row at one width where a
-   wider one was possible, one step drafts at the widest width rated at least half as good as the choice
+   wider one was possible, one step drafts at the widest width rated at least 0.9x as good as the choice
    (``probe``, ``PROBE_FLOOR``): its verified draft samples every
    narrower budget's acceptance at once, and its measured price and accepted tokens update the level's estimates
    (not enough where the policy's arm caps the probe: docs/algorithms.md, "The step, adapting", 7.).
@@ -79,7 +79,7 @@ FORWARD_RATIO_DECAY = 0.8
 #: (``probe``)
 PROBE_EVERY = 16
 #: a probe drafts the widest width whose expected goodput is at least this share of the allocation's
-PROBE_FLOOR = 0.5
+PROBE_FLOOR = 0.9
 
 
 class StepPlan(NamedTuple):
@@ -251,7 +251,7 @@ class AdaptiveSpeculation:
             self.width_runs[level] = (alloc.width, run)
             return alloc
         self.width_runs.pop(level, None)
-        # the widest width rated at least half as good as the choice (one verified draft of w nodes samples every
+        # the widest width rated nearly as good as the choice (one verified draft of w nodes samples every
         # budget <= w at once), else the best-rated wider one: a 48-node probe beside 8 rows costs ~6 plain steps
         fair = [x for x in wider if alloc.table[x] >= PROBE_FLOOR * alloc.goodput]
         w = max(fair) if fair else max(wider, key=lambda x: (alloc.table[x], -x))
