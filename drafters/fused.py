@@ -150,14 +150,14 @@ class FusedDrafter(Drafter):
                 continue
             draft = yield from drafting_loop(arm, ctx)
             catch_up += draft.catch_up
-            if self.enough is not None and i + 1 < len(self.arms):
-                if draft.depth >= self.enough:
-                    merge(i, arm, draft)
-                    meta["cascade_stop"] = True  # counted per request: steps where the later arms did not draft
-                    break
+            cascading = self.enough is not None and i + 1 < len(self.arms)
+            if cascading and draft.depth < self.enough:
                 deferred.append((i, arm, draft))  # too shallow: the later arms' nodes come first
                 continue
             merge(i, arm, draft)
+            if cascading:  # deep enough
+                meta["cascade_stop"] = True  # counted per request: steps where the later arms did not draft
+                break
         for i, arm, draft in deferred:
             merge(i, arm, draft)
         fused = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), meta=meta,

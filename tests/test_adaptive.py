@@ -620,6 +620,10 @@ def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_th
     probe = allocs[-1]
     assert probe.width == max(probe.table) == 8  # the widest scanned: one draft samples every budget up to 8
     assert probe.nodes == [8] and probe.table[8] <= probe.table[2]  # not the model's choice
+    from metasd.core.pricing.allocator import expected_goodput
+    priced = [adaptive.draft_cost(arm, steady[0], running=1)]  # the record's goodput: the probe's own 8 nodes
+    own = expected_goodput([adaptive.curve(arm)], [8], adaptive.forward_cost(1), draft_costs=priced)
+    assert probe.goodput == pytest.approx(own) and own < probe.table[8]
     capped = budget_arms(_cascade(), (2,))[0]  # nothing wider is possible: no probe
     assert all(adaptive.allocate([capped], steady).nodes == [2] for _ in range(2 * PROBE_EVERY))
 
@@ -656,7 +660,7 @@ def test_a_probe_drafts_the_widest_width_rated_nearly_as_good_as_the_choice():
 
     def probed(table, caps=(48, 48)):
         plain = Allocation([0] * len(caps), 0, table[0], dict(table), [0] * len(caps), float(len(caps)))
-        return [adaptive.probe(plain, [None] * len(caps), list(caps)) for _ in range(PROBE_EVERY)][-1]
+        return [adaptive.probe(plain, [None] * len(caps), list(caps), _linear) for _ in range(PROBE_EVERY)][-1]
 
     assert PROBE_FLOOR == 0.9
     assert probed({0: 3.0, 2: 2.95, 8: 2.8, 48: 1.6}).nodes == [8, 8]  # 48 rated under the floor: left out

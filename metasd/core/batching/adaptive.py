@@ -46,9 +46,9 @@ wires the building blocks of speculation under load into its step:
    high (a first contact, a slow moment) would keep it plain - or at a narrow width - for good: wider drafts are
    priced and rated from what narrower ones measured. After ``PROBE_EVERY`` steps in a row at one width where a
    wider one was possible, one step drafts at the widest width rated at least 0.9x as good as the choice
-   (``probe``, ``PROBE_FLOOR``): its verified draft samples every
-   narrower budget's acceptance at once, and its measured price and accepted tokens update the level's estimates
-   (not enough where the policy's arm caps the probe: docs/algorithms.md, "The step, adapting", 7.).
+   (``probe``, ``PROBE_FLOOR``): its verified draft samples every narrower budget's acceptance at once, and its
+   measured price and accepted tokens update the level's estimates (not enough where the policy's arm caps the
+   probe: docs/algorithms.md, "The step, adapting", 7.).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -67,7 +67,7 @@ import numpy as np
 from ..decoding.drafter import drafts_lookups
 from ..decoding.request_features import LOAD_LEVELS, load_features, load_level
 from ..pricing.acceptance_curve import AcceptanceCurve
-from ..pricing.allocator import Allocation, checked_min_gain, plan
+from ..pricing.allocator import Allocation, checked_min_gain, expected_goodput, plan
 from ..pricing.draft_prices import DraftPrices
 from ..pricing.goodput import counterfactual_share, shared_step_cost
 
@@ -226,20 +226,24 @@ class AdaptiveSpeculation:
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
-        alloc = plan(curves, caps, self.forward_cost(len(arms)), max_width=self.max_width, draft_costs=costs,
-                     min_gain=self.min_gain, alternatives=others)
-        return self.probe(alloc, curves, caps)
+        forward = self.forward_cost(len(arms))
+        alloc = plan(curves, caps, forward, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
+                     alternatives=others)
+        return self.probe(alloc, curves, caps, forward, costs)
 
-    def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int]) -> Allocation:
+    def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
+              costs: Sequence[Any] | None = None) -> Allocation:
         """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level with the same width ``v``
         while a wider width was possible (a request's cap above it): then every request drafts ``min(w, cap_i)``
         nodes with its arm, ``w`` the widest width the allocator rates at least ``PROBE_FLOOR`` times as good as its
-        choice, else the best-rated wider one (at most the selected arms' caps). A price or
-        a curve point the allocator rates out is never measured again at that level, so estimates learnt low or high
-        (a first contact's draft, a slow moment) would keep the level plain, or narrow, for good; the widest draft
-        samples the acceptance of every narrower budget at once (``AcceptanceCurve.update``) and the price of the
-        widest, between which the narrower prices are read. Only with ``price_drafting`` (unpriced, drafting is rated
-        out by the curves and forward alone)."""
+        choice, else the best-rated wider one (at most the selected arms' caps). A price or a curve point the
+        allocator rates out is never measured again at that level, so estimates learnt low or high (a first contact's
+        draft, a slow moment) would keep the level plain, or narrow, for good; the widest draft samples the acceptance
+        of every narrower budget at once (``AcceptanceCurve.update``) and the price of the widest, between which the
+        narrower prices are read. The probe's expected goodput and tokens are those of its own nodes
+        (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with), not of the
+        allocation it replaces. Only with ``price_drafting`` (unpriced, drafting is rated out by the curves and
+        forward alone)."""
         level = load_level(len(caps))
         wider = [w for w in alloc.table if w > alloc.width]
         if not wider or max(caps, default=0) <= alloc.width or not self.price_drafting:
@@ -251,13 +255,15 @@ class AdaptiveSpeculation:
             self.width_runs[level] = (alloc.width, run)
             return alloc
         self.width_runs.pop(level, None)
-        # the widest width rated nearly as good as the choice (one verified draft of w nodes samples every
-        # budget <= w at once), else the best-rated wider one: a 48-node probe beside 8 rows costs ~6 plain steps
+        # the widest width rated nearly as good as the choice (one verified draft of w nodes samples every budget
+        # <= w at once), else the best-rated wider one: beside 8 rows on this CPU a 32-48-node probe took the time
+        # of ~13 plain steps
         fair = [x for x in wider if alloc.table[x] >= PROBE_FLOOR * alloc.goodput]
         w = max(fair) if fair else max(wider, key=lambda x: (alloc.table[x], -x))
         nodes = [min(w, c) for c in caps]
         tokens = len(caps) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
-        return Allocation(nodes, w, alloc.table[w], dict(alloc.table), [0] * len(caps), tokens)
+        goodput = expected_goodput(curves, nodes, forward, draft_costs=costs)
+        return Allocation(nodes, w, goodput, dict(alloc.table), [0] * len(caps), tokens)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
