@@ -579,7 +579,7 @@ def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_pric
     # drafting priced far above what it saves: the allocator keeps every step plain, and a level that decodes plain
     # never measures its drafting again - so every PROBE_EVERY-th plain step in a row drafts once, at the width the
     # allocator rated best, each request up to its cap; the step's price then updates the level's estimate
-    from metasd.core.batching.adaptive import PROBE_EVERY
+    from metasd.core.batching.probes import PROBE_EVERY
 
     adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.25)
     arm = budget_arms(_cascade(), (4,))[0]
@@ -606,7 +606,7 @@ def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_pric
 def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_the_wider_prices_again():
     # 2 nodes learnt cheap, 4 and 8 learnt dear: the allocator keeps drafting 2 and never measures the wider prices
     # again - so every PROBE_EVERY-th step in a row at that width drafts once at the wider width it rated best
-    from metasd.core.batching.adaptive import PROBE_EVERY
+    from metasd.core.batching.probes import PROBE_EVERY
 
     adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.25)
     arm = budget_arms(_cascade(), (8,))[0]
@@ -653,7 +653,7 @@ def test_a_probe_drafts_the_widest_width_rated_nearly_as_good_as_the_choice():
     # one verified draft samples every narrower budget, but a 48-node probe beside many rows costs several plain
     # steps (at 8 requests on this CPU: 3.4-4.0 s at 20-21 tokens/s against ~27 for plain steps, with a floor of
     # half): the probe takes the widest width rated >= PROBE_FLOOR x the allocation, else the best-rated wider one
-    from metasd.core.batching.adaptive import PROBE_EVERY, PROBE_FLOOR
+    from metasd.core.batching.probes import PROBE_EVERY, PROBE_FLOOR
     from metasd.core.pricing.allocator import Allocation
 
     adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True)
@@ -666,3 +666,86 @@ def test_a_probe_drafts_the_widest_width_rated_nearly_as_good_as_the_choice():
     assert probed({0: 3.0, 2: 2.95, 8: 2.8, 48: 1.6}).nodes == [8, 8]  # 48 rated under the floor: left out
     assert probed({0: 3.0, 2: 1.0, 8: 0.5, 48: 0.3}).nodes == [2, 2]  # none at the floor: the best-rated wider
     assert probed({0: 3.0, 2: 2.9, 8: 2.95, 48: 2.8}, caps=(48, 4)).nodes == [48, 4]  # each row within its cap
+
+
+class _Switchable(_Pending):
+    """A request stand-in whose arm a probe may switch among its drafters (``Request.can_switch_arm``)."""
+
+    def __init__(self, drafters, can_switch=True, **kw):
+        super().__init__(**kw)
+        self.drafters, self.can_switch_arm, self.switched = drafters, can_switch, []
+
+    def switch_arm(self, drafter):
+        self.switched.append(drafter.name)
+
+
+def test_a_probe_drafts_with_a_wider_sibling_arm_than_the_narrow_one_the_policy_chose():
+    # one request: its first 16-node draft accepted 2 nodes, then 2-node drafts accepted 2 - the wide budgets keep
+    # that one sample and the allocator drafts 2 nodes; the policy's arms score alike (each drafts the same 2 nodes)
+    # and it settled on cascade@4. A probe rated by the curve and capped by that arm drafted 4 nodes and never sampled
+    # the wide budgets again (BENCHMARKS.md, "Budget arms as exploration"); it is rated hopefully and drafts with the
+    # entry's widest arm instead
+    from metasd.core.batching.probes import PROBE_EVERY
+
+    adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True, unit_seconds=0.25)
+    arms = budget_arms(_cascade(), (4, 16, 48))
+    adaptive.learn(arms[1], [0, 1], 16, 16, draft_cost=0.3, running=1)
+    for _ in range(20):
+        adaptive.learn(arms[0], [0, 1], 2, 2, draft_cost=0.1, running=1)
+    request = _Switchable(arms, length=100, max_new_tokens=64)
+    adaptive._fed[request] = 100
+    plans = [adaptive.step_plan([1], [arms[0]], [request]) for _ in range(PROBE_EVERY)]
+    assert all(p.nodes == {1: 2} and p.arms == {1: arms[0]} for p in plans[:-1])
+    probe = plans[-1]
+    assert probe.nodes == {1: 48} and probe.arms == {1: arms[2]} and request.switched == ["cascade@48"]
+    fixed = _Switchable(arms, can_switch=False, length=100, max_new_tokens=64)  # a policy that may not be overruled
+    adaptive._fed[fixed] = 100
+    capped = [adaptive.step_plan([2], [arms[0]], [fixed]) for _ in range(PROBE_EVERY)][-1]
+    assert capped.nodes == {2: 4} and capped.arms == {2: arms[0]} and fixed.switched == []
+
+
+def test_a_curve_read_hopefully_rates_budgets_sampled_less_than_the_narrow_one_as_its_acceptance_implies():
+    from metasd.core.pricing.acceptance_curve import AcceptanceCurve, geometric_prior, implied_alpha
+
+    curve = AcceptanceCurve()
+    assert curve.hopeful_many([8]).tolist() == curve.expected_many([8]).tolist()  # no samples: the prior
+    curve.update([0, 1], 16)  # one unlucky wide draft
+    for _ in range(20):
+        curve.update([0, 1], 2)
+    assert curve.expected(16) < 2.0  # pooled with the 2-node budget: flat
+    alpha = implied_alpha(curve.expected(2), 2)
+    hopeful = curve.hopeful_many([1, 2, 4, 16, 64])
+    assert hopeful[:2].tolist() == curve.expected_many([1, 2]).tolist()  # the well-sampled budgets as learnt
+    assert hopeful[3] == pytest.approx(geometric_prior(alpha, 16)) and hopeful[3] > 2 * curve.expected(16)
+    assert all(b >= a for a, b in zip(hopeful, hopeful[1:])) and all(h <= d for h, d in zip(hopeful, [1, 2, 4, 16, 64]))
+    for _ in range(20):  # the wide budgets measured as often: read as learnt
+        curve.update([0, 1], 16)
+    assert curve.hopeful_many([16]).tolist() == curve.expected_many([16]).tolist()
+
+
+def test_a_switched_arm_drafts_and_is_what_the_policy_learns(verifier_model, tok, monkeypatch):
+    # end to end: the policy always picks the 2-node arm, probes every other step switch to a wider sibling; outputs
+    # stay the verifier's, the wider drafts are verified, and the policy is told which arm drafted
+    import metasd.core.batching.probes as probes_module
+
+    monkeypatch.setattr(probes_module, "PROBE_EVERY", 2)
+    expected = _plain(verifier_model, tok)
+    engine = _engine(verifier_model, tok, _budget_arms(), policy="ucb", feedback="full")
+    observed = []
+    inner_observe = engine.policy.observe
+    monkeypatch.setattr(engine.policy, "select", lambda context=None: 0)  # cascade@2
+    monkeypatch.setattr(engine.policy, "observe", lambda arm, rewards, context=None: (observed.append(arm),
+                                                                                      inner_observe(arm, rewards,
+                                                                                                    context)))
+    adaptive = AdaptiveSpeculation(lambda n: 1.0 + 0.5 * n, max_width=16, price_drafting=True, unit_seconds=1e-3)
+    got, steps = _serve(engine, adaptive)
+    assert [r.token_ids for r in got] == expected
+    assert max(r.drafted for s in steps for r in s.requests) > 2  # a probe's draft, beyond cascade@2's cap
+    assert 0 in observed and {1, 2} & set(observed)
+    req = Request(engine, "x", 4)
+    assert req.can_switch_arm
+    with pytest.raises(RuntimeError, match="selected arm"):
+        req.switch_arm(engine.drafters[1])
+    for policy, feedback in (("round_robin", "full"), ("ucb", "bandit")):  # learns no counterfactual / one arm
+        assert not Request(_engine(verifier_model, tok, _budget_arms(), policy=policy, feedback=feedback), "x",
+                           4).can_switch_arm

@@ -42,13 +42,12 @@ wires the building blocks of speculation under load into its step:
    seconds, so without it a forward dearer than profiled made drafting look dearer than it is beside the forward it
    saves (on this CPU at 4 requests: plain steps took 1.26x the profile's price, one run decoded 47 of 65 steps
    plain where a fixed tree 8 was faster).
-7. **probes** (with ``price_drafting``) - a load level never measures the widths it does not draft, so a price learnt
-   high (a first contact, a slow moment) would keep it plain - or at a narrow width - for good: wider drafts are
-   priced and rated from what narrower ones measured. After ``PROBE_EVERY`` steps in a row at one width where a
-   wider one was possible, one step drafts at the widest width rated at least 0.9x as good as the choice
-   (``probe``, ``PROBE_FLOOR``): its verified draft samples every narrower budget's acceptance at once, and its
-   measured price and accepted tokens update the level's estimates (not enough where the policy's arm caps the
-   probe: docs/algorithms.md, "The step, adapting", 7.).
+7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
+   so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After ``PROBE_EVERY``
+   steps in a row at one width where a wider one was possible, one step drafts wider, chosen hopefully and up to each
+   request's widest sibling arm (``widest``; the request is switched to it, ``switched``): its verified draft samples
+   every narrower budget's acceptance at once, and its measured price and accepted tokens update the level's
+   estimates.
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -67,19 +66,15 @@ import numpy as np
 from ..decoding.drafter import drafts_lookups
 from ..decoding.request_features import LOAD_LEVELS, load_features, load_level
 from ..pricing.acceptance_curve import AcceptanceCurve
-from ..pricing.allocator import Allocation, checked_min_gain, expected_goodput, plan
+from ..pricing.allocator import Allocation, checked_min_gain, plan
 from ..pricing.draft_prices import DraftPrices
 from ..pricing.goodput import counterfactual_share, shared_step_cost
+from . import probes
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8
 #: weight of the past in a load level's forward ratio (measured / profiled seconds of the verify forward)
 FORWARD_RATIO_DECAY = 0.8
-#: after this many steps in a row at one width of a load level where a wider one was possible, one step drafts wider
-#: (``probe``)
-PROBE_EVERY = 16
-#: a probe drafts the widest width whose expected goodput is at least this share of the allocation's
-PROBE_FLOOR = 0.9
 
 
 class StepPlan(NamedTuple):
@@ -154,8 +149,7 @@ class AdaptiveSpeculation:
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
         self.forward_ratios: dict[int, float] = {}  # load level -> measured / profiled verify forward (module doc, 6.)
-        # load level -> (width, steps in a row at it where a wider width was possible)
-        self.width_runs: dict[int, tuple[int, int]] = {}
+        self.width_runs = probes.WidthRuns()  # per load level: steps in a row at one width (``probe``)
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
@@ -229,41 +223,42 @@ class AdaptiveSpeculation:
         forward = self.forward_cost(len(arms))
         alloc = plan(curves, caps, forward, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
                      alternatives=others)
-        return self.probe(alloc, curves, caps, forward, costs)
+        reach = [self.cap(self.widest(a, r)) if c > 0 else 0 for a, c, r in zip(arms, caps, reqs)]
+        return self.probe(alloc, curves, caps, forward, costs, reach=reach)
+
+    @staticmethod
+    def siblings(arm: Any, request: Any) -> list:
+        """The request's budget arms of ``arm``'s pool entry (same inner drafter: ``cascade@4``, ``cascade@16``, ...)
+        it may draft with instead this step (``Request.can_switch_arm``), narrowest first; ``[arm]`` otherwise."""
+        inner = getattr(arm, "inner", None)
+        if inner is None or request is None or not getattr(request, "can_switch_arm", False):
+            return [arm]
+        return sorted((d for d in request.drafters if getattr(d, "inner", None) is inner), key=lambda d: d.budget)
+
+    def widest(self, arm: Any, request: Any) -> Any:
+        """The widest arm a probe may switch the request to (``siblings``)."""
+        return max(self.siblings(arm, request), key=self.cap)
+
+    def switched(self, arm: Any, request: Any, nodes: int) -> Any:
+        """The arm that drafts ``nodes`` nodes for the request: ``arm`` where its cap holds them, else its narrowest
+        sibling that does (a probe wider than the arm the policy chose), which the request is switched to."""
+        if nodes <= self.cap(arm):
+            return arm
+        wide = next(d for d in self.siblings(arm, request) if self.cap(d) >= nodes)
+        request.switch_arm(wide)
+        return wide
 
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
-              costs: Sequence[Any] | None = None) -> Allocation:
-        """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level with the same width ``v``
-        while a wider width was possible (a request's cap above it): then every request drafts ``min(w, cap_i)``
-        nodes with its arm, ``w`` the widest width the allocator rates at least ``PROBE_FLOOR`` times as good as its
-        choice, else the best-rated wider one (at most the selected arms' caps). A price or a curve point the
-        allocator rates out is never measured again at that level, so estimates learnt low or high (a first contact's
-        draft, a slow moment) would keep the level plain, or narrow, for good; the widest draft samples the acceptance
-        of every narrower budget at once (``AcceptanceCurve.update``) and the price of the widest, between which the
-        narrower prices are read. The probe's expected goodput and tokens are those of its own nodes
-        (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with), not of the
-        allocation it replaces. Only with ``price_drafting`` (unpriced, drafting is rated out by the curves and
-        forward alone)."""
-        level = load_level(len(caps))
-        wider = [w for w in alloc.table if w > alloc.width]
-        if not wider or max(caps, default=0) <= alloc.width or not self.price_drafting:
-            self.width_runs.pop(level, None)
+              costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None) -> Allocation:
+        """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level at one width while a wider
+        one was possible (a request's ``reach`` above it: its cap, or its widest sibling arm's, ``widest``); then
+        ``probes.probe``'s wider allocation (module docstring, 7.; metasd/core/batching/probes.py). Only with
+        ``price_drafting`` (unpriced, drafting is rated out by the curves and forward alone)."""
+        reach = list(caps) if reach is None else [max(int(r), int(c)) for r, c in zip(reach, caps)]
+        possible = self.price_drafting and max(reach, default=0) > alloc.width
+        if not self.width_runs.due(load_level(len(caps)), alloc.width, possible):
             return alloc
-        width, run = self.width_runs.get(level, (alloc.width, 0))
-        run = run + 1 if width == alloc.width else 1
-        if run < PROBE_EVERY:
-            self.width_runs[level] = (alloc.width, run)
-            return alloc
-        self.width_runs.pop(level, None)
-        # the widest width rated nearly as good as the choice (one verified draft of w nodes samples every budget
-        # <= w at once), else the best-rated wider one: beside 8 rows on this CPU a 32-48-node probe took the time
-        # of ~13 plain steps
-        fair = [x for x in wider if alloc.table[x] >= PROBE_FLOOR * alloc.goodput]
-        w = max(fair) if fair else max(wider, key=lambda x: (alloc.table[x], -x))
-        nodes = [min(w, c) for c in caps]
-        tokens = len(caps) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
-        goodput = expected_goodput(curves, nodes, forward, draft_costs=costs)
-        return Allocation(nodes, w, goodput, dict(alloc.table), [0] * len(caps), tokens)
+        return probes.probe(alloc, curves, reach, forward, costs, self.max_width)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
@@ -278,6 +273,7 @@ class AdaptiveSpeculation:
     def step_plan(self, jobs: Sequence[int], arms: Sequence[Any], requests: Sequence[Any]) -> StepPlan:
         """The step's ``StepPlan`` from the arms selected (``jobs``: the running jobs' ids; all in row order)."""
         alloc = self.allocate(arms, requests)
+        arms = [self.switched(a, r, d) if a is not None else a for a, r, d in zip(arms, requests, alloc.nodes)]
         return StepPlan(alloc, dict(zip(jobs, alloc.nodes)), dict(zip(jobs, arms)),
                         {j: o > 0 for j, o in zip(jobs, alloc.options)})
 

@@ -242,6 +242,26 @@ class Request:
         self._selected = ctx
         return self.drafters[self.arm] if self.drafters else None
 
+    @property
+    def can_switch_arm(self) -> bool:
+        """Whether a scheduler may swap the selected arm before the request drafts (``switch_arm``): per-step arms
+        and a policy that learns every arm's reward each step (``feedback: full``, ``uses_counterfactuals``) - its
+        estimates then do not depend on which arm drafted, so a forced arm is no bias (it is for a policy that
+        weighs the played arm by its probability, EXP3's)."""
+        eng, policy = self.engine, self.policy
+        return (eng.granularity == "step" and eng.feedback == "full"
+                and (policy is None or bool(getattr(policy, "uses_counterfactuals", False))))
+
+    def switch_arm(self, drafter: Any) -> None:
+        """Draft this step with ``drafter`` (one of ``drafters``) instead of the arm the policy selected - between
+        ``select_arm`` and ``propose``, where ``can_switch_arm``; the policy is then told that arm drafted."""
+        if self._selected is None or not self.can_switch_arm:
+            raise RuntimeError("Request.switch_arm needs a selected arm, per-step arms and full feedback")
+        index = [i for i, d in enumerate(self.drafters) if d is drafter]
+        if not index:
+            raise ValueError(f"Request.switch_arm: {getattr(drafter, 'name', drafter)!r} is not one of its drafters")
+        self.arm = index[0]
+
     def propose(self, max_nodes: int | None = None, lookup_only: bool = False) -> Draft:
         """Draft with the selected arm (the engine's meter counts the work), cut to the token budget, ``draft_budget``
         and ``max_nodes`` (the allocator's node budget, passed to the drafter as ``StepContext.max_nodes``, as

@@ -202,6 +202,24 @@ class AcceptanceCurve:
         ys = np.concatenate([[0.0], self.values()])
         return np.interp(np.maximum(np.asarray(ds, dtype=np.float64), 0.0), xs, ys)
 
+    def hopeful_many(self, ds: Sequence[float] | np.ndarray) -> np.ndarray:
+        """[len(ds)] a hopeful reading, for exploration (a scheduler's probe; the allocator reads ``expected``): where a
+        budget has fewer samples than the widest well-sampled one ``d*`` (the widest grid point sampled at least half
+        as often as the most-sampled one), the chain ``a(d*)`` implies (``implied_alpha``) if that is higher than the
+        estimate. Narrow drafts never sample wide budgets, so one unlucky wide draft (a first contact's) would
+        otherwise rate them low for good; read hopefully, they are as good as the narrow budget measured many times
+        promises. Non-decreasing and ``<= d`` as ``values()``; the prior where nothing was sampled."""
+        out = self.values().copy()  # [G]
+        if self.counts.max() > 0:
+            well = int(np.flatnonzero(self.counts * 2 >= self.counts.max())[-1])
+            alpha = implied_alpha(float(out[well]), int(self.grid[well]))
+            chain = np.array([geometric_prior(alpha, int(d)) for d in self.grid.tolist()])  # [G]
+            fewer = (np.arange(len(self.grid)) > well) & (self.counts < self.counts[well])
+            out = np.where(fewer, np.maximum(out, chain), out)
+            out = np.minimum(np.maximum.accumulate(out), self.grid.astype(np.float64))
+        xs = np.concatenate([[0.0], self.grid.astype(np.float64)])
+        return np.interp(np.maximum(np.asarray(ds, dtype=np.float64), 0.0), xs, np.concatenate([[0.0], out]))
+
     # -- persistence -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state (the configuration, to check on load, and the samples)."""

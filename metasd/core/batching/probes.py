@@ -1,0 +1,92 @@
+"""Probes: a load level's exploration of wider drafts (docs/algorithms.md, "The step, adapting", 7.).
+
+A load level never measures the widths it does not draft: a drafting price learnt high (a first contact, a slow
+moment) or an acceptance curve learnt low (one unlucky wide draft) would keep it plain, or narrow, for good - wider
+drafts are priced and rated from what narrower ones measured, and narrow drafts never sample the wide budgets. After
+``PROBE_EVERY`` steps in a row at one width where a wider one was possible, one step drafts wider (``probe``): its
+verified draft samples every narrower budget's acceptance at once, and its measured price and accepted tokens update
+the level's estimates.
+
+A probe is exploration, so its width is chosen hopefully: each request's curve read by ``AcceptanceCurve.hopeful_many``
+(a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies), and each
+request may draft up to its ``reach`` - its arm's cap, or, where the request may switch arms
+(``Request.can_switch_arm``), the widest budget arm of the same pool entry: the policy's arms score alike once the
+allocator gives them all the same few nodes, and a probe capped by the narrow arm it settled on never sampled the wide
+budgets again (BENCHMARKS.md, "Budget arms as exploration").
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from ..pricing.allocator import Allocation, candidate_widths, expected_goodput
+
+#: after this many steps in a row at one width of a load level where a wider one was possible, one step drafts wider
+PROBE_EVERY = 16
+#: a probe drafts the widest width whose (hopeful) expected goodput is at least this share of the allocation's
+PROBE_FLOOR = 0.9
+
+
+class _Hopeful:
+    """A curve read hopefully (``AcceptanceCurve.hopeful_many``) where ``expected_goodput`` reads ``expected``."""
+
+    def __init__(self, curve: Any):
+        self.curve = curve
+
+    def expected(self, d: float) -> float:
+        hopeful = getattr(self.curve, "hopeful_many", None)
+        return float(hopeful([d])[0]) if hopeful is not None else float(self.curve.expected(d))
+
+
+class WidthRuns:
+    """Per load level: the width of its last steps and how many steps in a row it held while a wider one was
+    possible; ``due`` says when a probe is."""
+
+    def __init__(self):
+        self.runs: dict[int, tuple[int, int]] = {}  # load level -> (width, steps in a row at it)
+
+    def due(self, level: int, width: int, wider_possible: bool) -> bool:
+        """Count a step of ``level`` at ``width``; True on the ``PROBE_EVERY``-th in a row at one width where a wider
+        one was possible (the count starts again after it, or after a step where none was)."""
+        if not wider_possible:
+            self.runs.pop(level, None)
+            return False
+        last, run = self.runs.get(level, (width, 0))
+        run = run + 1 if last == width else 1
+        if run < PROBE_EVERY:
+            self.runs[level] = (width, run)
+            return False
+        self.runs.pop(level, None)
+        return True
+
+
+def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
+                  costs: Sequence[Any] | None, max_width: int) -> dict[int, float]:
+    """Every width wider than the allocation's that some request may reach, rated for a probe: the allocator's own
+    rating (``alloc.table``) or every request drafting ``min(width, reach_i)`` nodes read hopefully, whichever is
+    higher."""
+    hopeful = [None if cu is None else _Hopeful(cu) for cu in curves]
+    ratings = {}
+    for x in sorted(set(alloc.table) | set(candidate_widths(curves, reach, max_width))):
+        if alloc.width < x <= max(reach, default=0):
+            own = expected_goodput(hopeful, [min(x, r) for r in reach], forward, draft_costs=costs)
+            ratings[x] = max(alloc.table.get(x, own), own)
+    return ratings
+
+
+def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
+          costs: Sequence[Any] | None, max_width: int) -> Allocation:
+    """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the widest width rated
+    at least ``PROBE_FLOOR`` times as good as the allocation (``wider_ratings``), else the best-rated wider one - beside
+    8 rows on this CPU a 32-48-node probe took the time of ~13 plain steps. Its expected goodput and tokens are those
+    of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with),
+    not of the allocation it replaces; its table holds the allocator's ratings and the probe's."""
+    ratings = wider_ratings(alloc, curves, reach, forward, costs, max_width)
+    fair = [x for x, g in ratings.items() if g >= PROBE_FLOOR * alloc.goodput]
+    w = max(fair) if fair else max(ratings, key=lambda x: (ratings[x], -x))
+    nodes = [min(w, r) for r in reach]
+    tokens = len(reach) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
+    goodput = expected_goodput(curves, nodes, forward, draft_costs=costs)
+    return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, [0] * len(reach), tokens)
+
+
+__all__ = ["PROBE_EVERY", "PROBE_FLOOR", "WidthRuns", "probe", "wider_ratings"]
