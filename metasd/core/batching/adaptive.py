@@ -37,11 +37,12 @@ wires the building blocks of speculation under load into its step:
 6. **the forward's real price** (with ``unit_seconds``) - the profile times one row's forward once, at start; a step's
    batched forward of B rows, over the rows' real contexts, on a machine whose speed drifts, costs another multiple of
    it. Each step's measured forward seconds over its modeled cost (``cost(B N)`` one-token forwards) are averaged per
-   load level (``forward_ratio``) and every verify price of the level - the allocator's, the step's share, a
-   counterfactual's - is the profile's cost times that ratio (``forward_cost``). Drafting is priced by its measured
-   seconds, so without it a forward dearer than profiled made drafting look dearer than it is beside the forward it
-   saves (on this CPU at 4 requests: plain steps took 1.26x the profile's price, one run decoded 47 of 65 steps
-   plain where a fixed tree 8 was faster).
+   load level and token bucket (``ForwardRatios``: the profile's extrapolation of the widths it skipped can be far
+   off) and every verify price of the level - the allocator's, the step's share, a counterfactual's - is the
+   profile's cost times the ratio learnt for its width (``forward_cost``; a probe reads widths never run hopefully).
+   Drafting is priced by its measured seconds, so without it a forward dearer than profiled made drafting look
+   dearer than it is beside the forward it saves (on this CPU at 4 requests: plain steps took 1.26x the profile's
+   price, one run decoded 47 of 65 steps plain where a fixed tree 8 was faster).
 7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
    so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After ``PROBE_EVERY``
    steps in a row at one width where a wider one was possible, one step drafts wider, chosen hopefully and up to each
@@ -68,13 +69,12 @@ from ..decoding.request_features import LOAD_LEVELS, load_features, load_level
 from ..pricing.acceptance_curve import AcceptanceCurve
 from ..pricing.allocator import Allocation, checked_min_gain, plan
 from ..pricing.draft_prices import DraftPrices
+from ..pricing.forward_ratios import FORWARD_RATIO_DECAY, ForwardRatios
 from ..pricing.goodput import counterfactual_share, shared_step_cost
 from . import probes
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8
-#: weight of the past in a load level's forward ratio (measured / profiled seconds of the verify forward)
-FORWARD_RATIO_DECAY = 0.8
 
 
 class StepPlan(NamedTuple):
@@ -148,7 +148,7 @@ class AdaptiveSpeculation:
         self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
-        self.forward_ratios: dict[int, float] = {}  # load level -> measured / profiled verify forward (module doc, 6.)
+        self.ratios = ForwardRatios(FORWARD_RATIO_DECAY)  # measured / profiled verify forwards (module doc, 6.)
         self.width_runs = probes.WidthRuns()  # per load level: steps in a row at one width (``probe``)
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
@@ -224,7 +224,8 @@ class AdaptiveSpeculation:
         alloc = plan(curves, caps, forward, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
                      alternatives=others)
         reach = [self.cap(self.widest(a, r)) if c > 0 else 0 for a, c, r in zip(arms, caps, reqs)]
-        return self.probe(alloc, curves, caps, forward, costs, reach=reach)
+        return self.probe(alloc, curves, caps, forward, costs, reach=reach,
+                          hopeful=self.forward_cost(len(arms), hopeful=True))
 
     @staticmethod
     def siblings(arm: Any, request: Any) -> list:
@@ -249,16 +250,18 @@ class AdaptiveSpeculation:
         return wide
 
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
-              costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None) -> Allocation:
+              costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None,
+              hopeful: Callable[[int], float] | None = None) -> Allocation:
         """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level at one width while a wider
         one was possible (a request's ``reach`` above it: its cap, or its widest sibling arm's, ``widest``); then
-        ``probes.probe``'s wider allocation (module docstring, 7.; metasd/core/batching/probes.py). Only with
+        ``probes.probe``'s wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``;
+        module docstring, 7.; metasd/core/batching/probes.py). Only with
         ``price_drafting`` (unpriced, drafting is rated out by the curves and forward alone)."""
         reach = list(caps) if reach is None else [max(int(r), int(c)) for r, c in zip(reach, caps)]
         possible = self.price_drafting and max(reach, default=0) > alloc.width
         if not self.width_runs.due(load_level(len(caps)), alloc.width, possible):
             return alloc
-        return probes.probe(alloc, curves, reach, forward, costs, self.max_width)
+        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
@@ -311,19 +314,28 @@ class AdaptiveSpeculation:
         curve = self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
-    def forward_ratio(self, running: int) -> float:
-        """The verify forward's measured / profiled cost at ``running`` requests' load level (module docstring, 6.):
-        the level's average, else the nearest level's that has one (the lower on a tie), else 1."""
-        if not self.forward_ratios:
-            return 1.0
-        level = load_level(running)
-        return self.forward_ratios[min(self.forward_ratios, key=lambda lv: (abs(lv - level), lv))]
+    @property
+    def forward_ratios(self) -> dict[int, float]:
+        """Load level -> the measured / profiled cost of its verify forwards, all widths together (logs)."""
+        return self.ratios.levels
 
-    def forward_cost(self, running: int) -> Callable[[int], float]:
+    def forward_ratio(self, running: int) -> float:
+        """The verify forward's measured / profiled cost at ``running`` requests' load level, all widths together
+        (module docstring, 6.): the level's average, else the nearest level's that has one (the lower on a tie),
+        else 1."""
+        return self.ratios.level_ratio(load_level(running))
+
+    def forward_cost(self, running: int, hopeful: bool = False) -> Callable[[int], float]:
         """The price of a verify forward with ``running`` rows over n tokens (padding included): the profile's cost
-        times the level's ``forward_ratio`` (read once, here)."""
-        ratio = self.forward_ratio(running)
-        return lambda n: ratio * self.cost(n)
+        times the ratio learnt at the level for that width (``ForwardRatios.ratio``). ``hopeful`` (a probe's): a
+        forward wider than the widest the level has run is priced as that one."""
+        level = load_level(running)
+        widest = self.ratios.widest(level) if hopeful else None
+
+        def price(n: int) -> float:
+            n = n if widest is None else min(n, max(widest, 1))
+            return self.ratios.ratio(level, n) * self.cost(n)
+        return price
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int,
                forward_s: float | None = None) -> AdaptiveRecord:
@@ -332,10 +344,7 @@ class AdaptiveSpeculation:
         self.last_forward_tokens = forward_tokens
         modeled = self.cost(forward_tokens) if nodes else 0.0
         if self.unit_seconds is not None and forward_s is not None and forward_s > 0 and modeled > 0:
-            level, ratio = load_level(len(nodes)), forward_s / self.unit_seconds / modeled
-            prev = self.forward_ratios.get(level)
-            self.forward_ratios[level] = ratio if prev is None else (FORWARD_RATIO_DECAY * prev
-                                                                     + (1 - FORWARD_RATIO_DECAY) * ratio)
+            self.ratios.learn(load_level(len(nodes)), forward_tokens, forward_s / self.unit_seconds / modeled)
         return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens)
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:

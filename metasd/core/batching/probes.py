@@ -8,7 +8,8 @@ verified draft samples every narrower budget's acceptance at once, and its measu
 the level's estimates.
 
 A probe is exploration, so its width is chosen hopefully: each request's curve read by ``AcceptanceCurve.hopeful_many``
-(a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies), and each
+(a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies), the
+forward wider than any the level has run priced as the widest it has (``ForwardRatios``), and each
 request may draft up to its ``reach`` - its arm's cap, or, where the request may switch arms
 (``Request.can_switch_arm``), the widest budget arm of the same pool entry: the policy's arms score alike once the
 allocator gives them all the same few nodes, and a probe capped by the narrow arm it settled on never sampled the wide
@@ -74,13 +75,15 @@ def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int]
 
 
 def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
-          costs: Sequence[Any] | None, max_width: int) -> Allocation:
+          costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the widest width rated
     at least ``PROBE_FLOOR`` times as good as the allocation (``wider_ratings``), else the best-rated wider one - beside
     8 rows on this CPU a 32-48-node probe took the time of ~13 plain steps. Its expected goodput and tokens are those
     of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with),
-    not of the allocation it replaces; its table holds the allocator's ratings and the probe's."""
-    ratings = wider_ratings(alloc, curves, reach, forward, costs, max_width)
+    not of the allocation it replaces; its table holds the allocator's ratings and the probe's. ``hopeful``: the
+    forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
+    the level never ran priced as the widest it did), default ``forward``."""
+    ratings = wider_ratings(alloc, curves, reach, forward if hopeful is None else hopeful, costs, max_width)
     fair = [x for x, g in ratings.items() if g >= PROBE_FLOOR * alloc.goodput]
     w = max(fair) if fair else max(ratings, key=lambda x: (ratings[x], -x))
     nodes = [min(w, r) for r in reach]

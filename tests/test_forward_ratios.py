@@ -1,0 +1,83 @@
+"""The verify forward's measured price against its profile, per load level and token bucket
+(metasd/core/pricing/forward_ratios.py), and how the adaptive scheduler prices forwards and probes with it."""
+from __future__ import annotations
+
+import pytest
+
+from metasd.core.batching import probes
+from metasd.core.batching.adaptive import AdaptiveSpeculation
+from metasd.core.pricing.allocator import plan
+from metasd.core.pricing.forward_profile import ForwardProfile
+from metasd.core.pricing.forward_ratios import ForwardRatios, token_bucket
+from metasd.drafters.budgeted import budget_arms
+
+from test_adaptive import _cascade, _Pending
+
+#: seconds of a 1.5B verifier forward over n tokens measured on a 2-core CPU without AVX-512 (float32; BENCHMARKS.md):
+#: a matrix-vector kernel at 1 token, a matrix-matrix one beyond - flat from 4 to 16 tokens
+MEASURED = {1: 0.775, 2: 1.37, 4: 2.03, 8: 1.80, 16: 2.06, 32: 2.55, 64: 3.79}
+
+
+def _real(n):  # the measured seconds, linear between the measured counts
+    ts = sorted(MEASURED)
+    lo = max(t for t in ts if t <= n)
+    hi = min((t for t in ts if t >= n), default=lo)
+    return MEASURED[lo] if hi == lo else MEASURED[lo] + (MEASURED[hi] - MEASURED[lo]) * (n - lo) / (hi - lo)
+
+
+def test_token_buckets_are_powers_of_two():
+    assert [token_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 49, 64, 65)] == [0, 1, 2, 2, 3, 3, 4, 6, 6, 7]
+
+
+def test_a_forwards_ratio_is_its_buckets_else_interpolated_between_the_nearest_learnt_ones():
+    ratios = ForwardRatios(decay=0.5)
+    assert ratios.ratio(1, 10) == 1.0 and ratios.widest(1) is None and ratios.level_ratio(1) == 1.0
+    ratios.learn(1, 1, 1.0)
+    ratios.learn(1, 49, 0.2)
+    assert ratios.ratio(1, 1) == 1.0 and ratios.ratio(1, 64) == 0.2
+    assert ratios.ratio(1, 17) == pytest.approx(1.0 + (0.2 - 1.0) * 5 / 6)  # bucket 5, between 0 and 6
+    assert ratios.ratio(1, 300) == 0.2  # beyond the widest learnt bucket: its ratio
+    ratios.learn(1, 40, 0.4)  # the same bucket: an exponential average
+    assert ratios.ratio(1, 64) == pytest.approx(0.3) and ratios.widest(1) == 49
+    assert ratios.level_ratio(1) == pytest.approx(0.5 * (0.5 * 1.0 + 0.5 * 0.2) + 0.5 * 0.4)
+    assert ratios.ratio(2, 64) == pytest.approx(0.3) and ratios.widest(3) == 49  # the nearest learnt level
+    ratios.learn(4, 4, 2.0)
+    assert ratios.ratio(3, 64) == 2.0 and ratios.ratio(2, 64) == pytest.approx(0.3)  # a tie: the lower level
+
+
+def test_widths_the_profile_skipped_are_priced_as_measured_once_run_and_a_probe_reads_them_hopefully():
+    # the profile's 5 seconds timed 1 and 4 tokens and extrapolated the rest along their segment: 49 tokens at 28x one
+    # token's seconds, where it took 4.3x. A forward priced per level alone (one ratio for every width) kept that
+    profile = ForwardProfile(tokens=(1, 4), seconds=(MEASURED[1], MEASURED[4]))
+    unit = profile.seconds_for(1)
+    adaptive = AdaptiveSpeculation(profile.cost, max_width=48, price_drafting=True, unit_seconds=unit)
+    plain = plan([], [], profile.cost)
+    adaptive.record(plain, [2], 3, forward_s=_real(3))  # a 2-node draft's forward
+    forward, hopeful = adaptive.forward_cost(1), adaptive.forward_cost(1, hopeful=True)
+    assert forward(3) == pytest.approx(_real(3) / unit)
+    assert forward(49) == pytest.approx(forward(3) / profile.cost(3) * profile.cost(49)) and forward(49) > 15
+    assert hopeful(49) == pytest.approx(forward(3))  # never run: priced as the widest forward the level ran
+    adaptive.record(plain, [48], 49, forward_s=_real(49))  # a probe's
+    forward, hopeful = adaptive.forward_cost(1), adaptive.forward_cost(1, hopeful=True)
+    assert forward(49) == pytest.approx(_real(49) / unit) and forward(49) < 5  # measured: 4.3x, not 28x
+    assert forward(3) == pytest.approx(_real(3) / unit) and hopeful(49) == pytest.approx(forward(49))
+    assert forward(3) < forward(17) < forward(49) and forward(17) < profile.cost(17) / 2  # between, interpolated
+
+
+def test_a_probe_rates_widths_never_run_at_the_widest_forward_run():
+    # a lone request drafting 2 nodes whose arm accepts up to 6 tokens at any budget: at the profile's extrapolated
+    # price a wide probe is rated far below the 2-node allocation and the probe drafts 4 nodes; at the hopeful price
+    # (the widest forward run) it drafts the widest width, and its forward is then measured
+    profile = ForwardProfile(tokens=(1, 4), seconds=(MEASURED[1], MEASURED[4]))
+    adaptive = AdaptiveSpeculation(profile.cost, max_width=48, price_drafting=True, unit_seconds=profile.seconds_for(1))
+    arm = budget_arms(_cascade(), (48,))[0]
+    for _ in range(20):
+        adaptive.learn(arm, list(range(6)), 48, 48, draft_cost=0.05, running=1)
+    adaptive.record(plan([], [], profile.cost), [2], 3, forward_s=_real(3))
+    request = _Pending(length=100, max_new_tokens=64)
+    adaptive._fed[request] = 100
+    curves, costs = [adaptive.curve(arm)], [adaptive.draft_cost(arm, request, running=1)]
+    narrow = plan(curves, [2], adaptive.forward_cost(1), max_width=2, draft_costs=costs)
+    args = (narrow, curves, [48], adaptive.forward_cost(1), costs, 48)
+    assert probes.probe(*args).nodes == [4]  # every wider width rated under the floor: the best-rated one
+    assert probes.probe(*args, hopeful=adaptive.forward_cost(1, hopeful=True)).nodes == [48]
