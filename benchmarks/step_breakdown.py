@@ -128,6 +128,9 @@ def trace_steps(scheduler, path: Path) -> None:
             line["curves"] = {k: c.values().round(3).tolist() for k, c in adaptive.curves.items()}
             line["draft_prices"] = adaptive.draft_prices.to_dict()
             line["forward_ratios"] = dict(adaptive.forward_ratios)
+            ratios = getattr(adaptive, "ratios", None)  # per level and token bucket (older checkouts: none)
+            if ratios is not None:
+                line["forward_ratios_by_tokens"] = {lv: dict(b) for lv, b in ratios.by_level.items()}
         with path.open("a") as f:
             f.write(json.dumps(line, default=float) + "\n")
 

@@ -24,9 +24,15 @@ def test_the_levels_account_for_their_time_and_an_adaptive_pool_reports_its_pric
     pool.write_text(yaml.safe_dump({**data, "serving": {"adaptive": True, "max_width": 4, "price_drafting": True}}))
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"tokens": [1, 8, 32], "seconds": [0.01, 0.011, 0.02]}))
-    out = tmp_path / "breakdown.json"
+    out, trace = tmp_path / "breakdown.json", tmp_path / "trace.jsonl"
     assert script.main(["--pool", str(pool), "--questions", str(questions), "--concurrency", "1", "3",
-                        "--max-tokens", "6", "--cost-profile", str(profile), "--out", str(out)]) == 0
+                        "--max-tokens", "6", "--cost-profile", str(profile), "--out", str(out),
+                        "--trace", str(trace)]) == 0
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert steps and {1, 3} <= {s["batch"] for s in steps} <= {1, 2, 3}  # every decoding step, one line each
+    assert all(len(s["requests"]) == s["batch"] and s["adaptive"]["width"] >= 0 for s in steps)
+    ratios = steps[-1]["forward_ratios_by_tokens"]  # per load level and token bucket
+    assert set(ratios) == {str(lv) for lv in steps[-1]["forward_ratios"]} and all(ratios.values())
     rows = json.loads(out.read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 3]
     for r in rows:
