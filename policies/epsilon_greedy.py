@@ -56,6 +56,7 @@ class EpsilonGreedy(BasePolicy):
         arm, reward = self._record_sample(arm, reward)
 
     uses_counterfactuals = True
+    forced_arms_unbiased = True  # per-arm estimates from the rewards alone
 
     def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
         """Full information: every scored arm's mean takes its sample; ``t`` (epsilon's decay) counts rounds."""

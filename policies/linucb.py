@@ -106,6 +106,7 @@ class LinUCB(BasePolicy):
         self.counts[arm] += 1
 
     uses_counterfactuals = True
+    forced_arms_unbiased = True  # per-arm estimates from the rewards alone
 
     def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
         """Full information: every scored arm's linear model learns its sample in the same context."""

@@ -79,6 +79,7 @@ class PerLoad(BasePolicy):
         except ValueError as err:
             raise ValueError(f"{self._label()}: inner policy {self.inner!r}: {err}") from None
         self.uses_counterfactuals = self.policies[0].uses_counterfactuals
+        self.forced_arms_unbiased = self.policies[0].forced_arms_unbiased
 
     @property
     def requires_bounded_rewards(self) -> bool:

@@ -101,6 +101,7 @@ class ThompsonSampling(BasePolicy):
 
     # -- update ------------------------------------------------------------------------------------
     uses_counterfactuals = True
+    forced_arms_unbiased = True  # per-arm estimates from the rewards alone
 
     def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
         """Full information: every scored arm's posterior takes its sample (arms in index order, so the random stream

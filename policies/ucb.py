@@ -101,6 +101,7 @@ class UCB1(_UCBBase):
         self._track_scale(reward)
 
     uses_counterfactuals = True
+    forced_arms_unbiased = True  # per-arm estimates from the rewards alone
 
     def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
         """Full information: every scored arm's mean takes its sample (its count grows), ``t`` counts rounds, so the

@@ -702,6 +702,11 @@ def test_a_probe_drafts_with_a_wider_sibling_arm_than_the_narrow_one_the_policy_
     adaptive._fed[fixed] = 100
     capped = [adaptive.step_plan([2], [arms[0]], [fixed]) for _ in range(PROBE_EVERY)][-1]
     assert capped.nodes == {2: 4} and capped.arms == {2: arms[0]} and fixed.switched == []
+    bounded = _Switchable(arms, length=100, max_new_tokens=64)  # KV rows reserved for 16 draft nodes
+    bounded.max_draft_nodes = 16
+    adaptive._fed[bounded] = 100
+    within = [adaptive.step_plan([3], [arms[0]], [bounded]) for _ in range(PROBE_EVERY)][-1]
+    assert within.nodes == {3: 16} and within.arms == {3: arms[1]} and bounded.switched == ["cascade@16"]
 
 
 def test_a_curve_read_hopefully_rates_budgets_sampled_less_than_the_narrow_one_as_its_acceptance_implies():
@@ -718,9 +723,10 @@ def test_a_curve_read_hopefully_rates_budgets_sampled_less_than_the_narrow_one_a
     assert hopeful[:2].tolist() == curve.expected_many([1, 2]).tolist()  # the well-sampled budgets as learnt
     assert hopeful[3] == pytest.approx(geometric_prior(alpha, 16)) and hopeful[3] > 2 * curve.expected(16)
     assert all(b >= a for a, b in zip(hopeful, hopeful[1:])) and all(h <= d for h, d in zip(hopeful, [1, 2, 4, 16, 64]))
-    for _ in range(20):  # the wide budgets measured as often: read as learnt
-        curve.update([0, 1], 16)
-    assert curve.hopeful_many([16]).tolist() == curve.expected_many([16]).tolist()
+    for _ in range(300):  # narrow drafts for long, a wide one every 16th step: the wide budget's memory fills too
+        curve.update([0, 1], 16 if _ % 16 == 0 else 2)
+    assert curve.counts[4] * 8 < curve.counts[1] and curve.n_eff()[4] == curve.n_eff()[1]
+    assert curve.hopeful_many([16]).tolist() == curve.expected_many([16]).tolist()  # read as learnt
 
 
 def test_a_switched_arm_drafts_and_is_what_the_policy_learns(verifier_model, tok, monkeypatch):
@@ -749,3 +755,11 @@ def test_a_switched_arm_drafts_and_is_what_the_policy_learns(verifier_model, tok
     for policy, feedback in (("round_robin", "full"), ("ucb", "bandit")):  # learns no counterfactual / one arm
         assert not Request(_engine(verifier_model, tok, _budget_arms(), policy=policy, feedback=feedback), "x",
                            4).can_switch_arm
+    own = Request(engine, "x", 4)
+    own.draft_budget = 2  # its drafts are cut: they say nothing of a wider arm's
+    assert not own.can_switch_arm
+    # a policy that weighs a played arm's reward by its probability (Hedge's arms scored only when played) is biased
+    # by an arm it did not choose; per_load is what its inner policy is
+    assert not make_policy("hedge", 4, seed=0).forced_arms_unbiased and make_policy("ucb", 4).forced_arms_unbiased
+    assert not make_policy("per_load", 4, seed=0, inner="hedge").forced_arms_unbiased
+    assert make_policy("per_load", 4, seed=0).forced_arms_unbiased

@@ -29,20 +29,27 @@ def test_token_buckets_are_powers_of_two():
     assert [token_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 49, 64, 65)] == [0, 1, 2, 2, 3, 3, 4, 6, 6, 7]
 
 
-def test_a_forwards_ratio_is_its_buckets_else_interpolated_between_the_nearest_learnt_ones():
-    ratios = ForwardRatios(decay=0.5)
-    assert ratios.ratio(1, 10) == 1.0 and ratios.widest(1) is None and ratios.level_ratio(1) == 1.0
+def test_a_forward_is_priced_through_the_measured_points_of_its_level():
+    def cost(n):  # a profile: linear in tokens
+        return 1.0 + 0.5 * (n - 1)
+
+    ratios = ForwardRatios(cost, decay=0.5)
+    assert ratios.price(1, 10) == cost(10) and ratios.widest(1) is None and ratios.level_ratio(1) == 1.0
     ratios.learn(1, 1, 1.0)
-    ratios.learn(1, 49, 0.2)
-    assert ratios.ratio(1, 1) == 1.0 and ratios.ratio(1, 64) == 0.2
-    assert ratios.ratio(1, 17) == pytest.approx(1.0 + (0.2 - 1.0) * 5 / 6)  # bucket 5, between 0 and 6
-    assert ratios.ratio(1, 300) == 0.2  # beyond the widest learnt bucket: its ratio
-    ratios.learn(1, 40, 0.4)  # the same bucket: an exponential average
-    assert ratios.ratio(1, 64) == pytest.approx(0.3) and ratios.widest(1) == 49
-    assert ratios.level_ratio(1) == pytest.approx(0.5 * (0.5 * 1.0 + 0.5 * 0.2) + 0.5 * 0.4)
-    assert ratios.ratio(2, 64) == pytest.approx(0.3) and ratios.widest(3) == 49  # the nearest learnt level
-    ratios.learn(4, 4, 2.0)
-    assert ratios.ratio(3, 64) == 2.0 and ratios.ratio(2, 64) == pytest.approx(0.3)  # a tie: the lower level
+    ratios.learn(1, 49, 5.0)  # the profile said 25
+    assert ratios.price(1, 1) == 1.0 and ratios.price(1, 49) == 5.0 and ratios.ratio(1, 49) == pytest.approx(0.2)
+    assert ratios.price(1, 25) == pytest.approx(1.0 + 4.0 * 24 / 48)  # between two points: linear
+    assert ratios.price(1, 97) == pytest.approx(5.0 + 0.2 * (cost(97) - cost(49)))  # beyond: the profile's slope
+    ratios.learn(1, 40, 7.0)  # the same bucket: its tokens and price averaged
+    assert ratios.points[1][6] == pytest.approx((44.5, 6.0)) and ratios.widest(1) == 49
+    assert ratios.by_level[1][6] == pytest.approx(6.0 / cost(44.5))
+    ratios.learn(1, 3, 8.0)  # a stall: a narrow forward dearer than the wide ones - never cheaper for more tokens
+    prices = [ratios.price(1, n) for n in range(1, 120)]
+    assert all(b >= a for a, b in zip(prices, prices[1:])) and ratios.price(1, 44.5) == 8.0
+    assert ratios.price(2, 49) == ratios.price(1, 49) and ratios.widest(2) is None  # another level's rows
+    ratios.learn(4, 4, 2.0 * cost(4))
+    assert ratios.ratio(3, 4) == pytest.approx(2.0) and ratios.level_ratio(4) == pytest.approx(2.0)
+    assert ratios.level_ratio(1) > 0  # all its forwards, the stall included (logs)
 
 
 def test_widths_the_profile_skipped_are_priced_as_measured_once_run_and_a_probe_reads_them_hopefully():
@@ -62,6 +69,8 @@ def test_widths_the_profile_skipped_are_priced_as_measured_once_run_and_a_probe_
     assert forward(49) == pytest.approx(_real(49) / unit) and forward(49) < 5  # measured: 4.3x, not 28x
     assert forward(3) == pytest.approx(_real(3) / unit) and hopeful(49) == pytest.approx(forward(49))
     assert forward(3) < forward(17) < forward(49) and forward(17) < profile.cost(17) / 2  # between, interpolated
+    prices = [forward(n) for n in range(1, 100)]
+    assert all(b >= a for a, b in zip(prices, prices[1:]))
 
 
 def test_a_probe_rates_widths_never_run_at_the_widest_forward_run():

@@ -46,7 +46,8 @@ wires the building blocks of speculation under load into its step:
 7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
    so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After ``PROBE_EVERY``
    steps in a row at one width where a wider one was possible, one step drafts wider, chosen hopefully and up to each
-   request's widest sibling arm (``widest``; the request is switched to it, ``switched``): its verified draft samples
+   request's widest sibling arm (``widest``; the request is switched to the narrowest sibling that holds its nodes,
+   ``switched``): its verified draft samples
    every narrower budget's acceptance at once, and its measured price and accepted tokens update the level's
    estimates.
 
@@ -83,7 +84,7 @@ class StepPlan(NamedTuple):
 
     alloc: Allocation
     nodes: dict[int, int]  # id(job) -> d_i
-    arms: dict[int, Any]  # id(job) -> the drafter it selected (None: none)
+    arms: dict[int, Any]  # id(job) -> the drafter that drafts (the one selected or a probe's sibling; None: none)
     lookup: dict[int, bool]  # id(job) -> drafts lookup_only
 
 
@@ -148,7 +149,7 @@ class AdaptiveSpeculation:
         self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
-        self.ratios = ForwardRatios(FORWARD_RATIO_DECAY)  # measured / profiled verify forwards (module doc, 6.)
+        self.ratios = ForwardRatios(self.cost, FORWARD_RATIO_DECAY)  # the verify forwards measured (module doc, 6.)
         self.width_runs = probes.WidthRuns()  # per load level: steps in a row at one width (``probe``)
         # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
@@ -223,9 +224,18 @@ class AdaptiveSpeculation:
         forward = self.forward_cost(len(arms))
         alloc = plan(curves, caps, forward, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
                      alternatives=others)
-        reach = [self.cap(self.widest(a, r)) if c > 0 else 0 for a, c, r in zip(arms, caps, reqs)]
+        reach = [self.reach(a, c, r) for a, c, r in zip(arms, caps, reqs)]
         return self.probe(alloc, curves, caps, forward, costs, reach=reach,
                           hopeful=self.forward_cost(len(arms), hopeful=True))
+
+    def reach(self, arm: Any, cap: int, request: Any) -> int:
+        """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``), within the request's
+        ``max_draft_nodes`` (the KV rows a scheduler reserved); at least its own arm's ``cap``; 0 without one."""
+        if cap <= 0:
+            return 0
+        bound = getattr(request, "max_draft_nodes", None)
+        wide = self.cap(self.widest(arm, request))
+        return max(cap, wide if bound is None else min(wide, int(bound)))
 
     @staticmethod
     def siblings(arm: Any, request: Any) -> list:
@@ -316,8 +326,8 @@ class AdaptiveSpeculation:
 
     @property
     def forward_ratios(self) -> dict[int, float]:
-        """Load level -> the measured / profiled cost of its verify forwards, all widths together (logs)."""
-        return self.ratios.levels
+        """Load level -> the measured / profiled cost of its verify forwards, all widths together (a copy, for logs)."""
+        return dict(self.ratios.levels)
 
     def forward_ratio(self, running: int) -> float:
         """The verify forward's measured / profiled cost at ``running`` requests' load level, all widths together
@@ -333,18 +343,17 @@ class AdaptiveSpeculation:
         widest = self.ratios.widest(level) if hopeful else None
 
         def price(n: int) -> float:
-            n = n if widest is None else min(n, max(widest, 1))
-            return self.ratios.ratio(level, n) * self.cost(n)
+            return self.ratios.price(level, n if widest is None else min(n, max(widest, 1)))
         return price
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int,
                forward_s: float | None = None) -> AdaptiveRecord:
         """After the step's forward (``forward_tokens``: B * N, the next step's load feature; ``forward_s``: its
-        measured seconds, which the level's ``forward_ratio`` learns from when ``unit_seconds`` is set): its record."""
+        measured seconds, which the level's forward ratios learn from when ``unit_seconds`` is set): its record."""
         self.last_forward_tokens = forward_tokens
         modeled = self.cost(forward_tokens) if nodes else 0.0
         if self.unit_seconds is not None and forward_s is not None and forward_s > 0 and modeled > 0:
-            self.ratios.learn(load_level(len(nodes)), forward_tokens, forward_s / self.unit_seconds / modeled)
+            self.ratios.learn(load_level(len(nodes)), forward_tokens, forward_s / self.unit_seconds)
         return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens)
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:

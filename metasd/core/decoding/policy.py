@@ -76,6 +76,11 @@ class Policy(abc.ABC):
 
     #: True when ``observe`` learns from other arms' counterfactual rewards too (full-information feedback)
     uses_counterfactuals: ClassVar[bool] = False
+    #: True when what ``observe`` learns of an arm does not depend on the probability the policy gave it - so a
+    #: scheduler may make a step draft with another arm than the one selected (``Request.switch_arm``: a probe) and
+    #: report it played without biasing the policy. False for a policy that weighs a played arm's reward by its
+    #: probability (EXP3, Hedge's arms scored only when played) and for one that learns no counterfactuals
+    forced_arms_unbiased: ClassVar[bool] = False
 
     def observe(self, arm: int, rewards: Mapping[int, float], context: Context = None) -> None:
         """One round with feedback for several arms: ``rewards[arm]`` is what the chosen ``arm`` earned, the others

@@ -244,13 +244,14 @@ class Request:
 
     @property
     def can_switch_arm(self) -> bool:
-        """Whether a scheduler may swap the selected arm before the request drafts (``switch_arm``): per-step arms
-        and a policy that learns every arm's reward each step (``feedback: full``, ``uses_counterfactuals``) - its
-        estimates then do not depend on which arm drafted, so a forced arm is no bias (it is for a policy that
-        weighs the played arm by its probability, EXP3's)."""
+        """Whether a scheduler may swap the selected arm before the request drafts (``switch_arm``): per-step arms,
+        ``feedback: full``, no ``draft_budget`` of its own (its drafts are cut: they say nothing of an arm's), and a
+        policy whose estimates do not depend on the probability it gave the played arm
+        (``Policy.forced_arms_unbiased``: UCB, Thompson, LinUCB, epsilon-greedy - not EXP3 or Hedge, which weigh a
+        played arm's reward by that probability)."""
         eng, policy = self.engine, self.policy
-        return (eng.granularity == "step" and eng.feedback == "full"
-                and (policy is None or bool(getattr(policy, "uses_counterfactuals", False))))
+        return (eng.granularity == "step" and eng.feedback == "full" and self.draft_budget is None
+                and (policy is None or bool(getattr(policy, "forced_arms_unbiased", False))))
 
     def switch_arm(self, drafter: Any) -> None:
         """Draft this step with ``drafter`` (one of ``drafters``) instead of the arm the policy selected - between

@@ -204,17 +204,20 @@ class AcceptanceCurve:
 
     def hopeful_many(self, ds: Sequence[float] | np.ndarray) -> np.ndarray:
         """[len(ds)] a hopeful reading, for exploration (a scheduler's probe; the allocator reads ``expected``): where a
-        budget has fewer samples than the widest well-sampled one ``d*`` (the widest grid point sampled at least half
-        as often as the most-sampled one), the chain ``a(d*)`` implies (``implied_alpha``) if that is higher than the
-        estimate. Narrow drafts never sample wide budgets, so one unlucky wide draft (a first contact's) would
-        otherwise rate them low for good; read hopefully, they are as good as the narrow budget measured many times
-        promises. Non-decreasing and ``<= d`` as ``values()``; the prior where nothing was sampled."""
+        budget wider than the widest well-sampled one ``d*`` has fewer effective samples (``n_eff``: the estimate's
+        memory, not the lifetime count - a budget a probe samples once in 16 steps is read as learnt once its memory
+        is as full) - ``d*`` the widest grid point with at least half the most-sampled one's - the chain ``a(d*)``
+        implies (``implied_alpha``) if that is higher than the estimate. Narrow drafts never sample wide budgets, so
+        one unlucky wide draft (a first contact's) would otherwise rate them low for good; read hopefully, they are as
+        good as the narrow budget measured many times promises. Non-decreasing and ``<= d`` as ``values()``; the
+        prior where nothing was sampled."""
         out = self.values().copy()  # [G]
-        if self.counts.max() > 0:
-            well = int(np.flatnonzero(self.counts * 2 >= self.counts.max())[-1])
+        n = self.n_eff()  # [G]
+        if n.max() > 0:
+            well = int(np.flatnonzero(n * 2 >= n.max())[-1])
             alpha = implied_alpha(float(out[well]), int(self.grid[well]))
             chain = np.array([geometric_prior(alpha, int(d)) for d in self.grid.tolist()])  # [G]
-            fewer = (np.arange(len(self.grid)) > well) & (self.counts < self.counts[well])
+            fewer = (np.arange(len(self.grid)) > well) & (n < n[well])
             out = np.where(fewer, np.maximum(out, chain), out)
             out = np.minimum(np.maximum.accumulate(out), self.grid.astype(np.float64))
         xs = np.concatenate([[0.0], self.grid.astype(np.float64)])

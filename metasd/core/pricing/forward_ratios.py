@@ -6,18 +6,25 @@ counts it cannot afford are extrapolated along its last segment. A scheduler's b
 rows' real contexts, on a machine whose speed drifts, costs another multiple of it - and not one multiple at every
 width: on a 2-core CPU without AVX-512 the profile's 5 seconds timed 1 and 4 tokens (a matrix-vector kernel, then a
 matrix-matrix one at 2.6x), extrapolated 16 tokens to 9.7x one token's seconds and 64 to 28x, where they took 2.65x
-and 4.9x. So every verify forward's measured seconds over its modeled cost is learnt per load level and per token
-bucket (``token_bucket``: 1, 2, 3-4, 5-8, ... tokens), an exponential average each; a forward is priced at the ratio
-of its own bucket, or - where it has not run yet - interpolated between the nearest learnt buckets of its level, the
-nearest one's beyond them (``ForwardRatios.ratio``).
+and 4.9x. So every verify forward's measured price (its seconds in one-token-forward units) is learnt per load
+level and per token bucket (``token_bucket``: 1, 2, 3-4, 5-8, ... tokens): an exponential average of the bucket's
+token counts and of their prices, one measured point per bucket. A forward is priced through a level's points as the
+profile's fit reads its own (``ForwardRatios.price``): piecewise-linear between them (their running maximum: never
+cheaper for more tokens), beyond the widest the profile's slope scaled by that point's ratio to the profile, below the
+narrowest the profile scaled by it - so a measured width is priced as measured and every other width is priced
+through the nearest measurements, not through one ratio for the level.
 
-A width the level never ran keeps the profile's price, which a probe (``metasd/core/batching/probes.py``) reads
-hopefully: a forward wider than the widest the level has run costs what that one did (``ForwardRatios.widest``), so
-a probe tries it once and the bucket is measured from then on.
+A width the level never ran keeps the profile's shape beyond its widest point, which a probe
+(``metasd/core/batching/probes.py``) reads hopefully: a forward wider than the widest the level has run costs what
+that one did (``ForwardRatios.widest``), so a probe tries it once and it is measured from then on.
 
 Pure Python; nothing here reads a clock or a model.
 """
 from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Callable
 
 #: weight of the past in each learnt ratio (an exponential average over the forwards of its bucket)
 FORWARD_RATIO_DECAY = 0.8
@@ -29,24 +36,27 @@ def token_bucket(n: int) -> int:
 
 
 class ForwardRatios:
-    """Per load level, the measured / profiled seconds of the verify forwards it ran: an exponential average per
-    token bucket (``by_level``), one over all its forwards (``levels``: logs, the level's summary) and the widest
-    forward it ran (``widest``). See the module docstring."""
+    """Per load level, the verify forwards it ran, measured: per token bucket an exponential average of their tokens
+    and of their price in ``cost``'s units (``points``); per level the average of measured / profiled price over all
+    its forwards (``levels``, logs) and the widest forward it ran (``widest``). ``cost``: the profile's price of a
+    forward over n tokens (``ForwardProfile.cost``). See the module docstring."""
 
-    def __init__(self, decay: float = FORWARD_RATIO_DECAY):
-        self.decay = float(decay)
-        self.by_level: dict[int, dict[int, float]] = {}  # level -> token bucket -> ratio
-        self.levels: dict[int, float] = {}  # level -> ratio over all its forwards
+    def __init__(self, cost: Callable[[float], float], decay: float = FORWARD_RATIO_DECAY):
+        self.cost, self.decay = cost, float(decay)
+        self.points: dict[int, dict[int, tuple[float, float]]] = {}  # level -> bucket -> (tokens, price)
+        self.levels: dict[int, float] = {}  # level -> measured / profiled price over all its forwards
         self.tokens: dict[int, int] = {}  # level -> the most tokens of a forward it ran
 
-    def _average(self, table: dict, key: int, ratio: float) -> None:
-        prev = table.get(key)
-        table[key] = ratio if prev is None else self.decay * prev + (1 - self.decay) * ratio
+    def _average(self, prev: float | None, x: float) -> float:
+        return x if prev is None else self.decay * prev + (1 - self.decay) * x
 
-    def learn(self, level: int, tokens: int, ratio: float) -> None:
-        """A forward of ``tokens`` tokens at load level ``level`` took ``ratio`` times its profiled price."""
-        self._average(self.by_level.setdefault(level, {}), token_bucket(tokens), ratio)
-        self._average(self.levels, level, ratio)
+    def learn(self, level: int, tokens: int, price: float) -> None:
+        """A forward of ``tokens`` tokens at load level ``level`` cost ``price`` (measured seconds over the seconds of
+        a profiled one-token forward)."""
+        bucket, points = token_bucket(tokens), self.points.setdefault(level, {})
+        t, p = points.get(bucket, (None, None))
+        points[bucket] = (self._average(t, float(tokens)), self._average(p, float(price)))
+        self.levels[level] = self._average(self.levels.get(level), price / self.cost(tokens))
         self.tokens[level] = max(self.tokens.get(level, 0), int(tokens))
 
     def nearest(self, level: int) -> int | None:
@@ -54,30 +64,39 @@ class ForwardRatios:
         return min(self.levels, key=lambda lv: (abs(lv - level), lv)) if self.levels else None
 
     def level_ratio(self, level: int) -> float:
-        """The nearest learnt level's ratio over all its forwards; 1 before any forward."""
+        """The nearest learnt level's measured / profiled price over all its forwards; 1 before any forward."""
         near = self.nearest(level)
         return 1.0 if near is None else self.levels[near]
 
-    def ratio(self, level: int, tokens: int) -> float:
-        """The ratio a forward of ``tokens`` tokens at ``level`` is priced at: the nearest learnt level's ratio of
-        its bucket, else linearly interpolated (in buckets) between the nearest learnt buckets below and above it,
-        else the nearest learnt bucket's; 1 before any forward."""
+    def price(self, level: int, tokens: float) -> float:
+        """The price of a forward of ``tokens`` tokens at ``level``, through the nearest learnt level's points (the
+        module docstring); the profile's ``cost`` before any forward. Non-decreasing in the tokens."""
         near = self.nearest(level)
         if near is None:
-            return 1.0
-        learnt, b = self.by_level[near], token_bucket(tokens)
-        if b in learnt:
-            return learnt[b]
-        below, above = [k for k in learnt if k < b], [k for k in learnt if k > b]
-        if below and above:
-            lo, hi = max(below), min(above)
-            return learnt[lo] + (learnt[hi] - learnt[lo]) * (b - lo) / (hi - lo)
-        return learnt[max(below)] if below else learnt[min(above)]
+            return self.cost(tokens)
+        pts = sorted(self.points[near].values())  # by tokens
+        ts = [t for t, _ in pts]
+        ps = list(itertools.accumulate((p for _, p in pts), max))  # never cheaper for more tokens
+        if tokens <= ts[0]:
+            return ps[0] * self.cost(tokens) / self.cost(ts[0])
+        if tokens >= ts[-1]:
+            return ps[-1] + ps[-1] / self.cost(ts[-1]) * (self.cost(tokens) - self.cost(ts[-1]))
+        i = bisect.bisect_left(ts, tokens)  # ts[i-1] < tokens <= ts[i]
+        return ps[i - 1] + (ps[i] - ps[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+
+    def ratio(self, level: int, tokens: float) -> float:
+        """``price`` over the profile's ``cost`` at ``tokens`` (logs, tests)."""
+        return self.price(level, tokens) / self.cost(tokens)
+
+    @property
+    def by_level(self) -> dict[int, dict[int, float]]:
+        """Level -> bucket -> its measured point's price over the profile's (logs: ``step_breakdown --trace``)."""
+        return {lv: {b: p / self.cost(t) for b, (t, p) in pts.items()} for lv, pts in self.points.items()}
 
     def widest(self, level: int) -> int | None:
-        """The most tokens of a forward the nearest learnt level ran (None before any forward)."""
-        near = self.nearest(level)
-        return None if near is None else self.tokens[near]
+        """The most tokens of a forward ``level`` itself ran (None before it ran one: B * N tokens of another level's
+        rows say nothing of its own)."""
+        return self.tokens.get(level)
 
 
 __all__ = ["FORWARD_RATIO_DECAY", "ForwardRatios", "token_bucket"]
