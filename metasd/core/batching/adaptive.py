@@ -36,10 +36,10 @@ wires the building blocks of speculation under load into its step:
 
 6. **the forward's real price** (with ``unit_seconds``) - the profile times one row's forward once, at start; a step's
    batched forward of B rows, over the rows' real contexts, on a machine whose speed drifts, costs another multiple of
-   it. Each step's measured forward seconds over its modeled cost (``cost(B N)`` one-token forwards) are averaged per
-   load level and token bucket (``ForwardRatios``: the profile's extrapolation of the widths it skipped can be far
-   off) and every verify price of the level - the allocator's, the step's share, a counterfactual's - is the
-   profile's cost times the ratio learnt for its width (``forward_cost``; a probe reads widths never run hopefully).
+   it. Each step's measured forward price (seconds over ``unit_seconds``) and tokens are averaged per load level and
+   token bucket into measured points (``ForwardRatios``: the profile's extrapolation of the widths it skipped can be
+   far off) and every verify price of the level - the allocator's, the step's share, a counterfactual's - is read
+   through them (``forward_cost``; a probe reads widths never run hopefully).
    Drafting is priced by its measured seconds, so without it a forward dearer than profiled made drafting look
    dearer than it is beside the forward it saves (on this CPU at 4 requests: plain steps took 1.26x the profile's
    price, one run decoded 47 of 65 steps plain where a fixed tree 8 was faster).
@@ -336,9 +336,9 @@ class AdaptiveSpeculation:
         return self.ratios.level_ratio(load_level(running))
 
     def forward_cost(self, running: int, hopeful: bool = False) -> Callable[[int], float]:
-        """The price of a verify forward with ``running`` rows over n tokens (padding included): the profile's cost
-        times the ratio learnt at the level for that width (``ForwardRatios.ratio``). ``hopeful`` (a probe's): a
-        forward wider than the widest the level has run is priced as that one."""
+        """The price of a verify forward with ``running`` rows over n tokens (padding included), read through the
+        forwards the level measured (``ForwardRatios.price``; the profile's cost before any). ``hopeful`` (a
+        probe's): a forward wider than the widest the level has run is priced as that one."""
         level = load_level(running)
         widest = self.ratios.widest(level) if hopeful else None
 

@@ -66,9 +66,9 @@ def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int]
     rating (``alloc.table``) or every request drafting ``min(width, reach_i)`` nodes read hopefully, whichever is
     higher."""
     hopeful = [None if cu is None else _Hopeful(cu) for cu in curves]
-    ratings = {}
+    ratings, top = {}, max(reach, default=0)
     for x in sorted(set(alloc.table) | set(candidate_widths(curves, reach, max_width))):
-        if alloc.width < x <= max(reach, default=0):
+        if alloc.width < x <= top:
             own = expected_goodput(hopeful, [min(x, r) for r in reach], forward, draft_costs=costs)
             ratings[x] = max(alloc.table.get(x, own), own)
     return ratings

@@ -198,9 +198,7 @@ class AcceptanceCurve:
 
     def expected_many(self, ds: Sequence[float] | np.ndarray) -> np.ndarray:
         """``expected`` for several budgets at once: [len(ds)] float64."""
-        xs = np.concatenate([[0.0], self.grid.astype(np.float64)])
-        ys = np.concatenate([[0.0], self.values()])
-        return np.interp(np.maximum(np.asarray(ds, dtype=np.float64), 0.0), xs, ys)
+        return self._interpolated(ds, self.values())
 
     def hopeful_many(self, ds: Sequence[float] | np.ndarray) -> np.ndarray:
         """[len(ds)] a hopeful reading, for exploration (a scheduler's probe; the allocator reads ``expected``): where a
@@ -220,8 +218,13 @@ class AcceptanceCurve:
             fewer = (np.arange(len(self.grid)) > well) & (n < n[well])
             out = np.where(fewer, np.maximum(out, chain), out)
             out = np.minimum(np.maximum.accumulate(out), self.grid.astype(np.float64))
+        return self._interpolated(ds, out)
+
+    def _interpolated(self, ds: Sequence[float] | np.ndarray, values: np.ndarray) -> np.ndarray:
+        """[len(ds)] ``values`` ([G], one per grid point) read at budgets ``ds``: linear through (0, 0) and the grid
+        points, the last value beyond the grid, 0 for ``d <= 0``."""
         xs = np.concatenate([[0.0], self.grid.astype(np.float64)])
-        return np.interp(np.maximum(np.asarray(ds, dtype=np.float64), 0.0), xs, np.concatenate([[0.0], out]))
+        return np.interp(np.maximum(np.asarray(ds, dtype=np.float64), 0.0), xs, np.concatenate([[0.0], values]))
 
     # -- persistence -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import bisect
 import itertools
 from typing import Callable
 
-#: weight of the past in each learnt ratio (an exponential average over the forwards of its bucket)
+#: weight of the past in each measured point (exponential averages of a bucket's tokens and prices) and level ratio
 FORWARD_RATIO_DECAY = 0.8
 
 
@@ -46,6 +46,8 @@ class ForwardRatios:
         self.points: dict[int, dict[int, tuple[float, float]]] = {}  # level -> bucket -> (tokens, price)
         self.levels: dict[int, float] = {}  # level -> measured / profiled price over all its forwards
         self.tokens: dict[int, int] = {}  # level -> the most tokens of a forward it ran
+        # level -> its points by tokens: (tokens, their prices' running maximum), made by ``learn`` for ``price``
+        self._anchors: dict[int, tuple[list[float], list[float]]] = {}
 
     def _average(self, prev: float | None, x: float) -> float:
         return x if prev is None else self.decay * prev + (1 - self.decay) * x
@@ -58,6 +60,8 @@ class ForwardRatios:
         points[bucket] = (self._average(t, float(tokens)), self._average(p, float(price)))
         self.levels[level] = self._average(self.levels.get(level), price / self.cost(tokens))
         self.tokens[level] = max(self.tokens.get(level, 0), int(tokens))
+        pts = sorted(points.values())  # by tokens
+        self._anchors[level] = ([t for t, _ in pts], list(itertools.accumulate((p for _, p in pts), max)))
 
     def nearest(self, level: int) -> int | None:
         """The learnt level nearest ``level`` (the lower on a tie); None before any forward."""
@@ -74,9 +78,7 @@ class ForwardRatios:
         near = self.nearest(level)
         if near is None:
             return self.cost(tokens)
-        pts = sorted(self.points[near].values())  # by tokens
-        ts = [t for t, _ in pts]
-        ps = list(itertools.accumulate((p for _, p in pts), max))  # never cheaper for more tokens
+        ts, ps = self._anchors[near]  # ps: never cheaper for more tokens
         if tokens <= ts[0]:
             return ps[0] * self.cost(tokens) / self.cost(ts[0])
         if tokens >= ts[-1]:
