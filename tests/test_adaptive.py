@@ -421,9 +421,9 @@ def test_metasd_serve_without_a_pool_serves_the_adaptive_pool(monkeypatch):
     assert got["recipe"].parse().arm_names == ["cascade@4", "cascade@16", "cascade@48"]
 
 
-def _caught_up_arm(adaptive, rate=0.5):
+def _caught_up_arm(adaptive, rate=0.5, budget=4):
     """A cascade budget arm whose model's catch-up the adaptive has learnt to cost ``rate`` per token."""
-    arm = budget_arms(_cascade(), (4,))[0]
+    arm = budget_arms(_cascade(), (budget,))[0]
     for _ in range(20):
         adaptive.learn(arm, [0, 1, 2], 4, 4, draft_cost=0.05, catch_up=0)
     adaptive.learn(arm, [0], 4, 4, draft_cost=0.05 + rate * 1000, catch_up=1000)
@@ -455,6 +455,24 @@ def test_a_request_whose_model_must_catch_up_drafts_with_the_lookups_alone():
     assert deferring.lookup_alternative(model_only, _Pending(length=1000)) is None
     with pytest.raises(ValueError, match="defer_catch_up needs price_drafting"):
         AdaptiveSpeculation(_linear, defer_catch_up=True)
+
+
+def test_a_probe_keeps_a_request_on_its_lookups_and_widens_the_others():
+    # a probe drafts the model wider to measure it; a request the allocator put on its lookups alone (its model would
+    # first read 1000 unread tokens at a steep catch-up) keeps its lookups and nodes - before, a probe gave it the
+    # model's option and the whole catch-up
+    adaptive = AdaptiveSpeculation(lambda n: 1.0 + 0.3 * n, max_width=16, price_drafting=True, defer_catch_up=True)
+    arm = _caught_up_arm(adaptive, rate=1.0, budget=16)
+    fresh, steady = _Pending(length=1000, max_new_tokens=8), _Pending(length=100, max_new_tokens=64)
+    adaptive._fed[steady] = 100
+    first = adaptive.allocate([arm, arm], [fresh, steady])
+    assert first.options == [1, 0]
+    probe = _next_probe(adaptive, lambda: adaptive.allocate([arm, arm], [fresh, steady]))
+    allocated = adaptive.allocate([arm, arm], [fresh, steady])  # the allocator's own choice for the same step
+    assert probe.options == [1, 0] and probe.nodes[0] == allocated.nodes[0] > 0  # its lookups, its nodes
+    assert probe.nodes[1] > allocated.nodes[1]  # the other drafts wider
+    alone = _next_probe(adaptive, lambda: adaptive.allocate([arm], [fresh]))  # no one left to widen: no probe
+    assert alone is None
 
 
 def test_lookup_only_steps_keep_the_model_out_and_outputs_exact(verifier_model, tok, monkeypatch):
@@ -577,9 +595,10 @@ def test_the_scheduler_hands_each_forwards_seconds_to_the_adaptation(verifier_mo
 
 def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_prices_again():
     # drafting priced far above what it saves: the allocator keeps every step plain, and a level that decodes plain
-    # never measures its drafting again - so every PROBE_EVERY-th plain step in a row drafts once, at the width the
+    # never measures its drafting again - so a run of plain steps (2, then 4, 8, 16, 16, ...: a level's first probe
+    # comes early, later ones at most every PROBE_EVERY steps) ends with a step that drafts once, at the width the
     # allocator rated best, each request up to its cap; the step's price then updates the level's estimate
-    from metasd.core.batching.probes import PROBE_EVERY
+    from metasd.core.batching.probes import PROBE_EVERY, PROBE_FIRST
 
     adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.25)
     arm = budget_arms(_cascade(), (4,))[0]
@@ -588,9 +607,9 @@ def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_pric
     steady = [_Pending(length=100, max_new_tokens=64) for _ in range(2)]
     for r in steady:
         adaptive._fed[r] = 100
-    allocs = [adaptive.allocate([arm, arm], steady) for _ in range(2 * PROBE_EVERY)]
+    allocs = [adaptive.allocate([arm, arm], steady) for _ in range(30)]
     probes = [i for i, a in enumerate(allocs) if a.width > 0]
-    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert (PROBE_FIRST, PROBE_EVERY) == (2, 16) and probes == [1, 5, 13, 29]  # after runs of 2, 4, 8 and 16 steps
     w = allocs[-1].width  # the widest width scanned: its draft samples every narrower budget
     assert w == max(allocs[-1].table) == 4  # the arm's cap
     assert allocs[-1].nodes == [w, w] and allocs[-1].options == [0, 0]
@@ -605,7 +624,8 @@ def test_a_level_that_decodes_plain_for_long_drafts_one_step_to_measure_its_pric
 
 def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_the_wider_prices_again():
     # 2 nodes learnt cheap, 4 and 8 learnt dear: the allocator keeps drafting 2 and never measures the wider prices
-    # again - so every PROBE_EVERY-th step in a row at that width drafts once at the wider width it rated best
+    # again - so a run of steps at that width (2, 4, 8, 16, 16, ...) ends with one drafting at the wider width it
+    # rated best
     from metasd.core.batching.probes import PROBE_EVERY
 
     adaptive = AdaptiveSpeculation(_linear, max_width=8, price_drafting=True, unit_seconds=0.25)
@@ -615,8 +635,8 @@ def test_a_level_that_drafts_narrow_for_long_drafts_one_step_wider_to_measure_th
             adaptive.learn(arm, [0, 1], budget, budget, draft_cost=cost, running=1)
     steady = [_Pending(length=100, max_new_tokens=64)]
     adaptive._fed[steady[0]] = 100
-    allocs = [adaptive.allocate([arm], steady) for _ in range(2 * PROBE_EVERY)]
-    assert [i for i, a in enumerate(allocs) if a.width != 2] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    allocs = [adaptive.allocate([arm], steady) for _ in range(30)]
+    assert [i for i, a in enumerate(allocs) if a.width != 2] == [1, 5, 13, 29]
     probe = allocs[-1]
     assert probe.width == max(probe.table) == 8  # the widest scanned: one draft samples every budget up to 8
     assert probe.nodes == [8] and probe.table[8] <= probe.table[2]  # not the model's choice
@@ -649,18 +669,53 @@ def test_a_draft_shallower_than_the_requests_last_tokens_still_teaches_the_curve
     assert drafting > 0 and learnt >= drafting - 2 * len(PROMPTS)  # at most the last steps of each request cut
 
 
+def _next_probe(adaptive, step):
+    """What ``step()`` returns at the next probe (it is called until the adaptive's probe count grows, at most
+    ``PROBE_EVERY`` times; None if none came)."""
+    from metasd.core.batching.probes import PROBE_EVERY
+
+    before = sum(adaptive.width_runs.probes.values())
+    for _ in range(PROBE_EVERY):
+        out = step()
+        if sum(adaptive.width_runs.probes.values()) > before:
+            return out
+    return None
+
+
+def test_probe_runs_grow_from_two_steps_to_probe_every_per_load_level():
+    # a level starts from priors (the start-up profile's forward extrapolated from 1 and 4 tokens, no drafting
+    # measured): with a fixed 16-step run four requests decoded 14-15 plain steps before their first draft and two
+    # requests 13 with none (BENCHMARKS.md) - the first probe of a level comes after 2 steps, each later one after
+    # twice the run before, up to PROBE_EVERY; a change of width or a step where nothing wider was possible starts
+    # the run again, and each level keeps its own count
+    from metasd.core.batching.probes import PROBE_EVERY, PROBE_FIRST, WidthRuns
+
+    runs = WidthRuns()
+
+    def gaps(level, n):
+        due = [i for i in range(n) if runs.due(level, 0, True)]
+        return [b - a for a, b in zip([-1] + due, due)]
+
+    assert (PROBE_FIRST, PROBE_EVERY) == (2, 16)
+    assert gaps(0, 62) == [2, 4, 8, 16, 16, 16]
+    assert gaps(1, 6) == [2, 4] and runs.period(0) == 16 and runs.period(1) == 8  # its own count
+    assert [runs.due(2, w, True) for w in (0, 2, 2)] == [False, False, True]  # a new width starts the run
+    assert [runs.due(2, 0, True), runs.due(2, 0, False)] + [runs.due(2, 0, True) for _ in range(4)] == \
+        [False, False, False, False, False, True]  # nothing wider possible: the run starts again
+
+
 def test_a_probe_drafts_the_widest_width_rated_nearly_as_good_as_the_choice():
     # one verified draft samples every narrower budget, but a 48-node probe beside many rows costs several plain
     # steps (at 8 requests on this CPU: 3.4-4.0 s at 20-21 tokens/s against ~27 for plain steps, with a floor of
     # half): the probe takes the widest width rated >= PROBE_FLOOR x the allocation, else the best-rated wider one
-    from metasd.core.batching.probes import PROBE_EVERY, PROBE_FLOOR
+    from metasd.core.batching.probes import PROBE_FLOOR
     from metasd.core.pricing.allocator import Allocation
 
     adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True)
 
     def probed(table, caps=(48, 48)):
         plain = Allocation([0] * len(caps), 0, table[0], dict(table), [0] * len(caps), float(len(caps)))
-        return [adaptive.probe(plain, [None] * len(caps), list(caps), _linear) for _ in range(PROBE_EVERY)][-1]
+        return _next_probe(adaptive, lambda: adaptive.probe(plain, [None] * len(caps), list(caps), _linear))
 
     assert PROBE_FLOOR == 0.9
     assert probed({0: 3.0, 2: 2.95, 8: 2.8, 48: 1.6}).nodes == [8, 8]  # 48 rated under the floor: left out
@@ -685,8 +740,6 @@ def test_a_probe_drafts_with_a_wider_sibling_arm_than_the_narrow_one_the_policy_
     # and it settled on cascade@4. A probe rated by the curve and capped by that arm drafted 4 nodes and never sampled
     # the wide budgets again (BENCHMARKS.md, "Budget arms as exploration"); it is rated hopefully and drafts with the
     # entry's widest arm instead
-    from metasd.core.batching.probes import PROBE_EVERY
-
     adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True, unit_seconds=0.25)
     arms = budget_arms(_cascade(), (4, 16, 48))
     adaptive.learn(arms[1], [0, 1], 16, 16, draft_cost=0.3, running=1)
@@ -694,19 +747,49 @@ def test_a_probe_drafts_with_a_wider_sibling_arm_than_the_narrow_one_the_policy_
         adaptive.learn(arms[0], [0, 1], 2, 2, draft_cost=0.1, running=1)
     request = _Switchable(arms, length=100, max_new_tokens=64)
     adaptive._fed[request] = 100
-    plans = [adaptive.step_plan([1], [arms[0]], [request]) for _ in range(PROBE_EVERY)]
-    assert all(p.nodes == {1: 2} and p.arms == {1: arms[0]} for p in plans[:-1])
-    probe = plans[-1]
-    assert probe.nodes == {1: 48} and probe.arms == {1: arms[2]} and request.switched == ["cascade@48"]
+    assert adaptive.step_plan([1], [arms[0]], [request]).nodes == {1: 2}  # the allocator's choice
+    probe = _next_probe(adaptive, lambda: adaptive.step_plan([1], [arms[0]], [request]))
+    assert probe.nodes == {1: 48} and probe.arms == {1: arms[2]} and request.switched == []  # the scheduler switches
     fixed = _Switchable(arms, can_switch=False, length=100, max_new_tokens=64)  # a policy that may not be overruled
     adaptive._fed[fixed] = 100
-    capped = [adaptive.step_plan([2], [arms[0]], [fixed]) for _ in range(PROBE_EVERY)][-1]
+    capped = _next_probe(adaptive, lambda: adaptive.step_plan([2], [arms[0]], [fixed]))
     assert capped.nodes == {2: 4} and capped.arms == {2: arms[0]} and fixed.switched == []
     bounded = _Switchable(arms, length=100, max_new_tokens=64)  # KV rows reserved for 16 draft nodes
     bounded.max_draft_nodes = 16
     adaptive._fed[bounded] = 100
-    within = [adaptive.step_plan([3], [arms[0]], [bounded]) for _ in range(PROBE_EVERY)][-1]
-    assert within.nodes == {3: 16} and within.arms == {3: arms[1]} and bounded.switched == ["cascade@16"]
+    within = _next_probe(adaptive, lambda: adaptive.step_plan([3], [arms[0]], [bounded]))
+    assert within.nodes == {3: 16} and within.arms == {3: arms[1]}
+
+
+def test_a_request_whose_switch_to_a_probes_arm_fails_fails_alone(verifier_model, tok, monkeypatch):
+    # the scheduler switches a probed request to its wider sibling arm (``Request.switch_arm``) inside its per-request
+    # guard: the first switch raises, that request alone ends with the error, the others finish as the verifier's
+    import metasd.core.batching.probes as probes_module
+
+    monkeypatch.setattr(probes_module, "PROBE_EVERY", 2)
+    expected = _plain(verifier_model, tok)
+    engine = _engine(verifier_model, tok, _budget_arms(), policy="ucb", feedback="full")
+    monkeypatch.setattr(engine.policy, "select", lambda context=None: 0)  # cascade@2: every probe switches
+    broken = []
+
+    def switch(self, drafter):
+        if not broken:
+            broken.append(self)
+            raise RuntimeError("switch failed")
+
+    monkeypatch.setattr(Request, "switch_arm", switch)
+    adaptive = AdaptiveSpeculation(lambda n: 1.0 + 0.5 * n, max_width=16, price_drafting=True, unit_seconds=1e-3)
+    with Scheduler(engine, max_batch=4, adaptive=adaptive) as s:
+        with s._lock:
+            handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        outcomes = []
+        for h in handles:
+            try:
+                outcomes.append(h.result(timeout=120).token_ids)
+            except RuntimeError as e:
+                outcomes.append(str(e))
+    assert len(broken) == 1 and outcomes.count("switch failed") == 1
+    assert all(o == e for o, e in zip(outcomes, expected) if o != "switch failed")
 
 
 def test_a_curve_read_hopefully_rates_budgets_sampled_less_than_the_narrow_one_as_its_acceptance_implies():

@@ -44,8 +44,9 @@ wires the building blocks of speculation under load into its step:
    dearer than it is beside the forward it saves (on this CPU at 4 requests: plain steps took 1.26x the profile's
    price, one run decoded 47 of 65 steps plain where a fixed tree 8 was faster).
 7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
-   so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After ``PROBE_EVERY``
-   steps in a row at one width where a wider one was possible, one step drafts wider, chosen hopefully and up to each
+   so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After a run of
+   steps at one width where a wider one was possible (2 at a level's first probe, doubled per probe up to
+   ``PROBE_EVERY``), one step drafts wider, chosen hopefully and up to each
    request's widest sibling arm (``widest``; the request is switched to the narrowest sibling that holds its nodes,
    ``switched``): its verified draft samples
    every narrower budget's acceptance at once, and its measured price and accepted tokens update the level's
@@ -224,9 +225,10 @@ class AdaptiveSpeculation:
         forward = self.forward_cost(len(arms))
         alloc = plan(curves, caps, forward, max_width=self.max_width, draft_costs=costs, min_gain=self.min_gain,
                      alternatives=others)
-        reach = [self.reach(a, c, r) for a, c, r in zip(arms, caps, reqs)]
+        reach = [d if o > 0 else self.reach(a, c, r)  # a request on its lookups alone keeps them in a probe
+                 for a, c, r, d, o in zip(arms, caps, reqs, alloc.nodes, alloc.options)]
         return self.probe(alloc, curves, caps, forward, costs, reach=reach,
-                          hopeful=self.forward_cost(len(arms), hopeful=True))
+                          hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others)
 
     def reach(self, arm: Any, cap: int, request: Any) -> int:
         """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``), within the request's
@@ -252,26 +254,26 @@ class AdaptiveSpeculation:
 
     def switched(self, arm: Any, request: Any, nodes: int) -> Any:
         """The arm that drafts ``nodes`` nodes for the request: ``arm`` where its cap holds them, else its narrowest
-        sibling that does (a probe wider than the arm the policy chose), which the request is switched to."""
+        sibling that does (a probe wider than the arm the policy chose; the scheduler switches the request to it,
+        ``Request.switch_arm``, where one request's failure is its own)."""
         if nodes <= self.cap(arm):
             return arm
-        wide = next(d for d in self.siblings(arm, request) if self.cap(d) >= nodes)
-        request.switch_arm(wide)
-        return wide
+        return next(d for d in self.siblings(arm, request) if self.cap(d) >= nodes)
 
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
               costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None,
-              hopeful: Callable[[int], float] | None = None) -> Allocation:
-        """``alloc``, unless it is the ``PROBE_EVERY``-th step in a row at its load level at one width while a wider
-        one was possible (a request's ``reach`` above it: its cap, or its widest sibling arm's, ``widest``); then
+              hopeful: Callable[[int], float] | None = None, alternatives: Sequence[Any] | None = None) -> Allocation:
+        """``alloc``, unless it ends its load level's run of steps at one width while a wider
+        one was possible (a request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's,
+        ``widest``, or the nodes of a request kept on its lookups, ``alternatives``); then
         ``probes.probe``'s wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``;
         module docstring, 7.; metasd/core/batching/probes.py). Only with
         ``price_drafting`` (unpriced, drafting is rated out by the curves and forward alone)."""
-        reach = list(caps) if reach is None else [max(int(r), int(c)) for r, c in zip(reach, caps)]
+        reach = list(caps) if reach is None else [int(r) for r in reach]
         possible = self.price_drafting and max(reach, default=0) > alloc.width
         if not self.width_runs.due(load_level(len(caps)), alloc.width, possible):
             return alloc
-        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful)
+        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with

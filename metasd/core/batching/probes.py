@@ -3,9 +3,13 @@
 A load level never measures the widths it does not draft: a drafting price learnt high (a first contact, a slow
 moment) or an acceptance curve learnt low (one unlucky wide draft) would keep it plain, or narrow, for good - wider
 drafts are priced and rated from what narrower ones measured, and narrow drafts never sample the wide budgets. After
-``PROBE_EVERY`` steps in a row at one width where a wider one was possible, one step drafts wider (``probe``): its
-verified draft samples every narrower budget's acceptance at once, and its measured price and accepted tokens update
-the level's estimates.
+a run of steps at one width where a wider one was possible, one step drafts wider (``probe``): its verified draft
+samples every narrower budget's acceptance at once, and its measured price and accepted tokens update the level's
+estimates. The runs grow geometrically per level (``WidthRuns.period``: ``PROBE_FIRST`` steps, then twice as many
+after each probe, up to ``PROBE_EVERY``). A level starts from priors - the start-up profile's forward extrapolated from
+one and four tokens, no drafting measured - and with a fixed 16-step run four requests decoded 14-15 plain steps
+before their first draft, and two running requests 13 plain steps and no draft at all (BENCHMARKS.md, "Probes that
+reach the wide budgets"); a level whose probes lose still pays for one probe in ``PROBE_EVERY`` steps only.
 
 A probe is exploration, so its width is chosen hopefully: each request's curve read by ``AcceptanceCurve.hopeful_many``
 (a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies), the
@@ -21,7 +25,9 @@ from typing import Any, Callable, Sequence
 
 from ..pricing.allocator import Allocation, candidate_widths, expected_goodput
 
-#: after this many steps in a row at one width of a load level where a wider one was possible, one step drafts wider
+#: a load level's first probe: after this many steps in a row at one width where a wider one was possible
+PROBE_FIRST = 2
+#: each later probe of the level after twice the run of the one before, up to this many steps
 PROBE_EVERY = 16
 #: a probe drafts the widest width whose (hopeful) expected goodput is at least this share of the allocation's
 PROBE_FLOOR = 0.9
@@ -39,24 +45,31 @@ class _Hopeful:
 
 
 class WidthRuns:
-    """Per load level: the width of its last steps and how many steps in a row it held while a wider one was
-    possible; ``due`` says when a probe is."""
+    """Per load level: the width of its last steps, how many steps in a row it held while a wider one was possible,
+    and how many probes the level has had; ``due`` says when a probe is."""
 
     def __init__(self):
         self.runs: dict[int, tuple[int, int]] = {}  # load level -> (width, steps in a row at it)
+        self.probes: dict[int, int] = {}  # load level -> probes so far
+
+    def period(self, level: int) -> int:
+        """Steps in a row at one width before the level's next probe: ``PROBE_FIRST`` doubled per probe the level has
+        had, at most ``PROBE_EVERY`` (2, 4, 8, 16, 16, ...)."""
+        return min(PROBE_EVERY, PROBE_FIRST << min(self.probes.get(level, 0), 16))
 
     def due(self, level: int, width: int, wider_possible: bool) -> bool:
-        """Count a step of ``level`` at ``width``; True on the ``PROBE_EVERY``-th in a row at one width where a wider
-        one was possible (the count starts again after it, or after a step where none was)."""
+        """Count a step of ``level`` at ``width``; True on the ``period``-th in a row at one width where a wider one
+        was possible (the count starts again after it, or after a step where none was)."""
         if not wider_possible:
             self.runs.pop(level, None)
             return False
         last, run = self.runs.get(level, (width, 0))
         run = run + 1 if last == width else 1
-        if run < PROBE_EVERY:
+        if run < self.period(level):
             self.runs[level] = (width, run)
             return False
         self.runs.pop(level, None)
+        self.probes[level] = self.probes.get(level, 0) + 1
         return True
 
 
@@ -75,21 +88,31 @@ def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int]
 
 
 def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
-          costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None) -> Allocation:
+          costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None,
+          alternatives: Sequence[Any] | None = None) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the widest width rated
     at least ``PROBE_FLOOR`` times as good as the allocation (``wider_ratings``), else the best-rated wider one - beside
     8 rows on this CPU a 32-48-node probe took the time of ~13 plain steps. Its expected goodput and tokens are those
     of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with),
     not of the allocation it replaces; its table holds the allocator's ratings and the probe's. ``hopeful``: the
     forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
-    the level never ran priced as the widest it did), default ``forward``."""
+    the level never ran priced as the widest it did), default ``forward``. A request the allocation put on one of
+    its ``alternatives`` (its lookups alone: its model would first read its unread text) keeps that option, read at
+    its curve and cost; its ``reach`` is the nodes it was given."""
+    curves, costs = list(curves), None if costs is None else list(costs)
+    for i, o in enumerate(alloc.options):
+        if o > 0:
+            curves[i], cost = alternatives[i][o - 1]
+            if costs is not None:
+                costs[i] = cost
     ratings = wider_ratings(alloc, curves, reach, forward if hopeful is None else hopeful, costs, max_width)
     fair = [x for x, g in ratings.items() if g >= PROBE_FLOOR * alloc.goodput]
     w = max(fair) if fair else max(ratings, key=lambda x: (ratings[x], -x))
     nodes = [min(w, r) for r in reach]
     tokens = len(reach) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
     goodput = expected_goodput(curves, nodes, forward, draft_costs=costs)
-    return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, [0] * len(reach), tokens)
+    options = [o if d > 0 else 0 for o, d in zip(alloc.options, nodes)]
+    return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, options, tokens)
 
 
-__all__ = ["PROBE_EVERY", "PROBE_FLOOR", "WidthRuns", "probe", "wider_ratings"]
+__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "WidthRuns", "probe", "wider_ratings"]

@@ -121,8 +121,7 @@ class Scheduler:
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why): unhealthy once the thread has stopped on an error, or after ``UNHEALTHY_AFTER`` steps in a
-        row failed (each failed the requests in it). The reason names what happened, not the error's text (which the
-        log has)."""
+        row failed (each failed its requests). The reason names what happened, not the error's text (the log has it)."""
         if self.failure is not None:
             return False, "the scheduler thread stopped on an error; restart the server"
         if self.failed_steps >= self.UNHEALTHY_AFTER:
@@ -351,7 +350,9 @@ class Scheduler:
         running = list(self._running)
         plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running],
                                   [j.request for j in running])
-        return each_drafts(running, lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, *how), plan
+        self._each([j for j in running if plan.arms[id(j)] is not arms[id(j)]],  # a probe's wider sibling arm
+                   lambda j: j.request.switch_arm(plan.arms[id(j)]), "switching to a probe's arm")
+        return each_drafts(list(self._running), lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, *how), plan
 
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all, in turn: a request that used the chunk
