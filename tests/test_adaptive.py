@@ -761,6 +761,26 @@ def test_a_probe_drafts_with_a_wider_sibling_arm_than_the_narrow_one_the_policy_
     assert within.nodes == {3: 16} and within.arms == {3: arms[1]}
 
 
+def test_a_probe_stays_within_the_requests_tokens_left():
+    # a draft deeper than a request's tokens left less one is cut by its last tokens and teaches nothing
+    # (``StepRecord.cut``): the 8-token warm-up request's 48-node probe was, and it spent its level's first probe
+    adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True, unit_seconds=0.25)
+    arms = budget_arms(_cascade(), (4, 16, 48))
+    for _ in range(20):
+        adaptive.learn(arms[0], [0, 1], 2, 2, draft_cost=0.1, running=1)
+    short = _Switchable(arms, length=100, max_new_tokens=8, new=1)  # 7 tokens left: a 6-node draft stays whole
+    adaptive._fed[short] = 100
+    assert adaptive.reach(arms[0], 4, short) == 6
+    probe = _next_probe(adaptive, lambda: adaptive.step_plan([1], [arms[0]], [short]))
+    assert probe.nodes == {1: 6} and probe.arms == {1: arms[1]}  # cascade@16 holds the 6 nodes
+    last = _Switchable(arms, length=100, max_new_tokens=8, new=7)  # its last token: nothing a draft could add
+    assert adaptive.reach(arms[0], 4, last) == 0
+    assert _next_probe(adaptive, lambda: adaptive.step_plan([2], [arms[0]], [last])) is None
+    bounded = _Switchable(arms, length=100, max_new_tokens=64)
+    bounded.max_draft_nodes = 16
+    assert adaptive.reach(arms[0], 4, bounded) == 16 and adaptive.reach(arms[0], 4, None) == 4  # no request: no sibling
+
+
 def test_a_request_whose_switch_to_a_probes_arm_fails_fails_alone(verifier_model, tok, monkeypatch):
     # the scheduler switches a probed request to its wider sibling arm (``Request.switch_arm``) inside its per-request
     # guard: the first switch raises, that request alone ends with the error, the others finish as the verifier's

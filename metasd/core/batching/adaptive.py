@@ -165,8 +165,7 @@ class AdaptiveSpeculation:
     # ---------------------------------------------------------------- per arm
     @staticmethod
     def curve_key(arm: Any) -> str:
-        """The curve an arm reads and feeds: its inner drafter's name for a budget arm (all budgets of an entry share
-        it), else its own name."""
+        """The curve an arm reads and feeds: a budget arm's inner drafter's name (budgets share it), else its own."""
         return getattr(getattr(arm, "inner", None), "name", None) or arm.name
 
     @classmethod
@@ -193,8 +192,8 @@ class AdaptiveSpeculation:
         return arm is not None and budget > 0 and getattr(arm, "speculates", True)
 
     def cap(self, arm: Any) -> int:
-        """Most nodes the arm may draft: 0 without an arm or for one that does not speculate, its ``budget`` (budget
-        arms), else ``max_width``."""
+        """Most nodes the arm may draft: 0 without an arm or one that does not speculate, else ``max_width`` (within
+        a budget arm's ``budget``)."""
         if arm is None or not getattr(arm, "speculates", True):
             return 0
         budget = getattr(arm, "budget", None)
@@ -231,13 +230,16 @@ class AdaptiveSpeculation:
                           hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others)
 
     def reach(self, arm: Any, cap: int, request: Any) -> int:
-        """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``), within the request's
-        ``max_draft_nodes`` (the KV rows a scheduler reserved); at least its own arm's ``cap``; 0 without one."""
+        """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``) or its own ``cap``,
+        within its ``max_draft_nodes`` (KV rows reserved) and its tokens left less one - a deeper draft is cut by its
+        last tokens and teaches nothing (``StepRecord.cut``: the 8-token warm-up spent a level's first probe so)."""
         if cap <= 0:
             return 0
-        bound = getattr(request, "max_draft_nodes", None)
-        wide = self.cap(self.widest(arm, request))
-        return max(cap, wide if bound is None else min(wide, int(bound)))
+        wide = max(cap, self.cap(self.widest(arm, request)))
+        left = None if request is None else int(request.max_new_tokens) - len(request.new_ids) - 1
+        for bound in (getattr(request, "max_draft_nodes", None), left):
+            wide = wide if bound is None else min(wide, max(int(bound), 0))
+        return wide
 
     @staticmethod
     def siblings(arm: Any, request: Any) -> list:
@@ -333,8 +335,7 @@ class AdaptiveSpeculation:
 
     def forward_ratio(self, running: int) -> float:
         """The verify forward's measured / profiled cost at ``running`` requests' load level, all widths together
-        (module docstring, 6.): the level's average, else the nearest level's that has one (the lower on a tie),
-        else 1."""
+        (module docstring, 6.): the level's average, else the nearest level's (the lower on a tie), else 1."""
         return self.ratios.level_ratio(load_level(running))
 
     def forward_cost(self, running: int, hopeful: bool = False) -> Callable[[int], float]:
