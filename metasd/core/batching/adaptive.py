@@ -192,8 +192,8 @@ class AdaptiveSpeculation:
         return arm is not None and budget > 0 and getattr(arm, "speculates", True)
 
     def cap(self, arm: Any) -> int:
-        """Most nodes the arm may draft: 0 without an arm or one that does not speculate, else ``max_width`` (within
-        a budget arm's ``budget``)."""
+        """Most nodes the arm may draft: 0 without an arm or one that does not speculate, a budget arm's ``budget`` (at
+        most ``max_width``), else ``max_width``."""
         if arm is None or not getattr(arm, "speculates", True):
             return 0
         budget = getattr(arm, "budget", None)
