@@ -143,8 +143,9 @@ def plan(n: int, seed: int, prompts: list[str] = PROMPTS, model: str = MODEL) ->
     return out
 
 
-def send(url: str, r: dict, body_limit: int) -> dict:
-    """Send one planned request; its outcome: {"status", "text" or "error"}."""
+def send(url: str, r: dict, body_limit: int, timeout: float = 60.0) -> dict:
+    """Send one planned request; its outcome: {"status", "text" or "error"}. ``timeout``: how long the client waits
+    for a byte of the answer before it gives up (httpx's read timeout): an answer later than that is lost."""
     import httpx
 
     path = url + "/v1/completions"
@@ -153,23 +154,23 @@ def send(url: str, r: dict, body_limit: int) -> dict:
     try:
         if kind == "malformed":
             resp = httpx.post(path, content=b'{"model": "' + r["model"].encode() + b'", "prompt": ',
-                              headers={"content-type": "application/json"}, timeout=60)
+                              headers={"content-type": "application/json"}, timeout=timeout)
         elif kind == "unknown_field":  # accepted with a warning (as vLLM does): the text must be plain greedy's
-            resp = httpx.post(path, json=base | {"temperature": 0, "best_guess": True}, timeout=60)
+            resp = httpx.post(path, json=base | {"temperature": 0, "best_guess": True}, timeout=timeout)
             if resp.status_code == 200:
                 return {"status": 200, "text": resp.json()["choices"][0]["text"], "check": "greedy"}
         elif kind == "oversized":
-            resp = httpx.post(path, json=base | {"prompt": "w10 " * (body_limit // 3)}, timeout=60)
+            resp = httpx.post(path, json=base | {"prompt": "w10 " * (body_limit // 3)}, timeout=timeout)
         elif kind == "absurd":
             absurd = random.Random(r["seed"]).choice([{"max_tokens": 10 ** 9}, {"temperature": 1e-40},
                                                       {"top_p": 0}, {"stop": ["w1"] * 100}, {"seed": -5},
                                                       {"max_tokens": 0}, {"stop": "w" * 10_000}])
-            resp = httpx.post(path, json=base | {"temperature": 0} | absurd, timeout=60)
+            resp = httpx.post(path, json=base | {"temperature": 0} | absurd, timeout=timeout)
             if absurd == {"temperature": 1e-40} and resp.status_code == 200:  # greedy: the text is checkable
                 return {"status": 200, "text": resp.json()["choices"][0]["text"], "check": "greedy"}
         elif kind == "disconnect":
             with httpx.stream("POST", path, json=base | {"temperature": 0, "stream": True, "max_tokens": 30},
-                              timeout=60) as s:
+                              timeout=timeout) as s:
                 for _ in s.iter_lines():
                     break  # the first event, then the client goes away
             return {"status": "disconnected"}
@@ -177,7 +178,7 @@ def send(url: str, r: dict, body_limit: int) -> dict:
             return send_half_a_body(url, json.dumps(base | {"temperature": 0}).encode())
         elif kind == "greedy_stream":
             text, error = "", None
-            with httpx.stream("POST", path, json=base | {"temperature": 0, "stream": True}, timeout=60) as s:
+            with httpx.stream("POST", path, json=base | {"temperature": 0, "stream": True}, timeout=timeout) as s:
                 if s.status_code != 200:
                     s.read()
                     return {"status": s.status_code, "error": s.json().get("error")}
@@ -192,7 +193,7 @@ def send(url: str, r: dict, body_limit: int) -> dict:
             return {"status": 500, "error": error} if error else {"status": 200, "text": text, "check": "greedy"}
         else:
             extra = {"temperature": 0} if kind == "greedy" else {"temperature": r["temperature"], "seed": r["seed"]}
-            resp = httpx.post(path, json=base | extra, timeout=60)
+            resp = httpx.post(path, json=base | extra, timeout=timeout)
             if resp.status_code == 200:
                 return {"status": 200, "text": resp.json()["choices"][0]["text"], "check": kind}
         if resp.status_code == 200:
@@ -288,13 +289,15 @@ def tie_walk(reference, r: dict, check: str, served: str, tie_margin: float, max
 def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc_p: float = 0.05,
              forward_p: float = 0.03, kv_budget: int = 2048, body_limit: int = 32 * 1024, seed: int = 0,
              prefix_caching: bool = True, pool: str | None = None, tie_margin: float | None = None,
-             body_timeout: float = 1.0) -> dict:
+             body_timeout: float = 1.0, client_timeout: float = 300.0) -> dict:
     """Run the soak; its report (counts by outcome, faults injected, memory, whether the server answers). With
     ``prefix_caching`` (``metasd serve``'s default) finished requests' KV stays in the budget for later ones: the
     rows must still be freed when idle, and the stored prefixes stay within the budget. ``pool``: a real pool file
     (``default``: ``metasd serve``'s) instead of the tiny models, its answers checked by ``tie_walk`` within
     ``tie_margin`` (default ``BF16_TIE_MARGIN``; the tiny models: 0, exact); ``body_timeout``: the server's
-    ``--body-timeout`` (what a client sending half a body waits for its 408)."""
+    ``--body-timeout`` (what a client sending half a body waits for its 408); ``client_timeout``: how long each client
+    waits for an answer before it gives up (a lost request). The report gives the seconds each answered request took
+    (``answer_seconds``), so a lost request can be told from a slow server."""
     import httpx
 
     from metasd.core.batching.scheduler import Scheduler
@@ -318,8 +321,13 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
         tie_margin = BF16_TIE_MARGIN if tie_margin is None else tie_margin
     faults = Faults(alloc_p, forward_p, seed)
     faults.install(scheduler)
-    peak = {"held": 0}
-    scheduler.add_listener(lambda _: peak.__setitem__("held", max(peak["held"], scheduler.verifier.cache.held_bytes)))
+    peak = {"held": 0, "step_s": 0.0}
+
+    def watch(record) -> None:  # the KV held at its peak, and the longest step (a stalled server shows there)
+        peak["held"] = max(peak["held"], scheduler.verifier.cache.held_bytes)
+        peak["step_s"] = max(peak["step_s"], getattr(record, "seconds", 0.0))
+
+    scheduler.add_listener(watch)
     todo = plan(requests, seed, prompts, model)
     deadline = time.monotonic() + seconds
     outcomes: list[tuple[dict, dict]] = []
@@ -330,7 +338,9 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
         def one(r):
             if time.monotonic() > deadline:
                 return r, {"status": "not_sent"}
-            return r, send(srv.url, r, body_limit)
+            t = time.perf_counter()
+            outcome = send(srv.url, r, body_limit, client_timeout)
+            return r, outcome | {"seconds": round(time.perf_counter() - t, 2)}
 
         with ThreadPoolExecutor(clients) as senders:
             outcomes = list(senders.map(one, todo))
@@ -366,7 +376,9 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             "bad_inputs_tried": dict(Counter(r["kind"] for r, o in outcomes if r["kind"] not in
                                              ("greedy", "greedy_stream", "seeded") and o["status"] != "not_sent")),
             "faults_injected": dict(faults.counts),
-            "checked_texts": sum(1 for _, o in outcomes if "text" in o),
+            "checked_texts": sum(1 for _, o in outcomes if "text" in o), "client_timeout_s": client_timeout,
+            "answer_seconds": _spread([o["seconds"] for _, o in outcomes if isinstance(o["status"], int)]),
+            "longest_step_s": round(peak["step_s"], 2),
             "wrong_outputs": len(wrong), "lost_without_error": len(lost), "errors_without_a_clear_body": len(unclear),
             "model": "tiny random fp32" if pool is None else f"pool {pool}: {served.verifier.describe()}",
             "tie_margin": tie_margin, "left_plain_decoding_at_near_ties": len(near_ties),
@@ -375,6 +387,12 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             "kv_held_bytes_when_idle": held_idle, "kv_prefix_cache_bytes_when_idle": prefixes_idle,
             "prefix_cache_hit_tokens": scheduler.prefix_cache.stats.hits if scheduler.prefix_cache else None,
             "examples": {"wrong": wrong[:3], "lost": lost[:3], "unclear": unclear[:3], "near_ties": near_ties[:3]}}
+
+
+def _spread(xs: list[float]) -> dict:
+    """The median and largest of ``xs`` (an empty dict when there are none)."""
+    xs = sorted(xs)
+    return {"n": len(xs), "median": xs[len(xs) // 2], "max": xs[-1]} if xs else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     f"may leave plain decoding's (default {BF16_TIE_MARGIN})")
     p.add_argument("--body-timeout", type=float, default=1.0,
                    help="the server's --body-timeout: what a client that sends half a body waits for its 408")
+    p.add_argument("--client-timeout", type=float, default=300.0,
+                   help="seconds a client waits for its answer before it gives up (a lost request): raise it where "
+                        "a real pool's requests queue behind a slow verifier")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -404,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     report = run_soak(args.requests, args.clients, args.seconds, args.alloc_fault, args.forward_fault, args.kv_budget,
                       seed=args.seed, prefix_caching=args.prefix_caching, pool=args.pool,
-                      tie_margin=args.tie_margin, body_timeout=args.body_timeout)
+                      tie_margin=args.tie_margin, body_timeout=args.body_timeout,
+                      client_timeout=args.client_timeout)
     report = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads",

@@ -25,6 +25,11 @@ def test_a_small_soak_with_faults_loses_nothing_and_returns_no_wrong_text():
     assert report["checked_texts"] >= 10  # enough answers were compared for the zero to mean something
     assert {"malformed", "oversized", "absurd", "disconnect", "slow_body"} <= set(report["bad_inputs_tried"])
     assert report["by_kind_and_status"].get("slow_body:408", 0) == report["bad_inputs_tried"]["slow_body"]
+    # what tells a slow server from a lost answer: every answer's time, under the client's timeout, and the longest step
+    assert 0 < report["answer_seconds"]["median"] <= report["answer_seconds"]["max"] < report["client_timeout_s"]
+    assert report["answer_seconds"]["n"] == sum(n for k, n in report["by_kind_and_status"].items()
+                                                if k.split(":")[1].isdigit())
+    assert report["longest_step_s"] > 0
 
 
 @pytest.mark.parametrize("j", [3, 11])
