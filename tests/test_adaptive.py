@@ -302,6 +302,10 @@ class _Pending:
         self.length, self.max_new_tokens, self.new_ids = length, max_new_tokens, [0] * new
         self.pending_drafting = (modeled, seconds, 0)
 
+    @property
+    def tokens_left(self):
+        return self.max_new_tokens - len(self.new_ids)
+
 
 def test_drafting_is_priced_by_its_measured_seconds_in_one_token_forwards():
     measured = AdaptiveSpeculation(_linear, unit_seconds=0.25)

@@ -236,7 +236,7 @@ class AdaptiveSpeculation:
         if cap <= 0:
             return 0
         wide = max(cap, self.cap(self.widest(arm, request)))
-        left = None if request is None else int(request.max_new_tokens) - len(request.new_ids) - 1
+        left = None if request is None else int(request.tokens_left) - 1
         for bound in (getattr(request, "max_draft_nodes", None), left):
             wide = wide if bound is None else min(wide, max(int(bound), 0))
         return wide
@@ -324,7 +324,7 @@ class AdaptiveSpeculation:
         unfed = self.unfed(request) if request is not None else 0
         if rate is None or unfed <= self.max_width:
             return lambda d: per_step(d) if d > 0 else 0.0
-        one_off = rate * unfed / max(int(request.max_new_tokens) - len(request.new_ids), 1)
+        one_off = rate * unfed / max(int(request.tokens_left), 1)
         curve = self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 

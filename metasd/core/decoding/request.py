@@ -209,6 +209,12 @@ class Request:
         self.step_rewards: list[float] = []
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens it may still commit: ``max_new_tokens`` less those committed (a draft deeper than this less one is
+        cut by its end)."""
+        return self.max_new_tokens - len(self.new_ids)
+
+    @property
     def pending(self) -> int:
         """The pending token: the last committed one, not in the verifier's cache yet."""
         return int(self.buffer[self.length - 1])
@@ -235,8 +241,8 @@ class Request:
         when a scheduler set it. Returns the drafter that will draft (None: the request does not speculate)."""
         if self._pending_step is not None:
             raise RuntimeError("Request.draft_step called twice without finish_step")
-        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=self.max_new_tokens - len(self.new_ids) - 1,
-                          step=self.stats.steps, **self.base_ctx)
+        ctx = StepContext(tokens=self.buffer[: self.length], max_depth=self.tokens_left - 1, step=self.stats.steps,
+                          **self.base_ctx)
         if self.engine.granularity == "step":
             self.arm = self._select(self._step_context(ctx))
         self._selected = ctx
@@ -294,10 +300,8 @@ class Request:
         """``propose``'s second half: the draft (its modeled cost, the clock before and after drafting it), cut to
         the budgets; the step waits for its verification (``finish_step``)."""
         (ctx, drafter, asked, max_nodes), self._proposal = self._proposal, None
-        limit = self.draft_budget
-        for bound in (self.max_draft_nodes, max_nodes):
-            if bound is not None:
-                limit = bound if limit is None else min(limit, bound)
+        bounds = [b for b in (self.draft_budget, self.max_draft_nodes, max_nodes) if b is not None]
+        limit = min(bounds) if bounds else None
         # cut: the draft is not what the allocator's budget buys - the request's own budget, or its last tokens'
         # depth bound reached (a draft that stopped shallower than the bound was not shaped by it)
         cut = asked and (self.draft_budget is not None or draft.depth > ctx.max_depth
