@@ -44,13 +44,11 @@ wires the building blocks of speculation under load into its step:
    dearer than it is beside the forward it saves (on this CPU at 4 requests: plain steps took 1.26x the profile's
    price, one run decoded 47 of 65 steps plain where a fixed tree 8 was faster).
 7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
-   so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After a run of
-   steps at one width where a wider one was possible (2 at a level's first probe, doubled per probe up to
-   ``PROBE_EVERY``), one step drafts wider, chosen hopefully and up to each
-   request's widest sibling arm (``widest``; the request is switched to the narrowest sibling that holds its nodes,
-   ``switched``): its verified draft samples
-   every narrower budget's acceptance at once, and its measured price and accepted tokens update the level's
-   estimates.
+   so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After a run of steps at
+   one width where a wider one was possible (2 at a level's first probe, doubled per probe up to ``PROBE_EVERY``),
+   one step drafts wider, chosen hopefully, up to each request's widest sibling arm (``widest``; switched to the
+   narrowest sibling that holds its nodes, ``switched``), never under the narrowest sibling's budget: its verified
+   draft samples every narrower budget's acceptance at once, and its price and tokens update the level's estimates.
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -152,7 +150,6 @@ class AdaptiveSpeculation:
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
         self.ratios = ForwardRatios(self.cost, FORWARD_RATIO_DECAY)  # the verify forwards measured (module doc, 6.)
         self.width_runs = probes.WidthRuns()  # per load level: steps in a row at one width (``probe``)
-        # after the last step it drafted in (0: never drafted; its drafters have fed nothing but what they drafted)
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
     @classmethod
@@ -226,8 +223,10 @@ class AdaptiveSpeculation:
                      alternatives=others)
         reach = [d if o > 0 else self.reach(a, c, r)  # a request on its lookups alone keeps them in a probe
                  for a, c, r, d, o in zip(arms, caps, reqs, alloc.nodes, alloc.options)]
+        least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
+                    default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
         return self.probe(alloc, curves, caps, forward, costs, reach=reach,
-                          hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others)
+                          hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least)
 
     def reach(self, arm: Any, cap: int, request: Any) -> int:
         """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``) or its own ``cap``,
@@ -264,18 +263,19 @@ class AdaptiveSpeculation:
 
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
               costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None,
-              hopeful: Callable[[int], float] | None = None, alternatives: Sequence[Any] | None = None) -> Allocation:
+              hopeful: Callable[[int], float] | None = None, alternatives: Sequence[Any] | None = None,
+              least: int = 0) -> Allocation:
         """``alloc``, unless it ends its load level's run of steps at one width while a wider
         one was possible (a request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's,
         ``widest``, or the nodes of a request kept on its lookups, ``alternatives``); then
         ``probes.probe``'s wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``;
-        module docstring, 7.; metasd/core/batching/probes.py). Only with
+        module docstring, 7.; metasd/core/batching/probes.py), none under ``least`` nodes. Only with
         ``price_drafting`` (unpriced, drafting is rated out by the curves and forward alone)."""
         reach = list(caps) if reach is None else [int(r) for r in reach]
         possible = self.price_drafting and max(reach, default=0) > alloc.width
         if not self.width_runs.due(load_level(len(caps)), alloc.width, possible):
             return alloc
-        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives)
+        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives, least)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with

@@ -87,12 +87,32 @@ def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int]
     return ratings
 
 
+def probe_width(ratings: dict[int, float], goodput: float, least: int = 0) -> int:
+    """A probe's width from ``wider_ratings``: the widest rated at least ``PROBE_FLOOR`` times the allocation's
+    ``goodput`` - beside 8 rows on this CPU a 32-48-node probe took the time of ~13 plain steps - else (none is: the
+    level's curves or prices were learnt low) the widest rated at least ``PROBE_FLOOR`` times the best-rated wider one;
+    and never under ``least`` (the narrowest budget the request's arms draft). Where every width rates under the
+    allocation a per-step drafting price favours the narrowest, and one request decoding plain probed with 1 node in
+    15 of 20 probes - samples of no budget its arms choose among, so a curve one unlucky first draft had learnt low
+    stayed low for 300 steps (BENCHMARKS.md, "A start-up profile of 30 s instead of 5 s, tried")."""
+    fair = [x for x, g in ratings.items() if g >= PROBE_FLOOR * goodput]
+    if not fair:
+        best = max(ratings.values())
+        fair = [x for x, g in ratings.items() if g >= PROBE_FLOOR * best]
+    return max(max(fair), min(least, max(ratings)))
+
+
+def narrowest(siblings: Sequence[Any], cap: Callable[[Any], int]) -> int:
+    """A probe's floor for a request: the narrowest ``cap`` among the budget arms it may switch to (``siblings``,
+    more than one), else 0."""
+    return min(cap(d) for d in siblings) if len(siblings) > 1 else 0
+
+
 def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
           costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None,
-          alternatives: Sequence[Any] | None = None) -> Allocation:
-    """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the widest width rated
-    at least ``PROBE_FLOOR`` times as good as the allocation (``wider_ratings``), else the best-rated wider one - beside
-    8 rows on this CPU a 32-48-node probe took the time of ~13 plain steps. Its expected goodput and tokens are those
+          alternatives: Sequence[Any] | None = None, least: int = 0) -> Allocation:
+    """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
+    the wider widths' ratings (``wider_ratings``) and ``least``. Its expected goodput and tokens are those
     of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with),
     not of the allocation it replaces; its table holds the allocator's ratings and the probe's. ``hopeful``: the
     forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
@@ -106,8 +126,7 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
             if costs is not None:
                 costs[i] = cost
     ratings = wider_ratings(alloc, curves, reach, forward if hopeful is None else hopeful, costs, max_width)
-    fair = [x for x, g in ratings.items() if g >= PROBE_FLOOR * alloc.goodput]
-    w = max(fair) if fair else max(ratings, key=lambda x: (ratings[x], -x))
+    w = probe_width(ratings, alloc.goodput, least)
     nodes = [min(w, r) for r in reach]
     tokens = len(reach) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
     goodput = expected_goodput(curves, nodes, forward, draft_costs=costs)
@@ -115,4 +134,5 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, options, tokens)
 
 
-__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "WidthRuns", "probe", "wider_ratings"]
+__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "WidthRuns", "narrowest", "probe", "probe_width",
+           "wider_ratings"]
