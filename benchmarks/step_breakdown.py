@@ -107,9 +107,9 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
 
 def trace_steps(scheduler, path: Path) -> None:
     """Append one JSON line per decode step to ``path`` (emptied first): the step's batch, seconds and forward tokens,
-    its ``AdaptiveRecord`` (width, nodes, expected goodput per width), each request's drafter, drafted, accepted and
-    committed tokens and, for an adaptive pool, the learnt acceptance curves and drafting prices as they stand after
-    the step - what the allocator reads next. For finding why a run chose the widths it did."""
+    its ``AdaptiveRecord`` (width, nodes, expected goodput per width, whether a probe made it), each request's drafter,
+    drafted, accepted and committed tokens and, for an adaptive pool, the learnt acceptance curves and drafting prices
+    as they stand after the step - what the allocator reads next. For finding why a run chose the widths it did."""
     import dataclasses
 
     from metasd.core.batching.request_handle import SchedulerStep

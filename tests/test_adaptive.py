@@ -570,7 +570,7 @@ def test_the_forward_is_priced_at_its_measured_ratio_to_the_profile_per_load_lev
     for r in steady:
         adaptive._fed[r] = 100
     assert adaptive.forward_ratio(4) == 1.0 and adaptive.allocate([arm] * 4, steady).nodes == [0] * 4
-    plain = SimpleNamespace(width=0, goodput=1.0, table={}, options=[], tokens=4.0)
+    plain = SimpleNamespace(width=0, goodput=1.0, table={}, options=[], tokens=4.0, probe=False)
     adaptive.record(plain, [0] * 4, 4, forward_s=2 * 0.25 * _linear(4))  # a plain step took 2x its profiled price
     assert adaptive.forward_ratio(4) == pytest.approx(2.0)
     assert adaptive.forward_ratio(3) == pytest.approx(2.0) and adaptive.forward_ratio(1) == pytest.approx(2.0)
@@ -782,9 +782,12 @@ def test_a_probe_drafts_with_a_wider_sibling_arm_than_the_narrow_one_the_policy_
         adaptive.learn(arms[0], [0, 1], 2, 2, draft_cost=0.1, running=1)
     request = _Switchable(arms, length=100, max_new_tokens=64)
     adaptive._fed[request] = 100
-    assert adaptive.step_plan([1], [arms[0]], [request]).nodes == {1: 2}  # the allocator's choice
+    chosen = adaptive.step_plan([1], [arms[0]], [request])
+    assert chosen.nodes == {1: 2} and not chosen.alloc.probe  # the allocator's choice
     probe = _next_probe(adaptive, lambda: adaptive.step_plan([1], [arms[0]], [request]))
     assert probe.nodes == {1: 48} and probe.arms == {1: arms[2]} and request.switched == []  # the scheduler switches
+    assert probe.alloc.probe and adaptive.record(probe.alloc, [48], 49).probe  # the step's record says so (traces)
+    assert not adaptive.record(chosen.alloc, [2], 3).probe
     fixed = _Switchable(arms, can_switch=False, length=100, max_new_tokens=64)  # a policy that may not be overruled
     adaptive._fed[fixed] = 100
     capped = _next_probe(adaptive, lambda: adaptive.step_plan([2], [arms[0]], [fixed]))

@@ -31,6 +31,7 @@ def test_the_levels_account_for_their_time_and_an_adaptive_pool_reports_its_pric
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert steps and {1, 3} <= {s["batch"] for s in steps} <= {1, 2, 3}  # every decoding step, one line each
     assert all(len(s["requests"]) == s["batch"] and s["adaptive"]["width"] >= 0 for s in steps)
+    assert all(s["adaptive"]["probe"] in (True, False) for s in steps)  # which steps a probe made
     ratios = steps[-1]["forward_ratios_by_tokens"]  # per load level and token bucket
     assert set(ratios) == {str(lv) for lv in steps[-1]["forward_ratios"]} and all(ratios.values())
     rows = json.loads(out.read_text())["rows"]

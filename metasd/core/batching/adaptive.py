@@ -90,16 +90,17 @@ class StepPlan(NamedTuple):
 @dataclass
 class AdaptiveRecord:
     """What the adaptation decided in one step (``SchedulerStep.adaptive``): the width scanned best, each request's
-    node budget (row order), the expected goodput of the allocation and of each candidate width, and each request's
-    option in the allocation (``Allocation.options``: 1 where it drafted with its arm's lookups alone)."""
+    node budget (row order), the expected goodput of the allocation and of each candidate width, each request's
+    option in the allocation (``Allocation.options``: 1 where it drafted with its arm's lookups alone), the tokens it
+    is expected to commit (``Allocation.tokens``; its modeled cost: tokens / goodput) and whether a probe made it."""
 
     width: int
     nodes: list[int]
     goodput: float
     table: dict[int, float] = field(default_factory=dict)
     options: list[int] = field(default_factory=list)
-    #: the tokens the allocation is expected to commit (``Allocation.tokens``; its modeled cost: tokens / goodput)
     tokens: float = 0.0
+    probe: bool = False
 
 
 class AdaptiveSpeculation:
@@ -279,9 +280,8 @@ class AdaptiveSpeculation:
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
-        more than ``max_width`` committed tokens to read (``unfed``) and has lookups in it; else None. The request's
-        own ``lookup_curve``, priced at the lookups' average drafting cost (their own catch-up, indexing the prompt, is
-        learnt apart as the arm's is)."""
+        more than ``max_width`` committed tokens to read (``unfed``) and has lookups in it; else None: the request's
+        ``lookup_curve`` at the lookups' average drafting cost (their catch-up is learnt apart, as the arm's is)."""
         if request is None or self.unfed(request) <= self.max_width or arm.lookup or not drafts_lookups(arm):
             return None
         c = self.draft_costs.get(self.lookup_key(arm), 0.0)
@@ -357,7 +357,8 @@ class AdaptiveSpeculation:
         modeled = self.cost(forward_tokens) if nodes else 0.0
         if self.unit_seconds is not None and forward_s is not None and forward_s > 0 and modeled > 0:
             self.ratios.learn(load_level(len(nodes)), forward_tokens, forward_s / self.unit_seconds)
-        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens)
+        return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens,
+                              alloc.probe)
 
     def step_cost(self, rows_tokens: Sequence[int], i: int, draft_cost: float) -> float:
         """Request i's share of the step: ``forward_cost(B)(B N) / B + draft_cost`` (``shared_step_cost``)."""
@@ -375,9 +376,8 @@ class AdaptiveSpeculation:
         forward (``step_cost``), a counterfactual draft at the share of the forward it would have been in
         (``pricer``); then its arm's curve (the request's ``lookup_curve`` where it drafted ``lookup`` only) learns
         from the accepted path at the budget the draft really had (``d_i``, capped by the scheduler's
-        ``max_draft_nodes``) - unless the request set its own ``draft_budget`` or its draft was cut by its last tokens
-        (``StepRecord.cut``): such a draft says nothing of what the allocator's budget buys, and one client's setting
-        must not steer the speculation of all."""
+        ``max_draft_nodes``) - unless the request set its own ``draft_budget`` or its draft was cut by its last
+        tokens (``StepRecord.cut``): it says nothing of what the allocator's budget buys, and no client may steer."""
         draft_cost, catch_up = self.drafting_cost(request), request.pending_drafting[2]
         backlog = self.unfed(request)  # committed before this step, unread by its drafters (0: it drafted last step)
         cost = self.step_cost(rows_tokens, i, draft_cost)

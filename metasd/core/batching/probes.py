@@ -131,7 +131,7 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     tokens = len(reach) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
     goodput = expected_goodput(curves, nodes, forward, draft_costs=costs)
     options = [o if d > 0 else 0 for o, d in zip(alloc.options, nodes)]
-    return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, options, tokens)
+    return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, options, tokens, probe=True)
 
 
 __all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "WidthRuns", "narrowest", "probe", "probe_width",

@@ -66,6 +66,7 @@ class Allocation:
     options: per request, the option it drafts with: 0 its arm's curve and cost, k > 0 ``alternatives[i][k - 1]``
         (0 where it drafts no node).
     tokens: the tokens ``nodes`` are expected to commit, ``B + sum_i a_i(d_i)`` (its cost is ``tokens / goodput``).
+    probe: True where an exploration step made it instead of the allocator (``metasd.core.batching.probes``).
     """
 
     nodes: list[int]
@@ -74,6 +75,7 @@ class Allocation:
     table: dict[int, float] = field(default_factory=dict)
     options: list[int] = field(default_factory=list)
     tokens: float = 0.0
+    probe: bool = False
 
 
 def _curve_values(curve: Curve, ws: np.ndarray) -> np.ndarray:
