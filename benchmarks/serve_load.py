@@ -682,8 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the results file (JSON, rewritten after every level); server logs go to <out>.logs/")
     p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
     p.add_argument("--resume", action="store_true",
-                   help="keep the (server, concurrency, repeat) rows an interrupted run with the same command "
-                        "already wrote to --out")
+                   help="keep the rows an interrupted run with the same command already wrote to --out, for "
+                        "each (server, repeat) that finished every level (the others run again whole)")
     return p
 
 
@@ -698,8 +698,20 @@ def resumed_rows(args) -> list[dict]:
     if ours != theirs:
         changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
         raise SystemExit(f"error: --resume: {out} was written with other arguments ({', '.join(changed)})")
-    print(f"resuming: {len(saved['rows'])} levels already in {out}", flush=True)
-    return saved["rows"]
+    rows = whole_servers(saved["rows"], args.concurrency)
+    print(f"resuming: {len(rows)} levels already in {out}"
+          + (f" ({len(saved['rows']) - len(rows)} dropped: their server stopped before its last level)"
+             if len(rows) < len(saved["rows"]) else ""), flush=True)
+    return rows
+
+
+def whole_servers(rows: list[dict], levels) -> list[dict]:
+    """The rows of each (server, repeat) that ran every one of ``levels``: a server measured at some levels only
+    is run again from its first, as a fresh server carries nothing an adaptive pool learnt at the levels before."""
+    ran: dict[tuple[str, int], set[int]] = {}
+    for r in rows:
+        ran.setdefault((r["server"], r["repeat"]), set()).add(r["concurrency"])
+    return [r for r in rows if ran[(r["server"], r["repeat"])] >= set(levels)]
 
 
 def main(argv=None) -> int:

@@ -148,8 +148,11 @@ def test_resume_needs_the_same_arguments(sl, tmp_path):
     out = tmp_path / "r.json"
     args = sl.build_parser().parse_args(["--out", str(out), "--resume", "--concurrency", "1", "2"])
     assert sl.resumed_rows(args) == []
-    sl.write_result(args, [], [{"server": "metasd", "concurrency": 1, "repeat": 0}], 0.0)
-    assert sl.resumed_rows(args) == [{"server": "metasd", "concurrency": 1, "repeat": 0}]
+    whole = [{"server": "metasd", "concurrency": c, "repeat": 0} for c in (1, 2)]
+    part = [{"server": "metasd", "concurrency": 1, "repeat": 1}, {"server": "tree8", "concurrency": 1, "repeat": 0}]
+    sl.write_result(args, [], whole + part, 0.0)
+    # a server stopped before its last level runs again from its first: what an adaptive pool learnt is gone
+    assert sl.resumed_rows(args) == whole
     other = sl.build_parser().parse_args(["--out", str(out), "--resume", "--max-tokens", "8"])
     with pytest.raises(SystemExit, match="concurrency, max_tokens"):
         sl.resumed_rows(other)
