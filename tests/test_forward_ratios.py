@@ -90,3 +90,30 @@ def test_a_probe_rates_widths_never_run_at_the_widest_forward_run():
     args = (narrow, curves, [48], adaptive.forward_cost(1), costs, 48)
     assert probes.probe(*args).nodes == [4]  # every wider width rated under the floor: the best-rated one
     assert probes.probe(*args, hopeful=adaptive.forward_cost(1, hopeful=True)).nodes == [48]
+
+
+def test_a_level_prices_widths_beyond_its_own_through_the_shape_another_level_measured():
+    # the one-request level measured forwards of 1 to 49 tokens (a probe's); four requests have run plain steps only
+    # (4 tokens). Their 8-node drafts (36 tokens) cost what the machine's shape says - the one-request level's points
+    # scaled to four requests' 4-token forward - not the profile's extrapolation of 1 and 4 tokens (~5x dearer)
+    profile = ForwardProfile(tokens=(1, 4), seconds=(MEASURED[1], MEASURED[4]))
+    unit = profile.seconds_for(1)
+    ratios = ForwardRatios(profile.cost)
+    for n in (1, 5, 17, 49):
+        ratios.learn(1, n, _real(n) / unit)
+    slow = 1.3  # four rows' attention and a slower moment
+    ratios.learn(4, 4, slow * _real(4) / unit)
+    assert ratios.shape(4) == 1 and ratios.shape(1) is None
+    assert ratios.price(4, 36) == pytest.approx(slow * _real(4) / unit * ratios.price(1, 36) / ratios.price(1, 4))
+    # within a quarter of the real cost: the one-request level's points at 1 and 5 tokens read 4 tokens cheaper than
+    # it is (the kernel's step from 1 to 2 tokens lies between them)
+    assert slow * _real(36) / unit < ratios.price(4, 36) < 1.25 * slow * _real(36) / unit
+    assert ratios.price(4, 4) == pytest.approx(slow * _real(4) / unit)  # its own point, as measured
+    extrapolated = ratios.price(4, 4) / profile.cost(4) * profile.cost(36)
+    assert extrapolated > 4 * ratios.price(4, 36)
+    # a probe reads hopefully only the widths no level ran: 132 tokens as 49 at this level, not as its own 4
+    assert ratios.hopeful(4, 132) == pytest.approx(ratios.price(4, 49)) and ratios.price(4, 49) < ratios.price(4, 132)
+    assert ratios.hopeful(4, 36) == pytest.approx(ratios.price(4, 36)) and ratios.price(4, 36) > ratios.price(4, 4)
+    ratios.learn(4, 132, slow * 2 * _real(64) / unit)  # then measured: the level's own point, the shape no longer
+    assert ratios.shape(4) is None and ratios.shape(1) == 4
+    assert ratios.price(4, 132) == pytest.approx(slow * 2 * _real(64) / unit)

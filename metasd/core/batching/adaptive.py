@@ -341,13 +341,10 @@ class AdaptiveSpeculation:
     def forward_cost(self, running: int, hopeful: bool = False) -> Callable[[int], float]:
         """The price of a verify forward with ``running`` rows over n tokens (padding included), read through the
         forwards the level measured (``ForwardRatios.price``; the profile's cost before any). ``hopeful`` (a
-        probe's): a forward wider than the widest the level has run is priced as that one."""
+        probe's): a forward wider than the widest any level has run is priced as that one (``ForwardRatios.hopeful``)."""
         level = load_level(running)
-        widest = self.ratios.widest(level) if hopeful else None
-
-        def price(n: int) -> float:
-            return self.ratios.price(level, n if widest is None else min(n, max(widest, 1)))
-        return price
+        read = self.ratios.hopeful if hopeful else self.ratios.price
+        return lambda n: read(level, n)
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int,
                forward_s: float | None = None) -> AdaptiveRecord:

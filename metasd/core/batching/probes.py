@@ -13,7 +13,7 @@ reach the wide budgets"); a level whose probes lose still pays for one probe in 
 
 A probe is exploration, so its width is chosen hopefully: each request's curve read by ``AcceptanceCurve.hopeful_many``
 (a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies), the
-forward wider than any the level has run priced as the widest it has (``ForwardRatios``), and each
+forward wider than any level has run priced as the widest would be at this level (``ForwardRatios.hopeful``), and each
 request may draft up to its ``reach`` - its arm's cap, or, where the request may switch arms
 (``Request.can_switch_arm``), the widest budget arm of the same pool entry: the policy's arms score alike once the
 allocator gives them all the same few nodes, and a probe capped by the narrow arm it settled on never sampled the wide

@@ -10,13 +10,16 @@ and 4.9x. So every verify forward's measured price (its seconds in one-token-for
 level and per token bucket (``token_bucket``: 1, 2, 3-4, 5-8, ... tokens): an exponential average of the bucket's
 token counts and of their prices, one measured point per bucket. A forward is priced through a level's points as the
 profile's fit reads its own (``ForwardRatios.price``): piecewise-linear between them (their running maximum: never
-cheaper for more tokens), beyond the widest the profile's slope scaled by that point's ratio to the profile, below the
-narrowest the profile scaled by it - so a measured width is priced as measured and every other width is priced
-through the nearest measurements, not through one ratio for the level.
+cheaper for more tokens), below the narrowest the profile scaled by it - so a measured width is priced as measured and
+every other width is priced through the nearest measurements, not through one ratio for the level.
 
-A width the level never ran keeps the profile's shape beyond its widest point, which a probe
-(``metasd/core/batching/probes.py``) reads hopefully: a forward wider than the widest the level has run costs what
-that one did (``ForwardRatios.widest``), so a probe tries it once and it is measured from then on.
+Beyond a level's widest point the shape in tokens is the machine's, not the level's: where another level ran wider
+forwards, the price follows that level's points, scaled to meet this level's widest (``shape``) - four requests'
+first steps priced their drafts through the profile's extrapolation of one to four tokens while the one-request level
+had measured forwards of up to 49. Beyond every measured width, the profile's slope scaled by the widest point's ratio.
+A probe (``metasd/core/batching/probes.py``) reads the widths no level ran hopefully (``hopeful``): a forward wider
+than the widest any level has run costs what that one would at this level, so a probe tries it once and it is
+measured from then on.
 
 Pure Python; nothing here reads a clock or a model.
 """
@@ -78,13 +81,34 @@ class ForwardRatios:
         near = self.nearest(level)
         if near is None:
             return self.cost(tokens)
-        ts, ps = self._anchors[near]  # ps: never cheaper for more tokens
+        ts, ps = self._anchors[near]
+        shape = self.shape(near)
+        if tokens > ts[-1] and shape is not None:  # the machine's shape, measured at a level with wider forwards
+            return ps[-1] * self._own(shape, tokens) / self._own(shape, ts[-1])
+        return self._own(near, tokens)
+
+    def _own(self, level: int, tokens: float) -> float:
+        """The price of a forward of ``tokens`` tokens through ``level``'s own points (it has some)."""
+        ts, ps = self._anchors[level]  # ps: never cheaper for more tokens
         if tokens <= ts[0]:
             return ps[0] * self.cost(tokens) / self.cost(ts[0])
         if tokens >= ts[-1]:
             return ps[-1] + ps[-1] / self.cost(ts[-1]) * (self.cost(tokens) - self.cost(ts[-1]))
         i = bisect.bisect_left(ts, tokens)  # ts[i-1] < tokens <= ts[i]
         return ps[i - 1] + (ps[i] - ps[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+
+    def shape(self, level: int) -> int | None:
+        """The learnt level whose measured points reach the most tokens, where they reach beyond ``level``'s widest
+        point (the lower level on a tie); else None."""
+        own = self._anchors[level][0][-1]
+        wider = [lv for lv, (ts, _) in self._anchors.items() if ts[-1] > own]
+        return min(wider, key=lambda lv: (-self._anchors[lv][0][-1], lv)) if wider else None
+
+    def hopeful(self, level: int, tokens: float) -> float:
+        """A probe's price (module docstring): ``price``, with a forward wider than the widest any level has run
+        (``widest``) priced as that one."""
+        most = max(self.tokens.values(), default=None)
+        return self.price(level, tokens if most is None else min(tokens, max(most, 1)))
 
     def ratio(self, level: int, tokens: float) -> float:
         """``price`` over the profile's ``cost`` at ``tokens`` (logs, tests)."""
@@ -96,8 +120,7 @@ class ForwardRatios:
         return {lv: {b: p / self.cost(t) for b, (t, p) in pts.items()} for lv, pts in self.points.items()}
 
     def widest(self, level: int) -> int | None:
-        """The most tokens of a forward ``level`` itself ran (None before it ran one: B * N tokens of another level's
-        rows say nothing of its own)."""
+        """The most tokens of a forward ``level`` itself ran (None before it ran one)."""
         return self.tokens.get(level)
 
 
