@@ -341,7 +341,7 @@ class AdaptiveSpeculation:
     def forward_cost(self, running: int, hopeful: bool = False) -> Callable[[int], float]:
         """The price of a verify forward with ``running`` rows over n tokens (padding included), read through the
         forwards the level measured (``ForwardRatios.price``; the profile's cost before any). ``hopeful`` (a
-        probe's): a forward wider than the widest any level has run is priced as that one (``ForwardRatios.hopeful``)."""
+        probe's): a forward wider than any level has run is priced as the widest one (``ForwardRatios.hopeful``)."""
         level = load_level(running)
         read = self.ratios.hopeful if hopeful else self.ratios.price
         return lambda n: read(level, n)
