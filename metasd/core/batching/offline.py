@@ -29,7 +29,8 @@ REQUEST_KEYS = {"id", "max_tokens", "max_new_tokens", "temperature", "top_p", "t
 
 
 def parse_request_line(text: str, line: int, defaults: dict[str, Any]) -> dict[str, Any]:
-    """One input line -> ``Scheduler.submit`` keyword arguments (with ``request_id``); ``ValueError`` naming the line."""
+    """One input line -> ``Scheduler.submit`` keyword arguments (with ``request_id``); ``ValueError`` naming the
+    line."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -37,13 +38,16 @@ def parse_request_line(text: str, line: int, defaults: dict[str, Any]) -> dict[s
     if not isinstance(obj, dict):
         raise ValueError(f"line {line}: expected a JSON object, got {type(obj).__name__}")
     if ("prompt" in obj) == ("messages" in obj):
-        raise ValueError(f"line {line}: give exactly one of 'prompt' (a string) or 'messages' (a list of chat messages)")
+        raise ValueError(f"line {line}: give exactly one of 'prompt' (a string) or 'messages' "
+                         "(a list of chat messages)")
     unknown = set(obj) - REQUEST_KEYS - {"prompt", "messages"}
     if unknown:
-        raise ValueError(f"line {line}: unknown keys {sorted(unknown)}; allowed: prompt or messages, {sorted(REQUEST_KEYS)}")
+        raise ValueError(f"line {line}: unknown keys {sorted(unknown)}; allowed: prompt or messages, "
+                         f"{sorted(REQUEST_KEYS)}")
     if "prompt" in obj and not isinstance(obj["prompt"], str):
         raise ValueError(f"line {line}: 'prompt' must be a string")
-    if "messages" in obj and not (isinstance(obj["messages"], list) and all(isinstance(m, dict) for m in obj["messages"])):
+    messages = obj.get("messages")
+    if "messages" in obj and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
         raise ValueError(f"line {line}: 'messages' must be a list of objects with 'role' and 'content'")
     kwargs = dict(defaults)
     kwargs["prompt"] = obj.get("prompt", obj.get("messages"))
