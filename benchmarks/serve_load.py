@@ -688,7 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resumed_rows(args) -> list[dict]:
-    """The rows an interrupted run with the same arguments (--resume aside) wrote to --out; none without the file."""
+    """The rows an interrupted run with the same arguments (--resume aside) wrote to --out, of the servers that
+    finished every level (``whole_servers``); none without the file."""
     out = Path(args.out)
     if not out.exists():
         return []

@@ -82,8 +82,8 @@ class ForwardRatios:
         if near is None:
             return self.cost(tokens)
         ts, ps = self._anchors[near]
-        shape = self.shape(near)
-        if tokens > ts[-1] and shape is not None:  # the machine's shape, measured at a level with wider forwards
+        shape = self.shape(near) if tokens > ts[-1] else None
+        if shape is not None:  # the machine's shape, measured at a level with wider forwards
             return ps[-1] * self._own(shape, tokens) / self._own(shape, ts[-1])
         return self._own(near, tokens)
 
@@ -106,7 +106,7 @@ class ForwardRatios:
 
     def hopeful(self, level: int, tokens: float) -> float:
         """A probe's price (module docstring): ``price``, with a forward wider than the widest any level has run
-        (``widest``) priced as that one."""
+        priced as that one."""
         most = max(self.tokens.values(), default=None)
         return self.price(level, tokens if most is None else min(tokens, max(most, 1)))
 
