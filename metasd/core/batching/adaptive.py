@@ -39,16 +39,17 @@ wires the building blocks of speculation under load into its step:
    it. Each step's measured forward price (seconds over ``unit_seconds``) and tokens are averaged per load level and
    token bucket into measured points (``ForwardRatios``: the profile's extrapolation of the widths it skipped can be
    far off) and every verify price of the level - the allocator's, the step's share, a counterfactual's - is read
-   through them (``forward_cost``; a probe reads widths never run hopefully).
-   Drafting is priced by its measured seconds, so without it a forward dearer than profiled made drafting look
-   dearer than it is beside the forward it saves (on this CPU at 4 requests: plain steps took 1.26x the profile's
-   price, one run decoded 47 of 65 steps plain where a fixed tree 8 was faster).
+   through them (``forward_cost``; a probe reads widths never run hopefully). Drafting is priced by its measured
+   seconds, so without it drafting looked dearer than the forward it saves (4 requests on this CPU: 47 of 65 steps
+   plain where a fixed tree 8 was faster).
 7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
    so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After a run of steps at
    one width where a wider one was possible (2 at a level's first probe, doubled per probe up to ``PROBE_EVERY``),
    one step drafts wider, chosen hopefully, up to each request's widest sibling arm (``widest``; switched to the
    narrowest sibling that holds its nodes, ``switched``), never under the narrowest sibling's budget: its verified
    draft samples every narrower budget's acceptance at once, and its price and tokens update the level's estimates.
+   A level's probes draft at most twice the widest it drafted and lose at most ``PROBE_SHARE`` of its measured
+   time (``probe_budget``: a probe waits while the level's balance is negative).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
 (``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
@@ -78,8 +79,7 @@ DRAFT_COST_DECAY = 0.8
 
 
 class StepPlan(NamedTuple):
-    """A scheduler step's adaptive decisions (``Scheduler._draft``): the allocation, each job's node budget, arm and
-    whether it drafts with the arm's lookups alone."""
+    """A step's adaptive decisions (``Scheduler._draft``): allocation, each job's nodes, arm, lookup-only or not."""
 
     alloc: Allocation
     nodes: dict[int, int]  # id(job) -> d_i
@@ -151,6 +151,7 @@ class AdaptiveSpeculation:
         self._scale: float | None = None  # measured / modeled drafting cost (``modeled_scale``)
         self.ratios = ForwardRatios(self.cost, FORWARD_RATIO_DECAY)  # the verify forwards measured (module doc, 6.)
         self.width_runs = probes.WidthRuns()  # per load level: steps in a row at one width (``probe``)
+        self.probe_budget = probes.ProbeBudget()  # per load level: what its probes may lose, how wide they draft
         self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
 
     @classmethod
@@ -226,8 +227,10 @@ class AdaptiveSpeculation:
                  for a, c, r, d, o in zip(arms, caps, reqs, alloc.nodes, alloc.options)]
         least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
                     default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
-        return self.probe(alloc, curves, caps, forward, costs, reach=reach,
-                          hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least)
+        out = self.probe(alloc, curves, caps, forward, costs, reach=reach,
+                         hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least)
+        self.probe_budget.planned(load_level(len(arms)), out, alloc.goodput)
+        return out
 
     def reach(self, arm: Any, cap: int, request: Any) -> int:
         """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``) or its own ``cap``,
@@ -270,13 +273,15 @@ class AdaptiveSpeculation:
         one was possible (a request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's,
         ``widest``, or the nodes of a request kept on its lookups, ``alternatives``); then
         ``probes.probe``'s wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``;
-        module docstring, 7.; metasd/core/batching/probes.py), none under ``least`` nodes. Only with
-        ``price_drafting`` (unpriced, drafting is rated out by the curves and forward alone)."""
-        reach = list(caps) if reach is None else [int(r) for r in reach]
-        possible = self.price_drafting and max(reach, default=0) > alloc.width
-        if not self.width_runs.due(load_level(len(caps)), alloc.width, possible):
+        module docstring, 7.; metasd/core/batching/probes.py), none under ``least`` nodes - where the level's
+        ``probe_budget`` is open, at most its ``most`` nodes. Only with ``price_drafting``."""
+        reach, level = list(caps) if reach is None else [int(r) for r in reach], load_level(len(caps))
+        # a wider draft is possible; a level whose probes lost more than their budget waits, counting no run
+        possible = self.price_drafting and max(reach, default=0) > alloc.width and self.probe_budget.open(level)
+        if not self.width_runs.due(level, alloc.width, possible):
             return alloc
-        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives, least)
+        return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives, least,
+                            self.probe_budget.most(level, alloc.width, least))
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
@@ -312,15 +317,11 @@ class AdaptiveSpeculation:
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:
             return None
-        if running is None:
-            def per_step(d, c=c or 0.0):
-                return c
-        else:
-            level = load_level(running)
+        level = None if running is None else load_level(running)
 
-            def per_step(d):
-                price = self.draft_prices.price(key, level, d)
-                return 0.0 if price is None else price
+        def per_step(d):
+            price = (c or 0.0) if level is None else self.draft_prices.price(key, level, d)
+            return 0.0 if price is None else price
         unfed = self.unfed(request) if request is not None else 0
         if rate is None or unfed <= self.max_width:
             return lambda d: per_step(d) if d > 0 else 0.0
@@ -335,7 +336,7 @@ class AdaptiveSpeculation:
 
     def forward_ratio(self, running: int) -> float:
         """The verify forward's measured / profiled cost at ``running`` requests' load level, all widths together
-        (module docstring, 6.): the level's average, else the nearest level's (the lower on a tie), else 1."""
+        (``ForwardRatios.level_ratio``)."""
         return self.ratios.level_ratio(load_level(running))
 
     def forward_cost(self, running: int, hopeful: bool = False) -> Callable[[int], float]:
@@ -352,8 +353,10 @@ class AdaptiveSpeculation:
         measured seconds, which the level's forward ratios learn from when ``unit_seconds`` is set): its record."""
         self.last_forward_tokens = forward_tokens
         modeled = self.cost(forward_tokens) if nodes else 0.0
-        if self.unit_seconds is not None and forward_s is not None and forward_s > 0 and modeled > 0:
+        measured = self.unit_seconds is not None and forward_s is not None and forward_s > 0 and modeled > 0
+        if measured:
             self.ratios.learn(load_level(len(nodes)), forward_tokens, forward_s / self.unit_seconds)
+        self.probe_budget.settle(forward_s / self.unit_seconds if measured else modeled)
         return AdaptiveRecord(alloc.width, nodes, alloc.goodput, dict(alloc.table), list(alloc.options), alloc.tokens,
                               alloc.probe)
 
@@ -380,8 +383,8 @@ class AdaptiveSpeculation:
         cost = self.step_cost(rows_tokens, i, draft_cost)
         result = request.finish_step(out, verify_s=verify_s, cost=cost, verify_pricer=self.pricer(rows_tokens, i),
                                      modeled_scale=self.modeled_scale(request))
-        s = request.last_step
-        own = self.lookup_curve(request) if lookup else None
+        s, own = request.last_step, self.lookup_curve(request) if lookup else None
+        self.probe_budget.add(draft_cost, len(result[0]))
         if request.draft_budget is None and not s.cut:  # a request's own budget, or its last tokens, teach nothing
             cap = getattr(request, "max_draft_nodes", None)  # of what the allocator's budget buys
             self.learn(arm, s.path, s.drafted, d_i if cap is None else min(d_i, cap), draft_cost, catch_up, lookup=own,

@@ -18,6 +18,15 @@ request may draft up to its ``reach`` - its arm's cap, or, where the request may
 (``Request.can_switch_arm``), the widest budget arm of the same pool entry: the policy's arms score alike once the
 allocator gives them all the same few nodes, and a probe capped by the narrow arm it settled on never sampled the wide
 budgets again (BENCHMARKS.md, "Budget arms as exploration").
+
+What a level's probes may lose is bounded (``ProbeBudget``). Beside 16 rows on this CPU a level's first probe drafted
+48 nodes a request, each request's drafter reading its prompt first: 52-62 s for 133-145 tokens, where plain steps
+made 16 tokens in 2 s - a third of the level's run lost to one probe. So per level a probe drafts at most twice the
+widest the level has drafted (``ProbeBudget.most``: 4, 8, 16, ... from the narrowest budget arm up), and a level
+probes only while its balance is not negative: each of its steps credits ``PROBE_SHARE`` of its measured cost, each
+probe debits its loss - its measured cost less the cost at which the allocation it replaced would have committed the
+same tokens (a gain credits). Probes that pay (a GPU's flat forward, one request on this CPU) keep the balance up;
+probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the first one's loss is repaid.
 """
 from __future__ import annotations
 
@@ -31,6 +40,8 @@ PROBE_FIRST = 2
 PROBE_EVERY = 16
 #: a probe drafts the widest width whose (hopeful) expected goodput is at least this share of the allocation's
 PROBE_FLOOR = 0.9
+#: the share of a load level's measured step cost its probes may lose (``ProbeBudget``)
+PROBE_SHARE = 0.05
 
 
 class _Hopeful:
@@ -73,14 +84,60 @@ class WidthRuns:
         return True
 
 
+class ProbeBudget:
+    """Per load level, what its probes may still lose and how wide they may draft (module docstring). The scheduler's
+    step tells it the allocation it drafts (``planned``), each request's drafting cost and committed tokens
+    (``add``) and the forward's cost (``settle``), in the allocator's cost units."""
+
+    def __init__(self, share: float = PROBE_SHARE):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be in [0, 1], got {share!r}")
+        self.share = float(share)
+        self.balance: dict[int, float] = {}  # load level -> what its probes may still lose (cost units)
+        self.widest: dict[int, int] = {}  # load level -> the most nodes a request drafted at it
+        self._step: tuple[int, float | None] | None = None  # the step in flight: (level, replaced goodput if a probe)
+        self._drafting, self._tokens = 0.0, 0
+
+    def open(self, level: int) -> bool:
+        """Whether ``level`` may probe: its balance is not negative."""
+        return self.balance.get(level, 0.0) >= 0.0
+
+    def most(self, level: int, width: int, least: int = 0) -> int:
+        """The widest a probe of ``level`` may draft, its allocation drafting ``width``: twice the widest the level has
+        drafted (this width included), not under ``least`` (the narrowest budget arm) and at least one node."""
+        return max(2 * max(self.widest.get(level, 0), width), least, 1)
+
+    def planned(self, level: int, alloc: Allocation, replaced: float) -> None:
+        """The step drafts ``alloc`` at ``level``; ``replaced``: the goodput of the allocation a probe replaced."""
+        self.widest[level] = max(self.widest.get(level, 0), max(alloc.nodes, default=0))
+        self._step = (level, replaced if alloc.probe else None)
+        self._drafting, self._tokens = 0.0, 0
+
+    def add(self, drafting: float, tokens: int) -> None:
+        """One request of the step drafted at ``drafting``'s cost and committed ``tokens`` tokens."""
+        self._drafting += max(float(drafting), 0.0)
+        self._tokens += int(tokens)
+
+    def settle(self, forward: float) -> float | None:
+        """The step's forward cost ``forward``: its level is credited ``share`` of the step's cost and, after a probe,
+        debited its loss (returned; None after a step that was no probe or with none planned)."""
+        if self._step is None:
+            return None
+        (level, replaced), cost = self._step, max(float(forward), 0.0) + self._drafting
+        self._step = None
+        loss = cost - self._tokens / replaced if replaced is not None and replaced > 0 else None
+        self.balance[level] = self.balance.get(level, 0.0) + self.share * cost - (loss or 0.0)
+        return loss
+
+
 def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
-                  costs: Sequence[Any] | None, max_width: int) -> dict[int, float]:
-    """Every width wider than the allocation's that some request may reach, rated for a probe: the allocator's own
-    rating (``alloc.table``) or every request drafting ``min(width, reach_i)`` nodes read hopefully, whichever is
-    higher."""
+                  costs: Sequence[Any] | None, max_width: int, most: int | None = None) -> dict[int, float]:
+    """Every width wider than the allocation's that some request may reach, up to ``most`` nodes, rated for a probe:
+    the allocator's own rating (``alloc.table``) or every request drafting ``min(width, reach_i)`` nodes read
+    hopefully, whichever is higher."""
     hopeful = [None if cu is None else _Hopeful(cu) for cu in curves]
-    ratings, top = {}, max(reach, default=0)
-    for x in sorted(set(alloc.table) | set(candidate_widths(curves, reach, max_width))):
+    ratings, top = {}, max(reach, default=0) if most is None else min(max(reach, default=0), most)
+    for x in sorted(set(alloc.table) | set(candidate_widths(curves, reach, max_width)) | {top}):
         if alloc.width < x <= top:
             own = expected_goodput(hopeful, [min(x, r) for r in reach], forward, draft_costs=costs)
             ratings[x] = max(alloc.table.get(x, own), own)
@@ -110,9 +167,9 @@ def narrowest(siblings: Sequence[Any], cap: Callable[[Any], int]) -> int:
 
 def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
           costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None,
-          alternatives: Sequence[Any] | None = None, least: int = 0) -> Allocation:
+          alternatives: Sequence[Any] | None = None, least: int = 0, most: int | None = None) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
-    the wider widths' ratings (``wider_ratings``) and ``least``. Its expected goodput and tokens are those
+    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least``. Its expected goodput and tokens are those
     of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with),
     not of the allocation it replaces; its table holds the allocator's ratings and the probe's. ``hopeful``: the
     forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
@@ -125,7 +182,7 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
             curves[i], cost = alternatives[i][o - 1]
             if costs is not None:
                 costs[i] = cost
-    ratings = wider_ratings(alloc, curves, reach, forward if hopeful is None else hopeful, costs, max_width)
+    ratings = wider_ratings(alloc, curves, reach, forward if hopeful is None else hopeful, costs, max_width, most)
     w = probe_width(ratings, alloc.goodput, least)
     nodes = [min(w, r) for r in reach]
     tokens = len(reach) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
@@ -134,5 +191,5 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, options, tokens, probe=True)
 
 
-__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "WidthRuns", "narrowest", "probe", "probe_width",
-           "wider_ratings"]
+__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "PROBE_SHARE", "ProbeBudget", "WidthRuns", "narrowest", "probe",
+           "probe_width", "wider_ratings"]
