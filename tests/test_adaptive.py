@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from metasd.core.batching.adaptive import AdaptiveSpeculation
-from metasd.core.decoding.request_features import load_level
+from metasd.core.decoding.request_features import LOAD_LEVELS, load_level
 from metasd.core.engine import Engine
 from metasd.core.pricing.goodput import shared_step_cost
 from metasd.core.decoding.request import Request
@@ -676,7 +676,7 @@ def test_a_draft_shallower_than_the_requests_last_tokens_still_teaches_the_curve
 def _wide_probes(adaptive, nodes=48):
     """Let every load level's probes draft up to ``nodes`` nodes, as a level that drafted ``nodes // 2`` already may
     (``ProbeBudget.most``): the tests of what a probe drafts within that bound."""
-    adaptive.probe_budget.widest = dict.fromkeys(range(8), nodes // 2)
+    adaptive.probe_budget.widest = dict.fromkeys(range(len(LOAD_LEVELS) + 1), nodes // 2)
     return adaptive
 
 

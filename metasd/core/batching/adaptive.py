@@ -275,8 +275,8 @@ class AdaptiveSpeculation:
         ``probes.probe``'s wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``;
         module docstring, 7.; metasd/core/batching/probes.py), none under ``least`` nodes - where the level's
         ``probe_budget`` is open, at most its ``most`` nodes. Only with ``price_drafting``."""
-        reach, level = list(caps) if reach is None else [int(r) for r in reach], load_level(len(caps))
-        # a wider draft is possible; a level whose probes lost more than their budget waits, counting no run
+        reach = list(caps) if reach is None else [int(r) for r in reach]
+        level = load_level(len(caps))  # a level whose probe budget is closed counts no run: nothing wider is possible
         possible = self.price_drafting and max(reach, default=0) > alloc.width and self.probe_budget.open(level)
         if not self.width_runs.due(level, alloc.width, possible):
             return alloc

@@ -136,8 +136,12 @@ def wider_ratings(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int]
     the allocator's own rating (``alloc.table``) or every request drafting ``min(width, reach_i)`` nodes read
     hopefully, whichever is higher."""
     hopeful = [None if cu is None else _Hopeful(cu) for cu in curves]
-    ratings, top = {}, max(reach, default=0) if most is None else min(max(reach, default=0), most)
-    for x in sorted(set(alloc.table) | set(candidate_widths(curves, reach, max_width)) | {top}):
+    ratings, top = {}, max(reach, default=0)
+    widths = set(alloc.table) | set(candidate_widths(curves, reach, max_width))
+    if most is not None and most < top:  # the bound is itself a width a probe may draft
+        top = most
+        widths.add(most)
+    for x in sorted(widths):
         if alloc.width < x <= top:
             own = expected_goodput(hopeful, [min(x, r) for r in reach], forward, draft_costs=costs)
             ratings[x] = max(alloc.table.get(x, own), own)
@@ -169,9 +173,10 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
           costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None,
           alternatives: Sequence[Any] | None = None, least: int = 0, most: int | None = None) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
-    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least``. Its expected goodput and tokens are those
-    of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation was planned with),
-    not of the allocation it replaces; its table holds the allocator's ratings and the probe's. ``hopeful``: the
+    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least``. Its expected goodput and
+    tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation
+    was planned with), not of the allocation it replaces; its table holds the allocator's ratings and the probe's.
+    ``hopeful``: the
     forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
     the level never ran priced as the widest it did), default ``forward``. A request the allocation put on one of
     its ``alternatives`` (its lookups alone: its model would first read its unread text) keeps that option, read at
