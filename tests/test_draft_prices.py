@@ -48,8 +48,9 @@ def test_a_price_learnt_alone_does_not_keep_four_requests_from_drafting():
     reqs = [_Pending(length=10, max_new_tokens=64) for _ in range(4)]
     for r in reqs:
         adaptive._fed[r] = 10
-    # four running, not drafted at yet: the lone price shared four ways (3 / 4 a request) - still not worth it
-    assert adaptive.draft_cost(arm, reqs[0], running=4)(4) == pytest.approx(3.0 / 4)
+    # four running, not drafted at yet: the lone price times a request's share of a 4-row forward through the cost's
+    # shape (cost(4) / 4 of cost(1): 0.26 here) - still not worth it
+    assert adaptive.draft_cost(arm, reqs[0], running=4)(4) == pytest.approx(3.0 * _linear(4) / 4 / _linear(1))
     assert adaptive.allocate([arm] * 4, reqs).nodes == [0] * 4
     for _ in range(10):  # batched, a request's share of a 4-node draft is small: it keeps drafting
         adaptive.learn(arm, [0, 1], 4, 4, draft_cost=0.05, running=4)
@@ -57,3 +58,28 @@ def test_a_price_learnt_alone_does_not_keep_four_requests_from_drafting():
     assert all(n > 0 for n in adaptive.allocate([arm] * 4, reqs).nodes)
     assert adaptive.draft_cost(arm, reqs[0], running=1)(4) == pytest.approx(3.0)  # alone: its own price
     assert adaptive.allocate([arm]).nodes == [0]
+
+
+def test_a_level_not_learnt_borrows_through_the_forwards_shape():
+    """A fresh level's prior share of a batched drafter forward follows how a forward's cost grows with its rows: on a
+    forward linear in its tokens (a CPU past a few rows) the price per request does not halve from 8 requests to 16 -
+    a 16-request level's first step priced so drafted and caught up every prompt at once."""
+    def linear(n):  # cost grows with every token: sharing a forward saves nothing
+        return float(n)
+
+    def flat(n):  # a launch-bound forward (a GPU): its cost does not grow with its rows
+        return 1.0
+
+    rows = (1, 2, 4, 8, 16, 32)
+    for shape, expected in ((linear, 0.6), (flat, 0.3), (None, 0.3)):
+        prices = DraftPrices(decay=0.5, level_rows=rows, shape=shape)
+        prices.learn("arm", 3, 4, 0.6)  # learnt at 8 requests
+        assert prices.share(3) == pytest.approx((shape or (lambda n: 1.0))(8) / 8 / (shape or (lambda n: 1.0))(1))
+        assert prices.price("arm", 4, 4) == pytest.approx(expected)  # at 16, not drafted at yet
+        assert prices.price("arm", 3, 4) == pytest.approx(0.6)  # a level's own price is read as learnt
+    with pytest.raises(ValueError, match="shape"):
+        DraftPrices(shape=3.0)
+    # the scheduler's prices borrow through its forward's cost (the start-up profile)
+    adaptive = AdaptiveSpeculation(linear, max_width=16, price_drafting=True)
+    adaptive.draft_prices.learn("cascade", 3, 4, 0.6)
+    assert adaptive.draft_prices.price("cascade", 4, 4) == pytest.approx(0.6)

@@ -22,7 +22,7 @@ wires the building blocks of speculation under load into its step:
    ``price_drafting=True`` the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = price(level, d) + rate
    * unfed * (1 + a(d)) / remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining
    tokens; 0 at ``d = 0``, where the drafter is not asked at all; at a load level where the arm has not drafted yet,
-   ``price`` is the nearest level's scaled by their rows - an optimistic prior one step there corrects), and
+   ``price`` is the nearest level's scaled by a request's share of a forward at each - a prior one step corrects), and
    ``min_gain`` keeps a step plain unless drafting is expected to beat it by that factor;
 5. **deferred catch-up** (``defer_catch_up``, with ``price_drafting``) - while a request's arm runs a model that has
    more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
@@ -143,8 +143,8 @@ class AdaptiveSpeculation:
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
-        # the same per load level and node budget: what is charged (a level stands for its most requests)
-        self.draft_prices = DraftPrices(DRAFT_COST_DECAY, level_rows=LOAD_LEVELS + (2 * LOAD_LEVELS[-1],))
+        # per load level and node budget: what is charged (a level: its most requests; borrowed via the profile)
+        self.draft_prices = DraftPrices(DRAFT_COST_DECAY, LOAD_LEVELS + (2 * LOAD_LEVELS[-1],), shape=self.cost)
         self.catch_up_rates: dict[str, float] = {}  # per curve key: average cost of one caught-up token
         self._lookup_curves: "weakref.WeakKeyDictionary[Any, AcceptanceCurve]" = weakref.WeakKeyDictionary()
         self._fed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # request -> its length
@@ -307,8 +307,8 @@ class AdaptiveSpeculation:
     def draft_cost(self, arm: Any, request: Any = None, running: int | None = None) -> Callable[[int], float] | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
-        (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by their
-        rows; the arm's average over all its steps when ``running`` is None) plus, where the request's drafters have
+        (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by the
+        share; the arm's average over all its steps when ``running`` is None) plus, where the request's drafters have
         more than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up
         amortized over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the arm's
         learnt cost of a caught-up token, ``remaining`` the tokens the request may still commit and ``1 + a(d)`` the

@@ -14,14 +14,19 @@ arm is wrong twice over:
 between two budgets learnt at the same level, it interpolates linearly; below the smallest it scales that one by
 ``d / budget`` (drafting fewer nodes never costs more forwards); above the largest it takes the largest's (optimistic:
 a wider draft is tried once and then known). At a level where the arm has learnt nothing, the nearest level that has
-a price lends it, scaled by their rows (``level_rows``: the requests a level stands for) - the share of a batched
-forward if its cost did not grow with its rows, an optimistic prior that one step at the level then corrects (drafting
-free there instead made every new level's first steps draft wide and catch up every prompt at once). With no level
-learnt, None: the caller decides.
+a price lends it, scaled by a request's share of a batched forward at each (``share``: ``shape(rows) / rows``,
+``level_rows`` the requests a level stands for, ``shape`` a forward's cost by its tokens - the verifier's start-up
+profile in the scheduler). Without a shape the share is ``1 / rows``: a forward whose cost does not grow with its
+rows, a GPU's; on a CPU, where it does, that prior halved the price from 8 requests to 16 while the 0.5B's 4-node
+price measured at 16 was 0.36-0.66 forwards a request against 0.33-1.03 at 8, and a fresh 16-request level's first
+step drafted and caught up every prompt at once (BENCHMARKS.md, "One thread: what a level's probes may lose,
+bounded"). One step at the level then corrects the prior; drafting free there instead made every new level's first
+steps draft wide. With no level learnt, None: the caller decides.
 """
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 #: weight of the past in each key's average (an exponential average over the steps that drafted with it)
 PRICE_DECAY = 0.8
@@ -31,12 +36,15 @@ class DraftPrices:
     """Learnt drafting cost of one step per (arm key, load level, node budget), in the allocator's cost units (see the
     module docstring). ``learn`` adds a step's measured cost; ``price`` reads it back for any budget."""
 
-    def __init__(self, decay: float = PRICE_DECAY, level_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)):
+    def __init__(self, decay: float = PRICE_DECAY, level_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                 shape: Callable[[int], float] | None = None):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         if not level_rows or any(r < 1 for r in level_rows):
             raise ValueError(f"level_rows must be positive request counts, got {level_rows!r}")
-        self.decay, self.level_rows = decay, tuple(int(r) for r in level_rows)
+        if shape is not None and not callable(shape):
+            raise ValueError(f"shape must be a forward's cost by its tokens (callable) or None, got {shape!r}")
+        self.decay, self.level_rows, self.shape = decay, tuple(int(r) for r in level_rows), shape
         self._table: dict[tuple[str, int], dict[int, float]] = {}  # (key, level) -> {budget: average cost}
 
     def learn(self, key: str, level: int, budget: int, cost: float) -> None:
@@ -54,8 +62,8 @@ class DraftPrices:
 
     def price(self, key: str, level: int, d: int) -> float | None:
         """The cost of drafting ``d`` nodes with ``key``'s arm at load ``level`` (0 for ``d <= 0``: no drafting);
-        at a level it has not drafted at, the nearest learnt level's, scaled by their rows; None where the arm has
-        drafted at no level."""
+        at a level it has not drafted at, the nearest learnt level's, scaled by a request's ``share`` at each; None
+        where the arm has drafted at no level."""
         if d <= 0:
             return 0.0
         row = self._table.get((key, int(level)))
@@ -65,10 +73,14 @@ class DraftPrices:
         if not learnt:
             return None
         near = min(learnt, key=lambda lv: (abs(lv - level), lv))  # the nearest level; the lower one on a tie
-        return self._read(self._table[(key, near)], d) * self._rows(near) / self._rows(level)
+        return self._read(self._table[(key, near)], d) * self.share(level) / self.share(near)
 
-    def _rows(self, level: int) -> int:
-        return self.level_rows[min(max(int(level), 0), len(self.level_rows) - 1)]
+    def share(self, level: int) -> float:
+        """A request's share of a batched forward at ``level``, in a one-row forward's cost: ``shape(rows) / rows``
+        (``1 / rows`` without a shape), ``rows`` the level's ``level_rows``."""
+        rows = self.level_rows[min(max(int(level), 0), len(self.level_rows) - 1)]
+        one = float(self.shape(1)) if self.shape is not None else 0.0
+        return float(self.shape(rows)) / one / rows if one > 0 else 1.0 / rows
 
     @staticmethod
     def _read(row: dict[int, float], d: int) -> float:
