@@ -92,3 +92,46 @@ def test_a_level_whose_probes_pay_keeps_probing_on_its_own_schedule():
     assert probes == [1, 5, 13, 29]  # runs of 2, 4, 8 and 16 steps: never held back
     assert [allocs[i].nodes for i in probes] == [[1], [2], [4], [8]]  # each twice the widest before it
     assert adaptive.probe_budget.open(0)
+
+
+def test_a_probe_makes_no_drafter_read_a_prompt_the_balance_does_not_cover():
+    """Beside 16 rows on a CPU whose forward is flat in tokens, a level's first probe made every request's drafter
+    read its prompt (8 s for 61 tokens, plain steps 16 tokens in 0.37 s): a request whose drafter has its prompt to
+    read joins a probe only where the level's balance covers its catch-up, the cheapest first."""
+    budget = ProbeBudget()
+    alloc = _alloc([0, 0, 0, 2])
+    reach = [16, 16, 16, 16]
+    catch_up = [10.0, 0.0, 20.0, 30.0]  # request 1 is caught up; request 3 drafts already (the allocator's choice)
+    assert budget.affordable(0, reach, alloc, catch_up) == [0, 16, 0, 16]  # a fresh level: balance 0
+    budget.balance[0] = 12.0
+    assert budget.affordable(0, reach, alloc, catch_up) == [16, 16, 0, 16]  # 10 covered, 10 + 20 not
+    budget.balance[0] = 25.0
+    assert budget.affordable(0, reach, alloc, catch_up) == [16, 16, 0, 16]  # the cheapest first, not the 20 alone
+    budget.balance[0] = 30.0
+    assert budget.affordable(0, reach, alloc, catch_up) == [16, 16, 16, 16]
+    budget.balance[0] = -5.0
+    assert budget.affordable(0, reach, alloc, catch_up) == [0, 16, 0, 16]
+
+    # in the scheduler's allocation: requests never drafted for, their catch-up learnt at 0.1 a token
+    adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True, unit_seconds=1.0)
+    arm = budget_arms(_cascade(), (48,))[0]
+    for nodes in (1, 2, 4, 16, 48):
+        adaptive.learn(arm, [0], nodes, nodes, draft_cost=50.0, running=2)  # drafting dear: the allocator stays plain
+    adaptive.catch_up_rates["cascade"] = 0.1
+    reqs = [_Pending(length=100, max_new_tokens=100_000), _Pending(length=200, max_new_tokens=100_000)]
+
+    def step():
+        alloc = adaptive.allocate([arm] * 2, reqs)
+        adaptive.record(alloc, alloc.nodes, 2 * (1 + max(alloc.nodes)), forward_s=1.0)
+        return alloc
+
+    assert not any(step().probe for _ in range(8))  # 10 and 20 units of catch-up, the balance 5% of 1 unit a step
+    level = 1  # load_level(2)
+    adaptive.probe_budget.balance[level] = 12.0
+    probes = [a for a in (step() for _ in range(4)) if a.probe]
+    assert probes and probes[0].nodes[0] > 0 and probes[0].nodes[1] == 0  # the cheaper catch-up only
+    for r in reqs:  # both read their text: probes as before
+        adaptive._fed[r] = r.length
+    adaptive.probe_budget.balance[level] = 0.0
+    probes = [a for a in (step() for _ in range(16)) if a.probe]
+    assert probes and all(n > 0 for n in probes[0].nodes)

@@ -45,16 +45,16 @@ wires the building blocks of speculation under load into its step:
 7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
    so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After a run of steps at
    one width where a wider one was possible (2 at a level's first probe, doubled per probe up to ``PROBE_EVERY``),
-   one step drafts wider, chosen hopefully, up to each request's widest sibling arm (``widest``; switched to the
+   one step drafts wider, chosen hopefully, up to each request's widest sibling arm (``siblings``; switched to the
    narrowest sibling that holds its nodes, ``switched``), never under the narrowest sibling's budget: its verified
    draft samples every narrower budget's acceptance at once, and its price and tokens update the level's estimates.
-   A level's probes draft at most twice the widest it drafted and lose at most ``PROBE_SHARE`` of its measured
-   time (``probe_budget``: a probe waits while the level's balance is negative).
+   A level's probes draft at most twice the widest it drafted, lose at most ``PROBE_SHARE`` of its measured time
+   (``probe_budget``: a probe waits while the level's balance is negative) and read no prompt it does not cover.
 
-Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry
-(``cascade@4``, ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's
-cap is its arm's ``budget`` attribute (budget arms), ``max_width`` for a drafter without one, 0 for an arm that does
-not speculate (``speculates = False``: the "none" arm) and for a request that drafts with no arm.
+Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry (``cascade@4``,
+``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's cap is its arm's
+``budget`` attribute (budget arms), ``max_width`` for a drafter without one, 0 for an arm that does not speculate
+(``speculates = False``: the "none" arm) and for a request that drafts with no arm.
 """
 from __future__ import annotations
 
@@ -225,6 +225,9 @@ class AdaptiveSpeculation:
                      alternatives=others)
         reach = [d if o > 0 else self.reach(a, c, r)  # a request on its lookups alone keeps them in a probe
                  for a, c, r, d, o in zip(arms, caps, reqs, alloc.nodes, alloc.options)]
+        unread = [self.catch_up_rates.get(self.curve_key(a), 0.0) * self.unfed(r) if c > 0 and r is not None and
+                  self.unfed(r) > self.max_width else 0.0 for a, c, r in zip(arms, caps, reqs)]  # each catch-up
+        reach = self.probe_budget.affordable(load_level(len(arms)), reach, alloc, unread)  # no prompt read unpaid
         least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
                     default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
         out = self.probe(alloc, curves, caps, forward, costs, reach=reach,
@@ -233,12 +236,12 @@ class AdaptiveSpeculation:
         return out
 
     def reach(self, arm: Any, cap: int, request: Any) -> int:
-        """Most nodes a probe may give the request: its widest sibling arm's cap (``widest``) or its own ``cap``,
+        """Most nodes a probe may give the request: its widest sibling arm's cap (``siblings``) or its own ``cap``,
         within its ``max_draft_nodes`` (KV rows reserved) and its tokens left less one - a deeper draft is cut by its
         last tokens and teaches nothing (``StepRecord.cut``: the 8-token warm-up spent a level's first probe so)."""
         if cap <= 0:
             return 0
-        wide = max(cap, self.cap(self.widest(arm, request)))
+        wide = max(cap, max(self.cap(d) for d in self.siblings(arm, request)))  # its widest sibling's
         left = None if request is None else int(request.tokens_left) - 1
         for bound in (getattr(request, "max_draft_nodes", None), left):
             wide = wide if bound is None else min(wide, max(int(bound), 0))
@@ -253,10 +256,6 @@ class AdaptiveSpeculation:
             return [arm]
         return sorted((d for d in request.drafters if getattr(d, "inner", None) is inner), key=lambda d: d.budget)
 
-    def widest(self, arm: Any, request: Any) -> Any:
-        """The widest arm a probe may switch the request to (``siblings``)."""
-        return max(self.siblings(arm, request), key=self.cap)
-
     def switched(self, arm: Any, request: Any, nodes: int) -> Any:
         """The arm that drafts ``nodes`` nodes for the request: ``arm`` where its cap holds them, else its narrowest
         sibling that does (a probe wider than the arm the policy chose; the scheduler switches the request to it,
@@ -269,12 +268,11 @@ class AdaptiveSpeculation:
               costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None,
               hopeful: Callable[[int], float] | None = None, alternatives: Sequence[Any] | None = None,
               least: int = 0) -> Allocation:
-        """``alloc``, unless it ends its load level's run of steps at one width while a wider
-        one was possible (a request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's,
-        ``widest``, or the nodes of a request kept on its lookups, ``alternatives``); then
-        ``probes.probe``'s wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``;
-        module docstring, 7.; metasd/core/batching/probes.py), none under ``least`` nodes - where the level's
-        ``probe_budget`` is open, at most its ``most`` nodes. Only with ``price_drafting``."""
+        """``alloc``, unless it ends its load level's run of steps at one width while a wider one was possible (a
+        request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's, ``siblings``, or the
+        nodes of a request kept on its lookups, ``alternatives``, or not to be caught up); then ``probes.probe``'s
+        wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``; module docstring,
+        7.), none under ``least`` nodes - where the level's ``probe_budget`` is open, at most its ``most`` nodes."""
         reach = list(caps) if reach is None else [int(r) for r in reach]
         level = load_level(len(caps))  # a level whose probe budget is closed counts no run: nothing wider is possible
         possible = self.price_drafting and max(reach, default=0) > alloc.width and self.probe_budget.open(level)

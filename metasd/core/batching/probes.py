@@ -26,7 +26,8 @@ widest the level has drafted (``ProbeBudget.most``: 4, 8, 16, ... from the narro
 probes only while its balance is not negative: each of its steps credits ``PROBE_SHARE`` of its measured cost, each
 probe debits its loss - its measured cost less the cost at which the allocation it replaced would have committed the
 same tokens (a gain credits). Probes that pay (a GPU's flat forward, one request on this CPU) keep the balance up;
-probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the first one's loss is repaid.
+probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the first one's loss is repaid. Nor does a
+probe make a drafter read a request's prompt unless the balance covers that catch-up (``ProbeBudget.affordable``).
 """
 from __future__ import annotations
 
@@ -106,6 +107,23 @@ class ProbeBudget:
         """The widest a probe of ``level`` may draft, its allocation drafting ``width``: twice the widest the level has
         drafted (this width included), not under ``least`` (the narrowest budget arm) and at least one node."""
         return max(2 * max(self.widest.get(level, 0), width), least, 1)
+
+    def affordable(self, level: int, reach: Sequence[int], alloc: Allocation, catch_up: Sequence[float]) -> list[int]:
+        """``reach`` with every request a probe would make read its text first - ``catch_up[i] > 0``, its drafters'
+        estimated catch-up (its prompt, before its first draft), where the allocation gives it no nodes - held at the
+        allocation's nodes, but for the cheapest whose catch-ups together ``level``'s balance covers: a probe explores
+        widths; a drafter's first read of a request's text is the allocator's choice (priced, amortized) or paid from
+        the balance. Beside 8 and 16 rows on a CPU whose forward is flat in tokens, a level's first probe made every
+        drafter read its prompt: 8 s for 61 tokens where plain steps made 16 in 0.37 s (BENCHMARKS.md)."""
+        allowance, out = max(self.balance.get(level, 0.0), 0.0), [int(r) for r in reach]
+        for i in sorted(range(len(out)), key=lambda i: catch_up[i]):
+            if catch_up[i] <= 0 or alloc.nodes[i] > 0:
+                continue
+            if catch_up[i] <= allowance:
+                allowance -= catch_up[i]
+            else:
+                out[i] = alloc.nodes[i]
+        return out
 
     def planned(self, level: int, alloc: Allocation, replaced: float) -> None:
         """The step drafts ``alloc`` at ``level``; ``replaced``: the goodput of the allocation a probe replaced."""
