@@ -20,8 +20,11 @@ profile in the scheduler). Without a shape the share is ``1 / rows``: a forward 
 rows, a GPU's; on a CPU, where it does, that prior halved the price from 8 requests to 16 while the 0.5B's 4-node
 price measured at 16 was 0.36-0.66 forwards a request against 0.33-1.03 at 8, and a fresh 16-request level's first
 step drafted and caught up every prompt at once (BENCHMARKS.md, "One thread: what a level's probes may lose,
-bounded"). One step at the level then corrects the prior; drafting free there instead made every new level's first
-steps draft wide. With no level learnt, None: the caller decides.
+bounded"). The verifier's shape stands in for the drafter's, which is not profiled: on a CPU with AMX the bf16
+verifier is flat to 16 tokens while the int4 0.5B drafter's forward grows with its tokens, and there the prior still
+halves from 4 requests to 8 (BENCHMARKS.md, "On a CPU with AMX"). One step at the level then corrects the prior;
+drafting free there instead made every new level's first steps draft wide. With no level learnt, None: the caller
+decides.
 """
 from __future__ import annotations
 
