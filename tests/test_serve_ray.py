@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import random
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,9 +33,30 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768-60999), which Ray's own outgoing connections draw from."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def _start_serve(attempts: int = 3) -> int:
+    """``serve.start`` on a free port, again on another one when something took the port between the pick and the
+    proxy's bind (another xdist worker's server did once: ``Failed to bind to address``)."""
+    for attempt in range(attempts):
+        port = _free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as error:  # a RayTaskError wrapping the proxy's RuntimeError
+            if "Failed to bind" not in str(error) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
 
 
 @needs_ray_serve
@@ -52,8 +74,7 @@ def test_two_replicas_behind_one_entry_both_answer_concurrent_requests(tmp_path,
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}})  # the pool's drafter type
     try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve()
         recipe = PoolEngine.from_file(str(pool), threads=1)
         serve.run(build_app(recipe, SchedulerSettings(max_batch=4), "tiny", replicas=2),
                   name=APP_NAME, route_prefix="/")
