@@ -225,8 +225,7 @@ class AdaptiveSpeculation:
                      alternatives=others)
         reach = [d if o > 0 else self.reach(a, c, r)  # a request on its lookups alone keeps them in a probe
                  for a, c, r, d, o in zip(arms, caps, reqs, alloc.nodes, alloc.options)]
-        unread = [self.catch_up_rates.get(self.curve_key(a), 0.0) * self.unfed(r) if c > 0 and r is not None and
-                  self.unfed(r) > self.max_width else 0.0 for a, c, r in zip(arms, caps, reqs)]  # each catch-up
+        unread = [self.catch_up(a, r) if c > 0 else 0.0 for a, c, r in zip(arms, caps, reqs)]
         reach = self.probe_budget.affordable(load_level(len(arms)), reach, alloc, unread)  # no prompt read unpaid
         least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
                     default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
@@ -302,15 +301,19 @@ class AdaptiveSpeculation:
         first draft, the tokens committed since the last step it drafted in after that."""
         return max(int(request.length) - self._fed.get(request, 0), 0)
 
+    def catch_up(self, arm: Any, request: Any) -> float:
+        """The one-off cost of the arm's drafters reading the request's unread text, ``rate * unfed``, where that is
+        more than ``max_width`` tokens (its prompt, before its first draft); 0 otherwise or before a rate is learnt."""
+        unfed = self.unfed(request) if request is not None else 0
+        return self.catch_up_rates.get(self.curve_key(arm), 0.0) * unfed if unfed > self.max_width else 0.0
+
     def draft_cost(self, arm: Any, request: Any = None, running: int | None = None) -> Callable[[int], float] | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
         (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by the
-        share; the arm's average over all its steps when ``running`` is None) plus, where the request's drafters have
-        more than ``max_width`` tokens to catch up (its prompt, before its first draft), that one-off catch-up
-        amortized over the request's remaining steps - ``rate * unfed * (1 + a(d)) / remaining``, ``rate`` the arm's
-        learnt cost of a caught-up token, ``remaining`` the tokens the request may still commit and ``1 + a(d)`` the
-        tokens a step commits. None before the arm has drafted once."""
+        share; the arm's average over all its steps when ``running`` is None) plus the request's one-off catch-up
+        (``catch_up``) amortized over its remaining steps: ``catch_up * (1 + a(d)) / remaining``, ``remaining`` the
+        tokens it may still commit and ``1 + a(d)`` the tokens a step commits. None before the arm has drafted once."""
         key = self.curve_key(arm)
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:
@@ -320,11 +323,10 @@ class AdaptiveSpeculation:
         def per_step(d):
             price = (c or 0.0) if level is None else self.draft_prices.price(key, level, d)
             return 0.0 if price is None else price
-        unfed = self.unfed(request) if request is not None else 0
-        if rate is None or unfed <= self.max_width:
+        catch_up = self.catch_up(arm, request)
+        if not catch_up:
             return lambda d: per_step(d) if d > 0 else 0.0
-        one_off = rate * unfed / max(int(request.tokens_left), 1)
-        curve = self.curve(arm)
+        one_off, curve = catch_up / max(int(request.tokens_left), 1), self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
     @property
