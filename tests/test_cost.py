@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import metasd.core.execution.clock
-from metasd.core.pricing.cost import CPU_ROW_COST, CostModel, StepMeter, attach, decode_step_cost, linear_layers
+from metasd.core.pricing.cost import (CPU_ROW_COST, CostModel, ForwardCost, StepMeter, attach, decode_step_cost,
+                                    linear_layers)
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 from metasd.core.engine import Engine
 from metasd.policies import UCB
@@ -255,3 +256,22 @@ def test_pool_file_sets_the_cost_model_and_bad_prices_are_named(tmp_path):
         parse_pool_config({**pool, "cost_model": {**prices, "int4": -1.0}})
     with pytest.raises(ConfigError, match=r"cost_model\.int8"):
         parse_pool_config({**pool, "cost_model": {"dense": 0.5, "int4": 2.0}})
+
+
+def test_a_drafters_layer_is_priced_as_dense_above_the_rows_its_dense_copy_takes():
+    net = nn.Sequential(nn.Linear(64, 32, bias=False))
+    model = CostModel()
+    dense = nn.Sequential(nn.Linear(64, 32, bias=False))
+    quantize_model(net, "int4", name="test net", prefill_copy=True, dense_rows=3)
+    (layer,) = linear_layers([net])
+    kernel = lambda rows: model.linear_cost(layer.kernel_bytes, 64 * 32, "int4", rows)  # noqa: E731
+    dense_cost = lambda rows: model.linear_cost(64 * 32 * 4, 64 * 32, "dense", rows)  # noqa: E731 (fp32 copy)
+    forward = ForwardCost.of(net, model)
+    assert [forward(r) for r in (1, 3, 4, 9)] == pytest.approx([kernel(1), kernel(3), dense_cost(4), dense_cost(9)])
+    attach([net])  # a hooked forward is priced the same way
+    for rows, expected in ((3, kernel(3)), (4, dense_cost(4))):
+        meter = StepMeter(model, 1.0)
+        with meter:
+            net(torch.zeros(rows, 64))
+        assert meter.total == pytest.approx(expected)
+    assert ForwardCost.of(dense, model)(4) == pytest.approx(dense_cost(4))

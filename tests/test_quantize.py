@@ -92,26 +92,49 @@ def test_quantized_linear_keeps_no_dense_weight():
         assert ql.weight_bytes < 64 * 64 * 2 * (bytes_per_weight / 2 + 0.3)
 
 
-def test_int4_prefill_copy_is_for_many_rows_and_never_for_lm_heads(monkeypatch):
-    import metasd.models.quantize as mq
-
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_drafters_layer_computes_many_rows_with_its_own_dense_weight(mode):
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
-    plain = QuantizedLinear(lin, "int4", group_size=32)
-    assert not plain.has_gemm_path and not hasattr(plain, "gemm_qweight")  # a verifier's int4: one model
-    ql = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)
-    assert ql.has_gemm_path and ql.weight_bytes >= 64 * 32 * 1.5
-    many, few = torch.randn(ql.gemm_rows + 1, 64), torch.randn(ql.gemm_rows, 64)
-    assert torch.allclose(ql(many), many @ ql.gemm_weight().t() + lin.bias, atol=1e-5)
-    # few rows: the int4 kernel (bf16 activations on CPU)
-    q, sz = quantize_int4(lin.weight.detach(), 32)
-    w4 = dequantize_int4(q, sz.to(ql.kernel_dtype), 32)  # dequantized by plain arithmetic, not by the kernel
-    assert torch.allclose(ql(few), few.bfloat16().float() @ w4.t() + lin.bias, atol=2e-2)
-    assert torch.allclose(ql.dense_weight().float(), w4, atol=1e-2)  # the kernel's packed layout holds those codes
-    assert torch.equal(ql(few), plain(few))  # the kernel path is the same int4 weight
-    monkeypatch.setattr(mq, "_LARGE_WEIGHT", 64 * 32 - 1)  # this layer now counts as an LM head
-    head = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)
-    assert not head.has_gemm_path
+    plain = QuantizedLinear(lin, mode, group_size=32)
+    assert not plain.has_dense_copy  # a verifier's: one model
+    ql = QuantizedLinear(lin, mode, group_size=32, prefill_copy=True, dense_rows=5)
+    assert ql.has_dense_copy and ql.has_gemm_path and ql.dense_rows == 5 and ql.weight_bytes >= 64 * 32 * 4
+    many, few = torch.randn(6, 64), torch.randn(5, 64)
+    assert torch.allclose(ql(many), many @ lin.weight.t() + lin.bias, atol=1e-5)  # the original weight, no codes
+    assert torch.equal(ql(few), plain(few))  # few rows: the quantized kernel, as a verifier's layer computes them
+    assert not torch.allclose(ql(few), few @ lin.weight.t() + lin.bias, atol=1e-4)
+    assert ql.kernel_bytes == plain.kernel_bytes  # the kernel reads the codes alone
+
+
+def test_the_dense_crossover_is_timed_once_per_shape_where_the_dense_path_wins_twice(monkeypatch):
+    import metasd.models.quantize as mq
+
+    # a kernel whose time grows with the rows, a dense matmul flat: the dense one wins from 8 rows
+    timed = []
+
+    def fake_best(fn, reps):
+        rows, path = fn()
+        timed.append((rows, path))
+        return rows * 1.0 if path == "kernel" else 6.0
+
+    monkeypatch.setattr(mq, "_best_seconds", fake_best)
+    monkeypatch.setattr(mq, "_crossovers", {})
+    monkeypatch.setattr(mq.QuantizedLinear, "_kernel", lambda self, x: (len(x), "kernel"))
+    monkeypatch.setattr(mq.F, "linear", lambda x, w: (len(x), "dense"))
+    lin = nn.Linear(64, 32)
+    layer = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)
+    assert layer.dense_rows == 4  # 1, 2, 4: the kernel; 8 and 16: the dense path twice, so it stops there
+    assert [r for r, path in timed if path == "kernel"] == [1, 2, 4, 8, 16]
+    timed.clear()
+    again = QuantizedLinear(lin, "int4", group_size=32, prefill_copy=True)
+    assert again.dense_rows == 4 and timed == []  # the same shape: measured once
+    other = QuantizedLinear(nn.Linear(32, 64), "int4", group_size=32, prefill_copy=True)
+    assert other.dense_rows == 4 and timed  # another shape: timed again
+    # a dense path that never wins: inputs above the largest count timed (a long prefill) still take it
+    monkeypatch.setattr(mq, "_best_seconds", lambda fn, reps: 1.0 if fn()[1] == "kernel" else 2.0)
+    slow = QuantizedLinear(nn.Linear(64, 64), "int4", group_size=32, prefill_copy=True)
+    assert slow.dense_rows == mq.CROSSOVER_ROWS[-1]
 
 
 def test_kernels_are_chosen_by_device_not_by_a_flag(monkeypatch):
@@ -255,8 +278,8 @@ def test_model_cache_quantizes_only_the_copy_that_asked(tiny_dir):
     verifier_int4, _ = cache.load(tiny_dir, "fp32", "int4")
     drafter_int4, _ = cache.load(tiny_dir, "fp32", "int4", drafter=True)
     assert verifier_int4 is not drafter_int4
-    assert not verifier_int4.model.layers[0].mlp.up_proj.has_gemm_path
-    assert drafter_int4.model.layers[0].mlp.up_proj.has_gemm_path
+    assert not verifier_int4.model.layers[0].mlp.up_proj.has_dense_copy
+    assert drafter_int4.model.layers[0].mlp.up_proj.has_dense_copy and drafter_int4.lm_head.has_dense_copy
 
 
 def _pool(tiny_dir, **drafter):
@@ -271,7 +294,7 @@ def test_pool_with_quantized_drafter_shares_nothing_with_the_verifier(tiny_dir):
     engine = build_engine(_pool(tiny_dir, quantize="int4"))
     drafter = engine.drafters[0]
     assert isinstance(drafter.model.lm_head, QuantizedLinear) and drafter.model.metasd_quantize == "int4"
-    assert drafter.model.model.layers[0].mlp.up_proj.has_gemm_path  # a drafter's int4 keeps prefill copies
+    assert drafter.model.model.layers[0].mlp.up_proj.has_dense_copy  # a drafter's int4 keeps its dense weights
     assert type(engine.verifier.model.lm_head) is nn.Linear
     out = engine.generate(PROMPT, max_new_tokens=20).token_ids
     assert out == plain_greedy(engine.verifier.model, PROMPT, 20)

@@ -62,8 +62,9 @@ class ModelCache:
         self._models: dict[tuple[str, str, str, bool], Any] = {}
 
     def load(self, ref: str, dtype: str, quantize: str = "none", drafter: bool = False):
-        """(model, tokenizer); ``drafter``: an int4 drafter keeps int8 copies for prefills (never a verifier)."""
-        prefill_copy = drafter and quantize == "int4"
+        """(model, tokenizer); ``drafter``: a quantized drafter keeps its dense weights for many-row inputs (never a
+        verifier: ``metasd.models.quantize``)."""
+        prefill_copy = drafter and quantize != "none"
         key = (ref, str(dtype), quantize, prefill_copy)
         if key not in self._models:
             self._models[key] = load_model(ref, dtype=dtype, device=self.device, quantize=quantize,

@@ -224,7 +224,7 @@ def load_model(
     come from their bf16 cache, so ``fp32`` gives those bf16 weights upcast. ``quantize`` ("none",
     "int8", "int4") swaps the linear layers for weight-only quantized ones once, after loading
     (``metasd.models.quantize``); it is checked against the device and dtype before anything is loaded.
-    ``prefill_copy`` (int4 drafters): keep int8 copies of the layer weights for long-prompt prefills.
+    ``prefill_copy`` (quantized drafters): keep the dense layer weights for many-row inputs (``quantize_model``).
     Threads are left to the caller (``torch.set_num_threads``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -21,9 +21,14 @@ Kernels (chosen by the device of the weight, not by a flag):
   ``Int8WeightOnlyConfig`` made it 2.6x *slower* (its CPU path dequantizes in Python-level ops), so
   the library path is not used on CPU. These kernels are built for matrix-vector work: for many rows
   (a prompt prefill) they lose to a bf16 GEMM, so above ``gemm_rows`` input rows an int8 layer
-  dequantizes its weight and uses the dense matmul instead (the same weights, faster). An int4 layer has
-  no cheap way back to a dense weight; a drafter's int4 model (``prefill_copy=True``) keeps an int8 copy
-  of its decoder-layer weights for that path, a verifier's runs its int4 kernel on every input.
+  dequantizes its weight and uses the dense matmul instead (the same weights, faster). A verifier's int4
+  layer runs its kernel on every input (its output must be one model's). A drafter's quantized layer
+  (``prefill_copy=True``) keeps its original dense weight beside the codes and uses it above a crossover
+  measured on the machine at load (``dense_crossover``): on a 2-core CPU with AMX, one thread, the int4
+  0.5B's forward grows 13 ms a token (49 ms at 1 token, 454 ms at 32, 1.7 s at 128) while the bf16 one
+  stays near flat (131 ms at 1, 157 ms at 32, 319 ms at 128), so batched drafting rounds of many rows and
+  prompt catch-ups run dense, single-row drafting on the codes. The int8 copy it kept before had to be
+  dequantized on every forward (1.15 s at 128 tokens there).
   Both kernels are fast for bf16 activations only: with fp32 or fp16 ones they run 15-90x slower (896 x
   4864 layer, 8 rows: int4 31 ms fp32 / 40 ms fp16 against 0.5 ms bf16; int8 16 / 18 ms against 0.5 ms),
   so on CPU a quantized layer of an fp32 or fp16 model casts its input to bf16 for the kernel (its scales
@@ -36,6 +41,7 @@ Kernels (chosen by the device of the weight, not by a flag):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 import torch
@@ -60,6 +66,9 @@ _INNER_K_TILES = 8
 #: layer per forward costs more than the kernel there (1.5B, 16 rows: 2.08 s dense against 0.47 s kernel;
 #: BENCHMARKS.md, forward cost), so the switch sits above any draft tree this project verifies.
 DEFAULT_GEMM_ROWS = 64
+#: input rows at which ``dense_crossover`` times a drafter layer's two paths (it stops once the dense one has won
+#: twice in a row); where the dense path never wins, it takes inputs above the largest count (long prefills)
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: rows of a weight quantized at a time (bounds the fp32 temporaries: peak memory stays near the model's)
 _CHUNK_ROWS = 4096
 #: weights above this many elements (an LM head) cost more to dequantize (200 ms for 151936 x 896):
@@ -188,10 +197,12 @@ class QuantizedLinear(nn.Module):
 
     Activations and the output keep the model's dtype. ``dense_weight()`` returns the dequantized W
     (what the layer computes with), for code that needs the matrix itself (reduced-vocabulary heads).
+    ``prefill_copy`` (a drafter's layer, CPU): keep the original weight too and compute inputs of more than
+    ``dense_rows`` rows with it (None: the crossover timed on this machine, ``dense_crossover``).
     """
 
     def __init__(self, linear: nn.Linear, mode: str, group_size: int = INT4_GROUP_SIZE,
-                 gemm_rows: int = DEFAULT_GEMM_ROWS, prefill_copy: bool = False):
+                 gemm_rows: int = DEFAULT_GEMM_ROWS, prefill_copy: bool = False, dense_rows: int | None = None):
         super().__init__()
         if mode not in ("int8", "int4"):
             raise ValueError(f"QuantizedLinear: mode must be 'int8' or 'int4', got {mode!r}")
@@ -217,14 +228,12 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", _pack_int4(q, device))  # kernel layout
             self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=self.kernel_dtype))  # [groups, out, 2]
             # The packed layout is the kernel's own; dense_weight() recovers W through the kernel itself.
-            if prefill_copy and device.type == "cpu" and weight.numel() <= _LARGE_WEIGHT:
-                # Drafters only: an int8 copy for many-row inputs (a long prompt's prefill). Unpacking int4
-                # groups costs 15-30 ms per 896 x 4864 matrix, dequantizing int8 0.6 ms, so GEMM rows read
-                # this copy (1.5 bytes a weight in all, under bf16's 2). A verifier never gets one: its output
-                # must be one model's. LM heads keep none (a prefill scores one row).
-                q8, s8 = quantize_int8(weight)
-                self.register_buffer("gemm_qweight", q8)  # [out, in] int8
-                self.register_buffer("gemm_scales", s8.to(dtype=self.dtype))  # [out]
+        if prefill_copy and device.type == "cpu":
+            # Drafters only: the original weight for inputs of many rows (batched drafting rounds, catch-ups),
+            # above the rows where it beats the kernel on this machine. A verifier never keeps one: its output
+            # must be one model's.
+            self.register_buffer("gemm_dense", weight)  # [out, in], the model's dtype
+            self._dense_rows = int(dense_rows) if dense_rows is not None else dense_crossover(self)
 
     @property
     def weight_format(self) -> str:
@@ -233,24 +242,36 @@ class QuantizedLinear(nn.Module):
 
     @property
     def kernel_bytes(self) -> int:
-        """Bytes the quantized kernel reads per forward: codes and scales, not the many-row path's int8 copy."""
+        """Bytes the quantized kernel reads per forward: codes and scales, not the many-row path's dense copy."""
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if not n.startswith("gemm_"))
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of every stored weight tensor (codes, scales, an int4 drafter layer's int8 prefill copy)."""
+        """Bytes of every stored weight tensor (codes, scales, a drafter layer's dense copy)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     @property
     def has_gemm_path(self) -> bool:
-        """Whether inputs of more than ``gemm_rows`` rows use a dequantized dense matmul (CPU only)."""
-        return self.qweight.device.type == "cpu" and (self.mode == "int8" or hasattr(self, "gemm_qweight"))
+        """Whether inputs of more than ``dense_rows`` rows use a dense matmul (CPU only): a drafter's kept weight, or
+        an int8 layer's weight dequantized."""
+        return self.qweight.device.type == "cpu" and (self.mode == "int8" or self.has_dense_copy)
+
+    @property
+    def has_dense_copy(self) -> bool:
+        """Whether the layer keeps its original dense weight for many-row inputs (a drafter's, ``prefill_copy``)."""
+        return hasattr(self, "gemm_dense")
+
+    @property
+    def dense_rows(self) -> int:
+        """Inputs of more rows than this take the dense matmul (where ``has_gemm_path``)."""
+        return self._dense_rows
 
     def gemm_weight(self) -> torch.Tensor:
-        """The dense weight [out, in] of the many-row path (int8 dequantized; a new tensor)."""
-        if self.mode == "int8":
-            return self.qweight.to(self.dtype) * self.scales.to(self.dtype)[:, None]
-        return self.gemm_qweight.to(self.dtype) * self.gemm_scales[:, None]
+        """The dense weight [out, in] of the many-row path: the kept original weight, else the int8 codes
+        dequantized (a new tensor)."""
+        if self.has_dense_copy:
+            return self.gemm_dense
+        return self.qweight.to(self.dtype) * self.scales.to(self.dtype)[:, None]
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [rows, in] in the model dtype -> [rows, out] in the model dtype, through the quantized kernel of
@@ -271,7 +292,8 @@ class QuantizedLinear(nn.Module):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         if len(x2) > self._dense_rows and self.has_gemm_path and x2.device.type == "cpu":
-            # many rows: a dense GEMM beats the matrix-vector kernel; dequantizing costs one pass over W
+            # many rows: a dense GEMM beats the matrix-vector kernel (an int8 layer without a dense copy
+            # dequantizes first: one pass over W)
             y = F.linear(x2, self.gemm_weight())
         else:
             y = self._kernel(x2)
@@ -282,6 +304,43 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         extra = f", group_size={self.group_size}" if self.mode == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{extra}"
+
+
+_crossovers: dict[tuple, int] = {}
+
+
+def dense_crossover(layer: QuantizedLinear, reps: int = 3) -> int:
+    """The input rows above which ``layer``'s dense copy beats its quantized kernel on this machine. Both paths are
+    timed (best of ``reps`` after a warm-up) at each of ``CROSSOVER_ROWS`` until the dense one has won at two
+    counts in a row; the answer is the last count the kernel won (0: dense from one row; the largest count where
+    the dense path never won twice). Timed once per (device, mode, group size, shape, dtype, threads) in a
+    process: every layer of one shape shares it."""
+    key = (layer.qweight.device.type, layer.mode, layer.group_size, layer.in_features, layer.out_features,
+           layer.dtype, torch.get_num_threads())
+    if key not in _crossovers:
+        kernel_won, streak = 0, 0
+        with torch.no_grad():
+            for rows in CROSSOVER_ROWS:
+                x = torch.randn(rows, layer.in_features, dtype=layer.dtype, device=layer.qweight.device)
+                kernel = _best_seconds(lambda: layer._kernel(x), reps)
+                dense = _best_seconds(lambda: F.linear(x, layer.gemm_dense), reps)
+                streak, kernel_won = (streak + 1, kernel_won) if dense < kernel else (0, rows)
+                if streak == 2:
+                    break
+        _crossovers[key] = kernel_won
+        logger.info("%s %d -> %d (%s, %d threads): dense above %d rows", layer.mode, layer.in_features,
+                    layer.out_features, layer.dtype, torch.get_num_threads(), kernel_won)
+    return _crossovers[key]
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: first-call allocations and packing
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def dense_weight(module: nn.Module) -> torch.Tensor:
@@ -336,15 +395,17 @@ def _own_memory(model: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, mode: str, *, name: str = "model", group_size: int = INT4_GROUP_SIZE,
-                   gemm_rows: int = DEFAULT_GEMM_ROWS, prefill_copy: bool = False) -> nn.Module:
+                   gemm_rows: int = DEFAULT_GEMM_ROWS, prefill_copy: bool = False,
+                   dense_rows: int | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (LM head included) by a ``QuantizedLinear``, in place.
 
     ``mode`` "none" returns the model untouched. Quantizing a model already quantized the same way is
     a no-op (models are shared between arms); a different mode is an error naming ``name``. The model's
     ``metasd_quantize`` attribute records the mode. int4 uses groups of ``group_size`` input columns
     (smaller, down to 32, where a layer's input size needs it); a layer the kernel cannot take is an
-    error naming it, raised before any layer is changed. ``prefill_copy`` (int4, drafters only): keep an
-    int8 copy of every decoder-layer weight for inputs of many rows (see ``QuantizedLinear``).
+    error naming it, raised before any layer is changed. ``prefill_copy`` (drafters only): every layer keeps its
+    dense weight for inputs of more rows than a crossover timed on this machine (``dense_crossover``), or than
+    ``dense_rows`` where given.
     """
     param = next(model.parameters(), None)
     mode = check_quantize(mode, name=name, dtype=None if param is None else param.dtype,
@@ -363,7 +424,8 @@ def quantize_model(model: nn.Module, mode: str, *, name: str = "model", group_si
                 raise ValueError(f"{name}: quantize='int4' cannot take layer {qualified!r}: {problem}; use 'int8'")
     for parent, attr, _, linear in targets:
         g = int4_group_size(linear.in_features, group_size) if mode == "int4" else group_size
-        setattr(parent, attr, QuantizedLinear(linear, mode, group_size=g, gemm_rows=gemm_rows, prefill_copy=prefill_copy))
+        setattr(parent, attr, QuantizedLinear(linear, mode, group_size=g, gemm_rows=gemm_rows, prefill_copy=prefill_copy,
+                                              dense_rows=dense_rows))
     _own_memory(model)
     model.metasd_quantize = mode
     logger.info("%s: %d linear layers quantized to %s", name, len(targets), mode)

@@ -68,6 +68,8 @@ class _LinearShape:
     in_features: int
     macs_per_row: int  # in_features * out_features
     fmt: str
+    dense_rows: int | None = None  # inputs of more rows run on a dense copy of the weight (a drafter's layer)
+    dense_bytes: int = 0  # that copy's bytes
 
 
 def _linear_shape(module: nn.Module) -> _LinearShape | None:
@@ -75,11 +77,16 @@ def _linear_shape(module: nn.Module) -> _LinearShape | None:
 
     A layer with its own weight format says so through two attributes (``metasd.models.quantize.QuantizedLinear``
     does): ``weight_format`` (a key of ``CostModel.row_cost``) and ``kernel_bytes`` (the bytes its kernel reads),
-    beside ``in_features`` and ``out_features``.
+    beside ``in_features`` and ``out_features``; one that keeps a dense copy for many-row inputs also
+    ``has_dense_copy``, ``dense_rows`` and ``gemm_weight()`` - rows above ``dense_rows`` are costed as that copy's.
     """
     fmt = getattr(module, "weight_format", None)
     if isinstance(fmt, str):
-        return _LinearShape(int(module.kernel_bytes), module.in_features, module.in_features * module.out_features, fmt)
+        macs = module.in_features * module.out_features
+        if getattr(module, "has_dense_copy", False):
+            return _LinearShape(int(module.kernel_bytes), module.in_features, macs, fmt, int(module.dense_rows),
+                                _nbytes(module.gemm_weight()))
+        return _LinearShape(int(module.kernel_bytes), module.in_features, macs, fmt)
     if isinstance(module, nn.Linear):
         nbytes = _nbytes(module.weight, module.bias)
         return _LinearShape(nbytes, module.in_features, module.in_features * module.out_features, "dense")
@@ -104,7 +111,10 @@ def _count(module: nn.Module, args: tuple) -> None:
         return
     shape: _LinearShape = getattr(module, _SHAPE_ATTR)
     rows = args[0].numel() // shape.in_features  # x: [..., in_features]; numel is shape metadata, no device sync
-    meter.total += meter.model.linear_cost(shape.weight_bytes, shape.macs_per_row, shape.fmt, rows)
+    if shape.dense_rows is not None and rows > shape.dense_rows:  # the layer's dense copy computes these
+        meter.total += meter.model.linear_cost(shape.dense_bytes, shape.macs_per_row, "dense", rows)
+    else:
+        meter.total += meter.model.linear_cost(shape.weight_bytes, shape.macs_per_row, shape.fmt, rows)
 
 
 def counted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,28 +244,40 @@ class _PricedUnit:
         meter = _OPEN.meter
         cached = self._costs.get(id(meter.model))
         if cached is None or cached[0] is not meter.model:
-            cost = ForwardCost(sum(s.weight_bytes for s in self.shapes),
-                               sum(meter.model.row_cost[s.fmt] * s.macs_per_row for s in self.shapes))
-            cached = self._costs[id(meter.model)] = (meter.model, cost)
+            cached = self._costs[id(meter.model)] = (meter.model, ForwardCost.of_shapes(self.shapes, meter.model))
         return cached[1](rows)
 
 
 @dataclass(frozen=True)
 class ForwardCost:
     """The modeled cost of one forward of a network, from its linear layers' shapes alone: ``fixed + per_row * rows``
-    (the weights it streams, and the per-row work of each weight format). No hook runs: the price of a forward that
-    did not happen (a counterfactual draft) or of a graph-captured one."""
+    (the weights it streams, and the per-row work of each weight format), plus, for inputs of more rows than a
+    layer's ``dense_rows`` (a drafter's quantized layer computing them on its dense copy), that layer's change of
+    price: ``switches`` [(dense_rows, fixed, per_row)]. No hook runs: the price of a forward that did not happen (a
+    counterfactual draft) or of a graph-captured one."""
 
     fixed: float
     per_row: float
+    switches: tuple[tuple[int, float, float], ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module, model: CostModel) -> "ForwardCost":
-        shapes = [s for _, s in _shaped_layers([module])]
-        return cls(sum(s.weight_bytes for s in shapes), sum(model.row_cost[s.fmt] * s.macs_per_row for s in shapes))
+        return cls.of_shapes([s for _, s in _shaped_layers([module])], model)
+
+    @classmethod
+    def of_shapes(cls, shapes: Iterable[_LinearShape], model: CostModel) -> "ForwardCost":
+        shapes = list(shapes)
+        switches: dict[int, tuple[float, float]] = {}
+        for s in shapes:
+            if s.dense_rows is not None:
+                fixed, per_row = switches.get(s.dense_rows, (0.0, 0.0))
+                switches[s.dense_rows] = (fixed + s.dense_bytes - s.weight_bytes,
+                                          per_row + (model.row_cost["dense"] - model.row_cost[s.fmt]) * s.macs_per_row)
+        return cls(sum(s.weight_bytes for s in shapes), sum(model.row_cost[s.fmt] * s.macs_per_row for s in shapes),
+                   tuple((rows, f, r) for rows, (f, r) in sorted(switches.items())))
 
     def __call__(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows
+        return self.fixed + self.per_row * rows + sum(f + r * rows for above, f, r in self.switches if rows > above)
 
 
 def decode_step_cost(verifier_model: nn.Module, model: CostModel) -> float:
