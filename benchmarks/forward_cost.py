@@ -3,9 +3,12 @@
 Each (model, quantization) runs in a child process of its own, so its peak RSS is its own: the table gives
 the ms of a one-token forward and of 4/8/16/24-token forwards over a 200- and a 700-token KV cache
 (median of --repeats after a warm-up), the bytes of the weights as stored (parameters and buffers), the
-process's peak RSS and the time quantizing took.
+process's peak RSS and the time quantizing took. A quantization written ``int4:drafter`` quantizes as a pool does a
+drafter (``prefill_copy``: dense copies for inputs above the crossover ``dense_crossover`` times at load).
 
     python benchmarks/forward_cost.py --out benchmarks/results/forward_cost.json
+    python benchmarks/forward_cost.py --models bundled:qwen2.5-coder-0.5b-instruct --quantize none int4 int4:drafter \
+        --widths 1 4 8 16 32 64 128 --caches 100 --threads 1 --repeats 5 --out benchmarks/results/drafter_rows.json
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ WIDTHS = (1, 4, 8, 16, 24)
 CACHES = (200, 700)
 
 
-def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> dict:
+def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int, widths=WIDTHS, caches=CACHES) -> dict:
     """One (model, quantization) in this process: ms per forward of each width over each cache length."""
     from transformers import DynamicCache
 
@@ -37,18 +40,19 @@ def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> 
     torch.set_num_threads(threads)
     model, _ = load_model(ref, dtype=dtype)
     t0 = time.perf_counter()
-    quantize_model(model, quantize, name=ref)
+    mode, _, role = quantize.partition(":")
+    quantize_model(model, mode, name=ref, prefill_copy=role == "drafter")
     quantize_s = time.perf_counter() - t0
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     gen = torch.Generator().manual_seed(0)
     vocab = model.get_input_embeddings().weight.shape[0]
     ms: dict[str, float] = {}
     with torch.inference_mode():
-        for length in CACHES:
+        for length in caches:
             cache = DynamicCache(config=model.config)
             model(input_ids=torch.randint(0, vocab, (1, length), generator=gen), **cache_kwargs(model, cache), use_cache=True,
                   logits_to_keep=1)
-            for width in WIDTHS:
+            for width in widths:
                 times = []
                 for i in range(repeats + 2):  # two warm-up calls
                     ids = torch.randint(0, vocab, (1, width), generator=gen)
@@ -64,8 +68,8 @@ def measure(ref: str, quantize: str, dtype: str, threads: int, repeats: int) -> 
 
 
 def table(rows: list[dict]) -> str:
-    cols = [f"{w}@{c}" for c in CACHES for w in WIDTHS]
-    head = " | ".join(f"{w} tok @{c}" for c in CACHES for w in WIDTHS)
+    cols = list(rows[0]["ms"])
+    head = " | ".join(f"{c.split('@')[0]} tok @{c.split('@')[1]}" for c in cols)
     lines = [f"| model | quantize | {head} | weights | peak RSS | quantize time |", "|" + "---|" * (len(cols) + 5)]
     for r in rows:
         name = r["model"].removeprefix("bundled:qwen2.5-coder-").removesuffix("-instruct")
@@ -82,17 +86,21 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="tokens per forward")
+    p.add_argument("--caches", type=int, nargs="+", default=list(CACHES), help="KV cache lengths before them")
     p.add_argument("--out", default="benchmarks/results/forward_cost.json")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "QUANTIZE"), help=argparse.SUPPRESS)  # child process
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.one[0], args.one[1], args.dtype, args.threads, args.repeats)))
+        print(json.dumps(measure(args.one[0], args.one[1], args.dtype, args.threads, args.repeats, args.widths,
+                                 args.caches)))
         return 0
     rows = []
     for ref in args.models:
         for q in args.quantize:
             cmd = [sys.executable, __file__, "--one", ref, q, "--dtype", args.dtype, "--threads", str(args.threads),
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats), "--widths", *map(str, args.widths), "--caches",
+                   *map(str, args.caches)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(f"{ref} {q}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in rows[-1]["ms"].items()), flush=True)

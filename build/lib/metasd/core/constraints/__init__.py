@@ -1,0 +1,27 @@
+"""Structured output: grammar constraints (a JSON object, a JSON schema, a regex, a Lark grammar) as allowed-token
+masks, for the committed prefix and for every path of a draft tree, so that masked speculative decoding stays
+lossless.
+
+- ``Constraint`` (spec.py): what a request asks for; ``ConstraintError`` (backend.py) names the field at fault.
+- ``ConstraintCompiler`` / ``compile_constraint`` (compiler.py): a constraint compiled for a tokenizer (llguidance,
+  the optional dependency ``metasd[structured]``), cached per (tokenizer, end-of-sequence ids, constraint).
+- ``ConstraintState`` (state.py): one request's grammar state - ``accept_tokens``, ``mask``, ``eos_allowed``,
+  ``is_complete``, ``is_terminated``, ``tree_masks``.
+- ``DraftGuide`` (guide.py): the grammar along a draft a model drafter grows, to mask its logits.
+- ``apply_mask``, ``unpack_bitmask``, ``reachable_nodes`` (masking.py): the masks as tensors.
+
+Every module imports without llguidance: specs are then checked field by field only (their grammar when compiled),
+and compiling raises ImportError with the install command.
+"""
+from .backend import INSTALL_HINT, ConstraintError
+from .compiler import DEFAULT_COMPILER, CompiledConstraint, ConstraintCompiler, compile_constraint
+from .guide import DraftGuide
+from .masking import apply_mask, reachable_nodes, unpack_bitmask
+from .spec import KINDS, Constraint
+from .state import ConstraintState, ConstraintViolation
+
+__all__ = [
+    "DEFAULT_COMPILER", "INSTALL_HINT", "KINDS", "CompiledConstraint", "Constraint", "ConstraintCompiler",
+    "ConstraintError", "ConstraintState", "DraftGuide", "ConstraintViolation", "apply_mask", "compile_constraint",
+    "reachable_nodes", "unpack_bitmask",
+]

@@ -1,0 +1,141 @@
+"""Lossless acceptance rules (docs/algorithms.md#lossless-acceptance).
+
+Conventions, for a draft of n nodes (see ``metasd.core.execution.tree``):
+  p: [n+1, vocab] processed verifier probabilities. Row 0 is the verifier's distribution after the last
+     committed token (the root); row i+1 is its distribution after draft node i. So the target
+     distribution for node i is ``p[parents[i] + 1]``.
+  q: [n, vocab] processed drafter probabilities; row i is the distribution node i was drawn from.
+Every rule returns an ``Acceptance``: the accepted nodes (root to leaf) and the bonus token, which is
+the correction at the first rejection or the free token after the last accepted node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..execution.tree import Draft, children_lists
+from .sampling import KeyedNoise, fit_vocab, sample
+
+
+@dataclass
+class Acceptance:
+    """Outcome of verifying one draft."""
+
+    path: list[int]  # accepted node indices, root to leaf
+    bonus: int  # token appended after the path
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+
+def accept_greedy(draft: Draft, target_argmax: torch.Tensor) -> Acceptance:
+    """Greedy: follow the child whose token equals the verifier's argmax.
+
+    target_argmax: [n+1] argmax of the verifier logits per row.
+    """
+    return _walk(draft, target_argmax.tolist().__getitem__)
+
+
+def accept_match(draft: Draft, p: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+    """Sample-and-match, exact for any draft (chain or tree) whatever produced it.
+
+    At the current node draw y ~ p(row); move to the child whose token is y, if any; else y is the bonus.
+    """
+    return _walk(draft, lambda row: int(sample(p[row], generator)))
+
+
+def accept_keyed(draft: Draft, p: torch.Tensor, noise: KeyedNoise, start: int) -> Acceptance:
+    """Sample-and-match against keyed noise (a seeded request, docs/architecture.md#random-streams): at the current
+    node the verifier's token is ``argmax(log p(row) + G_t)``, ``t = start + the row's depth`` (``start``: the index of
+    the token row 0 predicts); move to the child with that token, if any; else it is the bonus. Each token is then
+    what plain decoding with the same noise would choose at its position, whatever was drafted.
+
+    p: [n+1, vocab] processed verifier probabilities."""
+    depths = [0] + draft.depths().tolist()  # [n+1] the depth of each row's node (row 0: the root)
+    return _walk(draft, lambda row: int(noise.choose(p[row], start + depths[row])))
+
+
+def _walk(draft: Draft, choose) -> Acceptance:
+    kids = children_lists(draft.parents)
+    tokens = draft.tokens.tolist()
+    path: list[int] = []
+    row = 0
+    while True:
+        y = choose(row)
+        nxt = next((c for c in kids[row] if tokens[c] == y), None)
+        if nxt is None:
+            return Acceptance(path, int(y))
+        path.append(nxt)
+        row = nxt + 1
+
+
+def follow(draft: Draft, committed: list[int]) -> tuple[list[int], bool]:
+    """The nodes of ``draft`` that the committed tokens would have accepted: from the root, the child whose token is
+    the next committed token, as long as there is one. Returns (node path, censored): ``censored`` when the path
+    used every committed token, so a longer draft may have had more accepted beyond what was verified.
+
+    This is exactly what greedy verification of ``draft`` would have accepted (the committed tokens are the verifier's
+    argmax along their path). Under sampling it is what sample-and-match would have accepted with the same draws (the
+    committed tokens are samples of p along their path): a sample of the counterfactual, by common random numbers."""
+    kids = children_lists(draft.parents)
+    tokens = draft.tokens.tolist()
+    path: list[int] = []
+    row = 0
+    for c in committed:
+        nxt = next((k for k in kids[row] if tokens[k] == c), None)
+        if nxt is None:
+            return path, False
+        path.append(nxt)
+        row = nxt + 1
+    return path, True
+
+
+def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+    """Speculative (rejection) sampling with drafter probabilities; recursive over siblings for trees.
+
+    Chain (Leviathan et al. 2023): accept x ~ q with prob min(1, p(x)/q(x)); on rejection draw the
+    correction from norm(max(p - q, 0)).
+    Tree (SpecInfer / RSD): try the children of the current node in order with the residual r (starting
+    at p): accept child x_j with min(1, r(x_j)/q_j(x_j)); on rejection r <- norm(max(r - q_j, 0)) and,
+    when siblings were drawn without replacement, q_{j+1} <- q_j with x_j removed, renormalised. If
+    every child fails the bonus is drawn from r.
+    """
+    if draft.probs is None:
+        raise ValueError("accept_rejection needs drafter probabilities (Draft.probs); use accept_match")
+    kids = children_lists(draft.parents)
+    tokens = draft.tokens.tolist()
+    q_all = fit_vocab(draft.probs.to(p.device).float(), p.shape[-1])  # [n, vocab] beside the verifier's p
+    path: list[int] = []
+    row = 0
+    while True:
+        r = p[row].float()  # residual target distribution at this node
+        q = None
+        accepted = None
+        for child in kids[row]:
+            x = tokens[child]
+            if q is None or not draft.without_replacement:
+                q = q_all[child]
+            qx, rx = float(q[x]), float(r[x])
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if qx > 0 and u * qx < rx:  # u < r(x)/q(x), written without division
+                accepted = child
+                break
+            residual = (r - q).clamp_(min=0)
+            total = float(residual.sum())
+            # total == 0 would mean r <= q everywhere, so r == q and x was accepted with probability 1
+            if total > 0:
+                r = residual / total
+            if draft.without_replacement:
+                q = q.clone()
+                q[x] = 0
+                q_total = float(q.sum())
+                if q_total <= 0:  # the drafter had no other token: later siblings cannot exist
+                    q = None
+                else:
+                    q = q / q_total
+        if accepted is None:
+            return Acceptance(path, int(sample(r, generator)))
+        path.append(accepted)
+        row = accepted + 1

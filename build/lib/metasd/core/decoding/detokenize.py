@@ -1,0 +1,121 @@
+"""Incremental detokenisation: the text of a growing token list, one delta per append, without decoding the whole
+output at every step (which costs O(n^2) over a request).
+
+Byte-level BPE tokens are not text one at a time: a multi-byte character can span tokens, and some tokenizers change
+the spelling of a token by what precedes it (a leading space). So each append decodes a short window - the tokens
+from ``prefix`` (a few tokens before the text already emitted) to the end - and emits what the window adds beyond
+the same window without the new tokens, holding back a trailing incomplete character (U+FFFD) until the next append
+completes it. The same scheme as text-generation-inference's and vLLM's detokenizers.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of a token list that grows by ``add``; ``add`` returns only the new text.
+
+    The concatenation of every delta equals ``tokenizer.decode(all_ids, skip_special_tokens=...)`` once the last
+    character is complete (``flush`` returns whatever an incomplete trailing character held back).
+    """
+
+    #: tokens of context decoded before the unemitted ones, so that a token whose spelling depends on its left
+    #: neighbour (a leading space after the previous word) decodes as it does inside the whole text
+    CONTEXT = 5
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens whose text has been emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Append ``ids``; return the text they complete (may be empty while a character is incomplete)."""
+        self.ids.extend(int(t) for t in ids)
+        before = self._decode(self.ids[self._prefix: self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if after.endswith(_REPLACEMENT) or len(after) <= len(before) or not after.startswith(before):
+            if after.endswith(_REPLACEMENT) or not after.startswith(before):
+                return ""  # wait: an incomplete character, or a window that re-spells its start
+            self._read = len(self.ids)  # tokens with no text (special tokens skipped)
+            return ""
+        delta = after[len(before):]
+        self.text += delta
+        self._read = len(self.ids)
+        self._prefix = max(self._read - self.CONTEXT, 0)
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete trailing character, emitted as U+FFFD) - call once at the end."""
+        full = self._decode(self.ids)
+        if full.startswith(self.text) and len(full) > len(self.text):
+            delta = full[len(self.text):]
+            self.text = full
+            return delta
+        return ""
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index of the earliest stop string in ``text`` that ends at or after ``start`` (the length of the text already
+    checked), or None. Only the tail that new text can complete is searched: O(new text + longest stop) per call."""
+    if not stops:
+        return None
+    longest = max(len(s) for s in stops)
+    lo = max(start - longest + 1, 0)
+    hits = [i for s in stops if (i := text.find(s, lo)) != -1]
+    return min(hits) if hits else None
+
+
+class StoppingText:
+    """A request's text as its tokens are committed, and its stop strings: read incrementally (one short decode per
+    append), cut before the first stop string once one is complete."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.stopped: str | None = None  # the text once a stop string ended the request, cut before it
+        self._detok: IncrementalDetokenizer | None = None
+        self._fed = 0  # tokens given to _detok
+
+    def _read(self, ids: Sequence[int]) -> str:
+        """Feed the tokens of ``ids`` not fed yet to the incremental detokenizer; its text."""
+        if self._detok is None:
+            self._detok = IncrementalDetokenizer(self.tokenizer)
+        if self._fed < len(ids):
+            self._detok.add(ids[self._fed:])
+            self._fed = len(ids)
+        return self._detok.text
+
+    def final(self, ids: Sequence[int]) -> str:
+        """The whole text of ``ids`` (decoded once), cut before the stop string that ended it."""
+        if self.tokenizer is None or self.stopped is not None:
+            return self.stopped if self.tokenizer is not None else ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def so_far(self, ids: Sequence[int]) -> str:
+        """Complete characters only, ending before a stop string, holding back a tail that could begin one."""
+        if self.tokenizer is None:
+            return ""
+        if self.stopped is not None:
+            return self.stopped
+        text = self._read(ids)
+        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold] if hold else text
+
+    def hit_stop(self, ids: Sequence[int]) -> bool:
+        """Whether the text of ``ids`` now holds a stop string: only the tail the tokens added since the last call can
+        complete is searched. On a hit, the whole text is decoded once and cut before the first."""
+        checked = len(self._detok.text) if self._detok is not None else 0
+        if find_stop(self._read(ids), self.stop, checked) is None:
+            return False
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        self.stopped = text[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
+        return True

@@ -1,0 +1,106 @@
+"""What a drafting step costs, learnt per arm, per load level and per node budget (docs/algorithms.md#speculation-under-load).
+
+The allocator (``metasd.core.pricing.allocator``) charges a request ``c(d)`` for drafting ``d`` nodes. One average per
+arm is wrong twice over:
+
+- **by budget**: a model drafter asked for ``d`` nodes runs about one forward per level of its tree, so 4 nodes cost a
+  fraction of 48 - an average learnt while drafting 32-node trees prices a 4-node draft at a 32-node one's cost;
+- **by load**: with batched drafting (``metasd.core.batching.drafting``) every request drafting with a model shares
+  each level's forward, so a request's share falls as more requests draft beside it - a price learnt with one request
+  running says little of four (on this CPU in bf16: a 0.5B drafter's step learnt at 1.99 verifier forwards alone kept
+  the allocator from drafting at 4 requests, where a fixed 8-node tree was 1.5x plain decoding).
+
+``DraftPrices`` keeps an exponential average per (arm, load level, budget). ``price`` reads a budget's own average;
+between two budgets learnt at the same level, it interpolates linearly; below the smallest it scales that one by
+``d / budget`` (drafting fewer nodes never costs more forwards); above the largest it takes the largest's (optimistic:
+a wider draft is tried once and then known). At a level where the arm has learnt nothing, the nearest level that has
+a price lends it, scaled by a request's share of a batched forward at each (``share``: ``shape(rows) / rows``,
+``level_rows`` the requests a level stands for, ``shape`` a forward's cost by its tokens - the verifier's start-up
+profile in the scheduler). Without a shape the share is ``1 / rows``: a forward whose cost does not grow with its
+rows, a GPU's; on a CPU, where it does, that prior halved the price from 8 requests to 16 while the 0.5B's 4-node
+price measured at 16 was 0.36-0.66 forwards a request against 0.33-1.03 at 8, and a fresh 16-request level's first
+step drafted and caught up every prompt at once (BENCHMARKS.md, "One thread: what a level's probes may lose,
+bounded"). The verifier's shape stands in for the drafter's, which is not profiled: on a CPU with AMX the bf16
+verifier is flat to 16 tokens while the int4 0.5B drafter's forward grows with its tokens, and there the prior still
+halves from 4 requests to 8 (BENCHMARKS.md, "On a CPU with AMX"). One step at the level then corrects the prior;
+drafting free there instead made every new level's first steps draft wide. With no level learnt, None: the caller
+decides.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+#: weight of the past in each key's average (an exponential average over the steps that drafted with it)
+PRICE_DECAY = 0.8
+
+
+class DraftPrices:
+    """Learnt drafting cost of one step per (arm key, load level, node budget), in the allocator's cost units (see the
+    module docstring). ``learn`` adds a step's measured cost; ``price`` reads it back for any budget."""
+
+    def __init__(self, decay: float = PRICE_DECAY, level_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                 shape: Callable[[int], float] | None = None):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        if not level_rows or any(r < 1 for r in level_rows):
+            raise ValueError(f"level_rows must be positive request counts, got {level_rows!r}")
+        if shape is not None and not callable(shape):
+            raise ValueError(f"shape must be a forward's cost by its tokens (callable) or None, got {shape!r}")
+        self.decay, self.level_rows, self.shape = decay, tuple(int(r) for r in level_rows), shape
+        self._table: dict[tuple[str, int], dict[int, float]] = {}  # (key, level) -> {budget: average cost}
+
+    def learn(self, key: str, level: int, budget: int, cost: float) -> None:
+        """One step of ``key``'s arm drafted with node budget ``budget`` at load ``level`` and cost ``cost``."""
+        if budget < 1:
+            return  # a step that did not draft says nothing of drafting's price
+        row = self._table.setdefault((key, int(level)), {})
+        prev = row.get(int(budget))
+        c = max(float(cost), 0.0)
+        row[int(budget)] = c if prev is None else self.decay * prev + (1.0 - self.decay) * c
+
+    def known(self, key: str, level: int) -> bool:
+        """Whether ``key`` has drafted at load ``level``."""
+        return bool(self._table.get((key, int(level))))
+
+    def price(self, key: str, level: int, d: int) -> float | None:
+        """The cost of drafting ``d`` nodes with ``key``'s arm at load ``level`` (0 for ``d <= 0``: no drafting);
+        at a level it has not drafted at, the nearest learnt level's, scaled by a request's ``share`` at each; None
+        where the arm has drafted at no level."""
+        if d <= 0:
+            return 0.0
+        row = self._table.get((key, int(level)))
+        if row:
+            return self._read(row, d)
+        learnt = [lv for (k, lv), r in self._table.items() if k == key and r]
+        if not learnt:
+            return None
+        near = min(learnt, key=lambda lv: (abs(lv - level), lv))  # the nearest level; the lower one on a tie
+        return self._read(self._table[(key, near)], d) * self.share(level) / self.share(near)
+
+    def share(self, level: int) -> float:
+        """A request's share of a batched forward at ``level``, in a one-row forward's cost: ``shape(rows) / rows``
+        (``1 / rows`` without a shape), ``rows`` the level's ``level_rows``."""
+        rows = self.level_rows[min(max(int(level), 0), len(self.level_rows) - 1)]
+        one = float(self.shape(1)) if self.shape is not None else 0.0
+        return float(self.shape(rows)) / one / rows if one > 0 else 1.0 / rows
+
+    @staticmethod
+    def _read(row: dict[int, float], d: int) -> float:
+        budgets = sorted(row)
+        i = bisect.bisect_left(budgets, d)
+        if i < len(budgets) and budgets[i] == d:
+            return row[d]
+        if i == 0:  # below every budget learnt: fewer nodes, at most proportionally fewer forwards' cost
+            return row[budgets[0]] * d / budgets[0]
+        if i == len(budgets):  # above every budget learnt: the widest one's (tried, then known)
+            return row[budgets[-1]]
+        lo, hi = budgets[i - 1], budgets[i]
+        return row[lo] + (row[hi] - row[lo]) * (d - lo) / (hi - lo)
+
+    def to_dict(self) -> dict[str, dict[int, float]]:
+        """``{"<key>@level<l>": {budget: cost}}`` - for logs and benchmark reports."""
+        return {f"{key}@level{level}": dict(sorted(row.items())) for (key, level), row in sorted(self._table.items())}
+
+
+__all__ = ["DraftPrices", "PRICE_DECAY"]

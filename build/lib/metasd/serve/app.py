@@ -1,0 +1,406 @@
+"""The FastAPI app: OpenAI's routes over a running ``Scheduler`` (docs/serving.md#routes).
+
+``create_app(scheduler, model_name, api_key=None)`` is all a caller needs: the CLI runs it with uvicorn, the tests in
+a thread, Ray Serve in each replica. Every request is checked (fields, types, the model, the context) before it is
+submitted; a full queue is a 429 with ``Retry-After`` and nothing started; a client that goes away cancels its
+request, which frees its batch slot at the scheduler's next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import re
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
+from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
+from metasd.core.execution.kv_memory import KVBudgetError
+
+from .errors import ApiError, bad_request, error_body, from_validation
+from .http_log import HttpObserver
+from .logprobs import TokenNames
+from .metrics import ServeMetrics
+from .protocol import (ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults, ignored_fields,
+                       refused_field)
+from .answers import answer, draining, stream
+from .responses import Completion
+from .tokenize import add_tokenizer_routes
+from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
+
+#: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
+_SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                  "stop": "stop", "seed": "seed", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
+                  "speculate": "metasd.speculate", "prompt": "prompt", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+#: seconds a client has to send its whole request body, from the first read; a slower one gets 408 (nginx's
+#: ``client_body_timeout`` is 60 s between two reads: a total bounds a client that trickles a byte a minute too)
+DEFAULT_BODY_TIMEOUT_S = 60.0
+
+log = logging.getLogger(__name__)
+
+
+class ServeState:
+    """What the routes share: the scheduler, the served model's name, the API key, the metrics, and whether the
+    server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
+
+    def __init__(self, scheduler, model_name: str, api_key: str | None, metrics: ServeMetrics,
+                 retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto",
+                 tool_call_parser: str = "auto"):
+        self.scheduler, self.model_name, self.api_key, self.metrics = scheduler, model_name, api_key, metrics
+        self.retry_after_s = retry_after_s
+        self.draining = False
+        self.created = int(time.time())
+        engine = scheduler.engine
+        self.tokenizer = engine.tokenizer
+        self.context_length = engine.verifier.context_length
+        if max_model_len is not None:  # --max-model-len: serve less context than the model has, never more
+            if self.context_length and max_model_len > self.context_length:
+                raise ValueError(f"--max-model-len {max_model_len} exceeds the context of {model_name} "
+                                 f"({self.context_length} tokens)")
+            self.context_length = max_model_len
+        self.vocab_size = getattr(getattr(engine.verifier.model, "config", None), "vocab_size", None)
+        self.drafters = [d.name for d in engine.drafters]
+        self.names = TokenNames(self.tokenizer)  # names the tokens of log-probabilities
+        if generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
+        #: what a request that leaves a sampling field unset gets: the model's generation_config (``auto``)
+        self.defaults = generation_defaults(engine.verifier.model) if generation_config == "auto" else {}
+        if self.defaults:
+            log.info("request defaults from %s's generation_config: %s", model_name, self.defaults)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.takes_tools = template_takes_tools(template)
+        #: reads the model's tool calls out of its text (and writes the grammar of an enforced call); None: none
+        self.tool_parser = tool_parser(tool_call_parser, template)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    # ------------------------------------------------------------------ checks before anything is queued
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key the "
+                                "server was started with", type="authentication_error", code="invalid_api_key")
+
+    def prompt_ids(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+        """The prompt's token ids (chat messages through the chat template) and the field they came from."""
+        engine = self.scheduler.engine
+        field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        if field == "messages" and not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(f"{self.model_name} has no chat template: use /v1/completions", field)
+        prompt = req.prompt() if field == "messages" else req.prompt_value()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            bad = [t for t in prompt if not 0 <= t < (self.vocab_size or 2**63)]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", field)
+            return list(prompt), field
+        tools = req.tool_functions() if field == "messages" else None
+        if tools:
+            self.check_tools(req)
+        try:
+            ids = engine.encode(prompt, chat=field == "messages", tools=tools)
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"{field}: {e}", field) from None
+        if not ids:
+            raise bad_request(f"{field}: the prompt is empty after tokenisation", field)
+        return ids, field
+
+    def budget(self, req, n_prompt: int, prompt_field: str) -> int:
+        """``max_tokens`` checked against the context; when not given, what the context leaves (as vLLM does)."""
+        budget, limit = req.token_budget(), self.context_length
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        if limit and n_prompt >= limit:
+            raise bad_request(f"the prompt is {n_prompt} tokens; {self.model_name}'s context is {limit} tokens",
+                              prompt_field, "context_length_exceeded")
+        if budget is None and "max_tokens" in self.defaults:  # the model's max_new_tokens, within the context
+            budget = min(self.defaults["max_tokens"], limit - n_prompt) if limit else self.defaults["max_tokens"]
+        if budget is None:
+            return limit - n_prompt if limit else 1024
+        if limit and n_prompt + budget > limit:
+            raise bad_request(f"the prompt ({n_prompt} tokens) and {field}={budget} exceed {self.model_name}'s context "
+                              f"of {limit} tokens (at most {limit - n_prompt} new tokens fit)", field,
+                              "context_length_exceeded")
+        return budget
+
+    def check_tools(self, req) -> None:
+        """A 400 when the chat template cannot show the model its tools, or when the request needs its calls read
+        (``tool_choice`` other than ``none``) and no parser knows the model's format."""
+        if not self.takes_tools:
+            raise bad_request(f"{self.model_name}'s chat template does not render tools", "tools", "tools_unsupported")
+        if req.tool_mode() != "none" and self.tool_parser is None:
+            raise bad_request(f"no tool-call parser reads {self.model_name}'s format: start the server with "
+                              f"--tool-call-parser (one of {', '.join(PARSERS)}), or send tool_choice 'none'",
+                              "tool_choice", "tools_unsupported")
+
+    def tool_calls(self, req) -> ToolCalls | None:
+        """How to read the choices' tool calls (None: the request's text is all content)."""
+        if not isinstance(req, ChatCompletionRequest) or req.tool_mode() == "none":
+            return None
+        return ToolCalls(self.tool_parser, req.parallel_tool_calls)
+
+    def constraint(self, req):
+        """The request's structured output compiled for the verifier's tokenizer (cached per schema), or None; a 400
+        naming the field for a bad one, or when the grammar library is not installed. A required or named tool
+        call is one: the grammar of the model's own call format."""
+        mode = req.tool_mode() if isinstance(req, ChatCompletionRequest) else "none"
+        enforced = mode in ("required", "named")  # a call the grammar writes
+        try:
+            spec = req.constraint()
+            if enforced:
+                if spec is not None:
+                    raise ConstraintError("tool_choice", f"a required tool call is structured output already; "
+                                                         f"drop {spec.kind!r} output or set tool_choice 'auto'")
+                try:
+                    spec = Constraint.grammar_of(self.tool_parser.grammar(
+                        req.callable_functions(), req.parallel_tool_calls, added_tokens(self.tokenizer)))
+                except ConstraintError as e:  # a tool's parameters that are no JSON schema llguidance reads
+                    raise ConstraintError("tools", f"a function's parameters {e.reason}") from None
+            if spec is None:
+                return None
+            return compile_constraint(self.tokenizer, spec, sorted(self.scheduler.engine.eos_ids()) or None)
+        except ConstraintError as e:
+            raise bad_request(str(e), e.field, "invalid_structured_output") from None
+        except ImportError:
+            raise bad_request(f"the server cannot serve {'a required tool call' if enforced else 'structured output'}"
+                              f": {INSTALL_HINT}", "tool_choice" if enforced else "response_format",
+                              "structured_output_unavailable") from None
+
+    def submit_choices(self, req, ids: list[int], max_new_tokens: int, constraint=None) -> list:
+        """One scheduler request per choice (``n``; choice i of a seeded request samples with seed + i, so the
+        choices differ and each is reproducible); when one cannot be queued, those queued before it are cancelled."""
+        handles = []
+        try:
+            for i in range(req.n):
+                handles.append(self.submit(req, ids, max_new_tokens, seed_offset=i, constraint=constraint))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
+    def submit(self, req, ids: list[int], max_new_tokens: int, seed_offset: int = 0, constraint=None):
+        opts = req.metasd
+        if opts and opts.drafter is not None and opts.drafter not in self.drafters:
+            names = ", ".join(self.drafters) or "none"
+            raise bad_request(f"no drafter named {opts.drafter!r} in the pool; drafters: {names}", "metasd.drafter",
+                              "unknown_drafter")
+        options = RequestOptions(drafter=opts.drafter, draft_budget=opts.draft_budget, speculate=opts.speculate) \
+            if opts else RequestOptions()
+        logprobs, prompt_logprobs = req.logprob_options()
+        try:
+            return self.scheduler.submit(
+                ids, max_new_tokens, stop=req.stops() or None, seed=None if req.seed is None else req.seed + seed_offset,
+                chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
+                **req.sampling(self.defaults))
+        except QueueFullError:
+            raise ApiError(429, "the server's queue is full; retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}) from None
+        except SchedulerClosedError:
+            raise draining() from None
+        except KVBudgetError as e:  # could never fit, even alone: the client must ask for less
+            raise bad_request(str(e).replace("max_new_tokens", "max_tokens", 2), "max_tokens",
+                              "kv_budget_exceeded") from None
+        except ValueError as e:  # the scheduler names the field first ("seed must be ...", "drafter: ...")
+            message = str(e)
+            field = re.match(r"[a-z_]+", message)
+            field = field.group(0) if field and field.group(0) in _SUBMIT_PARAMS else \
+                next((f for f in _SUBMIT_PARAMS if f in message), None)
+            raise bad_request(message, _SUBMIT_PARAMS.get(field)) from None
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 - at once when its Content-Length says
+    so, else as soon as what arrived passes it - before anything parses it; a body not complete ``timeout`` seconds
+    after the app first reads it is refused with 408 (a client that sends slowly holds a connection, never the
+    scheduler: nothing is submitted before the body is parsed). Reads after the body (a stream's wait for the client
+    to disconnect) are not bounded."""
+
+    def __init__(self, app, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S):
+        self.app, self.limit, self.timeout = app, limit, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _send_error(send, _too_large(self.limit))
+        seen, complete, deadline = 0, False, None
+
+        async def counted():
+            nonlocal seen, complete, deadline
+            if complete:
+                return await receive()
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within the server's {self.timeout:g} s",
+                               code="body_timeout") from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _too_large(self.limit)
+                complete = not message.get("more_body", False)
+            else:  # http.disconnect: nothing more will come
+                complete = True
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than the server's limit of {limit} bytes", code="body_too_large")
+
+
+async def _send_error(send, error: ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _ServerHeader:
+    """ASGI middleware: every response names the server that answered (``x-metasd-server``), e.g. a Ray replica."""
+
+    def __init__(self, app, value: str):
+        self.app, self.header = app, (b"x-metasd-server", value.encode())
+
+    async def __call__(self, scope, receive, send):
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named if scope["type"] == "http" else send)
+
+
+def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
+               retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
+               metrics_require_key: bool = False, access_log: bool = True, generation_config: str = "auto",
+               tool_call_parser: str = "auto") -> FastAPI:
+    """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
+    ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
+    ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
+    in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413, one not received within
+    ``body_timeout_s`` seconds 408; ``max_model_len`` caps the context served; ``access_log``: a log line per
+    request (logger ``metasd.serve.access``); ``generation_config``: "auto" fills a request's unset temperature,
+    top_p, top_k, repetition_penalty and max_tokens from the model's ``generation_config`` (vLLM's default), "none"
+    leaves OpenAI's defaults; ``tool_call_parser``: the format the model's tool calls are read in (a name of
+    ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
+    'none' refused). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful
+    shutdown)."""
+    metrics = metrics or ServeMetrics(model_name)
+    state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
+                       tool_call_parser)
+    metrics.attach(scheduler)
+    app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+    if server_id:
+        app.add_middleware(_ServerHeader, value=server_id)
+    if not (isinstance(body_timeout_s, (int, float)) and math.isfinite(body_timeout_s) and body_timeout_s > 0):
+        raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {body_timeout_s!r}")
+    app.add_middleware(_BodyLimit, limit=max_body_bytes, timeout=float(body_timeout_s))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body("internal error (the server's log has it)", "server_error"), status_code=500)
+
+    async def generate(request: Request, model: type, kind: str):
+        state.check_auth(request)
+        if state.draining:
+            raise draining()
+        body = await request.body()
+        try:  # parsing and tokenising a large body is work: off the event loop, which every stream shares
+            req = await run_in_threadpool(model.model_validate_json, body)
+        except ValidationError as e:
+            raise from_validation(e, accepted_fields(model)) from None
+        refused = refused_field(req)
+        if refused:
+            raise bad_request(refused[1], refused[0], "unsupported_value")
+        ignored = ignored_fields(req)
+        if ignored:  # as vLLM: accepted, named in the log, so a client's misspelt option can be found
+            log.warning("%s: the request's fields %s were ignored (not used by this server)", request.url.path,
+                        ", ".join(ignored))
+        if req.model != state.model_name:
+            raise bad_request(f"The model {req.model!r} does not exist: this server serves {state.model_name!r}",
+                              "model", "model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
+        budget = state.budget(req, len(ids), prompt_field)
+        constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
+        handles = state.submit_choices(req, ids, budget, constraint)
+        completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
+                                names=state.names if req.logprob_options()[0] is not None else None,
+                                tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
+                                prompt_scores=None if req.prompt_logprobs is None else (state.names,
+                                                                                        req.prompt_logprobs))
+        if getattr(req, "echo", False):  # the prompt as given (token ids: their text)
+            prompt = req.prompt_value()
+            completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)
+        if req.stream:
+            return StreamingResponse(stream(handles, completion), media_type="text/event-stream",
+                                     headers=_STREAM_HEADERS)
+        return JSONResponse(await answer(request, handles, completion))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, ChatCompletionRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, CompletionRequest, "text")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.check_auth(request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "metasd", "max_model_len": state.context_length}]}
+
+    @app.get("/health")
+    async def health():
+        healthy, reason = scheduler.health()
+        if not healthy:  # its thread died, or its last steps all failed: a load balancer should send elsewhere
+            return JSONResponse({"status": "failed", "reason": reason}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        if metrics_require_key:
+            state.check_auth(request)
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    add_tokenizer_routes(app, state)
+    app.add_middleware(HttpObserver, metrics=metrics, routes={getattr(r, "path", "") for r in app.routes},
+                       log=access_log)  # the outermost: it sees every answer, a 413 and a 401 included
+    return app

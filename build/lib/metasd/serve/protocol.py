@@ -1,0 +1,435 @@
+"""The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
+integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, ``min_p``, ...:
+``refused_field``), instead of silently ignoring them; other fields it does not know (``store``, ``metadata``,
+``user``, ...) change nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
+(docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from metasd.core.constraints import Constraint, ConstraintError
+from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
+
+#: the most stop strings a request may give, and the longest (every step searches the new text for each)
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+#: the most choices (``n``) one request may ask for: each is a request of its own in the batch
+MAX_CHOICES = 16
+_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Lenient(BaseModel):
+    """Unknown fields are kept aside (``model_extra``): refused when they would change the output, else ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def _off(*values):
+    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in (None, *values))
+
+
+#: fields metasd does not implement that would change the output: refused unless given their "off" value
+REFUSED = {
+    "functions": (_off([]), "the legacy functions field is not supported: use tools"),
+    "function_call": (_off("none", "auto"), "the legacy function_call field is not supported: use tool_choice"),
+    "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
+    "min_tokens": (_off(0), "min_tokens is not supported (only 0)"),
+    "ignore_eos": (_off(False), "ignore_eos is not supported (only false)"),
+    "stop_token_ids": (_off([]), "stop_token_ids is not supported: use stop"),
+    "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
+    "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
+    "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "
+                                   "guided_regex"),
+    "modalities": (_off(["text"]), "only text output is served"),
+    "audio": (_off(), "only text output is served"),
+    "web_search_options": (_off(), "web search is not supported"),
+    "chat_template": (_off(), "only the model's own chat template is served"),
+    "chat_template_kwargs": (_off({}), "chat_template_kwargs are not supported"),
+    "add_generation_prompt": (_off(True), "add_generation_prompt is not supported (only true)"),
+    "continue_final_message": (_off(False), "continue_final_message is not supported (only false)"),
+}
+
+
+def _extras(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
+    """(path, value) of every unknown field in ``model`` and the models inside it (``messages.[0].refusal``)."""
+    out = [(prefix + k, v) for k, v in (model.model_extra or {}).items()]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                out += _extras(item, f"{prefix}{name}." + (f"[{i}]." if i is not None else ""))
+    return out
+
+
+def refused_field(req: BaseModel) -> tuple[str, str] | None:
+    """The first unknown field that would change the output, as (path, why); None when there is none."""
+    for path, value in _extras(req):
+        rule = REFUSED.get(path.rpartition(".")[2])
+        if rule and not rule[0](value):
+            return path, f"{rule[1]}, got {path}={value!r}"
+    return None
+
+
+def ignored_fields(req: BaseModel) -> list[str]:
+    """The unknown fields of ``req`` (paths), accepted and not used: for the server's warning."""
+    return [path for path, _ in _extras(req)]
+
+
+class MetasdOptions(_Strict):
+    """metasd's own per-request options, in the extension field ``metasd`` (the openai client sends it with
+    ``extra_body={"metasd": {...}}``): the drafter to use (a name of the pool), the most draft tokens a step may
+    verify for this request, and whether to speculate at all (false: plain decoding)."""
+
+    drafter: str | None = None
+    draft_budget: int | None = Field(None, ge=0)
+    speculate: bool = True
+
+
+class StreamOptions(Lenient):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and no choices)."""
+
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # newer clients send it; streams here carry no obfuscation padding
+
+
+class TextPart(Lenient):
+    """One part of a message's content given as a list: only text parts are served."""
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Lenient):
+    """The function an assistant message called: its name and its arguments as JSON text (OpenAI's) or an object."""
+
+    name: str
+    arguments: str | dict[str, Any]
+
+    def argument_object(self) -> dict[str, Any] | str:
+        """The arguments as an object, as chat templates render them (``arguments | tojson``); text that is not a JSON
+        object is passed on as it is."""
+        if isinstance(self.arguments, dict):
+            return self.arguments
+        try:
+            value = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return self.arguments
+        return value if isinstance(value, dict) else self.arguments
+
+
+class MessageToolCall(Lenient):
+    """One tool call of an earlier assistant message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    """One chat message; the content as a string or a list of text parts. An assistant message may carry the
+    ``tool_calls`` it made (its content then may be null), a ``tool`` message the result of one (``tool_call_id``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_needed(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             f"leave it null)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not a {self.role} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as a chat template takes it (``developer`` as ``system``, tool-call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": c.function.argument_object()}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ToolFunction(Lenient):
+    """A function the model may call: its name, what it does and the JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; the arguments follow the schema whenever a call is enforced
+
+
+class Tool(Lenient):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(Lenient):
+    """``tool_choice`` naming the function the model must call."""
+
+    class _Name(Lenient):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
+class ResponseFormat(Lenient):
+    """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (structured output, docs/serving.md#structured-output);
+    the schema is checked when the request is (``Constraint.from_response_format``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+def _only(value, allowed, what: str):
+    if value is not None and value not in allowed:
+        raise ValueError(what)
+    return value
+
+
+class _Common(Lenient):
+    """Fields both routes take."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's; vLLM takes it too
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; 1 = off
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # a Lark grammar (llguidance's dialect), not xgrammar's EBNF
+    #: vLLM's extension: the prompt tokens' log-probabilities, each with this many alternatives (not with stream)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    metasd: MetasdOptions | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v, info):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported (only an empty one is accepted)")
+        return v
+
+    def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
+        """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the
+        request's value; unset, the model's ``generation_config`` value (``defaults``: ``generation_defaults``, with
+        ``--generation-config auto``); else OpenAI's default (``SAMPLING_FALLBACKS``; a penalty left out: off)."""
+        defaults = defaults or {}
+        out: dict[str, float | int] = {}
+        for field, fallback in SAMPLING_FALLBACKS.items():
+            value = getattr(self, field)
+            value = value if value is not None else defaults.get(field, fallback)
+            if value is not None:
+                out[field] = int(value) if field == "top_k" else float(value)
+        return out
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for (at most one of ``response_format``, ``guided_json``, ``guided_regex``);
+        ``ConstraintError`` naming the field at fault."""
+        given = [name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ConstraintError(given[1], f"only one structured output per request; {given[0]} is given too")
+        if not given:
+            return None
+        if given[0] in ("guided_regex", "guided_grammar"):
+            try:
+                if given[0] == "guided_regex":
+                    return Constraint.regex(self.guided_regex)
+                return Constraint.grammar_of(self.guided_grammar)
+            except ConstraintError as e:
+                raise ConstraintError(given[0], e.reason) from None
+        if given[0] == "guided_json":
+            try:
+                return Constraint.json_schema(self.guided_json)
+            except ConstraintError as e:
+                raise ConstraintError(f"guided_json.{e.field}" if e.field != "schema" else "guided_json",
+                                      e.reason) from None
+        return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True))
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v):
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two functions share a name ({', '.join(names)})")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_its_tool(cls, v, info):
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if not names and v not in (None, "none", "auto"):
+            raise ValueError("'required' or a named function needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names {v.function.name!r}, which is not among the tools ({', '.join(names)})")
+        return v
+
+    def tool_mode(self) -> str:
+        """How this request uses its tools: ``"none"`` (no tools, or never call them: no parsing), ``"auto"`` (the
+        model may call them: its answer is parsed), ``"required"`` (it must: one or more calls, enforced) or
+        ``"named"`` (it must call the one named, enforced)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_functions(self) -> list[dict[str, Any]]:
+        """The tools as the chat template and the call grammar take them; with a named choice the grammar gets only
+        that one (``callable_functions``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def callable_functions(self) -> list[dict[str, Any]]:
+        """The functions a call may name: the named one, else every tool."""
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in functions if f["name"] == self.tool_choice.function.name]
+        return functions
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs={v} needs logprobs: true")
+        return v
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        """(alternatives per new token, per prompt token) to ask the scheduler for; None: none asked."""
+        return ((self.top_logprobs or 0) if self.logprobs else None), self.prompt_logprobs
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt(self) -> list[dict[str, Any]]:
+        return [m.rendered() for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a string (encoded as it is: no chat template), a list of one string, or
+    a list of token ids."""
+
+    prompt: Annotated[str, Field(min_length=1)] | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and (not v or (isinstance(v[0], str) and len(v) != 1)):
+            raise ValueError("one prompt per request: a string, a list of one string, or a non-empty list of token ids")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v):
+        return _only(v, (1,), f"only best_of=1 is served, got {v}")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _only(v, ("",), "suffix (insertion) is not supported")
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        """(alternatives per new token, per prompt token - for an ``echo`` with ``logprobs``, or ``prompt_logprobs``:
+        the larger) to ask the scheduler for."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return self.logprobs, max(asked, default=None)
+
+    def prompt_value(self) -> str | list[int]:
+        return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+
+
+#: OpenAI's value of a sampling field that neither the request nor the model's generation_config sets (None: the
+#: penalty is off)
+SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": None,
+                      "frequency_penalty": None, "repetition_penalty": None}
+
+
+#: the ``generation_config`` fields a server started with ``--generation-config auto`` uses as request defaults, by the
+#: request field they fill
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model) -> dict[str, float | int]:
+    """The request defaults a model's ``generation_config`` sets (only what differs from transformers' own defaults,
+    as vLLM reads it), by request field: ``{"temperature": 0.7, "top_p": 0.8, "max_tokens": 512}``."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    diff = config.to_diff_dict()
+    return {field: diff[key] for key, field in GENERATION_DEFAULTS.items() if diff.get(key) is not None}
+
+
+def accepted_fields(model: type[BaseModel]) -> list[str]:
+    """The top-level fields a route accepts (named in the error for an unknown one)."""
+    return sorted(model.model_fields)

@@ -1,0 +1,139 @@
+"""Response bodies in OpenAI's shapes: a whole completion, and the chunks of a streamed one (server-sent events).
+
+Both routes' bodies carry, beside OpenAI's fields, the extension field ``metasd``: this request's record, filtered
+by ``metasd.serve.records.served_record`` (docs/serving.md#the-metasd-extension-field).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from metasd.core.execution.logprobs import TokenLogprob
+
+from .logprobs import TokenNames, chat_content, completion_logprobs, vllm_prompt_logprobs
+from .tools import ToolCall, ToolCalls
+
+#: the scheduler's finish reasons as OpenAI names them (an EOS token is a natural stop)
+FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Completion:
+    """What one request's responses share: its id, kind (``chat`` or ``text``), creation time and model, and per
+    choice (``n`` of them) where its completions route's log-probability offsets stand."""
+
+    kind: str
+    model: str
+    prompt_tokens: int
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    #: set when the request asked for log-probabilities: names their tokens (``logprobs``)
+    names: TokenNames | None = None
+    echo: str | None = None  # completions with ``echo``: the prompt's text, sent before the completion's
+    #: completions: per choice, where its next token's text starts in the choice's text (streams included)
+    text_offsets: dict[int, int] = field(default_factory=dict)
+    #: chat with tools the model may call: how its text is read for calls (None: all content)
+    tools: ToolCalls | None = None
+    #: completions with ``echo`` and ``logprobs``: alternatives per echoed prompt token (the scheduler may have scored
+    #: more, for ``prompt_logprobs``)
+    echo_top: int | None = None
+    #: vLLM's ``prompt_logprobs`` asked: (token names, alternatives per prompt token)
+    prompt_scores: tuple[TokenNames, int] | None = None
+
+    def __post_init__(self):
+        self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def logprobs(self, scores: Sequence[TokenLogprob] | None, echoed: Sequence[TokenLogprob | None] | None = None,
+                 prompt_ids: Sequence[int] = (), index: int = 0) -> dict[str, Any] | None:
+        """Choice ``index``'s ``logprobs`` for ``scores`` (None when the request did not ask): chat's ``content`` list,
+        or the completions route's legacy object, ``echoed`` (the prompt's scores, first token unscored) first."""
+        if self.names is None:
+            return None
+        if self.kind == "chat":
+            return {"content": chat_content(self.names, scores or []), "refusal": None}
+        unscored, scored = None, list(scores or [])
+        if echoed:
+            top = self.echo_top
+            trimmed = [e if top is None else dataclasses.replace(e, top=e.top[:top]) for e in echoed[1:]]
+            unscored, scored = prompt_ids[0], [*trimmed, *scored]
+        body = completion_logprobs(self.names, scored, self.text_offsets.get(index, 0), unscored)
+        if body["tokens"]:
+            self.text_offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
+
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None,
+               prompt_scores: Sequence[TokenLogprob | None] | None = None) -> dict[str, Any]:
+        """One choice of the non-streamed response; a chat answer's tool calls (``tools``) in ``message.tool_calls``,
+        the finish reason then ``tool_calls``; with ``prompt_scores`` asked for, vLLM's ``prompt_logprobs``."""
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                message["content"], calls = self.tools.split(text)
+                if calls:
+                    message["tool_calls"] = [c.body() for c in calls]
+                    finish_reason = "tool_calls"
+            body = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.prompt_scores is not None:
+            names, top = self.prompt_scores
+            body["prompt_logprobs"] = vllm_prompt_logprobs(names, prompt_scores or [], top)
+        return body
+
+    def whole(self, choices: list[dict[str, Any]], completion_tokens: int,
+              record: dict[str, Any] | list[dict[str, Any]], cached_tokens: int = 0) -> dict[str, Any]:
+        """The non-streamed response: its ``choices`` (``choice``), the usage of them all and the ``metasd`` record
+        (with n > 1, one per choice)."""
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(completion_tokens, cached_tokens),
+                "metasd": record}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
+              record: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+              index: int = 0, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``: new text (and the ``logprobs`` of its tokens) or a chat answer's
+        ``tool_calls`` (each whole, in one chunk), or (with ``finish_reason``) the last chunk of the choice, which
+        carries its ``metasd`` record; a chat stream's first chunk of a choice names the role."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [c.body(i) for i, c in enumerate(tool_calls)]
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            body = {**self._head("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        if record is not None:
+            body["metasd"] = record
+        return body
+
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """``stream_options.include_usage``: the last chunk, with no choices."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens, cached_tokens)}
