@@ -178,6 +178,16 @@ def test_tied_lm_head_is_quantized_without_touching_the_embedding():
     assert torch.allclose(dense_weight(model.lm_head), emb, atol=0.2 * emb.abs().max())
 
 
+def test_a_tied_drafters_dense_head_copy_is_the_embedding_table_itself():
+    model = tiny_qwen(seed=3)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    quantize_model(model, "int4", prefill_copy=True, dense_rows=2)
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.gemm_dense.data_ptr() == embedding.data_ptr()  # one copy in memory, not two
+    x = torch.randn(3, embedding.shape[1])
+    assert torch.allclose(model.lm_head(x), x @ embedding.t(), atol=1e-5)  # 3 rows > 2: the dense path
+
+
 @pytest.mark.parametrize("value, match", [
     ("int5", "tiny: quantize must be one of 'none', 'int8', 'int4', got 'int5'"),
     (8, "got 8"),

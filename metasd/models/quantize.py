@@ -312,8 +312,7 @@ _crossovers: dict[tuple, int] = {}
 def dense_crossover(layer: QuantizedLinear, reps: int = 3) -> int:
     """The input rows above which ``layer``'s dense copy beats its quantized kernel on this machine. Both paths are
     timed (best of ``reps`` after a warm-up) at each of ``CROSSOVER_ROWS`` until the dense one has won at two
-    counts in a row; the answer is the last count the kernel won (0: dense from one row; the largest count where
-    the dense path never won twice). Timed once per (device, mode, group size, shape, dtype, threads) in a
+    counts in a row; the answer is the last count the kernel won (0: the dense path from one row). Timed once per (device, mode, group size, shape, dtype, threads) in a
     process: every layer of one shape shares it."""
     key = (layer.qweight.device.type, layer.mode, layer.group_size, layer.in_features, layer.out_features,
            layer.dtype, torch.get_num_threads())
@@ -387,11 +386,16 @@ def _own_memory(model: nn.Module) -> None:
     transformers may load safetensors weights as views of one memory-mapped file; while any of them
     (the embedding table) still points into it, the whole mapping - the replaced bf16 weights included -
     stays resident. Owning the survivors lets the file go, so quantizing lowers the process's memory.
+    Tensors that are one (a tied LM head's dense copy and the embedding table) stay one copy.
     """
+    copies: dict[tuple, torch.Tensor] = {}
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             if t.is_floating_point():
-                t.data = t.data.clone()
+                key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                if key not in copies:
+                    copies[key] = t.data.clone()
+                t.data = copies[key]
 
 
 def quantize_model(model: nn.Module, mode: str, *, name: str = "model", group_size: int = INT4_GROUP_SIZE,
