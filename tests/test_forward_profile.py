@@ -260,6 +260,31 @@ def test_the_budget_skips_the_counts_predicted_past_it(monkeypatch, budget, toke
     assert [n // 100 for n in p.meta["skipped"]] == skipped if skipped else "skipped" not in p.meta
 
 
+@pytest.mark.parametrize("budget, reduced, skipped", [(0.1, None, [4, 8]), (0.12, [4], [8]), (0.15, None, [8]),
+                                                      (0.18, [8], None), (0.3, None, None)])
+def test_a_count_the_budget_cannot_time_in_full_is_timed_once(monkeypatch, budget, reduced, skipped):
+    """Forwards of 10 ms + 1 ms per 100 tokens, 1 warm-up + 3 timed forwards a count: 100 and 200 tokens take 3 x 11
+    + 4 x 12 = 81 ms charged (the first warm-up is not). 400 is predicted at 14 ms: 56 ms in full (137 in all), 28
+    once after one warm-up (109); then 800 at 18 ms: 72 in full, 36 once. A count the budget cannot time in full is
+    timed once where that fits, and only skipped where not even that does."""
+    model = tiny_qwen(seed=5)
+    rec = _Recorder(model, monkeypatch)
+    rec.JITTER = (1.0,)
+    try:
+        p = profile_forward(model, (100, 200, 400, 800), rows=100, context=2, repeats=3, warmup=1,
+                            max_seconds=budget)
+    finally:
+        rec.handle.remove()
+    measured = tuple(n for n in (1, 2, 4, 8) if n not in (skipped or []))
+    assert tuple(n // 100 for n in p.tokens) == measured
+    assert [n // 100 for n in p.meta.get("reduced", [])] == (reduced or [])
+    assert [n // 100 for n in p.meta.get("skipped", [])] == (skipped or [])
+    forwards = {n: sum(c[0] == (100, n) for c in rec.calls) for n in (1, 2, 4, 8)}
+    assert forwards == {n: 2 if n in (reduced or []) else 4 if n in measured else 0 for n in (1, 2, 4, 8)}
+    assert p.seconds[:len(measured)] == pytest.approx([1e-3 * (10 + n) for n in measured])
+    assert "reduced" in p.describe() if reduced else "reduced" not in p.describe()
+
+
 def test_profile_forward_on_the_real_clock():
     """No fake clock: a tiny model whose 128-token forward is clearly dearer than its 1-token one gives a valid
     profile, and a model in training mode is put back in it."""
@@ -315,9 +340,31 @@ def test_a_count_timed_through_a_stall_is_timed_again(monkeypatch, stalled):
         rec.handle.remove()
     assert p.meta["retimed"] == [stalled] and p.describe().endswith(f"; retimed {stalled} tok")  # the server logs it
     assert p.seconds == pytest.approx([1e-3 * (10 + n / 100) for n in (1, 4, 16, 64)])
-    assert {n: seen.count(n) for n in (1, 4, 16, 64)} == {n: 4 if n == stalled else 2 for n in (1, 4, 16, 64)}
+    # a count timed again gets its warm-up again, but the first count's warm-up is the profile's uncharged first forward
+    again = {1: 1}.get(stalled, 2)
+    assert {n: seen.count(n) for n in (1, 4, 16, 64)} == {n: 2 + again if n == stalled else 2 for n in (1, 4, 16, 64)}
     clean = _Recorder(model, monkeypatch)
     try:
         assert "retimed" not in profile_forward(model, (1, 4, 16, 64), context=2, max_seconds=None).meta
     finally:
         clean.handle.remove()
+
+
+def test_the_profile_budget_benchmark_reports_what_each_fresh_process_timed(tmp_path, capsys):
+    """``benchmarks/profile_budget.py`` on a tiny saved model: one fresh process per run, each run's profile (the
+    counts it timed, its meta with the uncharged first forward) written out."""
+    from benchmark_scripts import load_script
+    from tiny import tiny_tokenizer
+
+    tiny_qwen(seed=0).save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    out = tmp_path / "runs.json"
+    assert load_script("profile_budget").main(["--model", str(tmp_path / "model"), "--dtype", "fp32", "--runs", "2",
+                                               "--budget", "30", "--counts", "1", "4", "16", "--context", "8",
+                                               "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 2 and len(capsys.readouterr().out.splitlines()) == 2
+    for run in runs:
+        profile = ForwardProfile.from_dict(run["profile"])
+        assert profile.tokens == (1, 4, 16) and "skipped" not in profile.meta
+        assert profile.meta["first_forward_s"] > 0 and run["wall_s"] > 0

@@ -165,7 +165,7 @@ class ForwardProfile:
         how = ", ".join(f"{k} {self.meta[k]}" for k in ("backend", "device", "dtype", "context", "rows")
                        if k in self.meta)
         points = ", ".join(f"{t} tok {s * 1e3:.3g} ms ({self.cost(t):.2f}x)" for t, s in zip(self.tokens, self.seconds))
-        notes = "".join(f"; {k} {', '.join(map(str, self.meta[k]))} tok" for k in ("skipped", "retimed")
+        notes = "".join(f"; {k} {', '.join(map(str, self.meta[k]))} tok" for k in ("skipped", "retimed", "reduced")
                         if self.meta.get(k))
         return f"forward profile {self.name or '?'}" + (f" ({how})" if how else "") + f": {points}{notes}"
 
@@ -209,11 +209,12 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
     Per n in increasing order: ``warmup`` untimed forwards, then ``repeats`` timed ones, the device synchronised
     before each clock read (``metasd.core.execution.clock.now``); the profile keeps their median. ``max_seconds`` bounds
     the time of these forwards: before a count (from the third on) its forwards are predicted from the line through the
-    last two medians, and if they would take the profile past the budget that count and every larger one is skipped
-    (``meta["skipped"]``) - the fit extrapolates beyond the last measured count, which is linear where forwards are
-    slow (compute-bound). A prediction, so the profile may overshoot the budget by one count's forwards (the line
-    through two memory-bound points misses the knee: the 1.5B verifier on one CPU core predicts 1.5 s for 16 tokens,
-    which take 4.3 s; ``meta["seconds_spent"]`` says what it took). None measures every count.
+    last two medians; if they would take the profile past the budget, the count is timed once after at most one
+    warm-up (``meta["reduced"]``) where that fits, else it and every larger count are skipped (``meta["skipped"]``:
+    the fit extrapolates beyond the last measured count, which is linear where forwards are slow, compute-bound).
+    A prediction, so the profile may overshoot the budget by one count's forwards (the line through two memory-bound
+    points misses the knee: the 1.5B verifier on one CPU core predicts 1.5 s for 16 tokens, which take 4.3 s;
+    ``meta["seconds_spent"]`` says what it took). None measures every count.
 
     The model is left as it was found: its own caches untouched (the profile builds its own), in training mode again
     if it was (it runs in eval mode); the ids and random cache come from a local generator seeded with ``seed``, so
@@ -256,16 +257,13 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
             crop_to(cache, context)
             return elapsed
 
-        medians, skipped, spent, retimed = _measure(counts, timed, repeats, warmup, max_seconds, device)
+        medians, spent, notes = _measure(counts, timed, repeats, warmup, max_seconds, device)
     finally:
         if was_training:
             model.train()
     meta = {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."), "context": context, "rows": rows,
-            "repeats": repeats, "warmup": warmup, "mask": mask, "prefill": prefill, "seconds_spent": round(spent, 3)}
-    if skipped:
-        meta["skipped"] = skipped
-    if retimed:
-        meta["retimed"] = retimed
+            "repeats": repeats, "warmup": warmup, "mask": mask, "prefill": prefill, "seconds_spent": round(spent, 3),
+            **notes}
     if device.type == "cpu":
         meta["threads"] = torch.get_num_threads()
     if name is None:
@@ -274,43 +272,62 @@ def profile_forward(model: PreTrainedModel, token_counts: Sequence[int] = (1, 4,
 
 
 def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int, warmup: int,
-             max_seconds: float | None, device: torch.device) -> tuple[list[float], list[int], float, list[int]]:
+             max_seconds: float | None, device: torch.device) -> tuple[list[float], float, dict[str, list[int]]]:
     """``profile_forward``'s loop over the counts: per n, ``warmup`` untimed then ``repeats`` timed calls of
     ``timed(n)`` (seconds); counts predicted to take the profile past ``max_seconds`` skipped. A count whose median
     breaks the profile's shape against the count before it, m - dearer per token than m (``s(n) / n > s(m) / m``: a
     bigger forward amortizes its fixed cost, so only a stall of the machine makes it dearer per token) or under half
     m's seconds (then m's were the stall) - is timed once more, the lower median kept: one stall while profiling
     (one seen on this VM: 16 tokens at 6.4x one token's seconds, where every other start measured 1.0-1.1x) would
-    price every wide draft of the server's life. (medians, skipped, seconds spent, counts timed again)."""
-    spent, medians, skipped, retimed = 0.0, [], [], []
+    price every wide draft of the server's life. A count whose ``warmup + repeats`` forwards are predicted past the
+    budget is timed once, after at most one warm-up, where that fits (``reduced``): one measured point prices its
+    width better than the line through two narrower ones (a 5-s profile of the 1.5B on a 2-core CPU with AMX timed 1, 4
+    and 16 tokens, flat, and priced 64 and 256 along that flat line where they cost 1.7x and 3.4x). (medians, seconds
+    spent, notes: the non-empty of ``skipped``, ``retimed`` - counts timed again - and ``reduced``, and the seconds of
+    the first warm-up forward, ``first_forward_s``, which the budget does not charge: a process's first forward pays
+    its one-off set-up - 2.1-5.9 s for the 1.5B on a CPU with AMX with its weights out of the page cache, after which
+    a 5-s budget timed 1 and 4 tokens only)."""
+    spent, medians, skipped, retimed, reduced = 0.0, [], [], [], []
 
-    def median_of(n: int) -> float:
+    def median_of(n: int, warmups: int, timings: int) -> float:
         nonlocal spent
         t0 = now(device)
-        for _ in range(warmup):
+        for _ in range(warmups):
             timed(n)
-        out = statistics.median(timed(n) for _ in range(repeats))
+        out = statistics.median(timed(n) for _ in range(timings))
         spent += now(device) - t0
         return out
 
+    calls = {n: (warmup, repeats) for n in counts}  # per count: its untimed and timed forwards
+    if warmup:  # the first warm-up, uncharged: the process's first forward pays one-off set-up (kernels, buffers)
+        t0 = now(device)
+        timed(counts[0])
+        first = now(device) - t0
+        calls[counts[0]] = (warmup - 1, repeats)
     for k, n in enumerate(counts):
         if max_seconds is not None and k >= 2:
             (n0, s0), (n1, s1) = zip(counts[k - 2: k], medians[k - 2: k])
             predicted = s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1)  # the line through the last two points
             if spent + predicted * (warmup + repeats) > max_seconds:
-                skipped = list(counts[k:])
-                break
-        medians.append(median_of(n))
+                calls[n] = (min(warmup, 1), 1)  # once, after at most one warm-up: a measured point beats the line
+                if spent + predicted * sum(calls[n]) > max_seconds:
+                    skipped = list(counts[k:])
+                    break
+                reduced.append(n)
+        medians.append(median_of(n, *calls[n]))
         if k == 0:
             continue
         m = counts[k - 1]
         if medians[k] / n > medians[k - 1] / m:  # this count stalled
             retimed.append(n)
-            medians[k] = min(medians[k], median_of(n))
+            medians[k] = min(medians[k], median_of(n, *calls[n]))
         elif medians[k] < medians[k - 1] / 2:  # the count before it stalled
             retimed.append(m)
-            medians[k - 1] = min(medians[k - 1], median_of(m))
-    return medians, skipped, spent, retimed
+            medians[k - 1] = min(medians[k - 1], median_of(m, *calls[m]))
+    notes = {"skipped": skipped, "retimed": retimed, "reduced": reduced}
+    if warmup:
+        notes["first_forward_s"] = round(first, 3)
+    return medians, spent, {k: v for k, v in notes.items() if v}
 
 
 def profile_llama_cpp(verifier, token_counts: Sequence[int] = (1, 4, 16, 64, 256), *, context: int = 256,
@@ -326,16 +343,13 @@ def profile_llama_cpp(verifier, token_counts: Sequence[int] = (1, 4, 16, 64, 256
     gen = torch.Generator().manual_seed(seed)
     verifier.prefill(torch.randint(0, verifier.vocab_size, (context,), generator=gen))
     try:
-        medians, skipped, spent, retimed = _measure(counts, verifier.timed_forward, repeats, warmup, max_seconds,
-                                                    torch.device("cpu"))
+        medians, spent, notes = _measure(counts, verifier.timed_forward, repeats, warmup, max_seconds,
+                                         torch.device("cpu"))
     finally:
         verifier.reset()
     meta = {"device": "cpu", "backend": "llama.cpp", "gguf": verifier.gguf.name, "context": context, "rows": 1,
-            "repeats": repeats, "warmup": warmup, "threads": verifier.threads, "seconds_spent": round(spent, 3)}
-    if skipped:
-        meta["skipped"] = skipped
-    if retimed:
-        meta["retimed"] = retimed
+            "repeats": repeats, "warmup": warmup, "threads": verifier.threads, "seconds_spent": round(spent, 3),
+            **notes}
     return ForwardProfile(tokens=counts[: len(medians)], seconds=tuple(medians), name=verifier.name, meta=meta)
 
 
