@@ -240,6 +240,20 @@ def test_prefilled_context_and_no_mask(monkeypatch):
     assert rec.calls == [((1, 8), None, 0), ((2, 1), None, 8), ((2, 3), None, 8)]
 
 
+def _budgeted_profile(monkeypatch, budget, repeats, warmup):
+    """A profile of counts 100-800 tokens ([100, 1-8]) under ``budget`` on the fake clock without jitter: forwards
+    of 10 ms + 1 ms per 100 tokens. (profile, recorder)."""
+    model = tiny_qwen(seed=5)
+    rec = _Recorder(model, monkeypatch)
+    rec.JITTER = (1.0,)
+    try:
+        p = profile_forward(model, (100, 200, 400, 800), rows=100, context=2, repeats=repeats, warmup=warmup,
+                            max_seconds=budget)
+    finally:
+        rec.handle.remove()
+    return p, rec
+
+
 @pytest.mark.parametrize("budget, tokens, skipped", [(0.03, (1, 2), [4, 8]), (0.036, (1, 2), [4, 8]),
                                                      (0.04, (1, 2, 4), [8]), (0.053, (1, 2, 4), [8]),
                                                      (0.06, (1, 2, 4, 8), None), (1e-9, (1, 2), [4, 8]),
@@ -248,14 +262,7 @@ def test_the_budget_skips_the_counts_predicted_past_it(monkeypatch, budget, toke
     """Forwards of 10 ms + 1 ms per 100 tokens, one timed forward per count (counts of 100-800 tokens as [100, 1-8]):
     100 and 200 tokens take 11 + 12 = 23 ms; 400 is predicted on the line through them at 14 ms (37 ms in all), and
     after it 800 at 18 ms (55 ms in all). A budget of 36 or 53 ms tells the line from the last point's time alone."""
-    model = tiny_qwen(seed=5)
-    rec = _Recorder(model, monkeypatch)
-    rec.JITTER = (1.0,)
-    try:
-        p = profile_forward(model, (100, 200, 400, 800), rows=100, context=2, repeats=1, warmup=0,
-                            max_seconds=budget)
-    finally:
-        rec.handle.remove()
+    p, _ = _budgeted_profile(monkeypatch, budget, repeats=1, warmup=0)
     assert tuple(n // 100 for n in p.tokens) == tokens  # the first two counts always run
     assert [n // 100 for n in p.meta["skipped"]] == skipped if skipped else "skipped" not in p.meta
 
@@ -267,14 +274,7 @@ def test_a_count_the_budget_cannot_time_in_full_is_timed_once(monkeypatch, budge
     + 4 x 12 = 81 ms charged (the first warm-up is not). 400 is predicted at 14 ms: 56 ms in full (137 in all), 28
     once after one warm-up (109); then 800 at 18 ms: 72 in full, 36 once. A count the budget cannot time in full is
     timed once where that fits, and only skipped where not even that does."""
-    model = tiny_qwen(seed=5)
-    rec = _Recorder(model, monkeypatch)
-    rec.JITTER = (1.0,)
-    try:
-        p = profile_forward(model, (100, 200, 400, 800), rows=100, context=2, repeats=3, warmup=1,
-                            max_seconds=budget)
-    finally:
-        rec.handle.remove()
+    p, rec = _budgeted_profile(monkeypatch, budget, repeats=3, warmup=1)
     measured = tuple(n for n in (1, 2, 4, 8) if n not in (skipped or []))
     assert tuple(n // 100 for n in p.tokens) == measured
     assert [n // 100 for n in p.meta.get("reduced", [])] == (reduced or [])
