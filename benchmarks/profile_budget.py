@@ -23,8 +23,7 @@ import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[4]))
 from metasd.config.build import ModelCache
 from metasd.core.pricing.forward_profile import profile_forward
-loaded = ModelCache("cpu").load(sys.argv[1], sys.argv[2])
-model = loaded[0] if isinstance(loaded, tuple) else loaded
+model, _ = ModelCache("cpu").load(sys.argv[1], sys.argv[2])  # (model, tokenizer), as the server loads its verifier
 t = time.perf_counter()
 p = profile_forward(model, json.loads(sys.argv[5]), context=int(sys.argv[6]), max_seconds=float(sys.argv[3]))
 print(json.dumps({"wall_s": round(time.perf_counter() - t, 3), "describe": p.describe(), "profile": p.to_dict()}))

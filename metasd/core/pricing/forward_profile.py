@@ -309,10 +309,11 @@ def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int,
             (n0, s0), (n1, s1) = zip(counts[k - 2: k], medians[k - 2: k])
             predicted = s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1)  # the line through the last two points
             if spent + predicted * (warmup + repeats) > max_seconds:
-                calls[n] = (min(warmup, 1), 1)  # once, after at most one warm-up: a measured point beats the line
-                if spent + predicted * sum(calls[n]) > max_seconds:
+                once = (min(warmup, 1), 1)  # once, after at most one warm-up: a measured point beats the line
+                if spent + predicted * sum(once) > max_seconds:
                     skipped = list(counts[k:])
                     break
+                calls[n] = once
                 reduced.append(n)
         medians.append(median_of(n, *calls[n]))
         if k == 0:
