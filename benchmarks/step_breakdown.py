@@ -33,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import load_prompts  # noqa: E402
+from serve_load import load_prompts, requests_for  # noqa: E402
 
 PHASES = ("prefill", "draft", "verify")
 
@@ -70,16 +70,29 @@ class PhaseTimer:
 
 
 def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_tokens: int, speculate: bool,
-              first: int = 0) -> dict:
+              first: int = 0, n: int | None = None) -> dict:
     """Submit ``c`` requests at once (prompts in turn from index ``first``), wait for all; the level's breakdown as
-    a dict."""
+    a dict. With ``n`` (> c): ``n`` requests with exactly ``c`` in flight, a request sent when one finishes - the shape
+    of a ``serve_load.py`` level (prompts from index ``first``) - and each request's send and end times in the row."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from metasd.core.batching.request_handle import RequestOptions
 
+    n = c if n is None else n
     timer.take()
     t0 = time.perf_counter()
-    handles = [scheduler.submit(prompts[(first + i) % len(prompts)], max_tokens, chat=True,
-                                options=RequestOptions(speculate=speculate)) for i in range(c)]
-    results = [h.result(timeout=3600) for h in handles]
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+
+    def one(i: int):
+        sent = time.perf_counter() - t0
+        handle = scheduler.submit(prompts[(first + i) % len(prompts)], max_tokens, chat=True,
+                                  options=RequestOptions(speculate=speculate))
+        result = handle.result(timeout=3600)
+        spans[i] = (sent, time.perf_counter() - t0)
+        return result
+
+    with ThreadPoolExecutor(max_workers=c) as pool:  # c workers: exactly c requests in flight until n are sent
+        results = list(pool.map(one, range(n)))
     wall = time.perf_counter() - t0
     phases, steps = timer.take()
     decode = [s for s in steps if s.batch_size > 0]
@@ -88,7 +101,7 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
     widths = collections.Counter(s.adaptive.width for s in decode if s.adaptive is not None)
     adaptive = scheduler.adaptive
     return {
-        "concurrency": c, "requests": c, "tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+        "concurrency": c, "requests": n, "tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
         "steps": len(decode), "prefill_only_steps": len(steps) - len(decode),
         **{f"{p}_s": phases[p] for p in PHASES}, "other_s": max(wall - sum(phases.values()), 0.0),
         "mean_forward_tokens": statistics.fmean(s.forward_tokens for s in decode) if decode else 0.0,
@@ -102,6 +115,11 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
         "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,
         "calibration": calibration(decode, getattr(adaptive, "unit_seconds", None)),
+        # per request, in send order: its prompt's index, seconds from the level's start to its send and its end,
+        # tokens and steps (the level's wall time is its last end)
+        "request_spans": [{"prompt": (first + i) % len(prompts), "sent_s": round(a, 3), "end_s": round(b, 3),
+                           "tokens": len(r.token_ids), "steps": r.stats.steps}
+                          for i, ((a, b), r) in enumerate(zip(spans, results))],
     }
 
 
@@ -196,14 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--cost-profile", help="a saved ForwardProfile JSON instead of profiling (as metasd serve's)")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--requests-per-c", type=int, metavar="K",
+                   help="serve_load.py's level shape: whole passes over the prompts making at least K x c requests, "
+                        "c in flight, every level from the first prompt (default: c requests at once, the prompts "
+                        "going round across levels)")
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="N requests of 8 tokens ('Say hi.', serve_load.py's warm-up) before the first level, untimed")
     p.add_argument("--trace", help="write one JSON line per step here: the allocation (width, nodes, expected "
                    "goodput per width), what each request drafted, accepted and committed, and for an adaptive pool "
                    "the acceptance curves and drafting prices after the step")
     args = p.parse_args(argv)
-    if any(c < 1 for c in args.concurrency) or args.max_tokens < 1:
-        p.error("--concurrency and --max-tokens must be >= 1")
+    if any(c < 1 for c in args.concurrency) or args.max_tokens < 1 or (args.requests_per_c or 1) < 1:
+        p.error("--concurrency, --max-tokens and --requests-per-c must be >= 1")
 
     from metasd.serve.cli import PoolEngine, SchedulerSettings, read_cost_profile
 
@@ -226,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         timer.take()
         sent = 0  # the prompts go round across levels: level after level, every prompt gets its turn
         for c in args.concurrency:
-            rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off, first=sent))
+            if args.requests_per_c:  # as serve_load.py: n requests through c slots, from the first prompt
+                n = requests_for(c, len(prompts), None, args.requests_per_c)
+                rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off, first=0, n=n))
+            else:
+                rows.append(run_level(scheduler, timer, prompts, c, args.max_tokens, not args.off, first=sent))
             sent += c
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
                   flush=True)

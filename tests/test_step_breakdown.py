@@ -46,6 +46,24 @@ def test_the_levels_account_for_their_time_and_an_adaptive_pool_reports_its_pric
     assert "| 3 |" in capsys.readouterr().out
 
 
+def test_a_level_of_more_requests_than_slots_keeps_c_in_flight_as_serve_load_does(tmp_path, questions):
+    script = load_script("step_breakdown")
+    pool = write_tiny_pool(tmp_path)
+    out = tmp_path / "slots.json"
+    # 3 prompts, --requests-per-c 2: 6 requests at c=2 (whole passes making >= 4), at most 2 in flight
+    assert script.main(["--pool", str(pool), "--questions", str(questions), "--concurrency", "2",
+                        "--max-tokens", "4", "--requests-per-c", "2", "--per-group", "3", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    spans = row["request_spans"]
+    assert row["requests"] == 6 and [s["prompt"] for s in spans] == [0, 1, 2, 0, 1, 2]
+    assert row["tokens"] == sum(s["tokens"] for s in spans) == 24 and all(s["steps"] >= 1 for s in spans)
+    for s in spans:  # when each request was sent, the others in flight were fewer than 2
+        in_flight = sum(o["sent_s"] <= s["sent_s"] < o["end_s"] for o in spans if o is not s)
+        assert in_flight <= 1 and s["sent_s"] <= s["end_s"] <= row["wall_s"]
+    assert all(s["sent_s"] < 0.5 for s in spans[:2])  # the first two at once
+    assert max(s["end_s"] for s in spans) == pytest.approx(row["wall_s"], abs=0.5)
+
+
 def test_speculation_off_drafts_nothing(tmp_path, questions):
     script = load_script("step_breakdown")
     pool = write_tiny_pool(tmp_path)
