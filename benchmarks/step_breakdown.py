@@ -117,7 +117,7 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         "calibration": calibration(decode, getattr(adaptive, "unit_seconds", None)),
         # per request, in send order: its prompt's index, seconds from the level's start to its send and its end,
         # tokens and steps (the level's wall time is its last end)
-        "request_spans": [{"prompt": (first + i) % len(prompts), "sent_s": round(a, 3), "end_s": round(b, 3),
+        "request_spans": [{"prompt": (first + i) % len(prompts), "sent_s": a, "end_s": b,
                            "tokens": len(r.token_ids), "steps": r.stats.steps}
                           for i, ((a, b), r) in enumerate(zip(spans, results))],
     }
