@@ -187,6 +187,26 @@ def fake_syncs(taus: list[int], trees: list[str]) -> dict:
     return out
 
 
+def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, py: str) -> dict:
+    """The default pool trace-replayed (issue "metasd at GPU speed", item 6 (e)): acceptance recorded on a CPU with
+    the real models, every forward at the real shapes on random weights, against metasd with no drafter; the replay
+    writes its rows as they come, so a run cut at its time keeps the repeats it finished (``summary``)."""
+    sys.path.insert(0, str(HERE))
+    from trace_replay import summary
+
+    shapes = (["--verifier-shape", "tiny", "--drafter-shape", "tiny", "--dtype", "fp32", "--repeats", "1"] if quick
+              else ["--verifier-shape", "1.5b", "--drafter-shape", "0.5b", "--repeats", "3"])
+    target = out_dir / "trace_replay.json"
+    run = check.run("trace_replay", [py, str(HERE / "trace_replay.py"), "replay", "--trace", str(TRACE), "--pool",
+                                     "configs/default.yaml", "--per-group", "1", *shapes, "--device", device,
+                                     "--out", str(target)],
+                    check.left() - (0 if quick else 60), {"PYTHONUNBUFFERED": "1"})
+    figures = json.loads(target.read_text()) if target.exists() else None
+    if figures and "summary" not in figures:
+        figures["summary"] = summary(figures.get("rows", []))  # cut short: the repeats it finished
+    return {**run, "figures": figures}
+
+
 def pytest_summary(run: dict) -> dict:
     tail = run.get("tail", "")
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped|deselected)", tail)}
@@ -197,7 +217,9 @@ def pytest_summary(run: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- main
 
 SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "overhead_trees",
-            "conformance_sampling")
+            "trace_replay", "conformance_sampling")
+#: the trace the trace_replay section replays (recorded on a CPU with the real models: benchmarks/trace_replay.py)
+TRACE = ROOT / "benchmarks" / "results" / "trace_default.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                  "8b": ["--shapes", "8b", "--taus", *map(str, taus), *rows, *graphs, *common],
                  "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, *common]}
         plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
-    reserve = 0 if args.quick else 60  # for the sampling tests after
+    replay = "trace_replay" in wanted and TRACE.exists()
+    reserve = 0 if args.quick else 60 + 150 * replay  # for the trace replay and the sampling tests after
     for i, (shape, plan) in enumerate(plans.items()):
         target = out_dir / f"gpu_overhead_{shape}.json"
         run = check.run(f"overhead_{shape}", [py, str(HERE / "gpu_overhead.py"), *plan, "--device", device,
@@ -286,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         overhead[shape] = {**run, "figures": figures}
         check.record("overhead", overhead)
         ok &= run["exit"] == 0
+
+    if "trace_replay" in wanted:
+        check.record("trace_replay", replay_section(check, args.quick, device, out_dir, py) if replay else
+                     {"skipped": f"no trace at {TRACE.relative_to(ROOT)}"})
+        ok &= not replay or check.results["sections"]["trace_replay"].get("exit") == 0
 
     if fake is not None:
         try:

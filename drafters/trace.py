@@ -1,0 +1,402 @@
+"""Trace-replayed acceptance: a pool's real acceptance, recorded on one machine, replayed at real forward shapes on
+another (a GPU that the real weights cannot reach).
+
+Recording (``record_arm``, greedy only): for every position ``p`` of the verifier's greedy continuation R of a
+prompt, the arm (any drafter: a chain, a tree, a lookup, a cascade) drafts from ``prompt + R[:p]`` as it would in a
+step, unbounded (``max_nodes`` None, ``max_depth`` to R's end). Kept per position, and nothing else (no token id):
+
+- the draft's shape (``parents``) and which nodes lie on R (``on_path``: the node's path is R's next tokens);
+- the model forwards it ran (``feeds``): the catch-up forward, then for each drafting forward its rows, each row the
+  draft node it fed (-1: a node fed and not kept in the draft) and its parent row (-1: a child of the root).
+
+Replay (``TraceDrafter``) runs on a verifier with other (random) weights whose own greedy continuation G of the
+replayed prompt is known: a node on R's path becomes G's token at its depth, every other node a token that is not
+(siblings distinct), so the verifier accepts exactly what the real verifier accepted from the real draft, commits G,
+and every step commits as many tokens as the recorded pool's would at that position. The drafter's forwards run
+through a real drafter model (random weights, the real shape) at the recorded shapes: the catch-up forward over the
+committed tokens the drafter's cache lacks (counted live, as the real drafter counts them), then each drafting
+forward's rows with the tree's ancestor mask; after the step the accepted nodes that were fed stay in the cache
+(the real chain and tree drafters keep them too). So whatever arm, budget or load a live policy chooses, acceptance
+is the recorded pool's and the cost is the device's.
+
+What it leaves out, and says where it appears: a budget (``ctx.max_nodes``) or a depth cut near a request's end cuts
+the recorded draft (``Draft.first``, ``Draft.truncated``) and feeds only the rows of the nodes kept - the real tree
+drafter may expand a few nodes more or fewer there; the drafting Python is this module's, not the real drafter's
+(its host time differs); drafters whose draft depends on more than the text (``adaptive_k``, verifier hidden
+states) are recorded as they draft from their first state, and those that read hidden states are refused.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from metasd.core.decoding.drafter import Drafter, StepContext, StepFeedback, drafting_loop
+from metasd.core.decoding.sampling import SamplingParams
+from metasd.core.execution.draft_batch import Drafting, Feed, drive, run_feed
+from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
+from metasd.core.execution.static_cache import new_cache
+from metasd.core.execution.tree import Draft
+
+FORMAT = 1
+
+
+class TraceMiss(RuntimeError):
+    """A replay asked for what the trace does not hold: another prompt, a position past its end, or a continuation
+    shorter than a draft's depth."""
+
+
+@dataclass
+class TraceStep:
+    """One position of one arm: its unbounded draft's shape, which nodes are on the verifier's path, and its
+    forwards. feeds: ``{"catch_up": True}`` or ``{"model": i, "masked": bool, "rows": [[node, parent_row], ...]}``
+    (rows numbered in feeding order over the step; node -1: fed, not kept in the draft)."""
+
+    parents: list[int]
+    on_path: list[bool]
+    feeds: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"parents": self.parents, "on_path": "".join("1" if b else "0" for b in self.on_path),
+                "feeds": self.feeds}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TraceStep":
+        return cls(list(d["parents"]), [c == "1" for c in d["on_path"]], list(d["feeds"]))
+
+    def accepted(self) -> int:
+        """The depth the verifier accepts of this draft (its deepest node on the path)."""
+        depth, best = [], 0
+        for p, on in zip(self.parents, self.on_path):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            if on:
+                best = max(best, depth[-1])
+        return best
+
+
+@dataclass
+class PromptTrace:
+    """One prompt: its length, the length of the continuation it was recorded over, each arm's steps (index =
+    tokens generated before the step) and, for a replay, the replaying verifier's prompt ids and greedy continuation
+    (``replay_on``)."""
+
+    name: str
+    prompt_len: int
+    recorded_len: int
+    arms: dict[str, list[TraceStep]]
+    prompt_ids: list[int] | None = None
+    continuation: list[int] | None = None
+
+    def replay_on(self, prompt_ids: Sequence[int], continuation: Sequence[int]) -> None:
+        if len(prompt_ids) != self.prompt_len:
+            raise ValueError(f"trace {self.name!r}: replay prompt has {len(prompt_ids)} tokens, the recorded one "
+                             f"{self.prompt_len}")
+        self.prompt_ids, self.continuation = list(prompt_ids), list(continuation)
+
+
+class Trace:
+    """Prompt traces, saved as one JSON file (no token ids of the recorded text: shapes and acceptance only)."""
+
+    def __init__(self, prompts: list[PromptTrace], meta: dict[str, Any] | None = None):
+        self.prompts, self.meta = prompts, dict(meta or {})
+
+    def save(self, path: str | Path) -> None:
+        body = {"format": FORMAT, "meta": self.meta, "prompts": [
+            {"name": p.name, "prompt_len": p.prompt_len, "recorded_len": p.recorded_len,
+             "arms": {a: [s.to_json() for s in steps] for a, steps in p.arms.items()}} for p in self.prompts]}
+        Path(path).write_text(json.dumps(body, separators=(",", ":")))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        body = json.loads(Path(path).read_text())
+        if body.get("format") != FORMAT:
+            raise ValueError(f"{path}: trace format {body.get('format')!r}, this metasd reads {FORMAT}")
+        return cls([PromptTrace(p["name"], p["prompt_len"], p["recorded_len"],
+                                {a: [TraceStep.from_json(s) for s in steps] for a, steps in p["arms"].items()})
+                    for p in body["prompts"]], body.get("meta"))
+
+    def for_prompt(self, prompt_ids: Sequence[int]) -> PromptTrace:
+        """The trace replayed on ``prompt_ids`` (``PromptTrace.replay_on``)."""
+        ids = list(prompt_ids)
+        for p in self.prompts:
+            if p.prompt_ids == ids:
+                return p
+        raise TraceMiss(f"no trace is replayed on this prompt ({len(ids)} tokens): call replay_on first")
+
+
+# ---------------------------------------------------------------- recording
+def record_arm(drafter: Drafter, prompt_ids: Sequence[int], continuation: Sequence[int], positions: int
+               ) -> list[TraceStep]:
+    """``drafter``'s drafts and forwards at positions 0 .. positions - 1 of ``continuation`` (the verifier's greedy
+    tokens after ``prompt_ids``, longer than ``positions`` by the deepest draft the arm may make)."""
+    if positions > len(continuation):
+        raise ValueError(f"{drafter.name}: {positions} positions asked, the continuation has {len(continuation)}")
+    prompt, R = list(prompt_ids), list(continuation)
+    greedy = SamplingParams(temperature=0.0)
+    steps: list[TraceStep] = []
+    drafter.begin(StepContext(torch.tensor(prompt), len(prompt), len(R), greedy))
+    try:
+        for p in range(positions):
+            tokens = prompt + R[:p]
+            ctx = StepContext(torch.tensor(tokens), len(prompt), len(R) - p, greedy, step=p,
+                              request={"max_new_tokens": len(R)})
+            feeds: list[dict] = []
+            draft = _drive_recording(drafting_loop(drafter, ctx), len(tokens), feeds, drafter.name)
+            steps.append(_step_of(draft, R[p:], feeds))
+    finally:
+        drafter.end()
+    return steps
+
+
+def _drive_recording(loop: Drafting, base: int, out: list[dict], name: str) -> Draft:
+    """Run a drafting loop alone, describing each forward in ``out``: its rows mapped onto the draft's nodes by
+    their paths (a row's path: its token after its parent rows')."""
+    models: list[nn.Module] = []
+    fed: dict[tuple[int, int], tuple[int, int]] = {}  # (model, slot - base) -> (token, parent row)
+    try:
+        feed = next(loop)
+        while True:
+            if not isinstance(feed, Feed) or feed.head is not None or feed.steer is not None:
+                raise ValueError(f"{name}: a trace records plain model forwards (Feed without a draft head or "
+                                 f"steering); this arm runs {type(feed).__name__}")
+            if feed.model not in models:
+                models.append(feed.model)
+            m = models.index(feed.model)
+            L, q = cache_length(feed.cache), feed.length
+            ids = feed.ids.tolist() if isinstance(feed.ids, torch.Tensor) else list(feed.ids)
+            if L + q <= base:
+                if L + q != base:
+                    raise ValueError(f"{name}: a catch-up forward that stops short of the pending token")
+                out.append({"catch_up": True, "model": m})
+            else:
+                if L < base:
+                    raise ValueError(f"{name}: a forward that feeds committed and draft tokens together")
+                rows = []
+                for j in range(q):
+                    row = L - base + j
+                    if feed.mask is None:
+                        parent = row - 1
+                    else:
+                        seen = [c - base for c in range(base, L + j) if bool(feed.mask[j, c])]
+                        parent = max(seen) if seen else -1
+                    fed[(m, row)] = (ids[j], parent)
+                    rows.append([row, parent])
+                out.append({"model": m, "masked": feed.mask is not None, "rows": rows})
+            feed = loop.send(run_feed(feed))
+    except StopIteration as done:
+        draft = done.value
+    paths = {_path(fed, m, r): (m, r) for m, r in fed}
+    node_of_row = {}
+    for i in range(len(draft)):
+        at = paths.get(_draft_path(draft, i))
+        if at is not None:
+            node_of_row.setdefault(at, i)
+    for f in out:
+        if "rows" in f:
+            f["rows"] = [[node_of_row.get((f["model"], row), -1), parent] for row, parent in f["rows"]]
+    return draft
+
+
+def _path(fed: dict[tuple[int, int], tuple[int, int]], m: int, row: int) -> tuple[int, ...]:
+    path = []
+    while row >= 0:
+        token, row = fed[(m, row)]
+        path.append(token)
+    return tuple(reversed(path))
+def _draft_path(draft: Draft, i: int) -> tuple[int, ...]:
+    path, parents, tokens = [], draft.parents.tolist(), draft.tokens.tolist()
+    while i >= 0:
+        path.append(tokens[i])
+        i = parents[i]
+    return tuple(reversed(path))
+
+
+def _depths(parents: Sequence[int]) -> list[int]:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def _step_of(draft: Draft, rest: list[int], feeds: list[dict]) -> TraceStep:
+    parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
+    on: list[bool] = []
+    depth: list[int] = []
+    for i, (p, t) in enumerate(zip(parents, tokens)):
+        depth.append(1 if p < 0 else depth[p] + 1)
+        d = depth[-1]
+        on.append((p < 0 or on[p]) and d <= len(rest) and t == rest[d - 1])
+    return TraceStep(parents, on, feeds)
+
+
+# ---------------------------------------------------------------- replay
+class TraceDrafter(Drafter):
+    """Replays one arm of a ``Trace``: its recorded drafts relabelled onto the replaying verifier's continuation, its
+    recorded forwards run through ``models`` (one per model the arm drafted with; none for a lookup arm) at their
+    real shapes. Greedy requests only; built in code (``benchmarks/trace_replay.py``), not from a pool file."""
+
+    kind = "trace"
+
+    def __init__(self, trace: Trace, arm: str, models: Sequence[nn.Module] = (), vocab: int | None = None,
+                 name: str | None = None, lookup: bool | None = None):
+        super().__init__(name or arm)
+        self.trace, self.arm, self.models = trace, arm, list(models)
+        self.vocab = vocab or (int(self.models[0].config.vocab_size) if self.models else None)
+        if self.vocab is None:
+            raise ValueError(f"{self.name}: give the verifier's vocab size (a lookup arm has no model to read it from)")
+        self.lookup = (not self.models) if lookup is None else lookup
+        self._prompt: PromptTrace | None = None
+        self._caches: list = []
+        self._cached: list[int] = []  # committed tokens in each model's cache
+        #: the last draft, its base (committed length) and node -> (model, slot - base) of the nodes fed
+        self._pending: tuple[Draft, int, dict[int, tuple[int, int]]] | None = None
+
+    def begin(self, ctx: StepContext) -> None:
+        self._prompt = self.trace.for_prompt(ctx.tokens[: ctx.prompt_len].tolist())
+        if self.arm not in self._prompt.arms:
+            raise TraceMiss(f"{self.name}: trace {self._prompt.name!r} has no arm {self.arm!r} "
+                            f"(it has {sorted(self._prompt.arms)})")
+        self._caches = [new_cache(m, name=self.name) for m in self.models]
+        self._cached = [0] * len(self.models)
+        self._pending = None
+
+    def end(self) -> None:
+        self._caches, self._cached, self._pending, self._prompt = [], [], None, None
+
+    def _forked(self, cross_request: bool) -> None:
+        self._caches, self._cached, self._pending, self._prompt = [], [], None, None
+
+    @torch.inference_mode()
+    def propose(self, ctx: StepContext) -> Draft:
+        return drive(self.drafting(ctx))
+
+    def drafting(self, ctx: StepContext) -> Drafting:
+        if not ctx.sampling.greedy:
+            raise ValueError(f"{self.name}: a trace replays greedy requests only")
+        with torch.inference_mode():
+            return (yield from self._replay(ctx))
+
+    def _replay(self, ctx: StepContext) -> Drafting:
+        prompt = self._prompt
+        if prompt is None:
+            raise TraceMiss(f"{self.name}: propose before begin")
+        p = len(ctx.tokens) - ctx.prompt_len
+        steps = prompt.arms[self.arm]
+        if p >= len(steps):
+            raise TraceMiss(f"{self.name}: trace {prompt.name!r} holds {len(steps)} positions, the request is at {p}")
+        step = steps[p]
+        if ctx.max_depth <= 0 or ctx.max_nodes == 0:
+            return Draft.empty()
+        depths = _depths(step.parents)
+        keep = [i for i, d in enumerate(depths) if d <= ctx.max_depth][: ctx.max_nodes]
+        cut = len(keep) < len(depths)
+        index = {old: new for new, old in enumerate(keep)}  # recorded node -> node of the draft
+        draft = self._relabelled(step, p, keep, index, depths)
+        base, slots, catch_up = len(ctx.tokens), {}, 0
+        tokens = ctx.tokens.tolist()
+        seen = [0] * len(self.models)  # recorded rows met per model (numbered as recorded, cut rows included)
+        fed = [0] * len(self.models)  # rows fed per model this step (the cache slots after base)
+        parent_of: dict[tuple[int, int], int] = {}
+        slot_of: dict[tuple[int, int], int] = {}  # (model, recorded row) -> slot - base, for the rows fed
+        for f in step.feeds:
+            m = f["model"]
+            if f.get("catch_up"):
+                catch_up = max(catch_up, (yield from self._catch_up(m, tokens)))
+                continue
+            rows = []
+            for node, parent in f["rows"]:
+                row, seen[m] = seen[m], seen[m] + 1
+                parent_of[(m, row)] = parent
+                node = node if not cut or node < 0 else index.get(node, -2)
+                if (node >= -1 if not cut else node >= 0 and depths[keep[node]] < ctx.max_depth) and (
+                        parent < 0 or (m, parent) in slot_of):
+                    slot_of[(m, row)] = fed[m] + len(rows)
+                    rows.append((row, node))
+            if not rows:
+                continue
+            fed[m] += len(rows)
+            yield self._feed(m, f["masked"], rows, parent_of, slot_of, draft, base, slots)
+        self._pending = (draft, base, slots)
+        draft.catch_up = catch_up
+        return draft
+
+    def _catch_up(self, m: int, tokens: list[int]) -> Drafting:
+        """The committed tokens model ``m``'s cache lacks (the pending one at least), fed as the real drafters do;
+        returns how many beyond the pending one."""
+        cache = self._caches[m]
+        keep = min(self._cached[m], len(tokens) - 1, cache_length(cache))
+        crop_to(cache, keep)
+        ids = tokens[keep:]
+        yield Feed(self.models[m], None, cache, ids, last_only=True)
+        self._cached[m] = len(tokens)
+        return len(ids) - 1
+
+    def _feed(self, m: int, masked: bool, rows: list[tuple[int, int]], parent_of: dict, slot_of: dict,
+              draft: Draft, base: int, slots: dict[int, tuple[int, int]]) -> Feed:
+        """One drafting forward of model ``m`` over ``rows`` ([(recorded row, node)]): the ancestor mask over the
+        committed positions and the fed ancestors' slots, positions committed length - 1 + depth."""
+        cache = self._caches[m]
+        L, q = cache_length(cache), len(rows)
+        mask = torch.zeros(q, L + q, dtype=torch.bool)  # [q, L + q], True = attend
+        mask[:, :base] = True
+        ids, positions = [], []
+        for j, (row, node) in enumerate(rows):
+            depth, anc = 1, parent_of[(m, row)]
+            while anc >= 0:
+                mask[j, base + slot_of[(m, anc)]] = True
+                depth, anc = depth + 1, parent_of[(m, anc)]
+            mask[j, L + j] = True
+            positions.append(base - 1 + depth)
+            ids.append(int(draft.tokens[node]) if 0 <= node < len(draft) else 0)
+            if node >= 0:
+                slots[node] = (m, slot_of[(m, row)])
+        if not masked:  # a chain: causal over the cache, which holds its ancestors in order
+            return Feed(self.models[m], None, cache, ids)
+        return Feed(self.models[m], None, cache, ids, mask=mask, positions=torch.tensor(positions))
+
+    def _relabelled(self, step: TraceStep, p: int, keep: list[int], index: dict[int, int], depths: list[int]
+                    ) -> Draft:
+        """Recorded nodes ``keep`` in the replaying verifier's tokens: on-path nodes G's token at their depth, the
+        others a token that is not (distinct among siblings)."""
+        G = self._prompt.continuation
+        if G is None:
+            raise TraceMiss(f"{self.name}: trace {self._prompt.name!r} has no replay continuation (replay_on)")
+        tokens, parents, off = [], [], {}
+        for i in keep:
+            at, parent = p + depths[i] - 1, step.parents[i]
+            if at >= len(G):
+                raise TraceMiss(f"{self.name}: trace {self._prompt.name!r}: a draft {depths[i]} deep at position {p} "
+                                f"needs {at + 1} continuation tokens, the replay has {len(G)}")
+            if step.on_path[i]:
+                tokens.append(G[at])
+            else:
+                k = off[parent] = off.get(parent, 0) + 1
+                tokens.append((G[at] + k) % self.vocab)
+            parents.append(index[parent] if parent >= 0 else -1)
+        return Draft(tokens, parents, meta={"trace": self.arm})
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Keep the accepted nodes that were fed, after the committed tokens (as the chain and tree drafters do)."""
+        pending, self._pending = self._pending, None
+        if pending is None or not self.models:
+            return
+        draft, base, slots = pending
+        for m, cache in enumerate(self._caches):
+            if cache_length(cache) <= base or feedback.draft is not draft:
+                crop_to(cache, min(self._cached[m], cache_length(cache)))
+                continue
+            keep: list[int] = []
+            for node in feedback.acceptance.path:
+                at = slots.get(node)
+                if at is None or at[0] != m:
+                    break
+                keep.append(at[1])
+            keep_positions(cache, base, torch.tensor(keep, dtype=torch.long))
+            self._cached[m] = base + len(keep)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "arm": self.arm, "models": len(self.models)}
