@@ -370,6 +370,12 @@ def _summary(results: dict) -> dict:
                     + ", syncs/step "
                     + (f"cuda {gpu_syncs:.2f}" if gpu_syncs is not None else "cuda -")
                     + (f", fake {fake_row['per_step']:.2f}" if fake_row else ""))
+    replay = (s.get("trace_replay", {}).get("figures") or {}).get("summary", {})
+    for prompts, by_method in replay.items():
+        for method, fig in by_method.items() if isinstance(by_method, dict) else ():
+            lines.append(f"trace-replayed, {prompts}: {method}: {fig['ratio_median']:.2f}x "
+                         f"[{fig['ratio_range'][0]:.2f}, {fig['ratio_range'][1]:.2f}] metasd with no drafter over "
+                         f"{replay['repeats']} repeats" + ("" if fig["identical"] else " (an output LEFT its recording)"))
     return {"ok": results.get("ok"), "rows": lines,
             "tests": {k: s[k].get("counts") for k in ("conformance_greedy", "conformance_sampling") if k in s},
             "kernels_ok": s.get("kernels", {}).get("ok")}

@@ -131,10 +131,11 @@ def replay_arms(config, trace: Trace, models: list, vocab: int) -> list:
     return arms
 
 
-def replay_rows(trace: Trace, config, verifier_model, drafter_model, repeats: int, graphs: str, device,
+def replay_rows(trace: Trace, pools: dict, verifier_model, drafter_model, repeats: int, graphs: str, device,
                 save=lambda rows: None) -> list[dict]:
-    """Time the trace-replayed pool against metasd with no drafter on every prompt, ``repeats`` times, the order of the
-    two rotated; each row one call (synchronised), its output checked against the recorded continuation."""
+    """Time each trace-replayed pool (``pools``: name -> pool config; method ``trace-replayed <name>``) and metasd with
+    no drafter on every prompt, ``repeats`` times, the order of the methods rotated; each row one call (synchronised),
+    its output checked against the recorded continuation."""
     from gpu_overhead import record
 
     vocab = int(verifier_model.config.vocab_size)
@@ -146,14 +147,14 @@ def replay_rows(trace: Trace, config, verifier_model, drafter_model, repeats: in
         G, margins = record(verifier_model, torch.tensor([ids], device=device), p.recorded_len + margin)
         p.replay_on(ids, G)
         prompts.append((p, ids, margins))
-    arms = replay_arms(config, trace, [drafter_model] if drafter_model is not None else [], vocab)
-    policy = make_policy_from_config(config.policy, len(arms)) if len(arms) > 1 else None
-    methods = {
-        "metasd, no drafter": Engine(Verifier(verifier_model, graphs=graphs), [], check_tokenizers=False),
-        "metasd, trace-replayed pool": Engine(Verifier(verifier_model, graphs=graphs), arms, policy,
-                                              granularity=config.granularity, reward=config.reward,
-                                              check_tokenizers=False),
-    }
+    models = [drafter_model] if drafter_model is not None else []
+    methods = {"metasd, no drafter": Engine(Verifier(verifier_model, graphs=graphs), [], check_tokenizers=False)}
+    for name, config in pools.items():
+        arms = replay_arms(config, trace, models, vocab)
+        policy = make_policy_from_config(config.policy, len(arms)) if len(arms) > 1 else None
+        methods[f"trace-replayed {name}"] = Engine(Verifier(verifier_model, graphs=graphs), arms, policy,
+                                                   granularity=config.granularity, reward=config.reward,
+                                                   check_tokenizers=False)
     warm = prompts[0]
     for engine in methods.values():  # untimed: first calls allocate, tune kernels and capture graphs
         engine.generate(warm[1], max_new_tokens=min(8, warm[0].recorded_len))
@@ -222,26 +223,29 @@ def replay_main(args) -> int:
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     torch.set_num_threads(args.threads)
-    trace, config = Trace.load(args.trace), read_pool_config(args.pool)
+    trace = Trace.load(args.trace)
+    pools = {Path(p).stem: read_pool_config(p) for p in args.pool or ["configs/default.yaml"]}
     if args.per_group:
         trace.prompts = first_per_group(trace.prompts, args.per_group)
     verifier = build(args.verifier_shape, device, dtype)
     drafter = build(args.drafter_shape, device, dtype, seed=2, perm_seed=3) if args.drafter_shape else None
-    quantize = {d.quantize for d in config.drafters if d.model and d.quantize}
+    quantize = {d.quantize for c in pools.values() for d in c.drafters if d.model and d.quantize}
+    if len(quantize) > 1:
+        raise SystemExit(f"error: the pools quantize their drafter differently ({sorted(quantize)}): one at a time")
     if drafter is not None and quantize:
         from metasd.models.quantize import quantize_model
 
         drafter = quantize_model(copy.deepcopy(drafter), quantize.pop(), name="drafter")
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-              "label": "trace-replayed", "trace": args.trace, "trace_meta": trace.meta, "pool": args.pool}
+              "label": "trace-replayed", "trace": args.trace, "trace_meta": trace.meta, "pools": list(pools)}
 
     def save(rows):
         result["rows"] = rows
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
-    rows = replay_rows(trace, config, verifier, drafter, args.repeats, args.graphs, device, save)
+    rows = replay_rows(trace, pools, verifier, drafter, args.repeats, args.graphs, device, save)
     result["summary"] = summary(rows)
     save(rows)
     for name, by_method in result["summary"].items():
@@ -271,7 +275,9 @@ def main(argv=None) -> int:
     r.add_argument("--out", default="benchmarks/results/trace.json")
     y = sub.add_parser("replay", help="replay a trace on random-weight models of the real shapes")
     y.add_argument("--trace", required=True)
-    y.add_argument("--pool", default="configs/default.yaml", help="the arms, policy and reward (no model is loaded)")
+    y.add_argument("--pool", action="append", help="a pool file whose arms, policy and reward are replayed (no model "
+                                                   "is loaded; repeatable: one method each; default "
+                                                   "configs/default.yaml)")
     y.add_argument("--verifier-shape", default="1.5b")
     y.add_argument("--drafter-shape", default="0.5b", help="'' for a pool of lookups")
     y.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -51,19 +51,19 @@ def test_record_checks_itself_against_the_pool_and_the_replay_takes_the_pools_st
     config = parse_pool_config({**POOL, "drafters": POOL["drafters"][:1]})  # the tree alone: steps comparable
     verifier, drafter = build("tiny", torch.device("cpu"), torch.float32), build("tiny", torch.device("cpu"),
                                                                                  torch.float32, seed=2, perm_seed=3)
-    rows = trace_replay.replay_rows(trace, config, verifier, drafter, repeats=2, graphs="off",
+    rows = trace_replay.replay_rows(trace, {"tree": config}, verifier, drafter, repeats=2, graphs="off",
                                     device=torch.device("cpu"))
     assert len(rows) == 2 * 2 * 2 and all(r["identical"] for r in rows)
     pool_steps = {i["name"]: len(i["check_tokens_per_step"]) for i in checked.meta["prompts"]}
     for r in rows:
-        if r["method"] == "metasd, trace-replayed pool":
+        if r["method"] == "trace-replayed tree":
             assert r["steps"] == pool_steps[r["prompt"]]  # the recorded pool's acceptance
         else:
             assert r["steps"] == r["tokens"] == 20
     s = trace_replay.summary(rows)
     assert s["repeats"] == 2 and "copy_heavy" not in s and s["all"] == s["spec_bench"]
     assert s["all"]["metasd, no drafter"]["ratio_median"] == 1.0
-    assert len(s["all"]["metasd, trace-replayed pool"]["tokens_per_s"]) == 2
+    assert len(s["all"]["trace-replayed tree"]["tokens_per_s"]) == 2
     cut = trace_replay.summary([r for r in rows if not (r["repeat"] == 1 and r["prompt"] == "b/1")])
     assert cut["repeats"] == 1  # a repeat cut short is left out
 
@@ -76,7 +76,7 @@ def test_a_pool_of_two_arms_replays_under_its_policy_from_the_pool_file(tmp_path
                                                                                  torch.float32, seed=2, perm_seed=3)
     arms = trace_replay.replay_arms(config, trace, [drafter], vocab=1024)
     assert [a.name for a in arms] == ["tree", "suffix"] and len(arms[0].models) == 1 and arms[1].models == []
-    rows = trace_replay.replay_rows(trace, config, verifier, drafter, repeats=1, graphs="off",
+    rows = trace_replay.replay_rows(trace, {"both": config}, verifier, drafter, repeats=1, graphs="off",
                                     device=torch.device("cpu"))
     assert all(r["identical"] for r in rows)
     bad = parse_pool_config({**POOL, "drafters": [{**POOL["drafters"][0], "name": "other"}]})
