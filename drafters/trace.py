@@ -70,12 +70,7 @@ class TraceStep:
 
     def accepted(self) -> int:
         """The depth the verifier accepts of this draft (its deepest node on the path)."""
-        depth, best = [], 0
-        for p, on in zip(self.parents, self.on_path):
-            depth.append(1 if p < 0 else depth[p] + 1)
-            if on:
-                best = max(best, depth[-1])
-        return best
+        return max((d for d, on in zip(_depths(self.parents), self.on_path) if on), default=0)
 
 
 @dataclass
