@@ -75,8 +75,9 @@ def record_pool(engine: Engine, arms: list[str], prompts: list[tuple[str, list[i
         traces.append(PromptTrace(name, len(ids), positions, steps))
         meta_prompts.append(info)
         mean = {a: statistics.mean(s.accepted() for s in steps[a]) + 1 for a in arms}
-        log(f"{name}: {len(ids)} prompt tokens, {positions} positions in {info['record_s']:.0f} s; recorded "
-            f"tokens/step if every step drafted: " + ", ".join(f"{a} {v:.2f}" for a, v in mean.items())
+        log(f"{name}: {len(ids)} prompt tokens, {positions} positions in {info['record_s']:.0f} s; tokens a step "
+            f"would commit from each position, mean over positions: "
+            + ", ".join(f"{a} {v:.2f}" for a, v in mean.items())
             + (f"; {check} run alone {positions / len(info['check_tokens_per_step']):.2f} tokens/step, steps whose "
                f"acceptance differs from the trace's {info['check_mismatches']}" if check else ""))
     return Trace(traces, {"prompts": meta_prompts, "max_new_tokens": max_new, "margin": margin, "arms": arms})

@@ -37,7 +37,12 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     fake = s["fake_syncs"]
     assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] <= 3
     assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
-    assert len(s["summary"]["rows"]) == 5 and (out / "gpu_check.log").exists()
+    replay = s["trace_replay"]  # the committed trace of the default pool, replayed on tiny shapes
+    assert replay["exit"] == 0, replay["tail"]
+    summary = replay["figures"]["summary"]
+    assert summary["repeats"] == 1 and set(summary) == {"repeats", "all", "spec_bench", "copy_heavy"}
+    assert all(m["identical"] for m in summary["all"].values()) and "trace-replayed default" in summary["all"]
+    assert len(s["summary"]["rows"]) == 5 + 3 * 2 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")
