@@ -200,10 +200,9 @@ def summary(rows: list[dict], reference: str = "metasd, no drafter") -> dict:
                    for k in whole] for m in methods}
         out[name] = {}
         for m, tps in per.items():
-            ratios = [a / b for a, b in zip(tps, per[reference])]
+            med, lo, hi = stats.median_range([a / b for a, b in zip(tps, per[reference])])
             same = all(r["identical"] for r in rows if r["method"] == m and r["prompt"] in chosen)
-            out[name][m] = {"tokens_per_s": tps, "ratio_median": statistics.median(ratios),
-                            "ratio_range": [min(ratios), max(ratios)], "identical": same}
+            out[name][m] = {"tokens_per_s": tps, "ratio_median": med, "ratio_range": [lo, hi], "identical": same}
     return out
 
 

@@ -40,7 +40,7 @@ from metasd.core.decoding.sampling import SamplingParams
 from metasd.core.execution.draft_batch import Drafting, Feed, drive, run_feed
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.execution.static_cache import new_cache
-from metasd.core.execution.tree import Draft
+from metasd.core.execution.tree import Draft, depths_of
 
 FORMAT = 1
 
@@ -70,7 +70,7 @@ class TraceStep:
 
     def accepted(self) -> int:
         """The depth the verifier accepts of this draft (its deepest node on the path)."""
-        return max((d for d, on in zip(_depths(self.parents), self.on_path) if on), default=0)
+        return max((d for d, on in zip(depths_of(self.parents), self.on_path) if on), default=0)
 
 
 @dataclass
@@ -210,20 +210,10 @@ def _draft_path(draft: Draft, i: int) -> tuple[int, ...]:
     return tuple(reversed(path))
 
 
-def _depths(parents: Sequence[int]) -> list[int]:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return depth
-
-
 def _step_of(draft: Draft, rest: list[int], feeds: list[dict]) -> TraceStep:
     parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
     on: list[bool] = []
-    depth: list[int] = []
-    for i, (p, t) in enumerate(zip(parents, tokens)):
-        depth.append(1 if p < 0 else depth[p] + 1)
-        d = depth[-1]
+    for p, t, d in zip(parents, tokens, depths_of(parents)):
         on.append((p < 0 or on[p]) and d <= len(rest) and t == rest[d - 1])
     return TraceStep(parents, on, feeds)
 
@@ -263,7 +253,7 @@ class TraceDrafter(Drafter):
         self._caches, self._cached, self._pending, self._prompt = [], [], None, None
 
     def _forked(self, cross_request: bool) -> None:
-        self._caches, self._cached, self._pending, self._prompt = [], [], None, None
+        self.end()  # a fork holds no request until its begin
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
@@ -286,11 +276,19 @@ class TraceDrafter(Drafter):
         step = steps[p]
         if ctx.max_depth <= 0 or ctx.max_nodes == 0:
             return Draft.empty()
-        depths = _depths(step.parents)
+        depths = depths_of(step.parents)
         keep = [i for i, d in enumerate(depths) if d <= ctx.max_depth][: ctx.max_nodes]
         cut = len(keep) < len(depths)
         index = {old: new for new, old in enumerate(keep)}  # recorded node -> node of the draft
         draft = self._relabelled(step, p, keep, index, depths)
+
+        def fed_as(node: int) -> int | None:
+            """The draft node a recorded row feeds (-1: a node the draft did not keep); None: the cut drops the row
+            (a cut step feeds only kept nodes with children to draft within the depth left)."""
+            if not cut:
+                return node
+            return index[node] if node in index and depths[node] < ctx.max_depth else None
+
         base, slots, catch_up = len(ctx.tokens), {}, 0
         tokens = ctx.tokens.tolist()
         seen = [0] * len(self.models)  # recorded rows met per model (numbered as recorded, cut rows included)
@@ -306,9 +304,8 @@ class TraceDrafter(Drafter):
             for node, parent in f["rows"]:
                 row, seen[m] = seen[m], seen[m] + 1
                 parent_of[(m, row)] = parent
-                node = node if not cut or node < 0 else index.get(node, -2)
-                if (node >= -1 if not cut else node >= 0 and depths[keep[node]] < ctx.max_depth) and (
-                        parent < 0 or (m, parent) in slot_of):
+                node = fed_as(node)
+                if node is not None and (parent < 0 or (m, parent) in slot_of):
                     slot_of[(m, row)] = fed[m] + len(rows)
                     rows.append((row, node))
             if not rows:
@@ -335,22 +332,23 @@ class TraceDrafter(Drafter):
         """One drafting forward of model ``m`` over ``rows`` ([(recorded row, node)]): the ancestor mask over the
         committed positions and the fed ancestors' slots, positions committed length - 1 + depth."""
         cache = self._caches[m]
+        ids = [int(draft.tokens[node]) if node >= 0 else 0 for _, node in rows]
+        for row, node in rows:
+            if node >= 0:
+                slots[node] = (m, slot_of[(m, row)])
+        if not masked:  # a chain: causal over the cache, which holds its ancestors in order
+            return Feed(self.models[m], None, cache, ids)
         L, q = cache_length(cache), len(rows)
         mask = torch.zeros(q, L + q, dtype=torch.bool)  # [q, L + q], True = attend
         mask[:, :base] = True
-        ids, positions = [], []
-        for j, (row, node) in enumerate(rows):
+        positions = []
+        for j, (row, _) in enumerate(rows):
             depth, anc = 1, parent_of[(m, row)]
             while anc >= 0:
                 mask[j, base + slot_of[(m, anc)]] = True
                 depth, anc = depth + 1, parent_of[(m, anc)]
             mask[j, L + j] = True
             positions.append(base - 1 + depth)
-            ids.append(int(draft.tokens[node]) if 0 <= node < len(draft) else 0)
-            if node >= 0:
-                slots[node] = (m, slot_of[(m, row)])
-        if not masked:  # a chain: causal over the cache, which holds its ancestors in order
-            return Feed(self.models[m], None, cache, ids)
         return Feed(self.models[m], None, cache, ids, mask=mask, positions=torch.tensor(positions))
 
     def _relabelled(self, step: TraceStep, p: int, keep: list[int], index: dict[int, int], depths: list[int]

@@ -6,6 +6,7 @@ continues the last committed token (the "root", which the verifier scores at ind
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -102,10 +103,15 @@ class Draft:
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """[n] parents -> [n] depths (root children: 1). On host lists: a tree is a few dozen nodes, and one tensor
     element write costs more than the whole loop."""
+    return torch.tensor(depths_of(parents.tolist()), dtype=torch.long)
+
+
+def depths_of(parents: Sequence[int]) -> list[int]:
+    """``node_depths`` on a host list of parents (each before its children)."""
     depth: list[int] = []
-    for p in parents.tolist():
+    for p in parents:
         depth.append(1 if p < 0 else depth[p] + 1)
-    return torch.tensor(depth, dtype=torch.long)
+    return depth
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
