@@ -106,8 +106,8 @@ def test_drafting_is_priced_once_the_arm_has_drafted(verifier_model, tok, monkey
     seen = []
     original = AdaptiveSpeculation.allocate
 
-    def spy(self, arms, requests=None):
-        alloc = original(self, arms, requests)
+    def spy(self, arms, requests=None, joining=0):
+        alloc = original(self, arms, requests, joining)
         seen.append((dict(self.draft_costs), alloc.width))
         return alloc
 
@@ -389,8 +389,8 @@ def test_a_request_that_drafted_is_not_charged_its_prompt_again(verifier_model, 
     seen = []
     original = AdaptiveSpeculation.allocate
 
-    def spy(self, arms, requests=None):
-        alloc = original(self, arms, requests)
+    def spy(self, arms, requests=None, joining=0):
+        alloc = original(self, arms, requests, joining)
         seen.append([(id(r), self.unfed(r), d) for r, d in zip(requests, alloc.nodes)])
         return alloc
 

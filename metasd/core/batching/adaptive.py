@@ -16,40 +16,24 @@ wires the building blocks of speculation under load into its step:
    ``unit_seconds`` when given, else the meter's modeled cost), and a counterfactual draft of ``n`` nodes the forward
    it would have been in (``goodput.counterfactual_share``);
 4. **learning** - the arm's curve learns from the accepted path (``AcceptanceCurve.update``), and its drafting cost:
-   per step, per load level and node budget (``DraftPrices``: a 4-node draft costs less than a 48-node one, and a
-   request's share of a batched drafter forward falls as more requests draft beside it), and per caught-up token (from
-   a step whose drafter fed more than ``max_width`` committed tokens: a request's first draft feeds its prompt). With
-   ``price_drafting=True`` the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = price(level, d) + rate
-   * unfed * (1 + a(d)) / remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining
-   tokens; 0 at ``d = 0``, where the drafter is not asked at all; at a load level where the arm has not drafted yet,
-   ``price`` is the nearest level's scaled by a request's share of a forward at each - a prior one step corrects), and
-   ``min_gain`` keeps a step plain unless drafting is expected to beat it by that factor;
-5. **deferred catch-up** (``defer_catch_up``, with ``price_drafting``) - while a request's arm runs a model that has
-   more than ``max_width`` committed tokens to read (its prompt, before its first draft) and has lookups in it (a
-   cascade: suffix decoding first), the allocator may instead let it draft with the lookups alone
-   (``StepContext.lookup_only``: no model forward, no catch-up): a second option for the request (``plan``'s
-   ``alternatives``) with the lookups' drafting cost (key ``"<arm>/lookup"``) and **the request's own** curve
-   (``lookup_curve``: from the prior, learnt from its lookup-only steps) - what a lookup finds is a property of the
-   request's text (a quote of its prompt), not of the arm, so one request's long quotes do not promise another
-   request the same. A long prompt the model's catch-up does not pay for can still be drafted from - suffix
-   decoding's case - and a request whose lookups find nothing is soon back to its arm or to plain steps.
-
-6. **the forward's real price** (with ``unit_seconds``) - the profile times one row's forward once, at start; a step's
-   batched forward of B rows, over the rows' real contexts, on a machine whose speed drifts, costs another multiple of
-   it. Each step's measured forward price (seconds over ``unit_seconds``) and tokens are averaged per load level and
-   token bucket into measured points (``ForwardRatios``: the profile's extrapolation of the widths it skipped can be
-   far off) and every verify price of the level - the allocator's, the step's share, a counterfactual's - is read
-   through them (``forward_cost``; a probe reads widths never run hopefully). Drafting is priced by its measured
-   seconds, so without it drafting looked dearer than the forward it saves (4 requests on this CPU: 47 of 65 steps
-   plain where a fixed tree 8 was faster).
-7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft,
-   so a price learnt high or a curve learnt low would keep it plain - or narrow - for good. After a run of steps at
-   one width where a wider one was possible (2 at a level's first probe, doubled per probe up to ``PROBE_EVERY``),
-   one step drafts wider, chosen hopefully, up to each request's widest sibling arm (``siblings``; switched to the
-   narrowest sibling that holds its nodes, ``switched``), never under the narrowest sibling's budget: its verified
-   draft samples every narrower budget's acceptance at once, and its price and tokens update the level's estimates.
-   A level's probes draft at most twice the widest it drafted, lose at most ``PROBE_SHARE`` of its measured time
-   (``probe_budget``: a probe waits while the level's balance is negative) and read no prompt it does not cover.
+   per step, per load level and node budget (``DraftPrices``), and per caught-up token (a step whose drafter fed
+   more than ``max_width`` committed tokens: a request's first draft feeds its prompt). With ``price_drafting=True``
+   the allocator charges them (``plan``'s ``draft_costs``: ``c_i(d) = price(level, d) + rate * unfed * (1 + a(d)) /
+   remaining`` for ``d > 0``, the one-off catch-up amortized over the request's remaining tokens - charged whole
+   while requests joining the batch will raise the load to a level where the arm would not draft, ``drafts_at``; 0
+   at ``d = 0``), and ``min_gain`` keeps a step plain unless drafting is expected to beat it by that factor;
+5. **deferred catch-up** (``defer_catch_up``) - a request whose arm's model has its prompt still to read and has
+   lookups in it (a cascade) may draft with the lookups alone (``StepContext.lookup_only``): a second option in the
+   allocation (``plan``'s ``alternatives``) at the lookups' drafting cost (key ``"<arm>/lookup"``) and **the
+   request's own** curve (``lookup_curve``): what a lookup finds is a property of the request's text, not the arm's.
+6. **the forward's real price** (with ``unit_seconds``) - each step's measured forward price (seconds over
+   ``unit_seconds``) is averaged per load level and token bucket (``ForwardRatios``) and every verify price of the
+   level is read through them (``forward_cost``; a probe reads widths never run hopefully); drafting is priced by
+   its measured seconds.
+7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft;
+   after a run of steps at one width where a wider one was possible, one step drafts wider (up to each request's
+   widest sibling arm, ``siblings`` / ``switched``), its verified draft sampling every narrower budget at once;
+   within a budget (``probe_budget``: at most ``PROBE_SHARE`` of the level's time, no prompt read unpaid).
 
 Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry (``cascade@4``,
 ``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's cap is its arm's
@@ -210,13 +194,13 @@ class AdaptiveSpeculation:
         request.load = load
         return request.select_arm()
 
-    def allocate(self, arms: Sequence[Any], requests: Sequence[Any] | None = None) -> Allocation:
+    def allocate(self, arms: Sequence[Any], requests: Sequence[Any] | None = None, joining: int = 0) -> Allocation:
         """Each request's node budget for this step, given the arms selected (row order; None: no arm) and, for the
-        catch-up price, the requests themselves (row order)."""
+        catch-up price, the requests themselves (row order) and how many more are about to join them (``joining``)."""
         caps = [self.cap(a) for a in arms]
         curves = [self.curve(a) if c > 0 else None for a, c in zip(arms, caps)]
         reqs = list(requests) if requests is not None else [None] * len(arms)
-        costs = [self.draft_cost(a, r, running=len(arms)) if c > 0 and self.price_drafting else None
+        costs = [self.draft_cost(a, r, running=len(arms), joining=joining) if c > 0 and self.price_drafting else None
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
@@ -289,9 +273,11 @@ class AdaptiveSpeculation:
         c = self.draft_costs.get(self.lookup_key(arm), 0.0)
         return [(self.lookup_curve(request), lambda d: c if d > 0 else 0.0)]
 
-    def step_plan(self, jobs: Sequence[int], arms: Sequence[Any], requests: Sequence[Any]) -> StepPlan:
-        """The step's ``StepPlan`` from the arms selected (``jobs``: the running jobs' ids; all in row order)."""
-        alloc = self.allocate(arms, requests)
+    def step_plan(self, jobs: Sequence[int], arms: Sequence[Any], requests: Sequence[Any], joining: int = 0
+                  ) -> StepPlan:
+        """The step's ``StepPlan`` from the arms selected (``jobs``: the running jobs' ids; all in row order) and the
+        requests about to join the batch (``joining``: prefilling, or waiting with room for them)."""
+        alloc = self.allocate(arms, requests, joining)
         arms = [self.switched(a, r, d) if a is not None else a for a, r, d in zip(arms, requests, alloc.nodes)]
         return StepPlan(alloc, dict(zip(jobs, alloc.nodes)), dict(zip(jobs, arms)),
                         {j: o > 0 for j, o in zip(jobs, alloc.options)})
@@ -307,13 +293,17 @@ class AdaptiveSpeculation:
         unfed = self.unfed(request) if request is not None else 0
         return self.catch_up_rates.get(self.curve_key(arm), 0.0) * unfed if unfed > self.max_width else 0.0
 
-    def draft_cost(self, arm: Any, request: Any = None, running: int | None = None) -> Callable[[int], float] | None:
+    def draft_cost(self, arm: Any, request: Any = None, running: int | None = None, joining: int = 0
+                   ) -> Callable[[int], float] | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
         (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by the
         share; the arm's average over all its steps when ``running`` is None) plus the request's one-off catch-up
         (``catch_up``) amortized over its remaining steps: ``catch_up * (1 + a(d)) / remaining``, ``remaining`` the
-        tokens it may still commit and ``1 + a(d)`` the tokens a step commits. None before the arm has drafted once."""
+        tokens it may still commit and ``1 + a(d)`` the tokens a step commits - unless ``joining`` requests are about
+        to raise the load to a level where the arm would not draft (``drafts_at``): then the catch-up is charged whole
+        to this step (the level is filling: amortized, it would be paid for steps that stay plain). None before the
+        arm has drafted once."""
         key = self.curve_key(arm)
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:
@@ -326,8 +316,18 @@ class AdaptiveSpeculation:
         catch_up = self.catch_up(arm, request)
         if not catch_up:
             return lambda d: per_step(d) if d > 0 else 0.0
+        if joining > 0 and running is not None and not self.drafts_at(arm, running + joining):
+            return lambda d: per_step(d) + catch_up if d > 0 else 0.0
         one_off, curve = catch_up / max(int(request.tokens_left), 1), self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
+
+    def drafts_at(self, arm: Any, rows: int) -> bool:
+        """Whether a batch of ``rows`` requests, all drafting with ``arm`` (its curve, its cap, its learnt price at the
+        batch's load level, no catch-up), would draft at all: the allocator's width for it is > 0."""
+        key, level = self.curve_key(arm), load_level(rows)
+        price = lambda d: (self.draft_prices.price(key, level, d) or 0.0) if d > 0 else 0.0  # noqa: E731
+        return plan([self.curve(arm)] * rows, [self.cap(arm)] * rows, self.forward_cost(rows), max_width=self.max_width,
+                    draft_costs=[price] * rows, min_gain=self.min_gain).width > 0
 
     @property
     def forward_ratios(self) -> dict[int, float]:

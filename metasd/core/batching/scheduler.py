@@ -69,9 +69,7 @@ class Scheduler:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
         self.engine = engine
-        self._max_batch = max_batch
-        self.max_queue = max_queue
-        self.prefill_chunk = prefill_chunk
+        self._max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.share_suffix_cache, self.batch_drafting = bool(share_suffix_cache), bool(batch_drafting)
         self.adaptive = AdaptiveSpeculation.checked(adaptive)
         if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
@@ -348,8 +346,9 @@ class Scheduler:
         load = adaptive.load(len(running))  # [2] the same for every request of the step
         arms = self._each(running, lambda j: adaptive.select(j.request, load), "selecting its drafter")
         running = list(self._running)
+        joining = len(self._prefilling) + min(self.queue_length, max(self._max_batch - self.running, 0))
         plan = adaptive.step_plan([id(j) for j in running], [arms[id(j)] for j in running],
-                                  [j.request for j in running])
+                                  [j.request for j in running], joining)
         self._each([j for j in running if plan.arms[id(j)] is not arms[id(j)]],  # a probe's wider sibling arm
                    lambda j: j.request.switch_arm(plan.arms[id(j)]), "switching to a probe's arm")
         return each_drafts(list(self._running), lambda j: (plan.nodes[id(j)], plan.lookup[id(j)]), fail, *how), plan
