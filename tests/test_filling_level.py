@@ -72,3 +72,15 @@ def test_the_scheduler_counts_the_requests_about_to_join(verifier_model, tok, mo
     assert seen[0] == (1, 2)  # the first prompt in: two more admitted, still prefilling
     assert any(joining > 0 and running == 2 for running, joining in seen)
     assert seen[-1][1] == 0  # the last request runs alone, nobody waits
+
+
+def test_one_plan_per_arm_and_step_answers_every_fresh_request(monkeypatch):
+    import metasd.core.batching.adaptive as adaptive_module
+    adaptive, arm = _priced()
+    calls = []
+    original = adaptive_module.plan
+    monkeypatch.setattr(adaptive_module, "plan", lambda curves, *a, **k: calls.append(len(curves)) or original(
+        curves, *a, **k))
+    fresh = [_Pending(length=200, max_new_tokens=64) for _ in range(8)]
+    assert adaptive.allocate([arm] * 8, fresh, joining=8).nodes == [0] * 8
+    assert calls.count(16) == 1  # drafts_at for 16 rows: once, not once per request

@@ -26,19 +26,15 @@ wires the building blocks of speculation under load into its step:
    lookups in it (a cascade) may draft with the lookups alone (``StepContext.lookup_only``): a second option in the
    allocation (``plan``'s ``alternatives``) at the lookups' drafting cost (key ``"<arm>/lookup"``) and **the
    request's own** curve (``lookup_curve``): what a lookup finds is a property of the request's text, not the arm's.
-6. **the forward's real price** (with ``unit_seconds``) - each step's measured forward price (seconds over
-   ``unit_seconds``) is averaged per load level and token bucket (``ForwardRatios``) and every verify price of the
-   level is read through them (``forward_cost``; a probe reads widths never run hopefully); drafting is priced by
-   its measured seconds.
-7. **probes** (with ``price_drafting``; ``probes.py``) - a load level never measures the widths it does not draft;
-   after a run of steps at one width where a wider one was possible, one step drafts wider (up to each request's
-   widest sibling arm, ``siblings`` / ``switched``), its verified draft sampling every narrower budget at once;
-   within a budget (``probe_budget``: at most ``PROBE_SHARE`` of the level's time, no prompt read unpaid).
+6. **the forward's real price** (with ``unit_seconds``) - measured forward prices (seconds over ``unit_seconds``),
+   per load level and token bucket (``ForwardRatios``), price every verify of the level (``forward_cost``).
+7. **probes** (with ``price_drafting``; ``probes.py``) - after a run of steps at one width where a wider one was
+   possible, one step drafts wider (up to the widest sibling arm, ``siblings`` / ``switched``), sampling every
+   narrower budget at once, within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid).
 
-Curves are per drafter, shared by every request of the scheduler: the budget arms of one pool entry (``cascade@4``,
-``cascade@16``) share the inner drafter's curve (they propose its draft's first nodes). A request's cap is its arm's
-``budget`` attribute (budget arms), ``max_width`` for a drafter without one, 0 for an arm that does not speculate
-(``speculates = False``: the "none" arm) and for a request that drafts with no arm.
+Curves are per drafter, shared by the scheduler's requests: budget arms of one entry (``cascade@4``, ``cascade@16``)
+share the inner drafter's. A request's cap is its arm's ``budget`` (budget arms), else ``max_width``; 0 for an arm that
+does not speculate (``speculates = False``: the "none" arm) and for a request that drafts with no arm.
 """
 from __future__ import annotations
 
@@ -200,7 +196,8 @@ class AdaptiveSpeculation:
         caps = [self.cap(a) for a in arms]
         curves = [self.curve(a) if c > 0 else None for a, c in zip(arms, caps)]
         reqs = list(requests) if requests is not None else [None] * len(arms)
-        costs = [self.draft_cost(a, r, running=len(arms), joining=joining) if c > 0 and self.price_drafting else None
+        memo: dict = {}  # drafts_at's answers, shared by the step's requests
+        costs = [self.draft_cost(a, r, len(arms), joining, memo) if c > 0 and self.price_drafting else None
                  for a, c, r in zip(arms, caps, reqs)]
         others = [self.lookup_alternative(a, r) if c > 0 else None for a, c, r in zip(arms, caps, reqs)] \
             if self.defer_catch_up else None
@@ -293,8 +290,8 @@ class AdaptiveSpeculation:
         unfed = self.unfed(request) if request is not None else 0
         return self.catch_up_rates.get(self.curve_key(arm), 0.0) * unfed if unfed > self.max_width else 0.0
 
-    def draft_cost(self, arm: Any, request: Any = None, running: int | None = None, joining: int = 0
-                   ) -> Callable[[int], float] | None:
+    def draft_cost(self, arm: Any, request: Any = None, running: int | None = None, joining: int = 0,
+                   memo: dict | None = None) -> Callable[[int], float] | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
         (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by the
@@ -316,18 +313,21 @@ class AdaptiveSpeculation:
         catch_up = self.catch_up(arm, request)
         if not catch_up:
             return lambda d: per_step(d) if d > 0 else 0.0
-        if joining > 0 and running is not None and not self.drafts_at(arm, running + joining):
+        if joining > 0 and running is not None and not self.drafts_at(arm, running + joining, memo):
             return lambda d: per_step(d) + catch_up if d > 0 else 0.0
         one_off, curve = catch_up / max(int(request.tokens_left), 1), self.curve(arm)
         return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
 
-    def drafts_at(self, arm: Any, rows: int) -> bool:
-        """Whether a batch of ``rows`` requests, all drafting with ``arm`` (its curve, its cap, its learnt price at the
-        batch's load level, no catch-up), would draft at all: the allocator's width for it is > 0."""
-        key, level = self.curve_key(arm), load_level(rows)
-        price = lambda d: (self.draft_prices.price(key, level, d) or 0.0) if d > 0 else 0.0  # noqa: E731
-        return plan([self.curve(arm)] * rows, [self.cap(arm)] * rows, self.forward_cost(rows), max_width=self.max_width,
-                    draft_costs=[price] * rows, min_gain=self.min_gain).width > 0
+    def drafts_at(self, arm: Any, rows: int, memo: dict | None = None) -> bool:
+        """Whether ``rows`` requests all drafting with ``arm`` (its curve, cap and price at their level, no catch-up)
+        would draft at all: the allocator's width for them is > 0; ``memo``: answers by (curve key, rows), per step."""
+        key, level, memo = self.curve_key(arm), load_level(rows), {} if memo is None else memo
+        if (key, rows) not in memo:
+            price = lambda d: (self.draft_prices.price(key, level, d) or 0.0) if d > 0 else 0.0  # noqa: E731
+            batch = plan([self.curve(arm)] * rows, [self.cap(arm)] * rows, self.forward_cost(rows),
+                         max_width=self.max_width, draft_costs=[price] * rows, min_gain=self.min_gain)
+            memo[key, rows] = batch.width > 0
+        return memo[key, rows]
 
     @property
     def forward_ratios(self) -> dict[int, float]:
