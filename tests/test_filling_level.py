@@ -6,11 +6,11 @@ plain at 16 (BENCHMARKS.md, the 16-request loss traced in-process)."""
 import pytest
 
 from metasd.core.batching.adaptive import AdaptiveSpeculation
+from metasd.core.batching.scheduler import Scheduler
 from metasd.drafters.budgeted import budget_arms
 
 from test_adaptive import _budget_arms, _cascade, _engine, _Pending  # noqa: E402
 from test_scheduler import MAX_NEW, PROMPTS, tok, verifier_model  # noqa: E402,F401  (fixtures)
-from metasd.core.batching.scheduler import Scheduler
 
 
 def _knee(n):  # cheap up to 24 tokens in a forward (4 rows of 1 + 4 nodes), then every token a whole forward

@@ -321,11 +321,11 @@ class AdaptiveSpeculation:
     def drafts_at(self, arm: Any, rows: int, memo: dict | None = None) -> bool:
         """Whether ``rows`` requests all drafting with ``arm`` (its curve, cap and price at their level, no catch-up)
         would draft at all: the allocator's width for them is > 0; ``memo``: answers by (curve key, rows), per step."""
-        key, level, memo = self.curve_key(arm), load_level(rows), {} if memo is None else memo
-        if (key, rows) not in memo:
-            price = lambda d: (self.draft_prices.price(key, level, d) or 0.0) if d > 0 else 0.0  # noqa: E731
+        key, memo = self.curve_key(arm), {} if memo is None else memo
+        if (key, rows) not in memo:  # the price at that load for a request with nothing to catch up: no request
             batch = plan([self.curve(arm)] * rows, [self.cap(arm)] * rows, self.forward_cost(rows),
-                         max_width=self.max_width, draft_costs=[price] * rows, min_gain=self.min_gain)
+                         max_width=self.max_width, draft_costs=[self.draft_cost(arm, running=rows)] * rows,
+                         min_gain=self.min_gain)
             memo[key, rows] = batch.width > 0
         return memo[key, rows]
 
