@@ -368,3 +368,38 @@ def test_the_profile_budget_benchmark_reports_what_each_fresh_process_timed(tmp_
         profile = ForwardProfile.from_dict(run["profile"])
         assert profile.tokens == (1, 4, 16) and "skipped" not in profile.meta
         assert profile.meta["first_forward_s"] > 0 and run["wall_s"] > 0
+
+
+def test_a_stall_that_outlasts_one_retime_is_timed_again_until_it_ends(monkeypatch):
+    """One token at 6x for its warm-up and first ``RETIMES`` timings (a stall of the machine, as another process
+    running beside a starting server caused): 4 tokens under half its seconds - one token timed again until the stall
+    ends, the profile accepted (before: one retime, then ``ProfileError``, and the server did not start). A stall
+    that outlasts every retime still fails, naming the point."""
+    from metasd.core.pricing.forward_profile import RETIMES
+
+    model = tiny_qwen(seed=5)
+
+    def profiled(rounds):
+        rec = _Recorder(model, monkeypatch)
+        rec.JITTER = (1.0,)
+        seen: list[int] = []
+
+        def hook(module, args, kwargs):
+            n = kwargs["input_ids"].shape[1]
+            stalled = n == 1 and seen.count(1) < 1 + rounds  # the uncharged warm-up, then ``rounds`` timings
+            seen.append(n)
+            rec.durations.append(1e-3 * (10 + n / 100) * (6.0 if stalled else 1.0))
+            rec.clock += rec.durations[-1]
+
+        rec.handle.remove()
+        rec.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            return profile_forward(model, (1, 4, 16), context=2, repeats=1, warmup=1, max_seconds=None), seen
+        finally:
+            rec.handle.remove()
+
+    p, seen = profiled(RETIMES)
+    assert RETIMES == 3 and p.meta["retimed"] == [1] and seen.count(1) == 2 + RETIMES  # the last one clean
+    assert p.seconds == pytest.approx([1e-3 * (10 + n / 100) for n in (1, 4, 16)])
+    with pytest.raises(ProfileError, match=r"^seconds\[1\]: "):
+        profiled(RETIMES + 1)

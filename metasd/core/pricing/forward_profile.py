@@ -35,6 +35,9 @@ from ..execution.static_cache import StaticKVCache, new_cache
 #: over more tokens that takes less than half the time of one over fewer is a broken measurement (a warm-up that
 #: landed in the first timed point, a clock read before the device finished), not noise.
 FALL_TOLERANCE = 0.5
+#: times a count whose successor took under half its seconds is timed again, at most, while the stall lasts (a stall
+#: of ~10 s once outlasted one retime and failed a server's start)
+RETIMES = 3
 
 _KEYS = ("tokens", "seconds", "name", "meta")
 
@@ -277,7 +280,8 @@ def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int,
     ``timed(n)`` (seconds); counts predicted to take the profile past ``max_seconds`` skipped. A count whose median
     breaks the profile's shape against the count before it, m - dearer per token than m (``s(n) / n > s(m) / m``: a
     bigger forward amortizes its fixed cost, so only a stall of the machine makes it dearer per token) or under half
-    m's seconds (then m's were the stall) - is timed once more, the lower median kept: one stall while profiling
+    m's seconds (then m is timed again, up to ``RETIMES`` times while that lasts) - is timed once more, the lower
+    median kept: one stall while profiling
     (one seen on this VM: 16 tokens at 6.4x one token's seconds, where every other start measured 1.0-1.1x) would
     price every wide draft of the server's life. A count whose ``warmup + repeats`` forwards are predicted past the
     budget is timed once, after at most one warm-up, where that fits (``reduced``): one measured point prices its
@@ -322,9 +326,12 @@ def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int,
         if medians[k] / n > medians[k - 1] / m:  # this count stalled
             retimed.append(n)
             medians[k] = min(medians[k], median_of(n, *calls[n]))
-        elif medians[k] < medians[k - 1] / 2:  # the count before it stalled
-            retimed.append(m)
-            medians[k - 1] = min(medians[k - 1], median_of(m, *calls[m]))
+        else:  # the count before it stalled: timed again while it does (else the profile is rejected as broken)
+            for _ in range(RETIMES):
+                if medians[k] >= medians[k - 1] / 2:
+                    break
+                retimed += [m] if m not in retimed else []
+                medians[k - 1] = min(medians[k - 1], median_of(m, *calls[m]))
     notes = {"skipped": skipped, "retimed": retimed, "reduced": reduced}
     if warmup:
         notes["first_forward_s"] = round(first, 3)
