@@ -29,8 +29,8 @@ wires the building blocks of speculation under load into its step:
 6. **the forward's real price** (with ``unit_seconds``) - measured forward prices (seconds over ``unit_seconds``),
    per load level and token bucket (``ForwardRatios``), price every verify of the level (``forward_cost``).
 7. **probes** (with ``price_drafting``; ``probes.py``) - after a run of steps at one width where a wider one was
-   possible, one step drafts wider (up to the widest sibling arm, ``siblings`` / ``switched``), sampling every
-   narrower budget at once, within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid).
+   possible, one step drafts wider (up to the widest sibling arm, ``siblings``), sampling every narrower budget at
+   once: within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid), ``PROBE_STALL``.
 
 Curves are per drafter, shared by the scheduler's requests: budget arms of one entry (``cascade@4``, ``cascade@16``)
 share the inner drafter's. A request's cap is its arm's ``budget`` (budget arms), else ``max_width``; 0 for an arm that

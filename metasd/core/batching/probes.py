@@ -28,6 +28,14 @@ probe debits its loss - its measured cost less the cost at which the allocation 
 same tokens (a gain credits). Probes that pay (a GPU's flat forward, one request on this CPU) keep the balance up;
 probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the first one's loss is repaid. Nor does a
 probe make a drafter read a request's prompt unless the balance covers that catch-up (``ProbeBudget.affordable``).
+
+Nor may one probe stall the batch: every running request waits for the step, so a probe is a gap in each of their
+streams. Its padded verify forward may cost at most ``PROBE_STALL`` times the forward of the step it replaces, at the
+prices its widths are rated at (``probe``'s ``stall``; a width wider than any level has run is priced as the widest
+that has, so the first probe there measures it). Beside 16 rows on this CPU a probe of 4 nodes a request padded the
+forward to 80 tokens: 2.7 s against 0.58 s for the plain step, and the streams' 99th-percentile inter-token latency
+was that probe's (BENCHMARKS.md). Where the forward is flat in tokens (a GPU) the bound leaves probes as they were.
+The drafting is left out of the bound: a drafting price learnt high is what a probe is there to measure again.
 """
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ PROBE_EVERY = 16
 PROBE_FLOOR = 0.9
 #: the share of a load level's measured step cost its probes may lose (``ProbeBudget``)
 PROBE_SHARE = 0.05
+#: a probe's step may cost at most this many times the step it replaces (module docstring)
+PROBE_STALL = 3.0
 
 
 class _Hopeful:
@@ -189,9 +199,12 @@ def narrowest(siblings: Sequence[Any], cap: Callable[[Any], int]) -> int:
 
 def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
           costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None,
-          alternatives: Sequence[Any] | None = None, least: int = 0, most: int | None = None) -> Allocation:
+          alternatives: Sequence[Any] | None = None, least: int = 0, most: int | None = None,
+          stall: float | None = PROBE_STALL) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
-    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least``. Its expected goodput and
+    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least`` among the widths whose padded
+    forward costs at most ``stall`` times ``alloc``'s (at ``hopeful``; None: no bound) - ``alloc`` itself, no probe,
+    where none does or the widest that does is under the width ``least`` would ask for. Its expected goodput and
     tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation
     was planned with), not of the allocation it replaces; its table holds the allocator's ratings and the probe's.
     ``hopeful``: the
@@ -205,7 +218,15 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
             curves[i], cost = alternatives[i][o - 1]
             if costs is not None:
                 costs[i] = cost
-    ratings = wider_ratings(alloc, curves, reach, forward if hopeful is None else hopeful, costs, max_width, most)
+    price = forward if hopeful is None else hopeful
+    ratings = wider_ratings(alloc, curves, reach, price, costs, max_width, most)
+    if stall is not None and ratings:  # a probe is a gap in every running request's stream: bounded
+        rows = len(reach)
+        limit = stall * float(price(rows * (1 + max(alloc.nodes, default=0))))
+        fits = {x: g for x, g in ratings.items() if float(price(rows * (1 + min(x, max(reach))))) <= limit}
+        if not fits or max(fits) < min(least, max(ratings)):
+            return alloc
+        ratings = fits
     w = probe_width(ratings, alloc.goodput, least)
     nodes = [min(w, r) for r in reach]
     tokens = len(reach) + sum(float(cu.expected(d)) for cu, d in zip(curves, nodes) if cu is not None)
@@ -214,5 +235,5 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     return Allocation(nodes, w, goodput, {**alloc.table, **ratings}, options, tokens, probe=True)
 
 
-__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "PROBE_SHARE", "ProbeBudget", "WidthRuns", "narrowest", "probe",
-           "probe_width", "wider_ratings"]
+__all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "PROBE_SHARE", "PROBE_STALL", "ProbeBudget", "WidthRuns",
+           "narrowest", "probe", "probe_width", "wider_ratings"]

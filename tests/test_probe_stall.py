@@ -1,0 +1,108 @@
+"""A probe may not stall the batch (``metasd.core.batching.probes.PROBE_STALL``).
+
+Every running request waits for a scheduler step, so a probe is a gap in each of their streams. Beside 16 rows on a
+CPU a probe of 4 nodes a request padded the forward to 80 tokens - 2.7 s against 0.58 s for the plain step - and the
+streams' 99th-percentile inter-token latency was that probe's. A probe's padded forward now costs at most
+``PROBE_STALL`` times the forward of the step it replaces; where the forward is flat in tokens (a GPU) probes are
+unchanged, and the drafting price (what a probe re-measures) is not part of the bound."""
+import pytest
+
+from metasd.core.batching.adaptive import AdaptiveSpeculation
+from metasd.core.batching.probes import PROBE_STALL, probe
+from metasd.core.pricing.acceptance_curve import AcceptanceCurve
+from metasd.core.pricing.allocator import Allocation
+from metasd.drafters.budgeted import budget_arms
+
+from test_adaptive import _cascade, _Pending  # noqa: E402
+
+ROWS = 16
+
+
+def _steep(n):  # a CPU's forward: linear in its tokens (16 plain rows: 1 unit; 4 nodes a row: 5 units)
+    return n / ROWS
+
+
+def _flat(n):  # a launch-bound GPU forward: the same price for any token count
+    return 1.0
+
+
+def _good_curve():
+    curve = AcceptanceCurve()
+    for _ in range(20):
+        curve.update([0, 1, 2, 3], 4, budget=4)  # every draft of 4 accepted whole
+    return curve
+
+
+def _plain(rows=ROWS):
+    return Allocation([0] * rows, 0, 1.0, {0: 1.0}, [0] * rows, float(rows))
+
+
+def _probe(forward, least=4, **kw):
+    return probe(_plain(), [_good_curve()] * ROWS, [16] * ROWS, forward, None, 48, least=least, **kw)
+
+
+def test_a_probe_whose_forward_would_stall_the_batch_is_not_made():
+    assert PROBE_STALL == 3.0
+    flat = _probe(_flat)
+    assert flat.probe and min(flat.nodes) >= 4  # flat forward: a probe as before
+    steep = _probe(_steep)
+    assert not steep.probe and steep.nodes == [0] * ROWS  # 80 tokens against 16: 5x the plain forward
+    unbounded = _probe(_steep, stall=None)
+    assert unbounded.probe and min(unbounded.nodes) >= 4  # what the bound removes
+
+
+def test_a_probe_drafts_only_widths_whose_forward_fits_the_bound():
+    narrow = _probe(_steep, least=0)  # 16 x (1 + 2) tokens = 3 units: the widest within 3x the plain forward
+    assert narrow.probe and max(narrow.nodes) == 2
+    assert not _probe(_steep, least=4).probe  # the narrowest budget arm's 4 nodes do not fit: no probe at all
+    wider = _probe(_steep, least=4, stall=5.0)
+    assert wider.probe and max(wider.nodes) == 4
+
+
+def _level(forward):
+    """An adaptive whose allocator keeps ``ROWS`` requests plain (drafting learnt dear: 50 units a step) and a step
+    function recording each allocation."""
+    adaptive = AdaptiveSpeculation(forward, max_width=48, price_drafting=True)
+    arm = budget_arms(_cascade(), (48,))[0]
+    for budget in (1, 2, 4, 16, 48):
+        adaptive.learn(arm, [0], budget, budget, draft_cost=50.0, running=ROWS)
+    reqs = [_Pending(length=100, max_new_tokens=100_000) for _ in range(ROWS)]
+    for r in reqs:
+        adaptive._fed[r] = 100
+    adaptive.probe_budget.balance[4] = 1e9  # load_level(16): its probes may lose anything, only the stall bounds them
+
+    def step():
+        alloc = adaptive.allocate([arm] * ROWS, reqs)
+        adaptive.record(alloc, alloc.nodes, ROWS * (1 + max(alloc.nodes)))
+        return alloc
+
+    return step
+
+
+@pytest.mark.parametrize("forward, widest", [(_flat, 8), (_steep, 2)])
+def test_a_level_probes_wider_only_while_its_forward_stays_within_the_bound(forward, widest):
+    step = _level(forward)
+    allocs = [step() for _ in range(40)]
+    assert all(max(a.nodes) == 0 for a in allocs if not a.probe)  # drafting learnt dear: the allocation is plain
+    probed = [max(a.nodes) for a in allocs if a.probe]
+    # each probe twice the widest before it (1, 2, 4, 8: ProbeBudget.most); on the steep forward 4 nodes a row would
+    # cost 5 plain forwards, so its probes stop at 2 (3x) - the dear drafting price holds back neither level's
+    assert probed[:2] == [1, 2] and max(probed) == widest
+
+
+def test_a_width_no_level_has_run_is_probed_once_then_bounded_by_its_measured_price():
+    # 16 rows have run plain forwards only (16 tokens, 1 unit): a probe prices what no level ran as the widest forward
+    # run (``ForwardRatios.hopeful``), so its first wide probe is made - and measured; the next is bounded by that
+    adaptive = AdaptiveSpeculation(_steep, max_width=48, price_drafting=True, unit_seconds=1.0)
+    adaptive.record(_plain(), [0] * ROWS, ROWS, forward_s=_steep(ROWS))
+
+    def probed():
+        return probe(_plain(), [_good_curve()] * ROWS, [16] * ROWS, adaptive.forward_cost(ROWS), None, 48, least=4,
+                     hopeful=adaptive.forward_cost(ROWS, hopeful=True))
+
+    first = probed()
+    assert first.probe and max(first.nodes) == 16
+    tokens = ROWS * (1 + max(first.nodes))
+    adaptive.record(first, first.nodes, tokens, forward_s=_steep(tokens))  # 17 units: measured now
+    again = probed()
+    assert not again.probe and again.nodes == [0] * ROWS  # 4 nodes a row: 5 units, through the measured points
