@@ -72,7 +72,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -354,6 +354,7 @@ class ServerSpec:
     pool: str | None = None
     extra_body: dict | None = None
     args: tuple[str, ...] = ()  # more command-line arguments of this server
+    pythonpath: str | None = None  # put first on the server's PYTHONPATH (--server-path: another build of metasd)
 
 
 #: metasd serve with its verifier on llama.cpp (the same bf16 weights as a GGUF)
@@ -379,7 +380,20 @@ def server_specs(args) -> list[ServerSpec]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"error: unknown server(s) {unknown}; choose from {sorted(known)}")
+    for spec in getattr(args, "server_path", None) or []:
+        name, _, path = spec.partition("=")
+        if name not in names or not path or not Path(path, "metasd").is_dir():
+            raise SystemExit(f"error: --server-path {spec!r}: NAME must be a server of this run ({names}) and DIR "
+                             f"a directory holding a metasd package (pip install --no-deps --target DIR <checkout>)")
+        known[name] = replace(known[name], pythonpath=str(Path(path).resolve()))
     return [known[n] for n in names]
+
+
+def server_env(spec: ServerSpec, env: dict[str, str]) -> dict[str, str]:
+    """The environment ``spec``'s server starts in: ``env``, with its ``pythonpath`` first on PYTHONPATH."""
+    if spec.pythonpath is None:
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (spec.pythonpath, env.get("PYTHONPATH")) if p)}
 
 
 def free_port() -> int:
@@ -678,6 +692,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama-server: KV positions per slot (-c is this x the highest concurrency)")
     p.add_argument("--extra-pool", action="append",
                    help="NAME=pool.yaml: also load `metasd serve --pool pool.yaml` as server NAME (repeatable)")
+    p.add_argument("--server-path", action="append", metavar="NAME=DIR",
+                   help="start server NAME with DIR first on its PYTHONPATH: a metasd installed from another checkout "
+                        "(pip install --no-deps --target DIR <checkout>), to measure two builds in one rotated run "
+                        "(repeatable)")
     p.add_argument("--out", default="benchmarks/results/serve_load.json",
                    help="the results file (JSON, rewritten after every level); server logs go to <out>.logs/")
     p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
@@ -756,7 +774,8 @@ def main(argv=None) -> int:
                     continue
                 cmd = server_command(spec, args, free_port(), model_dir, num_blocks)
                 print(f"[repeat {rep + 1}/{args.repeats}] starting {spec.name}: {' '.join(cmd)}", flush=True)
-                with Server(cmd, env, logs / f"{spec.name}_r{rep}.log", args.startup_timeout) as server:
+                with Server(cmd, server_env(spec, env), logs / f"{spec.name}_r{rep}.log",
+                            args.startup_timeout) as server:
                     model = server.model or str(model_dir)
                     t_warm = time.perf_counter()
                     for _ in range(args.warmup):

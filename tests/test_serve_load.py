@@ -96,6 +96,23 @@ def test_cb_num_blocks_cover_the_load(sl):
     assert n * 256 >= 2 * 16 * (712 + 64)
 
 
+def test_a_server_runs_another_build_first_on_its_path(sl, tmp_path):
+    build = tmp_path / "build"
+    (build / "metasd").mkdir(parents=True)
+    args = sl.build_parser().parse_args(["--servers", "metasd-off", "old", "--extra-pool", "old=configs/x.yaml",
+                                         "--server-path", f"old={build}"])
+    specs = {s.name: s for s in sl.server_specs(args)}
+    assert specs["old"].pythonpath == str(build) and specs["metasd-off"].pythonpath is None
+    env = {"PYTHONPATH": "/frozen", "OMP_NUM_THREADS": "1"}
+    assert sl.server_env(specs["old"], env) == {"PYTHONPATH": f"{build}:/frozen", "OMP_NUM_THREADS": "1"}
+    assert sl.server_env(specs["metasd-off"], env) is env
+    assert sl.server_env(specs["old"], {})["PYTHONPATH"] == str(build)
+    for bad in (f"nobody={build}", f"old={tmp_path}", "old="):  # not a server of the run; no metasd there; no DIR
+        with pytest.raises(SystemExit, match="--server-path"):
+            sl.server_specs(sl.build_parser().parse_args(["--servers", "old", "--extra-pool", "old=x.yaml",
+                                                          "--server-path", bad]))
+
+
 def test_arguments_commands_and_tables(sl, capsys):
     args = sl.build_parser().parse_args(
         ["--servers", "transformers", "metasd-off", "metasd", "--concurrency", "1", "8", "--repeats", "2",
