@@ -214,6 +214,11 @@ def test_adaptive_arguments_are_checked(verifier_model, tok):
         AdaptiveSpeculation(_linear, unit_seconds=0.0)
     with pytest.raises(ValueError, match="min_gain"):
         AdaptiveSpeculation(_linear, min_gain=0.5)
+    for bad in (0.5, float("inf"), "3", True):
+        with pytest.raises(ValueError, match="probe_stall"):
+            AdaptiveSpeculation(_linear, probe_stall=bad)
+    assert AdaptiveSpeculation(_linear, probe_stall=None).probe_stall is None
+    assert AdaptiveSpeculation(_linear).probe_stall == 3.0
     with pytest.raises(ValueError, match="cost"):
         AdaptiveSpeculation(3.0)
     engine = _engine(verifier_model, tok, _budget_arms())
@@ -227,6 +232,7 @@ def test_adaptive_arguments_are_checked(verifier_model, tok):
                                             ({"profile": {"max_seconds": 0}}, "serving.profile.max_seconds"),
                                             ({"width": 8}, "serving.width"),
                                             ({"min_gain": 0.9}, "serving.min_gain"),
+                                            ({"probe_stall": 0.5}, "serving.probe_stall"),
                                             ({"draft_cost": "guessed"}, "serving.draft_cost"),
                                             ({"defer_catch_up": True}, "serving.defer_catch_up")])
 def test_serving_config_errors_name_the_field(serving, field):
@@ -243,6 +249,9 @@ def test_the_adaptive_pool_file_parses():
     assert config.serving.adaptive and config.policy.name == "per_load" and config.feedback == "full"
     assert config.arm_names == ["cascade@4", "cascade@16", "cascade@48"]  # a plain step is the allocator's choice
     assert not read_pool_config(None).serving.adaptive  # the default pool is unchanged
+    assert config.serving.probe_stall == 3.0
+    assert read_pool_config("configs/pools/serve_adaptive.yaml", {"serving": {"adaptive": True, "probe_stall": None}}
+                            ).serving.probe_stall is None  # null: no bound
 
 
 @pytest.mark.parametrize("content, message", [("{", "not JSON"),
@@ -273,7 +282,7 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
 
     profile = ForwardProfile(tokens=[1, 16, 64], seconds=[0.01, 0.012, 0.03], name="saved")
     serving = {"adaptive": True, "max_width": 8, "price_drafting": True, "draft_cost": "measured", "min_gain": 1.25,
-               "defer_catch_up": True, "profile": {"token_counts": None, "max_seconds": 5.0}}
+               "defer_catch_up": True, "probe_stall": 2.0, "profile": {"token_counts": None, "max_seconds": 5.0}}
     scheduler = SchedulerSettings(2, 4, False, serving, profile.to_dict()).make(_engine(verifier_model, tok,
                                                                                         _budget_arms()))
     try:
@@ -282,6 +291,7 @@ def test_serve_settings_build_an_adaptive_scheduler_from_a_saved_profile(verifie
         assert scheduler.adaptive.cost(64) == pytest.approx(3.0)
         assert scheduler.adaptive.unit_seconds == pytest.approx(0.01)  # drafting priced in 1-token forwards
         assert scheduler.adaptive.min_gain == 1.25 and scheduler.adaptive.defer_catch_up
+        assert scheduler.adaptive.probe_stall == 2.0
     finally:
         scheduler.close()
     modeled = SchedulerSettings(2, 4, False, {**serving, "draft_cost": "modeled"}, profile.to_dict()).make(

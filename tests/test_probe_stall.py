@@ -59,10 +59,10 @@ def test_a_probe_drafts_only_widths_whose_forward_fits_the_bound():
     assert wider.probe and max(wider.nodes) == 4
 
 
-def _level(forward):
+def _level(forward, **kw):
     """An adaptive whose allocator keeps ``ROWS`` requests plain (drafting learnt dear: 50 units a step) and a step
     function recording each allocation."""
-    adaptive = AdaptiveSpeculation(forward, max_width=48, price_drafting=True)
+    adaptive = AdaptiveSpeculation(forward, max_width=48, price_drafting=True, **kw)
     arm = budget_arms(_cascade(), (48,))[0]
     for budget in (1, 2, 4, 16, 48):
         adaptive.learn(arm, [0], budget, budget, draft_cost=50.0, running=ROWS)
@@ -79,14 +79,16 @@ def _level(forward):
     return step
 
 
-@pytest.mark.parametrize("forward, widest", [(_flat, 8), (_steep, 2)])
-def test_a_level_probes_wider_only_while_its_forward_stays_within_the_bound(forward, widest):
-    step = _level(forward)
+@pytest.mark.parametrize("forward, stall, widest", [(_flat, 3.0, 8), (_steep, 3.0, 2), (_steep, 5.0, 4),
+                                                   (_steep, None, 8)])
+def test_a_level_probes_wider_only_while_its_forward_stays_within_the_bound(forward, stall, widest):
+    step = _level(forward, probe_stall=stall)  # serving.probe_stall: 3 by default, null for no bound
     allocs = [step() for _ in range(40)]
     assert all(max(a.nodes) == 0 for a in allocs if not a.probe)  # drafting learnt dear: the allocation is plain
     probed = [max(a.nodes) for a in allocs if a.probe]
     # each probe twice the widest before it (1, 2, 4, 8: ProbeBudget.most); on the steep forward 4 nodes a row would
-    # cost 5 plain forwards, so its probes stop at 2 (3x) - the dear drafting price holds back neither level's
+    # cost 5 plain forwards, so its probes stop at 2 (3x; at 4 with a bound of 5, at 8 with none) - the dear drafting
+    # price holds back no level's
     assert probed[:2] == [1, 2] and max(probed) == widest
 
 

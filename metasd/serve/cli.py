@@ -261,7 +261,8 @@ class SchedulerSettings:
                                    price_drafting=self.adaptive["price_drafting"],
                                    unit_seconds=profile.seconds_for(1) if measured else None,
                                    min_gain=self.adaptive["min_gain"],
-                                   defer_catch_up=self.adaptive["defer_catch_up"])
+                                   defer_catch_up=self.adaptive["defer_catch_up"],
+                                   probe_stall=self.adaptive["probe_stall"])
 
 
 def read_cost_profile(path: str | None, config) -> dict | None:

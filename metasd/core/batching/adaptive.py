@@ -98,28 +98,28 @@ class AdaptiveSpeculation:
     else (None) by the engine meter's modeled cost of the drafters' forwards; min_gain: a step drafts only where the
     allocation's expected goodput is >= ``min_gain`` x a plain step's (``plan``'s margin; 1.0: any gain);
     defer_catch_up: offer a request whose arm's model has its prompt still to read the arm's lookups alone (module
-    docstring, 5.; needs ``price_drafting``: unpriced, a catch-up is never a reason to draft otherwise).
+    docstring, 5.; needs ``price_drafting``: unpriced, a catch-up is never a reason to draft otherwise); probe_stall:
+    a probe's forward costs at most this many times the one it replaces (``probes.probe``'s ``stall``; None: no bound).
     """
 
     def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
                  price_drafting: bool = False, unit_seconds: float | None = None, min_gain: float = 1.0,
-                 defer_catch_up: bool = False):
+                 defer_catch_up: bool = False, probe_stall: float | None = probes.PROBE_STALL):
         if not callable(cost):
             raise ValueError(f"cost must be callable (a ForwardProfile's cost), got {type(cost).__name__}")
         if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
             raise ValueError(f"max_width must be an integer >= 0, got {max_width!r}")
-        self.cost = getattr(cost, "cost", cost)  # a ForwardProfile itself is accepted too
-        self.max_width = max_width
+        self.cost, self.max_width = getattr(cost, "cost", cost), max_width  # a ForwardProfile is accepted too
         self.price_drafting = bool(price_drafting)
-        if unit_seconds is not None and not (isinstance(unit_seconds, (int, float))
-                                             and not isinstance(unit_seconds, bool)
-                                             and math.isfinite(unit_seconds) and unit_seconds > 0):
+        if unit_seconds is not None and (isinstance(unit_seconds, bool) or not isinstance(unit_seconds, (int, float))
+                                         or not math.isfinite(unit_seconds) or unit_seconds <= 0):
             raise ValueError(f"unit_seconds must be a finite number of seconds > 0 or None, got {unit_seconds!r}")
         self.unit_seconds = None if unit_seconds is None else float(unit_seconds)
         self.min_gain = checked_min_gain(min_gain)
         if defer_catch_up and not price_drafting:
             raise ValueError("defer_catch_up needs price_drafting: the catch-up it defers is priced only then")
         self.defer_catch_up = bool(defer_catch_up)
+        self.probe_stall = probes.checked_stall(probe_stall)
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
         self.draft_costs: dict[str, float] = {}  # per curve key: average drafting cost of a step it drafted
@@ -259,7 +259,7 @@ class AdaptiveSpeculation:
         if not self.width_runs.due(level, alloc.width, possible):
             return alloc
         return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives, least,
-                            self.probe_budget.most(level, alloc.width, least))
+                            self.probe_budget.most(level, alloc.width, least), self.probe_stall)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with

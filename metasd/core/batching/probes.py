@@ -39,6 +39,7 @@ The drafting is left out of the bound: a drafting price learnt high is what a pr
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 from ..pricing.allocator import Allocation, candidate_widths, expected_goodput
@@ -53,6 +54,15 @@ PROBE_FLOOR = 0.9
 PROBE_SHARE = 0.05
 #: a probe's step may cost at most this many times the step it replaces (module docstring)
 PROBE_STALL = 3.0
+
+
+def checked_stall(stall: Any) -> float | None:
+    """``stall`` as a probe's bound (``probe``): None (no bound) or a finite number >= 1, else a ``ValueError``."""
+    if stall is None:
+        return None
+    if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not math.isfinite(stall) or stall < 1:
+        raise ValueError(f"probe_stall must be a finite number >= 1 or None, got {stall!r}")
+    return float(stall)
 
 
 class _Hopeful:
@@ -236,4 +246,4 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
 
 
 __all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "PROBE_SHARE", "PROBE_STALL", "ProbeBudget", "WidthRuns",
-           "narrowest", "probe", "probe_width", "wider_ratings"]
+           "checked_stall", "narrowest", "probe", "probe_width", "wider_ratings"]
