@@ -33,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import load_prompts, requests_for  # noqa: E402
+from serve_load import load_prompts, percentile, requests_for  # noqa: E402
 
 PHASES = ("prefill", "draft", "verify")
 
@@ -115,6 +115,8 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
         # getattr: the script also times older checkouts (METASD_ROOT), whose scheduler had no catch-up rates
         "catch_up_rates": dict(getattr(adaptive, "catch_up_rates", {})) if adaptive is not None else None,
         "calibration": calibration(decode, getattr(adaptive, "unit_seconds", None)),
+        # inter-token latency per token, as serve_load.py counts it (in-process: the steps' seconds), and its tail
+        **latency(steps),
         # per request, in send order: its prompt's index, seconds from the level's start to its send and its end,
         # tokens and steps (the level's wall time is its last end)
         "request_spans": [{"prompt": (first + i) % len(prompts), "sent_s": a, "end_s": b,
@@ -123,7 +125,34 @@ def run_level(scheduler, timer: PhaseTimer, prompts: list[str], c: int, max_toke
     }
 
 
-def trace_steps(scheduler, path: Path) -> None:
+def itl_samples(steps: list) -> list[float]:
+    """Per-token inter-token latencies of the requests in ``steps`` (``SchedulerStep`` records in order, prefill-only
+    steps included), as ``serve_load.py`` counts them from a stream: for every commit of a request after its first,
+    the seconds of the steps since its previous commit over the tokens committed, once per token."""
+    gap: dict[str, float] = {}  # request id -> seconds since its last commit
+    out: list[float] = []
+    for s in steps:
+        for rid in gap:
+            gap[rid] += s.seconds
+        for r in s.requests:
+            if r.committed > 0:
+                if r.id in gap:
+                    out += [gap[r.id] / r.committed] * r.committed
+                gap[r.id] = 0.0
+    return out
+
+
+def latency(steps: list) -> dict:
+    """The level's ITL p50 / p99 (``itl_samples``), its longest step and, with adaptive speculation, its probes: how
+    many, their seconds and batch sizes (a probe is a gap in every running request's stream)."""
+    itl = itl_samples(steps)
+    probes = [s for s in steps if s.adaptive is not None and getattr(s.adaptive, "probe", False)]
+    return {"itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
+            "step_s_max": max((s.seconds for s in steps), default=0.0),
+            "probes": [{"batch": s.batch_size, "seconds": s.seconds, "width": s.adaptive.width} for s in probes]}
+
+
+def trace_steps(scheduler, path: Path, timer: "PhaseTimer | None" = None) -> None:
     """Append one JSON line per decode step to ``path`` (emptied first): the step's batch, seconds and forward tokens,
     its ``AdaptiveRecord`` (width, nodes, expected goodput per width, whether a probe made it), each request's drafter,
     drafted, accepted and committed tokens and, for an adaptive pool, the learnt acceptance curves and drafting prices
@@ -134,11 +163,20 @@ def trace_steps(scheduler, path: Path) -> None:
 
     path.write_text("")
     adaptive = scheduler.adaptive
+    seen = dict.fromkeys(PHASES, 0.0)  # the timer's totals at the last step: each step's own seconds per phase
 
     def write(event) -> None:
-        if not isinstance(event, SchedulerStep) or event.batch_size == 0:
+        if not isinstance(event, SchedulerStep):
+            return
+        own = {}  # the step's seconds in prefill, drafting (a first draft reads its prompt) and verification
+        if timer is not None:
+            totals = {k: timer.totals.get(k, 0.0) for k in PHASES}
+            own = {f"{k}_s": totals[k] - seen[k] if totals[k] >= seen[k] else totals[k] for k in PHASES}  # take()
+            seen.update(totals)  # clears the totals between levels
+        if event.batch_size == 0:
             return
         line = {"batch": event.batch_size, "seconds": event.seconds, "forward_tokens": event.forward_tokens,
+                "prefill_tokens": event.prefill_tokens, **own,
                 "requests": [{"id": r.id, "drafter": r.drafter, "drafted": r.drafted, "accepted": r.accepted,
                               "committed": r.committed} for r in event.requests],
                 "adaptive": dataclasses.asdict(event.adaptive) if event.adaptive is not None else None}
@@ -240,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = settings.make(recipe())
     timer = PhaseTimer(scheduler)
     if args.trace:
-        trace_steps(scheduler, Path(args.trace))
+        trace_steps(scheduler, Path(args.trace), timer)
     rows = []
     try:
         for _ in range(args.warmup):  # what serve_load.py sends each server first: the scheduler learns from it too

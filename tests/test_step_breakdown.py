@@ -32,6 +32,8 @@ def test_the_levels_account_for_their_time_and_an_adaptive_pool_reports_its_pric
     assert steps and {1, 3} <= {s["batch"] for s in steps} <= {1, 2, 3}  # every decoding step, one line each
     assert all(len(s["requests"]) == s["batch"] and s["adaptive"]["width"] >= 0 for s in steps)
     assert all(s["adaptive"]["probe"] in (True, False) for s in steps)  # which steps a probe made
+    assert all(0 <= s["draft_s"] + s["verify_s"] + s["prefill_s"] <= s["seconds"] + 1e-3 and s["verify_s"] > 0
+               for s in steps)  # each step's own phases (a prefill-only step's prefill is not the next step's)
     ratios = steps[-1]["forward_ratios_by_tokens"]  # per load level and token bucket
     assert set(ratios) == {str(lv) for lv in steps[-1]["forward_ratios"]} and all(ratios.values())
     rows = json.loads(out.read_text())["rows"]
@@ -43,7 +45,28 @@ def test_the_levels_account_for_their_time_and_an_adaptive_pool_reports_its_pric
         assert timed <= r["wall_s"] and r["other_s"] == pytest.approx(r["wall_s"] - timed)
         assert r["draft_costs"] is not None and sum(r["arm_steps"].values()) >= r["steps"]
         assert 0 <= r["lookup_only_steps"] <= sum(r["arm_steps"].values())
+        assert 0 < r["itl_p50"] <= r["itl_p99"] <= sum(x["seconds"] for x in steps)  # 6 tokens a request: gaps
+        assert all(x["batch"] >= 1 and x["seconds"] > 0 for x in r["probes"])
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_inter_token_latency_counts_each_requests_gaps_as_a_stream_would():
+    from types import SimpleNamespace as NS
+
+    script = load_script("step_breakdown")
+
+    def step(seconds, *commits, probe=False):
+        return NS(seconds=seconds, batch_size=len(commits), adaptive=NS(probe=probe, width=4 if probe else 0),
+                  requests=[NS(id=rid, committed=k) for rid, k in commits])
+
+    steps = [step(1.0, ("a", 1)),  # a's first token (its TTFT): no sample
+             step(0.5),  # a prefill-only step: a waits
+             step(2.0, ("a", 4), ("b", 1), probe=True),  # a: 2.5 s for 4 tokens; b's first token
+             step(1.0, ("a", 1), ("b", 2))]
+    assert script.itl_samples(steps) == [0.625] * 4 + [1.0] + [0.5] * 2
+    figures = script.latency(steps)
+    assert figures["step_s_max"] == 2.0 and figures["probes"] == [{"batch": 2, "seconds": 2.0, "width": 4}]
+    assert figures["itl_p50"] == 0.625 and figures["itl_p99"] == pytest.approx(0.625 + 0.94 * 0.375)
 
 
 def test_a_level_of_more_requests_than_slots_keeps_c_in_flight_as_serve_load_does(tmp_path, questions):
