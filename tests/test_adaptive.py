@@ -217,8 +217,8 @@ def test_adaptive_arguments_are_checked(verifier_model, tok):
     for bad in (0.5, float("inf"), "3", True):
         with pytest.raises(ValueError, match="probe_stall"):
             AdaptiveSpeculation(_linear, probe_stall=bad)
-    assert AdaptiveSpeculation(_linear, probe_stall=None).probe_stall is None
-    assert AdaptiveSpeculation(_linear).probe_stall == 3.0
+    assert AdaptiveSpeculation(_linear, probe_stall=3).probe_stall == 3.0
+    assert AdaptiveSpeculation(_linear).probe_stall is None  # no bound by default
     with pytest.raises(ValueError, match="cost"):
         AdaptiveSpeculation(3.0)
     engine = _engine(verifier_model, tok, _budget_arms())
@@ -249,9 +249,9 @@ def test_the_adaptive_pool_file_parses():
     assert config.serving.adaptive and config.policy.name == "per_load" and config.feedback == "full"
     assert config.arm_names == ["cascade@4", "cascade@16", "cascade@48"]  # a plain step is the allocator's choice
     assert not read_pool_config(None).serving.adaptive  # the default pool is unchanged
-    assert config.serving.probe_stall == 3.0
-    assert read_pool_config("configs/pools/serve_adaptive.yaml", {"serving": {"adaptive": True, "probe_stall": None}}
-                            ).serving.probe_stall is None  # null: no bound
+    assert config.serving.probe_stall is None  # no bound by default
+    assert read_pool_config("configs/pools/serve_adaptive.yaml", {"serving": {"adaptive": True, "probe_stall": 2}}
+                            ).serving.probe_stall == 2.0
 
 
 @pytest.mark.parametrize("content, message", [("{", "not JSON"),

@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from metasd.core.batching.probes import PROBE_STALL
 from metasd.core.decoding.drafter import cross_tokenizer_types
 from metasd.core.decoding.params import Bool, Int
 from metasd.core.decoding.policy import Policy, make_policy
@@ -155,8 +154,8 @@ class ServingConfig(_Strict):
     #: alone (a cascade's suffix decoding: no catch-up); needs price_drafting
     defer_catch_up: Bool = False
     #: a probe's padded verify forward costs at most probe_stall x the forward of the step it replaces (every running
-    #: request waits for it); null: no bound (metasd.core.batching.probes.PROBE_STALL)
-    probe_stall: float | None = Field(PROBE_STALL, ge=1.0, allow_inf_nan=False)
+    #: request waits for it); null (the default): no bound (metasd.core.batching.probes)
+    probe_stall: float | None = Field(None, ge=1.0, allow_inf_nan=False)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @field_validator("defer_catch_up")

@@ -30,7 +30,7 @@ wires the building blocks of speculation under load into its step:
    per load level and token bucket (``ForwardRatios``), price every verify of the level (``forward_cost``).
 7. **probes** (with ``price_drafting``; ``probes.py``) - after a run of steps at one width where a wider one was
    possible, one step drafts wider (up to the widest sibling arm, ``siblings``), sampling every narrower budget at
-   once: within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid), ``PROBE_STALL``.
+   once: within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid), ``probe_stall``.
 
 Curves are per drafter, shared by the scheduler's requests: budget arms of one entry (``cascade@4``, ``cascade@16``)
 share the inner drafter's. A request's cap is its arm's ``budget`` (budget arms), else ``max_width``; 0 for an arm that
@@ -104,7 +104,7 @@ class AdaptiveSpeculation:
 
     def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
                  price_drafting: bool = False, unit_seconds: float | None = None, min_gain: float = 1.0,
-                 defer_catch_up: bool = False, probe_stall: float | None = probes.PROBE_STALL):
+                 defer_catch_up: bool = False, probe_stall: float | None = None):
         if not callable(cost):
             raise ValueError(f"cost must be callable (a ForwardProfile's cost), got {type(cost).__name__}")
         if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
