@@ -47,16 +47,23 @@ def test_a_probe_drafts_at_most_twice_the_widest_its_level_drafted():
     assert budget.most(2, 0) == 1  # another level drafted nothing yet
 
 
-def _probing(running=1, drafting=3.0):
-    """An adaptive whose allocator keeps ``running`` requests plain (drafting learnt dear) and a step function: each
-    step's forward takes 1 s (1 unit), a probe's drafting costs ``drafting`` units and commits no draft token."""
-    adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True, unit_seconds=1.0)
+def dear_level(adaptive, running):
+    """An arm and ``running`` requests (prompts read) of a level whose drafting ``adaptive`` has learnt dear (50 units a
+    step at every budget), so its allocator keeps them plain."""
     arm = budget_arms(_cascade(), (48,))[0]
     for budget in (1, 2, 4, 16, 48):
         adaptive.learn(arm, [0], budget, budget, draft_cost=50.0, running=running)
     reqs = [_Pending(length=100, max_new_tokens=100_000) for _ in range(running)]
     for r in reqs:
         adaptive._fed[r] = 100
+    return arm, reqs
+
+
+def _probing(running=1, drafting=3.0):
+    """An adaptive whose allocator keeps ``running`` requests plain (drafting learnt dear) and a step function: each
+    step's forward takes 1 s (1 unit), a probe's drafting costs ``drafting`` units and commits no draft token."""
+    adaptive = AdaptiveSpeculation(_linear, max_width=48, price_drafting=True, unit_seconds=1.0)
+    arm, reqs = dear_level(adaptive, running)
 
     def step():
         alloc = adaptive.allocate([arm] * running, reqs)

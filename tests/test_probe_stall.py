@@ -12,9 +12,8 @@ from metasd.core.batching.adaptive import AdaptiveSpeculation
 from metasd.core.batching.probes import probe
 from metasd.core.pricing.acceptance_curve import AcceptanceCurve
 from metasd.core.pricing.allocator import Allocation
-from metasd.drafters.budgeted import budget_arms
 
-from test_adaptive import _cascade, _Pending  # noqa: E402
+from test_probe_budget import dear_level  # noqa: E402
 
 ROWS = 16
 
@@ -65,12 +64,7 @@ def _level(forward, **kw):
     """An adaptive whose allocator keeps ``ROWS`` requests plain (drafting learnt dear: 50 units a step) and a step
     function recording each allocation."""
     adaptive = AdaptiveSpeculation(forward, max_width=48, price_drafting=True, **kw)
-    arm = budget_arms(_cascade(), (48,))[0]
-    for budget in (1, 2, 4, 16, 48):
-        adaptive.learn(arm, [0], budget, budget, draft_cost=50.0, running=ROWS)
-    reqs = [_Pending(length=100, max_new_tokens=100_000) for _ in range(ROWS)]
-    for r in reqs:
-        adaptive._fed[r] = 100
+    arm, reqs = dear_level(adaptive, ROWS)
     adaptive.probe_budget.balance[4] = 1e9  # load_level(16): its probes may lose anything, only the stall bounds them
 
     def step():
