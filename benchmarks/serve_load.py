@@ -380,7 +380,7 @@ def server_specs(args) -> list[ServerSpec]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"error: unknown server(s) {unknown}; choose from {sorted(known)}")
-    for spec in getattr(args, "server_path", None) or []:
+    for spec in args.server_path or []:
         name, _, path = spec.partition("=")
         if name not in names or not path or not Path(path, "metasd").is_dir():
             raise SystemExit(f"error: --server-path {spec!r}: NAME must be a server of this run ({names}) and DIR "

@@ -233,7 +233,7 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     if stall is not None and ratings:  # a probe is a gap in every running request's stream: bounded
         rows = len(reach)
         limit = stall * float(price(rows * (1 + max(alloc.nodes, default=0))))
-        fits = {x: g for x, g in ratings.items() if float(price(rows * (1 + min(x, max(reach))))) <= limit}
+        fits = {x: g for x, g in ratings.items() if float(price(rows * (1 + x))) <= limit}  # x <= max(reach)
         if not fits or max(fits) < min(least, max(ratings)):
             return alloc
         ratings = fits

@@ -330,7 +330,8 @@ def _measure(counts: Sequence[int], timed: Callable[[int], float], repeats: int,
             for _ in range(RETIMES):
                 if medians[k] >= medians[k - 1] / 2:
                     break
-                retimed += [m] if m not in retimed else []
+                if m not in retimed:
+                    retimed.append(m)
                 medians[k - 1] = min(medians[k - 1], median_of(m, *calls[m]))
     notes = {"skipped": skipped, "retimed": retimed, "reduced": reduced}
     if warmup:
