@@ -294,13 +294,12 @@ class AdaptiveSpeculation:
                    memo: dict | None = None) -> Callable[[int], float] | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
-        (``DraftPrices.price``: at a load level where it has not drafted yet, the nearest level's scaled by the
-        share; the arm's average over all its steps when ``running`` is None) plus the request's one-off catch-up
-        (``catch_up``) amortized over its remaining steps: ``catch_up * (1 + a(d)) / remaining``, ``remaining`` the
-        tokens it may still commit and ``1 + a(d)`` the tokens a step commits - unless ``joining`` requests are about
-        to raise the load to a level where the arm would not draft (``drafts_at``): then the catch-up is charged whole
-        to this step (the level is filling: amortized, it would be paid for steps that stay plain). None before the
-        arm has drafted once."""
+        (``DraftPrices.price``: at a load level where it has not drafted yet, borrowed pessimistically; the arm's
+        average over all its steps when ``running`` is None) plus the request's one-off catch-up (``catch_up``)
+        amortized over its remaining steps: ``catch_up * (1 + a(d)) / remaining``, ``remaining`` the tokens it may
+        still commit and ``1 + a(d)`` the tokens a step commits - unless ``joining`` requests are about to raise the
+        load to a level where the arm would not draft (``drafts_at``): then the catch-up is charged whole to this step
+        (the level is filling: amortized, it would be paid for steps that stay plain). None before it has drafted."""
         key = self.curve_key(arm)
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:

@@ -11,20 +11,20 @@ arm is wrong twice over:
   the allocator from drafting at 4 requests, where a fixed 8-node tree was 1.5x plain decoding).
 
 ``DraftPrices`` keeps an exponential average per (arm, load level, budget). ``price`` reads a budget's own average;
-between two budgets learnt at the same level, it interpolates linearly; below the smallest it scales that one by
-``d / budget`` (drafting fewer nodes never costs more forwards); above the largest it takes the largest's (optimistic:
-a wider draft is tried once and then known). At a level where the arm has learnt nothing, the nearest level that has
-a price lends it, scaled by a request's share of a batched forward at each (``share``: ``shape(rows) / rows``,
-``level_rows`` the requests a level stands for, ``shape`` a forward's cost by its tokens - the verifier's start-up
-profile in the scheduler). Without a shape the share is ``1 / rows``: a forward whose cost does not grow with its
-rows, a GPU's; on a CPU, where it does, that prior halved the price from 8 requests to 16 while the 0.5B's 4-node
-price measured at 16 was 0.36-0.66 forwards a request against 0.33-1.03 at 8, and a fresh 16-request level's first
-step drafted and caught up every prompt at once (BENCHMARKS.md, "One thread: what a level's probes may lose,
-bounded"). The verifier's shape stands in for the drafter's, which is not profiled: on a CPU with AMX the bf16
-verifier is flat to 16 tokens while the int4 0.5B drafter's forward grows with its tokens, and there the prior still
-halves from 4 requests to 8 (BENCHMARKS.md, "On a CPU with AMX"). One step at the level then corrects the prior;
-drafting free there instead made every new level's first steps draft wide. With no level learnt, None: the caller
-decides.
+between two budgets learnt at the same level, it interpolates linearly; below the smallest it scales that one by ``d
+/ budget`` (drafting fewer nodes never costs more forwards); above the largest it takes the largest's (optimistic: a
+wider draft is tried once and then known). At a level where the arm has learnt nothing, the price is borrowed
+pessimistically: the dearest learnt level's, scaled by a request's share of a batched forward (``share``:
+``shape(rows) / rows``, ``level_rows`` the requests a level stands for, ``shape`` a forward's cost by its tokens -
+the verifier's start-up profile in the scheduler; ``1 / rows`` without one) where a request's share is larger at the
+fresh level (fewer rows to share a forward with), never where it is smaller. Until then the nearest level lent its
+price scaled both ways, and a fresh level's first steps drafted on whatever that level had happened to measure: at
+two threads on a Zen 4 CPU, 4 requests' narrow probes priced the 0.5B's 4-node step at 0.31 forwards, the 8-request
+level borrowed it, drafted, and measured 0.43 - and in 2 of 3 repeats ended below speculation off (BENCHMARKS.md,
+"Two threads per server on the Zen 4 CPU"). Halving the price from 8 requests to 16 (the ``1 / rows`` prior) had
+made a fresh 16-request level's first step draft and catch up every prompt at once ("One thread: what a level's
+probes may lose, bounded"). The level's own steps then price it - its probes (``metasd.core.batching.probes``)
+measure a level that the borrowed price keeps plain. With no level learnt, None: the caller decides.
 """
 from __future__ import annotations
 
@@ -65,8 +65,9 @@ class DraftPrices:
 
     def price(self, key: str, level: int, d: int) -> float | None:
         """The cost of drafting ``d`` nodes with ``key``'s arm at load ``level`` (0 for ``d <= 0``: no drafting);
-        at a level it has not drafted at, the nearest learnt level's, scaled by a request's ``share`` at each; None
-        where the arm has drafted at no level."""
+        at a level it has not drafted at, the dearest of the learnt levels' prices, each scaled by ``share(level) /
+        share(learnt)`` where that is above 1 (fewer rows to share with), never below; None where the arm has drafted
+        at no level."""
         if d <= 0:
             return 0.0
         row = self._table.get((key, int(level)))
@@ -75,8 +76,10 @@ class DraftPrices:
         learnt = [lv for (k, lv), r in self._table.items() if k == key and r]
         if not learnt:
             return None
-        near = min(learnt, key=lambda lv: (abs(lv - level), lv))  # the nearest level; the lower one on a tie
-        return self._read(self._table[(key, near)], d) * self.share(level) / self.share(near)
+        # borrowed pessimistically: the dearest learnt level's, scaled up to a request's share at a level with fewer
+        # rows to share a forward with, never down (``share``'s prior is what a level's own steps measure)
+        return max(self._read(self._table[(key, lv)], d) * max(self.share(level) / self.share(lv), 1.0)
+                   for lv in learnt)
 
     def share(self, level: int) -> float:
         """A request's share of a batched forward at ``level``, in a one-row forward's cost: ``shape(rows) / rows``
