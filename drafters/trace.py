@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from metasd.core.decoding.drafter import Drafter, StepContext, StepFeedback, drafting_loop
+from metasd.core.decoding.drafter import BuildContext, Drafter, DrafterParams, StepContext, StepFeedback, drafting_loop
 from metasd.core.decoding.sampling import SamplingParams
 from metasd.core.execution.draft_batch import Drafting, Feed, drive, run_feed
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
@@ -113,6 +113,23 @@ class Trace:
         return cls([PromptTrace(p["name"], p["prompt_len"], p["recorded_len"],
                                 {a: [TraceStep.from_json(s) for s in steps] for a, steps in p["arms"].items()})
                     for p in body["prompts"]], body.get("meta"))
+
+    def save_replay(self, path: str | Path) -> None:
+        """The prompts replayed on and their continuations (``replay_on``), for a pool entry's ``replay``."""
+        body = {"format": FORMAT, "prompts": [{"name": p.name, "prompt_ids": p.prompt_ids,
+                                               "continuation": p.continuation} for p in self.prompts
+                                              if p.prompt_ids is not None]}
+        Path(path).write_text(json.dumps(body, separators=(",", ":")))
+
+    def load_replay(self, path: str | Path) -> None:
+        """``replay_on`` every prompt a ``save_replay`` file names; a name the trace lacks is an error."""
+        body, by_name = json.loads(Path(path).read_text()), {p.name: p for p in self.prompts}
+        if body.get("format") != FORMAT:
+            raise ValueError(f"{path}: replay format {body.get('format')!r}, this metasd reads {FORMAT}")
+        for r in body["prompts"]:
+            if r["name"] not in by_name:
+                raise ValueError(f"{path}: prompt {r['name']!r} is not in the trace (it has {sorted(by_name)})")
+            by_name[r["name"]].replay_on(r["prompt_ids"], r["continuation"])
 
     def for_prompt(self, prompt_ids: Sequence[int]) -> PromptTrace:
         """The trace replayed on ``prompt_ids`` (``PromptTrace.replay_on``)."""
@@ -219,12 +236,24 @@ def _step_of(draft: Draft, rest: list[int], feeds: list[dict]) -> TraceStep:
 
 
 # ---------------------------------------------------------------- replay
+class TraceParams(DrafterParams):
+    """A pool entry of ``type: metasd.drafters.trace:TraceDrafter`` (paths relative to the pool file's folder)."""
+
+    trace: str  # the recorded trace (``Trace.save``)
+    replay: str  # the prompts it is replayed on and the replaying verifier's continuations (``Trace.save_replay``)
+    arm: str | None = None  # the recorded arm; default: the entry's name
+
+
 class TraceDrafter(Drafter):
     """Replays one arm of a ``Trace``: its recorded drafts relabelled onto the replaying verifier's continuation, its
     recorded forwards run through ``models`` (one per model the arm drafted with; none for a lookup arm) at their
-    real shapes. Greedy requests only; built in code (``benchmarks/trace_replay.py``), not from a pool file."""
+    real shapes. Greedy requests only. Built in code (``benchmarks/trace_replay.py``) or from a pool entry
+    (``from_config``: ``model`` the drafter model, random weights of the real shape; ``params`` ``TraceParams``),
+    e.g. to serve trace-replayed acceptance through ``metasd serve``: a request whose prompt ids the replay file
+    does not hold is refused (``TraceMiss``), never drafted for otherwise."""
 
     kind = "trace"
+    model_field, checkpoint_field, Params = "optional", "never", TraceParams
 
     def __init__(self, trace: Trace, arm: str, models: Sequence[nn.Module] = (), vocab: int | None = None,
                  name: str | None = None, lookup: bool | None = None):
@@ -239,6 +268,29 @@ class TraceDrafter(Drafter):
         self._cached: list[int] = []  # committed tokens in each model's cache
         #: the last draft, its base (committed length) and node -> (model, slot - base) of the nodes fed
         self._pending: tuple[Draft, int, dict[int, tuple[int, int]]] | None = None
+
+    @classmethod
+    def from_config(cls, name: str, params: dict[str, Any], build: BuildContext) -> "TraceDrafter":
+        def path(key: str) -> Path:
+            p = Path(params[key])
+            p = p if p.is_absolute() or build.base_dir is None else build.base_dir / p
+            if not p.is_file():
+                raise ValueError(f"params.{key}: no file {str(p)!r}")
+            return p
+        trace, arm = Trace.load(path("trace")), params.get("arm") or name
+        trace.load_replay(path("replay"))
+        if not any(arm in p.arms for p in trace.prompts):
+            raise ValueError(f"params.arm: the trace has no arm {arm!r} (it has "
+                             f"{sorted({a for p in trace.prompts for a in p.arms})})")
+        used = {f["model"] for p in trace.prompts for s in p.arms.get(arm, []) for f in s.feeds}
+        if len(used) != (build.model is not None):
+            raise ValueError(f"model: arm {arm!r} drafted with {len(used)} model(s), the entry gives "
+                             f"{int(build.model is not None)} (a model arm: one, the drafter's shape; a lookup: none)")
+        if build.model is None:
+            build.refuse_quantize(name, cls.kind)
+        models = [build.load_model(build.model)[0]] if build.model is not None else []
+        vocab = int(build.verifier.model.get_input_embeddings().weight.shape[0])
+        return cls(trace, arm, models, vocab=vocab, name=name, lookup=not used)
 
     def begin(self, ctx: StepContext) -> None:
         self._prompt = self.trace.for_prompt(ctx.tokens[: ctx.prompt_len].tolist())

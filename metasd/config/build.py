@@ -158,7 +158,7 @@ def build_engine(config: PoolConfig, base_dir: Path | None = None, models: Model
             raise ConfigError(f"drafters.{i} ({d.name!r}): type {d.type!r} reads the verifier's torch weights, which "
                               f"the {config.verifier.backend} backend does not have (use verifier: {{backend: torch}})")
         build = BuildContext(verifier=verifier, model=d.model, checkpoint=checkpoint, load_model=load,
-                             quantize=d.quantize, tokenizer=d.tokenizer, pool=dict(built))
+                             quantize=d.quantize, tokenizer=d.tokenizer, pool=dict(built), base_dir=base_dir)
         try:
             drafter = cls.from_config(d.name, dict(d.params), build)
         except (TypeError, ValueError) as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import torch
@@ -276,6 +277,7 @@ class BuildContext:
     tokenizer: str = "shared"  # the entry's tokenizer: "shared" (the verifier's) or "own" (cross-tokenizer drafting)
     #: the drafters built from the pool's earlier entries, by name (for a type with ``refers_to``)
     pool: dict[str, Any] = field(default_factory=dict)
+    base_dir: Path | None = None  # the pool file's folder (None: a config built in code): relative paths in params
 
     def own_tokenizer(self, name: str, cls: type[Drafter]) -> bool:
         """Whether the entry drafts with its model's own tokenizer; an error for a type that cannot."""
