@@ -531,14 +531,15 @@ def _terminate(signum, _frame):
 
 
 # --------------------------------------------------------------------------------------------- load
-async def stream_one(client, model: str, prompt: str, args, extra_body) -> dict:
-    """One streaming chat request: chunk arrival times (s after sending) and texts, usage, metasd's record."""
+async def stream_one(client, model: str, prompt: str, args, extra_body, max_tokens: int | None = None) -> dict:
+    """One streaming chat request (``max_tokens``, default ``args.max_tokens``): chunk arrival times (s after
+    sending) and texts, usage, metasd's record."""
     rec = {"ok": False, "chunks": []}
     t0 = time.perf_counter()
     try:
         kwargs = {"extra_body": extra_body} if extra_body else {}
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens or args.max_tokens,
             temperature=args.temperature, stream=True, stream_options={"include_usage": True}, **kwargs)
         text = []
         async for chunk in stream:
@@ -586,7 +587,8 @@ async def run_level(base: str, model: str, prompts: list, concurrency: int, n: i
         async with sem:
             q = prompts[i % len(prompts)]
             sent_at[i] = time.perf_counter()
-            rec = await stream_one(client, model, q.turns[0], args, extra_body)
+            rec = await stream_one(client, model, q.turns[0], args, extra_body,
+                                   getattr(q, "meta", {}).get("max_tokens"))  # a question's own length, if it gives one
             rec.update({"question_id": q.question_id, "group": q.group, "sent_s": sent_at[i] - t0})
             results[i] = rec
 
@@ -669,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", nargs="+", help="only these Spec-Bench categories (e.g. coding math: prompts "
                                                    "outside the plan the allocator was tuned on)")
     p.add_argument("--copy-heavy", type=int, default=0, metavar="N", help="also N prompts per copy-heavy category")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to answer; a question whose meta gives max_tokens "
+                                                                 "(trace_replay.py serve-prep writes them) asks for its own")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL threads of each server")
     p.add_argument("--level-timeout", type=float, default=3600, help="seconds; a level stops by itself after this")

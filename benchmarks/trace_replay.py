@@ -256,6 +256,111 @@ def replay_main(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- serve
+TRACE_TYPE = "metasd.drafters.trace:TraceDrafter"
+
+
+#: the bytes a replayed prompt is drawn from (ASCII letters): text of them tokenizes to their byte ids, no merges
+PROMPT_BYTES = list(range(ord("A"), ord("Z") + 1)) + list(range(ord("a"), ord("z") + 1))
+
+
+def byte_tokenizer(vocab: int, eos: int | None = None):
+    """A byte-level BPE tokenizer (``Qwen2Tokenizer``: what ``AutoTokenizer`` loads beside a Qwen2 config, in any
+    server that reads the folder) with no merges: id b < 256 is byte b, the ids above are multi-byte fillers that no
+    text tokenizes to; its chat template is the messages' text alone. So a chat prompt of ``PROMPT_BYTES`` tokenizes to
+    exactly its bytes' ids, and a replay keyed by prompt ids meets what a client sends as text. ``eos``: the id the
+    servers stop at (default: the last)."""
+    import itertools
+    import tempfile
+
+    from transformers import Qwen2Tokenizer
+
+    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode
+    rest = iter(range(256, 512))
+    chars = {b: chr(b) if b in visible else chr(next(rest)) for b in range(256)}
+    words = [chars[b] for b in range(256)]
+    for combo in itertools.chain(itertools.product(words, repeat=2), itertools.product(words, repeat=3)):
+        if len(words) >= vocab:
+            break
+        words.append("".join(combo))
+    eos = vocab - 1 if eos is None else eos
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "vocab.json").write_text(json.dumps({w: i for i, w in enumerate(words)}, ensure_ascii=False))
+        (Path(d) / "merges.txt").write_text("#version: 0.2\n")
+        tok = Qwen2Tokenizer(str(Path(d) / "vocab.json"), str(Path(d) / "merges.txt"), eos_token=words[eos],
+                             unk_token=None, bos_token=None, pad_token=None)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tok
+
+
+def served_pool(raw: dict, trace: Trace, out: Path) -> dict:
+    """The pool file ``raw`` (a parsed YAML) served on the replay: its verifier the random one in ``out``, each arm
+    a trace entry of the arm recorded under its name (budgets kept; the random drafter where the recording ran a model,
+    quantized as the pool's model drafter was), entries that are no arm dropped (the trace replays what they did)."""
+    recorded = {a for p in trace.prompts for a in p.arms}
+    quantize = {d.get("quantize") for d in raw["drafters"] if d.get("model") and d.get("quantize")}
+    drafters = []
+    for d in raw["drafters"]:
+        if not d.get("arm", True):
+            continue
+        if d["name"] not in recorded:
+            raise SystemExit(f"error: the trace has no arm {d['name']!r} (it has {sorted(recorded)})")
+        used = any(s.feeds for p in trace.prompts for s in p.arms[d["name"]])  # a lookup arm runs no forward
+        entry = {"name": d["name"], "type": TRACE_TYPE, "params": {"trace": "trace.json", "replay": "replay.json"}}
+        if used:
+            entry["model"] = str(out / "drafter")
+            if quantize:
+                entry["quantize"] = sorted(quantize)[0]
+        if d.get("budgets") is not None:
+            entry["budgets"] = d["budgets"]
+        drafters.append(entry)
+    verifier = {k: v for k, v in raw["verifier"].items() if k not in ("model", "backend")}
+    return {**raw, "verifier": {**verifier, "model": str(out / "verifier")}, "drafters": drafters}
+
+
+def serve_prep_main(args) -> int:
+    """Everything ``metasd serve`` and ``transformers serve`` need to serve the trace on random weights: the models
+    (with ``byte_tokenizer``), each prompt's replay ids and the verifier's continuation (``replay.json``), the prompts
+    as chat text with their recorded lengths as ``meta.max_tokens`` (``questions.jsonl``), the pool (``pool.yaml``)."""
+    import yaml
+    from gpu_overhead import build, record
+
+    out, device = Path(args.out), torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    out.mkdir(parents=True, exist_ok=True)
+    trace = Trace.load(args.trace)
+    if args.per_group:
+        trace.prompts = first_per_group(trace.prompts, args.per_group)
+    raw = yaml.safe_load(Path(args.pool).read_text())
+    pool = served_pool(raw, trace, out)
+    verifier = build(args.verifier_shape, device, dtype)
+    vocab = int(verifier.config.vocab_size)
+    tok = byte_tokenizer(vocab)
+    models = {"verifier": verifier}
+    if any("model" in d for d in pool["drafters"]):
+        models["drafter"] = build(args.drafter_shape, device, dtype, seed=2, perm_seed=3)
+    lines = []
+    for i, p in enumerate(trace.prompts):
+        g = torch.Generator().manual_seed(1000 + i)
+        ids = [PROMPT_BYTES[j] for j in torch.randint(len(PROMPT_BYTES), (p.prompt_len,), generator=g).tolist()]
+        G, margins = record(verifier, torch.tensor([ids], device=device), p.recorded_len + args.margin)
+        p.replay_on(ids, G)
+        group, _, qid = p.name.partition("/")
+        lines.append({"question_id": qid or p.name, "category": group, "turns": [tok.decode(ids)],
+                      "meta": {"max_tokens": p.recorded_len, "ties": margins["ties"],
+                               "eos_at": G.index(tok.eos_token_id) if tok.eos_token_id in G else None}})
+        log(f"{p.name}: {p.prompt_len} prompt tokens, {p.recorded_len} to answer, ties {margins['ties']}")
+    for name, model in models.items():
+        model.save_pretrained(out / name)
+        tok.save_pretrained(out / name)
+    trace.save(out / "trace.json")
+    trace.save_replay(out / "replay.json")
+    (out / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in lines))
+    (out / "pool.yaml").write_text(yaml.safe_dump(pool, sort_keys=False))
+    log(f"wrote {out}: {', '.join(sorted(f.name for f in out.iterdir()))}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -287,8 +392,18 @@ def main(argv=None) -> int:
     y.add_argument("--per-group", type=int, help="only the first N prompts of each group of the trace")
     y.add_argument("--threads", type=int, default=2)
     y.add_argument("--out", default="benchmarks/results/trace_replay.json")
+    v = sub.add_parser("serve-prep", help="random-weight models, replay, prompts and a pool to serve the trace")
+    v.add_argument("--trace", required=True)
+    v.add_argument("--pool", default="configs/pools/serve_adaptive.yaml", help="the pool served (its arms replayed)")
+    v.add_argument("--verifier-shape", default="1.5b")
+    v.add_argument("--drafter-shape", default="0.5b")
+    v.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    v.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    v.add_argument("--margin", type=int, default=33, help="continuation tokens past a prompt's last position")
+    v.add_argument("--per-group", type=int, help="only the first N prompts of each group of the trace")
+    v.add_argument("--out", required=True, help="a folder")
     args = p.parse_args(argv)
-    return record_main(args) if args.command == "record" else replay_main(args)
+    return {"record": record_main, "replay": replay_main, "serve-prep": serve_prep_main}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,65 @@ def test_a_wrong_entry_is_refused_naming_its_field(replayed, entry, field):
     root = replayed[0]
     with pytest.raises(ConfigError, match=rf"drafters\.0 \('tree'\): {field}\b"):
         _load(root, _pool(root, name="wrong", **entry))
+
+
+def test_serve_prep_writes_what_a_server_serves_the_trace_from(tmp_path, replayed):
+    """``benchmarks/trace_replay.py serve-prep`` (the GPU session's serving set-up, here on the tiny shapes): random
+    models with a word-level tokenizer, the replay, the prompts as chat text and the pool rewritten to trace entries -
+    loaded from the folder as a server loads it, each chat prompt commits the random verifier's continuation in the
+    recorded steps."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import trace_replay
+
+    root = replayed[0]
+    pool = {"verifier": {"model": "bundled:qwen2.5-coder-1.5b-instruct", "dtype": "auto"},
+            "drafters": [{"name": "lookup", "type": "suffix", "arm": False},
+                         {"name": "tree", "type": "pretrained_tree", "model": "bundled:qwen2.5-coder-0.5b-instruct",
+                          "budgets": [8], "params": {"mode": "dynamic", "nodes": 8, "depth": 4, "width": 2}}],
+            "policy": {"name": "ucb"}}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    out = tmp_path / "served"
+    assert trace_replay.main(["serve-prep", "--trace", str(root / "trace.json"), "--pool", str(tmp_path / "pool.yaml"),
+                              "--verifier-shape", "tiny", "--drafter-shape", "tiny", "--device", "cpu",
+                              "--dtype", "fp32", "--out", str(out)]) == 0
+    served = yaml.safe_load((out / "pool.yaml").read_text())
+    assert [d["name"] for d in served["drafters"]] == ["tree"]  # the entry that is no arm is replayed by the trace
+    assert served["drafters"][0]["type"] == TYPE and served["drafters"][0]["budgets"] == [8]
+    assert served["verifier"]["model"] == str(out / "verifier") and served["policy"] == pool["policy"]
+    questions = [json.loads(line) for line in (out / "questions.jsonl").read_text().splitlines()]
+    replay = json.loads((out / "replay.json").read_text())["prompts"]
+    assert [q["meta"]["max_tokens"] for q in questions] == [N, N] and len(replay) == 2
+    engine = load_pool(out / "pool.yaml")  # from the folder: its own word-level tokenizer
+    for q, r in zip(questions, replay):
+        ids = engine.encode([{"role": "user", "content": q["turns"][0]}])
+        assert ids == r["prompt_ids"]  # the chat text tokenizes to exactly the replay's ids
+        result = engine.generate(ids, max_new_tokens=q["meta"]["max_tokens"])
+        assert result.token_ids == r["continuation"][:N] and result.stats.drafted > 0
+    # served over HTTP as benchmarks/serve_load.py sends it: chat text, each question's own max_tokens (its meta)
+    pytest.importorskip("fastapi")
+    import argparse
+    import asyncio
+
+    import serve_load
+    from metasd.core.batching.scheduler import Scheduler
+    from metasd.data import load_questions
+    from metasd.serve.app import create_app
+    from serve_helpers import ServerThread
+
+    alone = [engine.generate(r["prompt_ids"], max_new_tokens=N).stats.tokens_per_step for r in replay]
+    scheduler = Scheduler(engine, max_batch=4)
+    getattr(scheduler, "start", lambda: None)()
+    args = argparse.Namespace(max_tokens=3, temperature=0.0, level_timeout=60)  # 3: overridden by each question's
+    try:
+        with ServerThread(create_app(scheduler, "trace")) as srv:
+            sent = load_questions(out / "questions.jsonl")
+            records, _, timed_out = asyncio.run(serve_load.run_level(srv.url, "trace", sent, 2, 2, args, None))
+    finally:
+        scheduler.close()
+    assert not timed_out and all(r["ok"] for r in records), records
+    assert [r["completion_tokens"] for r in records] == [N, N]
+    assert [r["metasd"]["tokens_per_step"] for r in records] == alone  # side by side, the steps each takes alone
