@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -418,7 +419,7 @@ NO_PREFIX_CACHE = ("import sys; from transformers import ContinuousBatchingConfi
 def server_command(spec: ServerSpec, args, port: int, model_dir: Path, num_blocks: int) -> list[str]:
     if spec.kind == "transformers":
         head = ["transformers"] if args.transformers_prefix_cache else [sys.executable, "-c", NO_PREFIX_CACHE]
-        return head + ["serve", "--continuous-batching", "--device", "cpu", "--dtype", "bfloat16",
+        return head + ["serve", "--continuous-batching", "--device", args.device, "--dtype", "bfloat16",
                 "--host", "127.0.0.1", "--port", str(port), "--cb-num-blocks", str(num_blocks),
                 "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "warning", str(model_dir)]
     if spec.kind == "llama-server":
@@ -678,6 +679,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level-timeout", type=float, default=3600, help="seconds; a level stops by itself after this")
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds for a server to answer /health")
     p.add_argument("--warmup", type=int, default=1, help="requests (8 tokens) sent to each server before its load")
+    p.add_argument("--warmup-prompt", choices=["fixed", "first"], default="fixed",
+                   help="the warm-up's prompt: a fixed one outside the plan, or the plan's first (a server replaying "
+                        "traces serves only the replayed prompts: trace_replay.py serve-prep)")
+    p.add_argument("--device", default="cpu", help="transformers serve --device (metasd serve: its pool's)")
     p.add_argument("--model-dir", help="the verifier's HF directory: transformers serve's model and the tokenizer "
                                        "that counts tokens per chunk (default: the bundled verifier's cache)")
     p.add_argument("--transformers-prefix-cache", action="store_true",
@@ -704,19 +709,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", metavar="RESULT_JSON", help="only print the tables of an earlier run")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows an interrupted run with the same command already wrote to --out, for "
-                        "each (server, repeat) that finished every level (the others run again whole)")
+                        "each (server, repeat) that finished every level (the others run again whole); --repeats may "
+                        "grow")
     return p
 
 
 def resumed_rows(args) -> list[dict]:
-    """The rows an interrupted run with the same arguments (--resume aside) wrote to --out, of the servers that
-    finished every level (``whole_servers``); none without the file."""
+    """The rows an interrupted run with the same arguments (--resume and --repeats aside: a run may be resumed with
+    more repeats) wrote to --out, of the servers that finished every level (``whole_servers``); none without the
+    file."""
     out = Path(args.out)
     if not out.exists():
         return []
     saved = json.loads(out.read_text())
-    ours = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "resume"}))
-    theirs = {k: v for k, v in saved["args"].items() if k != "resume"}
+    ours = json.loads(json.dumps({k: v for k, v in vars(args).items() if k not in ("resume", "repeats")}))
+    theirs = {k: v for k, v in saved["args"].items() if k not in ("resume", "repeats")}
     if ours != theirs:
         changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
         raise SystemExit(f"error: --resume: {out} was written with other arguments ({', '.join(changed)})")
@@ -783,7 +790,8 @@ def main(argv=None) -> int:
                     t_warm = time.perf_counter()
                     for _ in range(args.warmup):
                         warm_args = argparse.Namespace(**{**vars(args), "max_tokens": 8, "level_timeout": args.startup_timeout})
-                        r = asyncio.run(run_level(server.base, model, [WARMUP], 1, 1, warm_args, spec.extra_body))[0][0]
+                        warm = WARMUP if args.warmup_prompt == "fixed" else dataclasses.replace(prompts[0], meta={})
+                        r = asyncio.run(run_level(server.base, model, [warm], 1, 1, warm_args, spec.extra_body))[0][0]
                         if not r.get("ok"):
                             raise RuntimeError(f"{spec.name}: warm-up request failed: {r.get('error')}\n{server.log_tail()}")
                     warm_s = time.perf_counter() - t_warm

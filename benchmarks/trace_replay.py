@@ -321,7 +321,8 @@ def served_pool(raw: dict, trace: Trace, out: Path) -> dict:
 def serve_prep_main(args) -> int:
     """Everything ``metasd serve`` and ``transformers serve`` need to serve the trace on random weights: the models
     (with ``byte_tokenizer``), each prompt's replay ids and the verifier's continuation (``replay.json``), the prompts
-    as chat text with their recorded lengths as ``meta.max_tokens`` (``questions.jsonl``), the pool (``pool.yaml``)."""
+    as chat text with their recorded lengths as ``meta.max_tokens`` (``questions.jsonl``), the pool (``pool.yaml``)
+    and the same verifier without drafters (``plain.yaml``)."""
     import yaml
     from gpu_overhead import build, record
 
@@ -357,6 +358,8 @@ def serve_prep_main(args) -> int:
     trace.save_replay(out / "replay.json")
     (out / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in lines))
     (out / "pool.yaml").write_text(yaml.safe_dump(pool, sort_keys=False))
+    plain = {"verifier": pool["verifier"], "drafters": []}  # metasd's plain batched path on the same verifier
+    (out / "plain.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
     log(f"wrote {out}: {', '.join(sorted(f.name for f in out.iterdir()))}")
     return 0
 

@@ -135,6 +135,9 @@ def test_arguments_commands_and_tables(sl, capsys):
     assert [s.name for s in specs][-1] == "ngram" and specs[-1].pool.endswith("configs/x.yaml")
     assert sl.server_command(specs[-1], every, 1, Path("/m"), 1)[-2] == "--pool"
     assert sl.server_command(specs[0], every, 1, Path("/m"), 1)[:2] == ["transformers", "serve"]
+    gpu = sl.build_parser().parse_args(["--device", "cuda"])
+    cmd = sl.server_command(sl.server_specs(gpu)[0], gpu, 1, Path("/m"), 1)
+    assert cmd[cmd.index("--device") + 1] == "cuda"  # a GPU run's transformers serve (benchmarks/gpu_serve.py)
     with pytest.raises(SystemExit):
         sl.server_specs(sl.build_parser().parse_args(["--servers", "vllm"]))
 
@@ -170,6 +173,8 @@ def test_resume_needs_the_same_arguments(sl, tmp_path):
     sl.write_result(args, [], whole + part, 0.0)
     # a server stopped before its last level runs again from its first: what an adaptive pool learnt is gone
     assert sl.resumed_rows(args) == whole
+    more = sl.build_parser().parse_args(["--out", str(out), "--resume", "--concurrency", "1", "2", "--repeats", "5"])
+    assert sl.resumed_rows(more) == whole  # more repeats of the same run
     other = sl.build_parser().parse_args(["--out", str(out), "--resume", "--max-tokens", "8"])
     with pytest.raises(SystemExit, match="concurrency, max_tokens"):
         sl.resumed_rows(other)
