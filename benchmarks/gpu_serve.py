@@ -10,10 +10,13 @@
    on them, its prompts as chat text with their recorded answer lengths, the serving pool's arms rewritten to trace
    entries (``pool.yaml``) and the verifier alone (``plain.yaml``).
 2. ``serve_load.py`` at ``--concurrency`` (default 1 4 16 64) against three servers started one at a time, the order
-   rotated per repeat: ``transformers`` (``transformers serve --continuous-batching`` on the same weights), ``plain``
-   (``metasd serve`` without drafters: metasd's plain batched path) and ``adaptive`` (the serving pool, its
-   acceptance replayed from the trace). Repeats run while ``--budget-s`` leaves time for one more (the first always
-   runs); the log says how many did. Results: ``$OUT/gpu_serve.json`` (serve_load's rows) and its server logs.
+   rotated per repeat (each server its own serve_load run and file, so that one failing - a first contact with the
+   device - is reported and left out of later repeats while the others go on): ``transformers`` (``transformers
+   serve --continuous-batching`` on the same weights), ``plain`` (``metasd serve`` without drafters: metasd's plain
+   batched path) and ``adaptive`` (the serving pool, its acceptance replayed from the trace). Repeats run while
+   ``--budget-s`` leaves time for one more (the first always runs); the log says how many did. Results:
+   ``$OUT/gpu_serve.json`` (every server's rows, the repeats run, the servers that failed and why), each server's
+   own ``gpu_serve_<server>.json`` and its server logs.
 
 Every figure from it is **trace-replayed**: the acceptance is the recorded pool's on the real models, the forwards
 and the serving are the device's. Sampled requests are not replayed (greedy only).
@@ -38,15 +41,16 @@ def metasd_cmd() -> list[str]:
     return [sys.executable, str(HERE / "metasd_cli.py"), "serve"]
 
 
-def load_argv(args, work: Path, out: Path, repeats: int, servers: list[str]) -> list[str]:
-    """serve_load.py's arguments for ``repeats`` repeats (``--resume``: the finished ones are kept)."""
+def load_argv(args, work: Path, out: Path, repeats: int, server: str) -> list[str]:
+    """serve_load.py's arguments for ``server``'s first ``repeats`` repeats into its own file (``--resume``: the
+    finished ones are kept)."""
     return ["--questions", str(work / "questions.jsonl"), "--per-group", "1000", "--model-dir", str(work / "verifier"),
-            "--servers", *servers, "--extra-pool", f"plain={work / 'plain.yaml'}",
+            "--servers", server, "--extra-pool", f"plain={work / 'plain.yaml'}",
             "--extra-pool", f"adaptive={work / 'pool.yaml'}", "--concurrency", *map(str, args.concurrency),
             "--requests-per-c", "1", "--repeats", str(repeats), "--warmup-prompt", "first", "--device", args.device,
             "--threads", str(args.threads), "--level-timeout", str(args.level_timeout),
             "--startup-timeout", str(args.startup_timeout), "--metasd-cmd", *metasd_cmd(),
-            "--out", str(out / "gpu_serve.json"), "--resume"]
+            "--out", str(out / f"gpu_serve_{server}.json"), "--resume"]
 
 
 def main(argv=None) -> int:
@@ -84,18 +88,27 @@ def main(argv=None) -> int:
         if trace_replay.main(prep) != 0:
             return 1
         print(f"[gpu_serve] serve-prep done in {time.monotonic() - t0:.0f} s", flush=True)
-        done, took = 0, 0.0
+        done, took, failed = 0, 0.0, {}
         for rep in range(1, args.repeats + 1):
             left = args.budget_s - (time.monotonic() - t0)
             if rep > 1 and left < 1.2 * took:
                 print(f"[gpu_serve] {done} repeat(s) run: {left:.0f} s left, a repeat took {took:.0f} s", flush=True)
                 break
             t_rep = time.monotonic()
-            serve_load.main(load_argv(args, work, out, rep, args.servers))
+            live = [s for s in args.servers if s not in failed]
+            for server in live[(rep - 1) % len(live):] + live[:(rep - 1) % len(live)] if live else []:  # rotated
+                try:  # one server failing (a first contact with the device) leaves the others' figures
+                    serve_load.main(load_argv(args, work, out, rep, server))
+                except (Exception, SystemExit) as e:  # noqa: BLE001 - reported in the result, never hidden
+                    failed[server] = f"repeat {rep}: {type(e).__name__}: {e}"[:2000]
+                    print(f"[gpu_serve] {server} failed, left out of later repeats: {failed[server]}", flush=True)
             took, done = time.monotonic() - t_rep, rep
-        rows = json.loads((out / "gpu_serve.json").read_text())["rows"]
-        print(f"[gpu_serve] {done} repeat(s), {len(rows)} rows, {time.monotonic() - t0:.0f} s; figures trace-replayed",
-              flush=True)
+        rows = [r for s in args.servers if (out / f"gpu_serve_{s}.json").exists()
+                for r in json.loads((out / f"gpu_serve_{s}.json").read_text())["rows"]]
+        (out / "gpu_serve.json").write_text(json.dumps({"command": " ".join(sys.argv), "label": "trace-replayed",
+                                                        "repeats_run": done, "failed": failed, "rows": rows}, indent=1))
+        print(f"[gpu_serve] {done} repeat(s), {len(rows)} rows, {time.monotonic() - t0:.0f} s; failed: "
+              f"{sorted(failed) or 'none'}; figures trace-replayed", flush=True)
     return 0
 
 

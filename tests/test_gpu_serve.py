@@ -30,3 +30,25 @@ def test_the_dry_run_serves_the_trace_through_both_servers(tmp_path):
     adaptive = [r for r in rows if r["server"] == "adaptive"]
     assert max(r["mean_tokens_per_step"] for r in adaptive) > 1.0  # it drafted, and its drafts were accepted
     assert all(r["mean_tokens_per_step"] == 1.0 for r in rows if r["server"] == "plain")
+
+
+def test_a_server_that_fails_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    """A server that cannot start (here: a command that exits at once, as a first contact with a device might) is
+    named in the result with its error and left out of later repeats; the other server's repeats all run."""
+    import serve_load
+
+    real = serve_load.server_command
+
+    def command(spec, *a, **k):
+        if spec.name == "plain":
+            return [sys.executable, "-c", "import sys; sys.exit(3)", "--port", "1"]
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(serve_load, "server_command", command)
+    out = tmp_path / "out"
+    assert gpu_serve.main(["--device", "cpu", "--dry-run", "--out", str(out), "--servers", "plain", "adaptive",
+                           "--concurrency", "1", "--repeats", "2", "--threads", "1", "--budget-s", "600"]) == 0
+    result = json.loads((out / "gpu_serve.json").read_text())
+    assert list(result["failed"]) == ["plain"] and "exited with 3" in result["failed"]["plain"]
+    assert result["repeats_run"] == 2
+    assert sorted((r["server"], r["repeat"]) for r in result["rows"]) == [("adaptive", 0), ("adaptive", 1)]
