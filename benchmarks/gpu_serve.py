@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import serve_load
     import trace_replay
+    from metasd.bench import stats
 
     with tempfile.TemporaryDirectory(prefix="gpu_serve_") as scratch:
         work = Path(args.work or scratch)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
                 break
             t_rep = time.monotonic()
             live = [s for s in args.servers if s not in failed]
-            for server in live[(rep - 1) % len(live):] + live[:(rep - 1) % len(live)] if live else []:  # rotated
+            for server in stats.rotation(live, rep - 1):  # the order rotated per repeat
                 try:  # one server failing (a first contact with the device) leaves the others' figures
                     serve_load.main(load_argv(args, work, out, rep, server))
                 except (Exception, SystemExit) as e:  # noqa: BLE001 - reported in the result, never hidden

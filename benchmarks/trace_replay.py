@@ -118,11 +118,9 @@ def replay_arms(config, trace: Trace, models: list, vocab: int) -> list:
     for d in config.drafters:
         if not d.arm:
             continue
-        steps = [s for p in trace.prompts for s in p.arms.get(d.name, [])]
-        if not steps:
-            raise SystemExit(f"error: the trace has no arm {d.name!r} (it has "
-                             f"{sorted({a for p in trace.prompts for a in p.arms})})")
-        uses = sorted({f["model"] for s in steps for f in s.feeds})
+        if d.name not in trace.arms():
+            raise SystemExit(f"error: the trace has no arm {d.name!r} (it has {sorted(trace.arms())})")
+        uses = trace.models_of(d.name)
         if len(uses) > len(models):
             raise SystemExit(f"error: arm {d.name!r} drafted with {len(uses)} models, {len(models)} given")
         drafter = TraceDrafter(trace, d.name, models[: len(uses)], vocab=vocab)
@@ -297,7 +295,7 @@ def served_pool(raw: dict, trace: Trace, out: Path) -> dict:
     """The pool file ``raw`` (a parsed YAML) served on the replay: its verifier the random one in ``out``, each arm
     a trace entry of the arm recorded under its name (budgets kept; the random drafter where the recording ran a model,
     quantized as the pool's model drafter was), entries that are no arm dropped (the trace replays what they did)."""
-    recorded = {a for p in trace.prompts for a in p.arms}
+    recorded = trace.arms()
     quantize = {d.get("quantize") for d in raw["drafters"] if d.get("model") and d.get("quantize")}
     drafters = []
     for d in raw["drafters"]:
@@ -305,7 +303,7 @@ def served_pool(raw: dict, trace: Trace, out: Path) -> dict:
             continue
         if d["name"] not in recorded:
             raise SystemExit(f"error: the trace has no arm {d['name']!r} (it has {sorted(recorded)})")
-        used = any(s.feeds for p in trace.prompts for s in p.arms[d["name"]])  # a lookup arm runs no forward
+        used = bool(trace.models_of(d["name"]))  # a lookup arm runs no forward
         entry = {"name": d["name"], "type": TRACE_TYPE, "params": {"trace": "trace.json", "replay": "replay.json"}}
         if used:
             entry["model"] = str(out / "drafter")

@@ -114,6 +114,14 @@ class Trace:
                                 {a: [TraceStep.from_json(s) for s in steps] for a, steps in p["arms"].items()})
                     for p in body["prompts"]], body.get("meta"))
 
+    def arms(self) -> set[str]:
+        """The arms recorded, over every prompt."""
+        return {a for p in self.prompts for a in p.arms}
+
+    def models_of(self, arm: str) -> set[int]:
+        """The models ``arm``'s recorded forwards ran (indices; none for a lookup arm)."""
+        return {f["model"] for p in self.prompts for s in p.arms.get(arm, []) for f in s.feeds}
+
     def save_replay(self, path: str | Path) -> None:
         """The prompts replayed on and their continuations (``replay_on``), for a pool entry's ``replay``."""
         body = {"format": FORMAT, "prompts": [{"name": p.name, "prompt_ids": p.prompt_ids,
@@ -246,11 +254,11 @@ class TraceParams(DrafterParams):
 
 class TraceDrafter(Drafter):
     """Replays one arm of a ``Trace``: its recorded drafts relabelled onto the replaying verifier's continuation, its
-    recorded forwards run through ``models`` (one per model the arm drafted with; none for a lookup arm) at their
-    real shapes. Greedy requests only. Built in code (``benchmarks/trace_replay.py``) or from a pool entry
-    (``from_config``: ``model`` the drafter model, random weights of the real shape; ``params`` ``TraceParams``),
-    e.g. to serve trace-replayed acceptance through ``metasd serve``: a request whose prompt ids the replay file
-    does not hold is refused (``TraceMiss``), never drafted for otherwise."""
+    recorded forwards run through ``models`` (one per model the arm drafted with; none for a lookup arm) at their real
+    shapes. Greedy requests only. Built in code (``benchmarks/trace_replay.py``) or from a pool entry
+    (``from_config``: ``model`` the drafter model, random weights of the real shape; ``params`` ``TraceParams``), e.g.
+    to serve trace-replayed acceptance through ``metasd serve``: a request whose prompt ids the replay file does not
+    hold is refused (``TraceMiss``), never drafted for otherwise."""
 
     kind = "trace"
     model_field, checkpoint_field, Params = "optional", "never", TraceParams
@@ -263,27 +271,22 @@ class TraceDrafter(Drafter):
         if self.vocab is None:
             raise ValueError(f"{self.name}: give the verifier's vocab size (a lookup arm has no model to read it from)")
         self.lookup = (not self.models) if lookup is None else lookup
-        self._prompt: PromptTrace | None = None
-        self._caches: list = []
-        self._cached: list[int] = []  # committed tokens in each model's cache
+        #: per request (``begin`` .. ``end``): its ``PromptTrace``, each model's cache and the committed tokens in it,
         #: the last draft, its base (committed length) and node -> (model, slot - base) of the nodes fed
-        self._pending: tuple[Draft, int, dict[int, tuple[int, int]]] | None = None
+        self.end()
 
     @classmethod
     def from_config(cls, name: str, params: dict[str, Any], build: BuildContext) -> "TraceDrafter":
         def path(key: str) -> Path:
-            p = Path(params[key])
-            p = p if p.is_absolute() or build.base_dir is None else build.base_dir / p
+            p = Path(build.base_dir or "", params[key])  # relative to the pool file's folder; absolute as given
             if not p.is_file():
                 raise ValueError(f"params.{key}: no file {str(p)!r}")
             return p
         trace, arm = Trace.load(path("trace")), params.get("arm") or name
         trace.load_replay(path("replay"))
-        if not any(arm in p.arms for p in trace.prompts):
-            raise ValueError(f"params.arm: the trace has no arm {arm!r} (it has "
-                             f"{sorted({a for p in trace.prompts for a in p.arms})})")
-        used = {f["model"] for p in trace.prompts for s in p.arms.get(arm, []) for f in s.feeds}
-        if len(used) != (build.model is not None):
+        if arm not in trace.arms():
+            raise ValueError(f"params.arm: the trace has no arm {arm!r} (it has {sorted(trace.arms())})")
+        if len(used := trace.models_of(arm)) != (build.model is not None):
             raise ValueError(f"model: arm {arm!r} drafted with {len(used)} model(s), the entry gives "
                              f"{int(build.model is not None)} (a model arm: one, the drafter's shape; a lookup: none)")
         if build.model is None:

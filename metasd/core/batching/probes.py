@@ -29,16 +29,16 @@ same tokens (a gain credits). Probes that pay (a GPU's flat forward, one request
 probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the first one's loss is repaid. Nor does a
 probe make a drafter read a request's prompt unless the balance covers that catch-up (``ProbeBudget.affordable``).
 
-A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall``, ``serving.probe_stall``; off unless
-set, 3 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each of their streams. With a bound its
-padded verify forward may cost at most ``stall`` times the forward of the step it replaces, at the prices its widths
-are rated at (a width wider than any level has run priced as the widest that has, so the first probe there measures
-it); drafting is left out (a drafting price learnt high is what a probe is there to measure again). Beside 16 rows on
-this CPU a probe of 4 nodes a request padded the forward to 80 tokens, 2.7 s against 0.58 s for a plain step, and set
-the streams' 99th-percentile inter-token latency. A bound of 3 did not remove it, at one thread or two (the estimate
-priced that forward under 3x; BENCHMARKS.md, "Two threads per server on the Zen 4 CPU"); with a fresh level's
-drafting price borrowed pessimistically it made 4 requests 1.22x speculation off against 1.12x without it at two
-threads ("A fresh level's borrowed price read pessimistically").
+A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall``, ``serving.probe_stall``; off
+unless set, 3 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
+of their streams. With a bound its padded verify forward may cost at most ``stall`` times the forward of the step it
+replaces, at the prices its widths are rated at (a width wider than any level has run priced as the widest that has,
+so the first probe there measures it); drafting is left out (a drafting price learnt high is what a probe is there
+to measure again). Beside 16 rows on this CPU a probe of 4 nodes a request padded the forward to 80 tokens, 2.7 s
+against 0.58 s for a plain step, and set the streams' 99th-percentile inter-token latency. A bound of 3 did not
+remove it, at one thread or two (the estimate priced that forward under 3x; BENCHMARKS.md, "Two threads per server
+on the Zen 4 CPU"); with a fresh level's drafting price borrowed pessimistically it made 4 requests 1.22x
+speculation off against 1.12x without it at two threads ("A fresh level's borrowed price read pessimistically").
 """
 from __future__ import annotations
 

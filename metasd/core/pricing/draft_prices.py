@@ -11,9 +11,9 @@ arm is wrong twice over:
   the allocator from drafting at 4 requests, where a fixed 8-node tree was 1.5x plain decoding).
 
 ``DraftPrices`` keeps an exponential average per (arm, load level, budget). ``price`` reads a budget's own average;
-between two budgets learnt at the same level, it interpolates linearly; below the smallest it scales that one by ``d
-/ budget`` (drafting fewer nodes never costs more forwards); above the largest it takes the largest's (optimistic: a
-wider draft is tried once and then known). At a level where the arm has learnt nothing, the price is borrowed
+between two budgets learnt at the same level, it interpolates linearly; below the smallest it scales that one by
+``d / budget`` (drafting fewer nodes never costs more forwards); above the largest it takes the largest's (optimistic:
+a wider draft is tried once and then known). At a level where the arm has learnt nothing, the price is borrowed
 pessimistically: the dearest learnt level's, scaled by a request's share of a batched forward (``share``:
 ``shape(rows) / rows``, ``level_rows`` the requests a level stands for, ``shape`` a forward's cost by its tokens -
 the verifier's start-up profile in the scheduler; ``1 / rows`` without one) where a request's share is larger at the
