@@ -8,6 +8,9 @@ from typing import Sequence
 
 import torch
 
+from metasd.core.execution.draft_batch import Drafting
+from metasd.core.execution.host_read import HostRead
+
 
 class GrowingTree:
     """A draft tree being built on top of ``base`` committed tokens, and its place in the drafter cache.
@@ -72,11 +75,12 @@ class GrowingTree:
         self.forwards += 1
 
 
-def read_topk(scores: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+def read_topk(scores: torch.Tensor, k: int) -> Drafting:
     """The ``k`` best entries of each row of ``scores`` [rows, vocab] (values, indices), read by the host in one
-    transfer: both go in one float32 tensor (token ids below 2**24 are exact in float32)."""
+    transfer: both go in one float32 tensor (token ids below 2**24 are exact in float32), a ``HostRead`` the drafting
+    loop yields (a batch of requests' are read in one). Returns (values, indices), [rows][k] each."""
     vals, idx = scores.topk(k, dim=-1)  # [rows, k] each, on the device
-    both = torch.stack([vals.float(), idx.float()]).tolist()
+    both = yield HostRead(torch.stack([vals.float(), idx.float()]))
     return both[0], [[int(i) for i in row] for row in both[1]]
 
 

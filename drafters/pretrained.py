@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from pydantic import Field, model_validator
 from torch import nn
 from transformers import PreTrainedModel
 
-from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
                                           StepFeedback, check_params, register_drafter)
 from metasd.core.constraints.guide import DraftGuide
@@ -20,12 +19,12 @@ from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.core.execution.kv_cache import crop_to
 from metasd.core.execution.static_cache import StaticKVCache, new_cache
 from metasd.models import ModelLoadError, config_eos_ids
-from metasd.models.quantize import dense_weight, quantize_model
 from metasd.core.decoding.sampling import process_logits, sample
 from metasd.core.execution.draft_batch import Drafting, Feed, drive, forward_logits
 from metasd.core.execution.staging import to_device
-from metasd.core.execution.tree import Draft
+from metasd.core.execution.tree import DeviceTokens, Draft
 
+from .draft_head import DraftHead
 from .shared_vocab import SharedVocab
 from .token_bridge import TokenBridge
 from .tracking import chain_acceptance
@@ -45,50 +44,6 @@ HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): t
 
 TRACK_HELP = ("full-information feedback: feed the committed tokens every step, also when another arm drafted (priced "
               "as the pool's work), so this arm is scored on every step")
-
-ROW_MULTIPLE = 16  # draft-head rows are padded (with the next ids) to a multiple of this: the int4 kernels need it
-
-
-class DraftHead(nn.Module):
-    """The drafter's LM head restricted to a draft vocabulary (the first ``n`` ids plus ``extra`` ids, padded
-    with the ids after ``n`` to a multiple of ``ROW_MULTIPLE`` rows): the
-    rows it computes are the only tokens the drafter can propose. The verifier still decides every token, so
-    output stays exact; sampling stays exact because q is zero off the draft vocabulary and the drafted
-    tokens come from q.
-
-    The output is full-vocabulary logits with -inf off the draft vocabulary, so argmax, top-k and
-    ``process_logits`` downstream are unchanged (one fill of a vocabulary-sized row per position).
-    """
-
-    def __init__(self, lm_head: nn.Module, n: int, extra: Sequence[int] = ()):
-        super().__init__()
-        weight = dense_weight(lm_head)  # [V, d] as the head computes (dequantized when quantized)
-        self.vocab_size = int(weight.shape[0])
-        if not 2 <= n < self.vocab_size:
-            raise ValueError(f"head_vocab must be in [2, {self.vocab_size}) (the model's vocabulary), got {n}")
-        chosen = set(range(n)) | {int(i) for i in extra if 0 <= int(i) < self.vocab_size}
-        nxt = n
-        while len(chosen) % ROW_MULTIPLE and nxt < self.vocab_size:  # quantized kernels want rows in multiples
-            chosen.add(nxt)
-            nxt += 1
-        vocab = DraftVocab(torch.tensor(sorted(chosen)), self.vocab_size)
-        self.register_buffer("token_ids", vocab.token_ids.to(weight.device), persistent=False)
-        bias = getattr(lm_head, "bias", None)
-        self.head = nn.Linear(weight.shape[1], len(vocab), bias=bias is not None, dtype=weight.dtype, device=weight.device)
-        with torch.no_grad():
-            self.head.weight.copy_(vocab.head_weight(weight))
-            if bias is not None:
-                self.head.bias.copy_(bias[self.token_ids])
-        self.head.requires_grad_(False)
-        mode = getattr(lm_head, "mode", None)  # a quantized LM head: quantize the draft rows the same way
-        if mode is not None:
-            quantize_model(self, mode, name="draft head")
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [rows, d] -> logits [rows, vocab]
-        reduced = self.head(h)  # [rows, N]
-        full = reduced.new_full((reduced.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.token_ids, reduced)
-
 
 class PretrainedParams(DrafterParams):
     """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
@@ -176,11 +131,25 @@ class PretrainedDrafter(Drafter):
         self.adaptive_k = adaptive_k
         self.k_min, self.k_max = k_min, k_max
         self.cache: StaticKVCache | None = None
-        self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache
+        self._fed_draft: DeviceTokens | None = None  # draft tokens fed from the device, read with the draft
+        self.cached_ids: list[int] = []  # tokens whose keys/values are in self.cache (and in _fed_draft)
         self._unread = 0  # draft tokens fed from the device and not read yet (they follow cached_ids in the cache)
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
         self.steering = None  # a composed ``metasd.drafters.steered.Steering`` (the steered types set it)
         self._root: tuple[int, torch.Tensor] | None = None  # (cached tokens, logits after them) from tracking
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose keys/values are in ``cache``. Draft tokens fed from the device join them when the host
+        reads the draft (the step's acceptance reads it with the verifier's choices: no read of their own)."""
+        if self._fed_draft is not None:
+            fed, self._fed_draft = self._fed_draft, None
+            self._ids.extend(fed.host())
+        return self._ids
+
+    @cached_ids.setter
+    def cached_ids(self, ids: list[int]) -> None:
+        self._ids, self._fed_draft = ids, None
 
     @classmethod
     def from_config(cls, name, params, build):
@@ -342,13 +311,15 @@ class PretrainedDrafter(Drafter):
         the chain. With ``shared`` (sampling only), q is restricted to the ids shared with the verifier and its rows
         are returned over the verifier's ids; the chain ends where q has no mass on them.
 
-        The chain is drafted on the model's device and read by the host once, at the end: each token is fed to the
-        next forward as a device tensor. Only a stop rule reads each token as it goes, to save the forwards after it:
-        the confidence stop (the token's probability) and ``stop_ids`` (the token itself).
+        The chain is drafted on the model's device and left there (``DeviceTokens``): each token is fed to the next
+        forward as a device tensor, and the host reads the chain once, with the verifier's choices. Only a stop rule
+        reads each token as it goes, to save the forwards after it: the confidence stop (the token's probability) and
+        ``stop_ids`` (the token itself).
 
         A constrained request (``ctx.grammar``; drafter and verifier sharing ids) masks each token's logits to the
         grammar after the tokens before it (``DraftGuide``), so the chain stays inside it; reading each token to
-        advance the grammar is a host read per token then. A drafting loop: returns (tokens, q rows)."""
+        advance the grammar is a host read per token then. A drafting loop: returns (tokens: DeviceTokens, or [] when
+        none; q rows)."""
         drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
         probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
         guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and shared is None and self.bridge is None \
@@ -374,8 +345,10 @@ class PretrainedDrafter(Drafter):
             if i == depth - 1 or (stop_ids and int(x) in stop_ids) or self._unsure(logits, x):
                 break
             logits = yield from self._forward_steps(x)
-        tokens = torch.cat(drafted).tolist() if drafted else []  # the step's one read of the draft
-        self.cached_ids.extend(tokens[: self._unread])  # the draft tokens fed above, now known to the host
+        tokens = DeviceTokens(torch.cat(drafted)) if drafted else []  # read once, with the verifier's choices
+        if self._unread:  # the draft tokens fed above join cached_ids when the draft is read (after any before)
+            self._ids = self.cached_ids
+            self._fed_draft = tokens.prefix(self._unread)
         self._unread = 0
         return tokens, probs
 
@@ -398,9 +371,11 @@ class PretrainedDrafter(Drafter):
                                                           shared=self.shared)
             if not drafted:
                 return Draft.empty()
+            drafted = drafted.host()  # translated on the host
             return Draft.chain(self.shared.verifier_ids(drafted), torch.stack(probs), catch_up=self.last_catch_up,
                                drafter_tokens=len(drafted), reencoded=self.bridge.reencoded)
         drafted, _ = yield from self._draft_chain(logits, self.k, ctx, self.bridge.stop_ids, keep_probs=False)
+        drafted = drafted.host() if drafted else []  # translated on the host
         text, _ = self.bridge.draft_text(view, drafted)
         # the last verifier token is kept even where more text could still grow it (a partial token): it ends at a
         # drafter token boundary, mostly a word's end, and a wrong one costs one verified row (docs/algorithms.md)

@@ -246,8 +246,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         ancestor-closed)."""
         scores: list[float] = []
 
-        def add_children(parents: list[int], logp: torch.Tensor) -> list[int]:
-            vals, idx = read_topk(logp, min(self.width, logp.shape[-1]))  # the level's one host read
+        def add_children(parents: list[int], logp: torch.Tensor) -> Drafting:  # returns the new nodes
+            vals, idx = yield from read_topk(logp, min(self.width, logp.shape[-1]))  # the level's one host read
             new = []
             for row, parent in enumerate(parents):
                 base = scores[parent] if parent >= 0 else 0.0
@@ -265,7 +265,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         # lists its nodes best first, so that is exactly the unbounded draft's first max_nodes nodes (the pruning
         # below never changes the top-``nodes`` set, only how many forwards grow it), at fewer forwards
         nodes = self.nodes if ctx.max_nodes is None else min(self.nodes, ctx.max_nodes)
-        level = add_children([-1], self._log_scores(self._guided(root_logits.reshape(1, -1), [-1]), ctx, tree, [-1]))
+        level = yield from add_children([-1], self._log_scores(self._guided(root_logits.reshape(1, -1), [-1]), ctx,
+                                                               tree, [-1]))
         for _ in range(2, depth + 1):
             frontier = [i for i in self._expandable(rank(level))[: self.frontier]
                         if scores[i] >= self.min_log_path_prob]
@@ -275,7 +276,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
             if not frontier:
                 break
             logits = self._guided((yield from self._feed_steps(tree, frontier)), frontier)
-            level = add_children(frontier, self._log_scores(logits, ctx, tree, frontier))
+            level = yield from add_children(frontier, self._log_scores(logits, ctx, tree, frontier))
         # best first: a topological order too (a child scores <= its parent and loses ties to it), so that a node
         # budget (Draft.first(n)) keeps the n best nodes
         return rank(range(len(scores)))[:nodes]

@@ -1,9 +1,8 @@
 """Trace-replayed acceptance: a pool's real acceptance, recorded on one machine, replayed at real forward shapes on
-another (a GPU that the real weights cannot reach).
-
-Recording (``record_arm``, greedy only): for every position ``p`` of the verifier's greedy continuation R of a
-prompt, the arm (any drafter: a chain, a tree, a lookup, a cascade) drafts from ``prompt + R[:p]`` as it would in a
-step, unbounded (``max_nodes`` None, ``max_depth`` to R's end). Kept per position, and nothing else (no token id):
+another (a GPU that the real weights cannot reach). Recording (``record_arm``, greedy only): for every position ``p``
+of the verifier's greedy continuation R of a prompt, the arm (any drafter: a chain, a tree, a lookup, a cascade)
+drafts from ``prompt + R[:p]`` as it would in a step, unbounded (``max_nodes`` None, ``max_depth`` to R's end). Kept
+per position, and nothing else (no token id):
 
 - the draft's shape (``parents``) and which nodes lie on R (``on_path``: the node's path is R's next tokens);
 - the model forwards it ran (``feeds``): the catch-up forward, then for each drafting forward its rows, each row the
@@ -23,8 +22,7 @@ What it leaves out, and says where it appears: a budget (``ctx.max_nodes``) or a
 the recorded draft (``Draft.first``, ``Draft.truncated``) and feeds only the rows of the nodes kept - the real tree
 drafter may expand a few nodes more or fewer there; the drafting Python is this module's, not the real drafter's
 (its host time differs); drafters whose draft depends on more than the text (``adaptive_k``, verifier hidden
-states) are recorded as they draft from their first state, and those that read hidden states are refused.
-"""
+states) are recorded as they draft from their first state, and those that read hidden states are refused."""
 from __future__ import annotations
 
 import json
@@ -37,7 +35,7 @@ from torch import nn
 
 from metasd.core.decoding.drafter import BuildContext, Drafter, DrafterParams, StepContext, StepFeedback, drafting_loop
 from metasd.core.decoding.sampling import SamplingParams
-from metasd.core.execution.draft_batch import Drafting, Feed, drive, run_feed
+from metasd.core.execution.draft_batch import Drafting, Feed, HostRead, drive, run_feed
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.execution.static_cache import new_cache
 from metasd.core.execution.tree import Draft, depths_of
@@ -180,6 +178,8 @@ def _drive_recording(loop: Drafting, base: int, out: list[dict], name: str) -> D
     try:
         feed = next(loop)
         while True:
+            while isinstance(feed, HostRead):  # the drafter reading its values: no forward to record
+                feed = loop.send(feed.run())
             if not isinstance(feed, Feed) or feed.head is not None or feed.steer is not None:
                 raise ValueError(f"{name}: a trace records plain model forwards (Feed without a draft head or "
                                  f"steering); this arm runs {type(feed).__name__}")

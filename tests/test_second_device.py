@@ -573,18 +573,20 @@ def _syncs_per_step(engine, prompt, **kwargs):
 
 @pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree", "ngram", "suffix"])
 def test_greedy_steps_stay_within_the_sync_budget(pool_root, kind):
-    """Greedy: at most 3 host-device synchronisations per step with a chain drafter (the chain is drafted on the device
-    and read once; acceptance reads the verifier's choice once), at most 3 + one per tree level with a tree drafter.
-    Every kind counts: reads, blocking copies to the device, device syncs. A step makes none of the last two: host data
-    goes to the device staged (``metasd.core.execution.staging``) and the step clock does not synchronise
-    (``Engine.profile`` off); the request synchronises its clock at its start, when its prefill is done and at its end."""
+    """Greedy: ONE host-device synchronisation per step with a chain drafter (the chain is drafted on the device, fed
+    to the verifier from there, and read once with the verifier's choices: ``Draft.read_with``) or a lookup drafter
+    (its host draft: the verifier's choices alone), one + one per tree level with a tree drafter (each level's top-k
+    read to grow the tree). Every kind counts: reads, blocking copies to the device, device syncs. A step makes none
+    of the last two: host data goes to the device staged (``metasd.core.execution.staging``) and the step clock does
+    not synchronise (``Engine.profile`` off); the request synchronises its clock at its start, when its prefill is done
+    and at its end."""
     import test_conformance as tc
 
     engine = _engine(pool_root, kind, NAME)
     per_step, request_level, drafts, levels, report = _syncs_per_step(engine, tc.PROMPT, max_new_tokens=24)
     assert len(per_step) == len(drafts) > 3 and sum(len(d) for d in drafts) > 0
     tree = any(not d.is_chain for d in drafts)
-    budgets = [3 + (lv if tree else 0) for lv in levels]
+    budgets = [1 + (lv if tree else 0) for lv in levels]
     over = [(i, len(e), b) for i, (e, b) in enumerate(zip(per_step, budgets)) if len(e) > b]
     assert not over, f"{kind}: steps over budget (step, syncs, budget): {over}\n{report}"
     blocking = [(i, e) for i, events in enumerate(per_step) for e in events if e[0] in ("h2d", "sync")]
@@ -661,3 +663,93 @@ def test_no_step_of_any_drafter_type_copies_to_the_device_blocking(pool_root, ki
     per_step, _, _, _, _ = _syncs_per_step(_engine(pool_root, kind, NAME), tc.PROMPT, max_new_tokens=12, **kwargs)
     blocking = [(i, e) for i, events in enumerate(per_step) for e in events if e[0] in ("h2d", "sync")]
     assert not blocking, f"{kind}/{mode}: blocking copies or device syncs in steps (step, event): {blocking}"
+
+
+# --------------------------------------------------------------------------------- one read per step, batched
+def _dev(t: torch.Tensor) -> torch.Tensor:
+    return t.to(DEV)
+
+
+def test_a_drafts_tokens_stay_on_the_device_until_read_with_the_verifiers_choices():
+    """``DeviceTokens``: a chain drafted on the device is handed to the verifier from there (``device_tokens``, no
+    read) and read once with the verifier's choices (``read_with``); its prefixes (``Draft.first``) read with it, and
+    every later reader takes the host copy."""
+    from metasd.core.execution.tree import DeviceTokens, Draft
+
+    drafted = DeviceTokens(_dev(torch.tensor([5, 6, 7])))
+    draft = Draft.chain(drafted).first(2)  # a node budget cut it: its first two
+    choices = _dev(torch.tensor([5, 6, 9]))
+    with count_host_reads() as reads:
+        assert draft.device_tokens(DEV).device == DEV and len(draft) == 2 and not draft.on_host
+        assert draft.read_with(choices) == [5, 6, 9]
+        assert draft.tokens.tolist() == [5, 6] and drafted.host() == [5, 6, 7] and draft.on_host
+        assert draft.read_with(choices) == [5, 6, 9]  # read again: the choices alone
+    assert dict(reads) == {"to_cpu": 2}, reads.report()
+    other = Draft.chain(DeviceTokens(_dev(torch.tensor([3, 4]))))
+    with count_host_reads() as reads:
+        assert other.tokens.tolist() == [3, 4]  # asked first: read alone
+    assert dict(reads) == {"to_cpu": 1}, reads.report()
+
+
+def test_host_reads_of_one_round_are_one_transfer():
+    """``HostRead.run_together``: the reads of a drafting round (of any shapes) come back as each one's ``tolist``,
+    from one transfer."""
+    from metasd.core.execution.host_read import HostRead
+
+    tensors = [torch.arange(6.0).reshape(2, 3), torch.tensor([7.0]), torch.tensor(8.0), torch.zeros(2, 0, 2)]
+    reads = [HostRead(_dev(t)) for t in tensors]
+    with count_host_reads() as counted:
+        got = HostRead.run_together(reads)
+    assert got == [t.tolist() for t in tensors] and counted.total == 1, counted.report()
+    assert [r.run() for r in reads] == [t.tolist() for t in tensors]
+
+
+def _scheduler_on_the_device(kind):
+    """A tiny engine on the device with a drafter of ``kind`` (test_scheduler's pools), and the per-step events of a
+    scheduler serving test_scheduler's four prompts with it: (events of each ``_step`` bar the requests' own clock
+    syncs, forwards verified in each, results, what ``Engine.generate`` gives each prompt alone)."""
+    import test_scheduler as ts
+    from metasd.core.batching.scheduler import Scheduler
+    from metasd.core.engine import Engine
+    from metasd.core.execution.verifier import Verifier
+    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
+
+    drafter = {"chain": lambda: PretrainedDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), k=4, name="chain"),
+               "tree": lambda: PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), nodes=8, depth=3,
+                                                     width=2, name="tree"),
+               "suffix": SuffixDrafter, "none": lambda: None}[kind]()
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0).to(DEV), tiny_tokenizer()), drafter,
+                    check_tokenizers=False)
+    alone = [engine.generate(p, n).token_ids for p, n in zip(ts.PROMPTS, ts.MAX_NEW)]
+    events, verified = [], []
+    with Scheduler(engine, max_batch=4) as s:
+        step, verify = s._step, s.verifier.verify
+        s.verifier.verify = lambda *a: verified.__setitem__(-1, verified[-1] + 1) or verify(*a)
+
+        def counted_step():
+            verified.append(0)
+            with count_host_reads() as counted:
+                step()
+            events.append([e for e in counted.events if not e[2].endswith(("(open)", "(prefilled)", "(_finish)"))])
+
+        s._step = counted_step
+        handles = [s.submit(p, n) for p, n in zip(ts.PROMPTS, ts.MAX_NEW)]
+        results = [h.result(timeout=120) for h in handles]
+    return events, verified, results, alone
+
+
+@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree"])
+def test_a_scheduler_step_reads_the_device_once_for_its_whole_batch(kind):
+    """A scheduler's greedy step reads the device ONCE for all its requests (``read_choices``: every row's greedy
+    choices and every chain drafted on the device, in one transfer) - with a tree drafter, one more per tree level,
+    for the whole batch too (``HostRead``: the requests' top-k joined) - and copies nothing to it blocking; the
+    tokens are what each request gets alone."""
+    events, verified, results, alone = _scheduler_on_the_device(kind)
+    assert [r.token_ids for r in results] == alone
+    assert sum(verified) > 3 and sum(r.stats.drafted for r in results) > 0 or kind == "none"
+    report = "\n---\n".join("\n".join(f"{k:8s} {op:28s} {w}" for k, op, w in e) for e in events)
+    blocking = [(i, e) for i, step in enumerate(events) for e in step if e[0] in ("h2d", "sync")]
+    assert not blocking, f"{kind}: blocking copies or syncs in scheduler steps (step, event): {blocking}"
+    levels = 3 if kind == "tree" else 0  # the tree's depth: a read per level at most (joined across requests)
+    over = [(i, len(e), n) for i, (e, n) in enumerate(zip(events, verified)) if len(e) > n * (1 + levels)]
+    assert not over, f"{kind}: steps over one read (+ one per tree level) (step, reads, verified):{over}\n{report}"

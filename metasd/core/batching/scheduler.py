@@ -18,13 +18,13 @@ from typing import Any, Sequence
 
 import torch
 
+from ..decoding.acceptance import read_choices
 from ..decoding.request import Prompt
 from ..execution.batch_verifier import SlotVerifier
 from ..execution.kv_memory import KVAllocationError
 from .adaptive import AdaptiveSpeculation, StepPlan
 from .drafting import each_drafts
-from .jobs import (Forks, Job, batch_verifier_for, free_row, new_request, prefix_cache_for, start_prefill,
-                   tidy_memory)
+from .jobs import Forks, Job, batch_verifier_for, free_row, new_request, prefix_cache_for, start_prefill, tidy_memory
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
 
@@ -194,8 +194,7 @@ class Scheduler:
         return self._deadline is not None and time.perf_counter() >= self._deadline
 
     def _run(self) -> None:
-        # the whole thread in inference mode: the batched cache's buffers are made at admission and written in place by
-        # forwards, commits and row moves
+        # in inference mode: the batched cache's buffers are made at admission, written in place by forwards and moves
         with torch.inference_mode():
             self._loop()
 
@@ -280,6 +279,7 @@ class Scheduler:
         t1 = time.perf_counter()
         try:
             outs = self.verifier.verify([j.request.pending for j in running], batch)
+            read_choices(outs, batch)  # the step's one host read: every row's greedy choices and device drafts
         except Exception as e:  # noqa: BLE001 - the forward itself failed: every request in it fails
             log.exception("the batched verification failed")
             self.failed_steps += 1

@@ -11,10 +11,12 @@ the correction at the first rejection or the free token after the last accepted 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from ..execution.tree import Draft, children_lists
+from ..execution.tree import DeviceTokens, Draft, children_lists
+from ..execution.verifier import VerifierOutput
 from .sampling import KeyedNoise, fit_vocab, sample
 
 
@@ -30,12 +32,38 @@ class Acceptance:
         return len(self.path)
 
 
-def accept_greedy(draft: Draft, target_argmax: torch.Tensor) -> Acceptance:
+def accept_greedy(draft: Draft, target_argmax: torch.Tensor, read: list[int] | None = None) -> Acceptance:
     """Greedy: follow the child whose token equals the verifier's argmax.
 
-    target_argmax: [n+1] argmax of the verifier logits per row.
+    target_argmax: [n+1] argmax of the verifier logits per row, on the verifier's device: read with the draft's
+    tokens where those are still on it (one host read for both); read: its values, read already (``read_choices``).
     """
-    return _walk(draft, target_argmax.tolist().__getitem__)
+    return _walk(draft, (read if read is not None else draft.read_with(target_argmax)).__getitem__)
+
+
+def read_choices(outs: Sequence[VerifierOutput], drafts: Sequence[Draft]) -> None:
+    """The greedy choices of a batched verification (``VerifierOutput.choices``, [n_b+1] each on the verifier's
+    device) and the tokens of the drafts still on that device, read by the host in ONE transfer: a scheduler's step
+    reads the device once for all its requests. Sets each ``choices_read``; each draft's tokens are then on the host
+    (``Draft.tokens`` reads nothing more). A request whose logits are processed (a grammar, penalties) takes its own
+    choices instead."""
+    parts: list[torch.Tensor] = []  # [n_b+1] choices, then the draft's unread tokens, per row that has choices
+    owners: list[tuple[VerifierOutput, DeviceTokens | None]] = []
+    for out, draft in zip(outs, drafts):
+        if out.choices is None:
+            continue
+        unread = draft.unread_on(out.choices.device)
+        parts += [out.choices] + ([unread.values] if unread is not None else [])
+        owners.append((out, unread))
+    if not parts:
+        return
+    flat, at = torch.cat(parts).tolist(), 0
+    for out, unread in owners:
+        n = out.choices.numel()
+        out.choices_read, at = flat[at: at + n], at + n
+        if unread is not None:
+            unread.fill(flat[at: at + len(unread)])
+            at += len(unread)
 
 
 def accept_match(draft: Draft, p: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:

@@ -7,9 +7,8 @@ from it.
 """
 from __future__ import annotations
 
-import dataclasses
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -288,8 +287,8 @@ class Request:
         if ctx is None or self._pending_step is not None:
             raise RuntimeError("Request.propose called without select_arm")
         if max_nodes is not None and max_nodes > 0:
-            ctx = dataclasses.replace(ctx, max_nodes=max_nodes)
-        ctx = dataclasses.replace(ctx, lookup_only=True) if lookup_only else ctx
+            ctx = replace(ctx, max_nodes=max_nodes)
+        ctx = replace(ctx, lookup_only=True) if lookup_only else ctx
         drafter = self.drafters[self.arm] if self.drafters else None
         # at 0 nodes: a plain step (the drafter catches up later)
         asked = drafter is not None and max_nodes != 0 and (not lookup_only or drafts_lookups(drafter))
@@ -348,9 +347,10 @@ class Request:
             seconds = (t1 - t0) + verify_s
         # [n+1, vocab]: the grammar mask and penalties, each row along its own path (then temperature, top-k, top-p)
         logits = out.logits if self.processing is None else self.processing.apply(out.logits, draft)
-        if self.sampling.greedy:
-            target_argmax, target_probs = logits.argmax(-1), None  # [n+1] on the verifier's device
-            acc = accept_greedy(draft, target_argmax)
+        if self.sampling.greedy:  # the raw logits' argmax: a batch's (read at once) where no processing changed them
+            batch = out.choices is not None and self.processing is None
+            target_argmax, target_probs = (out.choices if batch else logits.argmax(-1)), None  # [n+1] on the device
+            acc = accept_greedy(draft, target_argmax, out.choices_read if batch else None)
         else:
             target_argmax, target_probs = None, process_logits(logits, self.sampling)  # [n+1, vocab]
             if self.noise is not None:  # seeded: the verifier alone decides every token (row 0: position length)

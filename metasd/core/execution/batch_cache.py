@@ -44,6 +44,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVBudgetError, KVGeometry, bucketed
 from .row_cache import RowCache
+from .staging import to_device
 
 
 class BatchLayer(CacheLayerMixin):
@@ -264,7 +265,7 @@ class BatchCache(Cache):
             B, N = self._forward
             start = torch.tensor(self.lengths[:B], dtype=torch.long)[:, None]  # [B, 1]
             pos = start + torch.arange(N)  # [B, N]
-            self._index = (torch.arange(B)[:, None].to(device), pos.to(device), self.width(N))
+            self._index = (to_device(torch.arange(B)[:, None], device), to_device(pos, device), self.width(N))
         return self._index
 
     def commit(self, kept: Sequence[torch.Tensor | None]) -> None:
@@ -289,9 +290,7 @@ class BatchCache(Cache):
             self.lengths[b] = start + len(keep)
         if moves_row:
             device = self.layers[0].keys.device
-            rows = torch.tensor(moves_row, device=device)
-            src = torch.tensor(moves_src, device=device)
-            dst = torch.tensor(moves_dst, device=device)
+            rows, src, dst = (to_device(m, device, torch.long) for m in (moves_row, moves_src, moves_dst))  # staged
             for layer in self.layers:
                 for buf in (layer.keys, layer.values):
                     buf[rows, :, dst] = buf[rows, :, src]  # gathered before written: sources are read first

@@ -17,6 +17,7 @@ from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
 from .prefix_cache import PrefixEntry
+from .staging import to_device
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .tree import Draft, ancestor_mask
 from .verifier import Verifier, VerifierOutput
@@ -24,11 +25,12 @@ from .verifier import Verifier, VerifierOutput
 
 def batch_inputs(lengths: Sequence[int], pendings: Sequence[int], drafts: Sequence[Draft]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs of one forward over B requests (host tensors): ids [B, N] (row b: its pending token, its draft's nodes,
-    then padding), position ids [B, N] (row b's length + depth; padding continues from there) and the 4-D mask
-    [B, 1, N, W] (W = max length + N): row b's query i sees columns < length[b] (its committed prefix) and the
-    columns length[b] + j of its tree ancestors j and itself; a padding query sees its prefix and itself (so its
-    attention stays finite), and no query sees another row's new tokens or padding.
+    """Inputs of one forward over B requests (host tensors): ids [B, N] (row b: its pending token, its draft's nodes -
+    0 where the draft's tokens are still on the device, ``Draft.on_host`` - then padding), position ids [B, N] (row
+    b's length + depth; padding continues from there) and the 4-D mask [B, 1, N, W] (W = max length + N): row b's
+    query i sees columns < length[b] (its committed prefix) and the columns length[b] + j of its tree ancestors j and
+    itself; a padding query sees its prefix and itself (so its attention stays finite), and no query sees another
+    row's new tokens or padding.
 
     lengths: cached positions of each row; pendings: each row's pending token; drafts: each row's draft."""
     B = len(drafts)
@@ -40,7 +42,8 @@ def batch_inputs(lengths: Sequence[int], pendings: Sequence[int], drafts: Sequen
     for b, (length, pending, draft) in enumerate(zip(lengths, pendings, drafts)):
         n = len(draft)
         ids[b, 0] = pending
-        ids[b, 1: n + 1] = draft.tokens
+        if draft.on_host:  # else its tokens are on the device: ``BatchVerifier.verify`` writes them there
+            ids[b, 1: n + 1] = draft.tokens
         depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
         pos[b, : n + 1] = length + depth
         pos[b, n + 1:] = length + torch.arange(n + 1, N)
@@ -124,7 +127,7 @@ class Prefill:
         part = self.ids[self.done: self.done + chunk]
         if not part:
             return 0
-        out = self.model(input_ids=torch.tensor([part], dtype=torch.long, device=self.device),
+        out = self.model(input_ids=to_device([part], self.device, torch.long),
                          **cache_kwargs(self.model, self.cache), use_cache=True,
                          logits_to_keep=1 if self.score is None else 0, output_hidden_states=bool(self.layers))
         if self.hidden is not None:
@@ -194,16 +197,21 @@ class BatchVerifier:
         width = self.cache.prepare(B, ids.shape[1])
         assert width == mask.shape[-1]
         device = self.verifier.device
-        out = self.model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device),
+        ids = to_device(ids, device)
+        for b, draft in enumerate(drafts):
+            if not draft.on_host:  # a chain drafted on the device: written there, not read by the host
+                ids[b, 1: len(draft) + 1] = draft.device_tokens(device)
+        out = self.model(input_ids=ids, position_ids=to_device(pos, device), attention_mask=to_device(mask, device),
                          **cache_kwargs(self.model, self.cache), use_cache=True,
                          output_hidden_states=bool(self.hidden_layers))
         self.forwards += 1
         logits = out.logits  # [B, N, vocab]
+        choices = logits.argmax(-1)  # [B, N]: every row's greedy choices in one kernel (read at once: read_choices)
         results = []
         for b, draft in enumerate(drafts):
             n = len(draft) + 1
             hidden = {layer: out.hidden_states[layer][b, :n] for layer in self.hidden_layers}
-            results.append(VerifierOutput(logits[b, :n], hidden))
+            results.append(VerifierOutput(logits[b, :n], hidden, choices[b, :n]))
         return results
 
     def commit(self, slots: Sequence[SlotVerifier | None]) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
+from .host_read import HostRead  # noqa: F401 - a drafting loop yields it, as it yields its feeds
 from .kv_cache import cache_kwargs, cache_length
 from .kv_memory import KVGeometry
 from .staging import to_device
@@ -366,11 +367,13 @@ def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
     for f in feeds:  # every row's buffers hold the W columns attention reads (allocated now if never used)
         f.cache.reserve(W)
         f.cache.allocate(geometry)
-    ids = torch.zeros(B, Q, dtype=torch.long, device=device)  # [B, Q]
+    ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q] host ids; rows fed device tensors are written there below
+    on_device = [b for b, f in enumerate(feeds) if isinstance(f.ids, torch.Tensor) and f.ids.device.type != "cpu"]
     pos = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
     mask = torch.zeros(B, 1, Q, W, dtype=torch.bool)  # [B, 1, Q, W]
     for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
-        ids[b, :n] = f.ids.view(-1) if isinstance(f.ids, torch.Tensor) else torch.tensor(f.ids, dtype=torch.long)
+        if b not in on_device:
+            ids[b, :n] = f.ids.view(-1) if isinstance(f.ids, torch.Tensor) else torch.tensor(f.ids, dtype=torch.long)
         pos[b, :n] = f.positions if f.positions is not None else s + torch.arange(n)
         pos[b, n:] = s + torch.arange(n, Q)
         if f.mask is not None:
@@ -380,14 +383,18 @@ def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
             mask[b, 0, :n, s: s + n] = torch.ones(n, n, dtype=torch.bool).tril()
         pad = torch.arange(n, Q)
         mask[b, 0, pad, s + pad] = True  # a padding query sees itself only: finite, and read by no one
+    ids = to_device(ids, device)  # staged: no host wait (nor the device's tokens read)
+    for b in on_device:
+        ids[b, : q[b]] = feeds[b].ids.view(-1)
     stacked = StackedCache([f.cache for f in feeds], starts, W)
-    inputs = dict(input_ids=ids, position_ids=pos.to(device), attention_mask=mask.to(device), use_cache=True)
+    inputs = dict(input_ids=ids, position_ids=to_device(pos, device), attention_mask=to_device(mask, device),
+                  use_cache=True)
     # the LM head runs over the positions some row reads: each row's last where every feed wants its last only
     keep = sorted({n - 1 for n in q}) if all(f.last_only for f in feeds) else None
     with Steer.stacked(feeds, Q):
         if head is None:
             logits = model(**inputs, **cache_kwargs(model, stacked), logits_to_keep=0 if keep is None else
-                           torch.tensor(keep, device=device)).logits  # [B, len(keep) or Q, vocab]
+                           to_device(keep, device, torch.long)).logits  # [B, len(keep) or Q, vocab]
         else:
             h = model.base_model(**inputs, **cache_kwargs(model.base_model, stacked)).last_hidden_state  # [B, Q, d]
             h = h if keep is None else h[:, keep]

@@ -110,9 +110,10 @@ class GraphRunner:
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """m new tokens after the cache's committed positions, in one fixed-shape forward.
 
-        ids: [m] host int64; depth: [m] host int64, each token's depth below the committed prefix (0 for the first of
-        a chain or the root of a tree); block_mask: [m, m] bool, token i sees token j among the new ones (itself and
-        its ancestors). Returns logits [m, vocab] and {layer: [m, d]}, copies the next forward cannot overwrite."""
+        ids: [m] int64 on the host or the device; depth: [m] host int64, each token's depth below the committed prefix
+        (0 for the first of a chain or the root of a tree); block_mask: [m, m] bool, token i sees token j among the new
+        ones (itself and its ancestors). Returns logits [m, vocab] and {layer: [m, d]}, copies the next forward cannot
+        overwrite."""
         m = len(ids)
         b = token_bucket(m, self.buckets)
         if b is None:
@@ -155,7 +156,9 @@ class GraphRunner:
         m = len(ids)
         pad = torch.arange(m, b)
         host_ids = torch.zeros(1, b, dtype=torch.long)
-        host_ids[0, :m] = ids
+        ids_on_host = ids.device.type == "cpu"
+        if ids_on_host:
+            host_ids[0, :m] = ids
         host_pos = torch.empty(1, b, dtype=torch.long)  # [1, b]: the tree's depths, padding continuing after them
         host_pos[0, :m] = past + depth
         host_pos[0, m:] = past + pad
@@ -166,6 +169,8 @@ class GraphRunner:
         for buf, host in ((shape.ids, host_ids), (shape.positions, host_pos), (shape.mask, mask),
                           (shape.write, past + torch.arange(b))):
             buf.copy_(host, non_blocking=True)
+        if not ids_on_host:  # ids already on the device (a chain drafted there): copied there, not read
+            shape.ids[0, :m].copy_(ids)
 
     def _run(self, shape: _Shape, static: bool = False) -> None:
         """The forward itself, on the shape's buffers; its outputs become the shape's outputs (``static``: copied into

@@ -5,7 +5,6 @@ continues the last committed token (the "root", which the verifier scores at ind
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -13,19 +12,75 @@ import torch
 from .staging import to_device
 
 
-@dataclass
+class DeviceTokens:
+    """Draft tokens drafted on a device and not read by the host yet (docs/architecture.md#where-tensors-live).
+
+    A chain drafted on the device is fed to the verifier from there; the host reads it once, beside the verifier's
+    choices (``read_with``: one transfer for both), so a greedy chain step reads the device once. The read is kept:
+    every later reader (the drafter's own bookkeeping, the request's commit) takes the host copy.
+
+    values: [n] int64 on the device."""
+
+    def __init__(self, values: torch.Tensor, source: "DeviceTokens | None" = None):
+        self.values = values.reshape(-1).long()
+        self._source = source  # the tokens these are the first of (read together: one read for both)
+        self._host: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self.values.numel()
+
+    def prefix(self, n: int) -> "DeviceTokens":
+        """The first ``n`` tokens, read when these are (and these when they are)."""
+        return DeviceTokens(self.values[:n], self._source or self)
+
+    @property
+    def read(self) -> bool:
+        return self._host is not None or (self._source is not None and self._source.read)
+
+    @property
+    def root(self) -> "DeviceTokens":
+        """The tokens these are the first of (or these): what a joint read reads."""
+        return self._source or self
+
+    def fill(self, host: list[int]) -> None:
+        """The tokens as read by a joint read (``read_choices``)."""
+        self._host = host
+
+    def host(self) -> list[int]:
+        """The tokens as host ints (the host read, the first time)."""
+        if self._host is None:
+            self._host = self._source.host()[: len(self)] if self._source is not None else self.values.tolist()
+        return self._host
+
+    def read_with(self, other: torch.Tensor) -> list:
+        """``other.tolist()``, read in the same transfer as these tokens where they are unread and on its device."""
+        if self._source is not None:
+            out = self._source.read_with(other)
+            self.host()
+            return out
+        if self._host is not None or other.device != self.values.device or other.dtype != self.values.dtype:
+            return other.tolist()
+        n = len(self)
+        flat = torch.cat([self.values, other.reshape(-1)]).tolist()
+        self._host = flat[:n]
+        return flat[n:] if other.dim() == 1 else torch.tensor(flat[n:]).reshape(other.shape).tolist()
+
+
 class Draft:
     """One proposal of a drafter: a chain or a tree of tokens.
 
-    tokens:  [n] int64 draft tokens, on the host (CPU)
+    tokens:  [n] int64 draft tokens, on the host (CPU); given as ``DeviceTokens``, they stay on the drafter's device
+             until the acceptance reads them beside the verifier's choices (``read_with``) - ``tokens`` reads them
+             then, or at once when something asks first (a host read)
     parents: [n] int64 parent node index, -1 for children of the root (the last committed token), on the host
     probs:   [n, vocab] float or None, on the drafter's device. Row i is the (processed) drafter distribution q that
              node i's token was drawn from, before removing siblings drawn earlier. None: the draft has no
              probabilities (n-gram, argmax drafts) and is verified by sample-and-match.
 
     Where tensors live (docs/architecture.md#where-tensors-live): the tree's shape is small and read by the host
-    anyway (masks, acceptance), so tokens and parents are host tensors - a drafter working on a device reads its draft
-    once and hands over host values (device tensors given here are copied to the host: a host read).
+    anyway (masks, acceptance), so parents are host tensors; tokens are host tensors too, except a chain drafted on
+    a device, which the verifier takes from there (``device_tokens``) - other device tensors given here are copied
+    to the host: a host read.
     without_replacement: siblings were drawn without replacement from ``probs`` (RSD trees); recursive
              rejection then renormalises q after each rejected sibling.
     catch_up: committed tokens the drafter had to feed this step beyond the pending one (tokens committed by
@@ -33,35 +88,67 @@ class Draft:
     meta:    drafter-specific figures of this step (for analysis; nothing in the engine reads them).
     """
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    probs: torch.Tensor | None = None
-    without_replacement: bool = True
-    meta: dict = field(default_factory=dict)
-    catch_up: int = 0
-
-    def __post_init__(self):
-        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1).cpu()
-        self.parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1).cpu()
-        if self.tokens.shape != self.parents.shape:
-            raise ValueError(f"Draft: tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} differ in length")
-        n = len(self.tokens)
+    def __init__(self, tokens, parents, probs: torch.Tensor | None = None, without_replacement: bool = True,
+                 meta: dict | None = None, catch_up: int = 0):
+        self._device: DeviceTokens | None = tokens if isinstance(tokens, DeviceTokens) else None
+        self._tokens = None if self._device is not None else \
+            torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+        self.parents = torch.as_tensor(parents, dtype=torch.long).reshape(-1).cpu()
+        self.probs, self.without_replacement, self.catch_up = probs, without_replacement, catch_up
+        self.meta = {} if meta is None else meta
+        n = len(self.parents)
+        given = len(self._device) if self._device is not None else len(self._tokens)
+        if given != n:
+            raise ValueError(f"Draft: tokens ({given},) and parents ({n},) differ in length")
         if n and not bool((self.parents < torch.arange(n)).all() and (self.parents >= -1).all()):
             raise ValueError(f"Draft: parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
         if self.probs is not None and self.probs.shape[0] != n:
             raise ValueError(f"Draft: probs has {self.probs.shape[0]} rows for {n} tokens")
 
+    def __repr__(self) -> str:
+        tokens = self._tokens.tolist() if self._tokens is not None else f"<{len(self)} on the device>"
+        return f"Draft(tokens={tokens}, parents={self.parents.tolist()}, meta={self.meta})"
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[n] int64 on the host (tokens left on the device are read now, unless the acceptance read them)."""
+        if self._tokens is None:
+            self._tokens = torch.tensor(self._device.host(), dtype=torch.long)
+        return self._tokens
+
+    def device_tokens(self, device: torch.device) -> torch.Tensor:
+        """[n] int64 on ``device``: the drafted tensor itself where it is there, else the host tokens staged there
+        (no host read either way)."""
+        d = self._device
+        if d is not None and d.values.device == torch.device(device):
+            return d.values
+        return to_device(self.tokens, device)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the host has the tokens (given so, or read): else they are on the device, unread."""
+        return self._tokens is not None or self._device is None or self._device.read
+
+    def unread_on(self, device: torch.device) -> DeviceTokens | None:
+        """The drafted tokens (``DeviceTokens.root``) where they are on ``device`` and unread, else None."""
+        d = self._device
+        return d.root if not self.on_host and d.values.device == device else None
+
+    def read_with(self, other: torch.Tensor) -> list:
+        """``other.tolist()``, read in the same host read as the draft's tokens where those are still on its device."""
+        return self._device.read_with(other) if self._tokens is None and self._device is not None else other.tolist()
+
     @classmethod
     def chain(cls, tokens, probs: torch.Tensor | None = None, catch_up: int = 0, **meta) -> "Draft":
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
-        return cls(tokens, torch.arange(len(tokens)) - 1, probs, meta=dict(meta), catch_up=catch_up)
+        n = len(tokens) if isinstance(tokens, DeviceTokens) else torch.as_tensor(tokens).numel()
+        return cls(tokens, torch.arange(n) - 1, probs, meta=dict(meta), catch_up=catch_up)
 
     @classmethod
     def empty(cls) -> "Draft":
         return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.parents)
 
     @property
     def is_chain(self) -> bool:
@@ -83,6 +170,8 @@ class Draft:
         """The sub-tree of nodes at depth <= max_depth (keeps topological indices consistent)."""
         if max_depth >= self.depth:
             return self
+        if self.is_chain:  # its first nodes (tokens left where they are)
+            return self.first(max_depth)
         keep = (self.depths() <= max_depth).nonzero().squeeze(-1)
         remap = torch.full((len(self),), -1, dtype=torch.long)
         remap[keep] = torch.arange(len(keep))
@@ -97,7 +186,8 @@ class Draft:
         if n >= len(self):
             return self
         probs = None if self.probs is None else self.probs[:n]
-        return Draft(self.tokens[:n], self.parents[:n], probs, self.without_replacement, dict(self.meta), self.catch_up)
+        tokens = self.tokens[:n] if self._tokens is not None else self._device.prefix(n)
+        return Draft(tokens, self.parents[:n], probs, self.without_replacement, dict(self.meta), self.catch_up)
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,14 @@ class VerifierOutput:
 
     logits: torch.Tensor  # [n+1, vocab] raw logits: row 0 after the pending token, row i+1 after node i
     hidden: dict[int, torch.Tensor]  # layer -> [n+1, d] residual stream at the same rows
+    choices: torch.Tensor | None = None  # [n+1] argmax of ``logits`` on the device (a batch computes all rows' at once)
+    choices_read: list[int] | None = None  # ``choices`` on the host, read with the batch's (``read_choices``)
+
+
+def verify_ids(pending: int, draft: Draft, device: torch.device) -> torch.Tensor:
+    """[n+1] int64 on ``device``: the pending token, then the draft's tokens - taken where they were drafted when that
+    is ``device`` (a chain drafted there is not read by the host before its acceptance), else staged from the host."""
+    return torch.cat([to_device(torch.tensor([pending], dtype=torch.long), device), draft.device_tokens(device)])
 
 
 class Verifier:
@@ -146,11 +154,11 @@ class Verifier:
         past = self._block_start = self.cached
         runner = self._fixed_runner() if self.fixed_shapes else None
         if runner is not None and runner.fits(len(draft) + 1):
-            tokens = torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens])  # [n+1]
+            tokens = verify_ids(pending, draft, self.device)  # [n+1]
             depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
             block = ancestor_mask(draft.parents)  # [n+1, n+1]; a chain's is lower-triangular
             return VerifierOutput(*runner.forward(tokens, depth, block))
-        ids = to_device(torch.cat([torch.tensor([pending], dtype=torch.long), draft.tokens]), self.device)[None]  # [1, n+1]
+        ids = verify_ids(pending, draft, self.device)[None]  # [1, n+1]
         kwargs = {}
         if len(draft) and not draft.is_chain:
             depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
