@@ -15,7 +15,8 @@ still run; every result is written as it comes):
    count of section 5 is compared with.
 4. ``conformance_greedy``: every drafter type's greedy identity on tiny models on the device
    (``pytest tests/test_conformance.py -k greedy_output --metasd-device cuda``).
-5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B and the 8B shapes at tokens/step 1, 2, 4 and 6, then
+5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B and the 8B shapes at tokens/step 1, 2, 4 and 6 and with
+   the 0.5B-shape chain drafter at k = 3 (its real drafting cost at about 4 tokens a step), then
    three tree shapes of the 0.5B drafter on the 1.5B shape (depth:nodes 4:8, 6:16, and 8:32 in int4 as the default
    pool drafts), eager; forward times by rows (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them
    (``set_sync_debug_mode``). Each its own process and file, written after every row.
@@ -142,7 +143,7 @@ def kernels(device: str) -> dict:
     return results
 
 
-def fake_syncs(taus: list[int], trees: list[str]) -> dict:
+def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dict:
     """On the fake device (``tests/second_device.py``): per step of a whole request (its start and end included, as
     ``gpu_overhead.py`` counts on the GPU), the host-device synchronisations by kind."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -152,7 +153,7 @@ def fake_syncs(taus: list[int], trees: list[str]) -> dict:
     import second_device
     from gpu_overhead import build, parse_tree, record
     from metasd import Engine, Verifier
-    from metasd.drafters import PretrainedTreeDrafter
+    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
     from metasd.drafters.replay import ReplayDrafter
 
     dev = second_device.enable()
@@ -173,6 +174,8 @@ def fake_syncs(taus: list[int], trees: list[str]) -> dict:
                 continue  # the fake device has no int4 kernel
             cases[f"tree_{spec}"] = PretrainedTreeDrafter(small, mode="dynamic", nodes=t["nodes"], depth=t["depth"],
                                                           width=4, min_path_prob=0.3, name="tree")
+        for k in chains:  # drafted on the device, read once with the verifier's choices
+            cases[f"chain_{k}"] = PretrainedDrafter(small, k=k, name="chain")
         for name, drafter in cases.items():
             if isinstance(drafter, ReplayDrafter):
                 drafter.record(ids, reference)
@@ -236,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
 
     taus = [2] if args.quick else [4, 2, 6]  # 4 first: the issue's row if the time runs out
     trees = ["2:4"] if args.quick else ["4:8", "6:16", "8:32:int4"]
+    chains = [1] if args.quick else [3]  # the 0.5B chain drafter at 4 tokens a step: the issue's row
     if args.fake_syncs:
-        print(json.dumps(fake_syncs(taus, trees)))
+        print(json.dumps(fake_syncs(taus, trees, chains)))
         return 0
 
     import torch
@@ -287,15 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     overhead = {}
     out_dir = Path(args.out)
     if args.quick:
-        plans = {"tiny": ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees, "--new-tokens", "8",
+        plans = {"tiny": ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees,
+                          "--chains", *map(str, chains),
+                          "--new-tokens", "8",
                           "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3",
                           "--graphs", "off", "fixed", "--static"]}  # fixed: the graph runner's buffers, eager
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
         rows = ["--forward-rows", "1", "2", "4", "8", "16", "32"]
         graphs = ["--graphs", "off", "on", "--static"]  # eager and captured verify forwards, beside compiled generate
-        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *rows, *graphs, *common],
-                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *rows, *graphs, *common],
+        chain_rows = ["--chains", *map(str, chains)]
+        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *chain_rows, *rows, *graphs, *common],
+                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *chain_rows, *rows, *graphs, *common],
                  "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, *common]}
         plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
     replay = "trace_replay" in wanted and TRACE.exists()
@@ -355,11 +362,13 @@ def _summary(results: dict) -> dict:
             for row in sh["rows"]:
                 what = (f"tau {row['tokens_per_step']} graphs {row.get('graphs_setting', 'off')}"
                         if "tokens_per_step" in row else
+                        f"chain k {row['k']} graphs {row.get('graphs_setting', 'off')}" if "k" in row else
                         f"tree {row['depth']}:{row['nodes']}{':' + row['quantize'] if row.get('quantize') else ''}")
                 if "failed" in row:
                     lines.append(f"{sh['shape']} {what}: FAILED {row['failed']}")
                     continue
-                fake_row = fake.get(f"tokens_per_step_{row['tokens_per_step']}") if "tokens_per_step" in row else None
+                fake_row = (fake.get(f"tokens_per_step_{row['tokens_per_step']}") if "tokens_per_step" in row else
+                            fake.get(f"chain_{row['k']}") if "k" in row else None)
                 gpu_syncs = row.get("cuda_sync_warnings_per_step")
                 lines.append(
                     f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine "

@@ -26,6 +26,10 @@ How it is measured (each a rule that an earlier version broke):
 - ``--trees D:N ...`` adds rows for the default drafter's kind (a dynamic ``pretrained_tree``, width 4) on a
   random 0.5B-shaped drafter that shares the verifier's ``perm`` (so it drafts the verifier's text), depth D, at most
   N nodes (``D:N:int4`` quantizes the drafter as the default pool does).
+- ``--chains K ...`` adds rows of the pretrained chain drafter on the same random drafter, ``K`` tokens a step: the
+  real drafting cost of a chain (K drafter forwards a step, on the device, read once with the verifier's choices) at
+  about K + 1 tokens a step (the issue's "0.5B chain drafter" rows). The 8B shape's drafter is the 0.5B shape with
+  the 8B's vocabulary (152,064 ids, as Qwen2.5-7B and its 0.5B sibling's checkpoints pair up by shared ids).
 
     python benchmarks/gpu_overhead.py --shapes 1.5b 8b --taus 2 4 6 --new-tokens 128 --trees 4:8 6:16 8:32 \
         --out $OUT/gpu_overhead.json
@@ -58,7 +62,7 @@ from metasd import Engine, Verifier
 from metasd.core.execution import clock
 from metasd.core.execution.clock import synchronize
 from metasd.core.execution.kv_cache import cache_kwargs, crop_to
-from metasd.drafters import PretrainedTreeDrafter
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
 from metasd.drafters.replay import ReplayDrafter, ReplayMiss
 from metasd.models.quantize import quantize_model
 
@@ -75,8 +79,15 @@ SHAPES = {
     "8b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064),
 }
-#: the drafter shape of each verifier shape (same vocabulary) for ``--trees``
-DRAFTER_SHAPE = {"tiny": "tiny", "0.5b": "0.5b", "1.5b": "0.5b", "8b": None}
+#: the drafter shape of each verifier shape for ``--trees`` and ``--chains``: (shape, its config with the verifier's
+#: vocabulary)
+DRAFTER_SHAPE = {"tiny": "tiny", "0.5b": "0.5b", "1.5b": "0.5b", "8b": "0.5b"}
+
+
+def drafter_config(shape: str) -> tuple[str, dict]:
+    """The drafter shape for verifier ``shape`` and its config, with the verifier's vocabulary."""
+    small = DRAFTER_SHAPE[shape]
+    return small, {**SHAPES[small], "vocab_size": SHAPES[shape]["vocab_size"]}
 
 
 def log(msg: str) -> None:
@@ -418,10 +429,11 @@ def parse_tree(spec: str) -> dict:
 
 def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
             trees: list[dict] = (), forward_rows: list[int] = (), tau_rows: bool = True, save=None,
-            graphs: list[str] = ("off",), static: bool = False) -> dict:
+            graphs: list[str] = ("off",), static: bool = False, chains: list[int] = ()) -> dict:
     """One shape's rows: tokens/step 1 and ``taus`` with the replay drafter (unless ``tau_rows`` is off), each under
-    every ``graphs`` setting of the verifier, then ``trees``; ``static``: transformers' static-cache ``generate`` timed
-    beside each row; ``save(partial)`` after every row (a run cut short keeps what it measured)."""
+    every ``graphs`` setting of the verifier, then ``chains`` and ``trees`` (under the last setting); ``static``:
+    transformers' static-cache ``generate`` timed beside each row; ``save(partial)`` after every row (a run cut short
+    keeps what it measured)."""
     t_build = time.perf_counter()
     model = build(shape, device, dtype)
     synchronize(device)
@@ -429,7 +441,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     vocab = SHAPES[shape]["vocab_size"]
     prompt = torch.randint(1, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
     ids = prompt[0].tolist()
-    deepest = max([*taus, *(t["depth"] + 1 for t in trees), 1])  # a step may draft this deep past its start
+    deepest = max([*taus, *(t["depth"] + 1 for t in trees), *(k + 1 for k in chains), 1])  # a step's deepest draft
     reference, margins = record(model, prompt, n + deepest + 1)
     log(f"{shape}: built in {build_s:.1f} s; top-2 margins of the recording: min {margins['min']:.3g}, "
         f"p10 {margins['p10']:.3g}, median {margins['median']:.3g} (top logit ~{margins['top_logit_median']:.3g}), "
@@ -441,7 +453,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
                if by_rows["fit"].get("implied_dense_row_cost") is not None else ""))
     verifiers = {g: Verifier(model, graphs="off", fixed_shapes=True) if g == "fixed" else Verifier(model, graphs=g)
                  for g in graphs}
-    verifier = verifiers[graphs[-1]]  # the trees' rows
+    verifier = verifiers[graphs[-1]]  # the chains' and trees' rows
     timer = ForwardTimer(model, device)
     rows = []
     result = {"shape": shape, "config": SHAPES[shape], "build_s": build_s, "margins": margins,
@@ -460,9 +472,22 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
             rows.append(row)
             save(result)
             log(f"  {shape} tokens/step {tau} graphs {g}: {_fmt(row)}")
-    drafter_shape = DRAFTER_SHAPE.get(shape)
-    if trees and drafter_shape is not None:
-        small = build(drafter_shape, device, dtype, seed=2)  # the same perm_seed: it continues the text alike
+    drafter_shape, drafter_cfg = drafter_config(shape)
+    if trees or chains:
+        # the same perm_seed and vocabulary: it continues the text alike
+        small = build(drafter_shape, device, dtype, seed=2, config=drafter_cfg)
+        for k in chains:
+            row = {"drafter": f"pretrained {drafter_shape}", "k": k, "graphs_setting": graphs[-1]}
+            try:
+                drafter = PretrainedDrafter(small, k=k, name="chain")
+                row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
+                                       timer, warm_plain=not rows, static=static))
+            except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
+                row["failed"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+            save(result)
+            log(f"  {shape} chain k {k}: " + (f"{row['tokens_per_step_measured']:.2f} tokens/step, "
+                                              if "failed" not in row else "") + _fmt(row))
         for tree in trees:
             row = {"drafter": f"pretrained_tree {drafter_shape}", **tree}
             try:
@@ -495,7 +520,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="tree shapes of the default drafter's kind on the shape's drafter (1.5b: 0.5b)")
     p.add_argument("--forward-rows", nargs="*", type=int, default=[], metavar="ROWS",
                    help="also time one verifier forward of each number of rows (to calibrate CUDA_ROW_COST)")
-    p.add_argument("--trees-only", action="store_true", help="no tokens/step rows (the replay drafter's), trees alone")
+    p.add_argument("--chains", nargs="*", type=int, default=[], metavar="K",
+                   help="chain drafter rows on the shape's drafter, K tokens a step")
+    p.add_argument("--trees-only", action="store_true",
+                   help="no tokens/step rows (the replay drafter's): trees and chains alone")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -531,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             done.append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats, device, dtype,
                                 args.trees, args.forward_rows, tau_rows=not args.trees_only, save=save,
-                                graphs=args.graphs, static=args.static))
+                                graphs=args.graphs, static=args.static, chains=args.chains))
     results["shapes"] = done
     results["wall_s"] = time.perf_counter() - t0
     text = json.dumps(results, indent=1)
