@@ -35,7 +35,7 @@ from torch import nn
 
 from metasd.core.decoding.drafter import BuildContext, Drafter, DrafterParams, StepContext, StepFeedback, drafting_loop
 from metasd.core.decoding.sampling import SamplingParams
-from metasd.core.execution.draft_batch import Drafting, Feed, HostRead, drive, run_feed
+from metasd.core.execution.draft_batch import Drafting, Feed, HostRead, drive
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.execution.static_cache import new_cache
 from metasd.core.execution.tree import Draft, depths_of
@@ -175,40 +175,38 @@ def _drive_recording(loop: Drafting, base: int, out: list[dict], name: str) -> D
     their paths (a row's path: its token after its parent rows')."""
     models: list[nn.Module] = []
     fed: dict[tuple[int, int], tuple[int, int]] = {}  # (model, slot - base) -> (token, parent row)
-    try:
-        feed = next(loop)
-        while True:
-            while isinstance(feed, HostRead):  # the drafter reading its values: no forward to record
-                feed = loop.send(feed.run())
-            if not isinstance(feed, Feed) or feed.head is not None or feed.steer is not None:
-                raise ValueError(f"{name}: a trace records plain model forwards (Feed without a draft head or "
-                                 f"steering); this arm runs {type(feed).__name__}")
-            if feed.model not in models:
-                models.append(feed.model)
-            m = models.index(feed.model)
-            L, q = cache_length(feed.cache), feed.length
-            ids = feed.ids.tolist() if isinstance(feed.ids, torch.Tensor) else list(feed.ids)
-            if L + q <= base:
-                if L + q != base:
-                    raise ValueError(f"{name}: a catch-up forward that stops short of the pending token")
-                out.append({"catch_up": True, "model": m})
-            else:
-                if L < base:
-                    raise ValueError(f"{name}: a forward that feeds committed and draft tokens together")
-                rows = []
-                for j in range(q):
-                    row = L - base + j
-                    if feed.mask is None:
-                        parent = row - 1
-                    else:
-                        seen = [c - base for c in range(base, L + j) if bool(feed.mask[j, c])]
-                        parent = max(seen) if seen else -1
-                    fed[(m, row)] = (ids[j], parent)
-                    rows.append([row, parent])
-                out.append({"model": m, "masked": feed.mask is not None, "rows": rows})
-            feed = loop.send(run_feed(feed))
-    except StopIteration as done:
-        draft = done.value
+
+    def record(feed) -> None:  # each feed before it runs: its rows, described
+        if isinstance(feed, HostRead):  # the drafter reading its values: no forward to record
+            return
+        if not isinstance(feed, Feed) or feed.head is not None or feed.steer is not None:
+            raise ValueError(f"{name}: a trace records plain model forwards (Feed without a draft head or "
+                             f"steering); this arm runs {type(feed).__name__}")
+        if feed.model not in models:
+            models.append(feed.model)
+        m = models.index(feed.model)
+        L, q = cache_length(feed.cache), feed.length
+        ids = feed.ids.tolist() if isinstance(feed.ids, torch.Tensor) else list(feed.ids)
+        if L + q <= base:
+            if L + q != base:
+                raise ValueError(f"{name}: a catch-up forward that stops short of the pending token")
+            out.append({"catch_up": True, "model": m})
+        else:
+            if L < base:
+                raise ValueError(f"{name}: a forward that feeds committed and draft tokens together")
+            rows = []
+            for j in range(q):
+                row = L - base + j
+                if feed.mask is None:
+                    parent = row - 1
+                else:
+                    seen = [c - base for c in range(base, L + j) if bool(feed.mask[j, c])]
+                    parent = max(seen) if seen else -1
+                fed[(m, row)] = (ids[j], parent)
+                rows.append([row, parent])
+            out.append({"model": m, "masked": feed.mask is not None, "rows": rows})
+
+    draft = drive(loop, record)
     paths = {_path(fed, m, r): (m, r) for m, r in fed}
     node_of_row = {}
     for i in range(len(draft)):

@@ -150,6 +150,31 @@ def test_feeds_that_must_run_alone_are_not_grouped():
     assert sorted(feed_groups(feeds)) == [[0, 1], [2], [3], [4]]
 
 
+def test_a_loop_whose_forward_fails_is_closed_at_once_leaving_no_inference_mode_behind():
+    """``drive``: a drafting loop enters inference mode (as every model drafter's does) and its forward fails - the
+    error reaches the caller, the loop is closed there, and the caller's thread is out of inference mode again
+    (before: in it until the loop was collected, so a caller's training after a failed generate raised)."""
+    from metasd.core.execution.draft_batch import drive
+    from metasd.core.execution.host_read import HostRead
+
+    class Failing(HostRead):
+        def run(self):
+            raise RuntimeError("the forward failed")
+
+    def loop():
+        with torch.inference_mode():
+            assert (yield HostRead(torch.tensor([3]))) == [3]
+            yield Failing(torch.zeros(1))
+
+    held = loop()  # the caller still holds the loop (as a traceback does)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        drive(held)
+    assert not torch.is_inference_mode_enabled()
+    seen = []
+    assert drive((lambda: (yield HostRead(torch.tensor([1, 2]))))(), seen.append) == [1, 2]
+    assert [type(f).__name__ for f in seen] == ["HostRead"]  # ``watch`` sees each feed
+
+
 def test_sampling_through_batched_tree_drafting_follows_the_verifier_at_depth_two(tok):
     # an RSD-C tree (rejection sampling with the drafter's q): requests sampled side by side, their drafter forwards
     # shared; the three-token continuations follow the verifier's distribution

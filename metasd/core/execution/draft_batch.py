@@ -427,11 +427,17 @@ def run_group(feeds: Sequence[Feed | RowFeed | PackedFeed | BlockFeed]) -> list[
     return [feeds[0].run()] if len(feeds) == 1 else type(feeds[0]).run_together(feeds)
 
 
-def drive(loop: Drafting) -> Any:
-    """Run a drafting loop alone: each feed it yields is one forward. Returns what the loop returns."""
+def drive(loop: Drafting, watch: Callable[[Any], None] | None = None) -> Any:
+    """Run a drafting loop alone: each feed it yields is one forward (``watch``, where given, sees each feed before it
+    runs). Returns what the loop returns. A loop left by an error (a failed forward) is closed at once, so what it
+    holds - inference mode, a steering context - ends here, in its own thread, not whenever it is collected."""
     try:
         feed = next(loop)
         while True:
+            if watch is not None:
+                watch(feed)
             feed = loop.send(run_feed(feed))
     except StopIteration as done:
         return done.value
+    finally:
+        loop.close()
