@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from safetensors.torch import save_file
 
-from metasd.core.execution.draft_batch import Drafting, Feed, RowFeed, drive
+from metasd.core.execution.draft_batch import Drafting, Feed, HostRead, RowFeed, drive
 from metasd.core.pricing.cost import counted_linear
 from metasd.core.execution.staging import to_device
 from metasd.models.draft_vocab import DraftVocab
@@ -296,7 +296,7 @@ class BlockDrafter(Drafter):
             return Draft.empty()
         logits = yield RowFeed(self.heads, self._heads_input(ctx.hidden.last(self.heads.hidden_layer)))  # [1, k, N]
         cand, logp = self._top(logits[0], depth)  # [depth, m] each
-        both = torch.stack([cand.float(), logp]).tolist()  # the lattice in one host read (ids < 2**24: exact)
+        both = yield HostRead(torch.stack([cand.float(), logp]))  # the lattice in one host read (ids < 2**24: exact)
         cand_l, logp_l = [[int(x) for x in row] for row in both[0]], both[1]
         catch_up = 0
         if self.refine == "neural":
@@ -345,7 +345,7 @@ class BlockDrafter(Drafter):
             for i in range(depth):
                 grown = []
                 ids = to_device([min(x, vocab - 1) for x in cand[i]], first.device, torch.long)  # [m]
-                lm_rows = torch.stack([lp[ids] for _, _, _, lp in beams]).tolist()  # the depth's one host read
+                lm_rows = yield HostRead(torch.stack([lp[ids] for _, _, _, lp in beams]))  # the depth's one read
                 for (score, path, node, _), row in zip(beams, lm_rows):
                     for x, hl, lm_lp in zip(cand[i], logp[i], row):
                         lm_lp = lm_lp if x < vocab else -1e4

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from metasd.models.draft_vocab import DraftVocab
 from metasd.core.decoding.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.models.quantize import quantize_model
-from metasd.core.execution.draft_batch import BlockFeed, Drafting, RowFeed, drive
+from metasd.core.execution.draft_batch import BlockFeed, Drafting, HostRead, RowFeed, drive
 from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import Draft
 
@@ -186,7 +186,7 @@ def draft_from_block_steps(nets: BlockRows, h: torch.Tensor, root: int, mode: st
     hd = h[1:depth + 1]  # [D, d]: row i predicts depth i+1
     logits = (yield RowFeed(nets.logits, hd)).float()  # [D, N]
     if mode == "chain":
-        toks = logits.argmax(-1).tolist()
+        toks = yield HostRead(logits.argmax(-1))  # a batch's read at once
         return toks, list(range(-1, len(toks) - 1))
     logp = logits.log_softmax(-1)
     if mode == "marginal":
