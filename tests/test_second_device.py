@@ -704,11 +704,13 @@ def test_host_reads_of_one_round_are_one_transfer():
     assert [r.run() for r in reads] == [t.tolist() for t in tensors]
 
 
-def _scheduler_on_the_device(kind):
+def _scheduler_on_the_device(kind, adaptive=False):
     """A tiny engine on the device with a drafter of ``kind`` (test_scheduler's pools), and the per-step events of a
-    scheduler serving test_scheduler's four prompts with it: (events of each ``_step`` bar the requests' own clock
-    syncs, forwards verified in each, results, what ``Engine.generate`` gives each prompt alone)."""
+    scheduler serving test_scheduler's four prompts with it (``adaptive``: drafts sized by an ``AdaptiveSpeculation``
+    over a forward cost rising with tokens): (events of each ``_step`` bar the requests' own clock syncs, forwards
+    verified in each, results, what ``Engine.generate`` gives each prompt alone)."""
     import test_scheduler as ts
+    from metasd.core.batching.adaptive import AdaptiveSpeculation
     from metasd.core.batching.scheduler import Scheduler
     from metasd.core.engine import Engine
     from metasd.core.execution.verifier import Verifier
@@ -722,7 +724,8 @@ def _scheduler_on_the_device(kind):
                     check_tokenizers=False)
     alone = [engine.generate(p, n).token_ids for p, n in zip(ts.PROMPTS, ts.MAX_NEW)]
     events, verified = [], []
-    with Scheduler(engine, max_batch=4) as s:
+    sizing = AdaptiveSpeculation(lambda n: 1.0 + 0.05 * n, max_width=12) if adaptive else None
+    with Scheduler(engine, max_batch=4, adaptive=sizing) as s:
         step, verify = s._step, s.verifier.verify
         s.verifier.verify = lambda *a: verified.__setitem__(-1, verified[-1] + 1) or verify(*a)
 
@@ -738,13 +741,14 @@ def _scheduler_on_the_device(kind):
     return events, verified, results, alone
 
 
-@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree"])
+@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree", "chain adaptive"])
 def test_a_scheduler_step_reads_the_device_once_for_its_whole_batch(kind):
     """A scheduler's greedy step reads the device ONCE for all its requests (``read_choices``: every row's greedy
     choices and every chain drafted on the device, in one transfer) - with a tree drafter, one more per tree level,
     for the whole batch too (``HostRead``: the requests' top-k joined) - and copies nothing to it blocking; the
     tokens are what each request gets alone."""
-    events, verified, results, alone = _scheduler_on_the_device(kind)
+    kind, _, adaptive = kind.partition(" ")
+    events, verified, results, alone = _scheduler_on_the_device(kind, adaptive=bool(adaptive))
     assert [r.token_ids for r in results] == alone
     assert sum(verified) > 3 and sum(r.stats.drafted for r in results) > 0 or kind == "none"
     report = "\n---\n".join("\n".join(f"{k:8s} {op:28s} {w}" for k, op, w in e) for e in events)
