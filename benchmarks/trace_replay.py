@@ -350,6 +350,8 @@ def serve_prep_main(args) -> int:
                                "eos_at": G.index(tok.eos_token_id) if tok.eos_token_id in G else None}})
         log(f"{p.name}: {p.prompt_len} prompt tokens, {p.recorded_len} to answer, ties {margins['ties']}")
     for name, model in models.items():
+        # every server stops at the tokenizer's EOS: transformers serve reads it from the model's configs alone
+        model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
         model.save_pretrained(out / name)
         tok.save_pretrained(out / name)
     trace.save(out / "trace.json")

@@ -159,6 +159,11 @@ def test_serve_prep_writes_what_a_server_serves_the_trace_from(tmp_path, replaye
     replay = json.loads((out / "replay.json").read_text())["prompts"]
     assert [q["meta"]["max_tokens"] for q in questions] == [N, N] and len(replay) == 2
     engine = load_pool(out / "pool.yaml")  # from the folder: its own word-level tokenizer
+    from transformers import AutoConfig, GenerationConfig
+
+    for name in ("verifier", "drafter"):  # transformers serve stops where metasd does: at the tokenizer's EOS
+        assert AutoConfig.from_pretrained(out / name).eos_token_id == engine.tokenizer.eos_token_id is not None
+        assert GenerationConfig.from_pretrained(out / name).eos_token_id == engine.tokenizer.eos_token_id
     for q, r in zip(questions, replay):
         ids = engine.encode([{"role": "user", "content": q["turns"][0]}])
         assert ids == r["prompt_ids"]  # the chat text tokenizes to exactly the replay's ids
