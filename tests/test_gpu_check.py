@@ -38,7 +38,7 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     assert figures["shapes"][0]["margins"]["ties"] == 0  # decisive greedy decoding
     assert set(figures["shapes"][0]["forward_ms_by_rows"]["ms"]) == {"1", "2"}
     fake = s["fake_syncs"]
-    assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] <= 3
+    assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] < 1.5  # one read a step
     assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
     # a chain drafted on the device: one read a step (the request's start and end spread over its steps besides)
     assert fake["chain_1"]["tokens_match"] and fake["chain_1"]["per_step"] < 1.5
