@@ -12,12 +12,14 @@ from .ngram import NGramDrafter
 from .pretrained import PretrainedDrafter
 from .pretrained_tree import PretrainedTreeDrafter
 from .replay import ReplayDrafter
+from .static_tree import StaticTreeDrafter
 from .suffix import SuffixDrafter
 from .treeflash import TreeFlashDrafter
 from .steered import SteeredDrafter, SteeredTreeDrafter
 
 __all__ = ["BlockDrafter", "DRAFTERS", "Drafter", "FusedDrafter", "HiddenStateDrafter", "NGramDrafter", "PretrainedDrafter",
-           "PretrainedTreeDrafter", "ReplayDrafter", "SteeredDrafter", "SteeredTreeDrafter", "StepContext", "StepFeedback",
+           "PretrainedTreeDrafter", "ReplayDrafter", "StaticTreeDrafter", "SteeredDrafter", "SteeredTreeDrafter",
+           "StepContext", "StepFeedback",
            "SuffixDrafter", "TreeFlashDrafter", "register_drafter"]
 
 for _module in pkgutil.iter_modules(__path__):  # the built-ins above, and any drafter file added beside them

@@ -19,7 +19,7 @@ forwards. Each test takes 15-23 s of one core (5,000 requests), the file about t
 import pytest
 
 from metasd.core import Engine, Verifier
-from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter
+from metasd.drafters import NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
 from metasd.drafters.fused import FusedDrafter
 from metasd.drafters.suffix import SuffixDrafter
 from sampling_check import JointCheck, joint_check
@@ -91,6 +91,11 @@ def test_fused_tree_sample_and_match(verifier, drafter_model):
     proposals, one of them random, verified by sample-and-match."""
     arms = [NGramDrafter(k=3, n_max=3, name="lookup"), PretrainedDrafter(drafter_model, k=3, name="chain")]
     check_at_depth(Engine(Verifier(verifier), FusedDrafter(arms)), prompt=NGRAM_PROMPT)
+
+
+def test_static_tree_sample_and_match(verifier, drafter_model):
+    """A fixed-shape top-k tree drafted on the device (no probabilities): sample-and-match at depth 2 and beyond."""
+    check_at_depth(Engine(Verifier(verifier), StaticTreeDrafter(drafter_model, widths=[2, 2, 1], name="static")))
 
 
 # The lookup drafters draw nothing from the request's generator, so sample-and-match commits exactly the tokens plain

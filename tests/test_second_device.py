@@ -571,22 +571,22 @@ def _syncs_per_step(engine, prompt, **kwargs):
     return per_step, request_level, drafts, levels, "\n---\n".join(report)
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree", "ngram", "suffix"])
+@pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree", "static_tree", "ngram", "suffix"])
 def test_greedy_steps_stay_within_the_sync_budget(pool_root, kind):
     """Greedy: ONE host-device synchronisation per step with a chain drafter (the chain is drafted on the device, fed
-    to the verifier from there, and read once with the verifier's choices: ``Draft.read_with``) or a lookup drafter
-    (its host draft: the verifier's choices alone), one + one per tree level with a tree drafter (each level's top-k
-    read to grow the tree). Every kind counts: reads, blocking copies to the device, device syncs. A step makes none
-    of the last two: host data goes to the device staged (``metasd.core.execution.staging``) and the step clock does
-    not synchronise (``Engine.profile`` off); the request synchronises its clock at its start, when its prefill is done
-    and at its end."""
+    to the verifier from there, and read once with the verifier's choices: ``Draft.read_with``), a static tree drafter
+    (the same, its shape fixed) or a lookup drafter (its host draft: the verifier's choices alone), one + one per tree
+    level with the dynamic tree drafter (each level's top-k read to grow the tree). Every kind counts: reads, blocking
+    copies to the device, device syncs. A step makes none of the last two: host data goes to the device staged
+    (``metasd.core.execution.staging``) and the step clock does not synchronise (``Engine.profile`` off); the request
+    synchronises its clock at its start, when its prefill is done and at its end."""
     import test_conformance as tc
 
     engine = _engine(pool_root, kind, NAME)
     per_step, request_level, drafts, levels, report = _syncs_per_step(engine, tc.PROMPT, max_new_tokens=24)
     assert len(per_step) == len(drafts) > 3 and sum(len(d) for d in drafts) > 0
-    tree = any(not d.is_chain for d in drafts)
-    budgets = [1 + (lv if tree else 0) for lv in levels]
+    grown = kind == "pretrained_tree"  # reads each level's top-k to grow; a static tree's shape is fixed: no read
+    budgets = [1 + (lv if grown else 0) for lv in levels]
     over = [(i, len(e), b) for i, (e, b) in enumerate(zip(per_step, budgets)) if len(e) > b]
     assert not over, f"{kind}: steps over budget (step, syncs, budget): {over}\n{report}"
     blocking = [(i, e) for i, events in enumerate(per_step) for e in events if e[0] in ("h2d", "sync")]
@@ -714,11 +714,13 @@ def _scheduler_on_the_device(kind, adaptive=False):
     from metasd.core.batching.scheduler import Scheduler
     from metasd.core.engine import Engine
     from metasd.core.execution.verifier import Verifier
-    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
+    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter, SuffixDrafter
 
     drafter = {"chain": lambda: PretrainedDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), k=4, name="chain"),
                "tree": lambda: PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), nodes=8, depth=3,
                                                      width=2, name="tree"),
+               "static_tree": lambda: StaticTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), widths=[2, 2, 1],
+                                                        name="static"),
                "suffix": SuffixDrafter, "none": lambda: None}[kind]()
     engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0).to(DEV), tiny_tokenizer()), drafter,
                     check_tokenizers=False)
@@ -741,12 +743,12 @@ def _scheduler_on_the_device(kind, adaptive=False):
     return events, verified, results, alone
 
 
-@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree", "chain adaptive"])
+@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree", "static_tree", "chain adaptive"])
 def test_a_scheduler_step_reads_the_device_once_for_its_whole_batch(kind):
     """A scheduler's greedy step reads the device ONCE for all its requests (``read_choices``: every row's greedy
     choices and every chain drafted on the device, in one transfer) - with a tree drafter, one more per tree level,
-    for the whole batch too (``HostRead``: the requests' top-k joined) - and copies nothing to it blocking; the
-    tokens are what each request gets alone."""
+    for the whole batch too (``HostRead``: the requests' top-k joined; a static tree's shape is fixed: none) - and
+    copies nothing to it blocking; the tokens are what each request gets alone."""
     kind, _, adaptive = kind.partition(" ")
     events, verified, results, alone = _scheduler_on_the_device(kind, adaptive=bool(adaptive))
     assert [r.token_ids for r in results] == alone
