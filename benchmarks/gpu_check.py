@@ -153,7 +153,7 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
     import second_device
     from gpu_overhead import build, parse_tree, record
     from metasd import Engine, Verifier
-    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
+    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
     from metasd.drafters.replay import ReplayDrafter
 
     dev = second_device.enable()
@@ -172,8 +172,9 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
             t = parse_tree(spec)
             if t["quantize"]:
                 continue  # the fake device has no int4 kernel
-            cases[f"tree_{spec}"] = PretrainedTreeDrafter(small, mode="dynamic", nodes=t["nodes"], depth=t["depth"],
-                                                          width=4, min_path_prob=0.3, name="tree")
+            cases[f"tree_{spec}"] = StaticTreeDrafter(small, widths=t["static"], name="tree") if "static" in t else \
+                PretrainedTreeDrafter(small, mode="dynamic", nodes=t["nodes"], depth=t["depth"], width=4,
+                                      min_path_prob=0.3, name="tree")
         for k in chains:  # drafted on the device, read once with the verifier's choices
             cases[f"chain_{k}"] = PretrainedDrafter(small, k=k, name="chain")
         for name, drafter in cases.items():
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     taus = [2] if args.quick else [4, 2, 6]  # 4 first: the row if the time runs out
-    trees = ["2:4"] if args.quick else ["4:8", "6:16", "8:32:int4"]
+    trees = ["2:4", "static:2,1"] if args.quick else ["4:8", "6:16", "8:32:int4", "static:4,2,2,1"]
     chains = [1] if args.quick else [3]  # the 0.5B chain drafter at 4 tokens a step: the row
     if args.fake_syncs:
         print(json.dumps(fake_syncs(taus, trees, chains)))
@@ -363,7 +364,8 @@ def _summary(results: dict) -> dict:
                 what = (f"tau {row['tokens_per_step']} graphs {row.get('graphs_setting', 'off')}"
                         if "tokens_per_step" in row else
                         f"chain k {row['k']} graphs {row.get('graphs_setting', 'off')}" if "k" in row else
-                        f"tree {row['depth']}:{row['nodes']}{':' + row['quantize'] if row.get('quantize') else ''}")
+                        f"{'static ' if 'static' in row else ''}tree {row['depth']}:{row['nodes']}"
+                        f"{':' + row['quantize'] if row.get('quantize') else ''}")
                 if "failed" in row:
                     lines.append(f"{sh['shape']} {what}: FAILED {row['failed']}")
                     continue

@@ -25,7 +25,8 @@ How it is measured (each a rule that an earlier version broke):
   enough: a tie is a near-equality of two logits, and scaling the head scales the margin and the rounding alike.
 - ``--trees D:N ...`` adds rows for the default drafter's kind (a dynamic ``pretrained_tree``, width 4) on a
   random 0.5B-shaped drafter that shares the verifier's ``perm`` (so it drafts the verifier's text), depth D, at most
-  N nodes (``D:N:int4`` quantizes the drafter as the default pool does).
+  N nodes (``D:N:int4`` quantizes the drafter as the default pool does); ``static:W,W,...`` a static tree (every node
+  at level d gets its top ``W_d`` tokens: drafted on the device, read once a step) on the same drafter.
 - ``--chains K ...`` adds rows of the pretrained chain drafter on the same random drafter, ``K`` tokens a step: the
   real drafting cost of a chain (K drafter forwards a step, on the device, read once with the verifier's choices) at
   about K + 1 tokens a step (the issue's "0.5B chain drafter" rows). The 8B shape's drafter is the 0.5B shape with
@@ -62,7 +63,7 @@ from metasd import Engine, Verifier
 from metasd.core.execution import clock
 from metasd.core.execution.clock import synchronize
 from metasd.core.execution.kv_cache import cache_kwargs, crop_to
-from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
 from metasd.drafters.replay import ReplayDrafter, ReplayMiss
 from metasd.models.quantize import quantize_model
 
@@ -421,6 +422,16 @@ def _fmt(row: dict) -> str:
 # ---------------------------------------------------------------------------------------------- one shape
 
 def parse_tree(spec: str) -> dict:
+    if spec.startswith("static:"):  # static:W,W,...: the static tree drafter's widths per level
+        try:
+            widths = [int(w) for w in spec[len("static:"):].split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"static tree shapes are static:W,W,..., got {spec!r}") from None
+        nodes, level = 0, 1
+        for w in widths:
+            level *= w
+            nodes += level
+        return {"depth": len(widths), "nodes": nodes, "quantize": None, "static": widths}
     parts = spec.split(":")
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "int4"):
         raise argparse.ArgumentTypeError(f"tree shapes are DEPTH:NODES or DEPTH:NODES:int4, got {spec!r}")
@@ -489,20 +500,21 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
             log(f"  {shape} chain k {k}: " + (f"{row['tokens_per_step_measured']:.2f} tokens/step, "
                                               if "failed" not in row else "") + _fmt(row))
         for tree in trees:
-            row = {"drafter": f"pretrained_tree {drafter_shape}", **tree}
+            row = {"drafter": f"{'static_tree' if 'static' in tree else 'pretrained_tree'} {drafter_shape}", **tree}
             try:
                 draft_model = small
                 if tree["quantize"]:
                     draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name="drafter")
-                drafter = PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
-                                                width=4, min_path_prob=0.3, name="tree")
+                drafter = StaticTreeDrafter(draft_model, widths=tree["static"], name="tree") if "static" in tree \
+                    else PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
+                                               width=4, min_path_prob=0.3, name="tree")
                 row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
                                        timer, warm_plain=not rows))
             except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
                 row["failed"] = f"{type(e).__name__}: {e}"
             rows.append(row)
             save(result)
-            log(f"  {shape} tree depth {tree['depth']} nodes {tree['nodes']}"
+            log(f"  {shape} {'static ' if 'static' in tree else ''}tree depth {tree['depth']} nodes {tree['nodes']}"
                 f"{' ' + tree['quantize'] if tree['quantize'] else ''}: "
                 + (f"{row['tokens_per_step_measured']:.2f} tokens/step, " if "failed" not in row else "") + _fmt(row))
         del small
@@ -516,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1.5b"], choices=sorted(SHAPES))
     p.add_argument("--taus", nargs="+", type=int, default=[2, 4, 6], help="tokens per step to measure (>= 2; 1 always)")
-    p.add_argument("--trees", nargs="*", type=parse_tree, default=[], metavar="DEPTH:NODES[:int4]",
-                   help="tree shapes of the default drafter's kind on the shape's drafter (1.5b: 0.5b)")
+    p.add_argument("--trees", nargs="*", type=parse_tree, default=[], metavar="DEPTH:NODES[:int4] | static:W,W,..",
+                   help="tree shapes of the default drafter's kind on the shape's drafter (1.5b: 0.5b), or of the "
+                        "static tree drafter (its widths per level)")
     p.add_argument("--forward-rows", nargs="*", type=int, default=[], metavar="ROWS",
                    help="also time one verifier forward of each number of rows (to calibrate CUDA_ROW_COST)")
     p.add_argument("--chains", nargs="*", type=int, default=[], metavar="K",

@@ -29,12 +29,15 @@ from metasd.core.execution.tree import DeviceTokens, Draft, ancestor_mask, depth
 from .pretrained import HEAD_VOCAB_HELP, PretrainedDrafter
 
 
+DEFAULT_WIDTHS = [4, 2, 2, 1]
+
+
 class StaticTreeParams(DrafterParams):
     """Pool-config ``params`` of the static tree drafter."""
 
-    widths: list[Annotated[Int, Field(ge=1, le=64)]] = Field(
-        [4, 2, 2, 1], min_length=1, max_length=16,
-        description="children of every node at each level, root first (nodes: 4 + 8 + 16 + 16 for the default)")
+    widths: list[Annotated[Int, Field(ge=1, le=64)]] | None = Field(
+        None, min_length=1, max_length=16,
+        description="children of every node at each level, root first (default [4, 2, 2, 1]: 4 + 8 + 16 + 16 nodes)")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
 
 
@@ -57,16 +60,17 @@ class StaticTreeDrafter(PretrainedDrafter):
     """A small pretrained LM drafting a fixed-shape top-k tree per step, on the device (see the module docstring).
 
     widths: children of every node at each level (the tree's depth is their number; cut to the request's tokens
-    left)."""
+    left; default ``DEFAULT_WIDTHS``)."""
 
     kind = "static_tree"
     Params = StaticTreeParams
     cross_tokenizer = False
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, widths: Sequence[int] = (4, 2, 2, 1),
+    def __init__(self, model: PreTrainedModel, tokenizer=None, widths: Sequence[int] | None = None,
                  head_vocab: int | None = None, name: str | None = None, model_ref: str | None = None):
         super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, name=name, model_ref=model_ref)
-        check_params(StaticTreeParams, dict(widths=list(widths), head_vocab=head_vocab), self.name)
+        widths = DEFAULT_WIDTHS if widths is None else list(widths)
+        check_params(StaticTreeParams, dict(widths=widths, head_vocab=head_vocab), self.name)
         self.widths = [int(w) for w in widths]
 
     def make_draft(self, ctx: StepContext) -> Drafting:

@@ -28,9 +28,10 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     figures = s["overhead"]["tiny"]["figures"]
     rows = figures["shapes"][0]["rows"]
     assert [(r.get("tokens_per_step"), r.get("graphs_setting")) for r in rows] == \
-        [(1, "off"), (1, "fixed"), (2, "off"), (2, "fixed"), (None, "fixed"), (None, None)] \
+        [(1, "off"), (1, "fixed"), (2, "off"), (2, "fixed"), (None, "fixed"), (None, None), (None, None)] \
         and not [r for r in rows if "failed" in r]
     assert rows[2]["tokens_per_step_measured"] > 1.5 and rows[5]["depth"] == 2
+    assert rows[6]["static"] == [2, 1] and rows[6]["tokens_per_step_measured"] > 1.5  # the static tree drafts too
     # the chain drafter on the drafter shape drafts the verifier's text: about k + 1 tokens a step
     assert rows[4]["k"] == 1 and rows[4]["tokens_per_step_measured"] > 1.5
     assert all(r["static_s"]["median"] > 0 and r["speedup_over_static"] > 0 for r in rows[:5])  # the strongest baseline
@@ -42,12 +43,13 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
     # a chain drafted on the device: one read a step (the request's start and end spread over its steps besides)
     assert fake["chain_1"]["tokens_match"] and fake["chain_1"]["per_step"] < 1.5
+    assert fake["tree_static:2,1"]["tokens_match"] and fake["tree_static:2,1"]["per_step"] < 1.5  # no read per level
     replay = s["trace_replay"]  # the committed trace of the default pool, replayed on tiny shapes
     assert replay["exit"] == 0, replay["tail"]
     summary = replay["figures"]["summary"]
     assert summary["repeats"] == 1 and set(summary) == {"repeats", "all", "spec_bench", "copy_heavy"}
     assert all(m["identical"] for m in summary["all"].values()) and "trace-replayed default" in summary["all"]
-    assert len(s["summary"]["rows"]) == 6 + 3 * 2 and (out / "gpu_check.log").exists()
+    assert len(s["summary"]["rows"]) == 7 + 3 * 2 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")
