@@ -151,9 +151,9 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
     import torch
 
     import second_device
-    from gpu_overhead import build, parse_tree, record
+    from gpu_overhead import build, parse_tree, record, tree_drafter
     from metasd import Engine, Verifier
-    from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
+    from metasd.drafters import PretrainedDrafter
     from metasd.drafters.replay import ReplayDrafter
 
     dev = second_device.enable()
@@ -172,9 +172,7 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
             t = parse_tree(spec)
             if t["quantize"]:
                 continue  # the fake device has no int4 kernel
-            cases[f"tree_{spec}"] = StaticTreeDrafter(small, widths=t["static"], name="tree") if "static" in t else \
-                PretrainedTreeDrafter(small, mode="dynamic", nodes=t["nodes"], depth=t["depth"], width=4,
-                                      min_path_prob=0.3, name="tree")
+            cases[f"tree_{spec}"] = tree_drafter(small, t)
         for k in chains:  # drafted on the device, read once with the verifier's choices
             cases[f"chain_{k}"] = PretrainedDrafter(small, k=k, name="chain")
         for name, drafter in cases.items():

@@ -65,6 +65,7 @@ from metasd.core.execution.clock import synchronize
 from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
 from metasd.drafters.replay import ReplayDrafter, ReplayMiss
+from metasd.drafters.static_tree import tree_shape
 from metasd.models.quantize import quantize_model
 
 #: the shapes of the bundled verifier (Qwen2.5-Coder-1.5B), the bundled drafter (0.5B) and an 8B-class verifier
@@ -80,8 +81,8 @@ SHAPES = {
     "8b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064),
 }
-#: the drafter shape of each verifier shape for ``--trees`` and ``--chains``: (shape, its config with the verifier's
-#: vocabulary)
+#: the drafter shape of each verifier shape for ``--trees`` and ``--chains`` (built with the verifier's vocabulary:
+#: ``drafter_config``)
 DRAFTER_SHAPE = {"tiny": "tiny", "0.5b": "0.5b", "1.5b": "0.5b", "8b": "0.5b"}
 
 
@@ -427,15 +428,20 @@ def parse_tree(spec: str) -> dict:
             widths = [int(w) for w in spec[len("static:"):].split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"static tree shapes are static:W,W,..., got {spec!r}") from None
-        nodes, level = 0, 1
-        for w in widths:
-            level *= w
-            nodes += level
-        return {"depth": len(widths), "nodes": nodes, "quantize": None, "static": widths}
+        return {"depth": len(widths), "nodes": len(tree_shape(widths)[0]), "quantize": None, "static": widths}
     parts = spec.split(":")
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "int4"):
         raise argparse.ArgumentTypeError(f"tree shapes are DEPTH:NODES or DEPTH:NODES:int4, got {spec!r}")
     return {"depth": int(parts[0]), "nodes": int(parts[1]), "quantize": parts[2] if len(parts) == 3 else None}
+
+
+def tree_drafter(model, tree: dict):
+    """The drafter of a ``parse_tree`` shape on ``model``: a static tree of its widths, else the default drafter's
+    kind (a dynamic ``pretrained_tree``, width 4) of its depth and nodes."""
+    if "static" in tree:
+        return StaticTreeDrafter(model, widths=tree["static"], name="tree")
+    return PretrainedTreeDrafter(model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"], width=4,
+                                 min_path_prob=0.3, name="tree")
 
 
 def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
@@ -505,9 +511,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
                 draft_model = small
                 if tree["quantize"]:
                     draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name="drafter")
-                drafter = StaticTreeDrafter(draft_model, widths=tree["static"], name="tree") if "static" in tree \
-                    else PretrainedTreeDrafter(draft_model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"],
-                                               width=4, min_path_prob=0.3, name="tree")
+                drafter = tree_drafter(draft_model, tree)
                 row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
                                        timer, warm_plain=not rows))
             except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone

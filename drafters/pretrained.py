@@ -346,9 +346,8 @@ class PretrainedDrafter(Drafter):
                 break
             logits = yield from self._forward_steps(x)
         tokens = DeviceTokens(torch.cat(drafted)) if drafted else []  # read once, with the verifier's choices
-        if self._unread:  # the draft tokens fed above join cached_ids when the draft is read (after any before)
-            self._ids = self.cached_ids
-            self._fed_draft = tokens.prefix(self._unread)
+        if self._unread:  # the draft tokens fed above join cached_ids when the draft is read
+            self._fed_draft = tokens.prefix(self._unread)  # (any earlier ones joined when _forward_steps read them)
         self._unread = 0
         return tokens, probs
 

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ..execution.host_read import read_together
 from ..execution.tree import DeviceTokens, Draft, children_lists
 from ..execution.verifier import VerifierOutput
 from .sampling import KeyedNoise, fit_vocab, sample
@@ -57,13 +58,11 @@ def read_choices(outs: Sequence[VerifierOutput], drafts: Sequence[Draft]) -> Non
         owners.append((out, unread))
     if not parts:
         return
-    flat, at = torch.cat(parts).tolist(), 0
+    values = iter(read_together(parts))
     for out, unread in owners:
-        n = out.choices.numel()
-        out.choices_read, at = flat[at: at + n], at + n
+        out.choices_read = next(values)
         if unread is not None:
-            unread.fill(flat[at: at + len(unread)])
-            at += len(unread)
+            unread.fill(next(values))
 
 
 def accept_match(draft: Draft, p: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:

@@ -31,13 +31,19 @@ class HostRead:
 
     @staticmethod
     def run_together(reads: Sequence["HostRead"]) -> list[Any]:
-        """Every read's values from one concatenation read once."""
-        flat = torch.cat([r.tensor.reshape(-1) for r in reads]).tolist()
-        out, at = [], 0
-        for r in reads:
-            out.append(_nested(flat[at: at + r.length], list(r.tensor.shape)))
-            at += r.length
-        return out
+        return read_together([r.tensor for r in reads])
+
+
+def read_together(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Each tensor's ``tolist()``, from ONE host read: their values concatenated (one dtype, one device) and read
+    once - what every joint read here is (a round's ``HostRead`` s, a draft with the verifier's choices, a batch's
+    choices)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(_nested(flat[at: at + t.numel()], list(t.shape)))
+        at += t.numel()
+    return out
 
 
 def _nested(values: list, shape: list[int]) -> Any:

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from .host_read import read_together
 from .staging import to_device
 
 
@@ -60,10 +61,8 @@ class DeviceTokens:
             return out
         if self._host is not None or other.device != self.values.device or other.dtype != self.values.dtype:
             return other.tolist()
-        n = len(self)
-        flat = torch.cat([self.values, other.reshape(-1)]).tolist()
-        self._host = flat[:n]
-        return flat[n:] if other.dim() == 1 else torch.tensor(flat[n:]).reshape(other.shape).tolist()
+        self._host, out = read_together([self.values, other])
+        return out
 
 
 class Draft:
