@@ -175,6 +175,10 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
             cases[f"tree_{spec}"] = tree_drafter(small, t)
         for k in chains:  # drafted on the device, read once with the verifier's choices
             cases[f"chain_{k}"] = PretrainedDrafter(small, k=k, name="chain")
+            # the drafting loop's buffers as a CUDA graph replays them (run eagerly here)
+            cases[f"chain_{k}_loop"] = PretrainedDrafter(small, k=k, name="chain", fixed_shapes=True)
+        for spec in [s for s in trees if s.startswith("static:")]:
+            cases[f"tree_{spec}_loop"] = tree_drafter(small, parse_tree(spec), "fixed")
         for name, drafter in cases.items():
             if isinstance(drafter, ReplayDrafter):
                 drafter.record(ids, reference)
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     taus = [2] if args.quick else [4, 2, 6]  # 4 first: the row if the time runs out
     trees = ["2:4", "static:2,1"] if args.quick else ["4:8", "6:16", "8:32:int4", "static:4,2,2,1"]
-    chains = [1] if args.quick else [3]  # the 0.5B chain drafter at 4 tokens a step: the row
+    chains = [2] if args.quick else [3]  # the 0.5B chain drafter at 4 tokens a step: the row
     if args.fake_syncs:
         print(json.dumps(fake_syncs(taus, trees, chains)))
         return 0
@@ -294,15 +298,18 @@ def main(argv: list[str] | None = None) -> int:
                           "--chains", *map(str, chains),
                           "--new-tokens", "8",
                           "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3",
-                          "--graphs", "off", "fixed", "--static"]}  # fixed: the graph runner's buffers, eager
+                          "--graphs", "off", "fixed", "--static",
+                          "--drafter-graphs", "off", "fixed"]}  # fixed: the graph runner's buffers, eager
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
         rows = ["--forward-rows", "1", "2", "4", "8", "16", "32"]
         graphs = ["--graphs", "off", "on", "--static"]  # eager and captured verify forwards, beside compiled generate
-        chain_rows = ["--chains", *map(str, chains)]
+        loops = ["--drafter-graphs", "off", "on"]  # the chain's and static tree's drafting loop eager and captured
+        chain_rows = ["--chains", *map(str, chains), *loops]
         plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *chain_rows, *rows, *graphs, *common],
                  "8b": ["--shapes", "8b", "--taus", *map(str, taus), *chain_rows, *rows, *graphs, *common],
-                 "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, *common]}
+                 "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, "--graphs", "on", *loops,
+                           *common]}
         plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
     replay = "trace_replay" in wanted and TRACE.exists()
     reserve = 0 if args.quick else 60 + 150 * replay  # for the trace replay and the sampling tests after
@@ -359,16 +366,21 @@ def _summary(results: dict) -> dict:
     for shape, run in s.get("overhead", {}).items():
         for sh in (run.get("figures") or {}).get("shapes", []):
             for row in sh["rows"]:
+                loop = row.get("drafter_graphs", "off")
                 what = (f"tau {row['tokens_per_step']} graphs {row.get('graphs_setting', 'off')}"
                         if "tokens_per_step" in row else
-                        f"chain k {row['k']} graphs {row.get('graphs_setting', 'off')}" if "k" in row else
+                        f"chain k {row['k']} graphs {row.get('graphs_setting', 'off')} loop {loop}" if "k" in row else
                         f"{'static ' if 'static' in row else ''}tree {row['depth']}:{row['nodes']}"
-                        f"{':' + row['quantize'] if row.get('quantize') else ''}")
+                        f"{':' + row['quantize'] if row.get('quantize') else ''}"
+                        + (f" loop {loop}" if "static" in row else ""))
+                loop_key = "_loop" if loop in ("on", "fixed") else ""
                 if "failed" in row:
                     lines.append(f"{sh['shape']} {what}: FAILED {row['failed']}")
                     continue
                 fake_row = (fake.get(f"tokens_per_step_{row['tokens_per_step']}") if "tokens_per_step" in row else
-                            fake.get(f"chain_{row['k']}") if "k" in row else None)
+                            fake.get(f"chain_{row['k']}{loop_key}") if "k" in row else
+                            fake.get(f"tree_static:{','.join(map(str, row['static']))}{loop_key}") if "static" in row
+                            else None)
                 gpu_syncs = row.get("cuda_sync_warnings_per_step")
                 lines.append(
                     f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine "

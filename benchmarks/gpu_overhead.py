@@ -36,7 +36,9 @@ How it is measured (each a rule that an earlier version broke):
         --out $OUT/gpu_overhead.json
 
 ``--graphs off on`` runs each tokens/step row with the verifier's verify forwards eager and replayed from CUDA graphs
-(``metasd/core/execution/graph_runner.py``; the drafters' forwards stay eager); ``--static`` times transformers'
+(``metasd/core/execution/graph_runner.py``); ``--drafter-graphs off on`` runs each chain and static-tree row with its
+drafting loop eager and as one CUDA graph a step (``metasd/core/execution/draft_loop.py``; the catch-up forward and
+the dynamic trees stay eager); ``--static`` times transformers'
 static-cache ``generate`` (which transformers compiles on CUDA: the strongest plain baseline) beside every row, its
 first call (the compilation) reported apart as ``static_compile_s``.
 """
@@ -65,7 +67,7 @@ from metasd.core.execution.clock import synchronize
 from metasd.core.execution.kv_cache import cache_kwargs, crop_to
 from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
 from metasd.drafters.replay import ReplayDrafter, ReplayMiss
-from metasd.drafters.static_tree import tree_shape
+from metasd.core.execution.draft_loop import tree_shape
 from metasd.models.quantize import quantize_model
 
 #: the shapes of the bundled verifier (Qwen2.5-Coder-1.5B), the bundled drafter (0.5B) and an 8B-class verifier
@@ -435,20 +437,29 @@ def parse_tree(spec: str) -> dict:
     return {"depth": int(parts[0]), "nodes": int(parts[1]), "quantize": parts[2] if len(parts) == 3 else None}
 
 
-def tree_drafter(model, tree: dict):
-    """The drafter of a ``parse_tree`` shape on ``model``: a static tree of its widths, else the default drafter's
-    kind (a dynamic ``pretrained_tree``, width 4) of its depth and nodes."""
+def loop_settings(setting: str) -> dict:
+    """A drafter's keywords for a ``--drafter-graphs`` setting: auto / on / off as the ``graphs`` parameter; fixed =
+    the drafting loop's buffers run eagerly (the CPU dry run of the captured loop)."""
+    return {"graphs": "off", "fixed_shapes": True} if setting == "fixed" else {"graphs": setting}
+
+
+def tree_drafter(model, tree: dict, drafter_graphs: str = "off"):
+    """The drafter of a ``parse_tree`` shape on ``model``: a static tree of its widths (its drafting loop under
+    ``drafter_graphs``), else the default drafter's kind (a dynamic ``pretrained_tree``, width 4, drafted eagerly)
+    of its depth and nodes."""
     if "static" in tree:
-        return StaticTreeDrafter(model, widths=tree["static"], name="tree")
+        return StaticTreeDrafter(model, widths=tree["static"], name="tree", **loop_settings(drafter_graphs))
     return PretrainedTreeDrafter(model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"], width=4,
                                  min_path_prob=0.3, name="tree")
 
 
 def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, device, dtype,
             trees: list[dict] = (), forward_rows: list[int] = (), tau_rows: bool = True, save=None,
-            graphs: list[str] = ("off",), static: bool = False, chains: list[int] = ()) -> dict:
+            graphs: list[str] = ("off",), static: bool = False, chains: list[int] = (),
+            drafter_graphs: list[str] = ("off",)) -> dict:
     """One shape's rows: tokens/step 1 and ``taus`` with the replay drafter (unless ``tau_rows`` is off), each under
-    every ``graphs`` setting of the verifier, then ``chains`` and ``trees`` (under the last setting); ``static``:
+    every ``graphs`` setting of the verifier, then ``chains`` and ``trees`` (under the last setting; a chain and a
+    static tree once per ``drafter_graphs`` setting of their drafting loop); ``static``:
     transformers' static-cache ``generate`` timed beside each row; ``save(partial)`` after every row (a run cut short
     keeps what it measured)."""
     t_build = time.perf_counter()
@@ -493,33 +504,39 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
     if trees or chains:
         # the same perm_seed and vocabulary: it continues the text alike
         small = build(drafter_shape, device, dtype, seed=2, config=drafter_cfg)
-        for k in chains:
-            row = {"drafter": f"pretrained {drafter_shape}", "k": k, "graphs_setting": graphs[-1]}
+        for k, dg in [(k, dg) for k in chains for dg in drafter_graphs]:
+            row = {"drafter": f"pretrained {drafter_shape}", "k": k, "graphs_setting": graphs[-1],
+                   "drafter_graphs": dg}
+            drafter = None
             try:
-                drafter = PretrainedDrafter(small, k=k, name="chain")
+                drafter = PretrainedDrafter(small, k=k, name="chain", **loop_settings(dg))
                 row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
                                        timer, warm_plain=not rows, static=static))
             except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
                 row["failed"] = f"{type(e).__name__}: {e}"
+            row["draft_loops"] = drafter.loops.describe() if drafter is not None and drafter.loops else None
             rows.append(row)
             save(result)
-            log(f"  {shape} chain k {k}: " + (f"{row['tokens_per_step_measured']:.2f} tokens/step, "
-                                              if "failed" not in row else "") + _fmt(row))
-        for tree in trees:
-            row = {"drafter": f"{'static_tree' if 'static' in tree else 'pretrained_tree'} {drafter_shape}", **tree}
+            log(f"  {shape} chain k {k} drafter graphs {dg}: " + (f"{row['tokens_per_step_measured']:.2f} tokens/step, "
+                                                                 if "failed" not in row else "") + _fmt(row))
+        for tree, dg in [(t, dg) for t in trees for dg in (drafter_graphs if "static" in t else ["off"])]:
+            row = {"drafter": f"{'static_tree' if 'static' in tree else 'pretrained_tree'} {drafter_shape}", **tree,
+                   "graphs_setting": graphs[-1], "drafter_graphs": dg}
+            drafter = None
             try:
                 draft_model = small
                 if tree["quantize"]:
                     draft_model = quantize_model(copy.deepcopy(small), tree["quantize"], name="drafter")
-                drafter = tree_drafter(draft_model, tree)
+                drafter = tree_drafter(draft_model, tree, dg)
                 row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
                                        timer, warm_plain=not rows))
             except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
                 row["failed"] = f"{type(e).__name__}: {e}"
+            row["draft_loops"] = drafter.loops.describe() if getattr(drafter, "loops", None) else None
             rows.append(row)
             save(result)
             log(f"  {shape} {'static ' if 'static' in tree else ''}tree depth {tree['depth']} nodes {tree['nodes']}"
-                f"{' ' + tree['quantize'] if tree['quantize'] else ''}: "
+                f"{' ' + tree['quantize'] if tree['quantize'] else ''} drafter graphs {dg}: "
                 + (f"{row['tokens_per_step_measured']:.2f} tokens/step, " if "failed" not in row else "") + _fmt(row))
         del small
     del verifier, verifiers, model
@@ -550,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graphs", nargs="+", default=["off"], choices=["auto", "on", "off", "fixed"],
                    help="the verifier's graphs settings: each tokens/step row runs under each (the trees under the "
                         "last); fixed = the graph runner's shapes and buffers run eagerly (its CPU path)")
+    p.add_argument("--drafter-graphs", nargs="+", default=["off"], choices=["auto", "on", "off", "fixed"],
+                   help="the chain's and the static trees' drafting loop (core/execution/draft_loop.py): each such row "
+                        "runs under each; on = one CUDA graph a step, fixed = its buffers run eagerly (its CPU path)")
     p.add_argument("--static", action="store_true",
                    help="also time transformers' static-cache generate (compiled on CUDA) beside every row")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -562,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype, "graphs": args.graphs,
+               "drafter_graphs": args.drafter_graphs,
                "timing": "whole call, prefill included, device synchronised before and after; methods alternated",
                "repeats": args.repeats, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
                "shapes": []}
@@ -576,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             done.append(measure(shape, args.taus, args.new_tokens, args.prompt_tokens, args.repeats, device, dtype,
                                 args.trees, args.forward_rows, tau_rows=not args.trees_only, save=save,
-                                graphs=args.graphs, static=args.static, chains=args.chains))
+                                graphs=args.graphs, static=args.static, chains=args.chains,
+                                drafter_graphs=args.drafter_graphs))
     results["shapes"] = done
     results["wall_s"] = time.perf_counter() - t0
     text = json.dumps(results, indent=1)

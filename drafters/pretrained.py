@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -21,6 +21,8 @@ from metasd.core.execution.static_cache import StaticKVCache, new_cache
 from metasd.models import ModelLoadError, config_eos_ids
 from metasd.core.decoding.sampling import process_logits, sample
 from metasd.core.execution.draft_batch import Drafting, Feed, drive, forward_logits
+from metasd.core.execution.draft_loop import DraftLoops
+from metasd.core.execution.graph_runner import resolve_graphs
 from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import DeviceTokens, Draft
 
@@ -31,11 +33,7 @@ from .tracking import chain_acceptance
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): the LM head computes N rows instead "
@@ -44,6 +42,9 @@ HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): t
 
 TRACK_HELP = ("full-information feedback: feed the committed tokens every step, also when another arm drafted (priced "
               "as the pool's work), so this arm is scored on every step")
+
+GRAPHS_HELP = ("the drafting loop after the catch-up run as one CUDA graph (core/execution/draft_loop.py): auto = where the "
+               "model is on CUDA, on = required (refused elsewhere), off = eager forwards")
 
 class PretrainedParams(DrafterParams):
     """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
@@ -56,6 +57,7 @@ class PretrainedParams(DrafterParams):
     k_max: Int = Field(16, ge=1, description="upper bound of k (adaptive_k); k may not exceed it")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
     track: Bool = Field(False, description=TRACK_HELP)
+    graphs: Literal["auto", "on", "off"] = Field("auto", description=GRAPHS_HELP)
 
     @model_validator(mode="after")
     def _order(self) -> "PretrainedParams":
@@ -77,9 +79,14 @@ class PretrainedDrafter(Drafter):
     confidence_threshold: stop drafting after a token whose drafter probability (temperature 1) is below
         it (transformers' ``assistant_confidence_threshold``).
     adaptive_k: transformers' heuristic schedule: k += 2 after a fully accepted draft, else k -= 1.
+    graphs: the greedy chain after the catch-up drafted as one fixed-shape loop (``DraftLoops``), a CUDA graph where
+        the model is on CUDA ("auto"); ``fixed_shapes`` runs that loop's buffers eagerly (the CPU check). It runs for
+        one request at a time (``Engine``): a scheduler's forks draft level by level, batched across requests; a
+        sampled chain, a confidence stop and a grammar draft eagerly too.
     """
 
     kind = "pretrained"
+    draft_loops = True  # its greedy chain runs as a fixed-shape drafting loop where ``graphs`` says (the class doc)
     model_field, checkpoint_field = "required", "never"
     Params = PretrainedParams
     cross_tokenizer = True
@@ -99,6 +106,8 @@ class PretrainedDrafter(Drafter):
         model_ref: str | None = None,
         verifier_tokenizer=None,
         verifier_name: str = "verifier",
+        graphs: str = "auto",
+        fixed_shapes: bool | None = None,
     ):
         super().__init__(name)
         check_params(PretrainedParams, dict(k=k, confidence_threshold=confidence_threshold, adaptive_k=adaptive_k,
@@ -137,6 +146,14 @@ class PretrainedDrafter(Drafter):
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
         self.steering = None  # a composed ``metasd.drafters.steered.Steering`` (the steered types set it)
         self._root: tuple[int, torch.Tensor] | None = None  # (cached tokens, logits after them) from tracking
+        self.graphs = graphs
+        capture = resolve_graphs(graphs, self.model.device, self.name)
+        if graphs == "on" and not type(self).draft_loops:
+            raise ValueError(f"{self.name}: drafter type {self.kind!r} drafts eagerly; graphs 'on' is for the "
+                             "pretrained chain and static_tree types")
+        fixed = capture if fixed_shapes is None else (fixed_shapes or capture)
+        self.loops = DraftLoops(self.model, self.draft_head, capture=capture, name=self.name) \
+            if fixed and type(self).draft_loops else None
 
     @property
     def cached_ids(self) -> list[int]:
@@ -168,7 +185,7 @@ class PretrainedDrafter(Drafter):
         return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 
     def begin(self, ctx: StepContext) -> None:
-        self.cache = new_cache(self.model, name=self.name)
+        self.cache = new_cache(self.model, name=self.name) if self.loops is None else self.loops.fresh_cache()
         self.cached_ids = []
         self._root = None
         self.k = self.k_initial
@@ -182,6 +199,7 @@ class PretrainedDrafter(Drafter):
         """Own request state: the cache, the ids fed, the translation state and the steering's step state (the
         steering hooks on the shared model stay shared: they act only while a drafter's forward runs)."""
         self.cache, self.cached_ids, self._unread, self._root = None, [], 0, None
+        self.loops = None  # a scheduler's requests draft level by level, batched (a graph per fork would not pay)
         if self.bridge is not None:
             self.bridge = copy.copy(self.bridge)
             self.bridge.begin()
@@ -301,6 +319,11 @@ class PretrainedDrafter(Drafter):
         if depth <= 0:
             return Draft.empty()
         logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab]
+        if self.loops is not None and ctx.sampling.greedy and ctx.grammar is None and self.steering is None \
+                and self.confidence_threshold is None:  # argmax k times = the top-1 tree of k levels, one shape
+            tokens = DeviceTokens((yield self.loops.feed([1] * self.k, logits))[:depth])  # [depth] on the device
+            self._fed_draft = tokens.prefix(depth - 1) if depth > 1 else None  # joins cached_ids when read
+            return Draft.chain(tokens, None, catch_up=self.last_catch_up)
         tokens, probs = yield from self._draft_chain(logits, depth, ctx)
         return Draft.chain(tokens, torch.stack(probs) if probs else None, catch_up=self.last_catch_up)
 
@@ -418,6 +441,7 @@ class PretrainedDrafter(Drafter):
             "adaptive_k": self.adaptive_k,
             "head_vocab": self.head_vocab,
             "track": self.track,
+            **({"graphs": self.graphs} if type(self).draft_loops else {}),
             **({"tokenizer": "own"} if self.bridge is not None else {}),
             **(self.steering.describe() if self.steering is not None else {}),
         }

@@ -113,6 +113,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
     """
 
     kind = "pretrained_tree"
+    draft_loops = False  # its tree grows where the scores it reads say: not a fixed shape
     Params = PretrainedTreeParams
     cross_tokenizer = False  # keeps accepted nodes in its cache by id (docs/algorithms.md#cross-tokenizer-drafting)
 

@@ -15,7 +15,7 @@ accepted tokens are fed again with the bonus token in that one forward (counted 
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import torch
 from pydantic import Field
@@ -23,10 +23,11 @@ from transformers import PreTrainedModel
 
 from metasd.core.decoding.drafter import DrafterParams, Int, StepContext, check_params, register_drafter
 from metasd.core.execution.draft_batch import Drafting, Feed
+from metasd.core.execution.draft_loop import tree_shape
 from metasd.core.execution.kv_cache import cache_length
 from metasd.core.execution.tree import DeviceTokens, Draft, ancestor_mask, depths_of
 
-from .pretrained import HEAD_VOCAB_HELP, PretrainedDrafter
+from .pretrained import GRAPHS_HELP, HEAD_VOCAB_HELP, PretrainedDrafter
 
 
 DEFAULT_WIDTHS = [4, 2, 2, 1]
@@ -39,20 +40,7 @@ class StaticTreeParams(DrafterParams):
         None, min_length=1, max_length=16,
         description="children of every node at each level, root first (default [4, 2, 2, 1]: 4 + 8 + 16 + 16 nodes)")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
-
-
-def tree_shape(widths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The parents of a tree where every node at level d has ``widths[d]`` children (levels in order, each node's
-    children together), and each level's node range [start, end)."""
-    parents: list[int] = []
-    levels: list[tuple[int, int]] = []
-    above = [-1]
-    for w in widths:
-        start = len(parents)
-        parents += [p for p in above for _ in range(w)]
-        levels.append((start, len(parents)))
-        above = list(range(start, len(parents)))
-    return parents, levels
+    graphs: Literal["auto", "on", "off"] = Field("auto", description=GRAPHS_HELP)
 
 
 @register_drafter
@@ -60,17 +48,21 @@ class StaticTreeDrafter(PretrainedDrafter):
     """A small pretrained LM drafting a fixed-shape top-k tree per step, on the device (see the module docstring).
 
     widths: children of every node at each level (the tree's depth is their number; cut to the request's tokens
-    left; default ``DEFAULT_WIDTHS``)."""
+    left; default ``DEFAULT_WIDTHS``). graphs: the levels after the catch-up drafted as one fixed-shape loop
+    (``DraftLoops``), a CUDA graph where the model is on CUDA ("auto"), for one request at a time (a scheduler's forks
+    feed level by level, batched across requests); ``fixed_shapes`` runs that loop's buffers eagerly (the CPU check)."""
 
     kind = "static_tree"
     Params = StaticTreeParams
     cross_tokenizer = False
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, widths: Sequence[int] | None = None,
-                 head_vocab: int | None = None, name: str | None = None, model_ref: str | None = None):
-        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, name=name, model_ref=model_ref)
+                 head_vocab: int | None = None, name: str | None = None, model_ref: str | None = None,
+                 graphs: str = "auto", fixed_shapes: bool | None = None):
+        check_params(StaticTreeParams, dict(widths=widths, head_vocab=head_vocab, graphs=graphs), name or self.kind)
+        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, name=name, model_ref=model_ref, graphs=graphs,
+                         fixed_shapes=fixed_shapes)
         widths = DEFAULT_WIDTHS if widths is None else list(widths)
-        check_params(StaticTreeParams, dict(widths=widths, head_vocab=head_vocab), self.name)
         self.widths = [int(w) for w in widths]
 
     def make_draft(self, ctx: StepContext) -> Drafting:
@@ -78,8 +70,12 @@ class StaticTreeDrafter(PretrainedDrafter):
         if not widths:
             return Draft.empty()
         logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab] after the last committed token
-        committed = cache_length(self.cache)
         parents, levels = tree_shape(widths)
+        if self.loops is not None:  # the whole shape in one loop (a CUDA graph where captured), cut to the depth
+            tokens = yield self.loops.feed(self.widths, logits)  # [n of the whole shape] on the device
+            return Draft(DeviceTokens(tokens[: len(parents)]), parents, None, catch_up=self.last_catch_up,
+                         meta={"drafter_forwards": len(self.widths)})
+        committed = cache_length(self.cache)
         depths = depths_of(parents)
         mask = ancestor_mask(torch.tensor(parents))  # [n+1, n+1], row/column 0: the root
         drafted = [logits.reshape(1, -1).topk(widths[0], dim=-1).indices.reshape(-1)]  # [w_0] on the device
@@ -96,4 +92,4 @@ class StaticTreeDrafter(PretrainedDrafter):
     def describe(self) -> dict[str, Any]:
         out = {k: v for k, v in super().describe().items() if k not in ("k", "confidence_threshold", "adaptive_k",
                                                                          "track")}
-        return {**out, "widths": self.widths}
+        return {**out, "widths": self.widths, "graphs": self.graphs}

@@ -27,14 +27,20 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
         assert s[section]["exit"] == 0 and s[section]["counts"].get("passed", 0) >= 1, s[section]
     figures = s["overhead"]["tiny"]["figures"]
     rows = figures["shapes"][0]["rows"]
-    assert [(r.get("tokens_per_step"), r.get("graphs_setting")) for r in rows] == \
-        [(1, "off"), (1, "fixed"), (2, "off"), (2, "fixed"), (None, "fixed"), (None, None), (None, None)] \
+    assert [(r.get("tokens_per_step"), r.get("graphs_setting"), r.get("drafter_graphs")) for r in rows] == \
+        [(1, "off", None), (1, "fixed", None), (2, "off", None), (2, "fixed", None), (None, "fixed", "off"),
+         (None, "fixed", "fixed"), (None, "fixed", "off"), (None, "fixed", "off"), (None, "fixed", "fixed")] \
         and not [r for r in rows if "failed" in r]
-    assert rows[2]["tokens_per_step_measured"] > 1.5 and rows[5]["depth"] == 2
-    assert rows[6]["static"] == [2, 1] and rows[6]["tokens_per_step_measured"] > 1.5  # the static tree drafts too
-    # the chain drafter on the drafter shape drafts the verifier's text: about k + 1 tokens a step
-    assert rows[4]["k"] == 1 and rows[4]["tokens_per_step_measured"] > 1.5
-    assert all(r["static_s"]["median"] > 0 and r["speedup_over_static"] > 0 for r in rows[:5])  # the strongest baseline
+    assert rows[2]["tokens_per_step_measured"] > 1.5 and rows[6]["depth"] == 2
+    # the static tree drafts too, eagerly and through its drafting loop's buffers (as a captured graph replays them)
+    assert rows[7]["static"] == rows[8]["static"] == [2, 1] and rows[7]["tokens_per_step_measured"] > 1.5
+    assert rows[8]["tokens_per_step_measured"] == rows[7]["tokens_per_step_measured"]
+    # the chain drafter on the drafter shape drafts the verifier's text: about k + 1 tokens a step, the loop the same
+    assert rows[4]["k"] == 2 and rows[4]["tokens_per_step_measured"] > 1.5
+    assert rows[5]["tokens_per_step_measured"] == rows[4]["tokens_per_step_measured"]
+    assert rows[4]["draft_loops"] is None and rows[5]["draft_loops"]["loops"][0]["eager"] > 0
+    assert rows[8]["draft_loops"]["loops"][0]["eager"] > 0 and rows[6]["draft_loops"] is None
+    assert all(r["static_s"]["median"] > 0 and r["speedup_over_static"] > 0 for r in rows[:6])  # the strongest baseline
     assert rows[0]["graphs"] is None and rows[1]["graphs"]["eager"] > 0 == rows[1]["graphs"]["captured"]
     assert figures["shapes"][0]["margins"]["ties"] == 0  # decisive greedy decoding
     assert set(figures["shapes"][0]["forward_ms_by_rows"]["ms"]) == {"1", "2"}
@@ -42,14 +48,14 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] < 1.5  # one read a step
     assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
     # a chain drafted on the device: one read a step (the request's start and end spread over its steps besides)
-    assert fake["chain_1"]["tokens_match"] and fake["chain_1"]["per_step"] < 1.5
-    assert fake["tree_static:2,1"]["tokens_match"] and fake["tree_static:2,1"]["per_step"] < 1.5  # no read per level
+    for case in ("chain_2", "chain_2_loop", "tree_static:2,1", "tree_static:2,1_loop"):  # no read per level either
+        assert fake[case]["tokens_match"] and fake[case]["per_step"] < 1.5, (case, fake[case])
     replay = s["trace_replay"]  # the committed trace of the default pool, replayed on tiny shapes
     assert replay["exit"] == 0, replay["tail"]
     summary = replay["figures"]["summary"]
     assert summary["repeats"] == 1 and set(summary) == {"repeats", "all", "spec_bench", "copy_heavy"}
     assert all(m["identical"] for m in summary["all"].values()) and "trace-replayed default" in summary["all"]
-    assert len(s["summary"]["rows"]) == 7 + 3 * 2 and (out / "gpu_check.log").exists()
+    assert len(s["summary"]["rows"]) == 9 + 3 * 2 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")

@@ -571,7 +571,8 @@ def _syncs_per_step(engine, prompt, **kwargs):
     return per_step, request_level, drafts, levels, "\n---\n".join(report)
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree", "static_tree", "ngram", "suffix"])
+@pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree", "static_tree", "ngram", "suffix", "pretrained loop",
+                                  "static_tree loop"])
 def test_greedy_steps_stay_within_the_sync_budget(pool_root, kind):
     """Greedy: ONE host-device synchronisation per step with a chain drafter (the chain is drafted on the device, fed
     to the verifier from there, and read once with the verifier's choices: ``Draft.read_with``), a static tree drafter
@@ -579,10 +580,16 @@ def test_greedy_steps_stay_within_the_sync_budget(pool_root, kind):
     level with the dynamic tree drafter (each level's top-k read to grow the tree). Every kind counts: reads, blocking
     copies to the device, device syncs. A step makes none of the last two: host data goes to the device staged
     (``metasd.core.execution.staging``) and the step clock does not synchronise (``Engine.profile`` off); the request
-    synchronises its clock at its start, when its prefill is done and at its end."""
+    synchronises its clock at its start, when its prefill is done and at its end. "loop": the drafting loop after the
+    catch-up run as one fixed-shape loop (``DraftLoops``, the buffers a CUDA graph replays), on the device."""
     import test_conformance as tc
+    from metasd.core.execution.draft_loop import DraftLoops
 
+    kind, looped = kind.removesuffix(" loop"), kind.endswith(" loop")
     engine = _engine(pool_root, kind, NAME)
+    if looped:
+        d = engine.drafters[0]
+        d.loops = DraftLoops(d.model, d.draft_head, capture=False, name=d.name)
     per_step, request_level, drafts, levels, report = _syncs_per_step(engine, tc.PROMPT, max_new_tokens=24)
     assert len(per_step) == len(drafts) > 3 and sum(len(d) for d in drafts) > 0
     grown = kind == "pretrained_tree"  # reads each level's top-k to grow; a static tree's shape is fixed: no read
@@ -592,6 +599,8 @@ def test_greedy_steps_stay_within_the_sync_budget(pool_root, kind):
     blocking = [(i, e) for i, events in enumerate(per_step) for e in events if e[0] in ("h2d", "sync")]
     assert not blocking, f"{kind}: blocking copies or device syncs in steps (step, event): {blocking}"
     assert [k for k, _, _ in request_level if k == "sync"] == ["sync"] * 3, request_level  # start, prefill done, end
+    if looped:
+        assert sum(loop.stats.eager for loop in d.loops.loops.values()) == sum(1 for x in drafts if len(x)) > 3
 
 
 def test_a_profiling_engine_synchronises_its_clock_three_times_a_step(pool_root):

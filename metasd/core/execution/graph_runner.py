@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -57,6 +57,25 @@ def resolve_graphs(graphs: str, device: torch.device, name: str) -> bool:
 def token_bucket(n: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | None:
     """The smallest bucket holding ``n`` tokens; None beyond the largest."""
     return next((b for b in buckets if b >= n), None)
+
+
+def capture_graph(run: Callable[[], None], device: torch.device, pool) -> tuple[object, float]:
+    """``run`` (work on static buffers only) captured as a CUDA graph in the memory ``pool``: two warm-up runs on a
+    side stream, the capture, then one replay - a capture records the kernels without running them, so the outputs
+    are this run's. Returns the graph and the seconds it took."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return graph, time.perf_counter() - t0
 
 
 @dataclass
@@ -192,24 +211,12 @@ class GraphRunner:
                 shape.hidden[layer].copy_(h)
 
     def _capture(self, shape: _Shape) -> None:
-        """Two warm-up forwards on a side stream, then the capture (which also leaves this forward's outputs)."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(shape)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        """Capture the shape's forward (which also leaves this forward's outputs)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._run(shape)
-        graph.replay()  # the capture recorded the kernels without running them
-        shape.graph = graph
-        torch.cuda.synchronize(self.device)
+        shape.graph, seconds = capture_graph(lambda: self._run(shape), self.device, self._pool)
         self.stats.captured += 1
-        self.stats.capture_s += time.perf_counter() - t0
+        self.stats.capture_s += seconds
 
     def describe(self) -> dict:
         return {"capture": self.capture, "shapes": sorted(self.shapes), "captured": self.stats.captured,
