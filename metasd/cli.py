@@ -29,7 +29,9 @@ def _add_generate(sub) -> None:
                        description="Generate text with speculative decoding. Every option and the pool file are "
                                    "checked before any model loads.")
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
-    p.add_argument("--pool", help="pool config YAML (default: the embedded default pool, configs/default.yaml)")
+    p.add_argument("--pool", help="pool config YAML, or an embedded pool by name: default (configs/default.yaml) or "
+                                  "gpu_default (configs/gpu_default.yaml); default: gpu_default where CUDA is, else "
+                                  "default (the choice is printed)")
     p.add_argument("--verifier", help="verifier model reference (overrides the pool's): bundled:<name>, a local HF "
                                       "directory or .gguf file, or a hub id")
     add_pool_options(p)
@@ -100,10 +102,12 @@ def _should_stream(args) -> bool:
 
 def _generate(args) -> int:
     from metasd.config import ConfigError, check_model_references, check_quantization, parse_pool_config
+    from metasd.config.build import default_pool_choice, pool_argument
 
     # everything that can be checked without a model is checked first: options, pool file, references, devices
     _check_options(args)
-    source = args.pool or "default pool"
+    args.pool = pool_argument(args.pool)  # an embedded pool's name: its file
+    source = args.pool or default_pool_choice()
     if args.param:
         source += " with --param " + " ".join(args.param)  # so a refused value is traced to the option
     config = parse_pool_config(_pool_overrides(args), source=source)

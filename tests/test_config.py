@@ -99,6 +99,29 @@ def test_embedded_default_pool_is_valid():
     assert entries["suffix"].type == "suffix"
 
 
+def test_the_default_pool_is_chosen_by_the_device(monkeypatch):
+    """Where CUDA is, the embedded default is configs/gpu_default.yaml (a suffix + static-tree cascade whose drafting
+    loop and verify forwards are captured); elsewhere configs/default.yaml; a verifier override naming the device
+    decides; ``--pool default`` / ``gpu_default`` name either (``metasd generate`` prints the choice)."""
+    import torch
+
+    from metasd.config.build import default_pool_choice, default_pool_path, pool_argument
+
+    assert default_pool_path().name == "default.yaml" and "no CUDA device" in default_pool_choice()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_pool_path().name == "gpu_default.yaml" and "GPU default" in default_pool_choice()
+    cfg = read_pool_config()
+    entries = {d.name: d for d in cfg.drafters}
+    assert entries["qwen0.5b"].type == "static_tree" and entries["qwen0.5b"].params["graphs"] == "auto"
+    assert entries["qwen0.5b"].quantize == "none" and cfg.verifier.graphs == "auto"
+    assert [d.name for d in cfg.drafters if d.arm] == ["cascade"]
+    assert entries["cascade"].params["arms"] == ["suffix", "qwen0.5b"]
+    cpu = read_pool_config(None, {"verifier": {"model": "bundled:qwen2.5-coder-1.5b-instruct", "device": "cpu"}})
+    assert {d.name: d.type for d in cpu.drafters}["qwen0.5b"] == "pretrained_tree"
+    assert Path(pool_argument("default")).name == "default.yaml"
+    assert Path(pool_argument("gpu_default")).name == "gpu_default.yaml" and pool_argument("x.yaml") == "x.yaml"
+
+
 def test_pool_file_builds_an_engine_that_stays_exact(model_dirs, tmp_path):
     path = tmp_path / "pool.yaml"
     path.write_text(yaml.safe_dump(_pool(model_dirs)))

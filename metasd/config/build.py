@@ -2,6 +2,7 @@
 anything loads, load each model once (``ModelCache``), build each drafter and the policy, compose the ``Engine``."""
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,39 @@ from .plugins import resolve_drafter_class, resolve_policy_class
 from .schema import LLAMA_CPP_DTYPES, PolicyConfig, PoolConfig, VerifierConfig
 
 DEFAULT_POOL = "default.yaml"
+#: the embedded default where the verifier runs on CUDA: fixed-shape drafting and verifying, replayed from CUDA graphs
+GPU_DEFAULT_POOL = "gpu_default.yaml"
+#: the embedded pools a ``--pool`` may name instead of a path
+EMBEDDED_POOLS = {"default": DEFAULT_POOL, "gpu_default": GPU_DEFAULT_POOL}
 
 
-def default_pool_path() -> Path:
-    """The embedded default pool (``configs/default.yaml``: the bundled Qwen pair: a suffix + int4 0.5B tree cascade)."""
-    return Path(str(resources.files("metasd.configs") / DEFAULT_POOL))
+def default_pool_path(device: str | None = None) -> Path:
+    """The embedded default pool for ``device`` (default: where a pool's verifier runs without a ``device``: CUDA
+    where it is available): on CUDA ``configs/gpu_default.yaml`` (the bundled Qwen pair: a suffix + 0.5B static-tree
+    cascade, drafting loop and verify forwards captured), elsewhere ``configs/default.yaml`` (a suffix + int4 0.5B
+    dynamic-tree cascade)."""
+    cuda = resolve_device(device).type == "cuda"
+    return embedded_pool_path("gpu_default" if cuda else "default")
+
+
+def embedded_pool_path(name: str) -> Path:
+    """The file of an embedded pool named in ``EMBEDDED_POOLS``."""
+    return Path(str(resources.files("metasd.configs") / EMBEDDED_POOLS[name]))
+
+
+def default_pool_choice(device: str | None = None) -> str:
+    """What ``default_pool_path`` chose and why, for a log line."""
+    path = default_pool_path(device)
+    if path.name == GPU_DEFAULT_POOL:
+        return f"the embedded GPU default pool (configs/{path.name}: CUDA is here; --pool default for the CPU one)"
+    return f"the embedded default pool (configs/{path.name}: no CUDA device; --pool gpu_default for the GPU one)"
+
+
+def pool_argument(pool: str | None) -> str | None:
+    """A ``--pool`` value as a file: an embedded pool's name (``EMBEDDED_POOLS``) unless a file of that name exists."""
+    if pool in EMBEDDED_POOLS and not Path(pool).exists():
+        return str(embedded_pool_path(pool))
+    return pool
 
 
 #: ``metasd serve``'s pool when none is given: the default cascade as budget arms with adaptive speculation
@@ -39,8 +68,14 @@ def default_serve_pool_path() -> Path:
 
 
 def read_pool_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PoolConfig:
-    """Parse and validate a pool file (default: the embedded one); ``overrides`` replace top-level keys."""
-    path = Path(path) if path is not None else default_pool_path()
+    """Parse and validate a pool file (default: the embedded one for the device, ``default_pool_path``, logged);
+    ``overrides`` replace top-level keys."""
+    if path is None:  # chosen by the device the verifier runs on (an override may name it)
+        verifier = (overrides or {}).get("verifier")
+        device = verifier.get("device") if isinstance(verifier, dict) else None
+        logging.getLogger("metasd").info("pool: %s", default_pool_choice(device))
+        path = default_pool_path(device)
+    path = Path(path)
     raw = read_yaml_mapping(path, "pool config")
     raw.update(overrides or {})
     return parse_pool_config(raw, source=str(path))
