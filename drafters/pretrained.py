@@ -217,7 +217,8 @@ class PretrainedDrafter(Drafter):
         ``cached_ids`` once the draft is read)."""
         start = len(self.cached_ids) + self._unread
         steer = self.steering.steer(start, ids) if self.steering is not None else None
-        logits = yield Feed(self.model, self.draft_head, self.cache, ids, last_only=True, steer=steer)
+        fixed = self.loops.catch_up(ids) if self.loops is not None and not isinstance(ids, torch.Tensor) else None
+        logits = yield fixed or Feed(self.model, self.draft_head, self.cache, ids, last_only=True, steer=steer)
         if isinstance(ids, torch.Tensor):
             self._unread += ids.numel()
         else:

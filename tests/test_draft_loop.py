@@ -54,7 +54,7 @@ MAKERS = {
 def test_the_loop_drafts_what_the_eager_loop_drafts(models, kind, drafter_index):
     """300 tokens (the attended width passes a 256-column bucket mid-request), then a second request on the kept
     cache: the same drafts step for step as the eager drafting loop, plain greedy's tokens, and every step drafted
-    through the loop (one loop run a step, never a level forward of its own)."""
+    through the fixed-shape catch-up and the loop (one run of each a step, never a level forward of its own)."""
     verifier, drafter_model = models[0], models[drafter_index]
     runs = {}
     for fixed in (False, True):
@@ -72,6 +72,8 @@ def test_the_loop_drafts_what_the_eager_loop_drafts(models, kind, drafter_index)
     assert loop.stats.eager == sum(1 for t, _ in drafts if t) and loop.stats.captured == 0  # the CPU: no capture
     assert set(loop._columns) == {256, 512}, "the request did not cross a width bucket"
     assert loop.cache is looped.loops.cache  # the second request drafted over the first one's buffers
+    # every catch-up (each request's prompt included: 8 tokens) ran at a fixed shape over the same buffers
+    assert looped.loops.runner.stats.eager == loop.stats.eager and looped.loops.runner.cache is loop.cache
     if drafter_index == 1:
         assert sum(len(d[0]) for d in drafts) > len(drafts), "the agreeing drafter drafted nothing to compare"
 

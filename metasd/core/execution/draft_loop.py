@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .draft_batch import forward_logits
-from .graph_runner import RunnerStats, capture_graph
+from .graph_runner import GraphRunner, RunnerStats, capture_graph
 from .kv_cache import cache_length
 from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 from .staging import to_device
@@ -179,15 +179,36 @@ class LoopFeed:
         return self.loop.run(self.root)
 
 
+@dataclass
+class CatchUpFeed:
+    """A drafter's catch-up - the committed tokens its cache lacks, fed after it - as one fixed-shape forward
+    (``GraphRunner``: a CUDA graph per token and width bucket where captured), the feed a drafting loop yields (it
+    runs alone). Returns the logits after the last token [1, vocab]."""
+
+    runner: GraphRunner
+    ids: list[int]
+
+    def batch_key(self) -> None:
+        return None
+
+    def run(self) -> torch.Tensor:
+        m = len(self.ids)
+        logits, _ = self.runner.forward(torch.tensor(self.ids, dtype=torch.long), torch.arange(m),
+                                        torch.ones(m, m, dtype=torch.bool).tril())  # [m, vocab]
+        return logits[-1:]
+
+
 class DraftLoops:
-    """A model drafter's fixed-shape drafting loops (one ``DraftLoop`` per tree shape met) over ONE KV cache kept
-    from request to request - a captured graph reads the cache's buffers by address. ``capture``: CUDA graphs (else
-    the same buffers run eagerly: the CPU check)."""
+    """A model drafter's fixed-shape forwards over ONE KV cache kept from request to request (a captured graph reads
+    the cache's buffers by address): its catch-up (``catch_up``: a ``GraphRunner``) and its drafting loops (``feed``:
+    one ``DraftLoop`` per tree shape met). ``capture``: CUDA graphs (else the same buffers run eagerly: the CPU
+    check). A step then launches the catch-up's graph, the loop's graph and the verifier's."""
 
     def __init__(self, model: nn.Module, head: nn.Module | None, *, capture: bool, name: str | None = None):
         self.model, self.head, self.capture, self.name = model, head, capture, name
         self.cache: StaticKVCache | None = None
         self.loops: dict[tuple[int, ...], DraftLoop] = {}
+        self.runner: GraphRunner | None = None
 
     def fresh_cache(self) -> StaticKVCache:
         """The kept cache, emptied for a new request (created the first time)."""
@@ -195,6 +216,15 @@ class DraftLoops:
             self.cache = new_cache(self.model, name=self.name)
         self.cache.set_length(0)
         return self.cache
+
+    def catch_up(self, ids: Sequence[int]) -> CatchUpFeed | None:
+        """The feed of ``ids`` (host ints) after the kept cache at a fixed shape; None where they are more than the
+        largest token bucket (a new request's prompt: fed eagerly, by index, into the same buffers)."""
+        if self.cache is None:
+            raise RuntimeError(f"{self.name}: a catch-up before the request's cache (fresh_cache)")
+        if self.runner is None:
+            self.runner = GraphRunner(self.model, self.cache, capture=self.capture, head=self.head)
+        return CatchUpFeed(self.runner, list(ids)) if 0 < len(ids) <= self.runner.largest else None
 
     def feed(self, widths: Sequence[int], root_logits: torch.Tensor) -> LoopFeed:
         """The feed that drafts a tree of ``widths`` after ``root_logits`` ([vocab]) over the kept cache."""
@@ -207,4 +237,5 @@ class DraftLoops:
         return LoopFeed(loop, root_logits)
 
     def describe(self) -> dict:
-        return {"capture": self.capture, "loops": [loop.describe() for loop in self.loops.values()]}
+        return {"capture": self.capture, "loops": [loop.describe() for loop in self.loops.values()],
+                "catch_up": None if self.runner is None else self.runner.describe()}

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .draft_batch import forward_logits
 from .kv_cache import cache_kwargs
 from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 from .static_cache import StaticKVCache
@@ -107,8 +108,10 @@ class GraphRunner:
 
     def __init__(self, model: torch.nn.Module, cache: StaticKVCache, *, capture: bool,
                  hidden_layers: Sequence[int] = (), buckets: Sequence[int] = TOKEN_BUCKETS,
-                 width_bucket: int = RESERVATION_BUCKET):
-        self.model, self.cache, self.capture = model, cache, capture
+                 width_bucket: int = RESERVATION_BUCKET, head: torch.nn.Module | None = None):
+        if head is not None and hidden_layers:
+            raise ValueError("GraphRunner: a draft head's forward returns no hidden states")
+        self.model, self.cache, self.capture, self.head = model, cache, capture, head
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.buckets, self.width_bucket = tuple(buckets), width_bucket
         self.device = model.device
@@ -195,18 +198,21 @@ class GraphRunner:
         """The forward itself, on the shape's buffers; its outputs become the shape's outputs (``static``: copied into
         the shape's output buffers, which every forward of the shape overwrites - as a graph's replay does)."""
         b, width = shape.mask.shape[-2:]
+        inputs = dict(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask)
         self.cache.fixed = (shape.write, int(width))
         try:
-            out = self.model(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask,
-                             **cache_kwargs(self.model, self.cache), use_cache=True,
-                             output_hidden_states=bool(self.hidden_layers))
+            if self.head is None:
+                out = self.model(**inputs, **cache_kwargs(self.model, self.cache), use_cache=True,
+                                 output_hidden_states=bool(self.hidden_layers))
+                logits, hidden = out.logits, {layer: out.hidden_states[layer] for layer in self.hidden_layers}
+            else:  # a drafter's draft head over its base model's last hidden states
+                logits, hidden = forward_logits(self.model, self.head, self.cache, False, **inputs)[None], {}
         finally:
             self.cache.fixed = None
-        hidden = {layer: out.hidden_states[layer] for layer in self.hidden_layers}
         if not static or shape.logits is None:
-            shape.logits, shape.hidden = out.logits, hidden
+            shape.logits, shape.hidden = logits, hidden
         else:
-            shape.logits.copy_(out.logits)
+            shape.logits.copy_(logits)
             for layer, h in hidden.items():
                 shape.hidden[layer].copy_(h)
 
