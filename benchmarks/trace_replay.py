@@ -39,7 +39,10 @@ from metasd.config.build import make_policy_from_config
 from metasd.core.execution.clock import synchronize
 from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters.budgeted import NoSpeculation, budget_arms
+from metasd.core.execution.graph_runner import resolve_graphs
+from metasd.drafters.static_tree import DEFAULT_WIDTHS
 from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter, record_arm
+from metasd.drafters.trace_loop import LoopTraceDrafter
 
 
 def log(msg: str) -> None:
@@ -111,9 +114,22 @@ def record_main(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- replay
-def replay_arms(config, trace: Trace, models: list, vocab: int) -> list:
+def static_tree_of(config, entry) -> tuple[list[int], str] | None:
+    """The widths and ``graphs`` setting of the static tree a pool entry drafts with (alone, or a part of its
+    cascade); None: it drafts with none."""
+    by_name = {d.name: d for d in config.drafters}
+    parts = [by_name[a] for a in entry.params.get("arms", []) if a in by_name] if entry.type == "fused" else [entry]
+    static = [d for d in parts if d.type == "static_tree"]
+    if not static:
+        return None
+    return list(static[0].params.get("widths") or DEFAULT_WIDTHS), static[0].params.get("graphs", "auto")
+
+
+def replay_arms(config, trace: Trace, models: list, vocab: int, fixed: bool = False) -> list:
     """The pool file's arms, each a ``TraceDrafter`` of the arm recorded under its name (budget arms around it, the
-    "none" arm as the pool gives it); an arm whose recording ran a model forward drafts through ``models``."""
+    "none" arm as the pool gives it); an arm whose recording ran a model forward drafts through ``models``. An arm
+    that drafts with a static tree whose drafting loop the pool captures on this device (``graphs``), or any with
+    ``fixed`` (the CPU check), replays through that loop (``LoopTraceDrafter``: the captured drafting cost)."""
     arms = []
     for d in config.drafters:
         if not d.arm:
@@ -123,7 +139,11 @@ def replay_arms(config, trace: Trace, models: list, vocab: int) -> list:
         uses = trace.models_of(d.name)
         if len(uses) > len(models):
             raise SystemExit(f"error: arm {d.name!r} drafted with {len(uses)} models, {len(models)} given")
-        drafter = TraceDrafter(trace, d.name, models[: len(uses)], vocab=vocab)
+        static = static_tree_of(config, d) if uses else None
+        looped = static is not None and (fixed or resolve_graphs(static[1], models[0].device, d.name))
+        drafter = (LoopTraceDrafter(trace, d.name, models[0], static[0], vocab=vocab, graphs="off" if fixed else
+                                    static[1], fixed_shapes=fixed) if looped else
+                   TraceDrafter(trace, d.name, models[: len(uses)], vocab=vocab))
         arms.extend(budget_arms(drafter, d.budgets) if d.budgets is not None else [drafter])
     if config.no_speculation_arm:
         arms.append(NoSpeculation())
@@ -147,11 +167,16 @@ def replay_rows(trace: Trace, pools: dict, verifier_model, drafter_model, repeat
         p.replay_on(ids, G)
         prompts.append((p, ids, margins))
     models = [drafter_model] if drafter_model is not None else []
-    methods = {"metasd, no drafter": Engine(Verifier(verifier_model, graphs=graphs), [], check_tokenizers=False)}
+    fixed = graphs == "fixed"  # the graph runner's and the drafting loop's buffers, run eagerly: the CPU check
+
+    def verifier():
+        return Verifier(verifier_model, graphs="off", fixed_shapes=True) if fixed else Verifier(verifier_model,
+                                                                                                 graphs=graphs)
+    methods = {"metasd, no drafter": Engine(verifier(), [], check_tokenizers=False)}
     for name, config in pools.items():
-        arms = replay_arms(config, trace, models, vocab)
+        arms = replay_arms(config, trace, models, vocab, fixed)
         policy = make_policy_from_config(config.policy, len(arms)) if len(arms) > 1 else None
-        methods[f"trace-replayed {name}"] = Engine(Verifier(verifier_model, graphs=graphs), arms, policy,
+        methods[f"trace-replayed {name}"] = Engine(verifier(), arms, policy,
                                                    granularity=config.granularity, reward=config.reward,
                                                    check_tokenizers=False)
     warm = prompts[0]
@@ -390,7 +415,9 @@ def main(argv=None) -> int:
     y.add_argument("--drafter-shape", default="0.5b", help="'' for a pool of lookups")
     y.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     y.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    y.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
+    y.add_argument("--graphs", default="auto", choices=["auto", "on", "off", "fixed"],
+                   help="the verifier's graphs setting (static-tree arms: their pool's); fixed = the verifier's and "
+                        "every static-tree arm's fixed-shape buffers run eagerly (the CPU dry run)")
     y.add_argument("--repeats", type=int, default=3)
     y.add_argument("--per-group", type=int, help="only the first N prompts of each group of the trace")
     y.add_argument("--threads", type=int, default=2)

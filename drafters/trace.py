@@ -112,8 +112,7 @@ class Trace:
                                 {a: [TraceStep.from_json(s) for s in steps] for a, steps in p["arms"].items()})
                     for p in body["prompts"]], body.get("meta"))
 
-    def arms(self) -> set[str]:
-        """The arms recorded, over every prompt."""
+    def arms(self) -> set[str]:  # the arms recorded, over every prompt
         return {a for p in self.prompts for a in p.arms}
 
     def models_of(self, arm: str) -> set[int]:
@@ -140,9 +139,8 @@ class Trace:
     def for_prompt(self, prompt_ids: Sequence[int]) -> PromptTrace:
         """The trace replayed on ``prompt_ids`` (``PromptTrace.replay_on``)."""
         ids = list(prompt_ids)
-        for p in self.prompts:
-            if p.prompt_ids == ids:
-                return p
+        if (found := next((p for p in self.prompts if p.prompt_ids == ids), None)) is not None:
+            return found
         raise TraceMiss(f"no trace is replayed on this prompt ({len(ids)} tokens): call replay_on first")
 
 
@@ -153,9 +151,7 @@ def record_arm(drafter: Drafter, prompt_ids: Sequence[int], continuation: Sequen
     tokens after ``prompt_ids``, longer than ``positions`` by the deepest draft the arm may make)."""
     if positions > len(continuation):
         raise ValueError(f"{drafter.name}: {positions} positions asked, the continuation has {len(continuation)}")
-    prompt, R = list(prompt_ids), list(continuation)
-    greedy = SamplingParams(temperature=0.0)
-    steps: list[TraceStep] = []
+    prompt, R, greedy, steps = list(prompt_ids), list(continuation), SamplingParams(temperature=0.0), []
     drafter.begin(StepContext(torch.tensor(prompt), len(prompt), len(R), greedy))
     try:
         for p in range(positions):
@@ -305,8 +301,8 @@ class TraceDrafter(Drafter):
     def end(self) -> None:
         self._caches, self._cached, self._pending, self._prompt = [], [], None, None
 
-    def _forked(self, cross_request: bool) -> None:
-        self.end()  # a fork holds no request until its begin
+    def _forked(self, cross_request: bool) -> None:  # a fork holds no request until its begin
+        self.end()
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> Draft:
@@ -319,11 +315,9 @@ class TraceDrafter(Drafter):
             return (yield from self._replay(ctx))
 
     def _replay(self, ctx: StepContext) -> Drafting:
-        prompt = self._prompt
-        if prompt is None:
+        if (prompt := self._prompt) is None:
             raise TraceMiss(f"{self.name}: propose before begin")
-        p = len(ctx.tokens) - ctx.prompt_len
-        steps = prompt.arms[self.arm]
+        p, steps = len(ctx.tokens) - ctx.prompt_len, prompt.arms[self.arm]
         if p >= len(steps):
             raise TraceMiss(f"{self.name}: trace {prompt.name!r} holds {len(steps)} positions, the request is at {p}")
         step = steps[p]
@@ -342,8 +336,17 @@ class TraceDrafter(Drafter):
                 return node
             return index[node] if node in index and depths[node] < ctx.max_depth else None
 
-        base, slots, catch_up = len(ctx.tokens), {}, 0
-        tokens = ctx.tokens.tolist()
+        base, slots = len(ctx.tokens), {}
+        catch_up = yield from self._run_feeds(step, ctx.tokens.tolist(), fed_as, draft, base, slots)
+        self._pending = (draft, base, slots)
+        draft.catch_up = catch_up
+        return draft
+
+    def _run_feeds(self, step: TraceStep, tokens: list[int], fed_as, draft: Draft, base: int,
+                   slots: dict[int, tuple[int, int]]) -> Drafting:
+        """The step's recorded forwards, run at their shapes (the kept draft's rows only); ``slots`` gets each fed
+        draft node's (model, cache slot - base). Returns the catch-up's tokens beyond the pending one."""
+        catch_up = 0
         seen = [0] * len(self.models)  # recorded rows met per model (numbered as recorded, cut rows included)
         fed = [0] * len(self.models)  # rows fed per model this step (the cache slots after base)
         parent_of: dict[tuple[int, int], int] = {}
@@ -365,9 +368,7 @@ class TraceDrafter(Drafter):
                 continue
             fed[m] += len(rows)
             yield self._feed(m, f["masked"], rows, parent_of, slot_of, draft, base, slots)
-        self._pending = (draft, base, slots)
-        draft.catch_up = catch_up
-        return draft
+        return catch_up
 
     def _catch_up(self, m: int, tokens: list[int]) -> Drafting:
         """The committed tokens model ``m``'s cache lacks (the pending one at least), fed as the real drafters do;

@@ -114,8 +114,8 @@ def test_the_default_pool_is_chosen_by_the_device(monkeypatch):
     entries = {d.name: d for d in cfg.drafters}
     assert entries["qwen0.5b"].type == "static_tree" and entries["qwen0.5b"].params["graphs"] == "auto"
     assert entries["qwen0.5b"].quantize == "none" and cfg.verifier.graphs == "auto"
-    assert [d.name for d in cfg.drafters if d.arm] == ["cascade"]
-    assert entries["cascade"].params["arms"] == ["suffix", "qwen0.5b"]
+    assert [d.name for d in cfg.drafters if d.arm] == ["gpu_cascade"]
+    assert entries["gpu_cascade"].params["arms"] == ["suffix", "qwen0.5b"]
     cpu = read_pool_config(None, {"verifier": {"model": "bundled:qwen2.5-coder-1.5b-instruct", "device": "cpu"}})
     assert {d.name: d.type for d in cpu.drafters}["qwen0.5b"] == "pretrained_tree"
     assert Path(pool_argument("default")).name == "default.yaml"
