@@ -17,14 +17,18 @@ still run; every result is written as it comes):
    (``pytest tests/test_conformance.py -k greedy_output --metasd-device cuda``).
 5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B and the 8B shapes at tokens/step 1, 2, 4 and 6 and with
    the 0.5B-shape chain drafter at k = 3 (its real drafting cost at about 4 tokens a step), then
-   three tree shapes of the 0.5B drafter on the 1.5B shape (depth:nodes 4:8, 6:16, and 8:32 in int4 as the default
-   pool drafts), eager; forward times by rows (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them
-   (``set_sync_debug_mode``). Each its own process and file, written after every row.
-6. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
+   three dynamic tree shapes of the 0.5B drafter on the 1.5B shape (depth:nodes 4:8, 6:16, and 8:32 in int4 as the
+   CPU default pool drafts) and the GPU default's static tree [4, 2, 2, 1], verify forwards captured; forward times by
+   rows (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them (``set_sync_debug_mode``). Each its own
+   process and file, written after every row.
+6. ``trace_replay_gpu_default``, then ``trace_replay``: the embedded GPU default pool (configs/gpu_default.yaml),
+   then the CPU default, trace-replayed (``TRACES``) against metasd with no drafter.
+7. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
 
 Section 5 runs every tokens/step row twice - the verifier's verify forwards eager (``graphs: off``) and replayed from
 CUDA graphs (``on``; the dry run: ``fixed``, the same buffers eagerly) - and times transformers' static-cache
-``generate`` (compiled on CUDA: the strongest plain baseline) beside each; the drafters' forwards stay eager. On a
+``generate`` (compiled on CUDA: the strongest plain baseline) beside each; the chain and the static tree run their
+catch-up and drafting loop eagerly and captured (``--drafter-graphs off on``: one graph each a step). On a
 machine without the packages metasd needs
 (pydantic and its own needs; benchmarks/gpu_wheels.md), install the carried wheels first; metasd itself is imported
 from the checkout (``metasd_layout``).
@@ -193,20 +197,25 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
     return out
 
 
-def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, py: str) -> dict:
-    """The default pool trace-replayed (issue "metasd at GPU speed", item 6 (e)): acceptance recorded on a CPU with
-    the real models, every forward at the real shapes on random weights, against metasd with no drafter; the replay
-    writes its rows as they come, so a run cut at its time keeps the repeats it finished (``summary``)."""
+def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, py: str, pool: str, timeout: float
+                   ) -> dict:
+    """An embedded pool trace-replayed (issue "metasd at GPU speed", item 6 (e)): acceptance recorded on a CPU with
+    the real models (``TRACES[pool]``), every forward at the real shapes on random weights, against metasd with no
+    drafter; the GPU default's static tree replays through its captured drafting loop (the dry run: its buffers,
+    ``--graphs fixed``). The replay writes its rows as they come, so a run cut at its time keeps the repeats it
+    finished (``summary``)."""
     sys.path.insert(0, str(HERE))
     from trace_replay import summary
 
     shapes = (["--verifier-shape", "tiny", "--drafter-shape", "tiny", "--dtype", "fp32", "--repeats", "1"] if quick
               else ["--verifier-shape", "1.5b", "--drafter-shape", "0.5b", "--repeats", "3"])
-    target = out_dir / "trace_replay.json"
-    run = check.run("trace_replay", [py, str(HERE / "trace_replay.py"), "replay", "--trace", str(TRACE), "--pool",
-                                     "configs/default.yaml", "--per-group", "1", *shapes, "--device", device,
-                                     "--out", str(target)],
-                    check.left() - (0 if quick else 60), {"PYTHONUNBUFFERED": "1"})
+    if quick and pool == "gpu_default":
+        shapes += ["--graphs", "fixed"]
+    target = out_dir / ("trace_replay.json" if pool == "default" else f"trace_replay_{pool}.json")
+    run = check.run(replay_name(pool),
+                    [py, str(HERE / "trace_replay.py"), "replay", "--trace", str(TRACES[pool]), "--pool",
+                     f"configs/{pool}.yaml", "--per-group", "1", *shapes, "--device", device, "--out", str(target)],
+                    timeout, {"PYTHONUNBUFFERED": "1"})
     figures = json.loads(target.read_text()) if target.exists() else None
     if figures and "summary" not in figures:
         figures["summary"] = summary(figures.get("rows", []))  # cut short: the repeats it finished
@@ -222,10 +231,16 @@ def pytest_summary(run: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 
-SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "overhead_trees",
+SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "overhead_rest",
             "trace_replay", "conformance_sampling")
-#: the trace the trace_replay section replays (recorded on a CPU with the real models: benchmarks/trace_replay.py)
-TRACE = ROOT / "benchmarks" / "results" / "trace_default.json"
+
+
+def replay_name(pool: str) -> str:
+    """The section a pool's trace replay is recorded under."""
+    return "trace_replay" if pool == "default" else f"trace_replay_{pool}"
+#: the traces the embedded pools replay (benchmarks/trace_replay.py record; BENCHMARKS.md says how each was recorded)
+TRACES = {"gpu_default": ROOT / "benchmarks" / "results" / "trace_gpu_default.json",
+          "default": ROOT / "benchmarks" / "results" / "trace_default.json"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,40 +308,52 @@ def main(argv: list[str] | None = None) -> int:
 
     overhead = {}
     out_dir = Path(args.out)
+    replays = [pool for pool, trace in TRACES.items() if "trace_replay" in wanted and trace.exists()]
+    for pool, trace in TRACES.items() if "trace_replay" in wanted else ():
+        if pool not in replays:
+            check.record(replay_name(pool), {"skipped": f"no trace at {trace.relative_to(ROOT)}"})
+    # (stage, what, cap in seconds), in the issue's order: the strongest baseline, metasd without a drafter, 4 tokens a
+    # step with the lookup and with the 0.5B chain, the GPU default trace-replayed - then the rest, cut to the time left
     if args.quick:
-        plans = {"tiny": ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees,
-                          "--chains", *map(str, chains),
-                          "--new-tokens", "8",
-                          "--prompt-tokens", "8", "--forward-rows", "1", "2", "--repeats", "3",
-                          "--graphs", "off", "fixed", "--static",
-                          "--drafter-graphs", "off", "fixed"]}  # fixed: the graph runner's buffers, eager
+        stages = [("overhead:tiny", ["--shapes", "tiny", "--taus", *map(str, taus), "--trees", *trees,
+                                     "--chains", *map(str, chains), "--new-tokens", "8", "--prompt-tokens", "8",
+                                     "--forward-rows", "1", "2", "--repeats", "3", "--graphs", "off", "fixed",
+                                     "--static", "--drafter-graphs", "off", "fixed"], None)]  # fixed: buffers, eager
+        stages += [(f"replay:{pool}", None, None) for pool in replays]
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
-        rows = ["--forward-rows", "1", "2", "4", "8", "16", "32"]
-        graphs = ["--graphs", "off", "on", "--static"]  # eager and captured verify forwards, beside compiled generate
-        loops = ["--drafter-graphs", "off", "on"]  # the chain's and static tree's drafting loop eager and captured
-        chain_rows = ["--chains", *map(str, chains), *loops]
-        plans = {"1.5b": ["--shapes", "1.5b", "--taus", *map(str, taus), *chain_rows, *rows, *graphs, *common],
-                 "8b": ["--shapes", "8b", "--taus", *map(str, taus), *chain_rows, *rows, *graphs, *common],
-                 "trees": ["--shapes", "1.5b", "--trees-only", "--trees", *trees, "--graphs", "on", *loops,
-                           *common]}
-        plans = {k: v for k, v in plans.items() if f"overhead_{k}" in wanted}
-    replay = "trace_replay" in wanted and TRACE.exists()
-    reserve = 0 if args.quick else 60 + 150 * replay  # for the trace replay and the sampling tests after
-    for i, (shape, plan) in enumerate(plans.items()):
-        target = out_dir / f"gpu_overhead_{shape}.json"
-        run = check.run(f"overhead_{shape}", [py, str(HERE / "gpu_overhead.py"), *plan, "--device", device,
-                                              "--out", str(target)],
-                        (check.left() - reserve) / (len(plans) - i), {"PYTHONUNBUFFERED": "1"})
+        core = ["--taus", "4", "--graphs", "on", "--static", "--chains", *map(str, chains), "--drafter-graphs", "on"]
+        stages = [("overhead:1.5b", ["--shapes", "1.5b", *core, "--trees", "static:4,2,2,1", "--forward-rows", "1",
+                                     "8", "32", *common], 150),
+                  ("overhead:8b", ["--shapes", "8b", *core, "--forward-rows", "1", "8", "32", *common], 150),
+                  *[(f"replay:{pool}", None, 100) for pool in replays if pool == "gpu_default"],
+                  # the rest: eager rows beside captured ones, tokens/step 2 and 6, the dynamic trees
+                  ("overhead:rest", ["--shapes", "1.5b", "--taus", "2", "6", "--graphs", "off", "on", "--chains",
+                                     *map(str, chains), "--drafter-graphs", "off", "--trees", *trees,
+                                     "--forward-rows", "2", "4", "16", *common], None),
+                  *[(f"replay:{pool}", None, None) for pool in replays if pool != "gpu_default"]]
+        stages = [st for st in stages if st[0].startswith("replay:") or f"overhead_{st[0][9:]}" in wanted]
+    for i, (stage, plan, cap) in enumerate(stages):
+        later_core = sum(1 for _, _, c in stages[i + 1:] if c is not None)  # each keeps at least a minute
+        if args.quick:
+            timeout = check.left() / (len(stages) - i)
+        elif cap is not None:  # a core stage: its cap, less a minute for each core stage after it
+            timeout = min(cap, check.left() - 60 * later_core - 30)
+        else:  # the rest share what the core left, evenly, 30 s kept for the sampling tests
+            timeout = (check.left() - 60 * later_core - 30) / sum(1 for _, _, c in stages[i:] if c is None)
+        kind, name = stage.split(":")
+        if kind == "replay":
+            result = replay_section(check, args.quick, device, out_dir, py, name, timeout)
+            check.record(replay_name(name), result)
+            ok &= result.get("exit") == 0
+            continue
+        target = out_dir / f"gpu_overhead_{name}.json"
+        run = check.run(f"overhead_{name}", [py, str(HERE / "gpu_overhead.py"), *plan, "--device", device,
+                                             "--out", str(target)], timeout, {"PYTHONUNBUFFERED": "1"})
         figures = json.loads(target.read_text()) if target.exists() else None
-        overhead[shape] = {**run, "figures": figures}
+        overhead[name] = {**run, "figures": figures}
         check.record("overhead", overhead)
         ok &= run["exit"] == 0
-
-    if "trace_replay" in wanted:
-        check.record("trace_replay", replay_section(check, args.quick, device, out_dir, py) if replay else
-                     {"skipped": f"no trace at {TRACE.relative_to(ROOT)}"})
-        ok &= not replay or check.results["sections"]["trace_replay"].get("exit") == 0
 
     if fake is not None:
         try:
@@ -391,12 +418,14 @@ def _summary(results: dict) -> dict:
                     + ", syncs/step "
                     + (f"cuda {gpu_syncs:.2f}" if gpu_syncs is not None else "cuda -")
                     + (f", fake {fake_row['per_step']:.2f}" if fake_row else ""))
-    replay = (s.get("trace_replay", {}).get("figures") or {}).get("summary", {})
-    for prompts, by_method in replay.items():
-        for method, fig in by_method.items() if isinstance(by_method, dict) else ():
-            lines.append(f"trace-replayed, {prompts}: {method}: {fig['ratio_median']:.2f}x "
-                         f"[{fig['ratio_range'][0]:.2f}, {fig['ratio_range'][1]:.2f}] metasd with no drafter over "
-                         f"{replay['repeats']} repeats" + ("" if fig["identical"] else " (an output LEFT its recording)"))
+    for section in ("trace_replay_gpu_default", "trace_replay"):
+        replay = (s.get(section, {}).get("figures") or {}).get("summary", {})
+        for prompts, by_method in replay.items():
+            for method, fig in by_method.items() if isinstance(by_method, dict) else ():
+                lines.append(f"trace-replayed, {prompts}: {method}: {fig['ratio_median']:.2f}x "
+                             f"[{fig['ratio_range'][0]:.2f}, {fig['ratio_range'][1]:.2f}] metasd with no drafter "
+                             f"over {replay['repeats']} repeats"
+                             + ("" if fig["identical"] else " (an output LEFT its recording)"))
     return {"ok": results.get("ok"), "rows": lines,
             "tests": {k: s[k].get("counts") for k in ("conformance_greedy", "conformance_sampling") if k in s},
             "kernels_ok": s.get("kernels", {}).get("ok")}

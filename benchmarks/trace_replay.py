@@ -151,10 +151,11 @@ def replay_arms(config, trace: Trace, models: list, vocab: int, fixed: bool = Fa
 
 
 def replay_rows(trace: Trace, pools: dict, verifier_model, drafter_model, repeats: int, graphs: str, device,
-                save=lambda rows: None) -> list[dict]:
+                save=lambda rows: None, described: dict | None = None) -> list[dict]:
     """Time each trace-replayed pool (``pools``: name -> pool config; method ``trace-replayed <name>``) and metasd with
     no drafter on every prompt, ``repeats`` times, the order of the methods rotated; each row one call (synchronised),
-    its output checked against the recorded continuation."""
+    its output checked against the recorded continuation. ``described`` gets each method's verifier runner and arms
+    (graphs captured, capture seconds, replays) after every row."""
     from gpu_overhead import record
 
     vocab = int(verifier_model.config.vocab_size)
@@ -196,6 +197,10 @@ def replay_rows(trace: Trace, pools: dict, verifier_model, drafter_model, repeat
                        "identical": result.token_ids == p.continuation[: p.recorded_len],
                        "ties": margins["ties"]}
                 rows.append(row)
+                if described is not None:
+                    runner = getattr(methods[name].verifier, "runner", None)
+                    described[name] = {"verifier_runner": runner.describe() if runner is not None else None,
+                                       "arms": [d.describe() for d in methods[name].drafters]}
                 save(rows)
                 log(f"[{rep}] {p.name} {name}: {row['tokens'] / seconds:.1f} tok/s, "
                     f"{row['tokens'] / max(row['steps'], 1):.2f} tokens/step{'' if row['identical'] else ' LEFT'}")
@@ -268,7 +273,8 @@ def replay_main(args) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
-    rows = replay_rows(trace, pools, verifier, drafter, args.repeats, args.graphs, device, save)
+    result["methods"] = {}
+    rows = replay_rows(trace, pools, verifier, drafter, args.repeats, args.graphs, device, save, result["methods"])
     result["summary"] = summary(rows)
     save(rows)
     for name, by_method in result["summary"].items():

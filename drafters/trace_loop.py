@@ -38,7 +38,10 @@ class LoopTraceDrafter(TraceDrafter):
             raise ValueError(f"{self.name}: graphs {graphs!r} on {model.device} runs no fixed shape; replay this arm "
                              "with TraceDrafter")
         self.widths = [int(w) for w in widths]
-        self.fed_rows = tree_shape(self.widths)[1][-1][0]  # the nodes the loop feeds: every level but the last
+        levels = tree_shape(self.widths)[1]
+        self.fed_rows = levels[-1][0]  # the nodes the loop feeds: every level but the last
+        #: the rows a recorded step may have fed: its tree cut to a depth (the tokens left) feeds its first levels
+        self.cut_rows = {0} | {end for _, end in levels[:-1]}
         self.loops: DraftLoops | None = DraftLoops(model, None, capture=capture, name=self.name)
 
     def begin(self, ctx) -> None:
@@ -57,17 +60,19 @@ class LoopTraceDrafter(TraceDrafter):
         if not step.feeds:
             return 0
         rows = [row for f in step.feeds if not f.get("catch_up") for row in f["rows"]]
-        if not any(f.get("catch_up") for f in step.feeds) or len(rows) != self.fed_rows:
+        if not any(f.get("catch_up") for f in step.feeds) or len(rows) not in self.cut_rows:
             raise TraceMiss(f"{self.name}: arm {self.arm!r} recorded {len(rows)} fed rows (and a catch-up: "
                             f"{any(f.get('catch_up') for f in step.feeds)}), not the static tree of widths "
-                            f"{self.widths} ({self.fed_rows} fed after a catch-up)")
+                            f"{self.widths} (after a catch-up, its first levels: {sorted(self.cut_rows)} rows)")
         cache = self._caches[0]
         keep = min(self._cached[0], len(tokens) - 1, cache_length(cache))
         crop_to(cache, keep)
         ids = tokens[keep:]
         logits = yield self.loops.catch_up(ids) or Feed(self.models[0], None, cache, ids, last_only=True)
         self._cached[0] = len(tokens)
-        yield self.loops.feed(self.widths, logits[-1])  # its tokens are dropped: the draft is the trace's
+        # the whole shape, as the drafter's loop runs it also where the tokens left cut its draft; its tokens are
+        # dropped: the draft is the trace's
+        yield self.loops.feed(self.widths, logits[-1])
         for slot, (node, _) in enumerate(rows):  # the loop fed node i at base + i, as the recording did
             node = fed_as(node)
             if node is not None and node >= 0:

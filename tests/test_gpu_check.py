@@ -55,7 +55,16 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     summary = replay["figures"]["summary"]
     assert summary["repeats"] == 1 and set(summary) == {"repeats", "all", "spec_bench", "copy_heavy"}
     assert all(m["identical"] for m in summary["all"].values()) and "trace-replayed default" in summary["all"]
-    assert len(s["summary"]["rows"]) == 9 + 3 * 2 and (out / "gpu_check.log").exists()
+    # the GPU default's trace (its cascade's static tree replayed through the drafting loop's buffers: its cost as
+    # captured), first
+    gpu = s["trace_replay_gpu_default"]
+    assert gpu["exit"] == 0, gpu["tail"]
+    assert list(s).index("trace_replay_gpu_default") < list(s).index("trace_replay")
+    gpu_summary = gpu["figures"]["summary"]
+    assert all(m["identical"] for m in gpu_summary["all"].values()) and "trace-replayed gpu_default" in gpu_summary["all"]
+    (arm,) = gpu["figures"]["methods"]["trace-replayed gpu_default"]["arms"]
+    assert arm["draft_loops"]["loops"][0]["eager"] > 0 and arm["draft_loops"]["catch_up"]["eager"] > 0
+    assert len(s["summary"]["rows"]) == 9 + 3 * 2 * 2 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,8 @@ def test_a_trace_of_another_shape_is_refused():
     trace = Trace([PromptTrace("p0", len(PROMPT), 4, {"arm": record_arm(_arm("static", drafter), PROMPT, R, 4)})])
     trace.prompts[0].replay_on(PROMPT, R)
     arm = LoopTraceDrafter(trace, "arm", drafter, [3, 1], vocab=64, fixed_shapes=True)
-    with pytest.raises(TraceMiss, match=r"recorded 6 fed rows .* not the static tree of widths \[3, 1\]"):
+    with pytest.raises(TraceMiss, match=r"recorded 6 fed rows .* not the static tree of widths \[3, 1\] \(after a "
+                                        r"catch-up, its first levels: \[0, 3\] rows\)"):
         Engine(Verifier(verifier), arm, check_tokenizers=False).generate(PROMPT, max_new_tokens=4)
     with pytest.raises(ValueError, match="runs no fixed shape; replay this arm with TraceDrafter"):
         LoopTraceDrafter(trace, "arm", drafter, WIDTHS, vocab=64)  # graphs auto on a CPU, no fixed shapes

@@ -4,6 +4,7 @@ replaying verifier's own greedy text, every row timed against metasd with no dra
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from metasd.config.build import make_policy_from_config, parse_pool_config
@@ -88,16 +89,19 @@ def test_a_pool_of_two_arms_replays_under_its_policy_from_the_pool_file(tmp_path
         raise AssertionError("an arm missing from the trace was not refused")
 
 
-def test_the_committed_trace_holds_every_arm_of_the_default_pool_and_what_its_check_found():
-    """benchmarks/results/trace_default.json (recorded with the real models, what a GPU session replays): every arm
-    of configs/default.yaml is in it for every prompt, over every position, and its recording's check is kept."""
+@pytest.mark.parametrize("pool, trace_file, check", [("default", "trace_default.json", "cascade"),
+                                                      ("gpu_default", "trace_gpu_default.json", "gpu_cascade")])
+def test_the_committed_trace_holds_every_arm_of_the_default_pool_and_what_its_check_found(pool, trace_file, check):
+    """benchmarks/results/trace_default.json and trace_gpu_default.json (recorded with the real models, what a GPU
+    session replays): every arm of configs/default.yaml (gpu_default.yaml) is in it for every prompt, over every
+    position, and its recording's check is kept."""
     from metasd.config import read_pool_config
 
     root = Path(__file__).resolve().parents[1]
-    trace = Trace.load(root / "benchmarks" / "results" / "trace_default.json")
-    arms = [d.name for d in read_pool_config(root / "configs" / "default.yaml").drafters if d.arm]
+    trace = Trace.load(root / "benchmarks" / "results" / trace_file)
+    arms = [d.name for d in read_pool_config(root / "configs" / f"{pool}.yaml").drafters if d.arm]
     assert arms and {p.name.split("/")[0] for p in trace.prompts} >= {"code_edit", "quote_qa", "MT"}
     for p in trace.prompts:
         assert set(arms) <= set(p.arms) and all(len(p.arms[a]) == p.recorded_len for a in arms)
     for info in trace.meta["prompts"]:
-        assert info["check_arm"] == "cascade" and info["check_mismatches"] <= len(info["check_tokens_per_step"])
+        assert info["check_arm"] == check and info["check_mismatches"] <= len(info["check_tokens_per_step"])
