@@ -629,6 +629,44 @@ def test_syncs_per_step_reported_for_sampling(pool_root, capsys):
     assert all(v > 0 for v in figures.values())
 
 
+def _sampling_engine(case: str, seeded: str = "stream"):
+    from metasd.core import Engine, Verifier
+    from metasd.drafters import PretrainedDrafter, StaticTreeDrafter
+    from test_exact_depth import SHARP, V
+
+    verifier = tiny_qwen(seed=5, vocab=V, layers=1, logit_scale=SHARP).to(DEV)
+    drafter_model = tiny_qwen(seed=5, vocab=V, layers=1, logit_scale=SHARP / 2).to(DEV)
+    drafter = PretrainedDrafter(drafter_model, k=3) if case == "chain" else \
+        StaticTreeDrafter(drafter_model, widths=[2, 2, 1], name="static")
+    return Engine(Verifier(verifier), drafter, check_tokenizers=False, seeded_sampling=seeded)
+
+
+@pytest.mark.parametrize("case", ["chain", "static"])
+def test_sampling_on_the_device_is_exact(case):
+    """On a device, acceptance draws every row at once - the chain's ratio rule all its tests together
+    (``_reject_chain``), sample-and-match a draw per row (``accept_match``): the joint of three sampled tokens follows
+    the verifier (the check of tests/test_exact_depth.py, on the device; seeded keyed noise chooses the CPU's tokens,
+    ``test_engine_on_the_device``)."""
+    from test_exact_depth import ALPHA
+    from sampling_check import joint_check
+
+    n = 2000  # the CPU tests' 5000 draws cost four minutes on this device; a wrong rule scores far below ALPHA
+    check = joint_check(_sampling_engine(case), [3], n, length=3)
+    assert check.pvalue > ALPHA, f"three sampled tokens do not follow the verifier: {check}"
+    tried, taken = check.tried_at(2), check.taken_at(2)
+    assert taken >= n // 10 and tried - taken >= n // 20, f"depth 2 was not exercised both ways: {check}"
+
+
+@pytest.mark.parametrize("case, seeded", [("chain", "stream"), ("static", "stream"), ("static", "keyed")])
+def test_a_sampled_step_reads_the_device_once(case, seeded):
+    """The chain's ratio rule (its drafter's probabilities), sample-and-match (a static tree's draft has none) and a
+    seeded request's keyed noise: one host read a step on a device, with the draft's tokens."""
+    engine = _sampling_engine(case, seeded)
+    per_step, _, drafts, _, report = _syncs_per_step(engine, [3], max_new_tokens=16, temperature=1.0, seed=7)
+    assert len(per_step) > 3 and all(len(e) == 1 for e in per_step), report
+    assert (drafts[0].probs is not None) == (case == "chain")
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 @pytest.mark.parametrize("reward", ["throughput", "wall_throughput", "block_efficiency", "block_divergence"])
 def test_the_engine_under_each_reward_on_the_device(pool_root, reward, mode):

@@ -69,7 +69,12 @@ def accept_match(draft: Draft, p: torch.Tensor, generator: torch.Generator | Non
     """Sample-and-match, exact for any draft (chain or tree) whatever produced it.
 
     At the current node draw y ~ p(row); move to the child whose token is y, if any; else y is the bonus.
-    """
+
+    On the host each visited row's draw is taken as the walk reaches it. On a device every row is drawn in one call
+    and read once, with the draft's tokens where they are still there: the walk takes the draws of the rows it visits
+    - each an independent sample of its row's p, so the rule is the same - and leaves the others (``_on_device``)."""
+    if _on_device(p):
+        return _walk(draft, draft.read_with(sample(p, generator)).__getitem__)  # [n+1] draws, one read
     return _walk(draft, lambda row: int(sample(p[row], generator)))
 
 
@@ -79,9 +84,19 @@ def accept_keyed(draft: Draft, p: torch.Tensor, noise: KeyedNoise, start: int) -
     the token row 0 predicts); move to the child with that token, if any; else it is the bonus. Each token is then
     what plain decoding with the same noise would choose at its position, whatever was drafted.
 
-    p: [n+1, vocab] processed verifier probabilities."""
+    p: [n+1, vocab] processed verifier probabilities. On a device every row's token is chosen in one call and read
+    once (with the draft's tokens where they are still there): the same tokens, a pure function of the noise."""
     depths = [0] + draft.depths().tolist()  # [n+1] the depth of each row's node (row 0: the root)
+    if _on_device(p):
+        return _walk(draft, draft.read_with(noise.choose_rows(p, [start + d for d in depths])).__getitem__)
     return _walk(draft, lambda row: int(noise.choose(p[row], start + depths[row])))
+
+
+def _on_device(p: torch.Tensor) -> bool:
+    """Whether the verifier's probabilities are on a device the host reads by transfer (a GPU): acceptance then draws
+    or chooses every row at once and reads the device once a step; on the host each row is read as visited (no
+    transfer, and no draw for a row the walk never reaches)."""
+    return p.device.type != "cpu"
 
 
 def _walk(draft: Draft, choose) -> Acceptance:
@@ -131,9 +146,11 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
     """
     if draft.probs is None:
         raise ValueError("accept_rejection needs drafter probabilities (Draft.probs); use accept_match")
+    q_all = fit_vocab(draft.probs.to(p.device).float(), p.shape[-1])  # [n, vocab] beside the verifier's p
+    if _on_device(p) and len(draft) and draft.is_chain:
+        return _reject_chain(draft, p, q_all, generator)
     kids = children_lists(draft.parents)
     tokens = draft.tokens.tolist()
-    q_all = fit_vocab(draft.probs.to(p.device).float(), p.shape[-1])  # [n, vocab] beside the verifier's p
     path: list[int] = []
     row = 0
     while True:
@@ -166,3 +183,27 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
             return Acceptance(path, int(sample(r, generator)))
         path.append(accepted)
         row = accepted + 1
+
+
+def _reject_chain(draft: Draft, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
+    """``accept_rejection`` for a chain on a device, every test at once and one host read (gpt-fast's rule): with
+    ``u_i ~ U(0, 1)`` for every node, node i passes where ``u_i q_i(x_i) < p_i(x_i)``; the first k pass; the bonus is
+    drawn from ``norm(max(p_k - q_k, 0))`` (``p_n`` after a fully accepted chain). Draws the same distribution as the
+    sequential rule, the uniforms of the nodes after the first rejection unused.
+
+    p: [n+1, vocab] (row i: the target of node i); q: [n, vocab] float32; both on the device."""
+    n, vocab = len(draft), p.shape[-1]
+    x = draft.device_tokens(p.device)  # [n]
+    rows = torch.arange(n, device=p.device)
+    target = p[:n].float()[rows, x]  # [n] p_i(x_i)
+    drafted = q[rows, x]  # [n] q_i(x_i)
+    u = torch.rand(n, generator=generator, device=p.device)
+    passed = (drafted > 0) & (u * drafted < target)  # u < p/q, written without division
+    k = passed.long().cumprod(0).sum()  # [] the nodes accepted: those before the first failed test
+    q_ext = torch.cat([q, q.new_zeros(1, vocab)])  # [n+1, vocab]: after the whole chain the bonus is drawn from p_n
+    residual = (p.float().index_select(0, k.view(1)) - q_ext.index_select(0, k.view(1))).clamp_(min=0)  # [1, vocab]
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p.float().index_select(0, k.view(1)))
+    bonus = sample(residual, generator)  # [1]
+    accepted, token = draft.read_with(torch.cat([k.view(1), bonus.view(1)]))  # the step's one host read
+    return Acceptance(list(range(accepted)), int(token))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -153,6 +154,12 @@ class KeyedNoise:
                 self._cache.pop(min(self._cache))
             self._cache[k] = g
         return g
+
+    def choose_rows(self, probs: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """``choose`` for every row of ``probs`` [rows, vocab], row r at ``positions[r]``, in one call: [rows] int64
+        on the device (the same tokens as row-by-row ``choose``)."""
+        noise = torch.stack([self.gumbel(t, probs.shape[-1]) for t in positions])  # [rows, vocab]
+        return torch.argmax(torch.log(probs.float()) + noise, dim=-1)
 
     def choose(self, probs: torch.Tensor, position: int) -> torch.Tensor:
         """The token at ``position`` sampled from ``probs`` [vocab] with this noise: ``argmax(log probs + G_t)`` (a
