@@ -412,6 +412,8 @@ def _summary(results: dict) -> dict:
                 lines.append(
                     f"{sh['shape']} {what}: {row['ms_per_step']:.2f} ms/step, engine "
                     + (f"{row['engine_share']:.0%}, " if row["engine_share"] is not None else "- (graphs), ")
+                    + (f"host overhead {row['host_overhead']:.0%} of the call, " if row.get("host_overhead") is not None
+                       else "")
                     + f"{row['speedup_over_transformers']:.2f}x transformers"
                     + (f", {row['speedup_over_static']:.2f}x static-cache generate" if "speedup_over_static" in row
                        else "")

@@ -18,6 +18,9 @@ How it is measured (each a rule that an earlier version broke):
 - The verifier forward's share (hooks that synchronise around every forward) and the host-device synchronisations
   (host reads counted by a ``TorchFunctionMode``; on CUDA every synchronising call counted by
   ``torch.cuda.set_sync_debug_mode``, and the clock's syncs) are each counted in a pass of their own, never timed.
+- Item 3's host overhead (``host_overhead``): 1 - the device's busy time (kernels and copies, torch.profiler's CUDA
+  activity, in a profiled pass of its own) / the call's timed wall time, per whole call (prefill included; the
+  issue's per-step median is not separated out); CUDA only.
 - Models are built in their dtype directly on the device (meta-device init, ``to_empty``, then initialised there),
   so the 8B shape needs no host copy. The weights are random but greedy decoding is decisive: an untied head whose
   row for token ``perm[t]`` is token t's embedding (scaled), and residual branches kept small, so each position's
@@ -309,6 +312,22 @@ def static_generate(model, prompt, n):
                           do_sample=False, pad_token_id=0, cache_implementation="static")
 
 
+def gpu_busy_ms(fn, device) -> float | None:
+    """The device's own time (kernels, copies) while ``fn()`` runs, from torch.profiler's CUDA activity, in ms; None
+    off CUDA. A pass of its own: profiling slows the host, so the wall time it is set against is the timed passes'.
+    Kernels inside a replayed CUDA graph are traced one by one, as launched ones are."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    return sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+               for e in prof.key_averages()) / 1e3
+
+
 def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer, target_tau=None,
                 warm_plain: bool = True, static: bool = False) -> dict:
     """Time metasd (``engine``) against transformers' ``generate`` of ``model`` for ``n`` new tokens (and, with
@@ -402,6 +421,12 @@ def measure_row(engine, model, prompt, ids, reference, n, repeats, device, timer
         row.update({"speedup_over_static": statistics.median(paired), "speedup_over_static_range": [min(paired),
                     max(paired)], "static_s": _spread(static_s), "static_tok_s": n / statistics.median(static_s)})
     row["graphs"] = runner.describe() if runner is not None else None
+    try:  # item 3's host overhead, per whole call (prefill included): 1 - the device's busy time / the call's wall time
+        busy = gpu_busy_ms(ours, device)
+        row["gpu_busy_ms_per_call"] = busy
+        row["host_overhead"] = None if busy is None else max(0.0, 1.0 - busy / (1e3 * statistics.median(metasd_s)))
+    except Exception as e:  # noqa: BLE001 - the profiler failing leaves the row's timings standing
+        row["host_overhead"], row["host_overhead_error"] = None, f"{type(e).__name__}: {e}"
     return row
 
 
@@ -418,8 +443,10 @@ def _fmt(row: dict) -> str:
               f"[{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}]"
             + (f", {row['speedup_over_static']:.2f}x static-cache generate [{row['speedup_over_static_range'][0]:.2f}-"
                f"{row['speedup_over_static_range'][1]:.2f}]" if "speedup_over_static" in row else "")
-            + (f", graphs {row['graphs']['captured']} captured in {row['graphs']['capture_s']:.1f} s"
-               if row.get("graphs") else ""))
+            + (f", graphs {row['graphs']['captured']} captured in {row['graphs']['capture_s']:.1f} s "
+               f"({row['graphs'].get('capture_mib', 0):.0f} MiB)" if row.get("graphs") else "")
+            + (f", host overhead {row['host_overhead']:.0%} of the call" if row.get("host_overhead") is not None
+               else ""))
 
 
 # ---------------------------------------------------------------------------------------------- one shape

@@ -121,9 +121,11 @@ class DraftLoop:
             self.stats.eager += 1
             self._loop(width)
         elif width not in self._graphs:
-            self._graphs[width], seconds = capture_graph(lambda: self._loop(width), self.device, self._graph_pool())
+            self._graphs[width], seconds, held = capture_graph(lambda: self._loop(width), self.device,
+                                                               self._graph_pool())
             self.stats.captured += 1
             self.stats.capture_s += seconds
+            self.stats.capture_bytes += held
         else:
             self._graphs[width].replay()
             self.stats.replays += 1
@@ -161,6 +163,7 @@ class DraftLoop:
     def describe(self) -> dict:
         return {"widths": list(self.widths), "capture": self.capture, "graphs": sorted(self._graphs),
                 "captured": self.stats.captured, "capture_s": round(self.stats.capture_s, 3),
+                "capture_mib": round(self.stats.capture_bytes / 2 ** 20, 1),
                 "replays": self.stats.replays, "eager": self.stats.eager}
 
 

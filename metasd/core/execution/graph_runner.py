@@ -60,11 +60,12 @@ def token_bucket(n: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def capture_graph(run: Callable[[], None], device: torch.device, pool) -> tuple[object, float]:
+def capture_graph(run: Callable[[], None], device: torch.device, pool) -> tuple[object, float, int]:
     """``run`` (work on static buffers only) captured as a CUDA graph in the memory ``pool``: two warm-up runs on a
     side stream, the capture, then one replay - a capture records the kernels without running them, so the outputs
-    are this run's. Returns the graph and the seconds it took."""
-    t0 = time.perf_counter()
+    are this run's. Returns the graph, the seconds it took and the bytes the CUDA allocator reserved meanwhile (the
+    graph's pool grown, warm-ups included)."""
+    t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -76,7 +77,7 @@ def capture_graph(run: Callable[[], None], device: torch.device, pool) -> tuple[
         run()
     graph.replay()
     torch.cuda.synchronize(device)
-    return graph, time.perf_counter() - t0
+    return graph, time.perf_counter() - t0, torch.cuda.memory_reserved(device) - reserved
 
 
 @dataclass
@@ -98,6 +99,7 @@ class RunnerStats:
 
     captured: int = 0
     capture_s: float = 0.0
+    capture_bytes: int = 0  # what the CUDA allocator reserved while capturing
     replays: int = 0
     eager: int = 0
 
@@ -220,10 +222,13 @@ class GraphRunner:
         """Capture the shape's forward (which also leaves this forward's outputs)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        shape.graph, seconds = capture_graph(lambda: self._run(shape), self.device, self._pool)
+        shape.graph, seconds, held = capture_graph(lambda: self._run(shape), self.device, self._pool)
         self.stats.captured += 1
         self.stats.capture_s += seconds
+        self.stats.capture_bytes += held
 
     def describe(self) -> dict:
         return {"capture": self.capture, "shapes": sorted(self.shapes), "captured": self.stats.captured,
-                "capture_s": round(self.stats.capture_s, 3), "replays": self.stats.replays, "eager": self.stats.eager}
+                "capture_s": round(self.stats.capture_s, 3),
+                "capture_mib": round(self.stats.capture_bytes / 2 ** 20, 1),
+                "replays": self.stats.replays, "eager": self.stats.eager}
