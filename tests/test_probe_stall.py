@@ -88,18 +88,19 @@ def test_a_level_probes_wider_only_while_its_forward_stays_within_the_bound(forw
     assert probed[:2] == [1, 2] and max(probed) == widest
 
 
-def test_a_width_no_level_has_run_is_bounded_by_its_expected_price_not_probed_to_measure_it():
-    # 16 rows have run plain forwards only (16 tokens, 1 unit): the probe's widths are rated hopefully (what no level
-    # ran priced as the widest forward run, ``ForwardRatios.hopeful``) but its stall is bounded at the expected price
-    # (through the profile's shape beyond the widest run: 4 nodes a row, 80 tokens, 5 units) - no probe of 16 nodes a
-    # row (272 tokens, 17 plain forwards) to measure it, as the hopeful price once let through
+def test_a_width_no_level_has_run_is_probed_once_then_bounded_by_its_measured_price():
+    # 16 rows have run plain forwards only (16 tokens, 1 unit): a probe prices what no level ran as the widest forward
+    # run (``ForwardRatios.hopeful``), so its first wide probe is made - and measured; the next is bounded by that
     adaptive = AdaptiveSpeculation(_steep, max_width=48, price_drafting=True, unit_seconds=1.0)
     adaptive.record(_plain(), [0] * ROWS, ROWS, forward_s=_steep(ROWS))
 
-    def probed(least):
-        return probe(_plain(), [_good_curve()] * ROWS, [16] * ROWS, adaptive.forward_cost(ROWS), None, 48, least=least,
+    def probed():
+        return probe(_plain(), [_good_curve()] * ROWS, [16] * ROWS, adaptive.forward_cost(ROWS), None, 48, least=4,
                      hopeful=adaptive.forward_cost(ROWS, hopeful=True), stall=3.0)
 
-    assert not probed(4).probe and probed(4).nodes == [0] * ROWS
-    narrow = probed(0)  # 2 nodes a row: 48 tokens, 3 units, within the bound
-    assert narrow.probe and max(narrow.nodes) == 2
+    first = probed()
+    assert first.probe and max(first.nodes) == 16
+    tokens = ROWS * (1 + max(first.nodes))
+    adaptive.record(first, first.nodes, tokens, forward_s=_steep(tokens))  # 17 units: measured now
+    again = probed()
+    assert not again.probe and again.nodes == [0] * ROWS  # 4 nodes a row: 5 units, through the measured points

@@ -32,15 +32,13 @@ probe make a drafter read a request's prompt unless the balance covers that catc
 A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall``, ``serving.probe_stall``; off
 unless set, 3 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
 of their streams. With a bound its padded verify forward may cost at most ``stall`` times the forward of the step it
-replaces, both at the forward's expected price (``ForwardRatios.price``: a width no level has run priced through the
-profile's shape beyond the widest run), while its widths are rated hopefully; drafting is left out (a drafting price
-learnt high is what a probe is there to measure again). Beside 16 rows on this CPU a probe of 4 nodes a request
-padded the forward to 80 tokens, 2.7 s against 0.58 s for a plain step, and set the streams' 99th-percentile
-inter-token latency. A bound of 3 at the hopeful price (a width no level had run priced as the widest one that had, so
-that the first probe there measured it) did not remove it, at one thread or two (it priced that forward under 3x;
-BENCHMARKS.md, "Two threads per server on the Zen 4 CPU"); with a fresh level's drafting price borrowed pessimistically
-it made 4 requests 1.22x speculation off against 1.12x without it at two threads ("A fresh level's borrowed price read
-pessimistically"). At the expected price: BENCHMARKS.md, "A probe's stall bounded at the forward's expected price".
+replaces, at the prices its widths are rated at (a width wider than any level has run priced as the widest that has,
+so the first probe there measures it); drafting is left out (a drafting price learnt high is what a probe is there
+to measure again). Beside 16 rows on this CPU a probe of 4 nodes a request padded the forward to 80 tokens, 2.7 s
+against 0.58 s for a plain step, and set the streams' 99th-percentile inter-token latency. A bound of 3 did not
+remove it, at one thread or two (the estimate priced that forward under 3x; BENCHMARKS.md, "Two threads per server
+on the Zen 4 CPU"); with a fresh level's drafting price borrowed pessimistically it made 4 requests 1.22x
+speculation off against 1.12x without it at two threads ("A fresh level's borrowed price read pessimistically").
 """
 from __future__ import annotations
 
@@ -216,7 +214,7 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
           stall: float | None = None) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
     the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least`` among the widths whose padded
-    forward costs at most ``stall`` times ``alloc``'s (at ``forward``, the expected price; None: no bound) - ``alloc`` itself, no probe,
+    forward costs at most ``stall`` times ``alloc``'s (at ``hopeful``; None: no bound) - ``alloc`` itself, no probe,
     where none does or the widest that does is under the width ``least`` would ask for. Its expected goodput and
     tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation
     was planned with), not of the allocation it replaces; its table holds the allocator's ratings and the probe's.
@@ -234,11 +232,9 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     price = forward if hopeful is None else hopeful
     ratings = wider_ratings(alloc, curves, reach, price, costs, max_width, most)
     if stall is not None and ratings:  # a probe is a gap in every running request's stream: bounded
-        # at the forward's expected price, never the hopeful one: a width no level has run is priced through the
-        # profile's shape from the widest run, so a probe never stalls the batch past the bound to measure it
         rows = len(reach)
-        limit = stall * float(forward(rows * (1 + max(alloc.nodes, default=0))))
-        fits = {x: g for x, g in ratings.items() if float(forward(rows * (1 + x))) <= limit}  # x <= max(reach)
+        limit = stall * float(price(rows * (1 + max(alloc.nodes, default=0))))
+        fits = {x: g for x, g in ratings.items() if float(price(rows * (1 + x))) <= limit}  # x <= max(reach)
         if not fits or max(fits) < min(least, max(ratings)):
             return alloc
         ratings = fits
