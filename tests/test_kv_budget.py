@@ -168,6 +168,23 @@ def _feed(model, cache, ids):
 
 
 @torch.inference_mode()
+def test_a_reservation_beside_unshrunk_buffers_stays_within_the_budget():
+    # the soak test once saw 539,136 of 524,288 bytes held: a long request had left (its positions not shrunk yet -
+    # shrinking waits for the end of the scheduler's pass), another took its row, and one more was added at the old
+    # width - ``fits`` counts the reservations alone. The reallocation now frees what no reservation needs
+    g = KVGeometry.of(tiny_qwen(seed=0, context=1024))
+    per_token = g.bytes_per_token
+    cache = BatchCache(g, 4, budget_bytes=1536 * per_token)
+    cache.reserve("long", 768)
+    cache.reserve("short", 128)
+    cache.release("long")  # it left; no shrink between: 2 rows x 768 positions stay allocated
+    cache.reserve("a", 128)  # into the row it left
+    assert (cache.rows, cache.capacity) == (2, 768) and cache.fits(128)
+    cache.reserve("b", 128)  # one row more
+    assert cache.held_bytes <= cache.budget_bytes, (cache.rows, cache.capacity, cache.held_bytes // per_token)
+    assert cache.rows == 3 and cache.capacity == 256  # the long request's positions freed in the same reallocation
+
+
 def test_a_prefill_writes_into_its_reserved_row_through_reallocations_and_joins_out_of_order():
     # a joining prefill once filled a batch-1 cache of its own (memory outside the KV budget, then copied into a row):
     # now it writes into a row its reservation allocated, which must keep its content when the buffers are

@@ -166,10 +166,24 @@ class BatchCache(Cache):
         rows, capacity = max(self.rows, len(self.reserved) + 1), max(self.capacity, need)
         if rows > self.rows:  # room for more than one more: doubling keeps the copies of the cache few
             rows = max(rows, min(2 * self.rows, self.slots, self._rows_within_budget(capacity, need)))
+        if self._over_budget(rows, capacity, need):
+            # positions and rows no reservation needs (a longer request's, not shrunk yet) would take the new row past
+            # the budget: freed in the same reallocation (``fits`` counted the reservations alone)
+            keep_rows, used = self._rows_in_use()
+            capacity = max(max(self.reserved.values(), default=0), need, used)
+            if self._over_budget(rows, capacity, need):
+                rows = max(len(self.reserved) + 1, keep_rows)
         if (rows, capacity) != (self.rows, self.capacity):
             self._resize(rows, capacity)
         self.reserved[key] = need
         return need
+
+    def _over_budget(self, rows: int, capacity: int, need: int) -> bool:
+        """Whether buffers of ``rows`` x ``capacity`` positions, the reservations with ``need`` and the pinned bytes
+        would hold more than the budget."""
+        held = (rows * capacity * self.geometry.bytes_per_token + self.pinned_bytes
+                + self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
+        return self.budget_bytes is not None and held > self.budget_bytes
 
     def _rows_within_budget(self, capacity: int, need: int) -> int:
         """The most rows of ``capacity`` positions the budget holds beside the reservations (``need`` included)."""
