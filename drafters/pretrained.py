@@ -151,9 +151,8 @@ class PretrainedDrafter(Drafter):
         if graphs == "on" and not type(self).draft_loops:
             raise ValueError(f"{self.name}: drafter type {self.kind!r} drafts eagerly; graphs 'on' is for the "
                              "pretrained chain and static_tree types")
-        fixed = capture if fixed_shapes is None else (fixed_shapes or capture)
         self.loops = DraftLoops(self.model, self.draft_head, capture=capture, name=self.name) \
-            if fixed and type(self).draft_loops else None
+            if (capture or fixed_shapes) and type(self).draft_loops else None
 
     @property
     def cached_ids(self) -> list[int]:
@@ -320,7 +319,7 @@ class PretrainedDrafter(Drafter):
         if depth <= 0:
             return Draft.empty()
         logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab]
-        if self.loops is not None and ctx.sampling.greedy and ctx.grammar is None and self.steering is None \
+        if self.loops is not None and ctx.sampling.greedy and ctx.grammar is None \
                 and self.confidence_threshold is None:  # argmax k times = the top-1 tree of k levels, one shape
             tokens = DeviceTokens((yield self.loops.feed([1] * self.k, logits))[:depth])  # [depth] on the device
             self._fed_draft = tokens.prefix(depth - 1) if depth > 1 else None  # joins cached_ids when read

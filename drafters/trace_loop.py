@@ -38,10 +38,9 @@ class LoopTraceDrafter(TraceDrafter):
             raise ValueError(f"{self.name}: graphs {graphs!r} on {model.device} runs no fixed shape; replay this arm "
                              "with TraceDrafter")
         self.widths = [int(w) for w in widths]
-        levels = tree_shape(self.widths)[1]
-        self.fed_rows = levels[-1][0]  # the nodes the loop feeds: every level but the last
-        #: the rows a recorded step may have fed: its tree cut to a depth (the tokens left) feeds its first levels
-        self.cut_rows = {0} | {end for _, end in levels[:-1]}
+        #: the rows a recorded step may have fed: every level but the last, or (its tree cut to a depth by the tokens
+        #: left) its first levels
+        self.cut_rows = {0} | {end for _, end in tree_shape(self.widths)[1][:-1]}
         self.loops: DraftLoops | None = DraftLoops(model, None, capture=capture, name=self.name)
 
     def begin(self, ctx) -> None:

@@ -195,15 +195,16 @@ def _reject_chain(draft: Draft, p: torch.Tensor, q: torch.Tensor, generator: tor
     n, vocab = len(draft), p.shape[-1]
     x = draft.device_tokens(p.device)  # [n]
     rows = torch.arange(n, device=p.device)
-    target = p[:n].float()[rows, x]  # [n] p_i(x_i)
+    target = p[rows, x].float()  # [n] p_i(x_i)
     drafted = q[rows, x]  # [n] q_i(x_i)
     u = torch.rand(n, generator=generator, device=p.device)
     passed = (drafted > 0) & (u * drafted < target)  # u < p/q, written without division
     k = passed.long().cumprod(0).sum()  # [] the nodes accepted: those before the first failed test
     q_ext = torch.cat([q, q.new_zeros(1, vocab)])  # [n+1, vocab]: after the whole chain the bonus is drawn from p_n
-    residual = (p.float().index_select(0, k.view(1)) - q_ext.index_select(0, k.view(1))).clamp_(min=0)  # [1, vocab]
+    p_k = p.index_select(0, k.view(1)).float()  # [1, vocab]
+    residual = (p_k - q_ext.index_select(0, k.view(1))).clamp_(min=0)  # [1, vocab]
     total = residual.sum(-1, keepdim=True)
-    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p.float().index_select(0, k.view(1)))
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_k)
     bonus = sample(residual, generator)  # [1]
     accepted, token = draft.read_with(torch.cat([k.view(1), bonus.view(1)]))  # the step's one host read
     return Acceptance(list(range(accepted)), int(token))

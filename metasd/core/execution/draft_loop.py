@@ -6,9 +6,8 @@ on a GPU each is a launch-bound forward costing about what the verifier's forwar
 together they launch as one graph, so a step costs the catch-up, one replay and the verifier's forward.
 
 The shape is fixed by ``widths`` (every node at level d has ``widths[d]`` children; a chain is ``[1] * k``): node i's
-parent, depth and ancestors are known before drafting (``static_tree.tree_shape``), and only the tokens are device
-values. The loop, given the logits after the last committed token (the catch-up's, which stays eager: its length
-varies):
+parent, depth and ancestors are known before drafting (``tree_shape``), and only the tokens are device values. The
+loop, given the logits after the last committed token (the catch-up's: a ``GraphRunner`` forward, ``DraftLoops``):
 
     level 0 = topk(root logits, w_0)                                     # [w_0]
     for each level d fed (all but the last): q = its nodes, [start, end) their indices
@@ -162,9 +161,7 @@ class DraftLoop:
 
     def describe(self) -> dict:
         return {"widths": list(self.widths), "capture": self.capture, "graphs": sorted(self._graphs),
-                "captured": self.stats.captured, "capture_s": round(self.stats.capture_s, 3),
-                "capture_mib": round(self.stats.capture_bytes / 2 ** 20, 1),
-                "replays": self.stats.replays, "eager": self.stats.eager}
+                **self.stats.describe()}
 
 
 @dataclass

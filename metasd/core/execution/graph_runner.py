@@ -103,6 +103,10 @@ class RunnerStats:
     replays: int = 0
     eager: int = 0
 
+    def describe(self) -> dict:
+        return {"captured": self.captured, "capture_s": round(self.capture_s, 3),
+                "capture_mib": round(self.capture_bytes / 2 ** 20, 1), "replays": self.replays, "eager": self.eager}
+
 
 class GraphRunner:
     """Forwards of ``model`` over ``cache`` at fixed (token, width) shapes, replayed from CUDA graphs when ``capture``
@@ -228,7 +232,4 @@ class GraphRunner:
         self.stats.capture_bytes += held
 
     def describe(self) -> dict:
-        return {"capture": self.capture, "shapes": sorted(self.shapes), "captured": self.stats.captured,
-                "capture_s": round(self.stats.capture_s, 3),
-                "capture_mib": round(self.stats.capture_bytes / 2 ** 20, 1),
-                "replays": self.stats.replays, "eager": self.stats.eager}
+        return {"capture": self.capture, "shapes": sorted(self.shapes), **self.stats.describe()}

@@ -61,7 +61,7 @@ class Verifier:
         self.tokenizer = tokenizer
         self.name = name
         self.capture = resolve_graphs(graphs, model.device, name)
-        self.fixed_shapes = self.capture if fixed_shapes is None else (fixed_shapes or self.capture)
+        self.fixed_shapes = self.capture or bool(fixed_shapes)
         self.runner: GraphRunner | None = None
         self.cache: StaticKVCache | None = None
         self.hidden: HiddenStore | None = None
