@@ -13,14 +13,20 @@ PROMPTS = [PROMPT, [0, 7, 12, 9, 33, 7, 12], [0, 5, 41, 5, 41, 5, 9, 9, 12, 33, 
 MAX_NEW = [24, 17, 30]
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed shapes"])
 @pytest.mark.parametrize("case", CASES)
-def test_concurrent_greedy_requests_give_engine_generates_output(root, case):  # noqa: F811
+def test_concurrent_greedy_requests_give_engine_generates_output(root, case, fixed):  # noqa: F811
+    """``fixed``: the batched verify forward padded to (rows, tokens, width) buckets, its padding written to the
+    cache's scratch row (core/execution/batch_runner.py; CUDA graphs replay these shapes on a GPU)."""
     engine = _engine(root, case)
+    engine.verifier.fixed_shapes = fixed  # what Verifier(graphs="on") sets on CUDA; the scheduler's verifier reads it
     # a fresh engine per expected request: the suffix drafter's cross-request cache, off in the scheduler, stays empty
     expected = [_engine(root, case).generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     with Scheduler(engine, max_batch=3) as s:
         handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
         results = [h.result(timeout=120) for h in handles]
+        runner = s.verifier.runner
+    assert (runner is not None) == fixed and (not fixed or runner.stats.eager > 0)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected], case
     # model drafters draft in forwards shared with the other requests (batched drafting): their logits may differ
     # from a forward of their own in the last bit, which changes a draft only where two logits tie exactly - the Llama

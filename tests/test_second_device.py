@@ -751,10 +751,10 @@ def test_host_reads_of_one_round_are_one_transfer():
     assert [r.run() for r in reads] == [t.tolist() for t in tensors]
 
 
-def _scheduler_on_the_device(kind, adaptive=False):
+def _scheduler_on_the_device(kind, adaptive=False, fixed=False):
     """A tiny engine on the device with a drafter of ``kind`` (test_scheduler's pools), and the per-step events of a
     scheduler serving test_scheduler's four prompts with it (``adaptive``: drafts sized by an ``AdaptiveSpeculation``
-    over a forward cost rising with tokens): (events of each ``_step`` bar the requests' own clock syncs, forwards
+    over a forward cost rising with tokens; ``fixed``: the batched forward at fixed shapes, batch_runner.py): (events of each ``_step`` bar the requests' own clock syncs, forwards
     verified in each, results, what ``Engine.generate`` gives each prompt alone)."""
     import test_scheduler as ts
     from metasd.core.batching.adaptive import AdaptiveSpeculation
@@ -769,8 +769,8 @@ def _scheduler_on_the_device(kind, adaptive=False):
                "static_tree": lambda: StaticTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), widths=[2, 2, 1],
                                                         name="static"),
                "suffix": SuffixDrafter, "none": lambda: None}[kind]()
-    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0).to(DEV), tiny_tokenizer()), drafter,
-                    check_tokenizers=False)
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0).to(DEV), tiny_tokenizer(), fixed_shapes=fixed),
+                    drafter, check_tokenizers=False)
     alone = [engine.generate(p, n).token_ids for p, n in zip(ts.PROMPTS, ts.MAX_NEW)]
     events, verified = [], []
     sizing = AdaptiveSpeculation(lambda n: 1.0 + 0.05 * n, max_width=12) if adaptive else None
@@ -790,14 +790,16 @@ def _scheduler_on_the_device(kind, adaptive=False):
     return events, verified, results, alone
 
 
-@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree", "static_tree", "chain adaptive"])
+@pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree", "static_tree", "chain adaptive", "chain fixed",
+                                  "static_tree fixed"])
 def test_a_scheduler_step_reads_the_device_once_for_its_whole_batch(kind):
     """A scheduler's greedy step reads the device ONCE for all its requests (``read_choices``: every row's greedy
     choices and every chain drafted on the device, in one transfer) - with a tree drafter, one more per tree level,
     for the whole batch too (``HostRead``: the requests' top-k joined; a static tree's shape is fixed: none) - and
     copies nothing to it blocking; the tokens are what each request gets alone."""
-    kind, _, adaptive = kind.partition(" ")
-    events, verified, results, alone = _scheduler_on_the_device(kind, adaptive=bool(adaptive))
+    kind, *flags = kind.split()
+    events, verified, results, alone = _scheduler_on_the_device(kind, adaptive="adaptive" in flags,
+                                                                fixed="fixed" in flags)
     assert [r.token_ids for r in results] == alone
     assert sum(verified) > 3 and sum(r.stats.drafted for r in results) > 0 or kind == "none"
     report = "\n---\n".join("\n".join(f"{k:8s} {op:28s} {w}" for k, op, w in e) for e in events)

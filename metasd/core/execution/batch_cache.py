@@ -71,7 +71,11 @@ class BatchLayer(CacheLayerMixin):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: [B, kv_heads, N, head_dim] of the forward's new tokens; written at each row's own
         offset; returns keys and values [B, kv_heads, W, head_dim] (W: the forward's width)."""
-        rows, pos, width = self.owner.write_index(key_states.device)  # [B, 1], [B, N], W
+        fixed = self.owner.fixed
+        if fixed is not None:  # a fixed-shape forward (batch_runner.py): rows [R, T], positions [R, T] from its buffers
+            rows, pos, width = fixed
+        else:
+            rows, pos, width = self.owner.write_index(key_states.device)  # [B, 1], [B, N], W
         B = key_states.shape[0]
         self.keys[rows, :, pos] = key_states.transpose(1, 2)  # [B, N, kv_heads, head_dim] -> row b, positions pos[b]
         self.values[rows, :, pos] = value_states.transpose(1, 2)
@@ -113,6 +117,10 @@ class BatchCache(Cache):
         self.reserved: dict[Hashable, int] = {}  # admitted request -> positions reserved
         self.staged: dict[int, RowCache] = {}  # rows >= active that joining requests prefill into
         self.pinned_bytes = 0  # held inside the budget outside the rows: the prefix cache's entries (prefix_cache.py)
+        #: rows allocated past ``rows`` that fixed-shape forwards write their padding into (``batch_runner.py``: 1)
+        self.scratch_rows = 0
+        #: set by a fixed-shape forward while it runs: (write rows [R, T], write positions [R, T] on the device, W)
+        self.fixed: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._forward: tuple[int, int] | None = None  # (B, N) of the prepared forward
         self._index: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
@@ -122,7 +130,7 @@ class BatchCache(Cache):
         share per reserved position."""
         if not reservations:
             return 0
-        dense = len(reservations) * max(reservations) * self.geometry.bytes_per_token
+        dense = (len(reservations) + self.scratch_rows) * max(reservations) * self.geometry.bytes_per_token
         return dense + self.extra_bytes_per_token * sum(reservations)
 
     @property
@@ -133,8 +141,13 @@ class BatchCache(Cache):
     @property
     def row_bytes(self) -> int:
         """The allocated buffers and the drafters' share of the reservations."""
-        return (self.rows * self.capacity * self.geometry.bytes_per_token
+        return (self.physical_rows * self.capacity * self.geometry.bytes_per_token
                 + self.extra_bytes_per_token * sum(self.reserved.values()))
+
+    @property
+    def physical_rows(self) -> int:
+        """Rows the buffers hold: the allocated ones and, once any is, the scratch rows."""
+        return self.rows + self.scratch_rows if self.rows else 0
 
     def check_admissible(self, tokens: int) -> int:
         """The reservation for ``tokens`` positions; ``KVBudgetError`` when the budget could never hold it, even alone."""
@@ -181,7 +194,7 @@ class BatchCache(Cache):
     def _over_budget(self, rows: int, capacity: int, need: int) -> bool:
         """Whether buffers of ``rows`` x ``capacity`` positions, the reservations with ``need`` and the pinned bytes
         would hold more than the budget."""
-        held = (rows * capacity * self.geometry.bytes_per_token + self.pinned_bytes
+        held = ((rows + self.scratch_rows) * capacity * self.geometry.bytes_per_token + self.pinned_bytes
                 + self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
         return self.budget_bytes is not None and held > self.budget_bytes
 
@@ -191,7 +204,7 @@ class BatchCache(Cache):
             return self.slots
         spare = (self.budget_bytes - self.pinned_bytes
                  - self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
-        return max(spare // max(capacity * self.geometry.bytes_per_token, 1), 0)
+        return max(spare // max(capacity * self.geometry.bytes_per_token, 1) - self.scratch_rows, 0)
 
     def release(self, key: Hashable) -> None:
         """Return ``key``'s reservation (nothing when it holds none)."""
@@ -235,7 +248,7 @@ class BatchCache(Cache):
         if rows < keep or capacity < used:
             raise ValueError(f"BatchCache: cannot resize to {rows} rows x {capacity} positions: rows in use hold more")
         g = self.geometry
-        shape = (rows, g.kv_heads, capacity, g.head_dim)
+        shape = (rows + self.scratch_rows if rows else 0, g.kv_heads, capacity, g.head_dim)
         new: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for _ in self.layers:
@@ -243,7 +256,7 @@ class BatchCache(Cache):
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             new.clear()
             raise KVAllocationError(f"could not allocate the KV cache for {rows} rows x {capacity} positions "
-                                    f"({rows * capacity * g.bytes_per_token / 2**20:.1f} MiB)") from e
+                                    f"({shape[0] * capacity * g.bytes_per_token / 2**20:.1f} MiB)") from e
         for layer, (k, v) in zip(self.layers, new):
             if keep and used:
                 k[:keep, :, :used] = layer.keys[:keep, :, :used]
@@ -253,8 +266,15 @@ class BatchCache(Cache):
         self._index = None
 
     # -------------------------------------------------------------- a forward
+    def buffers(self) -> tuple[int, ...]:
+        """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
+        return tuple(ptr for layer in self.layers for ptr in (layer.keys.data_ptr(), layer.values.data_ptr()))
+
     def width(self, n_new: int) -> int:
-        """W: the key columns a forward of ``n_new`` tokens per row reads (the longest row's prefix + n_new)."""
+        """W: the key columns a forward of ``n_new`` tokens per row reads (the longest row's prefix + n_new; a
+        fixed-shape forward's own width while it runs)."""
+        if self.fixed is not None:
+            return self.fixed[2]
         B = self._forward[0] if self._forward is not None else self.active
         return max(self.lengths[:B], default=0) + n_new
 

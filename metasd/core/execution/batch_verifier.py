@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .batch_cache import BatchCache, RowCache
+from .batch_runner import BatchGraphRunner
 from .hidden import HiddenStore
 from .kv_cache import cache_kwargs
 from .kv_memory import KVGeometry
@@ -186,6 +187,16 @@ class BatchVerifier:
         self.cache = BatchCache(KVGeometry.of(self.model), slots, budget_bytes=budget_bytes,
                                 extra_bytes_per_token=extra_bytes_per_token)
         self.forwards = 0  # forwards run (tests count them)
+        # the verifier's graph setting (``Verifier(graphs=, fixed_shapes=)``): forwards padded to fixed shapes,
+        # replayed from CUDA graphs where it captures (batch_runner.py)
+        self.runner = (BatchGraphRunner(self.model, self.cache, capture=verifier.capture,
+                                        hidden_layers=self.hidden_layers)
+                       if getattr(verifier, "fixed_shapes", False) else None)
+
+    def padded(self, batch: int, tokens: int) -> tuple[int, int]:
+        """(rows, tokens a row) a forward of ``batch`` rows x ``tokens`` tokens runs: padded to its bucket with fixed
+        shapes, as it is without."""
+        return self.runner.padded(batch, tokens) if self.runner is not None else (batch, tokens)
 
     @torch.inference_mode()
     def verify(self, pendings: Sequence[int], drafts: Sequence[Draft]) -> list[VerifierOutput]:
@@ -197,20 +208,25 @@ class BatchVerifier:
         width = self.cache.prepare(B, ids.shape[1])
         assert width == mask.shape[-1]
         device = self.verifier.device
-        ids = to_device(ids, device)
-        for b, draft in enumerate(drafts):
-            if not draft.on_host:  # a chain drafted on the device: written there, not read by the host
-                ids[b, 1: len(draft) + 1] = draft.device_tokens(device)
-        out = self.model(input_ids=ids, position_ids=to_device(pos, device), attention_mask=to_device(mask, device),
-                         **cache_kwargs(self.model, self.cache), use_cache=True,
-                         output_hidden_states=bool(self.hidden_layers))
+        # a chain drafted on the device: written there, not read by the host
+        on_device = {b: draft.device_tokens(device) for b, draft in enumerate(drafts) if not draft.on_host}
+        if self.runner is not None and self.runner.fits(ids.shape[1]):
+            logits, hidden_states = self.runner.forward(ids, pos, mask, on_device)  # [B, N, vocab], {l: [B, N, d]}
+        else:
+            ids = to_device(ids, device)
+            for b, tokens in on_device.items():
+                ids[b, 1: len(tokens) + 1] = tokens
+            out = self.model(input_ids=ids, position_ids=to_device(pos, device),
+                             attention_mask=to_device(mask, device), **cache_kwargs(self.model, self.cache),
+                             use_cache=True, output_hidden_states=bool(self.hidden_layers))
+            logits = out.logits  # [B, N, vocab]
+            hidden_states = {layer: out.hidden_states[layer] for layer in self.hidden_layers}
         self.forwards += 1
-        logits = out.logits  # [B, N, vocab]
         choices = logits.argmax(-1)  # [B, N]: every row's greedy choices in one kernel (read at once: read_choices)
         results = []
         for b, draft in enumerate(drafts):
             n = len(draft) + 1
-            hidden = {layer: out.hidden_states[layer][b, :n] for layer in self.hidden_layers}
+            hidden = {layer: h[b, :n] for layer, h in hidden_states.items()}
             results.append(VerifierOutput(logits[b, :n], hidden, choices[b, :n]))
         return results
 

@@ -1,0 +1,91 @@
+"""The scheduler's batched verify forward at fixed (rows, tokens, width) shapes (metasd/core/execution/batch_runner.py):
+the shapes CUDA graphs replay on a GPU, run eagerly on the same buffers here. Every request gets what it gets alone,
+whatever pads its forward - padding rows beside a joining request's staged prefill, widths past a bucket - and the
+padding's keys go to the cache's scratch row, counted in the KV budget. Greedy identity of every drafter type through
+these shapes: tests/test_scheduler_drafters.py ("fixed shapes"). Tiny fp32 models (tests/tiny.py)."""
+import threading
+
+import pytest
+import torch
+
+from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+from metasd.core.engine import Engine
+from metasd.core.execution.batch_cache import BatchCache
+from metasd.core.execution.batch_runner import BatchGraphRunner, row_bucket
+from metasd.core.execution.kv_memory import KVGeometry
+from metasd.core.execution.verifier import Verifier
+from metasd.drafters import PretrainedTreeDrafter
+from tiny import tiny_qwen, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen(seed=0, logit_scale=4.0, context=1024)
+
+
+def _engine(model, tok, fixed: bool):
+    tree = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0, context=1024), nodes=6, depth=3, width=2,
+                                 name="tree")
+    return Engine(Verifier(model, tok, fixed_shapes=fixed), [tree], check_tokenizers=False)
+
+
+def test_row_buckets_are_powers_of_two_within_the_rows_allocated():
+    assert [row_bucket(b, 8) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert row_bucket(3, 3) == 3 and row_bucket(5, 6) == 6  # never past the rows the cache holds
+    assert row_bucket(70, 80) == 70  # past the largest bucket: as it is
+
+
+def test_padding_rows_beside_a_staged_prefill_leave_it_as_it_was(model, tok):
+    # three requests run while a fourth prefills its long prompt in chunks into row 3 - the row a forward of three
+    # rows pads to four with. Written there, the padding would overwrite the prompt's first keys
+    prompts = [[0, 7, 12, 9, 33], [0, 50, 9], [0, 21, 22, 23, 24, 25], [0] + [(7 * i) % 60 + 1 for i in range(90)]]
+    max_new = [60, 60, 60, 12]
+    expected = [_engine(model, tok, False).generate(p, n).token_ids for p, n in zip(prompts, max_new)]
+    rows, three = [], threading.Event()
+
+    def listen(r):
+        if isinstance(r, SchedulerStep):
+            rows.append(r.batch_size)
+            three.set() if r.batch_size == 3 else None
+    with Scheduler(_engine(model, tok, True), max_batch=4, prefill_chunk=8) as s:
+        s.add_listener(listen)
+        handles = [s.submit(p, n) for p, n in zip(prompts[:3], max_new)]
+        assert three.wait(60)  # the three run first
+        handles.append(s.submit(prompts[3], max_new[3]))
+        got = [h.result(timeout=120).token_ids for h in handles]
+        shapes = s.verifier.runner.shapes
+    assert got == expected
+    assert 3 in rows and any(r == 4 for r, _, _ in shapes), (rows, sorted(shapes))
+
+
+def test_a_forward_past_a_width_bucket_attends_its_whole_prefix(model, tok):
+    # a 300-token prompt: its forwards attend over 512 columns, the short request's beside it over the same shape
+    prompts = [[0] + [(5 * i) % 60 + 1 for i in range(300)], [0, 21, 22, 23]]
+    max_new = [20, 20]
+    expected = [_engine(model, tok, False).generate(p, n).token_ids for p, n in zip(prompts, max_new)]
+    with Scheduler(_engine(model, tok, True), max_batch=2) as s:
+        got = [h.result(timeout=120).token_ids for h in [s.submit(p, n) for p, n in zip(prompts, max_new)]]
+        shapes = sorted(s.verifier.runner.shapes)
+    assert got == expected
+    assert {w for _, _, w in shapes} >= {512} and all(w % 256 == 0 for _, _, w in shapes), shapes
+    assert all(t in (1, 2, 4, 8, 16) for _, t, _ in shapes), shapes  # token counts padded to their buckets
+
+
+@torch.inference_mode()
+def test_the_scratch_row_is_held_and_counted_in_the_budget(model):
+    g = KVGeometry.of(model)
+    cache = BatchCache(g, 4, budget_bytes=1024 * g.bytes_per_token)
+    BatchGraphRunner(model, cache, capture=False)
+    cache.reserve("a", 256)
+    cache.reserve("b", 256)
+    cache.reserve("c", 256)
+    assert not cache.fits(256)  # four rows of 256 would fill the budget; the scratch row takes the fourth
+    held = sum(buf.numel() * buf.element_size() for layer in cache.layers for buf in (layer.keys, layer.values))
+    assert cache.layers[0].keys.shape[0] == cache.rows + 1 and held == cache.held_bytes <= cache.budget_bytes
+    with pytest.raises(ValueError, match="scratch row"):
+        BatchGraphRunner(model, cache, capture=False)  # too late: the rows are allocated
