@@ -8,13 +8,16 @@ import threading
 import pytest
 import torch
 
+from metasd.core.batching.adaptive import AdaptiveSpeculation
 from metasd.core.batching.scheduler import Scheduler, SchedulerStep
 from metasd.core.engine import Engine
 from metasd.core.execution.batch_cache import BatchCache
 from metasd.core.execution.batch_runner import BatchGraphRunner, row_bucket
+from metasd.core.execution.graph_runner import token_bucket
 from metasd.core.execution.kv_memory import KVGeometry
 from metasd.core.execution.verifier import Verifier
-from metasd.drafters import PretrainedTreeDrafter
+from metasd.core.pricing.padding import bucket_grid, padded_tokens
+from metasd.drafters import PretrainedTreeDrafter, SuffixDrafter
 from tiny import tiny_qwen, tiny_tokenizer
 
 
@@ -89,3 +92,33 @@ def test_the_scratch_row_is_held_and_counted_in_the_budget(model):
     assert cache.layers[0].keys.shape[0] == cache.rows + 1 and held == cache.held_bytes <= cache.budget_bytes
     with pytest.raises(ValueError, match="scratch row"):
         BatchGraphRunner(model, cache, capture=False)  # too late: the rows are allocated
+
+
+# ------------------------------------------------------------------------------- a step priced at the shape it runs
+def _padding(rows, per_row):  # what BatchVerifier.padded gives with 8 rows allocated
+    return row_bucket(rows, 8), token_bucket(per_row)
+
+
+def test_a_forward_is_priced_at_the_bucket_it_pads_to():
+    assert padded_tokens(_padding, 3, 3 * 5) == 4 * 8 and padded_tokens(None, 3, 15) == 15
+    assert bucket_grid(_padding, 48) == (1, 3, 7, 15, 31, 48)  # 1 + w fills a token bucket
+    adaptive = AdaptiveSpeculation.checked(AdaptiveSpeculation(lambda n: 1.0 + 0.1 * n, max_width=48), _padding)
+    price = adaptive.forward_cost(3)
+    assert price(3 * 5) == price(3 * 8) < price(3 * 9)  # widths 4..7 fill the same (4 rows, 8 tokens) shape
+    assert adaptive.curve(SuffixDrafter()).grid.tolist() == [1, 3, 7, 15, 31, 48]  # the curves learn those widths
+    given = AdaptiveSpeculation.checked(AdaptiveSpeculation(lambda n: 1.0, grid=(2, 4)), _padding)
+    assert given.grid == (2, 4)  # a grid the caller chose stays
+
+
+def test_the_scheduler_prices_and_records_the_padded_forward(model, tok):
+    steps = []
+    adaptive = AdaptiveSpeculation(lambda n: 1.0 + 0.02 * n, max_width=12)
+    with Scheduler(_engine(model, tok, True), max_batch=4, adaptive=adaptive) as s:
+        s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
+        for h in [s.submit(p, 16) for p in ([0, 7, 12, 9], [0, 50, 9], [0, 21, 22, 23, 24])]:
+            h.result(timeout=120)
+        runner = s.verifier.runner
+    assert adaptive.padding is not None and adaptive.grid == (1, 3, 7, 12)
+    rows, tokens = zip(*(shape[:2] for shape in runner.shapes))
+    assert {r.forward_tokens for r in steps} <= {r * t for r, t in zip(rows, tokens)}
+    assert any(r.batch_size == 3 and r.forward_tokens % 4 == 0 for r in steps)  # 3 rows run (and cost) as 4

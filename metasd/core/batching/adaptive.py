@@ -52,6 +52,7 @@ from ..pricing.allocator import Allocation, checked_min_gain, plan
 from ..pricing.draft_prices import DraftPrices
 from ..pricing.forward_ratios import FORWARD_RATIO_DECAY, ForwardRatios
 from ..pricing.goodput import counterfactual_share, shared_step_cost
+from ..pricing.padding import Padding, bucket_grid, padded_tokens
 from . import probes
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
@@ -100,7 +101,7 @@ class AdaptiveSpeculation:
     defer_catch_up: offer a request whose arm's model has its prompt still to read the arm's lookups alone (module
     docstring, 5.; needs ``price_drafting``: unpriced, a catch-up is never a reason to draft otherwise); probe_stall:
     a probe's forward costs at most this many times the one it replaces (``probes.probe``'s ``stall``; None: no bound).
-    """
+    A scheduler whose verifier runs fixed shapes prices a forward at the shape it pads to (``checked``)."""
 
     def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
                  price_drafting: bool = False, unit_seconds: float | None = None, min_gain: float = 1.0,
@@ -110,7 +111,6 @@ class AdaptiveSpeculation:
         if not isinstance(max_width, int) or isinstance(max_width, bool) or max_width < 0:
             raise ValueError(f"max_width must be an integer >= 0, got {max_width!r}")
         self.cost, self.max_width = getattr(cost, "cost", cost), max_width  # a ForwardProfile is accepted too
-        self.price_drafting = bool(price_drafting)
         if unit_seconds is not None and (isinstance(unit_seconds, bool) or not isinstance(unit_seconds, (int, float))
                                          or not math.isfinite(unit_seconds) or unit_seconds <= 0):
             raise ValueError(f"unit_seconds must be a finite number of seconds > 0 or None, got {unit_seconds!r}")
@@ -118,7 +118,7 @@ class AdaptiveSpeculation:
         self.min_gain = checked_min_gain(min_gain)
         if defer_catch_up and not price_drafting:
             raise ValueError("defer_catch_up needs price_drafting: the catch-up it defers is priced only then")
-        self.defer_catch_up = bool(defer_catch_up)
+        self.price_drafting, self.defer_catch_up = bool(price_drafting), bool(defer_catch_up)
         self.probe_stall = probes.checked_stall(probe_stall)
         self.grid = tuple(grid) if grid is not None else None
         self.curves: dict[str, AcceptanceCurve] = {}
@@ -132,13 +132,17 @@ class AdaptiveSpeculation:
         self.ratios = ForwardRatios(self.cost, FORWARD_RATIO_DECAY)  # the verify forwards measured (module doc, 6.)
         self.width_runs = probes.WidthRuns()  # per load level: steps in a row at one width (``probe``)
         self.probe_budget = probes.ProbeBudget()  # per load level: what its probes may lose, how wide they draft
-        self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens
+        self.last_forward_tokens = 0  # the previous step's padded forward: B * N tokens (R * T at fixed shapes)
+        self.padding: Padding | None = None  # the verifier's fixed shapes, where it runs them (``checked``)
 
     @classmethod
-    def checked(cls, adaptive: Any) -> "AdaptiveSpeculation | None":
-        """``adaptive`` if it is an ``AdaptiveSpeculation`` or None, else a ``ValueError`` (a Scheduler argument)."""
+    def checked(cls, adaptive: Any, padding: Padding | None = None) -> "AdaptiveSpeculation | None":
+        """``adaptive`` if it is an ``AdaptiveSpeculation`` or None, else a ``ValueError`` (a Scheduler argument).
+        ``padding`` (the verifier's fixed shapes): forwards priced padded, the grid (unless given) ``bucket_grid``'s."""
         if adaptive is not None and not isinstance(adaptive, cls):
             raise ValueError(f"adaptive must be an AdaptiveSpeculation or None, got {type(adaptive).__name__}")
+        if adaptive is not None and padding is not None:
+            adaptive.padding, adaptive.grid = padding, adaptive.grid or bucket_grid(padding, adaptive.max_width)
         return adaptive
 
     # ---------------------------------------------------------------- per arm
@@ -342,9 +346,8 @@ class AdaptiveSpeculation:
         """The price of a verify forward with ``running`` rows over n tokens (padding included), read through the
         forwards the level measured (``ForwardRatios.price``; the profile's cost before any). ``hopeful`` (a
         probe's): a forward wider than any level has run is priced as the widest one (``ForwardRatios.hopeful``)."""
-        level = load_level(running)
-        read = self.ratios.hopeful if hopeful else self.ratios.price
-        return lambda n: read(level, n)
+        level, read = load_level(running), self.ratios.hopeful if hopeful else self.ratios.price
+        return lambda n: read(level, padded_tokens(self.padding, running, n))  # the shape it runs at
 
     def record(self, alloc: Allocation, nodes: list[int], forward_tokens: int,
                forward_s: float | None = None) -> AdaptiveRecord:
@@ -429,8 +432,7 @@ class AdaptiveSpeculation:
         than it is (each plain step would make the next drafting step dearer: a lock-in into plain steps)."""
         if not self.drafts(arm, budget):
             return
-        key = self.lookup_key(arm) if lookup is not None else self.curve_key(arm)
-        curve = lookup if lookup is not None else self.curve(arm)
+        key, curve = (self.lookup_key(arm), lookup) if lookup is not None else (self.curve_key(arm), self.curve(arm))
         curve.update(list(path), drafted, budget=max(budget, drafted))
         if draft_cost is None:
             return
@@ -442,8 +444,7 @@ class AdaptiveSpeculation:
             c = max(c - self.catch_up_rates.get(key, 0.0) * min(max(int(backlog), 0), catch_up), 0.0)
             if running is not None:
                 self.draft_prices.learn(key, load_level(running), budget, c)
-        prev = key_costs.get(key)
-        key_costs[key] = c if prev is None else DRAFT_COST_DECAY * prev + (1 - DRAFT_COST_DECAY) * c
+        key_costs[key] = c if key not in key_costs else DRAFT_COST_DECAY * key_costs[key] + (1 - DRAFT_COST_DECAY) * c
 
 
 __all__ = ["AdaptiveRecord", "AdaptiveSpeculation", "StepPlan"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -71,10 +72,10 @@ class Scheduler:
         self.engine = engine
         self._max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.share_suffix_cache, self.batch_drafting = bool(share_suffix_cache), bool(batch_drafting)
-        self.adaptive = AdaptiveSpeculation.checked(adaptive)
         if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
             raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
         self.verifier = batch_verifier_for(engine, max_batch, kv_budget)
+        self.adaptive = AdaptiveSpeculation.checked(adaptive, getattr(self.verifier, "padding", None))
         self.max_draft_nodes = min(max_draft_nodes, getattr(self.verifier, "node_limit", max_draft_nodes))
         self.prefix_cache = prefix_cache_for(engine, self.verifier.cache) if prefix_caching else None
         self._lock = threading.Condition()
@@ -318,7 +319,7 @@ class Scheduler:
             self._leave(job, "error", e)
         for job in done:
             self._leave(job, job.request.stats.stop_reason)
-        forward_tokens = len(running) * max(rows_tokens)  # the padded [B, N] forward
+        forward_tokens = math.prod(self.verifier.padded(len(running), max(rows_tokens)))  # the [B, N] forward, padded
         record = plan and self.adaptive.record(plan.alloc, [plan.nodes[id(j)] for j in running], forward_tokens,
                                                forward_s)
         self._notify(SchedulerStep(len(running), forward_tokens, prefill_tokens, self.queue_length,

@@ -86,7 +86,10 @@ class BatchGraphRunner:
         return tokens <= self.buckets[-1]
 
     def padded(self, batch: int, tokens: int) -> tuple[int, int]:
-        """(R, T): the rows and tokens a row a forward of ``batch`` rows x ``tokens`` tokens runs."""
+        """(R, T): the rows and tokens a row a forward of ``batch`` rows x ``tokens`` tokens a row runs (as it is past
+        the largest token bucket: eagerly)."""
+        if not self.fits(tokens):
+            return batch, tokens
         return row_bucket(batch, self.cache.rows, self.row_buckets), token_bucket(tokens, self.buckets)
 
     @torch.inference_mode()

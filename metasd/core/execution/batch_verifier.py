@@ -194,9 +194,14 @@ class BatchVerifier:
                        if getattr(verifier, "fixed_shapes", False) else None)
 
     def padded(self, batch: int, tokens: int) -> tuple[int, int]:
-        """(rows, tokens a row) a forward of ``batch`` rows x ``tokens`` tokens runs: padded to its bucket with fixed
-        shapes, as it is without."""
+        """(rows, tokens a row) a forward of ``batch`` rows x ``tokens`` tokens a row runs: padded to its bucket with
+        fixed shapes, as it is without."""
         return self.runner.padded(batch, tokens) if self.runner is not None else (batch, tokens)
+
+    @property
+    def padding(self):
+        """``padded`` where forwards run at fixed shapes (what the allocator prices a step at), else None."""
+        return self.padded if self.runner is not None else None
 
     @torch.inference_mode()
     def verify(self, pendings: Sequence[int], drafts: Sequence[Draft]) -> list[VerifierOutput]:

@@ -228,6 +228,13 @@ class LlamaCppBatchVerifier:
         self.cache.active += 1
         slot.row = row
 
+    padding = None  # every forward runs at its exact shape (``BatchVerifier.padding``)
+
+    @staticmethod
+    def padded(batch: int, tokens: int) -> tuple[int, int]:
+        """(rows, tokens a row) a forward runs: exactly the batch's."""
+        return batch, tokens
+
     def remove(self, row: int) -> int | None:
         """Free ``row``'s sequence; the last row takes its index (no cells move). Returns the last row's old index
         when it moved, else None."""
