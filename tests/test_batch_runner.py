@@ -122,3 +122,19 @@ def test_the_scheduler_prices_and_records_the_padded_forward(model, tok):
     rows, tokens = zip(*(shape[:2] for shape in runner.shapes))
     assert {r.forward_tokens for r in steps} <= {r * t for r, t in zip(rows, tokens)}
     assert any(r.batch_size == 3 and r.forward_tokens % 4 == 0 for r in steps)  # 3 rows run (and cost) as 4
+
+
+def test_the_servers_metrics_report_the_verify_shapes(model, tok):
+    from metasd.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics("m")
+    with Scheduler(_engine(model, tok, True), max_batch=2) as s:
+        metrics.attach(s)
+        s.submit([0, 7, 12], 8).result(timeout=60)
+        shapes = len(s.verifier.runner.shapes)
+        text = metrics.render().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("metasd:verify")}
+    assert values == {"metasd:verify_fixed_shapes": shapes, "metasd:verify_graphs_captured": 0.0,
+                      "metasd:verify_graph_capture_seconds": 0.0, "metasd:verify_graph_capture_bytes": 0.0}
+    assert shapes > 0  # run eagerly on the CPU: shapes met, nothing captured

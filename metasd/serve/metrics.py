@@ -8,7 +8,8 @@ the gauges ``vllm:num_requests_waiting`` (the queue) and ``vllm:num_requests_run
 ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` counters and ``vllm:request_success`` (label ``finished_reason``);
 plus ``metasd:drafter_choices`` (label ``drafter``):
 how many request-steps each drafter drafted; ``vllm:kv_cache_usage_perc`` (the KV memory held, a fraction of the
-budget). Beside them, as vLLM's server exposes them: the process's own metrics (``process_*``, ``python_gc_*``,
+budget); ``metasd:verify_fixed_shapes``, ``metasd:verify_graphs_captured``, ``metasd:verify_graph_capture_seconds``
+and ``..._bytes`` (the batched verify forward's shapes and CUDA graphs, where the verifier runs fixed shapes). Beside them, as vLLM's server exposes them: the process's own metrics (``process_*``, ``python_gc_*``,
 ``python_info``) and ``http_requests_total`` (labels ``handler``, ``method``, ``status`` as ``2xx``...) with
 ``http_request_duration_seconds``, prometheus-fastapi-instrumentator's names. Each server has its own
 ``CollectorRegistry``.
@@ -90,6 +91,14 @@ class ServeMetrics:
                              registry=r).labels(*values)
         self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
                              registry=r).labels(*values)
+        # the batched verify forward at fixed shapes (core/execution/batch_runner.py; 0 where it runs exact shapes)
+        self.graph_gauges = {key: Gauge(name, doc, labels, registry=r).labels(*values) for key, name, doc in (
+            ("shapes", "metasd:verify_fixed_shapes", "(rows, tokens, width) shapes the batched verify forward has met."),
+            ("captured", "metasd:verify_graphs_captured", "CUDA graphs of the verify forward captured (recaptures "
+                                                          "after the KV buffers were reallocated included)."),
+            ("capture_s", "metasd:verify_graph_capture_seconds", "Seconds spent capturing them."),
+            ("capture_bytes", "metasd:verify_graph_capture_bytes", "Bytes the CUDA allocator reserved while "
+                                                                   "capturing them."))}
         self._last_step: dict[Any, float] = {}  # request id -> when its previous step ended (inter-token latency)
         self._finished: set = set()  # requests finished since the last step record
         self._lock = threading.Lock()
@@ -102,7 +111,16 @@ class ServeMetrics:
         self.waiting.set_function(lambda: scheduler.queue_length)
         self.running.set_function(lambda: scheduler.running)
         self.kv_usage_gauge.set_function(lambda: self.kv_usage() or 0.0)
+        for key, gauge in self.graph_gauges.items():
+            gauge.set_function(lambda key=key: self.graph_stat(key))
         scheduler.add_listener(self.on_record)
+
+    def graph_stat(self, key: str) -> float:
+        """One figure of the batched verify forward's fixed shapes (``graph_gauges``); 0 where it has none."""
+        runner = getattr(getattr(self._scheduler, "verifier", None), "runner", None)
+        if runner is None:
+            return 0.0
+        return float(len(runner.shapes) if key == "shapes" else getattr(runner.stats, key))
 
     def kv_usage(self) -> float | None:
         """The KV memory held as a fraction of the budget (None: no budget, or not attached)."""
