@@ -21,9 +21,12 @@ still run; every result is written as it comes):
    CPU default pool drafts) and the GPU default's static tree [4, 2, 2, 1], verify forwards captured; forward times by
    rows (to calibrate ``CUDA_ROW_COST``); syncs per step as CUDA counts them (``set_sync_debug_mode``). Each its own
    process and file, written after every row.
-6. ``trace_replay_gpu_default``, then ``trace_replay``: the embedded GPU default pool (configs/gpu_default.yaml),
+6. ``batch_forward`` (after the GPU default's replay, at most 45 s): ``benchmarks/batch_forward.py``, the
+   scheduler's batched verify forward on the 1.5B shape at 1, 4 and 16 rows x 1, 4, 8 and 16 tokens a row, eager at
+   its exact shape against its captured bucket (issue "A batch at GPU speed", item 2).
+7. ``trace_replay_gpu_default``, then ``trace_replay``: the embedded GPU default pool (configs/gpu_default.yaml),
    then the CPU default, trace-replayed (``TRACES``) against metasd with no drafter.
-7. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
+8. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
 
 Section 5 runs every tokens/step row twice - the verifier's verify forwards eager (``graphs: off``) and replayed from
 CUDA graphs (``on``; the dry run: ``fixed``, the same buffers eagerly) - and times transformers' static-cache
@@ -231,8 +234,8 @@ def pytest_summary(run: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 
-SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "overhead_rest",
-            "trace_replay", "conformance_sampling")
+SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "batch_forward",
+            "overhead_rest", "trace_replay", "conformance_sampling")
 
 
 def replay_name(pool: str) -> str:
@@ -320,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "--forward-rows", "1", "2", "--repeats", "3", "--graphs", "off", "fixed",
                                      "--static", "--drafter-graphs", "off", "fixed"], None)]  # fixed: buffers, eager
         stages += [(f"replay:{pool}", None, None) for pool in replays]
+        stages += [("batch:tiny", ["--shape", "tiny", "--rows", "1", "3", "--tokens", "1", "4", "--graphs", "off",
+                                   "fixed", "--repeats", "3", "--dtype", "fp32"], None)]
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
         core = ["--taus", "4", "--graphs", "on", "--static", "--chains", *map(str, chains), "--drafter-graphs", "on"]
@@ -327,12 +332,16 @@ def main(argv: list[str] | None = None) -> int:
                                      "8", "32", *common], 150),
                   ("overhead:8b", ["--shapes", "8b", *core, "--forward-rows", "1", "8", "32", *common], 150),
                   *[(f"replay:{pool}", None, 100) for pool in replays if pool == "gpu_default"],
+                  # the scheduler's batched verify forward per (rows, tokens), eager against captured
+                  ("batch:1.5b", ["--shape", "1.5b", "--rows", "1", "4", "16", "--tokens", "1", "4", "8", "16",
+                                  "--graphs", "off", "on", "--repeats", "5"], 45),
                   # the rest: eager rows beside captured ones, tokens/step 2 and 6, the dynamic trees
                   ("overhead:rest", ["--shapes", "1.5b", "--taus", "2", "6", "--graphs", "off", "on", "--chains",
                                      *map(str, chains), "--drafter-graphs", "off", "--trees", *trees,
                                      "--forward-rows", "2", "4", "16", *common], None),
                   *[(f"replay:{pool}", None, None) for pool in replays if pool != "gpu_default"]]
-        stages = [st for st in stages if st[0].startswith("replay:") or f"overhead_{st[0][9:]}" in wanted]
+        stages = [st for st in stages if st[0].startswith("replay:") or f"overhead_{st[0][9:]}" in wanted
+                  or st[0].startswith("batch:") and "batch_forward" in wanted]
     for i, (stage, plan, cap) in enumerate(stages):
         later_core = sum(1 for _, _, c in stages[i + 1:] if c is not None)  # each keeps at least a minute
         if args.quick:
@@ -342,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
         else:  # the rest share what the core left, evenly, 30 s kept for the sampling tests
             timeout = (check.left() - 60 * later_core - 30) / sum(1 for _, _, c in stages[i:] if c is None)
         kind, name = stage.split(":")
+        if kind == "batch":
+            target = out_dir / "batch_forward.json"
+            run = check.run("batch_forward", [py, str(HERE / "batch_forward.py"), *plan, "--device", device, "--out",
+                                              str(target)], timeout, {"PYTHONUNBUFFERED": "1"})
+            figures = json.loads(target.read_text()) if target.exists() else None
+            check.record("batch_forward", {**run, "figures": figures})
+            ok &= run["exit"] == 0
+            continue
         if kind == "replay":
             result = replay_section(check, args.quick, device, out_dir, py, name, timeout)
             check.record(replay_name(name), result)
@@ -420,6 +437,11 @@ def _summary(results: dict) -> dict:
                     + ", syncs/step "
                     + (f"cuda {gpu_syncs:.2f}" if gpu_syncs is not None else "cuda -")
                     + (f", fake {fake_row['per_step']:.2f}" if fake_row else ""))
+    for row in (s.get("batch_forward", {}).get("figures") or {}).get("rows", []):
+        settings = [k for k in row["order"] if k != "off"]
+        lines.append(f"batch forward {row['rows']} rows x {row['tokens']} tokens: "
+                     + ", ".join(f"{k} {row[k]['median']:.2f} ms" for k in ["off", *settings] if k in row)
+                     + "".join(f", {k}/off {row[f'{k}_over_off']:.2f}" for k in settings if f"{k}_over_off" in row))
     for section in ("trace_replay_gpu_default", "trace_replay"):
         replay = (s.get(section, {}).get("figures") or {}).get("summary", {})
         for prompts, by_method in replay.items():
