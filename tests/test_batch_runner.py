@@ -138,3 +138,17 @@ def test_the_servers_metrics_report_the_verify_shapes(model, tok):
     assert values == {"metasd:verify_fixed_shapes": shapes, "metasd:verify_graphs_captured": 0.0,
                       "metasd:verify_graph_capture_seconds": 0.0, "metasd:verify_graph_capture_bytes": 0.0}
     assert shapes > 0  # run eagerly on the CPU: shapes met, nothing captured
+
+
+def test_a_forward_wider_than_the_fixed_shapes_hold_runs_at_its_own_shape(model, tok):
+    prompts, max_new = [[0, 7, 12, 9], [0, 50, 9], [0, 21, 22, 23, 24]], [16, 16, 16]
+    expected = [_engine(model, tok, False).generate(p, n).token_ids for p, n in zip(prompts, max_new)]
+    steps = []
+    with Scheduler(_engine(model, tok, True), max_batch=4) as s:
+        runner = s.verifier.runner
+        runner.max_tokens = 8  # a tree of 6 nodes beside two others pads to 4 x 8 = 32: run eagerly, unpadded
+        s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
+        got = [h.result(timeout=120).token_ids for h in [s.submit(p, n) for p, n in zip(prompts, max_new)]]
+    assert got == expected
+    assert all(r * t <= 8 for r, t, _ in runner.shapes) and runner.stats.eager < s.verifier.forwards
+    assert any(r.forward_tokens > 8 for r in steps)  # the wide ones recorded at their own shape

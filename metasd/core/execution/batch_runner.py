@@ -6,7 +6,8 @@ Why: a GPU forward of a few tokens per row is bound by the host launching its ke
 shapes at fixed addresses; the batch's [B, N] forward over W key columns (``batch_verifier.batch_inputs``) is padded to
 
 - a **rows bucket** R: B rounded up to a power of two (1, 2, 4, ..., 64), never past the rows the cache allocated;
-- a **token bucket** T: N rounded up as in ``graph_runner.TOKEN_BUCKETS`` (1, 2, 4, ..., 128);
+- a **token bucket** T: N rounded up as in ``graph_runner.TOKEN_BUCKETS`` (1, 2, 4, ..., 128), R x T at most
+  ``MAX_FIXED_TOKENS`` (1,024: a shape's logits stay allocated; a wider forward runs eagerly at its own shape);
 - a **width bucket** W: the longest row's prefix + N rounded up to 256 (``RESERVATION_BUCKET``), never past the rows'
   capacity - a short batch never attends over a long request's reservation.
 
@@ -40,6 +41,9 @@ from .kv_memory import RESERVATION_BUCKET, bucketed
 
 #: row counts a batched forward is padded to (never past the rows allocated)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+#: the most tokens (rows x tokens a row, padded) a fixed-shape forward runs: its logits [R, T, vocab] stay allocated
+#: for the next forward of its shape (1,024 x the 1.5B's vocabulary in bf16: 311 MB), so wider ones run eagerly
+MAX_FIXED_TOKENS = 1024
 
 
 def row_bucket(batch: int, allocated: int, buckets: Sequence[int] = ROW_BUCKETS) -> int:
@@ -67,13 +71,14 @@ class BatchGraphRunner:
 
     def __init__(self, model: torch.nn.Module, cache: BatchCache, *, capture: bool, hidden_layers: Sequence[int] = (),
                  buckets: Sequence[int] = TOKEN_BUCKETS, row_buckets: Sequence[int] = ROW_BUCKETS,
-                 width_bucket: int = RESERVATION_BUCKET):
+                 width_bucket: int = RESERVATION_BUCKET, max_tokens: int = MAX_FIXED_TOKENS):
         if cache.rows:
             raise ValueError("BatchGraphRunner: the cache's scratch row must be set before it allocates its rows")
         cache.scratch_rows = 1
         self.model, self.cache, self.capture = model, cache, capture
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.buckets, self.row_buckets, self.width_bucket = tuple(buckets), tuple(row_buckets), width_bucket
+        self.max_tokens = max_tokens
         self.device = model.device
         self.shapes: dict[tuple[int, int, int], _Inputs] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
@@ -81,16 +86,22 @@ class BatchGraphRunner:
         self._pool = None
         self.stats = RunnerStats()
 
-    def fits(self, tokens: int) -> bool:
-        """Whether a forward of ``tokens`` tokens a row has a bucket (else the caller runs it eagerly)."""
-        return tokens <= self.buckets[-1]
+    def _bucket(self, batch: int, tokens: int) -> tuple[int, int] | None:
+        """(R, T) of a forward of ``batch`` rows x ``tokens`` tokens a row; None: it runs eagerly at its own shape
+        (past the largest token bucket, or more than ``max_tokens`` padded)."""
+        if tokens > self.buckets[-1]:
+            return None
+        R, T = row_bucket(batch, self.cache.rows, self.row_buckets), token_bucket(tokens, self.buckets)
+        return (R, T) if R * T <= self.max_tokens else None
+
+    def fits(self, batch: int, tokens: int) -> bool:
+        """Whether the forward runs at a fixed shape (else the caller runs it eagerly)."""
+        return self._bucket(batch, tokens) is not None
 
     def padded(self, batch: int, tokens: int) -> tuple[int, int]:
-        """(R, T): the rows and tokens a row a forward of ``batch`` rows x ``tokens`` tokens a row runs (as it is past
-        the largest token bucket: eagerly)."""
-        if not self.fits(tokens):
-            return batch, tokens
-        return row_bucket(batch, self.cache.rows, self.row_buckets), token_bucket(tokens, self.buckets)
+        """(R, T): the rows and tokens a row a forward of ``batch`` rows x ``tokens`` tokens a row runs (its own where
+        it runs eagerly)."""
+        return self._bucket(batch, tokens) or (batch, tokens)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -101,7 +112,7 @@ class BatchGraphRunner:
         draft tokens drafted on the device (written at ids[row, 1:]). Returns logits [B, N, vocab] and {layer: [B, N,
         d]}, copies the next forward cannot overwrite."""
         B, N = ids.shape
-        R, T = self.padded(B, N)
+        R, T = self._bucket(B, N)
         W = min(bucketed(mask.shape[-1], self.width_bucket), self.cache.capacity)
         if self.capture and self._buffers != self.cache.buffers():
             for shape in self.shapes.values():

@@ -215,7 +215,7 @@ class BatchVerifier:
         device = self.verifier.device
         # a chain drafted on the device: written there, not read by the host
         on_device = {b: draft.device_tokens(device) for b, draft in enumerate(drafts) if not draft.on_host}
-        if self.runner is not None and self.runner.fits(ids.shape[1]):
+        if self.runner is not None and self.runner.fits(B, ids.shape[1]):
             logits, hidden_states = self.runner.forward(ids, pos, mask, on_device)  # [B, N, vocab], {l: [B, N, d]}
         else:
             ids = to_device(ids, device)
