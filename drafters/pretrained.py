@@ -44,7 +44,8 @@ TRACK_HELP = ("full-information feedback: feed the committed tokens every step, 
               "as the pool's work), so this arm is scored on every step")
 
 GRAPHS_HELP = ("the drafting loop after the catch-up run as one CUDA graph (core/execution/draft_loop.py): auto = where the "
-               "model is on CUDA, on = required (refused elsewhere), off = eager forwards")
+               "model is on CUDA, on = required (refused elsewhere), off = eager forwards, fixed = the loop's fixed "
+               "shapes run eagerly (the path a GPU captures, on any device)")
 
 class PretrainedParams(DrafterParams):
     """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
@@ -57,7 +58,7 @@ class PretrainedParams(DrafterParams):
     k_max: Int = Field(16, ge=1, description="upper bound of k (adaptive_k); k may not exceed it")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
     track: Bool = Field(False, description=TRACK_HELP)
-    graphs: Literal["auto", "on", "off"] = Field("auto", description=GRAPHS_HELP)
+    graphs: Literal["auto", "on", "off", "fixed"] = Field("auto", description=GRAPHS_HELP)
 
     @model_validator(mode="after")
     def _order(self) -> "PretrainedParams":
@@ -152,7 +153,7 @@ class PretrainedDrafter(Drafter):
             raise ValueError(f"{self.name}: drafter type {self.kind!r} drafts eagerly; graphs 'on' is for the "
                              "pretrained chain and static_tree types")
         self.loops = DraftLoops(self.model, self.draft_head, capture=capture, name=self.name) \
-            if (capture or fixed_shapes) and type(self).draft_loops else None
+            if (capture or fixed_shapes or graphs == "fixed") and type(self).draft_loops else None
 
     @property
     def cached_ids(self) -> list[int]:

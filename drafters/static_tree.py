@@ -40,7 +40,7 @@ class StaticTreeParams(DrafterParams):
         None, min_length=1, max_length=16,
         description="children of every node at each level, root first (default [4, 2, 2, 1]: 4 + 8 + 16 + 16 nodes)")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
-    graphs: Literal["auto", "on", "off"] = Field("auto", description=GRAPHS_HELP)
+    graphs: Literal["auto", "on", "off", "fixed"] = Field("auto", description=GRAPHS_HELP)
 
 
 @register_drafter

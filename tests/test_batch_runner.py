@@ -17,7 +17,7 @@ from metasd.core.execution.graph_runner import token_bucket
 from metasd.core.execution.kv_memory import KVGeometry
 from metasd.core.execution.verifier import Verifier
 from metasd.core.pricing.padding import bucket_grid, padded_tokens
-from metasd.drafters import PretrainedTreeDrafter, SuffixDrafter
+from metasd.drafters import PretrainedTreeDrafter, StaticTreeDrafter, SuffixDrafter
 from tiny import tiny_qwen, tiny_tokenizer
 
 
@@ -152,3 +152,17 @@ def test_a_forward_wider_than_the_fixed_shapes_hold_runs_at_its_own_shape(model,
     assert got == expected
     assert all(r * t <= 8 for r, t, _ in runner.shapes) and runner.stats.eager < s.verifier.forwards
     assert any(r.forward_tokens > 8 for r in steps)  # the wide ones recorded at their own shape
+
+
+def test_graphs_fixed_in_a_pool_runs_the_fixed_shapes_on_any_device(tmp_path, model, tok):
+    from metasd.config.schema import VerifierConfig
+
+    assert Verifier(model, tok, graphs="fixed").fixed_shapes and not Verifier(model, tok, graphs="fixed").capture
+    assert not Verifier(model, tok, graphs="auto").fixed_shapes  # on a CPU: exact shapes
+    assert VerifierConfig(model="m", graphs="fixed").graphs == "fixed"
+    with pytest.raises(ValueError, match="graphs: 'fixed' is a torch setting"):
+        VerifierConfig(model="m.gguf", backend="llama.cpp", graphs="fixed")
+    engine = Engine(Verifier(model, tok, graphs="fixed"), None, check_tokenizers=False)
+    with Scheduler(engine, max_batch=2) as s:
+        assert s.submit([0, 7, 12], 6).result(timeout=60).token_ids and s.verifier.runner.stats.eager > 0
+    assert StaticTreeDrafter(tiny_qwen(seed=0), widths=[2, 1], graphs="fixed").loops is not None  # its loop too

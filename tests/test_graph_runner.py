@@ -80,6 +80,7 @@ def test_buckets_and_settings():
     assert token_bucket(129) is None
     assert resolve_graphs("auto", torch.device("cpu"), "v") is False
     assert resolve_graphs("off", torch.device("cpu"), "v") is False
+    assert resolve_graphs("fixed", torch.device("cpu"), "v") is False  # fixed shapes, never captured
     with pytest.raises(ValueError, match=r"my-verifier: graphs='on' needs a CUDA device"):
         resolve_graphs("on", torch.device("cpu"), "my-verifier")
     with pytest.raises(ValueError, match=r"graphs must be one of"):

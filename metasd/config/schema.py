@@ -36,8 +36,9 @@ class VerifierConfig(_Strict):
     #: weight-only quantization of the verifier: the output is then exactly the quantized model's
     quantize: Quantize = "none"
     #: verify forwards replayed from CUDA graphs at fixed shapes: auto = where the verifier is on CUDA; on = required
-    #: (refused on another device); off = eager (docs/architecture.md, "The execution layer")
-    graphs: Literal["auto", "on", "off"] = "auto"
+    #: (refused on another device); off = eager; fixed = the fixed shapes and buffers eagerly, on any device (the path
+    #: a GPU captures, checked on a CPU) (docs/architecture.md, "The execution layer")
+    graphs: Literal["auto", "on", "off", "fixed"] = "auto"
     #: what runs the verifier's forwards: torch (transformers) or llama.cpp (llama-cpp-python, CPU; the model is
     #: converted to a GGUF of ``dtype`` - auto: bf16, the bundled weights - once; a ``.gguf`` model runs as it is)
     backend: Literal["torch", "llama.cpp"] = "torch"
@@ -57,8 +58,9 @@ class VerifierConfig(_Strict):
             if self.quantize != "none":
                 raise ValueError("quantize applies to torch weights; with backend 'llama.cpp' give a quantized .gguf "
                                  "file as the model instead")
-            if self.graphs == "on":
-                raise ValueError("graphs: 'on' is a torch (CUDA) setting; backend 'llama.cpp' runs on the CPU")
+            if self.graphs in ("on", "fixed"):
+                raise ValueError(f"graphs: {self.graphs!r} is a torch setting; backend 'llama.cpp' runs its own "
+                                 "forwards")
             if self.device is not None and self.device != "cpu":
                 raise ValueError(f"backend 'llama.cpp' runs on the CPU; device is {self.device!r}")
             if self.dtype not in LLAMA_CPP_DTYPES:

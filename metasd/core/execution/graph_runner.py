@@ -40,19 +40,20 @@ from .static_cache import StaticKVCache
 
 #: token counts a forward is padded to
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-#: graph settings a pool or a caller may ask for: auto = captured where CUDA is, eager elsewhere
-GRAPH_MODES = ("auto", "on", "off")
+#: graph settings a pool or a caller may ask for: auto = captured where CUDA is, eager elsewhere; fixed = the fixed
+#: shapes and buffers a capture replays, run eagerly on any device (what a GPU runs, checked on a CPU)
+GRAPH_MODES = ("auto", "on", "off", "fixed")
 
 
 def resolve_graphs(graphs: str, device: torch.device, name: str) -> bool:
-    """Whether forwards are captured: ``graphs`` is one of GRAPH_MODES; "on" without CUDA is refused, naming the
-    model and the device."""
+    """Whether forwards are captured: ``graphs`` is one of GRAPH_MODES ("fixed": never); "on" without CUDA is refused,
+    naming the model and the device."""
     if graphs not in GRAPH_MODES:
         raise ValueError(f"{name}: graphs must be one of {list(GRAPH_MODES)}, got {graphs!r}")
     cuda = torch.device(device).type == "cuda"
     if graphs == "on" and not cuda:
         raise ValueError(f"{name}: graphs='on' needs a CUDA device; the model is on {device} (use 'auto' or 'off')")
-    return cuda and graphs != "off"
+    return cuda and graphs in ("auto", "on")
 
 
 def token_bucket(n: int, buckets: Sequence[int] = TOKEN_BUCKETS) -> int | None:

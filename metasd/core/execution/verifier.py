@@ -61,7 +61,7 @@ class Verifier:
         self.tokenizer = tokenizer
         self.name = name
         self.capture = resolve_graphs(graphs, model.device, name)
-        self.fixed_shapes = self.capture or bool(fixed_shapes)
+        self.fixed_shapes = self.capture or bool(fixed_shapes) or graphs == "fixed"
         self.runner: GraphRunner | None = None
         self.cache: StaticKVCache | None = None
         self.hidden: HiddenStore | None = None
