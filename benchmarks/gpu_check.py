@@ -24,7 +24,8 @@ still run; every result is written as it comes):
 6. ``batch_forward`` (after the GPU default's replay, at most 45 s): ``benchmarks/batch_forward.py``, the
    scheduler's batched verify forward on the 1.5B shape at 1, 4 and 16 rows x 1, 4, 8 and 16 tokens a row, eager at
    its exact shape against its captured bucket (issue "A batch at GPU speed", item 2).
-7. ``trace_replay_gpu_default``, then ``trace_replay``: the embedded GPU default pool (configs/gpu_default.yaml),
+7. ``trace_replay_gpu_default``, ``trace_replay_gpu_default8``, then ``trace_replay``: the embedded GPU default pool
+   (configs/gpu_default.yaml), its deeper candidate (configs/pools/gpu_default8.yaml: the static tree to depth 8),
    then the CPU default, trace-replayed (``TRACES``) against metasd with no drafter.
 8. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
 
@@ -212,12 +213,12 @@ def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, py: 
 
     shapes = (["--verifier-shape", "tiny", "--drafter-shape", "tiny", "--dtype", "fp32", "--repeats", "1"] if quick
               else ["--verifier-shape", "1.5b", "--drafter-shape", "0.5b", "--repeats", "3"])
-    if quick and pool == "gpu_default":
+    if quick and pool.startswith("gpu_default"):
         shapes += ["--graphs", "fixed"]
     target = out_dir / ("trace_replay.json" if pool == "default" else f"trace_replay_{pool}.json")
     run = check.run(replay_name(pool),
                     [py, str(HERE / "trace_replay.py"), "replay", "--trace", str(TRACES[pool]), "--pool",
-                     f"configs/{pool}.yaml", "--per-group", "1", *shapes, "--device", device, "--out", str(target)],
+                     POOLS[pool], "--per-group", "1", *shapes, "--device", device, "--out", str(target)],
                     timeout, {"PYTHONUNBUFFERED": "1"})
     figures = json.loads(target.read_text()) if target.exists() else None
     if figures and "summary" not in figures:
@@ -241,9 +242,14 @@ SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "ove
 def replay_name(pool: str) -> str:
     """The section a pool's trace replay is recorded under."""
     return "trace_replay" if pool == "default" else f"trace_replay_{pool}"
-#: the traces the embedded pools replay (benchmarks/trace_replay.py record; BENCHMARKS.md says how each was recorded)
+#: the traces the embedded pools replay (benchmarks/trace_replay.py record; BENCHMARKS.md says how each was recorded),
+#: in the order they run: the GPU default, its deeper candidate, the CPU default
 TRACES = {"gpu_default": ROOT / "benchmarks" / "results" / "trace_gpu_default.json",
+          "gpu_default8": ROOT / "benchmarks" / "results" / "trace_gpu_default8.json",
           "default": ROOT / "benchmarks" / "results" / "trace_default.json"}
+#: each traced pool's file
+POOLS = {"gpu_default": "configs/gpu_default.yaml", "gpu_default8": "configs/pools/gpu_default8.yaml",
+         "default": "configs/default.yaml"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,7 +448,7 @@ def _summary(results: dict) -> dict:
         lines.append(f"batch forward {row['rows']} rows x {row['tokens']} tokens: "
                      + ", ".join(f"{k} {row[k]['median']:.2f} ms" for k in ["off", *settings] if k in row)
                      + "".join(f", {k}/off {row[f'{k}_over_off']:.2f}" for k in settings if f"{k}_over_off" in row))
-    for section in ("trace_replay_gpu_default", "trace_replay"):
+    for section in ("trace_replay_gpu_default", "trace_replay_gpu_default8", "trace_replay"):
         replay = (s.get(section, {}).get("figures") or {}).get("summary", {})
         for prompts, by_method in replay.items():
             for method, fig in by_method.items() if isinstance(by_method, dict) else ():

@@ -170,9 +170,8 @@ def replay_rows(trace: Trace, pools: dict, verifier_model, drafter_model, repeat
     models = [drafter_model] if drafter_model is not None else []
     fixed = graphs == "fixed"  # the graph runner's and the drafting loop's buffers, run eagerly: the CPU check
 
-    def verifier():
-        return Verifier(verifier_model, graphs="off", fixed_shapes=True) if fixed else Verifier(verifier_model,
-                                                                                                 graphs=graphs)
+    def verifier():  # "fixed": the graph runner's buffers, eagerly
+        return Verifier(verifier_model, graphs=graphs)
     methods = {"metasd, no drafter": Engine(verifier(), [], check_tokenizers=False)}
     for name, config in pools.items():
         arms = replay_arms(config, trace, models, vocab, fixed)

@@ -64,12 +64,19 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     assert all(m["identical"] for m in gpu_summary["all"].values()) and "trace-replayed gpu_default" in gpu_summary["all"]
     (arm,) = gpu["figures"]["methods"]["trace-replayed gpu_default"]["arms"]
     assert arm["draft_loops"]["loops"][0]["eager"] > 0 and arm["draft_loops"]["catch_up"]["eager"] > 0
+    deep = s["trace_replay_gpu_default8"]  # its deeper candidate (the static tree to depth 8), replayed the same way
+    assert deep["exit"] == 0, deep["tail"]
+    assert list(s).index("trace_replay_gpu_default") < list(s).index("trace_replay_gpu_default8") \
+        < list(s).index("trace_replay")
+    assert all(m["identical"] for m in deep["figures"]["summary"]["all"].values())
+    (arm,) = deep["figures"]["methods"]["trace-replayed gpu_default8"]["arms"]
+    assert arm["draft_loops"]["loops"][0]["widths"] == [4, 2, 2, 1, 1, 1, 1, 1]
     batch = s["batch_forward"]  # the scheduler's batched verify forward, exact shapes against the runner's buffers
     assert batch["exit"] == 0 and [(r["rows"], r["tokens"]) for r in batch["figures"]["rows"]] == \
         [(1, 1), (1, 4), (3, 1), (3, 4)]
     assert all(r["fixed_over_off"] > 0 for r in batch["figures"]["rows"])
     assert batch["figures"]["runners"]["3"]["fixed"]["eager"] > 0
-    assert len(s["summary"]["rows"]) == 9 + 4 + 3 * 2 * 2 and (out / "gpu_check.log").exists()
+    assert len(s["summary"]["rows"]) == 9 + 4 + 3 * 2 * 3 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")
