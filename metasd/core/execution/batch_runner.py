@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from .batch_cache import BatchCache
-from .graph_runner import TOKEN_BUCKETS, RunnerStats, capture_graph, token_bucket
+from .graph_runner import TOKEN_BUCKETS, RunnerStats, token_bucket
 from .kv_cache import cache_kwargs
 from .kv_memory import RESERVATION_BUCKET, bucketed
 
@@ -83,7 +83,6 @@ class BatchGraphRunner:
         self.shapes: dict[tuple[int, int, int], _Inputs] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._buffers: tuple[int, ...] | None = None
-        self._pool = None
         self.stats = RunnerStats()
 
     def _bucket(self, batch: int, tokens: int) -> tuple[int, int] | None:
@@ -187,12 +186,7 @@ class BatchGraphRunner:
             h.copy_(out.hidden_states[layer])
 
     def _capture(self, shape: _Inputs) -> None:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        shape.graph, seconds, held = capture_graph(lambda: self._run(shape), self.device, self._pool)
-        self.stats.captured += 1
-        self.stats.capture_s += seconds
-        self.stats.capture_bytes += held
+        shape.graph = self.stats.capture(lambda: self._run(shape), self.device)
 
     def describe(self) -> dict:
         return {"capture": self.capture, "shapes": sorted(self.shapes), **self.stats.describe()}

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .draft_batch import forward_logits
-from .graph_runner import GraphRunner, RunnerStats, capture_graph
+from .graph_runner import GraphRunner, RunnerStats
 from .kv_cache import cache_length
 from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 from .staging import to_device
@@ -90,7 +90,6 @@ class DraftLoop:
         self._graphs: dict[int, object] = {}  # width bucket -> torch.cuda.CUDAGraph
         self._columns: dict[int, torch.Tensor] = {}  # width bucket -> arange(W) on the device
         self._buffers: tuple[int, ...] | None = None
-        self._pool = None
         self.stats = RunnerStats()
 
     @torch.inference_mode()
@@ -120,21 +119,12 @@ class DraftLoop:
             self.stats.eager += 1
             self._loop(width)
         elif width not in self._graphs:
-            self._graphs[width], seconds, held = capture_graph(lambda: self._loop(width), self.device,
-                                                               self._graph_pool())
-            self.stats.captured += 1
-            self.stats.capture_s += seconds
-            self.stats.capture_bytes += held
+            self._graphs[width] = self.stats.capture(lambda: self._loop(width), self.device)
         else:
             self._graphs[width].replay()
             self.stats.replays += 1
         self.cache.set_length(past + self.fed)
         return self._out.clone()
-
-    def _graph_pool(self):
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return self._pool
 
     def _loop(self, width: int) -> None:
         """The loop itself on the static buffers (module docstring): what a graph captures."""

@@ -96,13 +96,24 @@ class _Shape:
 
 @dataclass
 class RunnerStats:
-    """What capturing cost: graphs captured (over the runner's life, recaptures included), seconds, replays."""
+    """What capturing cost: graphs captured (over the runner's life, recaptures included), seconds, replays; and the
+    memory pool the runner's graphs share."""
 
     captured: int = 0
     capture_s: float = 0.0
     capture_bytes: int = 0  # what the CUDA allocator reserved while capturing
     replays: int = 0
     eager: int = 0
+    pool: object = field(default=None, repr=False)  # the CUDA graph memory pool the runner's captures share
+
+    def capture(self, run: Callable[[], None], device: torch.device) -> object:
+        """``run`` captured (``capture_graph``) in the runner's pool, its seconds and memory counted: the graph."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph, seconds, held = capture_graph(run, device, self.pool)
+        self.captured, self.capture_s, self.capture_bytes = (self.captured + 1, self.capture_s + seconds,
+                                                             self.capture_bytes + held)
+        return graph
 
     def describe(self) -> dict:
         return {"captured": self.captured, "capture_s": round(self.capture_s, 3),
@@ -124,7 +135,6 @@ class GraphRunner:
         self.device = model.device
         self.shapes: dict[tuple[int, int], _Shape] = {}
         self._buffers: tuple[int, ...] | None = None  # the cache buffers the graphs were captured over
-        self._pool = None
         self.stats = RunnerStats()
 
     @property
@@ -225,12 +235,7 @@ class GraphRunner:
 
     def _capture(self, shape: _Shape) -> None:
         """Capture the shape's forward (which also leaves this forward's outputs)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        shape.graph, seconds, held = capture_graph(lambda: self._run(shape), self.device, self._pool)
-        self.stats.captured += 1
-        self.stats.capture_s += seconds
-        self.stats.capture_bytes += held
+        shape.graph = self.stats.capture(lambda: self._run(shape), self.device)
 
     def describe(self) -> dict:
         return {"capture": self.capture, "shapes": sorted(self.shapes), **self.stats.describe()}
