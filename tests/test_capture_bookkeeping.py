@@ -1,0 +1,98 @@
+"""The capture side of the graph runners, on the CPU: CUDA graphs replaced by a stand-in that replays the captured
+function over the runner's static buffers - and refuses to replay over KV buffers reallocated since its capture, where
+a real graph would silently write the old ones. So what only a GPU would otherwise exercise - which shape is captured
+when, what is replayed, what is recaptured after the cache grows - runs here through the batch-1 verifier's runner
+(graph_runner.py), the drafting loop and its catch-up (draft_loop.py) and the scheduler's batched runner
+(batch_runner.py), every output still plain greedy's. Tiny fp32 models (tests/tiny.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+from metasd.core.engine import Engine
+from metasd.core.execution import graph_runner
+from metasd.core.execution.verifier import Verifier
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
+from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
+
+
+class FakeGraph:
+    """A captured graph on the CPU: ``replay`` runs the captured function again over the same static buffers."""
+
+    def __init__(self, run, cache):
+        self.run, self.cache, self.captured_over = run, cache, cache().buffers()
+
+    def replay(self):
+        assert self.cache().buffers() == self.captured_over, "a graph replayed over KV buffers reallocated since"
+        self.run()
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Captures become ``FakeGraph``s; ``watch(cache)``: the function giving the cache whose buffers they read."""
+    watched = {}
+
+    def capture(run, device, pool):
+        run()  # as capture_graph leaves them: the outputs of this forward
+        return FakeGraph(run, watched["cache"]), 0.01, 4096
+
+    monkeypatch.setattr(graph_runner, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    return lambda cache: watched.__setitem__("cache", cache)
+
+
+def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_after_the_cache_grows(fake_graphs):
+    tok, model = tiny_tokenizer(), tiny_qwen(seed=0, logit_scale=4.0, context=1024)
+    tree = lambda: PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0, context=1024), nodes=6, depth=3,  # noqa
+                                         width=2, name="tree")
+    prompts = [[0, 7, 12, 9], [0, 50, 9], [0] + [(5 * i) % 60 + 1 for i in range(300)]]  # the third: 512 positions
+    max_new = [60, 60, 8]
+    expected = [Engine(Verifier(model, tok), [tree()], check_tokenizers=False).generate(p, n).token_ids
+                for p, n in zip(prompts, max_new)]
+    verifier = Verifier(model, tok, fixed_shapes=True)
+    verifier.capture = True  # what graphs="on" sets on CUDA
+    steps, running = [], threading.Event()
+    with Scheduler(Engine(verifier, [tree()], check_tokenizers=False), max_batch=3) as s:
+        runner = s.verifier.runner
+        fake_graphs(lambda: s.verifier.cache)
+        s.add_listener(lambda r: (steps.append(s.verifier.cache.capacity), running.set() if len(steps) > 2 else None)
+                       if isinstance(r, SchedulerStep) else None)
+        first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
+        assert running.wait(60)  # the two short ones run at 256 positions ...
+        got = [h.result(timeout=60).token_ids for h in first + [s.submit(prompts[2], max_new[2])]]
+    assert got == expected
+    assert steps[0] == 256 and 512 in steps and steps[-1] == 256  # ... the long one joins at 512 and leaves
+    assert runner.stats.eager == 0 and runner.stats.replays > 0
+    # the short rows' shapes captured again over the reallocated buffers (FakeGraph refuses a stale one)
+    assert runner.stats.captured > len(runner.shapes), runner.describe()
+
+
+def test_the_batch1_verifiers_graphs_drop_when_a_longer_request_grows_its_kept_buffers(fake_graphs):
+    model = tiny_qwen(seed=3, context=1024)
+    verifier = Verifier(model, fixed_shapes=True)
+    verifier.capture = True
+    engine = Engine(verifier, [PretrainedDrafter(tiny_qwen(seed=3, layers=1, context=1024), k=3)])
+    short, long = [5, 17, 3, 59], [5, 17, 3, 59, 42, 8, 23, 61] * 30
+    fake_graphs(lambda: verifier.cache)
+    for prompt, n in ((short, 40), (long, 30)):
+        assert engine.generate(prompt, n).token_ids == plain_greedy(model, prompt, n)
+    stats = verifier.runner.stats
+    assert stats.eager == 0 and stats.replays > 0 and stats.captured >= 2
+
+
+def test_the_drafting_loop_and_its_catch_up_capture_replay_and_recapture(fake_graphs):
+    verifier_model, drafter_model = tiny_qwen(seed=3, context=1024), tiny_qwen(seed=3, layers=1, context=1024)
+    drafter = PretrainedDrafter(drafter_model, k=4, fixed_shapes=True)
+    drafter.loops.capture = True  # what graphs="on" sets on CUDA
+    engine = Engine(Verifier(verifier_model), [drafter])
+    prompt = [5, 17, 3, 59, 42, 8, 23, 61]
+    fake_graphs(lambda: drafter.loops.cache)
+    for n in (300, 20):  # past a 256-column width bucket, then a second request on the kept cache
+        assert engine.generate(prompt, n).token_ids == plain_greedy(verifier_model, prompt, n)
+    described = drafter.loops.describe()
+    (loop,) = described["loops"]
+    assert loop["eager"] == 0 and loop["replays"] > 0 and loop["captured"] >= 2  # one graph per width bucket
+    assert described["catch_up"]["eager"] == 0 and described["catch_up"]["replays"] > 0
