@@ -23,7 +23,8 @@ def test_a_smaller_shape_keeps_the_best_ranked_children_of_the_levels_it_has():
     assert static_depth.within(PARENTS, (2,)) == [True, True] + [False] * 8
     # the path through the second child of the root, then its first child, then that one's child: 3 tokens in (2, 2, 1)
     step = _step({1, 4, 8})
-    assert static_depth.accepted(step) == 3 and static_depth.accepted(step, static_depth.within(PARENTS, (1, 1, 1))) == 0
+    assert static_depth.accepted(step) == 3
+    assert static_depth.accepted(step, static_depth.within(PARENTS, (1, 1, 1))) == 0
     assert static_depth.accepted(step, static_depth.within(PARENTS, (2, 1))) == 2
 
 

@@ -9,7 +9,8 @@ the gauges ``vllm:num_requests_waiting`` (the queue) and ``vllm:num_requests_run
 plus ``metasd:drafter_choices`` (label ``drafter``):
 how many request-steps each drafter drafted; ``vllm:kv_cache_usage_perc`` (the KV memory held, a fraction of the
 budget); ``metasd:verify_fixed_shapes``, ``metasd:verify_graphs_captured``, ``metasd:verify_graph_capture_seconds``
-and ``..._bytes`` (the batched verify forward's shapes and CUDA graphs, where the verifier runs fixed shapes). Beside them, as vLLM's server exposes them: the process's own metrics (``process_*``, ``python_gc_*``,
+and ``..._bytes`` (the batched verify forward's shapes and CUDA graphs, where the verifier runs fixed shapes).
+Beside them, as vLLM's server exposes them: the process's own metrics (``process_*``, ``python_gc_*``,
 ``python_info``) and ``http_requests_total`` (labels ``handler``, ``method``, ``status`` as ``2xx``...) with
 ``http_request_duration_seconds``, prometheus-fastapi-instrumentator's names. Each server has its own
 ``CollectorRegistry``.
@@ -93,7 +94,7 @@ class ServeMetrics:
                              registry=r).labels(*values)
         # the batched verify forward at fixed shapes (core/execution/batch_runner.py; 0 where it runs exact shapes)
         self.graph_gauges = {key: Gauge(name, doc, labels, registry=r).labels(*values) for key, name, doc in (
-            ("shapes", "metasd:verify_fixed_shapes", "(rows, tokens, width) shapes the batched verify forward has met."),
+            ("shapes", "metasd:verify_fixed_shapes", "(rows, tokens, width) shapes the batched verify forward met."),
             ("captured", "metasd:verify_graphs_captured", "CUDA graphs of the verify forward captured (recaptures "
                                                           "after the KV buffers were reallocated included)."),
             ("capture_s", "metasd:verify_graph_capture_seconds", "Seconds spent capturing them."),
