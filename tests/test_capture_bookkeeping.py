@@ -6,6 +6,7 @@ when, what is replayed, what is recaptured after the cache grows - runs here thr
 (batch_runner.py), every output still plain greedy's. Tiny fp32 models (tests/tiny.py)."""
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -44,7 +45,8 @@ def fake_graphs(monkeypatch):
     return lambda cache: watched.__setitem__("cache", cache)
 
 
-def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_after_the_cache_grows(fake_graphs):
+def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_after_the_cache_grows(fake_graphs,
+                                                                                                    caplog):
     tok, model = tiny_tokenizer(), tiny_qwen(seed=0, logit_scale=4.0, context=1024)
     tree = lambda: PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0, context=1024), nodes=6, depth=3,  # noqa
                                          width=2, name="tree")
@@ -55,6 +57,7 @@ def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_af
     verifier = Verifier(model, tok, fixed_shapes=True)
     verifier.capture = True  # what graphs="on" sets on CUDA
     steps, running = [], threading.Event()
+    caplog.set_level(logging.INFO, logger="metasd.core.execution.graph_runner")
     with Scheduler(Engine(verifier, [tree()], check_tokenizers=False), max_batch=3) as s:
         runner = s.verifier.runner
         fake_graphs(lambda: s.verifier.cache)
@@ -68,6 +71,8 @@ def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_af
     assert runner.stats.eager == 0 and runner.stats.replays > 0
     # the short rows' shapes captured again over the reallocated buffers (FakeGraph refuses a stale one)
     assert runner.stats.captured > len(runner.shapes), runner.describe()
+    logged = [r.getMessage() for r in caplog.records if r.name == "metasd.core.execution.graph_runner"]
+    assert len(logged) == runner.stats.captured and "the batched verify forward of 2 rows x" in logged[0], logged
 
 
 def test_the_batch1_verifiers_graphs_drop_when_a_longer_request_grows_its_kept_buffers(fake_graphs):

@@ -186,7 +186,9 @@ class BatchGraphRunner:
             h.copy_(out.hidden_states[layer])
 
     def _capture(self, shape: _Inputs) -> None:
-        shape.graph = self.stats.capture(lambda: self._run(shape), self.device)
+        R, _, T, W = shape.mask.shape
+        what = f"the batched verify forward of {R} rows x {T} tokens over {W} columns"
+        shape.graph = self.stats.capture(lambda: self._run(shape), self.device, what)
 
     def describe(self) -> dict:
         return {"capture": self.capture, "shapes": sorted(self.shapes), **self.stats.describe()}

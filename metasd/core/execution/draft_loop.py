@@ -119,7 +119,8 @@ class DraftLoop:
             self.stats.eager += 1
             self._loop(width)
         elif width not in self._graphs:
-            self._graphs[width] = self.stats.capture(lambda: self._loop(width), self.device)
+            self._graphs[width] = self.stats.capture(lambda: self._loop(width), self.device,
+                                                     f"the drafting loop {list(self.widths)} over {width} columns")
         else:
             self._graphs[width].replay()
             self.stats.replays += 1

@@ -27,6 +27,7 @@ chunk) do not come here: the caller runs them eagerly through the cache's ordina
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -37,6 +38,8 @@ from .draft_batch import forward_logits
 from .kv_cache import cache_kwargs
 from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 from .static_cache import StaticKVCache
+
+log = logging.getLogger(__name__)
 
 #: token counts a forward is padded to
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -106,11 +109,13 @@ class RunnerStats:
     eager: int = 0
     pool: object = field(default=None, repr=False)  # the CUDA graph memory pool the runner's captures share
 
-    def capture(self, run: Callable[[], None], device: torch.device) -> object:
-        """``run`` captured (``capture_graph``) in the runner's pool, its seconds and memory counted: the graph."""
+    def capture(self, run: Callable[[], None], device: torch.device, what: str = "a forward") -> object:
+        """``run`` captured (``capture_graph``) in the runner's pool, its seconds and memory counted and logged
+        (``what`` it captures): the graph."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, seconds, held = capture_graph(run, device, self.pool)
+        log.info("captured %s as a CUDA graph in %.2f s, %.1f MiB", what, seconds, held / 2 ** 20)
         self.captured, self.capture_s, self.capture_bytes = (self.captured + 1, self.capture_s + seconds,
                                                              self.capture_bytes + held)
         return graph
@@ -235,7 +240,9 @@ class GraphRunner:
 
     def _capture(self, shape: _Shape) -> None:
         """Capture the shape's forward (which also leaves this forward's outputs)."""
-        shape.graph = self.stats.capture(lambda: self._run(shape), self.device)
+        b, width = shape.mask.shape[-2:]
+        what = f"{'a draft head' if self.head is not None else 'a'} forward of {b} tokens over {width} columns"
+        shape.graph = self.stats.capture(lambda: self._run(shape), self.device, what)
 
     def describe(self) -> dict:
         return {"capture": self.capture, "shapes": sorted(self.shapes), **self.stats.describe()}
