@@ -166,3 +166,27 @@ def test_graphs_fixed_in_a_pool_runs_the_fixed_shapes_on_any_device(tmp_path, mo
     with Scheduler(engine, max_batch=2) as s:
         assert s.submit([0, 7, 12], 6).result(timeout=60).token_ids and s.verifier.runner.stats.eager > 0
     assert StaticTreeDrafter(tiny_qwen(seed=0), widths=[2, 1], graphs="fixed").loops is not None  # its loop too
+
+
+@torch.inference_mode()
+def test_with_fixed_shapes_the_buffers_stay_within_the_budget_and_grow_by_doubling(model):
+    # a captured graph reads the KV buffers by address, so every reallocation recaptures the shapes: the runner's cache
+    # keeps its buffers between steps while they fit and doubles their positions when a longer request comes
+    g = KVGeometry.of(model)
+    cache = BatchCache(g, 4, budget_bytes=4096 * g.bytes_per_token)
+    BatchGraphRunner(model, cache, capture=False)
+    cache.reserve("a", 200)
+    cache.reserve("b", 300)  # 512 > 256: doubled to 512 (the reservation itself)
+    assert cache.capacity == 512
+    cache.reserve("c", 600)  # 768 > 512: doubled to 1024
+    assert (cache.rows, cache.capacity) == (3, 1024) and cache.held_bytes <= cache.budget_bytes
+    cache.release("c")
+    cache.release("b")
+    assert not cache.shrink() and (cache.rows, cache.capacity) == (3, 1024)  # kept: no recapture for a shrink
+    cache.pinned_bytes = cache.budget_bytes - 1000 * g.bytes_per_token  # stored prefixes need the room back
+    assert cache.shrink() and cache.held_bytes <= cache.budget_bytes
+    plain = BatchCache(g, 4, budget_bytes=4096 * g.bytes_per_token)  # without a runner: exact growth, shrinks at once
+    plain.reserve("a", 200)
+    plain.reserve("c", 600)
+    plain.release("c")
+    assert plain.capacity == 768 and plain.shrink() and plain.capacity == 256

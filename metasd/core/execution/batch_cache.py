@@ -119,6 +119,9 @@ class BatchCache(Cache):
         self.pinned_bytes = 0  # held inside the budget outside the rows: the prefix cache's entries (prefix_cache.py)
         #: rows allocated past ``rows`` that fixed-shape forwards write their padding into (``batch_runner.py``: 1)
         self.scratch_rows = 0
+        #: keep the buffers between steps while they fit the budget and grow their positions by doubling (set by the
+        #: fixed-shape runner: its graphs read the buffers by address, so each reallocation recaptures every shape)
+        self.keep_allocation = False
         #: set by a fixed-shape forward while it runs: (write rows [R, T], write positions [R, T] on the device, W)
         self.fixed: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._forward: tuple[int, int] | None = None  # (B, N) of the prepared forward
@@ -177,6 +180,8 @@ class BatchCache(Cache):
         if not self.fits(tokens):
             raise RuntimeError(f"BatchCache: a reservation of {need} positions does not fit now (ask fits() first)")
         rows, capacity = max(self.rows, len(self.reserved) + 1), max(self.capacity, need)
+        if self.keep_allocation and need > self.capacity > 0 and not self._over_budget(rows, 2 * self.capacity, need):
+            capacity = max(need, 2 * self.capacity)  # few reallocations: each one recaptures the graphs
         if rows > self.rows:  # room for more than one more: doubling keeps the copies of the cache few
             rows = max(rows, min(2 * self.rows, self.slots, self._rows_within_budget(capacity, need)))
         if self._over_budget(rows, capacity, need):
@@ -213,7 +218,10 @@ class BatchCache(Cache):
     def shrink(self) -> bool:
         """Between steps: free what no reservation needs - down to the largest reservation's positions when that is
         less than allocated, and to twice the reservations' rows when three quarters of the rows are free (everything
-        when nothing is reserved). A failed reallocation keeps the buffers as they are. Returns whether it shrank."""
+        when nothing is reserved). A failed reallocation keeps the buffers as they are. Returns whether it shrank. With
+        ``keep_allocation``, nothing while the buffers fit the budget."""
+        if self.keep_allocation and (self.budget_bytes is None or self.held_bytes <= self.budget_bytes):
+            return False
         rows, capacity = len(self.reserved), max(self.reserved.values(), default=0)
         if not rows:
             rows = capacity = 0

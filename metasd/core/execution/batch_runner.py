@@ -22,7 +22,10 @@ static outputs per (R, T), shared by every width: logits [R, T, vocab] and the h
 copies into them, so what a capture allocates inside is freed for the next capture from the same pool. A step copies
 its host-built inputs in (one copy each; a chain drafted on the device is copied there device to device), replays -
 capturing the shape the first time it is met - and returns copies of rows [:B, :N]. Graphs read the cache's buffers by
-address: a reallocation (a request joining past the allocated rows or capacity) drops them, recaptured as met.
+address: a reallocation (a request joining past the allocated rows or capacity) drops them, recaptured as met - so the
+cache keeps its buffers between steps while they fit the budget and grows their positions by doubling
+(``BatchCache.keep_allocation``): a few reallocations over a server's life, not one each time the longest request
+leaves.
 
 ``capture=False`` runs exactly the same buffers, padding and writes eagerly: the CPU path, which the tests check
 against ``Engine.generate`` (greedy identity with rows joining, leaving and staged beside the batch).
@@ -74,7 +77,7 @@ class BatchGraphRunner:
                  width_bucket: int = RESERVATION_BUCKET, max_tokens: int = MAX_FIXED_TOKENS):
         if cache.rows:
             raise ValueError("BatchGraphRunner: the cache's scratch row must be set before it allocates its rows")
-        cache.scratch_rows = 1
+        cache.scratch_rows, cache.keep_allocation = 1, True
         self.model, self.cache, self.capture = model, cache, capture
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.buckets, self.row_buckets, self.width_bucket = tuple(buckets), tuple(row_buckets), width_bucket
