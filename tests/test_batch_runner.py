@@ -79,11 +79,18 @@ def test_a_forward_past_a_width_bucket_attends_its_whole_prefix(model, tok):
     assert all(t in (1, 2, 4, 8, 16) for _, t, _ in shapes), shapes  # token counts padded to their buckets
 
 
+def _fixed_cache(model, budget_positions: int):
+    """A batched cache of 4 rows under a budget of ``budget_positions`` verifier positions, taken by a fixed-shape
+    runner (its scratch row, its kept buffers)."""
+    g = KVGeometry.of(model)
+    cache = BatchCache(g, 4, budget_bytes=budget_positions * g.bytes_per_token)
+    BatchGraphRunner(model, cache, capture=False)
+    return g, cache
+
+
 @torch.inference_mode()
 def test_the_scratch_row_is_held_and_counted_in_the_budget(model):
-    g = KVGeometry.of(model)
-    cache = BatchCache(g, 4, budget_bytes=1024 * g.bytes_per_token)
-    BatchGraphRunner(model, cache, capture=False)
+    _, cache = _fixed_cache(model, 1024)
     cache.reserve("a", 256)
     cache.reserve("b", 256)
     cache.reserve("c", 256)
@@ -172,9 +179,7 @@ def test_graphs_fixed_in_a_pool_runs_the_fixed_shapes_on_any_device(tmp_path, mo
 def test_with_fixed_shapes_the_buffers_stay_within_the_budget_and_grow_by_doubling(model):
     # a captured graph reads the KV buffers by address, so every reallocation recaptures the shapes: the runner's cache
     # keeps its buffers between steps while they fit and doubles their positions when a longer request comes
-    g = KVGeometry.of(model)
-    cache = BatchCache(g, 4, budget_bytes=4096 * g.bytes_per_token)
-    BatchGraphRunner(model, cache, capture=False)
+    g, cache = _fixed_cache(model, 4096)
     cache.reserve("a", 200)
     cache.reserve("b", 300)  # 512 > 256: doubled to 512 (the reservation itself)
     assert cache.capacity == 512
