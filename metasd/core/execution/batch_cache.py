@@ -133,8 +133,7 @@ class BatchCache(Cache):
         share per reserved position."""
         if not reservations:
             return 0
-        dense = (len(reservations) + self.scratch_rows) * max(reservations) * self.geometry.bytes_per_token
-        return dense + self.extra_bytes_per_token * sum(reservations)
+        return self._dense_bytes(len(reservations), max(reservations)) + self.extra_bytes_per_token * sum(reservations)
 
     @property
     def held_bytes(self) -> int:
@@ -144,13 +143,15 @@ class BatchCache(Cache):
     @property
     def row_bytes(self) -> int:
         """The allocated buffers and the drafters' share of the reservations."""
-        return (self.physical_rows * self.capacity * self.geometry.bytes_per_token
-                + self.extra_bytes_per_token * sum(self.reserved.values()))
+        return self._dense_bytes(self.rows, self.capacity) + self.extra_bytes_per_token * sum(self.reserved.values())
 
-    @property
-    def physical_rows(self) -> int:
-        """Rows the buffers hold: the allocated ones and, once any is, the scratch rows."""
-        return self.rows + self.scratch_rows if self.rows else 0
+    def _physical(self, rows: int) -> int:
+        """The rows buffers of ``rows`` rows hold: those and, once there is any, the scratch rows."""
+        return rows + self.scratch_rows if rows else 0
+
+    def _dense_bytes(self, rows: int, capacity: int) -> int:
+        """Bytes of buffers of ``rows`` rows (and the scratch rows) x ``capacity`` positions."""
+        return self._physical(rows) * capacity * self.geometry.bytes_per_token
 
     def check_admissible(self, tokens: int) -> int:
         """The reservation for ``tokens`` positions; ``KVBudgetError`` when the budget could never hold it, even alone."""
@@ -199,7 +200,7 @@ class BatchCache(Cache):
     def _over_budget(self, rows: int, capacity: int, need: int) -> bool:
         """Whether buffers of ``rows`` x ``capacity`` positions, the reservations with ``need`` and the pinned bytes
         would hold more than the budget."""
-        held = ((rows + self.scratch_rows) * capacity * self.geometry.bytes_per_token + self.pinned_bytes
+        held = (self._dense_bytes(rows, capacity) + self.pinned_bytes
                 + self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
         return self.budget_bytes is not None and held > self.budget_bytes
 
@@ -256,7 +257,7 @@ class BatchCache(Cache):
         if rows < keep or capacity < used:
             raise ValueError(f"BatchCache: cannot resize to {rows} rows x {capacity} positions: rows in use hold more")
         g = self.geometry
-        shape = (rows + self.scratch_rows if rows else 0, g.kv_heads, capacity, g.head_dim)
+        shape = (self._physical(rows), g.kv_heads, capacity, g.head_dim)
         new: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for _ in self.layers:
