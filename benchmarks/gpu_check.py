@@ -93,6 +93,13 @@ class Check:
         self.log(f"{section}: exit {rc} after {time.monotonic() - t:.0f} s")
         return {"exit": rc, "seconds": time.monotonic() - t, "tail": out[-3000:]}
 
+    def run_script(self, section: str, argv: list[str], out: Path, timeout: float) -> dict:
+        """``benchmarks/<argv[0]>`` with ``argv[1:]`` writing its figures to ``out`` (``run``): the run and the
+        figures it wrote (None where it wrote none)."""
+        run = self.run(section, [sys.executable, str(HERE / argv[0]), *argv[1:], "--out", str(out)], timeout,
+                       {"PYTHONUNBUFFERED": "1"})
+        return {**run, "figures": json.loads(out.read_text()) if out.exists() else None}
+
 
 # ---------------------------------------------------------------------------------------------- sections
 
@@ -201,8 +208,7 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
     return out
 
 
-def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, py: str, pool: str, timeout: float
-                   ) -> dict:
+def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, pool: str, timeout: float) -> dict:
     """An embedded pool trace-replayed (issue "metasd at GPU speed", item 6 (e)): acceptance recorded on a CPU with
     the real models (``TRACES[pool]``), every forward at the real shapes on random weights, against metasd with no
     drafter; the GPU default's static tree replays through its captured drafting loop (the dry run: its buffers,
@@ -216,14 +222,13 @@ def replay_section(check: "Check", quick: bool, device: str, out_dir: Path, py: 
     if quick and pool.startswith("gpu_default"):
         shapes += ["--graphs", "fixed"]
     target = out_dir / ("trace_replay.json" if pool == "default" else f"trace_replay_{pool}.json")
-    run = check.run(replay_name(pool),
-                    [py, str(HERE / "trace_replay.py"), "replay", "--trace", str(TRACES[pool]), "--pool",
-                     POOLS[pool], "--per-group", "1", *shapes, "--device", device, "--out", str(target)],
-                    timeout, {"PYTHONUNBUFFERED": "1"})
-    figures = json.loads(target.read_text()) if target.exists() else None
+    result = check.run_script(replay_name(pool), ["trace_replay.py", "replay", "--trace", str(TRACES[pool]), "--pool",
+                                                  POOLS[pool], "--per-group", "1", *shapes, "--device", device],
+                              target, timeout)
+    figures = result["figures"]
     if figures and "summary" not in figures:
         figures["summary"] = summary(figures.get("rows", []))  # cut short: the repeats it finished
-    return {**run, "figures": figures}
+    return result
 
 
 def pytest_summary(run: dict) -> dict:
@@ -358,25 +363,20 @@ def main(argv: list[str] | None = None) -> int:
             timeout = (check.left() - 60 * later_core - 30) / sum(1 for _, _, c in stages[i:] if c is None)
         kind, name = stage.split(":")
         if kind == "batch":
-            target = out_dir / "batch_forward.json"
-            run = check.run("batch_forward", [py, str(HERE / "batch_forward.py"), *plan, "--device", device, "--out",
-                                              str(target)], timeout, {"PYTHONUNBUFFERED": "1"})
-            figures = json.loads(target.read_text()) if target.exists() else None
-            check.record("batch_forward", {**run, "figures": figures})
-            ok &= run["exit"] == 0
+            result = check.run_script("batch_forward", ["batch_forward.py", *plan, "--device", device],
+                                      out_dir / "batch_forward.json", timeout)
+            check.record("batch_forward", result)
+            ok &= result["exit"] == 0
             continue
         if kind == "replay":
-            result = replay_section(check, args.quick, device, out_dir, py, name, timeout)
+            result = replay_section(check, args.quick, device, out_dir, name, timeout)
             check.record(replay_name(name), result)
             ok &= result.get("exit") == 0
             continue
-        target = out_dir / f"gpu_overhead_{name}.json"
-        run = check.run(f"overhead_{name}", [py, str(HERE / "gpu_overhead.py"), *plan, "--device", device,
-                                             "--out", str(target)], timeout, {"PYTHONUNBUFFERED": "1"})
-        figures = json.loads(target.read_text()) if target.exists() else None
-        overhead[name] = {**run, "figures": figures}
+        overhead[name] = check.run_script(f"overhead_{name}", ["gpu_overhead.py", *plan, "--device", device],
+                                          out_dir / f"gpu_overhead_{name}.json", timeout)
         check.record("overhead", overhead)
-        ok &= run["exit"] == 0
+        ok &= overhead[name]["exit"] == 0
 
     if fake is not None:
         try:
