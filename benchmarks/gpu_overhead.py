@@ -464,18 +464,12 @@ def parse_tree(spec: str) -> dict:
     return {"depth": int(parts[0]), "nodes": int(parts[1]), "quantize": parts[2] if len(parts) == 3 else None}
 
 
-def loop_settings(setting: str) -> dict:
-    """A drafter's keywords for a ``--drafter-graphs`` setting: auto / on / off as the ``graphs`` parameter; fixed =
-    the drafting loop's buffers run eagerly (the CPU dry run of the captured loop)."""
-    return {"graphs": "off", "fixed_shapes": True} if setting == "fixed" else {"graphs": setting}
-
-
 def tree_drafter(model, tree: dict, drafter_graphs: str = "off"):
     """The drafter of a ``parse_tree`` shape on ``model``: a static tree of its widths (its drafting loop under
     ``drafter_graphs``), else the default drafter's kind (a dynamic ``pretrained_tree``, width 4, drafted eagerly)
     of its depth and nodes."""
     if "static" in tree:
-        return StaticTreeDrafter(model, widths=tree["static"], name="tree", **loop_settings(drafter_graphs))
+        return StaticTreeDrafter(model, widths=tree["static"], name="tree", graphs=drafter_graphs)
     return PretrainedTreeDrafter(model, mode="dynamic", nodes=tree["nodes"], depth=tree["depth"], width=4,
                                  min_path_prob=0.3, name="tree")
 
@@ -506,8 +500,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
         log(f"  {shape} forward ms by rows: " + ", ".join(f"{r}: {ms:.2f}" for r, ms in by_rows["ms"].items())
             + (f"; implied dense row cost {by_rows['fit']['implied_dense_row_cost']:.3g}"
                if by_rows["fit"].get("implied_dense_row_cost") is not None else ""))
-    verifiers = {g: Verifier(model, graphs="off", fixed_shapes=True) if g == "fixed" else Verifier(model, graphs=g)
-                 for g in graphs}
+    verifiers = {g: Verifier(model, graphs=g) for g in graphs}  # fixed: the graph runner's buffers, eagerly
     verifier = verifiers[graphs[-1]]  # the chains' and trees' rows
     timer = ForwardTimer(model, device)
     rows = []
@@ -536,7 +529,7 @@ def measure(shape: str, taus: list[int], n: int, prompt_len: int, repeats: int, 
                    "drafter_graphs": dg}
             drafter = None
             try:
-                drafter = PretrainedDrafter(small, k=k, name="chain", **loop_settings(dg))
+                drafter = PretrainedDrafter(small, k=k, name="chain", graphs=dg)
                 row.update(measure_row(Engine(verifier, drafter), model, prompt, ids, reference, n, repeats, device,
                                        timer, warm_plain=not rows, static=static))
             except Exception as e:  # noqa: BLE001 - building this row's drafter broke: the row fails alone
