@@ -75,7 +75,7 @@ class Scheduler:
         if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1):
             raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
         self.verifier = batch_verifier_for(engine, max_batch, kv_budget)
-        self.adaptive = AdaptiveSpeculation.checked(adaptive, getattr(self.verifier, "padding", None))
+        self.adaptive = AdaptiveSpeculation.checked(adaptive, self.verifier.padding)
         self.max_draft_nodes = min(max_draft_nodes, getattr(self.verifier, "node_limit", max_draft_nodes))
         self.prefix_cache = prefix_cache_for(engine, self.verifier.cache) if prefix_caching else None
         self._lock = threading.Condition()
