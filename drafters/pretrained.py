@@ -17,6 +17,7 @@ from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, Drafter
 from metasd.core.constraints.guide import DraftGuide
 from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.core.execution.kv_cache import crop_to
+from metasd.core.execution.draft_rows import DraftRows, give_back_row
 from metasd.core.execution.static_cache import StaticKVCache, new_cache
 from metasd.models import ModelLoadError, config_eos_ids
 from metasd.core.decoding.sampling import process_logits, sample
@@ -43,9 +44,10 @@ HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): t
 TRACK_HELP = ("full-information feedback: feed the committed tokens every step, also when another arm drafted (priced "
               "as the pool's work), so this arm is scored on every step")
 
-GRAPHS_HELP = ("the drafting loop after the catch-up run as one CUDA graph (core/execution/draft_loop.py): auto = where the "
-               "model is on CUDA, on = required (refused elsewhere), off = eager forwards, fixed = the loop's fixed "
-               "shapes run eagerly (the path a GPU captures, on any device)")
+GRAPHS_HELP = ("the drafting loop after the catch-up run as one CUDA graph (core/execution/draft_loop.py), and a "
+               "scheduler's drafting levels as one fixed-shape forward for the batch (core/execution/draft_rows.py): "
+               "auto = captured where the model is on CUDA, on = required (refused elsewhere), off = eager forwards, "
+               "fixed = the fixed shapes run eagerly (the path a GPU captures, on any device)")
 
 class PretrainedParams(DrafterParams):
     """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
@@ -80,14 +82,15 @@ class PretrainedDrafter(Drafter):
     confidence_threshold: stop drafting after a token whose drafter probability (temperature 1) is below
         it (transformers' ``assistant_confidence_threshold``).
     adaptive_k: transformers' heuristic schedule: k += 2 after a fully accepted draft, else k -= 1.
-    graphs: the greedy chain after the catch-up drafted as one fixed-shape loop (``DraftLoops``), a CUDA graph where
-        the model is on CUDA ("auto"); ``fixed_shapes`` runs that loop's buffers eagerly (the CPU check). It runs for
-        one request at a time (``Engine``): a scheduler's forks draft level by level, batched across requests; a
-        sampled chain, a confidence stop and a grammar draft eagerly too.
+    graphs: alone (``Engine``), the greedy chain after the catch-up drafted as one fixed-shape loop (``DraftLoops``);
+        a scheduler's forks draft level by level over one set of rows, each level one fixed-shape forward for the
+        batch (``DraftRows``) - CUDA graphs where the model is on CUDA ("auto"); ``fixed_shapes`` runs those shapes
+        eagerly (the CPU check). A sampled chain, a confidence stop and a grammar draft eagerly alone.
     """
 
     kind = "pretrained"
     draft_loops = True  # its greedy chain runs as a fixed-shape drafting loop where ``graphs`` says (the class doc)
+    draft_rows = True  # a scheduler's forks draft each level for the batch at a fixed shape where ``graphs`` says
     model_field, checkpoint_field = "required", "never"
     Params = PretrainedParams
     cross_tokenizer = True
@@ -149,11 +152,15 @@ class PretrainedDrafter(Drafter):
         self._root: tuple[int, torch.Tensor] | None = None  # (cached tokens, logits after them) from tracking
         self.graphs = graphs
         capture = resolve_graphs(graphs, self.model.device, self.name)
-        if graphs == "on" and not type(self).draft_loops:
+        if graphs == "on" and not (type(self).draft_loops or type(self).draft_rows):
             raise ValueError(f"{self.name}: drafter type {self.kind!r} drafts eagerly; graphs 'on' is for the "
-                             "pretrained chain and static_tree types")
+                             "pretrained, pretrained_tree and static_tree types")
+        fixed = capture or bool(fixed_shapes) or graphs == "fixed"
         self.loops = DraftLoops(self.model, self.draft_head, capture=capture, name=self.name) \
-            if (capture or fixed_shapes or graphs == "fixed") and type(self).draft_loops else None
+            if fixed and type(self).draft_loops else None
+        #: the forks' caches: rows of one set of buffers, a drafting level of the batch one fixed-shape forward
+        self.rows = DraftRows(self.model, self.draft_head, capture=capture, name=self.name) \
+            if fixed and type(self).draft_rows else None
 
     @property
     def cached_ids(self) -> list[int]:
@@ -185,7 +192,11 @@ class PretrainedDrafter(Drafter):
         return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 
     def begin(self, ctx: StepContext) -> None:
-        self.cache = new_cache(self.model, name=self.name) if self.loops is None else self.loops.fresh_cache()
+        give_back_row(self.cache)
+        if self.loops is not None:
+            self.cache = self.loops.fresh_cache()
+        else:  # a row of the shared buffers where shapes are fixed (a scheduler's fork), else a cache of its own
+            self.cache = self.rows.take() if self.rows is not None else new_cache(self.model, name=self.name)
         self.cached_ids = []
         self._root = None
         self.k = self.k_initial
@@ -193,6 +204,7 @@ class PretrainedDrafter(Drafter):
             self.bridge.begin()
 
     def end(self) -> None:
+        give_back_row(self.cache)
         self.cache, self.cached_ids = None, []
 
     def _forked(self, cross_request: bool) -> None:
@@ -335,15 +347,10 @@ class PretrainedDrafter(Drafter):
         the chain. With ``shared`` (sampling only), q is restricted to the ids shared with the verifier and its rows
         are returned over the verifier's ids; the chain ends where q has no mass on them.
 
-        The chain is drafted on the model's device and left there (``DeviceTokens``): each token is fed to the next
-        forward as a device tensor, and the host reads the chain once, with the verifier's choices. Only a stop rule
-        reads each token as it goes, to save the forwards after it: the confidence stop (the token's probability) and
-        ``stop_ids`` (the token itself).
-
-        A constrained request (``ctx.grammar``; drafter and verifier sharing ids) masks each token's logits to the
-        grammar after the tokens before it (``DraftGuide``), so the chain stays inside it; reading each token to
-        advance the grammar is a host read per token then. A drafting loop: returns (tokens: DeviceTokens, or [] when
-        none; q rows)."""
+        The chain stays on the model's device (``DeviceTokens``), each token fed to the next forward as a device
+        tensor; the host reads it once, with the verifier's choices - only a stop rule (the confidence stop,
+        ``stop_ids``) or a grammar (``ctx.grammar``: each token's logits masked by ``DraftGuide``) reads each token as
+        it goes. A drafting loop: returns (tokens: DeviceTokens, or [] when none; q rows)."""
         drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
         probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
         guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and shared is None and self.bridge is None \
@@ -424,10 +431,8 @@ class PretrainedDrafter(Drafter):
     def observe(self, feedback: StepFeedback) -> None:
         if not self.adaptive_k or not len(feedback.draft):
             return
-        if feedback.acceptance.n_accepted == len(feedback.draft):
-            self.k = min(self.k + 2, self.k_max)
-        else:
-            self.k = max(self.k - 1, self.k_min)
+        all_accepted = feedback.acceptance.n_accepted == len(feedback.draft)
+        self.k = min(self.k + 2, self.k_max) if all_accepted else max(self.k - 1, self.k_min)
 
     def close(self) -> None:
         if self.steering is not None:
@@ -437,12 +442,9 @@ class PretrainedDrafter(Drafter):
         return {
             **super().describe(),
             "model": self.model_ref or getattr(self.model.config, "_name_or_path", ""),
-            "k": self.k_initial,
-            "confidence_threshold": self.confidence_threshold,
-            "adaptive_k": self.adaptive_k,
-            "head_vocab": self.head_vocab,
-            "track": self.track,
-            **({"graphs": self.graphs} if type(self).draft_loops else {}),
+            "k": self.k_initial, "confidence_threshold": self.confidence_threshold, "adaptive_k": self.adaptive_k,
+            "head_vocab": self.head_vocab, "track": self.track,
+            **({"graphs": self.graphs} if type(self).draft_loops or type(self).draft_rows else {}),
             **({"tokenizer": "own"} if self.bridge is not None else {}),
             **(self.steering.describe() if self.steering is not None else {}),
         }

@@ -68,6 +68,11 @@ from .growing_tree import GrowingTree, conditional_gumbel, gumbel_top_k, noise_d
 from .pretrained import HEAD_VOCAB_HELP, TRACK_HELP, PretrainedDrafter
 from .tracking import tree_acceptance
 
+TREE_GRAPHS_HELP = ("a scheduler's drafting levels run as one fixed-shape forward for the batch "
+                    "(core/execution/draft_rows.py): auto = captured as CUDA graphs where the model is on CUDA, on = "
+                    "required (refused elsewhere), off = eager forwards, fixed = the fixed shapes run eagerly (the "
+                    "path a GPU captures, on any device); one request alone drafts eagerly")
+
 MODES = ("dynamic", "rsd_c", "rsd_s")
 
 
@@ -84,6 +89,7 @@ class PretrainedTreeParams(DrafterParams):
         None, min_length=1, description="rsd_c: children per expanded node at each level (default [3, 2, 1, 1])")
     head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
     track: Bool = Field(False, description=TRACK_HELP)
+    graphs: Literal["auto", "on", "off", "fixed"] = Field("auto", description=TREE_GRAPHS_HELP)
 
     @model_validator(mode="after")
     def _mode_fields(self) -> "PretrainedTreeParams":
@@ -110,6 +116,9 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         rejected. Such nodes are still drafted as leaves.
     branching: rsd_c: children per expanded node at each level, e.g. [3, 2, 1, 1]; the last entry repeats
         for deeper levels (default [3, 2, 1, 1]). Only valid with mode "rsd_c".
+    graphs: a scheduler's forks draft each level for the whole batch as one fixed-shape forward over one set of
+        buffers (``DraftRows``), a CUDA graph per shape where the model is on CUDA ("auto"); ``fixed_shapes`` runs
+        those shapes eagerly (the CPU check). One request alone drafts its levels eagerly.
     """
 
     kind = "pretrained_tree"
@@ -132,11 +141,15 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         track: bool = False,
         name: str | None = None,
         model_ref: str | None = None,
+        graphs: str = "auto",
+        fixed_shapes: bool | None = None,
     ):
-        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, track=track, name=name, model_ref=model_ref)
+        super().__init__(model, tokenizer, k=1, head_vocab=head_vocab, track=track, name=name, model_ref=model_ref,
+                         graphs=graphs, fixed_shapes=fixed_shapes)
         check_params(PretrainedTreeParams, dict(mode=mode, nodes=nodes, depth=depth, width=width, frontier=frontier,
                                                 min_path_prob=min_path_prob, head_vocab=head_vocab, track=track,
-                                                branching=None if branching is None else list(branching)), self.name)
+                                                branching=None if branching is None else list(branching),
+                                                graphs=graphs), self.name)
         frontier = width if frontier is None else frontier
         branching = [3, 2, 1, 1] if branching is None else list(branching)
         self.mode = mode

@@ -171,7 +171,7 @@ class SteeredType:
 
     model_field, checkpoint_field = "required", "required"
     cross_tokenizer = False  # steering reads the verifier's states position by position: the same tokens only
-    draft_loops = False  # its hooks add the step's biases per forward: drafted eagerly
+    draft_loops = draft_rows = False  # its hooks add the step's biases per forward: drafted eagerly
     from_config = classmethod(load_steered)
 
     def __init__(self, model, tokenizer=None, steering: SteeringModule | None = None, checkpoint: str | None = None,

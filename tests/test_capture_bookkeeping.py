@@ -102,3 +102,28 @@ def test_the_drafting_loop_and_its_catch_up_capture_replay_and_recapture(fake_gr
     (loop,) = described["loops"]
     assert loop["eager"] == 0 and loop["replays"] > 0 and loop["captured"] >= 2  # one graph per width bucket
     assert described["catch_up"]["eager"] == 0 and described["catch_up"]["replays"] > 0
+
+
+def test_the_drafting_levels_over_the_rows_capture_replay_and_recapture_after_the_rows_grow(fake_graphs, caplog):
+    verifier_model = tiny_qwen(seed=3, context=1024)
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=3, layers=1, context=1024), nodes=6, depth=3, width=2,
+                                    name="tree", fixed_shapes=True)
+    drafter.rows.runner.capture = True  # what graphs="auto" sets on CUDA
+    prompts = [[5, 17, 3, 59], [42, 8, 23], [7] + [(3 * i) % 60 + 1 for i in range(290)]]  # the third: 512 columns
+    max_new = [40, 40, 10]
+    fake_graphs(lambda: drafter.rows)
+    caplog.set_level(logging.INFO, logger="metasd.core.execution.graph_runner")
+    running = threading.Event()
+    with Scheduler(Engine(Verifier(verifier_model), [drafter]), max_batch=3) as s:
+        s.add_listener(lambda r: running.set() if isinstance(r, SchedulerStep) and r.batch_size == 2 else None)
+        first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
+        assert running.wait(60)  # the two short ones draft over 256 columns, then the long one joins
+        got = [h.result(timeout=60).token_ids for h in first + [s.submit(prompts[2], max_new[2])]]
+    assert got == [plain_greedy(verifier_model, p, n) for p, n in zip(prompts, max_new)]
+    stats = drafter.rows.runner.stats
+    assert stats.eager == 0 and stats.replays > 0
+    # a shape met again after the rows grew (the long request's 512 positions) was captured again over the new buffers
+    assert drafter.rows.capacity >= 512 and stats.captured > len(drafter.rows.runner.shapes), drafter.rows.describe()
+    logged = [r.getMessage() for r in caplog.records if r.name == "metasd.core.execution.graph_runner"]
+    assert len(logged) == stats.captured and "the drafting level of tree of" in logged[0], logged
+    assert not drafter.rows.held

@@ -754,7 +754,8 @@ def test_host_reads_of_one_round_are_one_transfer():
 def _scheduler_on_the_device(kind, adaptive=False, fixed=False):
     """A tiny engine on the device with a drafter of ``kind`` (test_scheduler's pools), and the per-step events of a
     scheduler serving test_scheduler's four prompts with it (``adaptive``: drafts sized by an ``AdaptiveSpeculation``
-    over a forward cost rising with tokens; ``fixed``: the batched forward at fixed shapes, batch_runner.py): (events of each ``_step`` bar the requests' own clock syncs, forwards
+    over a forward cost rising with tokens; ``fixed``: the batched forwards at fixed shapes, batch_runner.py and
+    draft_rows.py): (events of each ``_step`` bar the requests' own clock syncs, forwards
     verified in each, results, what ``Engine.generate`` gives each prompt alone)."""
     import test_scheduler as ts
     from metasd.core.batching.adaptive import AdaptiveSpeculation
@@ -763,11 +764,13 @@ def _scheduler_on_the_device(kind, adaptive=False, fixed=False):
     from metasd.core.execution.verifier import Verifier
     from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter, SuffixDrafter
 
-    drafter = {"chain": lambda: PretrainedDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), k=4, name="chain"),
+    # with ``fixed``, the model drafters' forks draft over one set of rows at fixed shapes too (draft_rows.py)
+    drafter = {"chain": lambda: PretrainedDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), k=4, name="chain",
+                                                  fixed_shapes=fixed),
                "tree": lambda: PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), nodes=8, depth=3,
-                                                     width=2, name="tree"),
+                                                     width=2, name="tree", fixed_shapes=fixed),
                "static_tree": lambda: StaticTreeDrafter(tiny_qwen(seed=0, logit_scale=2.0).to(DEV), widths=[2, 2, 1],
-                                                        name="static"),
+                                                        name="static", fixed_shapes=fixed),
                "suffix": SuffixDrafter, "none": lambda: None}[kind]()
     engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=4.0).to(DEV), tiny_tokenizer(), fixed_shapes=fixed),
                     drafter, check_tokenizers=False)
@@ -787,11 +790,14 @@ def _scheduler_on_the_device(kind, adaptive=False, fixed=False):
         s._step = counted_step
         handles = [s.submit(p, n) for p, n in zip(ts.PROMPTS, ts.MAX_NEW)]
         results = [h.result(timeout=120) for h in handles]
+    rows = getattr(drafter, "rows", None)
+    assert (rows is not None) == (fixed and kind not in ("suffix", "none"))
+    assert rows is None or rows.runner.stats.eager > 0 and not rows.held  # levels ran on the rows; all given back
     return events, verified, results, alone
 
 
 @pytest.mark.parametrize("kind", ["none", "chain", "suffix", "tree", "static_tree", "chain adaptive", "chain fixed",
-                                  "static_tree fixed"])
+                                  "tree fixed", "static_tree fixed"])
 def test_a_scheduler_step_reads_the_device_once_for_its_whole_batch(kind):
     """A scheduler's greedy step reads the device ONCE for all its requests (``read_choices``: every row's greedy
     choices and every chain drafted on the device, in one transfer) - with a tree drafter, one more per tree level,

@@ -73,7 +73,7 @@ class BatchLayer(CacheLayerMixin):
         offset; returns keys and values [B, kv_heads, W, head_dim] (W: the forward's width)."""
         fixed = self.owner.fixed
         if fixed is not None:  # a fixed-shape forward (batch_runner.py): rows [R, T], positions [R, T] from its buffers
-            rows, pos, width = fixed
+            rows, pos, width, _ = fixed  # rows [:R] read: the running rows and, past B, rows attended as padding
         else:
             rows, pos, width = self.owner.write_index(key_states.device)  # [B, 1], [B, N], W
         B = key_states.shape[0]
@@ -122,8 +122,9 @@ class BatchCache(Cache):
         #: keep the buffers between steps while they fit the budget and grow their positions by doubling (set by the
         #: fixed-shape runner: its graphs read the buffers by address, so each reallocation recaptures every shape)
         self.keep_allocation = False
-        #: set by a fixed-shape forward while it runs: (write rows [R, T], write positions [R, T] on the device, W)
-        self.fixed: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        #: set by a fixed-shape forward while it runs: (write rows [R, T], write positions [R, T] on the device, W,
+        #: the rows read [R] - here always 0..R-1)
+        self.fixed: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._forward: tuple[int, int] | None = None  # (B, N) of the prepared forward
         self._index: tuple[torch.Tensor, torch.Tensor, int] | None = None
 

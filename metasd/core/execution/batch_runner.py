@@ -33,7 +33,7 @@ against ``Engine.generate`` (greedy identity with rows joining, leaving and stag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -47,6 +47,16 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 #: the most tokens (rows x tokens a row, padded) a fixed-shape forward runs: its logits [R, T, vocab] stay allocated
 #: for the next forward of its shape (1,024 x the 1.5B's vocabulary in bf16: 311 MB), so wider ones run eagerly
 MAX_FIXED_TOKENS = 1024
+
+
+def output_width(model: torch.nn.Module, head: torch.nn.Module | None = None) -> int:
+    """The logits' width of a forward of ``model`` (through ``head``, a draft head over its hidden states, where
+    given): its output embeddings' rows, as a quantized head holds them too."""
+    if head is not None and getattr(head, "vocab_size", None):
+        return int(head.vocab_size)
+    out = model.get_output_embeddings()
+    rows = getattr(out, "out_features", None)
+    return int(rows) if rows else int(out.weight.shape[0])
 
 
 def row_bucket(batch: int, allocated: int, buckets: Sequence[int] = ROW_BUCKETS) -> int:
@@ -64,21 +74,29 @@ class _Inputs:
     mask: torch.Tensor  # [R, 1, T, W] bool
     rows: torch.Tensor  # [R, T] int64: the cache row each token's key goes to
     write: torch.Tensor  # [R, T] int64: its position there
+    read: torch.Tensor  # [R] int64: the cache row each forward row attends over (``DraftRows``; a BatchCache reads [:R])
     graph: object | None = None  # torch.cuda.CUDAGraph
 
 
 class BatchGraphRunner:
-    """Batched verify forwards of ``model`` over ``cache`` at fixed (rows, tokens, width) shapes, replayed from CUDA
-    graphs when ``capture`` (module docstring). ``hidden_layers``: the residual streams returned beside the logits.
+    """Batched forwards of ``model`` over ``cache`` at fixed (rows, tokens, width) shapes, replayed from CUDA graphs
+    when ``capture`` (module docstring): the scheduler's verify forward over its ``BatchCache``, or a drafting level of
+    many requests over their drafter's ``DraftRows`` (draft_rows.py: ``head``, a draft head over the base model's last
+    hidden states, where the drafter has one). ``hidden_layers``: the residual streams returned beside the logits.
     Made before the cache allocates anything (it takes a scratch row of the cache)."""
 
-    def __init__(self, model: torch.nn.Module, cache: BatchCache, *, capture: bool, hidden_layers: Sequence[int] = (),
-                 buckets: Sequence[int] = TOKEN_BUCKETS, row_buckets: Sequence[int] = ROW_BUCKETS,
-                 width_bucket: int = RESERVATION_BUCKET, max_tokens: int = MAX_FIXED_TOKENS):
+    def __init__(self, model: torch.nn.Module, cache: "BatchCache | Any", *, capture: bool,
+                 hidden_layers: Sequence[int] = (), buckets: Sequence[int] = TOKEN_BUCKETS,
+                 row_buckets: Sequence[int] = ROW_BUCKETS, width_bucket: int = RESERVATION_BUCKET,
+                 max_tokens: int = MAX_FIXED_TOKENS, head: torch.nn.Module | None = None,
+                 label: str = "the batched verify forward"):
         if cache.rows:
             raise ValueError("BatchGraphRunner: the cache's scratch row must be set before it allocates its rows")
+        if head is not None and hidden_layers:
+            raise ValueError("BatchGraphRunner: a draft head's forward returns no hidden states")
         cache.scratch_rows, cache.keep_allocation = 1, True
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.capture, self.head = model, cache, capture, head
+        self.label = label  # what the capture log calls its forwards
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.buckets, self.row_buckets, self.width_bucket = tuple(buckets), tuple(row_buckets), width_bucket
         self.max_tokens = max_tokens
@@ -107,12 +125,14 @@ class BatchGraphRunner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                on_device: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The prepared forward (``BatchCache.prepare``) of the running rows, padded.
+                on_device: dict[int, tuple[int, torch.Tensor]], rows: Sequence[int] | None = None,
+                starts: Sequence[int] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A forward of B rows, padded: the prepared forward (``BatchCache.prepare``) of the running rows 0..B-1 after
+        their ``lengths``, or (``rows``, ``starts``) rows of the cache after ``starts`` positions each (``DraftRows``).
 
-        ids, positions: [B, N] host int64 (``batch_inputs``); mask: [B, 1, N, Wn] host bool; on_device: row -> the
-        draft tokens drafted on the device (written at ids[row, 1:]). Returns logits [B, N, vocab] and {layer: [B, N,
-        d]}, copies the next forward cannot overwrite."""
+        ids, positions: [B, N] host int64 (``batch_inputs``); mask: [B, 1, N, Wn] host bool over the cache's columns
+        0..Wn-1; on_device: row -> (column, tokens on the device written at ids[row, column:]: a draft not read by the
+        host). Returns logits [B, N, vocab] and {layer: [B, N, d]}, copies the next forward cannot overwrite."""
         B, N = ids.shape
         R, T = self._bucket(B, N)
         W = min(bucketed(mask.shape[-1], self.width_bucket), self.cache.capacity)
@@ -123,9 +143,11 @@ class BatchGraphRunner:
         shape = self.shapes.get((R, T, W))
         if shape is None:
             shape = self.shapes[(R, T, W)] = self._new_shape(R, T, W)
-        self._fill(shape, ids, positions, mask)
-        for row, tokens in on_device.items():
-            shape.ids[row, 1: len(tokens) + 1].copy_(tokens)
+        rows = list(range(B)) if rows is None else list(rows)
+        starts = list(self.cache.lengths[:B]) if starts is None else list(starts)
+        self._fill(shape, ids, positions, mask, rows, starts)
+        for row, (column, tokens) in on_device.items():
+            shape.ids[row, column: column + len(tokens)].copy_(tokens)
         if not self.capture:
             self.stats.eager += 1
             self._run(shape)
@@ -144,16 +166,18 @@ class BatchGraphRunner:
         def zeros(*size, dtype=torch.long):
             return torch.zeros(*size, dtype=dtype, device=dev)
         if (R, T) not in self.outputs:  # outside any capture: shared by every width of (R, T)
-            vocab = self.model.get_output_embeddings().weight.shape[0]
+            vocab = output_width(self.model, self.head)
             d = self.model.config.get_text_config().hidden_size
             dtype = self.model.dtype
             self.outputs[(R, T)] = (zeros(R, T, vocab, dtype=dtype),
                                     {layer: zeros(R, T, d, dtype=dtype) for layer in self.hidden_layers})
         return _Inputs(ids=zeros(R, T), positions=zeros(R, T), mask=zeros(R, 1, T, W, dtype=torch.bool),
-                       rows=zeros(R, T), write=zeros(R, T))
+                       rows=zeros(R, T), write=zeros(R, T), read=zeros(R))
 
-    def _fill(self, shape: _Inputs, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
-        """Write the forward's inputs, padded, into the shape's static buffers (built on the host, one copy each)."""
+    def _fill(self, shape: _Inputs, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+              rows: list[int], starts: list[int]) -> None:
+        """Write the forward's inputs, padded, into the shape's static buffers (built on the host, one copy each):
+        forward row b is cache row ``rows[b]``, its tokens written after ``starts[b]`` positions."""
         B, N = ids.shape
         R, _, T, W = shape.mask.shape
         cache = self.cache
@@ -165,32 +189,40 @@ class BatchGraphRunner:
         host_mask[:B, :, :N, : mask.shape[-1]] = mask
         host_mask[B:, 0, :, 0] = True  # a padding query sees column 0 of its row: finite, never read
         host_mask[:B, 0, N:, 0] = True
-        rows = torch.full((R, T), cache.rows, dtype=torch.long)  # [R, T]: padding to the scratch row ...
+        to_row = torch.full((R, T), cache.rows, dtype=torch.long)  # [R, T]: padding to the scratch row ...
         write = torch.arange(T).clamp(max=cache.capacity - 1).expand(R, T).clone()  # ... at positions 0..T-1
-        rows[:B, :N] = torch.arange(B)[:, None]
-        write[:B, :N] = torch.tensor(cache.lengths[:B], dtype=torch.long)[:, None] + torch.arange(N)
+        to_row[:B, :N] = torch.tensor(rows, dtype=torch.long)[:, None]
+        write[:B, :N] = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(N)
+        read = torch.full((R,), cache.rows, dtype=torch.long)  # [R]: a padding row attends over the scratch row
+        read[:B] = torch.tensor(rows, dtype=torch.long)
         for buf, host in ((shape.ids, host_ids), (shape.positions, host_pos), (shape.mask, host_mask),
-                          (shape.rows, rows), (shape.write, write)):
+                          (shape.rows, to_row), (shape.write, write), (shape.read, read)):
             buf.copy_(host, non_blocking=True)
 
     def _run(self, shape: _Inputs) -> None:
         """The forward on the shape's buffers, its outputs copied into the (R, T) outputs (as a replay leaves them)."""
         R, _, T, W = shape.mask.shape
-        self.cache.fixed = (shape.rows, shape.write, int(W))
+        self.cache.fixed = (shape.rows, shape.write, int(W), shape.read)
+        inputs = dict(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask, use_cache=True)
         try:
-            out = self.model(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask,
-                             **cache_kwargs(self.model, self.cache), use_cache=True,
-                             output_hidden_states=bool(self.hidden_layers))
+            if self.head is None:
+                out = self.model(**inputs, **cache_kwargs(self.model, self.cache),
+                                 output_hidden_states=bool(self.hidden_layers))
+                scores = out.logits  # [R, T, vocab]
+            else:
+                base = self.model.base_model
+                h = base(**inputs, **cache_kwargs(base, self.cache)).last_hidden_state  # [R, T, d]
+                scores = self.head(h.reshape(R * T, -1)).view(R, T, -1)
         finally:
             self.cache.fixed = None
         logits, hidden = self.outputs[(R, T)]
-        logits.copy_(out.logits)
+        logits.copy_(scores)
         for layer, h in hidden.items():
             h.copy_(out.hidden_states[layer])
 
     def _capture(self, shape: _Inputs) -> None:
         R, _, T, W = shape.mask.shape
-        what = f"the batched verify forward of {R} rows x {T} tokens over {W} columns"
+        what = f"{self.label} of {R} rows x {T} tokens over {W} columns"
         shape.graph = self.stats.capture(lambda: self._run(shape), self.device, what)
 
     def describe(self) -> dict:

@@ -216,7 +216,8 @@ class BatchVerifier:
         # a chain drafted on the device: written there, not read by the host
         on_device = {b: draft.device_tokens(device) for b, draft in enumerate(drafts) if not draft.on_host}
         if self.runner is not None and self.runner.fits(B, ids.shape[1]):
-            logits, hidden_states = self.runner.forward(ids, pos, mask, on_device)  # [B, N, vocab], {l: [B, N, d]}
+            at_1 = {b: (1, tokens) for b, tokens in on_device.items()}  # after the row's pending token
+            logits, hidden_states = self.runner.forward(ids, pos, mask, at_1)  # [B, N, vocab], {l: [B, N, d]}
         else:
             ids = to_device(ids, device)
             for b, tokens in on_device.items():

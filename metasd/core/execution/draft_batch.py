@@ -37,12 +37,12 @@ from typing import Any, Callable, ContextManager, Generator, Sequence
 import torch
 from torch import nn
 from transformers import Cache
-from transformers.cache_utils import CacheLayerMixin
 
 from .host_read import HostRead  # noqa: F401 - a drafting loop yields it, as it yields its feeds
 from .kv_cache import cache_kwargs, cache_length
 from .kv_memory import KVGeometry
 from .staging import to_device
+from .stacked_cache import StackedCache
 from .static_cache import StaticKVCache
 
 #: feeds longer than this run alone (a catch-up over a new request's prompt)
@@ -234,68 +234,6 @@ def _run_alone(feed: Feed) -> torch.Tensor:
         return forward_logits(feed.model, feed.head, feed.cache, feed.last_only, **inputs)
 
 
-class _StackedLayer(CacheLayerMixin):
-    """Layer ``index`` of every row's own cache, seen as one [B, kv_heads, W, head_dim] layer for one forward."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, owner: "StackedCache", index: int):
-        super().__init__()
-        self.owner, self.index = owner, index
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states, value_states: [B, kv_heads, Q, head_dim]; row b's written at its own cache's L_b..L_b+Q-1
-        (padding included: past its new length, overwritten later); returns every row's first W positions."""
-        o = self.owner
-        Q = key_states.shape[-2]
-        keys, values = [], []
-        for b, (cache, start) in enumerate(zip(o.caches, o.starts)):
-            layer = cache.layers[self.index]
-            layer.k_buf[:, :, start: start + Q] = key_states[b: b + 1]
-            layer.v_buf[:, :, start: start + Q] = value_states[b: b + 1]
-            keys.append(layer.k_buf[:, :, : o.width])
-            values.append(layer.v_buf[:, :, : o.width])
-        return torch.cat(keys), torch.cat(values)  # [B, kv_heads, W, head_dim]: a copy of the rows' caches
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.width, 0
-
-    def get_seq_length(self) -> int:
-        return max(self.owner.starts)
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class StackedCache(Cache):
-    """The caches of B requests (one drafter model) as one batched transformers ``Cache`` for one forward of Q tokens
-    per row: each row's keys land in its own cache; attention reads W = max(L_b + Q) columns of all of them. Rows'
-    buffers are concatenated per layer (a copy of their first W positions): the price of rows that live in separate
-    caches. Lengths are set by ``run_group`` after the forward (each row keeps its q_b real tokens)."""
-
-    def __init__(self, caches: Sequence[StaticKVCache], starts: Sequence[int], width: int):
-        super().__init__(layers=[])
-        self.caches, self.starts, self.width = list(caches), list(starts), width
-        self.layers = [_StackedLayer(self, i) for i in range(len(self.caches[0].layers))]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.starts)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.width, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-
 def _run_rows(feeds: Sequence[RowFeed]) -> list[Any]:
     """Row feeds of one module in one call over their rows stacked; each feed's rows of the output (of each output,
     where the module returns a tuple)."""
@@ -354,21 +292,19 @@ def _run_blocks(feeds: Sequence[BlockFeed]) -> list[torch.Tensor]:
     return list(h.split(1))
 
 
-def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
-    """Feeds of one model (same ``batch_key``) in one forward; their logits, each as ``run_feed`` returns them."""
-    model, head = feeds[0].model, feeds[0].head
-    device = model.device
+def feed_inputs(feeds: Sequence[Feed], starts: Sequence[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """The host inputs of one forward of ``feeds`` (feed b's q_b tokens after its cache's ``starts[b]`` positions,
+    padded to Q = max q_b): ids [B, Q] (0 where a feed's ids are on the device: returned apart, row -> ids [q_b]),
+    position ids [B, Q] and the mask [B, 1, Q, W] over W = max(L_b + Q) columns that shows row b its own prefix and
+    what its feed's mask allows - never padding (a padding query sees itself only: finite, and read by no one)."""
     B = len(feeds)
     q = [f.length for f in feeds]
-    starts = [cache_length(f.cache) for f in feeds]
     Q = max(q)
     W = max(s + Q for s in starts)
-    geometry = KVGeometry.of(model)
-    for f in feeds:  # every row's buffers hold the W columns attention reads (allocated now if never used)
-        f.cache.reserve(W)
-        f.cache.allocate(geometry)
-    ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q] host ids; rows fed device tensors are written there below
-    on_device = [b for b, f in enumerate(feeds) if isinstance(f.ids, torch.Tensor) and f.ids.device.type != "cpu"]
+    ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
+    on_device = {b: f.ids.view(-1) for b, f in enumerate(feeds)
+                 if isinstance(f.ids, torch.Tensor) and f.ids.device.type != "cpu"}
     pos = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
     mask = torch.zeros(B, 1, Q, W, dtype=torch.bool)  # [B, 1, Q, W]
     for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
@@ -382,10 +318,32 @@ def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
             mask[b, 0, :n, :s] = True
             mask[b, 0, :n, s: s + n] = torch.ones(n, n, dtype=torch.bool).tril()
         pad = torch.arange(n, Q)
-        mask[b, 0, pad, s + pad] = True  # a padding query sees itself only: finite, and read by no one
+        mask[b, 0, pad, s + pad] = True
+    return ids, pos, mask, on_device
+
+
+def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+    """Feeds of one model (same ``batch_key``) in one forward; their logits, each as ``run_feed`` returns them. Rows
+    of one drafter's ``DraftRows`` (draft_rows.py) run there at a fixed shape; other caches side by side
+    (``StackedCache``)."""
+    rows = getattr(feeds[0].cache, "rows_owner", None)
+    if rows is not None and rows.runs(feeds):
+        return rows.run_feeds(feeds)
+    model, head = feeds[0].model, feeds[0].head
+    device = model.device
+    B = len(feeds)
+    q = [f.length for f in feeds]
+    starts = [cache_length(f.cache) for f in feeds]
+    Q = max(q)
+    W = max(s + Q for s in starts)
+    geometry = KVGeometry.of(model)
+    for f in feeds:  # every row's buffers hold the W columns attention reads (allocated now if never used)
+        f.cache.reserve(W)
+        f.cache.allocate(geometry)
+    ids, pos, mask, on_device = feed_inputs(feeds, starts)  # [B, Q] host, [B, Q], [B, 1, Q, W], {b: device ids}
     ids = to_device(ids, device)  # staged: no host wait (nor the device's tokens read)
-    for b in on_device:
-        ids[b, : q[b]] = feeds[b].ids.view(-1)
+    for b, tokens in on_device.items():
+        ids[b, : q[b]] = tokens
     stacked = StackedCache([f.cache for f in feeds], starts, W)
     inputs = dict(input_ids=ids, position_ids=to_device(pos, device), attention_mask=to_device(mask, device),
                   use_cache=True)

@@ -1,0 +1,256 @@
+"""One drafter model's KV caches for every running request in ONE set of buffers, so that a drafting level of many
+requests is one fixed-shape forward a CUDA graph can replay ("A batch at GPU speed", docs/architecture.md, "Captured
+batched drafting").
+
+Why: batched drafting (draft_batch.py) runs a level's feeds of one model as one forward, but each request's
+``StaticKVCache`` lives at its own addresses, so that forward concatenates the rows' caches and cannot be captured -
+on a GPU every drafting level then costs an eager, launch-bound forward. Here the rows live side by side:
+
+- per layer, keys and values of [rows + 1 scratch, kv_heads, capacity, head_dim]; a scheduler's fork of the drafter
+  takes a row when its request starts (``take``) and gives it back when it ends (``give_back``); rows never move
+  while held (a forward reads the rows it runs by index), so a fork's cache is a view of its row (``RowKVCache``):
+  its crop, tree compaction and catch-up are ``StaticKVCache``'s own code;
+- a level's feeds (``draft_batch.Feed`` s whose caches are rows here) run as one ``BatchGraphRunner`` forward: row b
+  writes its q_b tokens' keys at (its row, L_b + j), attention reads ``keys[rows, :, :W]`` gathered by a static index,
+  and the forward is padded to a (rows, tokens, width) bucket with the padding written to the scratch row - one CUDA
+  graph per bucket where ``capture``, the same buffers run eagerly elsewhere (the CPU check);
+- the buffers grow all-or-nothing, never inside a captured forward: rows by doubling when a fork finds none free,
+  positions to twice the need when a row's forward or reservation passes them (a row's own forward may grow them:
+  it runs eagerly). A reallocation drops the graphs (recaptured as met). The buffers are kept for the drafter's life
+  - the most rows held at once x the longest reservation - since each reallocation recaptures every shape.
+
+What still runs another way: a steered feed (its hooks add a per-forward bias: the concatenating path, over these
+rows' views), a feed longer than ``draft_batch.LONG_FEED`` (a new request's prompt: alone, through its row's view),
+and a group wider than the runner's largest shape (its own shape, eagerly, through the rows' views).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from .batch_runner import BatchGraphRunner
+from .draft_batch import Feed, feed_inputs
+from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
+from .static_cache import StaticKVCache, StaticLayer
+
+
+class RowsLayer(CacheLayerMixin):
+    """One layer's keys and values for every row and the scratch row: [rows + 1, kv_heads, capacity, head_dim] each.
+    Only a fixed-shape forward (``owner.fixed``) runs through it; a row alone runs through its ``RowKVCache``."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "DraftRows"):
+        super().__init__()
+        self.owner = owner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: [R, kv_heads, T, head_dim], written at (rows[r, t], write[r, t]); returns the
+        rows read, [R, kv_heads, W, head_dim] (gathered: the rows a level runs are any of the held ones)."""
+        if self.owner.fixed is None:
+            raise RuntimeError("DraftRows: a forward over the rows outside a fixed-shape runner")
+        rows, write, width, read = self.owner.fixed
+        self.keys[rows, :, write] = key_states.transpose(1, 2)  # [R, T, kv_heads, head_dim]
+        self.values[rows, :, write] = value_states.transpose(1, 2)
+        return self.keys[:, :, :width].index_select(0, read), self.values[:, :, :width].index_select(0, read)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.fixed[2], 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RowKVLayer(StaticLayer):
+    """A ``StaticLayer`` whose buffers are row ``row`` of its ``DraftRows`` layer: [1, kv_heads, capacity, head_dim]
+    views read through the owner (it may reallocate between forwards); allocating grows the owner."""
+
+    def __init__(self, cache: "RowKVCache", index: int, sliding_window: int | None):
+        self.index = index
+        super().__init__(cache, sliding_window)
+        self.device = cache.rows_owner.geometry.device
+
+    @property
+    def is_initialized(self) -> bool:  # type: ignore[override]
+        """Whether the owner holds buffers (a row's layers read them from its first forward, whoever allocated)."""
+        return self.owner.rows_owner.layers[self.index].keys is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        pass  # the owner's buffers say
+
+    @property
+    def k_buf(self) -> torch.Tensor | None:  # type: ignore[override]
+        keys = self.owner.rows_owner.layers[self.index].keys
+        return None if keys is None else keys[self.owner.row: self.owner.row + 1]
+
+    @k_buf.setter
+    def k_buf(self, value) -> None:
+        if value is not None:  # StaticLayer's constructor sets None
+            raise AttributeError("RowKVLayer.k_buf is a view of a DraftRows row; write into it")
+
+    @property
+    def v_buf(self) -> torch.Tensor | None:  # type: ignore[override]
+        values = self.owner.rows_owner.layers[self.index].values
+        return None if values is None else values[self.owner.row: self.owner.row + 1]
+
+    @v_buf.setter
+    def v_buf(self, value) -> None:
+        if value is not None:
+            raise AttributeError("RowKVLayer.v_buf is a view of a DraftRows row; write into it")
+
+    def allocate(self, key_like: torch.Tensor, value_like: torch.Tensor, capacity: int) -> None:
+        self.owner.rows_owner.grow(capacity=capacity)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a DraftRows row holds one sequence")
+
+
+class RowKVCache(StaticKVCache):
+    """One request's drafter cache as a row of ``rows_owner`` (a ``DraftRows``): a ``StaticKVCache`` in every way a
+    drafter uses one (forwards alone, crop, ``keep_positions``, ``reserve``), its buffers the row's views."""
+
+    def __init__(self, rows_owner: "DraftRows", row: int, config, name: str | None = None):
+        super().__init__(config, bucket=rows_owner.bucket, name=name)
+        self.rows_owner, self.row = rows_owner, row
+        self.layers = [RowKVLayer(self, i, layer.sliding_window) for i, layer in enumerate(self.layers)]
+
+    def __repr__(self) -> str:
+        return f"RowKVCache(row={self.row}, length={self.get_seq_length()}, capacity={self.capacity})"
+
+
+class DraftRows(Cache):
+    """The KV caches of one drafter model's running requests, a row each, in one set of buffers (module docstring):
+    ``take`` / ``give_back`` a row; ``run_feeds`` one drafting level of many rows as one fixed-shape forward (a CUDA
+    graph per bucket when ``capture``). ``head``: the drafter's draft head over the base model's hidden states, or
+    None. A transformers ``Cache`` only while that forward runs."""
+
+    def __init__(self, model: nn.Module, head: nn.Module | None = None, *, capture: bool, name: str | None = None,
+                 bucket: int = RESERVATION_BUCKET):
+        super().__init__(layers=[])
+        self.model, self.head, self.name, self.bucket = model, head, name, bucket
+        self.geometry = KVGeometry.of(model)
+        self.layers = [RowsLayer(self) for _ in range(self.geometry.layers)]
+        self.rows = 0  # rows allocated (the scratch row is one more)
+        self.capacity = 0  # positions per row
+        self.scratch_rows = 0  # set to 1 by the runner
+        self.keep_allocation = True
+        self.fixed: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None  # set while a forward runs
+        self.free: list[int] = []
+        self.held: dict[int, RowKVCache] = {}
+        self.runner = BatchGraphRunner(model, self, capture=capture, head=head,
+                                       label=f"the drafting level of {name or 'a drafter'}")
+        self.reallocations = 0
+
+    # -------------------------------------------------------------- rows
+    def take(self) -> RowKVCache:
+        """A free row (the buffers grown by doubling when none is), its length 0."""
+        if not self.free:
+            self.grow(rows=max(1, 2 * self.rows))
+        row = self.free.pop(0)
+        cache = self.held[row] = RowKVCache(self, row, self.model.config, self.name)
+        return cache
+
+    def give_back(self, cache: RowKVCache) -> None:
+        """``cache``'s row is free again (a request ended); nothing when it is not held."""
+        if self.held.get(cache.row) is cache:
+            del self.held[cache.row]
+            self.free.append(cache.row)
+            self.free.sort()
+
+    def grow(self, rows: int = 0, capacity: int = 0) -> None:
+        """Buffers of at least ``rows`` rows x ``capacity`` positions: positions to twice the need (rounded up to the
+        bucket), rows as asked; the held rows' contents kept. All or nothing: every new buffer is allocated before an
+        old one is replaced."""
+        new_rows = max(rows, self.rows)
+        new_capacity = self.capacity if capacity <= self.capacity else bucketed(max(capacity, 2 * self.capacity),
+                                                                                self.bucket)
+        new_capacity = max(new_capacity, self.bucket)
+        if (new_rows, new_capacity) == (self.rows, self.capacity):
+            return
+        g = self.geometry
+        shape = (new_rows + self.scratch_rows, g.kv_heads, new_capacity, g.head_dim)
+        with torch.inference_mode(False):  # ordinary tensors: a forward outside inference mode may write them too
+            new = [(torch.zeros(shape, dtype=g.dtype, device=g.device), torch.zeros(shape, dtype=g.dtype,
+                                                                                 device=g.device))
+                   for _ in self.layers]
+        for layer, (k, v) in zip(self.layers, new):
+            if layer.keys is not None:
+                k[: self.rows, :, : self.capacity] = layer.keys[: self.rows]
+                v[: self.rows, :, : self.capacity] = layer.values[: self.rows]
+            layer.keys, layer.values = k, v
+        self.free += list(range(self.rows, new_rows))
+        self.rows, self.capacity = new_rows, new_capacity
+        self.reallocations += 1
+
+    def buffers(self) -> tuple[int, ...]:
+        """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
+        return tuple(ptr for layer in self.layers for ptr in (layer.keys.data_ptr(), layer.values.data_ptr()))
+
+    @property
+    def held_bytes(self) -> int:
+        return (self.rows + self.scratch_rows) * self.capacity * self.geometry.bytes_per_token if self.rows else 0
+
+    # -------------------------------------------------------------- a drafting level
+    def runs(self, feeds: Sequence[Feed]) -> bool:
+        """Whether ``feeds`` (one batch key: one model, one head) run here as one fixed-shape forward: their caches
+        all rows held here, none steered, the group within the runner's shapes."""
+        return (all(getattr(f.cache, "rows_owner", None) is self and f.steer is None for f in feeds)
+                and self.runner.fits(len(feeds), max(f.length for f in feeds)))
+
+    def run_feeds(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        """The feeds (``runs``) as one forward; their logits, each as ``Feed.run`` returns it, and each row's length
+        its own + its q_b tokens."""
+        starts = [f.cache.get_seq_length() for f in feeds]
+        Q = max(f.length for f in feeds)
+        self.grow(capacity=max(s + Q for s in starts))  # outside any capture: may reallocate (the graphs drop)
+        ids, positions, mask, on_device = feed_inputs(feeds, starts)  # [B, Q], [B, Q], [B, 1, Q, W], {b: ids}
+        logits, _ = self.runner.forward(ids, positions, mask, {b: (0, t) for b, t in on_device.items()},
+                                        rows=[f.cache.row for f in feeds], starts=starts)  # [B, Q, vocab]
+        out = []
+        for b, (f, s) in enumerate(zip(feeds, starts)):
+            n = f.length
+            f.cache.set_length(s + n)
+            out.append(logits[b, n - 1: n] if f.last_only else logits[b, :n])
+        return out
+
+    # -------------------------------------------------------------- what transformers asks of a Cache
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.fixed[2], 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"rows": self.rows, "held": len(self.held), "capacity": self.capacity,
+                "mib": round(self.held_bytes / 2 ** 20, 1), "reallocations": self.reallocations,
+                **self.runner.describe()}
+
+    def __repr__(self) -> str:
+        return f"DraftRows(rows={self.rows}, held={len(self.held)}, capacity={self.capacity})"
+
+
+def give_back_row(cache: Any) -> None:
+    """A drafter's request ended: its cache's row is free again where it is one (``RowKVCache``)."""
+    if isinstance(cache, RowKVCache):
+        cache.rows_owner.give_back(cache)

@@ -1,0 +1,158 @@
+"""A drafter model's forks drafting over ONE set of rows (metasd/core/execution/draft_rows.py): each request's drafter
+cache a row of shared buffers, a drafting level of many requests one forward padded to a (rows, tokens, width) bucket
+- the shapes CUDA graphs replay on a GPU, run eagerly on the same buffers here. Every request gets what it gets alone
+(greedy identity, sampling exactness at depth 2), one drafter forward per level for the batch, every row given back.
+Tiny fp32 models (tests/tiny.py)."""
+import pytest
+import torch
+
+from metasd.core.batching.scheduler import Scheduler
+from metasd.core.decoding.drafter import with_components
+from metasd.core.engine import Engine
+from metasd.core.execution.draft_batch import Feed, feed_groups, run_feed, run_group
+from metasd.core.execution.draft_rows import DraftRows, RowKVCache
+from metasd.core.execution.kv_cache import keep_positions
+from metasd.core.execution.static_cache import new_cache
+from metasd.core.execution.verifier import Verifier
+from metasd.drafters import (FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter,
+                             SteeredDrafter, SuffixDrafter)
+from metasd.drafters.budgeted import budget_arms
+from metasd.policies import make_policy
+from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
+from sampling_check import joint_check
+from tiny import tiny_qwen, tiny_tokenizer
+
+
+def _feeds(model):
+    """Feeds of different lengths and masks (a chain's catch-up, a device token, a tree level) as makers of a cache."""
+    tree_mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0],
+                              [1, 1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    return [lambda c: Feed(model, None, c, [11, 12, 13], last_only=True),
+            lambda c: Feed(model, None, c, torch.tensor([20])),
+            lambda c: Feed(model, None, c, [30, 31, 32, 33], mask=tree_mask, positions=torch.tensor([3, 3, 4, 4]))]
+
+
+@torch.inference_mode()
+def test_a_level_over_the_rows_gives_each_row_its_own_forwards_logits_and_cache():
+    model = tiny_qwen(seed=3)
+    rows = DraftRows(model, capture=False, name="chain")
+    prefixes = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4, 4, 5]]
+    alone, together = [], []
+    for prefix in prefixes:
+        a, b = new_cache(model), rows.take()
+        for cache in (a, b):  # a prompt's catch-up: through the row's own view of the buffers
+            model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+        alone.append(a)
+        together.append(b)
+    assert [c.row for c in together] == [0, 1, 2] and rows.rows == 4  # rows grown by doubling
+    want = [run_feed(make(c)) for make, c in zip(_feeds(model), alone)]
+    feeds = [make(c) for make, c in zip(_feeds(model), together)]
+    assert feed_groups(feeds) == [[0, 1, 2]] and rows.runs(feeds)
+    got = run_group(feeds)
+    assert rows.runner.stats.eager == 1 and rows.runner.shapes.keys() == {(4, 4, 256)}  # 3 rows padded to 4
+    for w, g, a, b in zip(want, got, alone, together):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert b.get_seq_length() == a.get_seq_length()
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
+    # the tree's accepted path kept by an index copy inside the row, as in a cache of its own
+    for cache in (alone[2], together[2]):
+        keep_positions(cache, 3, torch.tensor([1, 3]))
+    for la, lb in zip(alone[2].layers, together[2].layers):
+        torch.testing.assert_close(lb.keys, la.keys)
+    # the padding row's keys went to the scratch row: row 3, free, holds nothing
+    assert all(layer.keys[3].abs().sum() == 0 for layer in rows.layers)
+
+
+@torch.inference_mode()
+def test_rows_grow_all_or_nothing_keeping_what_they_hold_and_are_given_back():
+    model = tiny_qwen(seed=3, context=1024)
+    rows = DraftRows(model, capture=False)
+    first = rows.take()
+    model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=first, use_cache=True)
+    kept = first.layers[0].keys.clone()
+    second = rows.take()  # a second row: the buffers reallocated, the first row's keys copied over
+    model(input_ids=torch.tensor([list(range(1, 60)) * 5]), past_key_values=second, use_cache=True)  # 295 positions
+    # a forward past the capacity it did not reserve: twice its need, as a StaticKVCache grows (2 x 295 -> 768)
+    assert rows.rows == 2 and rows.capacity == 768 and rows.reallocations == 3
+    torch.testing.assert_close(first.layers[0].keys, kept)
+    assert isinstance(first, RowKVCache) and first.capacity == second.capacity == 768
+    rows.give_back(first)
+    assert rows.free == [0] and rows.take().row == 0
+
+
+def _pool(kind: str, model):
+    """(drafters, rounds): a pool whose model drafters' forks draft over rows (``graphs: fixed``) and the most drafter
+    forwards one step of a request makes - its catch-up, then a level each."""
+    if kind == "chain":
+        return [PretrainedDrafter(model, k=4, name="chain", graphs="fixed")], 4
+    if kind == "tree":
+        return [PretrainedTreeDrafter(model, nodes=8, depth=3, width=2, name="tree", graphs="fixed")], 3
+    if kind == "rsd_c":
+        return [PretrainedTreeDrafter(model, mode="rsd_c", nodes=8, depth=3, branching=[2], name="tree",
+                                      graphs="fixed")], 3
+    if kind == "static_tree":
+        return [StaticTreeDrafter(model, widths=[2, 2, 1], name="static", graphs="fixed")], 3
+    cascade = FusedDrafter([SuffixDrafter(max_depth=8, max_nodes=8, name="suffix"),
+                            PretrainedTreeDrafter(model, nodes=8, depth=3, width=2, name="tree", graphs="fixed")],
+                           enough=4, name="cascade")
+    return [*budget_arms(cascade, (4, 8))], 3
+
+
+def _rows_of(drafters):
+    return {d.rows for d in with_components(drafters) if getattr(d, "rows", None) is not None}
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "rsd_c", "static_tree", "cascade"])
+def test_concurrent_requests_draft_each_level_in_one_fixed_shape_forward_and_decode_as_alone(kind):
+    drafter_model = tiny_qwen(seed=0, logit_scale=1.5)
+    drafters, rounds = _pool(kind, drafter_model)
+    policy = make_policy("ucb", len(drafters), seed=0) if len(drafters) > 1 else None
+    verifier = Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer(), fixed_shapes=True)
+    engine = Engine(verifier, drafters, policy, check_tokenizers=False)
+    expected = [engine.generate(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    (rows,) = _rows_of(drafters)
+    before = rows.runner.stats.eager
+    shapes = []  # every drafter forward's (rows, tokens)
+    drafter_model.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
+    results, steps = schedule_together(engine, PROMPTS, MAX_NEW, lambda: len(shapes))
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    if policy is None:  # one arm: the same drafts as alone (a policy learns across requests in another order)
+        assert [r.stats.tokens_per_step for r in results] == [e.stats.tokens_per_step for e in expected]
+    full = [f for b, f in steps if b == 4]
+    assert full and max(full) <= rounds, (kind, steps)  # one drafter forward per level for the whole batch
+    assert rows.runner.stats.eager > before and any(r == 4 for r, _ in shapes)  # levels ran on the rows, 4 at a time
+    assert not rows.held and rows.rows == 4  # every request's row given back; the buffers kept for the next
+
+
+def test_sampling_through_levels_over_the_rows_follows_the_verifier_at_depth_two():
+    # an RSD-C tree (rejection sampling with the drafter's q): requests sampled side by side, their levels one
+    # fixed-shape forward over the rows; the three-token continuations follow the verifier's distribution
+    sharp = 20.0
+    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=sharp)
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=sharp / 2), mode="rsd_c",
+                                    nodes=6, depth=2, branching=[2], graphs="fixed")
+    engine = Engine(Verifier(verifier, fixed_shapes=True), drafter, seeded_sampling="stream")
+
+    def generate(prompt, seeds):
+        with Scheduler(engine, max_batch=16, max_queue=len(seeds)) as s:
+            with s._lock:
+                handles = [s.submit(prompt, 3, temperature=1.0, seed=seed) for seed in seeds]
+            return [h.result(timeout=120) for h in handles]
+
+    check = joint_check(engine, [3], 3000, length=3, generate=generate)
+    assert check.pvalue > 1e-4, check
+    drafted, accepted = check.position_drafted[1], check.position_accepted[1]  # steps whose draft reached depth 2
+    assert drafted > 200 and 0 < accepted < drafted, check
+    assert max(r for r, _, _ in drafter.rows.runner.shapes) > 1  # the levels ran many rows in one forward
+
+
+def test_graphs_on_names_the_drafter_and_steered_drafters_keep_their_own_caches():
+    model = tiny_qwen(seed=0)
+    with pytest.raises(ValueError, match="^tree: graphs='on' needs a CUDA device"):
+        PretrainedTreeDrafter(model, name="tree", graphs="on")
+    steered = SteeredDrafter(model, k=2, name="steered", fixed_shapes=True)  # its hooks bias each forward
+    assert steered.rows is None
+    assert PretrainedTreeDrafter(model, name="tree").rows is None  # auto on a CPU: nothing fixed
+
