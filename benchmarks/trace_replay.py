@@ -41,7 +41,8 @@ from metasd.data import SPEC_BENCH_DEFAULT, load_questions
 from metasd.drafters.budgeted import NoSpeculation, budget_arms
 from metasd.core.execution.graph_runner import resolve_graphs
 from metasd.drafters.static_tree import DEFAULT_WIDTHS
-from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter, record_arm
+from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter
+from metasd.drafters.trace_record import record_arm
 from metasd.drafters.trace_loop import LoopTraceDrafter
 
 

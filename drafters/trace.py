@@ -28,15 +28,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
 
-from metasd.core.decoding.drafter import BuildContext, Drafter, DrafterParams, StepContext, StepFeedback, drafting_loop
-from metasd.core.decoding.sampling import SamplingParams
-from metasd.core.execution.draft_batch import Drafting, Feed, HostRead, drive
+from metasd.core.decoding.drafter import BuildContext, Drafter, DrafterParams, StepContext, StepFeedback
+from metasd.core.execution.draft_batch import Drafting, Feed, drive
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
+from metasd.core.execution.draft_rows import DraftRows, give_back_row
+from metasd.core.execution.graph_runner import resolve_graphs
 from metasd.core.execution.static_cache import new_cache
 from metasd.core.execution.tree import Draft, depths_of
 
@@ -145,98 +146,6 @@ class Trace:
 
 
 # ---------------------------------------------------------------- recording
-def record_arm(drafter: Drafter, prompt_ids: Sequence[int], continuation: Sequence[int], positions: int
-               ) -> list[TraceStep]:
-    """``drafter``'s drafts and forwards at positions 0 .. positions - 1 of ``continuation`` (the verifier's greedy
-    tokens after ``prompt_ids``, longer than ``positions`` by the deepest draft the arm may make)."""
-    if positions > len(continuation):
-        raise ValueError(f"{drafter.name}: {positions} positions asked, the continuation has {len(continuation)}")
-    prompt, R, greedy, steps = list(prompt_ids), list(continuation), SamplingParams(temperature=0.0), []
-    drafter.begin(StepContext(torch.tensor(prompt), len(prompt), len(R), greedy))
-    try:
-        for p in range(positions):
-            tokens = prompt + R[:p]
-            ctx = StepContext(torch.tensor(tokens), len(prompt), len(R) - p, greedy, step=p,
-                              request={"max_new_tokens": len(R)})
-            feeds: list[dict] = []
-            draft = _drive_recording(drafting_loop(drafter, ctx), len(tokens), feeds, drafter.name)
-            steps.append(_step_of(draft, R[p:], feeds))
-    finally:
-        drafter.end()
-    return steps
-
-
-def _drive_recording(loop: Drafting, base: int, out: list[dict], name: str) -> Draft:
-    """Run a drafting loop alone, describing each forward in ``out``: its rows mapped onto the draft's nodes by
-    their paths (a row's path: its token after its parent rows')."""
-    models: list[nn.Module] = []
-    fed: dict[tuple[int, int], tuple[int, int]] = {}  # (model, slot - base) -> (token, parent row)
-
-    def record(feed) -> None:  # each feed before it runs: its rows, described
-        if isinstance(feed, HostRead):  # the drafter reading its values: no forward to record
-            return
-        if not isinstance(feed, Feed) or feed.head is not None or feed.steer is not None:
-            raise ValueError(f"{name}: a trace records plain model forwards (Feed without a draft head or "
-                             f"steering); this arm runs {type(feed).__name__}")
-        if feed.model not in models:
-            models.append(feed.model)
-        m = models.index(feed.model)
-        L, q = cache_length(feed.cache), feed.length
-        ids = feed.ids.tolist() if isinstance(feed.ids, torch.Tensor) else list(feed.ids)
-        if L + q <= base:
-            if L + q != base:
-                raise ValueError(f"{name}: a catch-up forward that stops short of the pending token")
-            out.append({"catch_up": True, "model": m})
-        else:
-            if L < base:
-                raise ValueError(f"{name}: a forward that feeds committed and draft tokens together")
-            rows = []
-            for j in range(q):
-                row = L - base + j
-                if feed.mask is None:
-                    parent = row - 1
-                else:
-                    seen = [c - base for c in range(base, L + j) if bool(feed.mask[j, c])]
-                    parent = max(seen) if seen else -1
-                fed[(m, row)] = (ids[j], parent)
-                rows.append([row, parent])
-            out.append({"model": m, "masked": feed.mask is not None, "rows": rows})
-
-    draft = drive(loop, record)
-    paths = {_path(fed, m, r): (m, r) for m, r in fed}
-    node_of_row = {}
-    for i in range(len(draft)):
-        at = paths.get(_draft_path(draft, i))
-        if at is not None:
-            node_of_row.setdefault(at, i)
-    for f in out:
-        if "rows" in f:
-            f["rows"] = [[node_of_row.get((f["model"], row), -1), parent] for row, parent in f["rows"]]
-    return draft
-
-
-def _path(fed: dict[tuple[int, int], tuple[int, int]], m: int, row: int) -> tuple[int, ...]:
-    path = []
-    while row >= 0:
-        token, row = fed[(m, row)]
-        path.append(token)
-    return tuple(reversed(path))
-def _draft_path(draft: Draft, i: int) -> tuple[int, ...]:
-    path, parents, tokens = [], draft.parents.tolist(), draft.tokens.tolist()
-    while i >= 0:
-        path.append(tokens[i])
-        i = parents[i]
-    return tuple(reversed(path))
-
-
-def _step_of(draft: Draft, rest: list[int], feeds: list[dict]) -> TraceStep:
-    parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
-    on: list[bool] = []
-    for p, t, d in zip(parents, tokens, depths_of(parents)):
-        on.append((p < 0 or on[p]) and d <= len(rest) and t == rest[d - 1])
-    return TraceStep(parents, on, feeds)
-
-
 # ---------------------------------------------------------------- replay
 class TraceParams(DrafterParams):
     """A pool entry of ``type: metasd.drafters.trace:TraceDrafter`` (paths relative to the pool file's folder)."""
@@ -244,6 +153,8 @@ class TraceParams(DrafterParams):
     trace: str  # the recorded trace (``Trace.save``)
     replay: str  # the prompts it is replayed on and the replaying verifier's continuations (``Trace.save_replay``)
     arm: str | None = None  # the recorded arm; default: the entry's name
+    graphs: Literal["auto", "on", "off", "fixed"] = "auto"  # the forks' drafting levels at fixed shapes, as the real
+    # drafter's (core/execution/draft_rows.py): captured where the model is on CUDA (auto), eager at those shapes (fixed)
 
 
 class TraceDrafter(Drafter):
@@ -258,9 +169,13 @@ class TraceDrafter(Drafter):
     model_field, checkpoint_field, Params = "optional", "never", TraceParams
 
     def __init__(self, trace: Trace, arm: str, models: Sequence[nn.Module] = (), vocab: int | None = None,
-                 name: str | None = None, lookup: bool | None = None):
+                 name: str | None = None, lookup: bool | None = None, graphs: str = "auto", fixed_shapes: bool = False):
         super().__init__(name or arm)
         self.trace, self.arm, self.models = trace, arm, list(models)
+        capture = any([resolve_graphs(graphs, m.device, self.name) for m in self.models])
+        #: each model's rows for the forks' caches where shapes are fixed (``graphs``), as the real drafter's forks
+        self.rows = [DraftRows(m, capture=capture, name=self.name) for m in self.models] \
+            if capture or fixed_shapes or graphs == "fixed" else None
         self.vocab = vocab or (int(self.models[0].config.vocab_size) if self.models else None)
         if self.vocab is None:
             raise ValueError(f"{self.name}: give the verifier's vocab size (a lookup arm has no model to read it from)")
@@ -287,18 +202,27 @@ class TraceDrafter(Drafter):
             build.refuse_quantize(name, cls.kind)
         models = [build.load_model(build.model)[0]] if build.model is not None else []
         vocab = int(build.verifier.model.get_input_embeddings().weight.shape[0])
-        return cls(trace, arm, models, vocab=vocab, name=name, lookup=not used)
+        return cls(trace, arm, models, vocab=vocab, name=name, lookup=not used, graphs=params.get("graphs", "auto"))
 
     def begin(self, ctx: StepContext) -> None:
+        self.end()  # a row still held goes back
         self._prompt = self.trace.for_prompt(ctx.tokens[: ctx.prompt_len].tolist())
         if self.arm not in self._prompt.arms:
             raise TraceMiss(f"{self.name}: trace {self._prompt.name!r} has no arm {self.arm!r} "
                             f"(it has {sorted(self._prompt.arms)})")
-        self._caches = [new_cache(m, name=self.name) for m in self.models]
+        self._caches = self._fresh_caches()
         self._cached = [0] * len(self.models)
         self._pending = None
 
+    def _fresh_caches(self) -> list:
+        """Each model's cache for a new request: a row of its ``DraftRows`` where shapes are fixed."""
+        if self.rows is not None:
+            return [rows.take() for rows in self.rows]
+        return [new_cache(m, name=self.name) for m in self.models]
+
     def end(self) -> None:
+        for cache in getattr(self, "_caches", []):
+            give_back_row(cache)
         self._caches, self._cached, self._pending, self._prompt = [], [], None, None
 
     def _forked(self, cross_request: bool) -> None:  # a fork holds no request until its begin

@@ -32,7 +32,7 @@ class LoopTraceDrafter(TraceDrafter):
 
     def __init__(self, trace: Trace, arm: str, model: nn.Module, widths: Sequence[int], vocab: int | None = None,
                  name: str | None = None, graphs: str = "auto", fixed_shapes: bool = False):
-        super().__init__(trace, arm, [model], vocab=vocab, name=name)
+        super().__init__(trace, arm, [model], vocab=vocab, name=name, graphs=graphs, fixed_shapes=fixed_shapes)
         capture = resolve_graphs(graphs, model.device, self.name)
         if not (capture or fixed_shapes):
             raise ValueError(f"{self.name}: graphs {graphs!r} on {model.device} runs no fixed shape; replay this arm "
@@ -43,14 +43,14 @@ class LoopTraceDrafter(TraceDrafter):
         self.cut_rows = {0} | {end for _, end in tree_shape(self.widths)[1][:-1]}
         self.loops: DraftLoops | None = DraftLoops(model, None, capture=capture, name=self.name)
 
-    def begin(self, ctx) -> None:
-        super().begin(ctx)
+    def _fresh_caches(self) -> list:
         if self.loops is not None:
-            self._caches = [self.loops.fresh_cache()]  # the loop's graphs read this cache by address
+            return [self.loops.fresh_cache()]  # the loop's graphs read this cache by address
+        return super()._fresh_caches()  # a fork: a row, as the real drafter's forks
 
     def _forked(self, cross_request: bool) -> None:
         super()._forked(cross_request)
-        self.loops = None  # a fork replays level by level, as the real drafter's forks draft
+        self.loops = None  # a fork replays level by level over its row, as the real drafter's forks draft
 
     def _run_feeds(self, step: TraceStep, tokens: list[int], fed_as, draft: Draft, base: int,
                    slots: dict[int, tuple[int, int]]) -> Drafting:

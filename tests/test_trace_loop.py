@@ -7,7 +7,8 @@ import pytest
 from metasd.core import Engine, Verifier
 from metasd.drafters import FusedDrafter, SuffixDrafter
 from metasd.drafters.static_tree import StaticTreeDrafter
-from metasd.drafters.trace import PromptTrace, Trace, TraceMiss, record_arm
+from metasd.drafters.trace import PromptTrace, Trace, TraceMiss
+from metasd.drafters.trace_record import record_arm
 from metasd.drafters.trace_loop import LoopTraceDrafter
 from test_trace_replay import PROMPT, _noisy
 from tiny import plain_greedy, tiny_qwen

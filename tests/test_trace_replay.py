@@ -6,7 +6,8 @@ import torch
 
 from metasd.core import Engine, Verifier
 from metasd.drafters import FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
-from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter, TraceMiss, record_arm
+from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter, TraceMiss
+from metasd.drafters.trace_record import record_arm
 from tiny import plain_greedy, tiny_qwen
 
 PROMPT = [0, 7, 12, 9, 33, 12, 9, 41, 5, 12, 9, 33]
@@ -148,10 +149,12 @@ def test_a_budget_or_the_tokens_left_cut_the_recorded_draft_to_its_first_nodes_a
     assert cut_any
 
 
-def test_requests_replayed_side_by_side_in_the_scheduler_each_take_their_own_recorded_steps():
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed shapes"])
+def test_requests_replayed_side_by_side_in_the_scheduler_each_take_their_own_recorded_steps(fixed):
     """Four requests of different lengths at once (the serving path): each commits its replaying verifier's text in
     the steps its trace gives alone, and their drafting forwards run batched (fewer calls than one request at a
-    time)."""
+    time) - with ``fixed``, each level one fixed-shape forward over the forks' rows (draft_rows.py), as the real
+    drafter's forks draft where graphs are captured."""
     from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
 
     verifier = tiny_qwen(seed=0, logit_scale=4.0)
@@ -173,11 +176,15 @@ def test_requests_replayed_side_by_side_in_the_scheduler_each_take_their_own_rec
         replay_prompts.append(ids)
         continuations.append(G[:n])
     calls = _Forwards(other_drafter)
-    engine = Engine(Verifier(other_verifier), TraceDrafter(trace, "arm", [other_drafter], vocab=64),
-                    check_tokenizers=False)
+    replay = TraceDrafter(trace, "arm", [other_drafter], vocab=64, fixed_shapes=fixed)
+    engine = Engine(Verifier(other_verifier, fixed_shapes=fixed), replay, check_tokenizers=False)
     results, _ = schedule_together(engine, replay_prompts, MAX_NEW, lambda: len(calls.rows))
     assert [r.token_ids for r in results] == continuations
     assert [r.stats.tokens_per_step for r in results] == alone_steps
+    assert (replay.rows is not None) == fixed
+    if fixed:  # the levels ran over the rows, four requests at a time; every row given back
+        (rows,) = replay.rows
+        assert rows.runner.stats.eager > 0 and max(r for r, _, _ in rows.runner.shapes) == 4 and not rows.held
     together = len(calls.rows)
     calls.rows.clear()
     for ids, n in zip(replay_prompts, MAX_NEW):

@@ -13,7 +13,8 @@ import yaml
 from metasd.config import ConfigError, ModelCache, load_pool
 from metasd.core import Engine, Verifier
 from metasd.drafters import PretrainedTreeDrafter
-from metasd.drafters.trace import PromptTrace, Trace, TraceMiss, record_arm
+from metasd.drafters.trace import PromptTrace, Trace, TraceMiss
+from metasd.drafters.trace_record import record_arm
 from metasd.models import load_model
 from test_trace_replay import _noisy
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
