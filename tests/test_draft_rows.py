@@ -156,3 +156,22 @@ def test_graphs_on_names_the_drafter_and_steered_drafters_keep_their_own_caches(
     assert steered.rows is None
     assert PretrainedTreeDrafter(model, name="tree").rows is None  # auto on a CPU: nothing fixed
 
+
+def test_the_servers_metrics_report_each_drafters_levels_over_its_rows():
+    from metasd.serve.metrics import ServeMetrics
+
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=1.5), nodes=8, depth=3, width=2, name="tree",
+                                    graphs="fixed")
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer()), drafter, check_tokenizers=False)
+    metrics = ServeMetrics("m")
+    with Scheduler(engine, max_batch=2) as s:
+        metrics.attach(s)
+        with s._lock:
+            handles = [s.submit(p, 12) for p in PROMPTS[:2]]
+        [h.result(timeout=60) for h in handles]
+        text = metrics.render().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("metasd:draft_") and 'drafter="tree"' in line}
+    assert values == {"metasd:draft_fixed_shapes": len(drafter.rows.runner.shapes), "metasd:draft_graphs_captured": 0.0,
+                      "metasd:draft_graph_capture_seconds": 0.0, "metasd:draft_rows_bytes": drafter.rows.held_bytes}
+    assert values["metasd:draft_fixed_shapes"] > 0 and values["metasd:draft_rows_bytes"] > 0  # run, not captured

@@ -9,7 +9,10 @@ the gauges ``vllm:num_requests_waiting`` (the queue) and ``vllm:num_requests_run
 plus ``metasd:drafter_choices`` (label ``drafter``):
 how many request-steps each drafter drafted; ``vllm:kv_cache_usage_perc`` (the KV memory held, a fraction of the
 budget); ``metasd:verify_fixed_shapes``, ``metasd:verify_graphs_captured``, ``metasd:verify_graph_capture_seconds``
-and ``..._bytes`` (the batched verify forward's shapes and CUDA graphs, where the verifier runs fixed shapes).
+and ``..._bytes`` (the batched verify forward's shapes and CUDA graphs, where the verifier runs fixed shapes);
+``metasd:draft_fixed_shapes``, ``metasd:draft_graphs_captured``, ``metasd:draft_graph_capture_seconds`` and
+``metasd:draft_rows_bytes`` (label ``drafter``: each model drafter's drafting levels over its rows, where it runs
+fixed shapes).
 Beside them, as vLLM's server exposes them: the process's own metrics (``process_*``, ``python_gc_*``,
 ``python_info``) and ``http_requests_total`` (labels ``handler``, ``method``, ``status`` as ``2xx``...) with
 ``http_request_duration_seconds``, prometheus-fastapi-instrumentator's names. Each server has its own
@@ -100,6 +103,13 @@ class ServeMetrics:
             ("capture_s", "metasd:verify_graph_capture_seconds", "Seconds spent capturing them."),
             ("capture_bytes", "metasd:verify_graph_capture_bytes", "Bytes the CUDA allocator reserved while "
                                                                    "capturing them."))}
+        # each model drafter's drafting levels at fixed shapes over its forks' rows (core/execution/draft_rows.py)
+        self.draft_gauges = {key: Gauge(name, doc, labels + ["drafter"], registry=r) for key, name, doc in (
+            ("shapes", "metasd:draft_fixed_shapes", "(rows, tokens, width) shapes the drafter's levels met."),
+            ("captured", "metasd:draft_graphs_captured", "CUDA graphs of its drafting levels captured (recaptures "
+                                                         "after its rows were reallocated included)."),
+            ("capture_s", "metasd:draft_graph_capture_seconds", "Seconds spent capturing them."),
+            ("bytes", "metasd:draft_rows_bytes", "Bytes its rows' KV buffers hold."))}
         self._last_step: dict[Any, float] = {}  # request id -> when its previous step ended (inter-token latency)
         self._finished: set = set()  # requests finished since the last step record
         self._lock = threading.Lock()
@@ -114,6 +124,11 @@ class ServeMetrics:
         self.kv_usage_gauge.set_function(lambda: self.kv_usage() or 0.0)
         for key, gauge in self.graph_gauges.items():
             gauge.set_function(lambda key=key: self.graph_stat(key))
+        for drafter in scheduler.engine.all_drafters:
+            found = getattr(drafter, "rows", None)
+            for rows in found if isinstance(found, list) else [found] if found is not None else []:
+                for key, gauge in self.draft_gauges.items():
+                    gauge.labels(*self._values, drafter.name).set_function(lambda k=key, r=rows: draft_stat(r, k))
         scheduler.add_listener(self.on_record)
 
     def graph_stat(self, key: str) -> float:
@@ -192,3 +207,11 @@ class ServeMetrics:
         if done.ttft_s is not None:
             self.ttft.observe(done.ttft_s)
         self.e2e.observe(done.e2e_s)
+
+
+def draft_stat(rows, key: str) -> float:
+    """One figure of a drafter's ``DraftRows`` (``draft_gauges``)."""
+    if key == "bytes":
+        return float(rows.held_bytes)
+    runner = rows.runner
+    return float(len(runner.shapes) if key == "shapes" else getattr(runner.stats, key))
