@@ -175,3 +175,16 @@ def test_the_servers_metrics_report_each_drafters_levels_over_its_rows():
     assert values == {"metasd:draft_fixed_shapes": len(drafter.rows.runner.shapes), "metasd:draft_graphs_captured": 0.0,
                       "metasd:draft_graph_capture_seconds": 0.0, "metasd:draft_rows_bytes": drafter.rows.held_bytes}
     assert values["metasd:draft_fixed_shapes"] > 0 and values["metasd:draft_rows_bytes"] > 0  # run, not captured
+
+
+def test_a_request_alone_drafts_its_levels_and_its_prompts_catch_up_at_fixed_shapes():
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=1.5), nodes=8, depth=3, width=2, name="tree",
+                                    graphs="fixed")
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer()), drafter, check_tokenizers=False)
+    expected = engine.generate(PROMPTS[2], 20)
+    with Scheduler(engine, max_batch=2) as s:
+        got = s.submit(PROMPTS[2], 20).result(timeout=60)
+    assert got.token_ids == expected.token_ids and got.stats.tokens_per_step == expected.stats.tokens_per_step
+    shapes = drafter.rows.runner.shapes
+    # one row: its prompt's catch-up (11 tokens, padded to 16), then its levels (2 tokens a node)
+    assert {(R, T) for R, T, _ in shapes} >= {(1, 16), (1, 2)}, shapes

@@ -84,7 +84,11 @@ class Feed:
         return id(self.model), id(self.head), None if self.steer is None else id(self.steer.injector)
 
     def run(self) -> torch.Tensor:
-        """This feed alone: the forward the drafter ran itself before batched drafting."""
+        """This feed alone: the forward the drafter ran itself before batched drafting - at a fixed shape where its
+        cache is a row of a ``DraftRows`` (draft_rows.py: a request alone in a scheduler drafts captured too)."""
+        rows = getattr(self.cache, "rows_owner", None)
+        if rows is not None and rows.runs([self]):
+            return rows.run_feeds([self])[0]
         return _run_alone(self)
 
     @staticmethod

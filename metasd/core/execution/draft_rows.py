@@ -19,9 +19,10 @@ on a GPU every drafting level then costs an eager, launch-bound forward. Here th
   it runs eagerly). A reallocation drops the graphs (recaptured as met). The buffers are kept for the drafter's life
   - the most rows held at once x the longest reservation - since each reallocation recaptures every shape.
 
-What still runs another way: a steered feed (its hooks add a per-forward bias: the concatenating path, over these
-rows' views), a feed longer than ``draft_batch.LONG_FEED`` (a new request's prompt: alone, through its row's view),
-and a group wider than the runner's largest shape (its own shape, eagerly, through the rows' views).
+A feed alone (a request drafting alone, a prompt's catch-up) runs at a fixed shape too (one row). What still runs
+another way, through the rows' views: a steered feed (its hooks add a per-forward bias: the concatenating path), a
+feed that must run in a context of its own, a group or a catch-up wider than the runner's largest shape (its own
+shape, eagerly), and every feed of a model with sliding-window layers (alone: transformers' own sliding mask).
 """
 from __future__ import annotations
 
@@ -146,6 +147,7 @@ class DraftRows(Cache):
         super().__init__(layers=[])
         self.model, self.head, self.name, self.bucket = model, head, name, bucket
         self.geometry = KVGeometry.of(model)
+        self.sliding = any(layer.is_sliding for layer in StaticKVCache(model.config, name=name).layers)
         self.layers = [RowsLayer(self) for _ in range(self.geometry.layers)]
         self.rows = 0  # rows allocated (the scratch row is one more)
         self.capacity = 0  # positions per row
@@ -210,8 +212,10 @@ class DraftRows(Cache):
     # -------------------------------------------------------------- a drafting level
     def runs(self, feeds: Sequence[Feed]) -> bool:
         """Whether ``feeds`` (one batch key: one model, one head) run here as one fixed-shape forward: their caches
-        all rows held here, none steered, the group within the runner's shapes."""
-        return (all(getattr(f.cache, "rows_owner", None) is self and f.steer is None for f in feeds)
+        all rows held here, none steered nor run in a context of its own, the group within the runner's shapes, the
+        model without sliding-window layers (the runner's mask is the whole prefix: their rows run alone)."""
+        return (not self.sliding and all(getattr(f.cache, "rows_owner", None) is self and f.steer is None
+                                         and f.around is None for f in feeds)
                 and self.runner.fits(len(feeds), max(f.length for f in feeds)))
 
     def run_feeds(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
