@@ -23,7 +23,9 @@ still run; every result is written as it comes):
    process and file, written after every row.
 6. ``batch_forward`` (after the GPU default's replay, at most 45 s): ``benchmarks/batch_forward.py``, the
    scheduler's batched verify forward on the 1.5B shape at 1, 4 and 16 rows x 1, 4, 8 and 16 tokens a row, eager at
-   its exact shape against its captured bucket (issue "A batch at GPU speed", item 2).
+   its exact shape against its captured bucket (issue "A batch at GPU speed", item 2); then ``draft_forward`` (at
+   most 30 s): a drafting level of the batch on the 0.5B shape at 1, 4 and 16 rows x 1 and 4 tokens, each request's
+   own cache eagerly against the rows of one ``DraftRows`` captured (``--level draft``, item 1).
 7. ``trace_replay_gpu_default``, ``trace_replay_gpu_default8``, then ``trace_replay``: the embedded GPU default pool
    (configs/gpu_default.yaml), its deeper candidate (configs/pools/gpu_default8.yaml: the static tree to depth 8),
    then the CPU default, trace-replayed (``TRACES``) against metasd with no drafter.
@@ -241,7 +243,7 @@ def pytest_summary(run: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- main
 
 SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "batch_forward",
-            "overhead_rest", "trace_replay", "conformance_sampling")
+            "draft_forward", "overhead_rest", "trace_replay", "conformance_sampling")
 
 
 def replay_name(pool: str) -> str:
@@ -334,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "--forward-rows", "1", "2", "--repeats", "3", "--graphs", "off", "fixed",
                                      "--static", "--drafter-graphs", "off", "fixed"], None)]  # fixed: buffers, eager
         stages += [(f"replay:{pool}", None, None) for pool in replays]
-        stages += [("batch:tiny", ["--shape", "tiny", "--rows", "1", "3", "--tokens", "1", "4", "--graphs", "off",
-                                   "fixed", "--repeats", "3", "--dtype", "fp32"], None)]
+        stages += [(f"{level}:tiny", ["--shape", "tiny", "--rows", "1", "3", "--tokens", "1", "4", "--graphs", "off",
+                                      "fixed", "--repeats", "3", "--dtype", "fp32"], None) for level in ("batch", "draft")]
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
         core = ["--taus", "4", "--graphs", "on", "--static", "--chains", *map(str, chains), "--drafter-graphs", "on"]
@@ -346,13 +348,17 @@ def main(argv: list[str] | None = None) -> int:
                   # the scheduler's batched verify forward per (rows, tokens), eager against captured
                   ("batch:1.5b", ["--shape", "1.5b", "--rows", "1", "4", "16", "--tokens", "1", "4", "8", "16",
                                   "--graphs", "off", "on", "--repeats", "5"], 45),
+                  # a drafting level of the batch: each request's own cache against one DraftRows, captured
+                  ("draft:0.5b", ["--shape", "0.5b", "--rows", "1", "4", "16", "--tokens", "1", "4", "--graphs",
+                                  "off", "on", "--repeats", "5"], 30),
                   # the rest: eager rows beside captured ones, tokens/step 2 and 6, the dynamic trees
                   ("overhead:rest", ["--shapes", "1.5b", "--taus", "2", "6", "--graphs", "off", "on", "--chains",
                                      *map(str, chains), "--drafter-graphs", "off", "--trees", *trees,
                                      "--forward-rows", "2", "4", "16", *common], None),
                   *[(f"replay:{pool}", None, None) for pool in replays if pool != "gpu_default"]]
         stages = [st for st in stages if st[0].startswith("replay:") or f"overhead_{st[0][9:]}" in wanted
-                  or st[0].startswith("batch:") and "batch_forward" in wanted]
+                  or st[0].startswith("batch:") and "batch_forward" in wanted
+                  or st[0].startswith("draft:") and "draft_forward" in wanted]
     for i, (stage, plan, cap) in enumerate(stages):
         later_core = sum(1 for _, _, c in stages[i + 1:] if c is not None)  # each keeps at least a minute
         if args.quick:
@@ -362,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         else:  # the rest share what the core left, evenly, 30 s kept for the sampling tests
             timeout = (check.left() - 60 * later_core - 30) / sum(1 for _, _, c in stages[i:] if c is None)
         kind, name = stage.split(":")
-        if kind == "batch":
-            result = check.run_script("batch_forward", ["batch_forward.py", *plan, "--device", device],
-                                      out_dir / "batch_forward.json", timeout)
-            check.record("batch_forward", result)
+        if kind in ("batch", "draft"):
+            section = f"{kind}_forward"
+            level = ["--level", "draft"] if kind == "draft" else []
+            result = check.run_script(section, ["batch_forward.py", *level, *plan, "--device", device],
+                                      out_dir / f"{section}.json", timeout)
+            check.record(section, result)
             ok &= result["exit"] == 0
             continue
         if kind == "replay":
@@ -443,11 +451,13 @@ def _summary(results: dict) -> dict:
                     + ", syncs/step "
                     + (f"cuda {gpu_syncs:.2f}" if gpu_syncs is not None else "cuda -")
                     + (f", fake {fake_row['per_step']:.2f}" if fake_row else ""))
-    for row in (s.get("batch_forward", {}).get("figures") or {}).get("rows", []):
-        settings = [k for k in row["order"] if k != "off"]
-        lines.append(f"batch forward {row['rows']} rows x {row['tokens']} tokens: "
-                     + ", ".join(f"{k} {row[k]['median']:.2f} ms" for k in ["off", *settings] if k in row)
-                     + "".join(f", {k}/off {row[f'{k}_over_off']:.2f}" for k in settings if f"{k}_over_off" in row))
+    for section in ("batch_forward", "draft_forward"):
+        for row in (s.get(section, {}).get("figures") or {}).get("rows", []):
+            settings = [k for k in row["order"] if k != "off"]
+            lines.append(f"{section.replace('_', ' ')} {row['rows']} rows x {row['tokens']} tokens: "
+                         + ", ".join(f"{k} {row[k]['median']:.2f} ms" for k in ["off", *settings] if k in row)
+                         + "".join(f", {k}/off {row[f'{k}_over_off']:.2f}" for k in settings
+                                   if f"{k}_over_off" in row))
     for section in ("trace_replay_gpu_default", "trace_replay_gpu_default8", "trace_replay"):
         replay = (s.get(section, {}).get("figures") or {}).get("summary", {})
         for prompts, by_method in replay.items():

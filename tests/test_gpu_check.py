@@ -76,7 +76,11 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
         [(1, 1), (1, 4), (3, 1), (3, 4)]
     assert all(r["fixed_over_off"] > 0 for r in batch["figures"]["rows"])
     assert batch["figures"]["runners"]["3"]["fixed"]["eager"] > 0
-    assert len(s["summary"]["rows"]) == 9 + 4 + 3 * 2 * 3 and (out / "gpu_check.log").exists()
+    draft = s["draft_forward"]  # a drafting level of the batch: each request's own cache against one DraftRows
+    assert draft["exit"] == 0 and draft["figures"]["level"] == "draft"
+    assert [(r["rows"], r["tokens"]) for r in draft["figures"]["rows"]] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    assert draft["figures"]["runners"]["3"]["fixed"]["eager"] > 0
+    assert len(s["summary"]["rows"]) == 9 + 4 + 4 + 3 * 2 * 3 and (out / "gpu_check.log").exists()
 
 
 @pytest.fixture(scope="module")
