@@ -26,6 +26,7 @@ shape, eagerly), and every feed of a model with sliding-window layers (alone: tr
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -155,7 +156,9 @@ class DraftRows(Cache):
         self.keep_allocation = True
         self.fixed: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None  # set while a forward runs
         self.free: list[int] = []
-        self.held: dict[int, RowKVCache] = {}
+        #: row -> its cache, weakly: a fork dropped without its ``end`` (a request that failed as it began) frees its
+        #: row when its cache is collected, never holding it for the drafter's life
+        self.held: dict[int, weakref.ref] = {}
         self.runner = BatchGraphRunner(model, self, capture=capture, head=head,
                                        label=f"the drafting level of {name or 'a drafter'}")
         self.reallocations = 0
@@ -164,14 +167,25 @@ class DraftRows(Cache):
     def take(self) -> RowKVCache:
         """A free row (the buffers grown by doubling when none is), its length 0."""
         if not self.free:
+            self._reclaim()
+        if not self.free:
             self.grow(rows=max(1, 2 * self.rows))
         row = self.free.pop(0)
-        cache = self.held[row] = RowKVCache(self, row, self.model.config, self.name)
+        cache = RowKVCache(self, row, self.model.config, self.name)
+        self.held[row] = weakref.ref(cache)
         return cache
+
+    def _reclaim(self) -> None:
+        """Free the rows whose caches were collected without being given back."""
+        for row in [row for row, ref in self.held.items() if ref() is None]:
+            del self.held[row]
+            self.free.append(row)
+        self.free.sort()
 
     def give_back(self, cache: RowKVCache) -> None:
         """``cache``'s row is free again (a request ended); nothing when it is not held."""
-        if self.held.get(cache.row) is cache:
+        ref = self.held.get(cache.row)
+        if ref is not None and ref() is cache:
             del self.held[cache.row]
             self.free.append(cache.row)
             self.free.sort()
