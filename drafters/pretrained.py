@@ -305,9 +305,7 @@ class PretrainedDrafter(Drafter):
 
     def confidence(self) -> float | None:
         """With ``track``: the probability of its own top token after the last committed token (one host read)."""
-        if not self.track or self._root is None:
-            return None
-        return float(self._root[1].float().softmax(-1).max())
+        return None if not self.track or self._root is None else float(self._root[1].float().softmax(-1).max())
 
     def steered_step(self, ctx: StepContext):
         """Context of one drafting step: the steering component's guide for every forward in it, if any."""
@@ -332,9 +330,12 @@ class PretrainedDrafter(Drafter):
         if depth <= 0:
             return Draft.empty()
         logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab]
-        if self.loops is not None and ctx.sampling.greedy and ctx.grammar is None \
-                and self.confidence_threshold is None:  # argmax k times = the top-1 tree of k levels, one shape
-            tokens = DeviceTokens((yield self.loops.feed([1] * self.k, logits))[:depth])  # [depth] on the device
+        whole = None  # argmax k times = the top-1 tree of k levels, one shape: one loop (for the batch over rows)
+        if ctx.sampling.greedy and ctx.grammar is None and self.confidence_threshold is None:
+            whole = self.loops.feed([1] * self.k, logits) if self.loops is not None else \
+                None if self.rows is None else self.rows.loop_feed([1] * self.k, self.cache, logits)
+        if whole is not None:
+            tokens = DeviceTokens((yield whole)[:depth])  # [depth] on the device
             self._fed_draft = tokens.prefix(depth - 1) if depth > 1 else None  # joins cached_ids when read
             return Draft.chain(tokens, None, catch_up=self.last_catch_up)
         tokens, probs = yield from self._draft_chain(logits, depth, ctx)
@@ -424,9 +425,8 @@ class PretrainedDrafter(Drafter):
 
     def _unsure(self, logits: torch.Tensor, token: torch.Tensor) -> bool:
         """Whether the drafted ``token`` ([1]) had a drafter probability below ``confidence_threshold`` (a host read)."""
-        if self.confidence_threshold is None:
-            return False
-        return float(logits.float().softmax(-1)[token]) < self.confidence_threshold
+        return self.confidence_threshold is not None and \
+            float(logits.float().softmax(-1)[token]) < self.confidence_threshold
 
     def observe(self, feedback: StepFeedback) -> None:
         if not self.adaptive_k or not len(feedback.draft):

@@ -75,6 +75,11 @@ class StaticTreeDrafter(PretrainedDrafter):
             tokens = yield self.loops.feed(self.widths, logits)  # [n of the whole shape] on the device
             return Draft(DeviceTokens(tokens[: len(parents)]), parents, None, catch_up=self.last_catch_up,
                          meta={"drafter_forwards": len(self.widths)})
+        whole = None if self.rows is None else self.rows.loop_feed(self.widths, self.cache, logits)
+        if whole is not None:  # a scheduler's fork: the whole shape in one loop for every request drafting it
+            tokens = yield whole  # [n of the whole shape] on the device
+            return Draft(DeviceTokens(tokens[: len(parents)]), parents, None, catch_up=self.last_catch_up,
+                         meta={"drafter_forwards": len(self.widths)})
         committed = cache_length(self.cache)
         depths = depths_of(parents)
         mask = ancestor_mask(torch.tensor(parents))  # [n+1, n+1], row/column 0: the root

@@ -16,7 +16,7 @@ from metasd.core.batching.scheduler import Scheduler, SchedulerStep
 from metasd.core.engine import Engine
 from metasd.core.execution import graph_runner
 from metasd.core.execution.verifier import Verifier
-from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
 from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
 
 
@@ -127,3 +127,24 @@ def test_the_drafting_levels_over_the_rows_capture_replay_and_recapture_after_th
     logged = [r.getMessage() for r in caplog.records if r.name == "metasd.core.execution.graph_runner"]
     assert len(logged) == stats.captured and "the drafting level of tree of" in logged[0], logged
     assert not drafter.rows.held
+
+
+def test_the_whole_tree_loop_over_the_rows_captures_replays_and_recaptures_after_the_rows_grow(fake_graphs):
+    verifier_model = tiny_qwen(seed=3, context=1024)
+    drafter = StaticTreeDrafter(tiny_qwen(seed=3, layers=1, context=1024), widths=[2, 2, 1], name="static",
+                                fixed_shapes=True)
+    drafter.rows.runner.capture = True  # what graphs="auto" sets on CUDA (the rows' loops take it from the runner)
+    prompts = [[5, 17, 3, 59], [42, 8, 23], [7] + [(3 * i) % 60 + 1 for i in range(290)]]  # the third: 512 columns
+    max_new = [40, 40, 10]
+    fake_graphs(lambda: drafter.rows)
+    running = threading.Event()
+    with Scheduler(Engine(Verifier(verifier_model), [drafter]), max_batch=3) as s:
+        s.add_listener(lambda r: running.set() if isinstance(r, SchedulerStep) and r.batch_size == 2 else None)
+        first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
+        assert running.wait(60)
+        got = [h.result(timeout=60).token_ids for h in first + [s.submit(prompts[2], max_new[2])]]
+    assert got == [plain_greedy(verifier_model, p, n) for p, n in zip(prompts, max_new)]
+    (loop,) = drafter.rows.loops.values()
+    assert loop.stats.eager == 0 and loop.stats.replays > 0
+    # a (rows, width) bucket met again after the rows grew was captured again over the new buffers
+    assert drafter.rows.capacity >= 512 and loop.stats.captured > len(loop.shapes), loop.describe()

@@ -10,6 +10,7 @@ from metasd.core.batching.scheduler import Scheduler
 from metasd.core.decoding.drafter import with_components
 from metasd.core.engine import Engine
 from metasd.core.execution.draft_batch import Feed, feed_groups, run_feed, run_group
+from metasd.core.execution.draft_loop import DraftLoop
 from metasd.core.execution.draft_rows import DraftRows, RowKVCache
 from metasd.core.execution.kv_cache import keep_positions
 from metasd.core.execution.static_cache import new_cache
@@ -86,6 +87,35 @@ def test_rows_grow_all_or_nothing_keeping_what_they_hold_and_are_given_back():
     assert rows.take().row == 0 and rows.take().row == 1 and rows.rows == 2  # ... their rows taken again, no growth
 
 
+@torch.inference_mode()
+def test_one_loop_over_the_rows_drafts_each_rows_tree_as_its_loop_alone_would():
+    # a static tree [2, 2, 1] after three prefixes of different lengths: the whole loop for the three rows at once
+    # (rows_loop.py, one run padded to 4 rows) against each row's own DraftLoop over a cache of its own
+    model = tiny_qwen(seed=3, context=1024)
+    rows = DraftRows(model, capture=False, name="static")
+    widths = [2, 2, 1]
+    alone, own_caches, caches, roots = [], [], [], []
+    for prefix in ([1, 2, 3, 4, 5, 6, 7], [9, 8], [4, 4, 5, 1, 2]):
+        own, row = new_cache(model), rows.take()
+        root = model(input_ids=torch.tensor([prefix]), past_key_values=own, use_cache=True).logits[0, -1]
+        model(input_ids=torch.tensor([prefix]), past_key_values=row, use_cache=True)
+        alone.append(DraftLoop(model, None, own, widths, capture=False).run(root))
+        own_caches.append(own)
+        caches.append(row)
+        roots.append(root)
+    feeds = [rows.loop_feed(widths, c, r) for c, r in zip(caches, roots)]
+    assert feed_groups(feeds) == [[0, 1, 2]]
+    got = run_group(feeds)
+    for g, want, own, row in zip(got, alone, own_caches, caches):
+        assert g.tolist() == want.tolist()
+        assert row.get_seq_length() == own.get_seq_length()  # past + the 6 nodes fed
+        for la, lb in zip(own.layers, row.layers):
+            torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
+    (loop,) = rows.loops.values()
+    assert loop.stats.eager == 1 and set(loop.shapes) == {(4, 256)}
+    assert all(layer.keys[3].abs().sum() == 0 for layer in rows.layers)  # the padding row wrote the scratch row
+
+
 def _pool(kind: str, model):
     """(drafters, rounds): a pool whose model drafters' forks draft over rows (``graphs: fixed``) and the most drafter
     forwards one step of a request makes - its catch-up, then a level each."""
@@ -128,6 +158,9 @@ def test_concurrent_requests_draft_each_level_in_one_fixed_shape_forward_and_dec
     full = [f for b, f in steps if b == 4]
     assert full and max(full) <= rounds, (kind, steps)  # one drafter forward per level for the whole batch
     assert rows.runner.stats.eager > before and any(r == 4 for r, _ in shapes)  # levels ran on the rows, 4 at a time
+    if kind in ("chain", "static_tree"):  # a greedy chain, a static tree: the whole loop for the batch at once
+        (loop,) = rows.loops.values()
+        assert loop.stats.eager > 0 and any(R == 4 for R, _ in loop.shapes), loop.describe()
     assert not rows.held and rows.rows == 4  # every request's row given back; the buffers kept for the next
 
 

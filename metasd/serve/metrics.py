@@ -105,8 +105,8 @@ class ServeMetrics:
                                                                    "capturing them."))}
         # each model drafter's drafting levels at fixed shapes over its forks' rows (core/execution/draft_rows.py)
         self.draft_gauges = {key: Gauge(name, doc, labels + ["drafter"], registry=r) for key, name, doc in (
-            ("shapes", "metasd:draft_fixed_shapes", "(rows, tokens, width) shapes the drafter's levels met."),
-            ("captured", "metasd:draft_graphs_captured", "CUDA graphs of its drafting levels captured (recaptures "
+            ("shapes", "metasd:draft_fixed_shapes", "Shapes the drafter's levels and whole-tree loops met."),
+            ("captured", "metasd:draft_graphs_captured", "CUDA graphs of its levels and loops captured (recaptures "
                                                          "after its rows were reallocated included)."),
             ("capture_s", "metasd:draft_graph_capture_seconds", "Seconds spent capturing them."),
             ("bytes", "metasd:draft_rows_bytes", "Bytes its rows' KV buffers hold."))}
@@ -210,8 +210,8 @@ class ServeMetrics:
 
 
 def draft_stat(rows, key: str) -> float:
-    """One figure of a drafter's ``DraftRows`` (``draft_gauges``)."""
+    """One figure of a drafter's ``DraftRows`` (``draft_gauges``): its levels' runner and its whole-tree loops."""
     if key == "bytes":
         return float(rows.held_bytes)
-    runner = rows.runner
-    return float(len(runner.shapes) if key == "shapes" else getattr(runner.stats, key))
+    runners = [rows.runner, *rows.loops.values()]
+    return float(sum(len(r.shapes) if key == "shapes" else getattr(r.stats, key) for r in runners))

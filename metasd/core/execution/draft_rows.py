@@ -37,6 +37,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .batch_runner import BatchGraphRunner
 from .draft_batch import Feed, feed_inputs
 from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
+from .rows_loop import RowsLoop, RowsLoopFeed
 from .static_cache import StaticKVCache, StaticLayer
 
 
@@ -161,6 +162,7 @@ class DraftRows(Cache):
         self.held: dict[int, weakref.ref] = {}
         self.runner = BatchGraphRunner(model, self, capture=capture, head=head,
                                        label=f"the drafting level of {name or 'a drafter'}")
+        self.loops: dict[tuple[int, ...], RowsLoop] = {}  # fixed tree shapes drafted whole for many rows at once
         self.reallocations = 0
 
     # -------------------------------------------------------------- rows
@@ -248,6 +250,18 @@ class DraftRows(Cache):
             out.append(logits[b, n - 1: n] if f.last_only else logits[b, :n])
         return out
 
+    def loop_feed(self, widths: Sequence[int], cache: RowKVCache, root: torch.Tensor) -> RowsLoopFeed | None:
+        """The feed that drafts a tree of ``widths`` (a chain: ``[1] * k``) after ``root`` ([vocab]) over ``cache``'s
+        row - the round's such feeds of one shape run as ONE loop for their rows (rows_loop.py); None for a model with
+        sliding-window layers (its levels run alone)."""
+        if self.sliding:
+            return None
+        key = tuple(int(w) for w in widths)
+        loop = self.loops.get(key)
+        if loop is None:
+            loop = self.loops[key] = RowsLoop(self, key, capture=self.runner.capture)
+        return RowsLoopFeed(loop, cache, root)
+
     # -------------------------------------------------------------- what transformers asks of a Cache
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -262,7 +276,7 @@ class DraftRows(Cache):
     def describe(self) -> dict[str, Any]:
         return {"rows": self.rows, "held": len(self.held), "capacity": self.capacity,
                 "mib": round(self.held_bytes / 2 ** 20, 1), "reallocations": self.reallocations,
-                **self.runner.describe()}
+                **self.runner.describe(), "loops": [loop.describe() for loop in self.loops.values()]}
 
     def __repr__(self) -> str:
         return f"DraftRows(rows={self.rows}, held={len(self.held)}, capacity={self.capacity})"
