@@ -7,8 +7,9 @@ The acceptance is the trace's, as ``TraceDrafter`` relabels it; only the forward
 tokens on the random-weight drafter and they are dropped: what the replay needs of it is its cost and the cache it
 leaves - the nodes of the fed levels at the committed length + their index, which is where the recording fed them
 (levels in order), so the accepted fed nodes are kept from there after the step as ``TraceDrafter`` keeps them. A step
-where the arm ran no forward (the cascade's lookup was deep enough) runs none. A scheduler's forks replay as
-``TraceDrafter`` does (the real drafter's forks feed level by level, batched).
+where the arm ran no forward (the cascade's lookup was deep enough) runs none. A scheduler's forks replay as the
+real drafter's forks draft: their catch-ups one forward over their rows, then the whole loop for every request drafting
+it at once (``core/execution/rows_loop.py``); without fixed shapes, level by level as ``TraceDrafter`` does.
 """
 from __future__ import annotations
 
@@ -50,11 +51,11 @@ class LoopTraceDrafter(TraceDrafter):
 
     def _forked(self, cross_request: bool) -> None:
         super()._forked(cross_request)
-        self.loops = None  # a fork replays level by level over its row, as the real drafter's forks draft
+        self.loops = None  # a fork replays the whole loop over its row, batched, as the real drafter's forks draft
 
     def _run_feeds(self, step: TraceStep, tokens: list[int], fed_as, draft: Draft, base: int,
                    slots: dict[int, tuple[int, int]]) -> Drafting:
-        if self.loops is None:
+        if self.loops is None and (self.rows is None or self.rows[0].sliding):
             return (yield from super()._run_feeds(step, tokens, fed_as, draft, base, slots))
         if not step.feeds:
             return 0
@@ -67,11 +68,14 @@ class LoopTraceDrafter(TraceDrafter):
         keep = min(self._cached[0], len(tokens) - 1, cache_length(cache))
         crop_to(cache, keep)
         ids = tokens[keep:]
-        logits = yield self.loops.catch_up(ids) or Feed(self.models[0], None, cache, ids, last_only=True)
+        fixed = self.loops.catch_up(ids) if self.loops is not None else None  # a fork's: over its row (a Feed)
+        logits = yield fixed or Feed(self.models[0], None, cache, ids, last_only=True)
         self._cached[0] = len(tokens)
-        # the whole shape, as the drafter's loop runs it also where the tokens left cut its draft; its tokens are
-        # dropped: the draft is the trace's
-        yield self.loops.feed(self.widths, logits[-1])
+        # the whole shape, as the drafter's loop runs it also where the tokens left cut its draft (alone: its own
+        # loop; a fork: one loop for every request drafting it, over their rows); its tokens are dropped: the draft
+        # is the trace's
+        yield self.loops.feed(self.widths, logits[-1]) if self.loops is not None else \
+            self.rows[0].loop_feed(self.widths, cache, logits[-1])
         for slot, (node, _) in enumerate(rows):  # the loop fed node i at base + i, as the recording did
             node = fed_as(node)
             if node is not None and node >= 0:

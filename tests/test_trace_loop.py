@@ -1,7 +1,7 @@
 """A static-tree arm trace-replayed at its captured drafting cost (drafters/trace_loop.py), run on the CPU over the
 buffers a CUDA graph replays (``fixed_shapes``): the replaying verifier's own greedy text in exactly the recorded
 steps, one fixed-shape catch-up and one drafting loop per drafting step, alone and inside the GPU default's cascade;
-a trace of another shape refused; a scheduler's fork replaying level by level."""
+a trace of another shape refused; a scheduler's forks replaying through one loop over their rows."""
 import pytest
 
 from metasd.core import Engine, Verifier
@@ -48,7 +48,7 @@ def test_a_static_tree_arm_replays_through_its_loop_in_the_recorded_steps(kind):
     (loop,) = arm.loops.loops.values()
     assert loop.stats.eager == arm.loops.runner.stats.eager == drafting > 0
     assert kind == "static" or drafting < len(starts), "the cascade never let its lookup draft alone"
-    assert arm.fork().loops is None  # a scheduler's fork replays level by level
+    assert arm.fork().loops is None  # a scheduler's fork replays over its row (below)
 
 
 def test_a_trace_of_another_shape_is_refused():
@@ -63,3 +63,36 @@ def test_a_trace_of_another_shape_is_refused():
         Engine(Verifier(verifier), arm, check_tokenizers=False).generate(PROMPT, max_new_tokens=4)
     with pytest.raises(ValueError, match="runs no fixed shape; replay this arm with TraceDrafter"):
         LoopTraceDrafter(trace, "arm", drafter, WIDTHS, vocab=64)  # graphs auto on a CPU, no fixed shapes
+
+
+def test_requests_side_by_side_replay_their_steps_through_one_loop_over_their_rows():
+    """A scheduler's forks of the arm: their catch-ups over their rows, then ONE loop for every request drafting
+    (rows_loop.py, as the real static tree's forks draft) - each request still commits its replaying verifier's text
+    in its recorded steps."""
+    from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
+
+    verifier = tiny_qwen(seed=0, logit_scale=4.0)
+    drafter = _noisy(tiny_qwen(seed=0, logit_scale=4.0), 0.05, seed=1)
+    prompts, taus = [], []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        taus.append(Engine(Verifier(verifier), _arm("static", drafter), check_tokenizers=False).generate(
+            prompt, max_new_tokens=n).stats.tokens_per_step)
+        R = plain_greedy(verifier, prompt, n + 8)
+        prompts.append(PromptTrace(f"p{i}", len(prompt), n, {"arm": record_arm(_arm("static", drafter), prompt, R, n)}))
+    trace = Trace(prompts)
+    other_verifier, other_drafter = tiny_qwen(seed=5, logit_scale=4.0), tiny_qwen(seed=6)
+    replay_prompts, continuations = [], []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        ids = [(t * 7 + 3 + i) % 64 for t in prompt]
+        G = plain_greedy(other_verifier, ids, n + 8)
+        trace.prompts[i].replay_on(ids, G)
+        replay_prompts.append(ids)
+        continuations.append(G[:n])
+    arm = LoopTraceDrafter(trace, "arm", other_drafter, WIDTHS, vocab=64, fixed_shapes=True)
+    engine = Engine(Verifier(other_verifier, fixed_shapes=True), arm, check_tokenizers=False)
+    results, _ = schedule_together(engine, replay_prompts, MAX_NEW, lambda: 0)
+    assert [r.token_ids for r in results] == continuations
+    assert [r.stats.tokens_per_step for r in results] == taus
+    (rows,) = arm.rows
+    (loop,) = rows.loops.values()
+    assert loop.stats.eager > 0 and max(R for R, _ in loop.shapes) == 4 and not rows.held, loop.describe()
