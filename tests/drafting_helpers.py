@@ -47,3 +47,18 @@ def schedule_together(engine, prompts, max_new, count):
     def grew(now, before):  # a count, or a tuple of counts
         return tuple(a - b for a, b in zip(now, before)) if isinstance(now, tuple) else now - before
     return results, [(b, grew(n, before)) for (b, n), (_, before) in zip(per_step[1:], per_step)]
+
+
+def sampled_side_by_side(engine, samples=3000):
+    """``joint_check`` of three-token continuations of ``engine`` sampled side by side through a ``Scheduler`` (each
+    seed a request, all submitted before its thread starts any): their drafting forwards shared."""
+    from metasd.core.batching.scheduler import Scheduler
+    from sampling_check import joint_check
+
+    def generate(prompt, seeds):
+        with Scheduler(engine, max_batch=16, max_queue=len(seeds)) as s:
+            with s._lock:
+                handles = [s.submit(prompt, 3, temperature=1.0, seed=seed) for seed in seeds]
+            return [h.result(timeout=120) for h in handles]
+
+    return joint_check(engine, [3], samples, length=3, generate=generate)

@@ -15,8 +15,7 @@ from metasd.drafters import (FusedDrafter, PretrainedDrafter, PretrainedTreeDraf
 from metasd.drafters.budgeted import budget_arms
 from metasd.drafters.steering_net import Injector, SteeringModule
 from metasd.policies import make_policy
-from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
-from sampling_check import joint_check
+from drafting_helpers import MAX_NEW, PROMPTS, sampled_side_by_side, schedule_together
 from tiny import tiny_qwen, tiny_tokenizer
 
 
@@ -189,13 +188,7 @@ def test_sampling_through_batched_tree_drafting_follows_the_verifier_at_depth_tw
         widths.append(kwargs["input_ids"].shape[0])
     drafter_model.register_forward_pre_hook(width, with_kwargs=True)
 
-    def generate(prompt, seeds):
-        with Scheduler(engine, max_batch=16, max_queue=len(seeds)) as s:
-            with s._lock:
-                handles = [s.submit(prompt, 3, temperature=1.0, seed=seed) for seed in seeds]
-            return [h.result(timeout=120) for h in handles]
-
-    check = joint_check(engine, [3], 3000, length=3, generate=generate)
+    check = sampled_side_by_side(engine)
     assert check.pvalue > 1e-4, check
     drafted, accepted = check.position_drafted[1], check.position_accepted[1]  # steps whose draft reached depth 2
     assert drafted > 200 and 0 < accepted < drafted, check
