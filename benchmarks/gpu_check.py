@@ -29,7 +29,10 @@ still run; every result is written as it comes):
 7. ``trace_replay_gpu_default``, ``trace_replay_gpu_default8``, then ``trace_replay``: the embedded GPU default pool
    (configs/gpu_default.yaml), its deeper candidate (configs/pools/gpu_default8.yaml: the static tree to depth 8),
    then the CPU default, trace-replayed (``TRACES``) against metasd with no drafter.
-8. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
+8. ``conformance_batch``: every drafter type through the scheduler at captured shapes on the device - the batched
+   verify forward and the model drafters' rows and loops (``tests/test_scheduler_drafters.py -k fixed``: greedy
+   identity with ``Engine.generate`` for three concurrent requests; issue "A batch at GPU speed"), at most 90 s.
+9. ``conformance_sampling``: every drafter type's sampling exactness on the device (chi-square), if time is left.
 
 Section 5 runs every tokens/step row twice - the verifier's verify forwards eager (``graphs: off``) and replayed from
 CUDA graphs (``on``; the dry run: ``fixed``, the same buffers eagerly) - and times transformers' static-cache
@@ -243,7 +246,7 @@ def pytest_summary(run: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- main
 
 SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "batch_forward",
-            "draft_forward", "overhead_rest", "trace_replay", "conformance_sampling")
+            "draft_forward", "overhead_rest", "trace_replay", "conformance_batch", "conformance_sampling")
 
 
 def replay_name(pool: str) -> str:
@@ -398,6 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         check.log(f"fake_syncs: {json.dumps(fake_result)}")
         ok &= "error" not in fake_result and "exit" not in fake_result
 
+    if "conformance_batch" in wanted and check.left() > 40:
+        batch_k = "fixed and (static_tree or ngram)" if args.quick else "fixed"
+        tests = [a if a != "tests/test_conformance.py" else "tests/test_scheduler_drafters.py" for a in pytest]
+        run = pytest_summary(check.run("conformance_batch", tests + ["-k", batch_k],
+                                       check.left() / 3 if args.quick else min(90.0, check.left() - 30), test_env))
+        check.record("conformance_batch", run)
+        ok &= run["exit"] == 0
+    elif "conformance_batch" in wanted:
+        check.record("conformance_batch", {"skipped": "no time left"})
+
     if "conformance_sampling" in wanted and check.left() > 20:
         # the dry run stands in a fast test of the same file for the slow chi-square ones: it checks the plumbing
         sampling_k = "round_trips and ngram" if args.quick else "sampling_follows"
@@ -467,7 +480,8 @@ def _summary(results: dict) -> dict:
                              f"over {replay['repeats']} repeats"
                              + ("" if fig["identical"] else " (an output LEFT its recording)"))
     return {"ok": results.get("ok"), "rows": lines,
-            "tests": {k: s[k].get("counts") for k in ("conformance_greedy", "conformance_sampling") if k in s},
+            "tests": {k: s[k].get("counts") for k in ("conformance_greedy", "conformance_batch", "conformance_sampling")
+                      if k in s},
             "kernels_ok": s.get("kernels", {}).get("ok")}
 
 

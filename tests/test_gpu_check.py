@@ -23,7 +23,7 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     result = json.loads((out / "gpu_check.json").read_text())
     s = result["sections"]
     assert result["ok"] and s["environment"]["metasd_imports"] is True and s["kernels"]["ok"]
-    for section in ("conformance_greedy", "conformance_sampling"):
+    for section in ("conformance_greedy", "conformance_batch", "conformance_sampling"):
         assert s[section]["exit"] == 0 and s[section]["counts"].get("passed", 0) >= 1, s[section]
     figures = s["overhead"]["tiny"]["figures"]
     rows = figures["shapes"][0]["rows"]
