@@ -114,7 +114,8 @@ def test_the_drafting_levels_over_the_rows_capture_replay_and_recapture_after_th
     fake_graphs(lambda: drafter.rows)
     caplog.set_level(logging.INFO, logger="metasd.core.execution.graph_runner")
     running = threading.Event()
-    with Scheduler(Engine(Verifier(verifier_model), [drafter]), max_batch=3) as s:
+    # the verifier at fixed shapes too: its rows (and the drafter's, shaped like them) kept between requests
+    with Scheduler(Engine(Verifier(verifier_model, fixed_shapes=True), [drafter]), max_batch=3) as s:
         s.add_listener(lambda r: running.set() if isinstance(r, SchedulerStep) and r.batch_size == 2 else None)
         first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
         assert running.wait(60)  # the two short ones draft over 256 columns, then the long one joins
@@ -138,7 +139,8 @@ def test_the_whole_tree_loop_over_the_rows_captures_replays_and_recaptures_after
     max_new = [40, 40, 10]
     fake_graphs(lambda: drafter.rows)
     running = threading.Event()
-    with Scheduler(Engine(Verifier(verifier_model), [drafter]), max_batch=3) as s:
+    # the verifier at fixed shapes too: its rows (and the drafter's, shaped like them) kept between requests
+    with Scheduler(Engine(Verifier(verifier_model, fixed_shapes=True), [drafter]), max_batch=3) as s:
         s.add_listener(lambda r: running.set() if isinstance(r, SchedulerStep) and r.batch_size == 2 else None)
         first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
         assert running.wait(60)

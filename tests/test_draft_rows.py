@@ -6,7 +6,7 @@ Tiny fp32 models (tests/tiny.py)."""
 import pytest
 import torch
 
-from metasd.core.batching.scheduler import Scheduler
+from metasd.core.batching.scheduler import Scheduler, SchedulerStep
 from metasd.core.decoding.drafter import with_components
 from metasd.core.engine import Engine
 from metasd.core.execution.draft_batch import Feed, feed_groups, run_feed, run_group
@@ -193,7 +193,8 @@ def test_the_servers_metrics_report_each_drafters_levels_over_its_rows():
 
     drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=1.5), nodes=8, depth=3, width=2, name="tree",
                                     graphs="fixed")
-    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer()), drafter, check_tokenizers=False)
+    verifier = Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer(), fixed_shapes=True)  # buffers kept
+    engine = Engine(verifier, drafter, check_tokenizers=False)
     metrics = ServeMetrics("m")
     with Scheduler(engine, max_batch=2) as s:
         metrics.attach(s)
@@ -219,3 +220,50 @@ def test_a_request_alone_drafts_its_levels_and_its_prompts_catch_up_at_fixed_sha
     shapes = drafter.rows.runner.shapes
     # one row: its prompt's catch-up (11 tokens, padded to 16), then its levels (2 tokens a node)
     assert {(R, T) for R, T, _ in shapes} >= {(1, 16), (1, 2)}, shapes
+
+
+@torch.inference_mode()
+def test_rows_follow_the_verifiers_shape_moving_the_held_ones_down():
+    model = tiny_qwen(seed=3, context=1024)
+    rows = DraftRows(model, capture=False)
+    caches = [rows.take() for _ in range(3)]
+    for i, cache in enumerate(caches):
+        model(input_ids=torch.tensor([[i + 1] * (5 + i)]), past_key_values=cache, use_cache=True)
+    kept = [cache.layers[1].keys.clone() for cache in caches]
+    rows.give_back(caches[0])
+    rows.follow(2, 512)  # the verifier's rows shrank to two and grew to 512 positions: rows 1, 2 move to 0, 1
+    assert (rows.rows, rows.capacity) == (2, 512) and [c.row for c in caches[1:]] == [0, 1] and rows.free == []
+    for cache, keys in zip(caches[1:], kept[1:]):
+        torch.testing.assert_close(cache.layers[1].keys, keys)
+    rows.follow(0, 0)  # never fewer rows than are held, nor positions than they use (one bucket here)
+    assert (rows.rows, rows.capacity) == (2, 256) and [c.get_seq_length() for c in caches[1:]] == [6, 7]
+    for cache, keys in zip(caches[1:], kept[1:]):
+        torch.testing.assert_close(cache.layers[1].keys, keys)
+    for cache in caches[1:]:
+        rows.give_back(cache)
+    rows.follow(0, 0)  # none held: nothing allocated
+    assert (rows.rows, rows.capacity, rows.held_bytes) == (0, 0, 0) and rows.layers[0].keys is None
+
+
+def test_a_schedulers_kv_budget_counts_the_drafters_rows_as_allocated():
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=1.5), nodes=8, depth=3, width=2, name="tree",
+                                    graphs="fixed")
+    verifier = Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer(), fixed_shapes=True)
+    engine = Engine(verifier, drafter, check_tokenizers=False)
+    expected = [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+    seen = []
+    with Scheduler(engine, max_batch=4, kv_budget=2048) as s:
+        cache = s.verifier.cache
+
+        def check(record):
+            if isinstance(record, SchedulerStep):
+                verifier_bytes = cache._physical(cache.rows) * cache.capacity * cache.geometry.bytes_per_token
+                seen.append(((drafter.rows.rows, drafter.rows.capacity), (cache.rows, cache.capacity),
+                             verifier_bytes + drafter.rows.held_bytes, cache.held_bytes))
+        s.add_listener(check)
+        with s._lock:
+            handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        assert [h.result(timeout=60).token_ids for h in handles] == expected
+    assert seen and all(mine == theirs for mine, theirs, _, _ in seen)  # the rows take the verifier's shape ...
+    assert all(allocated <= held <= cache.budget_bytes for _, _, allocated, held in seen)  # ... and the budget holds them
+    assert cache.extra_bytes_per_token == 0 and cache.dense_extra_bytes_per_token == drafter.rows.geometry.bytes_per_token

@@ -14,6 +14,7 @@ from ..execution.batch_cache import BatchCache
 from ..execution.kv_memory import KVBudgetError, KVGeometry, default_budget_bytes
 from ..decoding.request import Prompt, Request
 from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
+from ..execution.draft_rows import draft_rows_of
 from ..execution.llama_cpp_batch import LlamaCppBatchVerifier  # needs no llama-cpp-python until one is made
 from ..execution.prefix_cache import PrefixCache
 from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent, _TextStream
@@ -133,8 +134,16 @@ def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):
         return LlamaCppBatchVerifier(verifier, max_batch, engine.hidden_layers, kv_budget=kv_budget)
     per_token = KVGeometry.of(verifier.model).bytes_per_token
     budget = kv_budget * per_token if kv_budget is not None else default_budget_bytes(verifier.device)
-    return BatchVerifier(verifier, max_batch, engine.hidden_layers, budget_bytes=budget,
-                         extra_bytes_per_token=drafter_kv_bytes(engine.all_drafters))
+    # model drafters at fixed shapes keep their requests' caches as rows shaped like the verifier's (draft_rows.py):
+    # charged as densely; the others per reserved position
+    rows = draft_rows_of(engine.all_drafters)
+    batch = BatchVerifier(verifier, max_batch, engine.hidden_layers, budget_bytes=budget,
+                          extra_bytes_per_token=drafter_kv_bytes(engine.all_drafters),
+                          dense_extra_bytes_per_token=sum(r.geometry.bytes_per_token for r in rows))
+    batch.cache.followers = rows
+    for r in rows:  # the rows' buffers from now on as the budget counts them (none until a request is admitted)
+        r.follow(batch.cache.rows, batch.cache.capacity)
+    return batch
 
 
 def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) -> None:
@@ -200,6 +209,8 @@ def drafter_kv_bytes(drafters) -> int:
     its own keeps a cache of it per request (``KVGeometry.bytes_per_token``); lookups keep none."""
     total = 0
     for d in drafters:
+        if getattr(d, "rows", None) is not None:  # its forks' caches are rows of a DraftRows: charged densely
+            continue
         model = getattr(d, "model", None)
         if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
             total += KVGeometry.of(model).bytes_per_token

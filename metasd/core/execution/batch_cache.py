@@ -102,7 +102,8 @@ class BatchCache(Cache):
     """
 
     def __init__(self, geometry: KVGeometry, slots: int, *, budget_bytes: int | None = None,
-                 extra_bytes_per_token: int = 0, bucket: int = RESERVATION_BUCKET):
+                 extra_bytes_per_token: int = 0, bucket: int = RESERVATION_BUCKET,
+                 dense_extra_bytes_per_token: int = 0):
         super().__init__(layers=[])
         self.geometry = geometry
         self.layers = [BatchLayer(self) for _ in range(geometry.layers)]
@@ -110,6 +111,10 @@ class BatchCache(Cache):
         self.bucket = bucket
         self.budget_bytes = budget_bytes
         self.extra_bytes_per_token = int(extra_bytes_per_token)
+        #: caches resized with the rows to their shape (``follow(rows, capacity)``: the drafters' ``DraftRows`` where
+        #: shapes are fixed), counted as densely as the rows, ``dense_extra_bytes_per_token`` per row position
+        self.followers: list[Any] = []
+        self.dense_extra_bytes_per_token = int(dense_extra_bytes_per_token)
         self.rows = 0  # rows allocated
         self.capacity = 0  # positions per row allocated
         self.lengths = [0] * slots
@@ -151,14 +156,16 @@ class BatchCache(Cache):
         return rows + self.scratch_rows if rows else 0
 
     def _dense_bytes(self, rows: int, capacity: int) -> int:
-        """Bytes of buffers of ``rows`` rows (and the scratch rows) x ``capacity`` positions."""
-        return self._physical(rows) * capacity * self.geometry.bytes_per_token
+        """Bytes of buffers of ``rows`` rows (and the scratch rows) x ``capacity`` positions: these and the followers'
+        (each with a scratch row of its own)."""
+        followers = (rows + 1 if rows else 0) * self.dense_extra_bytes_per_token
+        return capacity * (self._physical(rows) * self.geometry.bytes_per_token + followers)
 
     def check_admissible(self, tokens: int) -> int:
         """The reservation for ``tokens`` positions; ``KVBudgetError`` when the budget could never hold it, even alone."""
         need = bucketed(tokens, self.bucket)
         if self.budget_bytes is not None and self.bytes_for([need]) > self.budget_bytes:
-            per = self.geometry.bytes_per_token + self.extra_bytes_per_token
+            per = self.geometry.bytes_per_token + self.dense_extra_bytes_per_token + self.extra_bytes_per_token
             most = self.budget_bytes // per // self.bucket * self.bucket
             raise KVBudgetError(f"needs a KV reservation of {need} positions ({tokens} rounded up to {self.bucket}s, "
                                 f"{self.bytes_for([need]) / 2**20:.1f} MiB); the KV budget "
@@ -211,7 +218,9 @@ class BatchCache(Cache):
             return self.slots
         spare = (self.budget_bytes - self.pinned_bytes
                  - self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
-        return max(spare // max(capacity * self.geometry.bytes_per_token, 1) - self.scratch_rows, 0)
+        per_row = capacity * (self.geometry.bytes_per_token + self.dense_extra_bytes_per_token)
+        scratch = capacity * (self.scratch_rows * self.geometry.bytes_per_token + self.dense_extra_bytes_per_token)
+        return max((spare - scratch) // max(per_row, 1), 0)
 
     def release(self, key: Hashable) -> None:
         """Return ``key``'s reservation (nothing when it holds none)."""
@@ -274,6 +283,8 @@ class BatchCache(Cache):
             layer.keys, layer.values = k, v
         self.rows, self.capacity = rows, capacity
         self._index = None
+        for follower in self.followers:  # KVAllocationError where one cannot (the rows stay resized: within budget)
+            follower.follow(rows, capacity)
 
     # -------------------------------------------------------------- a forward
     def buffers(self) -> tuple[int, ...]:

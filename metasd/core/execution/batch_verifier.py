@@ -172,10 +172,11 @@ def check_batchable(model: PreTrainedModel, name: str) -> None:
 class BatchVerifier:
     """Scores the drafts of the running requests (rows 0..B-1 of ``cache``) in one forward of the verifier's model.
     ``budget_bytes``: the KV budget of the rows (None: none); ``extra_bytes_per_token``: what each reserved position
-    costs beside the verifier's cache (the drafters' own caches)."""
+    costs beside the verifier's cache (the drafters' own caches); ``dense_extra_bytes_per_token``: what each row
+    position costs in caches shaped like the rows (``BatchCache.followers``: the drafters' rows)."""
 
     def __init__(self, verifier: Verifier, slots: int, hidden_layers: Sequence[int] = (), *,
-                 budget_bytes: int | None = None, extra_bytes_per_token: int = 0):
+                 budget_bytes: int | None = None, extra_bytes_per_token: int = 0, dense_extra_bytes_per_token: int = 0):
         backend = getattr(verifier, "backend", "torch")
         if backend != "torch":
             raise ValueError(f"the scheduler (metasd serve, batched generation) batches torch verifiers only; "
@@ -185,7 +186,8 @@ class BatchVerifier:
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         check_batchable(self.model, verifier.name)
         self.cache = BatchCache(KVGeometry.of(self.model), slots, budget_bytes=budget_bytes,
-                                extra_bytes_per_token=extra_bytes_per_token)
+                                extra_bytes_per_token=extra_bytes_per_token,
+                                dense_extra_bytes_per_token=dense_extra_bytes_per_token)
         self.forwards = 0  # forwards run (tests count them)
         # the verifier's graph setting (``Verifier(graphs=, fixed_shapes=)``): forwards padded to fixed shapes,
         # replayed from CUDA graphs where it captures (batch_runner.py)

@@ -14,10 +14,11 @@ on a GPU every drafting level then costs an eager, launch-bound forward. Here th
   writes its q_b tokens' keys at (its row, L_b + j), attention reads ``keys[rows, :, :W]`` gathered by a static index,
   and the forward is padded to a (rows, tokens, width) bucket with the padding written to the scratch row - one CUDA
   graph per bucket where ``capture``, the same buffers run eagerly elsewhere (the CPU check);
-- the buffers grow all-or-nothing, never inside a captured forward: rows by doubling when a fork finds none free,
-  positions to twice the need when a row's forward or reservation passes them (a row's own forward may grow them:
-  it runs eagerly). A reallocation drops the graphs (recaptured as met). The buffers are kept for the drafter's life
-  - the most rows held at once x the longest reservation - since each reallocation recaptures every shape.
+- in a scheduler the buffers take the shape of the verifier's rows (``follow``, called by ``BatchCache`` at each
+  reallocation of its rows, whose KV budget counts these as densely as its own): the held rows move down to 0..n-1
+  as the verifier's shrink; elsewhere, and past that shape (a drafter whose text runs longer than the verifier's
+  reservation), they grow all-or-nothing, never inside a captured forward: rows by doubling when a fork finds none
+  free, positions to twice the need. A reallocation drops the graphs (recaptured as met).
 
 A feed alone (a request drafting alone, a prompt's catch-up) runs at a fixed shape too (one row). What still runs
 another way, through the rows' views: a steered feed (its hooks add a per-forward bias: the concatenating path), a
@@ -36,7 +37,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .batch_runner import BatchGraphRunner
 from .draft_batch import Feed, feed_inputs
-from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
+from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVGeometry, bucketed
 from .rows_loop import RowsLoop, RowsLoopFeed
 from .static_cache import StaticKVCache, StaticLayer
 
@@ -217,6 +218,43 @@ class DraftRows(Cache):
         self.rows, self.capacity = new_rows, new_capacity
         self.reallocations += 1
 
+    def follow(self, rows: int, capacity: int) -> None:
+        """Take the shape of a scheduler's verifier rows (``BatchCache.followers``: its KV budget counts these buffers
+        as densely as its own): ``rows`` rows x ``capacity`` positions, never fewer than the rows held or the positions
+        they use. The held rows move to 0..n-1 (their caches follow), so the buffers can shrink as the verifier's do;
+        none: nothing allocated. All or nothing (``KVAllocationError``)."""
+        held = [cache for _, ref in sorted(self.held.items()) if (cache := ref()) is not None]
+        used = max((cache.get_seq_length() for cache in held), default=0)
+        rows = max(rows, len(held))
+        if not rows:
+            for layer in self.layers:
+                layer.keys = layer.values = None
+            self.rows = self.capacity = 0
+            self.held, self.free = {}, []
+            return
+        capacity = max(capacity, bucketed(used, self.bucket), self.bucket)
+        g = self.geometry
+        shape = (rows + self.scratch_rows, g.kv_heads, capacity, g.head_dim)
+        try:
+            with torch.inference_mode(False):
+                new = [(torch.zeros(shape, dtype=g.dtype, device=g.device),
+                        torch.zeros(shape, dtype=g.dtype, device=g.device)) for _ in self.layers]
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise KVAllocationError(f"{self.name or 'a drafter'}: could not allocate its rows' KV buffers for {rows} "
+                                    f"rows x {capacity} positions") from e
+        keep = min(self.capacity, capacity)
+        for layer, (k, v) in zip(self.layers, new):
+            for i, cache in enumerate(held):
+                k[i, :, :keep] = layer.keys[cache.row, :, :keep]
+                v[i, :, :keep] = layer.values[cache.row, :, :keep]
+            layer.keys, layer.values = k, v
+        for i, cache in enumerate(held):
+            cache.row = i
+        self.held = {i: weakref.ref(cache) for i, cache in enumerate(held)}
+        self.free = list(range(len(held), rows))
+        self.rows, self.capacity = rows, capacity
+        self.reallocations += 1
+
     def buffers(self) -> tuple[int, ...]:
         """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
         return tuple(ptr for layer in self.layers for ptr in (layer.keys.data_ptr(), layer.values.data_ptr()))
@@ -286,3 +324,14 @@ def give_back_row(cache: Any) -> None:
     """A drafter's request ended: its cache's row is free again where it is one (``RowKVCache``)."""
     if isinstance(cache, RowKVCache):
         cache.rows_owner.give_back(cache)
+
+
+def draft_rows_of(drafters: Sequence[Any]) -> list[DraftRows]:
+    """The ``DraftRows`` of ``drafters`` (a model drafter's ``rows``; a trace replay's, one per model), each once."""
+    found: list[DraftRows] = []
+    for drafter in drafters:
+        rows = getattr(drafter, "rows", None)
+        for r in rows if isinstance(rows, list) else [rows]:
+            if isinstance(r, DraftRows) and all(r is not f for f in found):
+                found.append(r)
+    return found
