@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "--static", "--drafter-graphs", "off", "fixed"], None)]  # fixed: buffers, eager
         stages += [(f"replay:{pool}", None, None) for pool in replays]
         stages += [(f"{level}:tiny", ["--shape", "tiny", "--rows", "1", "3", "--tokens", "1", "4", "--graphs", "off",
-                                      "fixed", "--repeats", "3", "--dtype", "fp32"], None) for level in ("batch", "draft")]
+                                      "fixed", "--repeats", "3", "--dtype", "fp32"], None)
+                   for level in ("batch", "draft")]
     else:
         common = ["--new-tokens", str(args.new_tokens), "--repeats", "3"]
         core = ["--taus", "4", "--graphs", "on", "--static", "--chains", *map(str, chains), "--drafter-graphs", "on"]

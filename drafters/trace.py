@@ -153,8 +153,9 @@ class TraceParams(DrafterParams):
     trace: str  # the recorded trace (``Trace.save``)
     replay: str  # the prompts it is replayed on and the replaying verifier's continuations (``Trace.save_replay``)
     arm: str | None = None  # the recorded arm; default: the entry's name
-    graphs: Literal["auto", "on", "off", "fixed"] = "auto"  # the forks' drafting levels at fixed shapes, as the real
-    # drafter's (core/execution/draft_rows.py): captured where the model is on CUDA (auto), eager at those shapes (fixed)
+    #: the forks' drafting levels at fixed shapes, as the real drafter's (core/execution/draft_rows.py): captured
+    #: where the model is on CUDA (auto), eager at those shapes (fixed)
+    graphs: Literal["auto", "on", "off", "fixed"] = "auto"
 
 
 class TraceDrafter(Drafter):

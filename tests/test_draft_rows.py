@@ -265,5 +265,6 @@ def test_a_schedulers_kv_budget_counts_the_drafters_rows_as_allocated():
             handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
         assert [h.result(timeout=60).token_ids for h in handles] == expected
     assert seen and all(mine == theirs for mine, theirs, _, _ in seen)  # the rows take the verifier's shape ...
-    assert all(allocated <= held <= cache.budget_bytes for _, _, allocated, held in seen)  # ... and the budget holds them
-    assert cache.extra_bytes_per_token == 0 and cache.dense_extra_bytes_per_token == drafter.rows.geometry.bytes_per_token
+    assert all(allocated <= held <= cache.budget_bytes for _, _, allocated, held in seen)  # ... the budget holds them
+    assert cache.extra_bytes_per_token == 0
+    assert cache.dense_extra_bytes_per_token == drafter.rows.geometry.bytes_per_token

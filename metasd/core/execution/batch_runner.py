@@ -74,7 +74,7 @@ class _Inputs:
     mask: torch.Tensor  # [R, 1, T, W] bool
     rows: torch.Tensor  # [R, T] int64: the cache row each token's key goes to
     write: torch.Tensor  # [R, T] int64: its position there
-    read: torch.Tensor  # [R] int64: the cache row each forward row attends over (``DraftRows``; a BatchCache reads [:R])
+    read: torch.Tensor  # [R] int64: the cache row each forward row attends over (DraftRows; a BatchCache: [:R])
     graph: object | None = None  # torch.cuda.CUDAGraph
 
 
