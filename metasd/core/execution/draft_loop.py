@@ -61,6 +61,18 @@ def tree_shape(widths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]
     return parents, levels
 
 
+def level_constants(parents: Sequence[int], levels: Sequence[tuple[int, int]], device: torch.device
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per level fed (every level but the last) of a fixed tree shape (``tree_shape``), on ``device``: its nodes [q],
+    their depth - 1 [q], nodes 0..end-1 [end], and each node's ancestors-or-self among those [q, end] - what a fixed
+    drafting loop builds its writes, positions and masks from."""
+    depths = depths_of(parents)
+    ancestors = ancestor_mask(torch.tensor(list(parents)))  # [n+1, n+1], row/column 0: the root
+    return [(torch.arange(s, e, device=device), to_device([depths[i] - 1 for i in range(s, e)], device),
+             torch.arange(e, device=device), to_device(ancestors[s + 1: e + 1, 1: e + 1], device))
+            for s, e in levels[:-1]]
+
+
 class DraftLoop:
     """The drafting loop of one fixed tree shape over ``cache`` (module docstring): ``run(root_logits)`` drafts the
     tree's tokens on the device, replaying a CUDA graph per width bucket when ``capture``.
@@ -76,14 +88,8 @@ class DraftLoop:
         self.width_bucket = width_bucket
         self.device = model.device
         self.fed = self.levels[-1][0]  # nodes fed to the drafter: every level but the last
-        depths = depths_of(self.parents)
-        ancestors = ancestor_mask(torch.tensor(self.parents))  # [n+1, n+1], row/column 0: the root
         dev = self.device
-        # per level fed: its nodes [q], their depth - 1 [q], nodes 0..end-1 [end], each node's ancestors-or-self
-        # among those [q, end]
-        self._level_consts = [(torch.arange(s, e, device=dev), to_device([depths[i] - 1 for i in range(s, e)], dev),
-                               torch.arange(e, device=dev), to_device(ancestors[s + 1: e + 1, 1: e + 1], dev))
-                              for s, e in self.levels[:-1]]
+        self._level_consts = level_constants(self.parents, self.levels, dev)
         self._past = torch.zeros(1, dtype=torch.long, device=dev)  # the committed length, a device scalar
         self._out = torch.zeros(len(self.parents), dtype=torch.long, device=dev)  # [n] the drafted tokens
         self._root: torch.Tensor | None = None  # [vocab] the logits after the last committed token

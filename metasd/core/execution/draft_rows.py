@@ -203,12 +203,7 @@ class DraftRows(Cache):
         new_capacity = max(new_capacity, self.bucket)
         if (new_rows, new_capacity) == (self.rows, self.capacity):
             return
-        g = self.geometry
-        shape = (new_rows + self.scratch_rows, g.kv_heads, new_capacity, g.head_dim)
-        with torch.inference_mode(False):  # ordinary tensors: a forward outside inference mode may write them too
-            new = [(torch.zeros(shape, dtype=g.dtype, device=g.device), torch.zeros(shape, dtype=g.dtype,
-                                                                                 device=g.device))
-                   for _ in self.layers]
+        new = self._new_buffers(new_rows, new_capacity)
         for layer, (k, v) in zip(self.layers, new):
             if layer.keys is not None:
                 k[: self.rows, :, : self.capacity] = layer.keys[: self.rows]
@@ -233,15 +228,7 @@ class DraftRows(Cache):
             self.held, self.free = {}, []
             return
         capacity = max(capacity, bucketed(used, self.bucket), self.bucket)
-        g = self.geometry
-        shape = (rows + self.scratch_rows, g.kv_heads, capacity, g.head_dim)
-        try:
-            with torch.inference_mode(False):
-                new = [(torch.zeros(shape, dtype=g.dtype, device=g.device),
-                        torch.zeros(shape, dtype=g.dtype, device=g.device)) for _ in self.layers]
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise KVAllocationError(f"{self.name or 'a drafter'}: could not allocate its rows' KV buffers for {rows} "
-                                    f"rows x {capacity} positions") from e
+        new = self._new_buffers(rows, capacity)
         keep = min(self.capacity, capacity)
         for layer, (k, v) in zip(self.layers, new):
             for i, cache in enumerate(held):
@@ -254,6 +241,19 @@ class DraftRows(Cache):
         self.free = list(range(len(held), rows))
         self.rows, self.capacity = rows, capacity
         self.reallocations += 1
+
+    def _new_buffers(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed keys and values for ``rows`` rows (and the scratch rows) x ``capacity`` positions, every layer's -
+        all allocated before any replaces the old (``KVAllocationError`` when one cannot be: nothing changed)."""
+        g = self.geometry
+        shape = (rows + self.scratch_rows, g.kv_heads, capacity, g.head_dim)
+        try:
+            with torch.inference_mode(False):  # ordinary tensors: a forward outside inference mode may write them too
+                return [(torch.zeros(shape, dtype=g.dtype, device=g.device),
+                         torch.zeros(shape, dtype=g.dtype, device=g.device)) for _ in self.layers]
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise KVAllocationError(f"{self.name or 'a drafter'}: could not allocate its rows' KV buffers for {rows} "
+                                    f"rows x {capacity} positions") from e
 
     def buffers(self) -> tuple[int, ...]:
         """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""

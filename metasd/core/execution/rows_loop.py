@@ -30,12 +30,10 @@ from typing import Any, Sequence
 import torch
 
 from .batch_runner import ROW_BUCKETS, row_bucket
-from .draft_loop import tree_shape
+from .draft_loop import level_constants, tree_shape
 from .graph_runner import RunnerStats
 from .kv_cache import cache_kwargs
 from .kv_memory import RESERVATION_BUCKET, bucketed
-from .staging import to_device
-from .tree import ancestor_mask, depths_of
 
 
 @dataclass
@@ -61,14 +59,7 @@ class RowsLoop:
         self.parents, self.levels = tree_shape(self.widths)
         self.fed = self.levels[-1][0]  # nodes fed to the drafter: every level but the last
         self.width_bucket, self.row_buckets = width_bucket, tuple(row_buckets)
-        dev = rows.geometry.device
-        depths = depths_of(self.parents)
-        ancestors = ancestor_mask(torch.tensor(self.parents))  # [n+1, n+1], row/column 0: the root
-        # per level fed: its nodes [q], their depth - 1 [q], nodes 0..end-1 [end], each node's ancestors-or-self
-        # among those [q, end]
-        self._levels = [(torch.arange(s, e, device=dev), to_device([depths[i] - 1 for i in range(s, e)], dev),
-                         torch.arange(e, device=dev), to_device(ancestors[s + 1: e + 1, 1: e + 1], dev))
-                        for s, e in self.levels[:-1]]
+        self._levels = level_constants(self.parents, self.levels, rows.geometry.device)
         self.shapes: dict[tuple[int, int], _Buffers] = {}
         self._columns: dict[int, torch.Tensor] = {}
         self._buffers: tuple[int, ...] | None = None
