@@ -301,6 +301,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
     import httpx
 
     from metasd.core.batching.scheduler import Scheduler
+    from metasd.core.execution.draft_rows import draft_rows_of
     from metasd.serve.app import create_app
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -390,8 +391,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             "kv_reservations_when_idle": reserved_idle, "kv_buffers_kept": cache.keep_allocation,
             "prefix_cache_hit_tokens": scheduler.prefix_cache.stats.hits if scheduler.prefix_cache else None,
             # model drafters whose forks drafted over rows (fixed shapes): their levels' shapes, rows, rows still held
-            "draft_rows": {d.name: d.rows.describe() for d in served.all_drafters
-                           if type(getattr(d, "rows", None)).__name__ == "DraftRows"},
+            "draft_rows": {r.name: r.describe() for r in draft_rows_of(served.all_drafters)},
             "examples": {"wrong": wrong[:3], "lost": lost[:3], "unclear": unclear[:3], "near_ties": near_ties[:3]}}
 
 

@@ -71,7 +71,7 @@ from .tracking import tree_acceptance
 TREE_GRAPHS_HELP = ("a scheduler's drafting levels run as one fixed-shape forward for the batch "
                     "(core/execution/draft_rows.py): auto = captured as CUDA graphs where the model is on CUDA, on = "
                     "required (refused elsewhere), off = eager forwards, fixed = the fixed shapes run eagerly (the "
-                    "path a GPU captures, on any device); one request alone drafts eagerly")
+                    "path a GPU captures, on any device); one request alone runs its levels at those shapes too")
 
 MODES = ("dynamic", "rsd_c", "rsd_s")
 
@@ -118,7 +118,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         for deeper levels (default [3, 2, 1, 1]). Only valid with mode "rsd_c".
     graphs: a scheduler's forks draft each level for the whole batch as one fixed-shape forward over one set of
         buffers (``DraftRows``), a CUDA graph per shape where the model is on CUDA ("auto"); ``fixed_shapes`` runs
-        those shapes eagerly (the CPU check). One request alone drafts its levels eagerly.
+        those shapes eagerly (the CPU check). One request alone runs its levels at those shapes too (one row).
     """
 
     kind = "pretrained_tree"

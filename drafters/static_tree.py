@@ -71,12 +71,11 @@ class StaticTreeDrafter(PretrainedDrafter):
             return Draft.empty()
         logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab] after the last committed token
         parents, levels = tree_shape(widths)
-        if self.loops is not None:  # the whole shape in one loop (a CUDA graph where captured), cut to the depth
-            tokens = yield self.loops.feed(self.widths, logits)  # [n of the whole shape] on the device
-            return Draft(DeviceTokens(tokens[: len(parents)]), parents, None, catch_up=self.last_catch_up,
-                         meta={"drafter_forwards": len(self.widths)})
-        whole = None if self.rows is None else self.rows.loop_feed(self.widths, self.cache, logits)
-        if whole is not None:  # a scheduler's fork: the whole shape in one loop for every request drafting it
+        # the whole shape in one loop (a CUDA graph where captured), cut to the depth: alone, its own loop; a
+        # scheduler's fork, one loop for every request drafting it, over their rows
+        whole = self.loops.feed(self.widths, logits) if self.loops is not None else \
+            None if self.rows is None else self.rows.loop_feed(self.widths, self.cache, logits)
+        if whole is not None:
             tokens = yield whole  # [n of the whole shape] on the device
             return Draft(DeviceTokens(tokens[: len(parents)]), parents, None, catch_up=self.last_catch_up,
                          meta={"drafter_forwards": len(self.widths)})

@@ -12,6 +12,7 @@ import pytest
 
 import test_conformance
 from metasd.core.batching.scheduler import Scheduler
+from metasd.core.execution.draft_rows import draft_rows_of
 from metasd.drafters import DRAFTERS
 from test_conformance import (CASES, PROMPT, _device, _engine, _load, _pool, entry, kind_of,  # noqa: F401
                               root)  # root, _device: the conformance module's fixtures (its pools on its device)
@@ -42,13 +43,12 @@ def test_concurrent_greedy_requests_give_engine_generates_output(root, case, fix
         assert [r.stats.tokens_per_step for r in results] == [r.stats.tokens_per_step for r in expected], case
         assert [r.stats.catch_up_tokens for r in results] == [r.stats.catch_up_tokens for r in expected], case
     assert sum(r.stats.drafted for r in results) > 0, f"{case}: drafted nothing, so the check checked nothing"
-    if fixed and any(getattr(d, "rows", None) is not None for d in engine.all_drafters):
-        rows = [d.rows for d in engine.all_drafters if getattr(d, "rows", None) is not None]
-        rows = [r for found in rows for r in (found if isinstance(found, list) else [found])]
+    rows = draft_rows_of(engine.all_drafters) if fixed else []
+    if rows:
         assert all(not r.held for r in rows) and any(r.runner.stats.eager + r.runner.stats.replays for r in rows)
 
 
-def _fixed_engine(root, case):
+def _fixed_engine(root, case):  # noqa: F811  (root: the fixture's value)
     """The case's engine with its model drafters at fixed shapes: over rows, run eagerly on a CPU (``fixed``) and
     captured on CUDA (``auto``)."""
     given = entry(case)(root)

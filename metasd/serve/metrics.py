@@ -28,6 +28,8 @@ from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECT
                                Histogram, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from metasd.core.execution.draft_rows import draft_rows_of
+
 # vLLM's buckets for these histograms
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -124,11 +126,9 @@ class ServeMetrics:
         self.kv_usage_gauge.set_function(lambda: self.kv_usage() or 0.0)
         for key, gauge in self.graph_gauges.items():
             gauge.set_function(lambda key=key: self.graph_stat(key))
-        for drafter in scheduler.engine.all_drafters:
-            found = getattr(drafter, "rows", None)
-            for rows in found if isinstance(found, list) else [found] if found is not None else []:
-                for key, gauge in self.draft_gauges.items():
-                    gauge.labels(*self._values, drafter.name).set_function(lambda k=key, r=rows: draft_stat(r, k))
+        for rows in draft_rows_of(scheduler.engine.all_drafters):  # labelled with their drafter's name
+            for key, gauge in self.draft_gauges.items():
+                gauge.labels(*self._values, rows.name).set_function(lambda k=key, r=rows: draft_stat(r, k))
         scheduler.add_listener(self.on_record)
 
     def graph_stat(self, key: str) -> float:

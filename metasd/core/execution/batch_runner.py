@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from .batch_cache import BatchCache
+from .draft_batch import batched_logits
 from .graph_runner import TOKEN_BUCKETS, RunnerStats, token_bucket
 from .kv_cache import cache_kwargs
 from .kv_memory import RESERVATION_BUCKET, bucketed
@@ -189,12 +190,12 @@ class BatchGraphRunner:
         host_mask[:B, :, :N, : mask.shape[-1]] = mask
         host_mask[B:, 0, :, 0] = True  # a padding query sees column 0 of its row: finite, never read
         host_mask[:B, 0, N:, 0] = True
-        to_row = torch.full((R, T), cache.rows, dtype=torch.long)  # [R, T]: padding to the scratch row ...
-        write = torch.arange(T).clamp(max=cache.capacity - 1).expand(R, T).clone()  # ... at positions 0..T-1
-        to_row[:B, :N] = torch.tensor(rows, dtype=torch.long)[:, None]
-        write[:B, :N] = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(N)
-        read = torch.full((R,), cache.rows, dtype=torch.long)  # [R]: a padding row attends over the scratch row
+        read = torch.full((R,), cache.rows, dtype=torch.long)  # [R]: the rows read, padding the scratch row's ...
         read[:B] = torch.tensor(rows, dtype=torch.long)
+        to_row = read[:, None].repeat(1, T)  # [R, T]: ... and where keys go: padding tokens to the scratch row ...
+        to_row[:B, N:] = cache.rows
+        write = torch.arange(T).clamp(max=cache.capacity - 1).expand(R, T).clone()  # ... at positions 0..T-1
+        write[:B, :N] = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(N)
         for buf, host in ((shape.ids, host_ids), (shape.positions, host_pos), (shape.mask, host_mask),
                           (shape.rows, to_row), (shape.write, write), (shape.read, read)):
             buf.copy_(host, non_blocking=True)
@@ -203,16 +204,14 @@ class BatchGraphRunner:
         """The forward on the shape's buffers, its outputs copied into the (R, T) outputs (as a replay leaves them)."""
         R, _, T, W = shape.mask.shape
         self.cache.fixed = (shape.rows, shape.write, int(W), shape.read)
-        inputs = dict(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask, use_cache=True)
+        inputs = dict(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask)
         try:
             if self.head is None:
-                out = self.model(**inputs, **cache_kwargs(self.model, self.cache),
+                out = self.model(**inputs, **cache_kwargs(self.model, self.cache), use_cache=True,
                                  output_hidden_states=bool(self.hidden_layers))
                 scores = out.logits  # [R, T, vocab]
-            else:
-                base = self.model.base_model
-                h = base(**inputs, **cache_kwargs(base, self.cache)).last_hidden_state  # [R, T, d]
-                scores = self.head(h.reshape(R * T, -1)).view(R, T, -1)
+            else:  # a drafter's draft head (no hidden states asked: __init__)
+                scores = batched_logits(self.model, self.head, self.cache, **inputs)  # [R, T, vocab]
         finally:
             self.cache.fixed = None
         logits, hidden = self.outputs[(R, T)]

@@ -219,6 +219,15 @@ def forward_logits(model: nn.Module, head: nn.Module | None, cache: Cache, last_
     return head(h[-1:] if last_only else h)
 
 
+def batched_logits(model: nn.Module, head: nn.Module | None, cache: Cache, **inputs) -> torch.Tensor:
+    """One forward of a drafter model of many rows through ``cache`` (``inputs``: ids, positions, mask [R, T, ...]);
+    logits [R, T, vocab], from ``head`` (a draft head over the base model's hidden states) where given."""
+    if head is None:
+        return model(**inputs, **cache_kwargs(model, cache), use_cache=True).logits
+    h = model.base_model(**inputs, **cache_kwargs(model.base_model, cache), use_cache=True).last_hidden_state
+    return head(h.reshape(-1, h.shape[-1])).view(h.shape[0], h.shape[1], -1)  # [R, T, d] -> [R, T, vocab]
+
+
 def run_feed(feed: Feed | RowFeed | PackedFeed | BlockFeed) -> Any:
     """A feed alone (its kind's ``run``): the forward the drafter ran itself before batched drafting."""
     return feed.run()

@@ -32,7 +32,7 @@ import torch
 from .batch_runner import ROW_BUCKETS, row_bucket
 from .draft_loop import level_constants, tree_shape
 from .graph_runner import RunnerStats
-from .kv_cache import cache_kwargs
+from .draft_batch import batched_logits
 from .kv_memory import RESERVATION_BUCKET, bucketed
 
 
@@ -137,12 +137,8 @@ class RowsLoop:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One drafter forward of a level for every row: ids, positions [R, q]; mask [R, q, W]. Logits [R, q, V]."""
-        model, head, owner = self.owner.model, self.owner.head, self.owner
-        inputs = dict(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], use_cache=True)
-        if head is None:
-            return model(**inputs, **cache_kwargs(model, owner)).logits
-        h = model.base_model(**inputs, **cache_kwargs(model.base_model, owner)).last_hidden_state  # [R, q, d]
-        return head(h.reshape(-1, h.shape[-1])).view(h.shape[0], h.shape[1], -1)
+        return batched_logits(self.owner.model, self.owner.head, self.owner, input_ids=ids, position_ids=positions,
+                              attention_mask=mask[:, None])
 
     def describe(self) -> dict:
         return {"widths": list(self.widths), "capture": self.capture, "shapes": sorted(self.shapes),
