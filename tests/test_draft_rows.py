@@ -11,8 +11,10 @@ from metasd.core.decoding.drafter import with_components
 from metasd.core.engine import Engine
 from metasd.core.execution.draft_batch import Feed, feed_groups, run_feed, run_group
 from metasd.core.execution.draft_loop import DraftLoop
+from metasd.core.execution.batch_cache import BatchCache
 from metasd.core.execution.draft_rows import DraftRows, RowKVCache
-from metasd.core.execution.kv_cache import keep_positions
+from metasd.core.execution.kv_memory import KVGeometry
+from metasd.core.execution.kv_cache import crop_to, keep_positions
 from metasd.core.execution.static_cache import new_cache
 from metasd.core.execution.verifier import Verifier
 from metasd.drafters import (FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter,
@@ -268,3 +270,33 @@ def test_a_schedulers_kv_budget_counts_the_drafters_rows_as_allocated():
     assert all(allocated <= held <= cache.budget_bytes for _, _, allocated, held in seen)  # ... the budget holds them
     assert cache.extra_bytes_per_token == 0
     assert cache.dense_extra_bytes_per_token == drafter.rows.geometry.bytes_per_token
+
+
+@torch.inference_mode()
+def test_rows_grown_past_the_verifiers_shape_count_in_its_budget_until_they_fit_back():
+    # a drafter whose text runs longer than the verifier's reservation (another tokenizer) grows its rows past the
+    # shape they follow: the verifier's budget counts the excess, refuses what no longer fits, and the rows fit back
+    # once no held row needs the excess
+    model = tiny_qwen(seed=3, context=2048)
+    rows = DraftRows(model, capture=False)
+    geometry = KVGeometry.of(model)
+    per_row = 256 * geometry.bytes_per_token  # one row of one bucket, in either cache
+    cache = BatchCache(geometry, 4, budget_bytes=12 * per_row, dense_extra_bytes_per_token=geometry.bytes_per_token)
+    cache.followers = [rows]
+    cache.reserve("a", 200)  # 1 row + none scratch (verifier), 1 row + 1 scratch (drafter) of 256 positions
+    assert (rows.rows, rows.capacity, rows.bytes_past()) == (1, 256, 0) and cache.held_bytes == 3 * per_row
+    assert cache.fits(200)
+    row = rows.take()
+    model(input_ids=torch.tensor([[5] * 300]), past_key_values=row, use_cache=True)  # 300 drafter tokens
+    assert (rows.rows, rows.capacity) == (1, 768)  # the row alone doubles its need: 600, bucketed
+    assert rows.bytes_past() == 2 * 512 * geometry.bytes_per_token == 4 * per_row
+    assert cache.outside_bytes == 4 * per_row and cache.held_bytes == 7 * per_row
+    assert cache.fits(200) and not cache.fits(400)  # two rows of 512 fit the budget, not beside the excess
+    cache.shrink()
+    assert rows.capacity == 768  # the row still needs it
+    rows.grow(capacity=800)  # a level's forward needing more: the need, not twice the buffers' positions (1536)
+    assert rows.capacity == 1024
+    crop_to(row, 100)  # the drafter kept 100 of its tokens
+    cache.shrink()  # between steps: fitted back to the verifier's shape
+    assert (rows.rows, rows.capacity, rows.bytes_past()) == (1, 256, 0) and cache.held_bytes == 3 * per_row
+    assert row.get_seq_length() == 100 and cache.fits(400)

@@ -17,10 +17,10 @@ Memory (docs/architecture.md#the-kv-memory-model). Nothing is allocated inside a
 positions when it is admitted (``reserve``: prompt + max_new_tokens + the widest draft, rounded up to a bucket); the
 buffers then hold a row per reservation at least (their rows grow by doubling, within the budget, so that admissions
 seldom copy the cache) and as many positions per row as the largest reservation, and are reallocated all-or-nothing
-(``KVAllocationError``, nothing changed) when a reservation needs more. The budget counts
-those bytes plus, per reserved position, what the drafters' own caches cost (``extra_bytes_per_token``); a request
-that leaves returns its reservation (``release``), and the buffers shrink when the largest reservation has left or
-three quarters of the rows are free (``shrink``, between steps).
+(``KVAllocationError``, nothing changed) when a reservation needs more. The budget counts those bytes, the drafters'
+caches (their rows shaped like these, ``followers``, or a share per reserved position) and the prefix cache's entries;
+a request that leaves returns its reservation (``release``); the buffers shrink when the largest reservation has left
+or three quarters of the rows are free (``shrink``).
 
 The layout, and why not transformers' paged cache. transformers' continuous batching (``PagedAttentionCache``)
 splits the cache into fixed-size blocks handed to requests through block tables and packs every request's new
@@ -29,10 +29,10 @@ and nothing is padded. It assumes causal attention among a request's new tokens 
 needs a tree mask over them and per-row compaction after acceptance. Here each row is one contiguous stretch of a
 dense buffer, so a tree is an ordinary 4-D mask, compaction is one gather per layer, and any transformers
 attention implementation that takes a 4-D mask (sdpa, eager) runs it. The cost: every row holds the capacity of the
-largest reservation, and a forward computes attention over W columns for every row, padding included (W from the rows' lengths, never from
-their reservations). For the batch sizes a CPU or a single
-GPU serves (a handful to a few dozen requests) and contexts of a few thousand tokens, that waste is small next to
-the weights each forward streams; a paged allocator is the step beyond it.
+largest reservation, and a forward computes attention over W columns for every row, padding included (W from the
+rows' lengths, never from their reservations). For the batch sizes a CPU or a single GPU serves (a handful to a few
+dozen requests) and contexts of a few thousand tokens, that waste is small next to the weights each forward streams;
+a paged allocator is the step beyond it.
 """
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ class BatchCache(Cache):
     ``lengths[b]``: cached positions of row b. Admission: ``fits`` / ``reserve`` (all-or-nothing) / ``release``,
     ``shrink`` between steps; ``budget_bytes`` None: no budget. A forward over rows [0, B) is prepared by
     ``prepare(B, n_new)``; a joining request prefills into a free row of its own (``stage``: a ``RowCache``, outside
-    the running rows), then joins (``join_staged``: its row becomes row B),
-    leave (``remove``: the last row moves into the hole) and keep their accepted positions (``commit``).
+    the running rows), then joins (``join_staged``: its row becomes row B), leave (``remove``: the last row moves into
+    the hole) and keep their accepted positions (``commit``).
     """
 
     def __init__(self, geometry: KVGeometry, slots: int, *, budget_bytes: int | None = None,
@@ -107,12 +107,11 @@ class BatchCache(Cache):
         super().__init__(layers=[])
         self.geometry = geometry
         self.layers = [BatchLayer(self) for _ in range(geometry.layers)]
-        self.slots = slots
-        self.bucket = bucket
+        self.slots, self.bucket = slots, bucket
         self.budget_bytes = budget_bytes
         self.extra_bytes_per_token = int(extra_bytes_per_token)
-        #: caches resized with the rows to their shape (``follow(rows, capacity)``: the drafters' ``DraftRows`` where
-        #: shapes are fixed), counted as densely as the rows, ``dense_extra_bytes_per_token`` per row position
+        #: caches given the rows' shape (``follow(rows, capacity)``: drafters' ``DraftRows``), counted as densely
+        #: (``dense_extra_bytes_per_token``), what they grow past it (``bytes_past``) until they ``refit`` too
         self.followers: list[Any] = []
         self.dense_extra_bytes_per_token = int(dense_extra_bytes_per_token)
         self.rows = 0  # rows allocated
@@ -143,8 +142,13 @@ class BatchCache(Cache):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes held now: the allocated buffers, the drafters' share of the reservations and the pinned bytes."""
-        return self.row_bytes + self.pinned_bytes
+        """Bytes held now: the allocated buffers, the drafters' share of the reservations and ``outside_bytes``."""
+        return self.row_bytes + self.outside_bytes
+
+    @property
+    def outside_bytes(self) -> int:
+        """Held in the budget beside the rows' shape: the prefix cache's entries, what followers grew past it."""
+        return self.pinned_bytes + sum(follower.bytes_past() for follower in self.followers)
 
     @property
     def row_bytes(self) -> int:
@@ -162,7 +166,7 @@ class BatchCache(Cache):
         return capacity * (self._physical(rows) * self.geometry.bytes_per_token + followers)
 
     def check_admissible(self, tokens: int) -> int:
-        """The reservation for ``tokens`` positions; ``KVBudgetError`` when the budget could never hold it, even alone."""
+        """The reservation for ``tokens`` positions; ``KVBudgetError`` where the budget could never hold it alone."""
         need = bucketed(tokens, self.bucket)
         if self.budget_bytes is not None and self.bytes_for([need]) > self.budget_bytes:
             per = self.geometry.bytes_per_token + self.dense_extra_bytes_per_token + self.extra_bytes_per_token
@@ -178,7 +182,7 @@ class BatchCache(Cache):
         if len(self.reserved) >= self.slots:
             return False
         return (self.budget_bytes is None
-                or self.bytes_for([*self.reserved.values(), need]) + self.pinned_bytes <= self.budget_bytes)
+                or self.bytes_for([*self.reserved.values(), need]) + self.outside_bytes <= self.budget_bytes)
 
     def reserve(self, key: Hashable, tokens: int) -> int:
         """Reserve a row of ``tokens`` positions (rounded up) for ``key``, allocating now - all or nothing
@@ -208,7 +212,7 @@ class BatchCache(Cache):
     def _over_budget(self, rows: int, capacity: int, need: int) -> bool:
         """Whether buffers of ``rows`` x ``capacity`` positions, the reservations with ``need`` and the pinned bytes
         would hold more than the budget."""
-        held = (self._dense_bytes(rows, capacity) + self.pinned_bytes
+        held = (self._dense_bytes(rows, capacity) + self.outside_bytes
                 + self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
         return self.budget_bytes is not None and held > self.budget_bytes
 
@@ -216,7 +220,7 @@ class BatchCache(Cache):
         """The most rows of ``capacity`` positions the budget holds beside the reservations (``need`` included)."""
         if self.budget_bytes is None:
             return self.slots
-        spare = (self.budget_bytes - self.pinned_bytes
+        spare = (self.budget_bytes - self.outside_bytes
                  - self.extra_bytes_per_token * (sum(self.reserved.values()) + need))
         per_row = capacity * (self.geometry.bytes_per_token + self.dense_extra_bytes_per_token)
         scratch = capacity * (self.scratch_rows * self.geometry.bytes_per_token + self.dense_extra_bytes_per_token)
@@ -230,7 +234,9 @@ class BatchCache(Cache):
         """Between steps: free what no reservation needs - down to the largest reservation's positions when that is
         less than allocated, and to twice the reservations' rows when three quarters of the rows are free (everything
         when nothing is reserved). A failed reallocation keeps the buffers as they are. Returns whether it shrank. With
-        ``keep_allocation``, nothing while the buffers fit the budget."""
+        ``keep_allocation``, nothing while the buffers fit the budget. Followers grown past the rows' shape refit."""
+        for follower in self.followers:
+            follower.refit()
         if self.keep_allocation and (self.budget_bytes is None or self.held_bytes <= self.budget_bytes):
             return False
         rows, capacity = len(self.reserved), max(self.reserved.values(), default=0)
@@ -328,9 +334,7 @@ class BatchCache(Cache):
         token, i+1 for accepted node i) of its new tokens, in that order; None keeps none (a row that leaves). One
         gather per layer for the rows whose kept offsets are not a prefix (trees)."""
         B, N = self._forward
-        moves_src: list[int] = []
-        moves_dst: list[int] = []
-        moves_row: list[int] = []
+        moves_src, moves_dst, moves_row = [], [], []  # positions copied within rows: from, to, the row
         for b in range(B):
             keep = kept[b]
             if keep is None:

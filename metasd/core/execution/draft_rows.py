@@ -16,9 +16,10 @@ on a GPU every drafting level then costs an eager, launch-bound forward. Here th
   graph per bucket where ``capture``, the same buffers run eagerly elsewhere (the CPU check);
 - in a scheduler the buffers take the shape of the verifier's rows (``follow``, called by ``BatchCache`` at each
   reallocation of its rows, whose KV budget counts these as densely as its own): the held rows move down to 0..n-1
-  as the verifier's shrink; elsewhere, and past that shape (a drafter whose text runs longer than the verifier's
-  reservation), they grow all-or-nothing, never inside a captured forward: rows by doubling when a fork finds none
-  free, positions to twice the need. A reallocation drops the graphs (recaptured as met).
+  as the verifier's shrink; past that shape (a drafter whose text runs longer than the verifier's reservation) they
+  grow by what is needed, counted by that budget (``bytes_past``) until they ``refit``; elsewhere they grow on their
+  own. Growth is all-or-nothing, never inside a captured forward: rows by doubling when a fork finds none free,
+  positions to twice the need. A reallocation drops the graphs (recaptured as met).
 
 A feed alone (a request drafting alone, a prompt's catch-up) runs at a fixed shape too (one row). What still runs
 another way, through the rows' views: a steered feed (its hooks add a per-forward bias: the concatenating path), a
@@ -165,6 +166,7 @@ class DraftRows(Cache):
                                        label=f"the drafting level of {name or 'a drafter'}")
         self.loops: dict[tuple[int, ...], RowsLoop] = {}  # fixed tree shapes drafted whole for many rows at once
         self.reallocations = 0
+        self.followed: tuple[int, int] | None = None  # the shape of the verifier's rows it follows (``follow``)
 
     # -------------------------------------------------------------- rows
     def take(self) -> RowKVCache:
@@ -195,11 +197,12 @@ class DraftRows(Cache):
 
     def grow(self, rows: int = 0, capacity: int = 0) -> None:
         """Buffers of at least ``rows`` rows x ``capacity`` positions: positions to twice the need (rounded up to the
-        bucket), rows as asked; the held rows' contents kept. All or nothing: every new buffer is allocated before an
-        old one is replaced."""
+        bucket) - only to the need past a followed shape (a scheduler's budget counts them, ``bytes_past``, until
+        ``refit``) -, rows as asked; the held rows' contents kept. All or nothing: every new buffer is allocated
+        before an old one is replaced."""
         new_rows = max(rows, self.rows)
-        new_capacity = self.capacity if capacity <= self.capacity else bucketed(max(capacity, 2 * self.capacity),
-                                                                                self.bucket)
+        new_capacity = self.capacity if capacity <= self.capacity else bucketed(
+            capacity if self.followed is not None else max(capacity, 2 * self.capacity), self.bucket)
         new_capacity = max(new_capacity, self.bucket)
         if (new_rows, new_capacity) == (self.rows, self.capacity):
             return
@@ -218,16 +221,15 @@ class DraftRows(Cache):
         as densely as its own): ``rows`` rows x ``capacity`` positions, never fewer than the rows held or the positions
         they use. The held rows move to 0..n-1 (their caches follow), so the buffers can shrink as the verifier's do;
         none: nothing allocated. All or nothing (``KVAllocationError``)."""
-        held = [cache for _, ref in sorted(self.held.items()) if (cache := ref()) is not None]
-        used = max((cache.get_seq_length() for cache in held), default=0)
-        rows = max(rows, len(held))
+        self.followed = (rows, capacity)
+        held = self._held()
+        rows, capacity = self._fitted(rows, capacity)
         if not rows:
             for layer in self.layers:
                 layer.keys = layer.values = None
             self.rows = self.capacity = 0
             self.held, self.free = {}, []
             return
-        capacity = max(capacity, bucketed(used, self.bucket), self.bucket)
         new = self._new_buffers(rows, capacity)
         keep = min(self.capacity, capacity)
         for layer, (k, v) in zip(self.layers, new):
@@ -241,6 +243,38 @@ class DraftRows(Cache):
         self.free = list(range(len(held), rows))
         self.rows, self.capacity = rows, capacity
         self.reallocations += 1
+
+    def _held(self) -> list[RowKVCache]:
+        return [cache for _, ref in sorted(self.held.items()) if (cache := ref()) is not None]
+
+    def _fitted(self, rows: int, capacity: int) -> tuple[int, int]:
+        """``follow``'s shape for ``rows`` x ``capacity``: never fewer rows than held nor positions than they use."""
+        held = self._held()
+        rows = max(rows, len(held))
+        used = max((cache.get_seq_length() for cache in held), default=0)
+        return (rows, max(capacity, bucketed(used, self.bucket), self.bucket)) if rows else (0, 0)
+
+    def bytes_past(self) -> int:
+        """Bytes held past the followed shape: a row whose text ran longer than the verifier's reservation (a drafter
+        with another tokenizer) grew the buffers; a scheduler's KV budget counts these (``BatchCache.outside_bytes``)
+        until ``refit`` returns to the shape."""
+        if self.followed is None:
+            return 0
+        rows, capacity = self.followed
+        within = (rows + self.scratch_rows) * capacity * self.geometry.bytes_per_token if rows else 0
+        return max(self.held_bytes - within, 0)
+
+    def refit(self) -> None:
+        """Between steps: back to the followed shape once no held row needs more (a long row ended or was cropped) -
+        only then, so that a row still past it does not reallocate every step; a failed allocation keeps the buffers."""
+        if not self.bytes_past():
+            return
+        rows, capacity = self.followed
+        if self._fitted(rows, capacity) == ((rows, max(capacity, self.bucket)) if rows else (0, 0)):
+            try:
+                self.follow(rows, capacity)
+            except KVAllocationError:
+                pass
 
     def _new_buffers(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed keys and values for ``rows`` rows (and the scratch rows) x ``capacity`` positions, every layer's -
