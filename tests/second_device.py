@@ -1,7 +1,7 @@
 """A second torch device for tests on a CPU-only machine: tensors on it live in CPU memory, but an op that mixes
 them with (non-scalar) CPU tensors fails as it would on CUDA, so tests catch device bugs without a GPU.
 
-    from second_device import count_host_reads, enable
+    from second_device import capturing, count_host_reads, enable
     dev = enable()                          # torch.device("metasd_dev", 0); idempotent
     model = tiny_qwen().to(dev)
     x = torch.tensor([[1, 2, 3]], device=dev)
@@ -11,6 +11,8 @@ them with (non-scalar) CPU tensors fails as it would on CUDA, so tests catch dev
         x.sum().item()                      # a read of device data by the host
         torch.tensor([4], device=dev)       # a blocking copy to the device
     assert reads.total == 2 and reads.reads == 1
+    with capturing():                       # what CUDA refuses while it captures a graph raises CaptureError
+        x.sum().item()                      # CaptureError: ... (item) while a CUDA graph is captured, at <line>
 
 How it works. torch's PrivateUse1 backend is renamed ``metasd_dev`` and driven from Python:
 
@@ -410,15 +412,48 @@ _CLOCK = str(Path("metasd", "core", "execution", "clock.py"))  # its syncs are n
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 
-def _record_host_read(kind: str, op: str) -> None:
-    if not _counters:
-        return
-    where = "?"
-    for frame in reversed(traceback.extract_stack()[:-1]):
+def _caller() -> str:
+    """The innermost stack frame outside torch, this module and the clock: the line that asked for the op."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename if frame.filename.startswith("<") else str(Path(frame.filename).resolve())
         if path != _HERE and not path.startswith(_TORCH_DIR) and not path.endswith(_CLOCK):
-            where = f"{frame.filename}:{frame.lineno} ({frame.name})"
-            break
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+class CaptureError(RuntimeError):
+    """What CUDA refuses while a graph is captured (``capturing``)."""
+
+
+_capture = threading.local()  # .depth: the ``capturing`` blocks open in this thread
+
+
+@contextlib.contextmanager
+def capturing():
+    """While open, in this thread, what CUDA refuses while it captures a graph raises ``CaptureError`` naming the op
+    and the line: every host-device synchronisation ``count_host_reads`` counts (a host read of device data, a
+    blocking copy to the device, CPU indices, a device synchronisation) and any other copy between the host and the
+    device - a non-blocking one too (mid-capture CUDA refuses a copy from pageable memory; one from pinned memory
+    would be baked into the graph, each replay reading whatever that host memory holds then). Device factories,
+    copies within the device and 0-dim CPU scalars stay allowed, as under CUDA capture (a scalar is baked in)."""
+    depth = getattr(_capture, "depth", 0)
+    _capture.depth = depth + 1
+    try:
+        yield
+    finally:
+        _capture.depth = depth
+
+
+def _refuse_in_capture(what: str, op: str) -> None:
+    if getattr(_capture, "depth", 0):
+        raise CaptureError(f"{op}: {what} while a CUDA graph is captured, at {_caller()}")
+
+
+def _record_host_read(kind: str, op: str) -> None:
+    _refuse_in_capture(f"a host-device synchronisation ({kind})", op)
+    if not _counters:
+        return
+    where = _caller()
     with _lock:
         for c in _counters:
             c[kind] += 1
@@ -623,6 +658,8 @@ def _run(func, args, kwargs):
     kind = _host_read_kind(info, args, kwargs, leaves, on_device)
     if kind is not None:
         _record_host_read(kind, str(func))
+    elif info.transfer and (cpu_inputs or not on_device):
+        _refuse_in_capture("a copy between the host and the device", str(func))
 
     uargs = tuple(_unwrap(a) for a in args)
     ukwargs = {k: _unwrap(v) for k, v in kwargs.items()}

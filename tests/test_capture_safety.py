@@ -1,0 +1,124 @@
+"""What a CUDA graph captures must touch no host: CUDA refuses a host read of device data, a synchronisation or a
+copy from pageable host memory while it captures, and bakes a copy from pinned memory into the graph. No GPU runs
+here, so every graph runner's captured function runs on the fake device of ``second_device.py`` inside ``capturing``,
+which raises on exactly those ops, naming the op and the line: the batch-1 verifier's forward (graph_runner.py), the
+drafting loop and its catch-up (draft_loop.py), the scheduler's batched verify forward (batch_runner.py), a model
+drafter's levels over its rows (draft_rows.py) and the whole-tree loop over them (rows_loop.py). A capture here is
+two warm-up runs and the captured run, as ``capture_graph`` does on CUDA; a replay runs the function again. Every
+output is still what the request gets alone. Tiny fp32 models (tests/tiny.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metasd.core.batching.scheduler import Scheduler
+from metasd.core.engine import Engine
+from metasd.core.execution import graph_runner
+from metasd.core.execution.verifier import Verifier
+from metasd.drafters import PretrainedDrafter, PretrainedTreeDrafter, StaticTreeDrafter
+from second_device import CaptureError, capturing, enable
+from tiny import plain_greedy, tiny_qwen, tiny_tokenizer
+
+pytestmark = pytest.mark.second_device
+
+DEV: torch.device = None  # set by _enable
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _enable():
+    global DEV
+    DEV = enable()
+
+
+class _Replay:
+    """A captured function's stand-in for a graph: ``replay`` runs it again over the same static buffers."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.run()
+
+
+@pytest.fixture
+def strict_captures(monkeypatch):
+    """Captures run their function twice (the warm-ups), then once inside ``capturing``; returns the list of the
+    captured functions' owners (``run.__qualname__``), one per capture."""
+    captured = []
+
+    def capture(run, device, pool):
+        for _ in range(2):
+            run()
+        with capturing():
+            run()
+        captured.append(getattr(run, "__qualname__", repr(run)))
+        return _Replay(run), 0.0, 0
+
+    monkeypatch.setattr(graph_runner, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    return captured
+
+
+def test_capturing_refuses_what_cuda_refuses_and_allows_the_rest():
+    x = torch.arange(6, device=DEV, dtype=torch.float32)
+    index = torch.tensor([1, 3], device=DEV)  # before the capture: a static input buffer
+    refused = {"a host read": lambda: x.sum().item(), "a copy to the host": lambda: x.cpu(),
+               "a blocking copy to the device": lambda: torch.tensor([1, 2], device=DEV),
+               "a non-blocking copy to the device": lambda: torch.ones(2).to(DEV, non_blocking=True),
+               "CPU indices": lambda: x[torch.tensor([0, 2])], "a data-dependent shape": lambda: x.nonzero(),
+               "a synchronisation": lambda: torch.metasd_dev.synchronize()}
+    with capturing():
+        for what, op in refused.items():
+            with pytest.raises(CaptureError, match="while a CUDA graph is captured, at .*test_capture_safety.py"):
+                op()
+        y = torch.zeros(6, device=DEV)
+        y.copy_(x * torch.tensor(2.0) + 1)  # a device factory, a copy within the device, a 0-dim CPU scalar
+        y[index] = 0.0
+    assert y.tolist() == [1.0, 0.0, 5.0, 0.0, 9.0, 11.0]  # outside a capture, reads are the host's business
+
+
+@torch.inference_mode()
+def test_the_batch1_verifier_and_the_drafting_loop_capture_nothing_of_the_host(strict_captures):
+    verifier_model = tiny_qwen(seed=3, context=1024)
+    verifier = Verifier(verifier_model.to(DEV), tiny_tokenizer(), fixed_shapes=True)
+    verifier.capture = True  # what graphs="on" sets on CUDA
+    drafter = PretrainedDrafter(tiny_qwen(seed=3, layers=1, context=1024).to(DEV), k=4, fixed_shapes=True)
+    drafter.loops.capture = True
+    engine = Engine(verifier, [drafter])
+    prompt = [5, 17, 3, 59, 42, 8, 23, 61]
+    assert engine.generate(prompt, 40).token_ids == plain_greedy(verifier_model.cpu(), prompt, 40)
+    assert verifier.runner.stats.captured > 0 and verifier.runner.stats.eager == 0
+    described = drafter.loops.describe()
+    assert described["loops"][0]["captured"] > 0 and described["catch_up"]["captured"] > 0, described
+    assert len(strict_captures) == verifier.runner.stats.captured + sum(
+        st["captured"] for st in (*described["loops"], described["catch_up"]))  # each inside ``capturing``
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "static_tree"])
+def test_the_schedulers_verify_forward_and_drafting_over_rows_capture_nothing_of_the_host(strict_captures, kind):
+    from drafting_helpers import MAX_NEW, PROMPTS
+
+    def drafter_model():
+        return tiny_qwen(seed=0, logit_scale=2.0).to(DEV)
+
+    drafter = {"chain": lambda: PretrainedDrafter(drafter_model(), k=4, name="chain", fixed_shapes=True),
+               "tree": lambda: PretrainedTreeDrafter(drafter_model(), nodes=8, depth=3, width=2, name="tree",
+                                                     fixed_shapes=True),
+               "static_tree": lambda: StaticTreeDrafter(drafter_model(), widths=[2, 2, 1], name="static",
+                                                        fixed_shapes=True)}[kind]()
+    drafter.rows.runner.capture = True  # what graphs="auto" sets on CUDA (the rows' loops take it from the runner)
+    verifier = Verifier(tiny_qwen(seed=0, logit_scale=4.0).to(DEV), tiny_tokenizer(), fixed_shapes=True)
+    engine = Engine(verifier, drafter, check_tokenizers=False)
+    alone = [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+    verifier.capture = True
+    with Scheduler(engine, max_batch=4) as s:
+        handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        assert [h.result(timeout=120).token_ids for h in handles] == alone
+        runner = s.verifier.runner
+    assert runner.stats.captured > 0 and runner.stats.eager == 0, runner.describe()
+    rows = drafter.rows
+    drafted = [rows.runner.stats, *(loop.stats for loop in rows.loops.values())]
+    assert len(strict_captures) == runner.stats.captured + sum(st.captured for st in drafted)  # each in ``capturing``
+    assert sum(st.captured for st in drafted) > 0 and sum(st.replays for st in drafted) > 0, rows.describe()
+    if kind != "tree":  # a greedy chain and a static tree draft whole loops over the rows; a dynamic tree by levels
+        assert rows.loops and all(loop.stats.captured > 0 for loop in rows.loops.values()), rows.describe()
