@@ -53,8 +53,9 @@ counted and what cannot be seen.
 Known gaps:
 - A generator of the device given to a CPU op other than through the wrapped functions (``torch.ops.aten.*``
   called directly, a C++ extension) is used as a CPU generator, where CUDA raises.
-- ``t.numpy()`` raises (as on CUDA); ``t.data_ptr()``, ``t.untyped_storage()`` and so ``torch.save`` of a device
-  tensor raise; ``pin_memory()`` raises (the Python backend API gives no pinned allocator); ``non_blocking=True``
+- ``t.numpy()`` raises (as on CUDA); ``t.untyped_storage()`` and so ``torch.save`` of a device tensor raise;
+  ``t.data_ptr()`` is 0 for every device tensor (a storage-less wrapper's, which torch's deepcopy relies on), so
+  what keys on addresses (a graph runner's recapture check, ``buffer_keys``) sees only shapes change here; ``pin_memory()`` raises (the Python backend API gives no pinned allocator); ``non_blocking=True``
   copies are synchronous (nothing is asynchronous here, so missing synchronisations go unnoticed). A
   ``non_blocking=True`` copy to the device is not counted whatever its source; on CUDA it blocks unless the host
   memory is pinned, which ``metasd.core.execution.staging`` does there and which cannot be modelled here.

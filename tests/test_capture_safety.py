@@ -4,12 +4,16 @@ here, so every graph runner's captured function runs on the fake device of ``sec
 which raises on exactly those ops, naming the op and the line: the batch-1 verifier's forward (graph_runner.py), the
 drafting loop and its catch-up (draft_loop.py), the scheduler's batched verify forward (batch_runner.py), a model
 drafter's levels over its rows (draft_rows.py) and the whole-tree loop over them (rows_loop.py). A capture here is
-two warm-up runs and the captured run, as ``capture_graph`` does on CUDA; a replay runs the function again. Every
-output is still what the request gets alone. Tiny fp32 models (tests/tiny.py)."""
+two warm-up runs and the captured run, as ``capture_graph`` does on CUDA; a replay runs the function again and must
+dispatch exactly the ops, sizes and scalars the capture did (``_Signature``: a real graph replays what it captured,
+so a Python value that changed since - a length, a bound, a buffer reallocated at another shape - would be stale).
+Every output is still what the request gets alone. Tiny fp32 models (tests/tiny.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from metasd.core.batching.scheduler import Scheduler
 from metasd.core.engine import Engine
@@ -30,29 +34,63 @@ def _enable():
     DEV = enable()
 
 
-class _Replay:
-    """A captured function's stand-in for a graph: ``replay`` runs it again over the same static buffers."""
+class _Signature(TorchDispatchMode):
+    """The ops a run dispatches, each with what a CUDA graph bakes in at capture: its non-tensor arguments (sizes,
+    slice bounds, scalars), the values of 0-dim CPU tensors read as scalars, and every tensor argument's shape,
+    strides and dtype. Two runs of a captured function with different signatures are a graph replaying stale
+    values: the second run computed something the graph would not."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((str(func), tuple(_baked(a) for a in (*args, *kwargs.items()))))
+        return func(*args, **kwargs)
+
+
+def _baked(value):
+    if isinstance(value, torch.Tensor):
+        scalar = value.item() if value.dim() == 0 and value.device.type == "cpu" else None
+        return "tensor", tuple(value.shape), value.stride(), value.dtype, scalar
+    if isinstance(value, (list, tuple)):
+        return tuple(_baked(v) for v in value)
+    return repr(value)
+
+
+class _Replay:
+    """A captured function's stand-in for a graph: ``replay`` runs it again over the same static buffers and checks
+    that it dispatched what the capture did (``_Signature``)."""
+
+    def __init__(self, run, captured: list[tuple]):
+        self.run, self.captured, self.replays = run, captured, 0
 
     def replay(self):
-        self.run()
+        with _Signature() as now:
+            self.run()
+        diff = next((i for i, (a, b) in enumerate(zip(self.captured, now.ops)) if a != b), None)
+        assert diff is None and len(now.ops) == len(self.captured), (
+            f"a replay would differ from its capture at op {diff} of {len(self.captured)}: "
+            f"{self.captured[diff] if diff is not None else len(self.captured)} captured, "
+            f"{now.ops[diff] if diff is not None else len(now.ops)} now")
+        self.replays += 1
 
 
 @pytest.fixture
 def strict_captures(monkeypatch):
-    """Captures run their function twice (the warm-ups), then once inside ``capturing``; returns the list of the
-    captured functions' owners (``run.__qualname__``), one per capture."""
+    """Captures run their function twice (the warm-ups), then once inside ``capturing``, its ``_Signature`` kept
+    for the replays to match; returns the list of the graphs captured."""
     captured = []
 
     def capture(run, device, pool):
         for _ in range(2):
             run()
-        with capturing():
+        with capturing(), _Signature() as signature:
             run()
-        captured.append(getattr(run, "__qualname__", repr(run)))
-        return _Replay(run), 0.0, 0
+        graph = _Replay(run, signature.ops)
+        captured.append(graph)
+        return graph, 0.0, 0
 
     monkeypatch.setattr(graph_runner, "capture_graph", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())

@@ -42,7 +42,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVBudgetError, KVGeometry, bucketed
+from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVBudgetError, KVGeometry, buffer_keys, bucketed
 from .row_cache import RowCache
 from .staging import to_device
 
@@ -293,9 +293,9 @@ class BatchCache(Cache):
             follower.follow(rows, capacity)
 
     # -------------------------------------------------------------- a forward
-    def buffers(self) -> tuple[int, ...]:
-        """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
-        return tuple(ptr for layer in self.layers for ptr in (layer.keys.data_ptr(), layer.values.data_ptr()))
+    def buffers(self) -> tuple:
+        """The buffers' addresses and shapes (``buffer_keys``): a captured graph is recaptured when they change."""
+        return buffer_keys(t for layer in self.layers for t in (layer.keys, layer.values))
 
     def width(self, n_new: int) -> int:
         """W: the key columns a forward of ``n_new`` tokens per row reads (the longest row's prefix + n_new; a

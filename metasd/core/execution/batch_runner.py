@@ -104,7 +104,7 @@ class BatchGraphRunner:
         self.device = model.device
         self.shapes: dict[tuple[int, int, int], _Inputs] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
-        self._buffers: tuple[int, ...] | None = None
+        self._buffers: tuple | None = None
         self.stats = RunnerStats()
 
     def _bucket(self, batch: int, tokens: int) -> tuple[int, int] | None:

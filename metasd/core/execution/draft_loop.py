@@ -95,7 +95,7 @@ class DraftLoop:
         self._root: torch.Tensor | None = None  # [vocab] the logits after the last committed token
         self._graphs: dict[int, object] = {}  # width bucket -> torch.cuda.CUDAGraph
         self._columns: dict[int, torch.Tensor] = {}  # width bucket -> arange(W) on the device
-        self._buffers: tuple[int, ...] | None = None
+        self._buffers: tuple | None = None
         self.stats = RunnerStats()
 
     @torch.inference_mode()

@@ -38,7 +38,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .batch_runner import BatchGraphRunner
 from .draft_batch import Feed, feed_inputs
-from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVGeometry, bucketed
+from .kv_memory import RESERVATION_BUCKET, KVAllocationError, KVGeometry, buffer_keys, bucketed
 from .rows_loop import RowsLoop, RowsLoopFeed
 from .static_cache import StaticKVCache, StaticLayer
 
@@ -289,9 +289,9 @@ class DraftRows(Cache):
             raise KVAllocationError(f"{self.name or 'a drafter'}: could not allocate its rows' KV buffers for {rows} "
                                     f"rows x {capacity} positions") from e
 
-    def buffers(self) -> tuple[int, ...]:
-        """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
-        return tuple(ptr for layer in self.layers for ptr in (layer.keys.data_ptr(), layer.values.data_ptr()))
+    def buffers(self) -> tuple:
+        """The buffers' addresses and shapes (``buffer_keys``): a captured graph is recaptured when they change."""
+        return buffer_keys(t for layer in self.layers for t in (layer.keys, layer.values))
 
     @property
     def held_bytes(self) -> int:

@@ -139,7 +139,7 @@ class GraphRunner:
         self.buckets, self.width_bucket = tuple(buckets), width_bucket
         self.device = model.device
         self.shapes: dict[tuple[int, int], _Shape] = {}
-        self._buffers: tuple[int, ...] | None = None  # the cache buffers the graphs were captured over
+        self._buffers: tuple | None = None  # the cache buffers the graphs were captured over
         self.stats = RunnerStats()
 
     @property

@@ -60,6 +60,12 @@ def bucketed(tokens: int, bucket: int = RESERVATION_BUCKET) -> int:
     return -(-int(tokens) // bucket) * bucket
 
 
+def buffer_keys(tensors) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """What a captured graph reads and writes, as it is keyed: each buffer's address and shape. A graph must be
+    recaptured when they change - the shape too: a new buffer may reuse a freed one's address at another shape."""
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory free for new allocations: CUDA's free memory on ``device``; on a CPU, the kernel's ``MemAvailable``
     (Linux), else the physical memory reported by ``sysconf``."""

@@ -62,7 +62,7 @@ class RowsLoop:
         self._levels = level_constants(self.parents, self.levels, rows.geometry.device)
         self.shapes: dict[tuple[int, int], _Buffers] = {}
         self._columns: dict[int, torch.Tensor] = {}
-        self._buffers: tuple[int, ...] | None = None
+        self._buffers: tuple | None = None
         self.stats = RunnerStats()
 
     @torch.inference_mode()

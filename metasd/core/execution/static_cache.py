@@ -26,7 +26,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
+from .kv_memory import RESERVATION_BUCKET, KVGeometry, buffer_keys, bucketed
 
 #: layer types whose keys and values this cache holds
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -193,9 +193,9 @@ class StaticKVCache(Cache):
         for layer in self.layers:
             layer.length = length
 
-    def buffers(self) -> tuple[int, ...]:
-        """The buffers' addresses: what a captured graph reads and writes (it must be recaptured when they change)."""
-        return tuple(ptr for layer in self.layers for ptr in (layer.k_buf.data_ptr(), layer.v_buf.data_ptr()))
+    def buffers(self) -> tuple:
+        """The buffers' addresses and shapes (``buffer_keys``): a captured graph is recaptured when they change."""
+        return buffer_keys(t for layer in self.layers for t in (layer.k_buf, layer.v_buf))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
