@@ -5,8 +5,9 @@ which raises on exactly those ops, naming the op and the line: the batch-1 verif
 drafting loop and its catch-up (draft_loop.py), the scheduler's batched verify forward (batch_runner.py), a model
 drafter's levels over its rows (draft_rows.py) and the whole-tree loop over them (rows_loop.py). A capture here is
 two warm-up runs and the captured run, as ``capture_graph`` does on CUDA; a replay runs the function again and must
-dispatch exactly the ops, sizes and scalars the capture did (``_Signature``: a real graph replays what it captured,
-so a Python value that changed since - a length, a bound, a buffer reallocated at another shape - would be stale).
+dispatch exactly the ops, sizes and scalars the capture did, over the same memory wherever it reads a tensor it did
+not make (``_Signature``: a real graph replays what it captured, so a Python value that changed since - a length, a
+bound, a buffer reallocated at another shape - or an input put in a new tensor instead of the static one is stale).
 Every output is still what the request gets alone. Tiny fp32 models (tests/tiny.py)."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from metasd.core.batching.scheduler import Scheduler
 from metasd.core.engine import Engine
@@ -36,27 +38,38 @@ def _enable():
 
 class _Signature(TorchDispatchMode):
     """The ops a run dispatches, each with what a CUDA graph bakes in at capture: its non-tensor arguments (sizes,
-    slice bounds, scalars), the values of 0-dim CPU tensors read as scalars, and every tensor argument's shape,
-    strides and dtype. Two runs of a captured function with different signatures are a graph replaying stale
-    values: the second run computed something the graph would not."""
+    slice bounds, scalars), the values of 0-dim CPU tensors read as scalars, every tensor argument's shape, strides
+    and dtype, and - for a tensor the run did not make (weights, KV buffers, the runner's static inputs) - which
+    memory it is. Two runs of a captured function with different signatures are a graph replaying stale values or
+    memory: the second run computed something, or read an input, the graph would not."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[tuple] = []
+        self.made: set[int] = set()  # the storages this run's ops allocated: its temporaries
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.ops.append((str(func), tuple(_baked(a) for a in (*args, *kwargs.items()))))
-        return func(*args, **kwargs)
+        self.ops.append((str(func), tuple(self._baked(a) for a in (*args, *kwargs.items()))))
+        out = func(*args, **kwargs)
+        given = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # new memory is the run's own; an in-place op's output is its argument, whatever it was
+        self.made.update(m for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (m := _storage(t)) not in given)
+        return out
+
+    def _baked(self, value):
+        if isinstance(value, torch.Tensor):
+            scalar = value.item() if value.dim() == 0 and value.device.type == "cpu" else None
+            memory = "made" if _storage(value) in self.made else _storage(value)
+            return "tensor", tuple(value.shape), value.stride(), value.dtype, scalar, memory
+        if isinstance(value, (list, tuple)):
+            return tuple(self._baked(v) for v in value)
+        return repr(value)
 
 
-def _baked(value):
-    if isinstance(value, torch.Tensor):
-        scalar = value.item() if value.dim() == 0 and value.device.type == "cpu" else None
-        return "tensor", tuple(value.shape), value.stride(), value.dtype, scalar
-    if isinstance(value, (list, tuple)):
-        return tuple(_baked(v) for v in value)
-    return repr(value)
+def _storage(t: torch.Tensor) -> int:
+    """Which memory ``t`` views: its storage's address (a device tensor's CPU data, on the fake device)."""
+    return (t.elem if hasattr(t, "elem") else t).untyped_storage().data_ptr()
 
 
 class _Replay:
