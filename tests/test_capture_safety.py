@@ -173,3 +173,43 @@ def test_the_schedulers_verify_forward_and_drafting_over_rows_capture_nothing_of
     assert sum(st.captured for st in drafted) > 0 and sum(st.replays for st in drafted) > 0, rows.describe()
     if kind != "tree":  # a greedy chain and a static tree draft whole loops over the rows; a dynamic tree by levels
         assert rows.loops and all(loop.stats.captured > 0 for loop in rows.loops.values()), rows.describe()
+
+
+@pytest.mark.parametrize("kind", ["levels", "loop"])
+def test_trace_replay_over_rows_captures_nothing_of_the_host(strict_captures, kind):
+    """What a GPU session runs without real weights (drafters/trace.py, trace_loop.py): a trace recorded here on the
+    CPU, replayed on the device with other models - a dynamic tree's levels over rows, a static tree's whole loop -
+    with the verifier's and the drafter's forwards captured."""
+    from drafting_helpers import MAX_NEW, PROMPTS, schedule_together
+    from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter
+    from metasd.drafters.trace_loop import LoopTraceDrafter
+    from metasd.drafters.trace_record import record_arm
+    from test_trace_loop import WIDTHS, _arm as loop_arm
+    from test_trace_replay import _arm as levels_arm, _noisy
+
+    verifier, drafter = tiny_qwen(seed=0, logit_scale=4.0), _noisy(tiny_qwen(seed=0, logit_scale=4.0), 0.05, seed=1)
+    arm = (lambda: levels_arm("tree", drafter)) if kind == "levels" else (lambda: loop_arm("static", drafter))
+    trace = Trace([PromptTrace(f"p{i}", len(p), n, {"arm": record_arm(arm(), p, plain_greedy(verifier, p, n + 8), n)})
+                   for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))])
+    other_verifier, other_drafter = tiny_qwen(seed=5, logit_scale=4.0), tiny_qwen(seed=6)
+    prompts, continuations = [], []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        ids = [(t * 7 + 3 + i) % 64 for t in prompt]
+        G = plain_greedy(other_verifier, ids, n + 8)
+        trace.prompts[i].replay_on(ids, G)
+        prompts.append(ids)
+        continuations.append(G[:n])
+    models = other_verifier.to(DEV), other_drafter.to(DEV)
+    replay = TraceDrafter(trace, "arm", [models[1]], vocab=64, fixed_shapes=True) if kind == "levels" else \
+        LoopTraceDrafter(trace, "arm", models[1], WIDTHS, vocab=64, fixed_shapes=True)
+    (rows,) = replay.rows
+    rows.runner.capture = True  # what graphs="auto" sets on CUDA
+    verifier_on_device = Verifier(models[0], fixed_shapes=True)
+    verifier_on_device.capture = True
+    results, _ = schedule_together(Engine(verifier_on_device, replay, check_tokenizers=False), prompts, MAX_NEW,
+                                   lambda: 0)
+    assert [r.token_ids for r in results] == continuations
+    drafted = [rows.runner.stats, *(loop.stats for loop in rows.loops.values())]
+    assert sum(st.captured for st in drafted) > 0 and sum(st.eager for st in drafted) == 0, rows.describe()
+    assert kind == "levels" or rows.loops, rows.describe()
+    assert strict_captures and not rows.held
