@@ -8,6 +8,13 @@ timed by hooks and subtracted from the step's wall time. What is left is host ti
 is the CPU too, it includes the small tensor ops of acceptance, which a GPU would run asynchronously.
 
     python benchmarks/host_time.py --steps 200 --out benchmarks/results/host_time.json
+
+``--batch B [B ...]`` measures a scheduler step instead (issue "A batch at GPU speed"): B requests running together
+through ``metasd serve``'s scheduler at fixed shapes (the path a GPU captures, run eagerly: the runners' input staging
+and padding included), the same stand-ins, greedy; host time = a step's wall time minus its forwards, per step and
+per request. Drafters there: none, a 4-token chain, the GPU default's static tree [4, 2, 2, 1], suffix lookups.
+
+    python benchmarks/host_time.py --batch 1 4 16 --steps 60 --vocab 1024 --out host_time_batch.json
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +88,56 @@ def measure(kind: str, steps: int, temperature: float, vocab: int = VOCAB) -> di
             "tokens_per_step": tokens / max(len(per_step) + 5, 1)}
 
 
+BATCH_DRAFTERS = ("none", "chain", "static_tree", "suffix")
+
+
+def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict:
+    """Median host milliseconds per scheduler step (its wall time minus its forwards) with ``batch`` requests running
+    together at fixed shapes, over ``steps`` steps of the full batch."""
+    from metasd.core.batching.scheduler import Scheduler, SchedulerStep
+    from metasd.core.engine import Engine
+    from metasd.core.execution.verifier import Verifier
+    from metasd.drafters import PretrainedDrafter, StaticTreeDrafter, SuffixDrafter
+
+    verifier, drafter_model = stand_in(0, vocab), stand_in(0, vocab)
+    drafter = {"none": lambda: [], "chain": lambda: PretrainedDrafter(drafter_model, k=4, fixed_shapes=True),
+               "static_tree": lambda: StaticTreeDrafter(drafter_model, widths=[4, 2, 2, 1], fixed_shapes=True),
+               "suffix": lambda: SuffixDrafter()}[kind]()
+    engine = Engine(Verifier(verifier, fixed_shapes=True), drafter, check_tokenizers=False)
+    clock = ForwardClock(verifier, drafter_model)
+    per_step, full = [], []
+    with Scheduler(engine, max_batch=batch) as s:
+        step = s._step
+
+        def timed_step():
+            t0, f0 = time.perf_counter(), clock.seconds
+            step()
+            per_step.append(((time.perf_counter() - t0) - (clock.seconds - f0)) * 1e3)
+
+        s._step = timed_step
+        enough = threading.Event()
+
+        def on_record(r):
+            if isinstance(r, SchedulerStep) and r.batch_size == batch:
+                full.append(len(per_step))
+                if len(full) >= steps + 5:
+                    enough.set()
+
+        s.add_listener(on_record)
+        with s._lock:  # every request in before the first step; long enough for ``steps`` steps of 8 tokens
+            handles = [s.submit([1 + (7 * i + j) % (vocab - 1) for j in range(64)], 8 * (steps + 10))
+                       for i in range(batch)]
+        enough.wait(600)
+        for h in handles:  # enough steps of the full batch: the requests end
+            h.cancel()
+    # the steps of the full batch (each listener call follows its step's record), the first 5 dropped (captures of
+    # shapes, the drafters' start)
+    ms = [per_step[i - 1] for i in full][5: steps + 5]
+    return {"drafter": kind, "batch": batch, "vocab": vocab, "steps": len(ms),
+            "host_ms_median": statistics.median(ms), "host_ms_p90": sorted(ms)[int(0.9 * len(ms))],
+            "host_ms_per_request": statistics.median(ms) / batch}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -89,14 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, nargs="+", default=[VOCAB],
                    help="stand-in vocabulary sizes: the real one (151,936) includes the vocabulary-wide tensor work a "
                         "GPU runs asynchronously; a small one leaves the Python bookkeeping alone")
+    p.add_argument("--batch", type=int, nargs="+",
+                   help="measure scheduler steps of these many requests together instead (module docstring; "
+                        f"drafters from {', '.join(BATCH_DRAFTERS)}, greedy)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    rows = [measure(k, args.steps, t, v) for v in args.vocab for t in args.temperatures for k in args.drafters]
+    if args.batch:
+        kinds = [k for k in args.drafters if k in BATCH_DRAFTERS] if args.drafters != p.get_default("drafters") \
+            else list(BATCH_DRAFTERS)
+        rows = [measure_batch(k, args.steps, b, v) for v in args.vocab for b in args.batch for k in kinds]
+    else:
+        rows = [measure(k, args.steps, t, v) for v in args.vocab for t in args.temperatures for k in args.drafters]
     for r in rows:
-        print(f"{r['drafter']:6s} T={r['temperature']:.0f} vocab {r['vocab']}: host {r['host_ms_median']:.2f} ms/step median "
+        what = f"batch {r['batch']:2d}" if "batch" in r else f"T={r['temperature']:.0f}"
+        print(f"{r['drafter']:11s} {what} vocab {r['vocab']}: host {r['host_ms_median']:.2f} ms/step median "
               f"(p90 {r['host_ms_p90']:.2f}), {r['steps']} steps")
     if args.out:
         out = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),

@@ -47,6 +47,35 @@ def test_tree_structure_helpers():
     assert t.tokens.tolist() == [1, 2, 3, 4] and t.parents.tolist() == [-1, -1, 1, 1]
 
 
+def test_a_batchs_inputs_show_each_query_its_prefix_its_ancestors_and_itself():
+    # batch_inputs builds them from each shape's cached layout: check every cell against the definition
+    from metasd.core.execution.batch_verifier import batch_inputs
+    from metasd.core.execution.tree import DeviceTokens
+
+    rng = np.random.default_rng(0)
+    drafts = [Draft.empty(), Draft.chain([5, 6, 7]), Draft(tokens=[1, 2, 3, 4, 5], parents=[-1, -1, 1, 1, 3])]
+    for n in (4, 9):  # random trees, the second twice (one shape cached, two drafts)
+        parents = [int(rng.integers(-1, i)) for i in range(n)]
+        drafts += [Draft(list(range(10, 10 + n)), parents), Draft(DeviceTokens(torch.arange(n)), parents)]
+    lengths, pendings = [3, 0, 7, 2, 5, 5, 1][: len(drafts)], list(range(90, 90 + len(drafts)))
+    ids, pos, mask = batch_inputs(lengths, pendings, drafts)
+    B, N = len(drafts), 1 + max(len(d) for d in drafts)
+    W = max(lengths) + N
+    assert ids.shape == pos.shape == (B, N) and mask.shape == (B, 1, N, W)
+    for b, (length, draft) in enumerate(zip(lengths, drafts)):
+        n, parents = len(draft), draft.parents.tolist()
+        ancestors = [{0}]  # index 0: the pending token; node i: index i + 1
+        for i, p in enumerate(parents):
+            ancestors.append(ancestors[p + 1] | {i + 1})
+        for q in range(N):
+            seen = set(range(length)) | ({length + j for j in ancestors[q]} if q <= n else {length + q})
+            assert [c for c in range(W) if mask[b, 0, q, c]] == sorted(seen), (b, q)
+        depth = [len(a) - 1 for a in ancestors]
+        assert pos[b].tolist() == [length + d for d in depth] + list(range(length + n + 1, length + N))
+        on_host = draft.tokens.tolist() if draft.on_host else [0] * n
+        assert ids[b].tolist() == [pendings[b], *on_host] + [0] * (N - n - 1)
+
+
 def test_top_k_top_p_processing():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))

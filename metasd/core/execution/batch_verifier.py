@@ -20,7 +20,7 @@ from .kv_memory import KVGeometry
 from .prefix_cache import PrefixEntry
 from .staging import to_device
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
-from .tree import Draft, ancestor_mask
+from .tree import Draft
 from .verifier import Verifier, VerifierOutput
 
 
@@ -37,22 +37,27 @@ def batch_inputs(lengths: Sequence[int], pendings: Sequence[int], drafts: Sequen
     B = len(drafts)
     N = 1 + max((len(d) for d in drafts), default=0)
     W = max(lengths, default=0) + N
-    ids = torch.zeros(B, N, dtype=torch.long)  # [B, N]
-    pos = torch.zeros(B, N, dtype=torch.long)  # [B, N]
-    mask = torch.zeros(B, 1, N, W, dtype=torch.bool)  # [B, 1, N, W]
+    ids = [[0] * N for _ in range(B)]  # [B, N]
+    pos: list[list[int]] = []  # [B, N]
+    prefix = torch.arange(W) < torch.tensor(lengths, dtype=torch.long)[:, None]  # [B, W]: each row's committed prefix
+    mask = prefix[:, None, None, :].repeat(1, 1, N, 1)  # [B, 1, N, W]
+    pad_rows: list[int] = []  # padding queries, each seeing itself: (row, query, column)
+    pad_queries: list[int] = []
+    pad_columns: list[int] = []
     for b, (length, pending, draft) in enumerate(zip(lengths, pendings, drafts)):
-        n = len(draft)
-        ids[b, 0] = pending
+        n, layout = len(draft), draft.layout  # the tree's depths and ancestor mask, computed once per shape
+        ids[b][0] = pending
         if draft.on_host:  # else its tokens are on the device: ``BatchVerifier.verify`` writes them there
-            ids[b, 1: n + 1] = draft.tokens
-        depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
-        pos[b, : n + 1] = length + depth
-        pos[b, n + 1:] = length + torch.arange(n + 1, N)
-        mask[b, 0, :, :length] = True
-        mask[b, 0, : n + 1, length: length + n + 1] = ancestor_mask(draft.parents)  # [n+1, n+1]
-        pad = torch.arange(n + 1, N)
-        mask[b, 0, pad, length + pad] = True
-    return ids, pos, mask
+            ids[b][1: n + 1] = draft.tokens.tolist()
+        pos.append([length + d for d in layout.depths] + list(range(length + n + 1, length + N)))
+        mask[b, 0, : n + 1, length: length + n + 1] = layout.mask  # [n+1, n+1]
+        pad = range(n + 1, N)
+        pad_rows += [b] * len(pad)
+        pad_queries += pad
+        pad_columns += [length + i for i in pad]
+    if pad_rows:
+        mask[pad_rows, 0, pad_queries, pad_columns] = True
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), mask
 
 
 class SlotVerifier:

@@ -5,7 +5,8 @@ continues the last committed token (the "root", which the verifier scores at ind
 """
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -99,8 +100,7 @@ class Draft:
         given = len(self._device) if self._device is not None else len(self._tokens)
         if given != n:
             raise ValueError(f"Draft: tokens ({given},) and parents ({n},) differ in length")
-        if n and not bool((self.parents < torch.arange(n)).all() and (self.parents >= -1).all()):
-            raise ValueError(f"Draft: parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
+        self.layout = tree_layout(tuple(self.parents.tolist()))  # checks the parents; shared by drafts of one shape
         if self.probs is not None and self.probs.shape[0] != n:
             raise ValueError(f"Draft: probs has {self.probs.shape[0]} rows for {n} tokens")
 
@@ -151,19 +151,15 @@ class Draft:
 
     @property
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(len(self)) - 1).all())
+        return self.layout.is_chain
 
     def depths(self) -> torch.Tensor:
-        """[n] depth of each node; children of the root have depth 1 (computed once per ``parents`` tensor: a step
-        reads it several times)."""
-        cached = self.__dict__.get("_depths")
-        if cached is None or cached[0] is not self.parents:
-            cached = self.__dict__["_depths"] = (self.parents, node_depths(self.parents))
-        return cached[1]
+        """[n] depth of each node; children of the root have depth 1."""
+        return torch.tensor(self.layout.depths[1:], dtype=torch.long)
 
     @property
     def depth(self) -> int:
-        return int(self.depths().max()) if len(self) else 0
+        return max(self.layout.depths)
 
     def truncated(self, max_depth: int) -> "Draft":
         """The sub-tree of nodes at depth <= max_depth (keeps topological indices consistent)."""
@@ -208,13 +204,33 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
     Index 0 is the root (the last committed token); node i of the draft is index i+1.
     """
+    return tree_layout(tuple(parents.tolist())).mask.clone()
+
+
+class TreeLayout(NamedTuple):
+    """What a step needs of a tree's shape, computed once per shape (``tree_layout``). Index 0 is the root, node i of
+    the draft index i+1."""
+
+    depths: tuple[int, ...]  # [n+1]: the root's 0, then each node's depth (the root's children: 1)
+    mask: torch.Tensor  # [n+1, n+1] bool, ``ancestor_mask``'s (shared: read it, never write into it)
+    is_chain: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def tree_layout(parents: tuple[int, ...]) -> TreeLayout:
+    """The layout of the tree of ``parents`` (each node's parent before it, -1: the root); ``ValueError`` for parents
+    that are not such a tree. Cached: a static tree has one shape, a dynamic one a few, and building the mask for every
+    request at every step cost more than the rest of a batch's inputs."""
+    if any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"Draft: parents must satisfy -1 <= parents[i] < i, got {list(parents)}")
     n = len(parents)
     rows = [[False] * (n + 1) for _ in range(n + 1)]
     rows[0][0] = True
-    for i, p in enumerate(parents.tolist()):
+    for i, p in enumerate(parents):
         row = rows[i + 1] = rows[p + 1].copy()  # the parent's ancestors (topological order: already complete)
         row[i + 1] = True
-    return torch.tensor(rows, dtype=torch.bool)
+    return TreeLayout((0, *depths_of(parents)), torch.tensor(rows, dtype=torch.bool),
+                      all(p == i - 1 for i, p in enumerate(parents)))
 
 
 def children_lists(parents: torch.Tensor) -> list[list[int]]:

@@ -22,7 +22,7 @@ from .kv_cache import cache_kwargs, cache_length, keep_positions
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .static_cache import StaticKVCache, new_cache
 from .staging import to_device
-from .tree import Draft, ancestor_mask
+from .tree import Draft
 
 
 @dataclass
@@ -156,13 +156,13 @@ class Verifier:
         if runner is not None and runner.fits(len(draft) + 1):
             tokens = verify_ids(pending, draft, self.device)  # [n+1]
             depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
-            block = ancestor_mask(draft.parents)  # [n+1, n+1]; a chain's is lower-triangular
+            block = draft.layout.mask  # [n+1, n+1] (read only); a chain's is lower-triangular
             return VerifierOutput(*runner.forward(tokens, depth, block))
         ids = verify_ids(pending, draft, self.device)[None]  # [1, n+1]
         kwargs = {}
         if len(draft) and not draft.is_chain:
             depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
-            tree = ancestor_mask(draft.parents)  # [n+1, n+1]
+            tree = draft.layout.mask  # [n+1, n+1] (read only)
             mask = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree], dim=1)  # [n+1, past+n+1]
             kwargs["attention_mask"] = to_device(mask, self.device)[None, None]
             kwargs["position_ids"] = to_device(past + depth, self.device)[None]
