@@ -315,24 +315,25 @@ def feed_inputs(feeds: Sequence[Feed], starts: Sequence[int]
     q = [f.length for f in feeds]
     Q = max(q)
     W = max(s + Q for s in starts)
-    ids = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
     on_device = {b: f.ids.view(-1) for b, f in enumerate(feeds)
                  if isinstance(f.ids, torch.Tensor) and f.ids.device.type != "cpu"}
-    pos = torch.zeros(B, Q, dtype=torch.long)  # [B, Q]
-    mask = torch.zeros(B, 1, Q, W, dtype=torch.bool)  # [B, 1, Q, W]
+    ids = [[0] * Q for _ in range(B)]  # [B, Q]
+    pos: list[list[int]] = []  # [B, Q]
     for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
         if b not in on_device:
-            ids[b, :n] = f.ids.view(-1) if isinstance(f.ids, torch.Tensor) else torch.tensor(f.ids, dtype=torch.long)
-        pos[b, :n] = f.positions if f.positions is not None else s + torch.arange(n)
-        pos[b, n:] = s + torch.arange(n, Q)
-        if f.mask is not None:
+            ids[b][:n] = f.ids.view(-1).tolist() if isinstance(f.ids, torch.Tensor) else list(f.ids)
+        pos.append((f.positions.tolist() if f.positions is not None else list(range(s, s + n)))
+                   + list(range(s + n, s + Q)))
+    query = torch.arange(Q)[None, :, None]  # [1, Q, 1]
+    column = torch.arange(W)[None, None, :]  # [1, 1, W]
+    start = torch.tensor(starts, dtype=torch.long)[:, None, None]  # [B, 1, 1]
+    real = query < torch.tensor(q, dtype=torch.long)[:, None, None]  # [B, Q, 1]
+    # causal: query i sees its prefix and the fed tokens up to itself; a padding query, itself
+    mask = torch.where(real, column <= start + query, column == start + query)[:, None]  # [B, 1, Q, W]
+    for b, (f, n, s) in enumerate(zip(feeds, q, starts)):
+        if f.mask is not None:  # its own mask over its prefix and its tokens (a tree level's ancestors)
             mask[b, 0, :n, : s + n] = f.mask
-        else:
-            mask[b, 0, :n, :s] = True
-            mask[b, 0, :n, s: s + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        pad = torch.arange(n, Q)
-        mask[b, 0, pad, s + pad] = True
-    return ids, pos, mask, on_device
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), mask, on_device
 
 
 def _run_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
