@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from ..execution.host_read import read_together
-from ..execution.tree import DeviceTokens, Draft, children_lists
+from ..execution.tree import DeviceTokens, Draft
 from ..execution.verifier import VerifierOutput
 from .sampling import KeyedNoise, fit_vocab, sample
 
@@ -86,7 +86,7 @@ def accept_keyed(draft: Draft, p: torch.Tensor, noise: KeyedNoise, start: int) -
 
     p: [n+1, vocab] processed verifier probabilities. On a device every row's token is chosen in one call and read
     once (with the draft's tokens where they are still there): the same tokens, a pure function of the noise."""
-    depths = [0] + draft.depths().tolist()  # [n+1] the depth of each row's node (row 0: the root)
+    depths = draft.layout.depths  # [n+1] the depth of each row's node (row 0: the root)
     if _on_device(p):
         return _walk(draft, draft.read_with(noise.choose_rows(p, [start + d for d in depths])).__getitem__)
     return _walk(draft, lambda row: int(noise.choose(p[row], start + depths[row])))
@@ -100,7 +100,7 @@ def _on_device(p: torch.Tensor) -> bool:
 
 
 def _walk(draft: Draft, choose) -> Acceptance:
-    kids = children_lists(draft.parents)
+    kids = draft.layout.children
     tokens = draft.tokens.tolist()
     path: list[int] = []
     row = 0
@@ -121,7 +121,7 @@ def follow(draft: Draft, committed: list[int]) -> tuple[list[int], bool]:
     This is exactly what greedy verification of ``draft`` would have accepted (the committed tokens are the verifier's
     argmax along their path). Under sampling it is what sample-and-match would have accepted with the same draws (the
     committed tokens are samples of p along their path): a sample of the counterfactual, by common random numbers."""
-    kids = children_lists(draft.parents)
+    kids = draft.layout.children
     tokens = draft.tokens.tolist()
     path: list[int] = []
     row = 0
@@ -149,7 +149,7 @@ def accept_rejection(draft: Draft, p: torch.Tensor, generator: torch.Generator |
     q_all = fit_vocab(draft.probs.to(p.device).float(), p.shape[-1])  # [n, vocab] beside the verifier's p
     if _on_device(p) and len(draft) and draft.is_chain:
         return _reject_chain(draft, p, q_all, generator)
-    kids = children_lists(draft.parents)
+    kids = draft.layout.children
     tokens = draft.tokens.tolist()
     path: list[int] = []
     row = 0

@@ -213,6 +213,7 @@ class TreeLayout(NamedTuple):
 
     depths: tuple[int, ...]  # [n+1]: the root's 0, then each node's depth (the root's children: 1)
     mask: torch.Tensor  # [n+1, n+1] bool, ``ancestor_mask``'s (shared: read it, never write into it)
+    children: tuple[tuple[int, ...], ...]  # ``children_lists``'
     is_chain: bool
 
 
@@ -229,13 +230,13 @@ def tree_layout(parents: tuple[int, ...]) -> TreeLayout:
     for i, p in enumerate(parents):
         row = rows[i + 1] = rows[p + 1].copy()  # the parent's ancestors (topological order: already complete)
         row[i + 1] = True
-    return TreeLayout((0, *depths_of(parents)), torch.tensor(rows, dtype=torch.bool),
+    kids: list[list[int]] = [[] for _ in range(n + 1)]
+    for i, p in enumerate(parents):
+        kids[p + 1].append(i)
+    return TreeLayout((0, *depths_of(parents)), torch.tensor(rows, dtype=torch.bool), tuple(map(tuple, kids)),
                       all(p == i - 1 for i, p in enumerate(parents)))
 
 
 def children_lists(parents: torch.Tensor) -> list[list[int]]:
     """Children (node indices, in draft order) of the root (entry 0) and of each node i (entry i+1)."""
-    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, p in enumerate(parents.tolist()):
-        kids[p + 1].append(i)
-    return kids
+    return [list(kids) for kids in tree_layout(tuple(parents.tolist())).children]
