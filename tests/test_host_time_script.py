@@ -1,0 +1,25 @@
+"""benchmarks/host_time.py's scheduler measurement (``--batch``) on tiny stand-ins: every drafter kind runs its
+requests together through the scheduler at fixed shapes for exactly the steps asked, and the command writes its rows."""
+import json
+
+import pytest
+
+from benchmark_scripts import load_script
+
+host_time = load_script("host_time")
+
+
+@pytest.mark.parametrize("kind", list(host_time.BATCH_DRAFTERS))
+def test_a_scheduler_steps_host_time_is_measured_over_full_batches(kind):
+    row = host_time.measure_batch(kind, steps=4, batch=3, vocab=64)
+    assert (row["drafter"], row["batch"], row["vocab"], row["steps"]) == (kind, 3, 64, 4)
+    assert 0 < row["host_ms_median"] <= row["host_ms_p90"]
+    assert row["host_ms_per_request"] == pytest.approx(row["host_ms_median"] / 3)
+
+
+def test_the_batch_command_writes_one_row_per_drafter_and_batch(tmp_path):
+    out = tmp_path / "host.json"
+    assert host_time.main(["--batch", "1", "2", "--steps", "3", "--vocab", "64", "--drafters", "none", "suffix",
+                           "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["drafter"], r["batch"]) for r in rows] == [("none", 1), ("suffix", 1), ("none", 2), ("suffix", 2)]
