@@ -191,7 +191,7 @@ def test_trace_replay_over_rows_captures_nothing_of_the_host(strict_captures, ki
     from metasd.drafters.trace import PromptTrace, Trace, TraceDrafter
     from metasd.drafters.trace_loop import LoopTraceDrafter
     from metasd.drafters.trace_record import record_arm
-    from test_trace_loop import WIDTHS, _arm as loop_arm
+    from test_trace_loop import WIDTHS, _arm as loop_arm, replay_on_other
     from test_trace_replay import _arm as levels_arm, _noisy
 
     verifier, drafter = tiny_qwen(seed=0, logit_scale=4.0), _noisy(tiny_qwen(seed=0, logit_scale=4.0), 0.05, seed=1)
@@ -199,13 +199,7 @@ def test_trace_replay_over_rows_captures_nothing_of_the_host(strict_captures, ki
     trace = Trace([PromptTrace(f"p{i}", len(p), n, {"arm": record_arm(arm(), p, plain_greedy(verifier, p, n + 8), n)})
                    for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))])
     other_verifier, other_drafter = tiny_qwen(seed=5, logit_scale=4.0), tiny_qwen(seed=6)
-    prompts, continuations = [], []
-    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
-        ids = [(t * 7 + 3 + i) % 64 for t in prompt]
-        G = plain_greedy(other_verifier, ids, n + 8)
-        trace.prompts[i].replay_on(ids, G)
-        prompts.append(ids)
-        continuations.append(G[:n])
+    prompts, continuations = replay_on_other(trace, other_verifier, PROMPTS, MAX_NEW)
     models = other_verifier.to(DEV), other_drafter.to(DEV)
     replay = TraceDrafter(trace, "arm", [models[1]], vocab=64, fixed_shapes=True) if kind == "levels" else \
         LoopTraceDrafter(trace, "arm", models[1], WIDTHS, vocab=64, fixed_shapes=True)

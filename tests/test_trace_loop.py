@@ -17,6 +17,19 @@ N = 28
 WIDTHS = [2, 2, 1]
 
 
+def replay_on_other(trace, verifier, prompts, max_new):
+    """``trace``'s prompts replayed on other prompt ids with ``verifier``'s own greedy text (8 tokens past each
+    request's): the ids, and each request's continuation the replay must commit."""
+    replay_prompts, continuations = [], []
+    for i, (prompt, n) in enumerate(zip(prompts, max_new)):
+        ids = [(t * 7 + 3 + i) % 64 for t in prompt]
+        G = plain_greedy(verifier, ids, n + 8)
+        trace.prompts[i].replay_on(ids, G)
+        replay_prompts.append(ids)
+        continuations.append(G[:n])
+    return replay_prompts, continuations
+
+
 def _arm(kind: str, model):
     tree = StaticTreeDrafter(model, widths=WIDTHS, name="arm" if kind == "static" else "tree")
     if kind == "static":
@@ -81,13 +94,7 @@ def test_requests_side_by_side_replay_their_steps_through_one_loop_over_their_ro
         prompts.append(PromptTrace(f"p{i}", len(prompt), n, {"arm": record_arm(_arm("static", drafter), prompt, R, n)}))
     trace = Trace(prompts)
     other_verifier, other_drafter = tiny_qwen(seed=5, logit_scale=4.0), tiny_qwen(seed=6)
-    replay_prompts, continuations = [], []
-    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
-        ids = [(t * 7 + 3 + i) % 64 for t in prompt]
-        G = plain_greedy(other_verifier, ids, n + 8)
-        trace.prompts[i].replay_on(ids, G)
-        replay_prompts.append(ids)
-        continuations.append(G[:n])
+    replay_prompts, continuations = replay_on_other(trace, other_verifier, PROMPTS, MAX_NEW)
     arm = LoopTraceDrafter(trace, "arm", other_drafter, WIDTHS, vocab=64, fixed_shapes=True)
     engine = Engine(Verifier(other_verifier, fixed_shapes=True), arm, check_tokenizers=False)
     results, _ = schedule_together(engine, replay_prompts, MAX_NEW, lambda: 0)
