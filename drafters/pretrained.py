@@ -34,15 +34,12 @@ from .tracking import chain_acceptance
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a drafter's cache a prefix of the text), compared at C speed
-        return n
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    n = min(len(a), len(b))  # usually a drafter's cache is a prefix of the text: compared at C speed first
+    return n if a[:n] == b[:n] else next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): the LM head computes N rows instead "
                    "of the whole vocabulary; byte-pair ids come roughly in frequency order (default: all)")
-
 
 TRACK_HELP = ("full-information feedback: feed the committed tokens every step, also when another arm drafted (priced "
               "as the pool's work), so this arm is scored on every step")
