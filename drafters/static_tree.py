@@ -25,7 +25,7 @@ from metasd.core.decoding.drafter import DrafterParams, Int, StepContext, check_
 from metasd.core.execution.draft_batch import Drafting, Feed
 from metasd.core.execution.draft_loop import tree_shape
 from metasd.core.execution.kv_cache import cache_length
-from metasd.core.execution.tree import DeviceTokens, Draft, ancestor_mask, depths_of
+from metasd.core.execution.tree import DeviceTokens, Draft, tree_layout
 
 from .pretrained import GRAPHS_HELP, HEAD_VOCAB_HELP, PretrainedDrafter
 
@@ -80,13 +80,12 @@ class StaticTreeDrafter(PretrainedDrafter):
             return Draft(DeviceTokens(tokens[: len(parents)]), parents, None, catch_up=self.last_catch_up,
                          meta={"drafter_forwards": len(self.widths)})
         committed = cache_length(self.cache)
-        depths = depths_of(parents)
-        mask = ancestor_mask(torch.tensor(parents))  # [n+1, n+1], row/column 0: the root
+        layout = tree_layout(tuple(parents))  # depths and ancestor mask (read only), row/column 0: the root
         drafted = [logits.reshape(1, -1).topk(widths[0], dim=-1).indices.reshape(-1)]  # [w_0] on the device
         for d, (start, end) in enumerate(levels[:-1]):  # feed level d, its children's tokens from its logits
-            rows = mask[start + 1: end + 1, 1: end + 1]  # [q, fed so far + q]: the nodes' ancestors and themselves
+            rows = layout.mask[start + 1: end + 1, 1: end + 1]  # [q, fed so far + q]: ancestors-or-self
             feed_mask = torch.cat([torch.ones(end - start, committed, dtype=torch.bool), rows], dim=1)
-            positions = torch.tensor([committed + depths[i] - 1 for i in range(start, end)])
+            positions = torch.tensor([committed + layout.depths[i + 1] - 1 for i in range(start, end)])
             out = yield Feed(self.model, self.draft_head, self.cache, drafted[-1], mask=feed_mask,
                              positions=positions)  # [q, vocab]
             drafted.append(out.topk(widths[d + 1], dim=-1).indices.reshape(-1))  # [q * w_{d+1}]

@@ -44,7 +44,7 @@ from .kv_cache import cache_length
 from .kv_memory import RESERVATION_BUCKET, KVGeometry, bucketed
 from .staging import to_device
 from .static_cache import StaticKVCache, new_cache
-from .tree import ancestor_mask, depths_of
+from .tree import tree_layout
 
 
 def tree_shape(widths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -66,10 +66,9 @@ def level_constants(parents: Sequence[int], levels: Sequence[tuple[int, int]], d
     """Per level fed (every level but the last) of a fixed tree shape (``tree_shape``), on ``device``: its nodes [q],
     their depth - 1 [q], nodes 0..end-1 [end], and each node's ancestors-or-self among those [q, end] - what a fixed
     drafting loop builds its writes, positions and masks from."""
-    depths = depths_of(parents)
-    ancestors = ancestor_mask(torch.tensor(list(parents)))  # [n+1, n+1], row/column 0: the root
-    return [(torch.arange(s, e, device=device), to_device([depths[i] - 1 for i in range(s, e)], device),
-             torch.arange(e, device=device), to_device(ancestors[s + 1: e + 1, 1: e + 1], device))
+    layout = tree_layout(tuple(parents))  # index 0: the root, node i at i + 1
+    return [(torch.arange(s, e, device=device), to_device([layout.depths[i + 1] - 1 for i in range(s, e)], device),
+             torch.arange(e, device=device), to_device(layout.mask[s + 1: e + 1, 1: e + 1].clone(), device))
             for s, e in levels[:-1]]
 
 

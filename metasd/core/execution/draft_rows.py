@@ -223,7 +223,7 @@ class DraftRows(Cache):
         none: nothing allocated. All or nothing (``KVAllocationError``)."""
         self.followed = (rows, capacity)
         held = self._held()
-        rows, capacity = self._fitted(rows, capacity)
+        rows, capacity = self._fitted(rows, capacity, held)
         if not rows:
             for layer in self.layers:
                 layer.keys = layer.values = None
@@ -247,9 +247,8 @@ class DraftRows(Cache):
     def _held(self) -> list[RowKVCache]:
         return [cache for _, ref in sorted(self.held.items()) if (cache := ref()) is not None]
 
-    def _fitted(self, rows: int, capacity: int) -> tuple[int, int]:
+    def _fitted(self, rows: int, capacity: int, held: list[RowKVCache]) -> tuple[int, int]:
         """``follow``'s shape for ``rows`` x ``capacity``: never fewer rows than held nor positions than they use."""
-        held = self._held()
         rows = max(rows, len(held))
         used = max((cache.get_seq_length() for cache in held), default=0)
         return (rows, max(capacity, bucketed(used, self.bucket), self.bucket)) if rows else (0, 0)
@@ -270,7 +269,7 @@ class DraftRows(Cache):
         if not self.bytes_past():
             return
         rows, capacity = self.followed
-        if self._fitted(rows, capacity) == ((rows, max(capacity, self.bucket)) if rows else (0, 0)):
+        if self._fitted(rows, capacity, self._held()) == ((rows, max(capacity, self.bucket)) if rows else (0, 0)):
             try:
                 self.follow(rows, capacity)
             except KVAllocationError:

@@ -293,7 +293,7 @@ class LlamaCppBatchVerifier:
                 per_node = None if draft.is_chain else self._tree_sequences(seq, draft.parents.tolist())
                 leaves.append(per_node)
                 tokens.append([int(pendings[b]), *draft.tokens.tolist()])
-                positions.append([past + d for d in [0, *draft.depths().tolist()]])
+                positions.append([past + d for d in draft.layout.depths])
                 sequences.append(per_node or [(seq,)] * (n + 1))
                 sizes.append(n + 1)
             if max(sizes, default=0) > v.batch_tokens:

@@ -293,7 +293,7 @@ class LlamaCppVerifier:
             raise ValueError(f"{self.name}: {past + n + 1} positions exceed the llama.cpp context of "
                              f"{self.context_length}")
         tokens = [int(pending), *draft.tokens.tolist()]
-        depth = [0, *draft.depths().tolist()]
+        depth = draft.layout.depths  # [n+1], the root's 0 first
         sequences = None if draft.is_chain else self._tree_sequences(draft.parents.tolist())
         logits = self._decode(tokens, [past + d for d in depth], sequences or [(0,)] * (n + 1), True)
         self._block = (past, sequences)

@@ -155,13 +155,13 @@ class Verifier:
         runner = self._fixed_runner() if self.fixed_shapes else None
         if runner is not None and runner.fits(len(draft) + 1):
             tokens = verify_ids(pending, draft, self.device)  # [n+1]
-            depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
+            depth = torch.tensor(draft.layout.depths)  # [n+1], the root's 0 first
             block = draft.layout.mask  # [n+1, n+1] (read only); a chain's is lower-triangular
             return VerifierOutput(*runner.forward(tokens, depth, block))
         ids = verify_ids(pending, draft, self.device)[None]  # [1, n+1]
         kwargs = {}
         if len(draft) and not draft.is_chain:
-            depth = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [n+1]
+            depth = torch.tensor(draft.layout.depths)  # [n+1], the root's 0 first
             tree = draft.layout.mask  # [n+1, n+1] (read only)
             mask = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree], dim=1)  # [n+1, past+n+1]
             kwargs["attention_mask"] = to_device(mask, self.device)[None, None]
