@@ -57,7 +57,8 @@ def test_padding_rows_beside_a_staged_prefill_leave_it_as_it_was(model, tok):
             three.set() if r.batch_size == 3 else None
     with Scheduler(_engine(model, tok, True), max_batch=4, prefill_chunk=8) as s:
         s.add_listener(listen)
-        handles = [s.submit(p, n) for p, n in zip(prompts[:3], max_new)]
+        with s._lock:  # queued together: however loaded the machine, the three run together first
+            handles = [s.submit(p, n) for p, n in zip(prompts[:3], max_new)]
         assert three.wait(60)  # the three run first
         handles.append(s.submit(prompts[3], max_new[3]))
         got = [h.result(timeout=120).token_ids for h in handles]
@@ -122,7 +123,9 @@ def test_the_scheduler_prices_and_records_the_padded_forward(model, tok):
     adaptive = AdaptiveSpeculation(lambda n: 1.0 + 0.02 * n, max_width=12)
     with Scheduler(_engine(model, tok, True), max_batch=4, adaptive=adaptive) as s:
         s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
-        for h in [s.submit(p, 16) for p in ([0, 7, 12, 9], [0, 50, 9], [0, 21, 22, 23, 24])]:
+        with s._lock:  # all three queued before the first step: the step of 3 rows is sure to come
+            handles = [s.submit(p, 16) for p in ([0, 7, 12, 9], [0, 50, 9], [0, 21, 22, 23, 24])]
+        for h in handles:
             h.result(timeout=120)
         runner = s.verifier.runner
     assert adaptive.padding is not None and adaptive.grid == (1, 3, 7, 12)
