@@ -12,7 +12,10 @@ is the CPU too, it includes the small tensor ops of acceptance, which a GPU woul
 ``--batch B [B ...]`` measures a scheduler step instead (issue "A batch at GPU speed"): B requests running together
 through ``metasd serve``'s scheduler at fixed shapes (the path a GPU captures, run eagerly: the runners' input staging
 and padding included), the same stand-ins, greedy; host time = a step's wall time minus its forwards, per step and
-per request. Drafters there: none, a 4-token chain, the GPU default's static tree [4, 2, 2, 1], suffix lookups.
+per request. Drafters there: none, a 4-token chain, the GPU default's static tree [4, 2, 2, 1], suffix lookups,
+the served pool's cascade (configs/pools/serve_adaptive.yaml: suffix lookup, then a dynamic tree) alone ("cascade")
+and as that pool runs it ("adaptive": its budget arms, per_load policy and step allocator, priced by a flat forward
+and modeled drafting costs: the same decisions every run).
 
     python benchmarks/host_time.py --batch 1 4 16 --steps 60 --vocab 1024 --out host_time_batch.json
 """
@@ -88,7 +91,36 @@ def measure(kind: str, steps: int, temperature: float, vocab: int = VOCAB) -> di
             "tokens_per_step": tokens / max(len(per_step) + 5, 1)}
 
 
-BATCH_DRAFTERS = ("none", "chain", "static_tree", "suffix")
+BATCH_DRAFTERS = ("none", "chain", "static_tree", "suffix", "cascade", "adaptive")
+
+
+def flat_cost(tokens: int) -> float:
+    """A launch-bound forward's relative cost (a GPU's: nearly flat in its tokens), for the adaptive allocator."""
+    return 1.0 + tokens / 1024
+
+
+def serve_pool(drafter_model, adaptive: bool):
+    """configs/pools/serve_adaptive.yaml's pool on a stand-in drafter: the cascade (suffix lookup, then a dynamic
+    tree where the match is short) - alone, or as its three budget arms under its per_load policy with the step
+    allocator (``AdaptiveSpeculation`` priced by flat_cost and the drafters' modeled costs - not by measured seconds as
+    the served pool is, so that every run makes the same decisions and does the same work). Returns (drafters, engine
+    kwargs, adaptive)."""
+    from metasd.core.batching.adaptive import AdaptiveSpeculation
+    from metasd.core.decoding.policy import make_policy
+    from metasd.drafters import FusedDrafter, PretrainedTreeDrafter, SuffixDrafter
+    from metasd.drafters.budgeted import budget_arms
+
+    cascade = FusedDrafter([SuffixDrafter(max_depth=16, max_nodes=16, name="suffix"),
+                            PretrainedTreeDrafter(drafter_model, mode="dynamic", nodes=32, depth=16, width=4,
+                                                  min_path_prob=0.3, name="tree", fixed_shapes=True)],
+                           enough=6, name="cascade")
+    if not adaptive:
+        return [cascade], {}, None
+    arms = budget_arms(cascade, (4, 16, 48))
+    policy = make_policy("per_load", len(arms), seed=0, inner="ucb", inner_params={"c": 1.0, "normalize": True})
+    return arms, {"policy": policy, "reward": "throughput", "feedback": "full", "persistent_policy": True}, \
+        AdaptiveSpeculation(flat_cost, max_width=48, price_drafting=True, unit_seconds=None, min_gain=1.2,
+                            defer_catch_up=True, probe_stall=3)
 
 
 def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict:
@@ -100,19 +132,34 @@ def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict
     from metasd.drafters import PretrainedDrafter, StaticTreeDrafter, SuffixDrafter
 
     verifier, drafter_model = stand_in(0, vocab), stand_in(0, vocab)
-    drafter = {"none": lambda: [], "chain": lambda: PretrainedDrafter(drafter_model, k=4, fixed_shapes=True),
-               "static_tree": lambda: StaticTreeDrafter(drafter_model, widths=[4, 2, 2, 1], fixed_shapes=True),
-               "suffix": lambda: SuffixDrafter()}[kind]()
-    engine = Engine(Verifier(verifier, fixed_shapes=True), drafter, check_tokenizers=False)
+    engine_kw, adaptive = {}, None
+    if kind in ("cascade", "adaptive"):
+        drafter, engine_kw, adaptive = serve_pool(drafter_model, kind == "adaptive")
+    else:
+        drafter = {"none": lambda: [], "chain": lambda: PretrainedDrafter(drafter_model, k=4, fixed_shapes=True),
+                   "static_tree": lambda: StaticTreeDrafter(drafter_model, widths=[4, 2, 2, 1], fixed_shapes=True),
+                   "suffix": lambda: SuffixDrafter()}[kind]()
+    engine = Engine(Verifier(verifier, fixed_shapes=True), drafter, check_tokenizers=False, **engine_kw)
     clock = ForwardClock(verifier, drafter_model)
-    per_step, full = [], []
-    with Scheduler(engine, max_batch=batch) as s:
+    per_step, plans, full, tokens, planning = [], [], [], [], [0.0]
+    with Scheduler(engine, max_batch=batch, adaptive=adaptive) as s:
         step = s._step
+        if adaptive is not None:  # the step allocator's share of the host time: its step_plan, timed apart
+            step_plan = adaptive.step_plan
+
+            def timed_plan(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return step_plan(*a, **k)
+                finally:
+                    planning[0] += time.perf_counter() - t0
+            adaptive.step_plan = timed_plan
 
         def timed_step():
-            t0, f0 = time.perf_counter(), clock.seconds
+            t0, f0, p0 = time.perf_counter(), clock.seconds, planning[0]
             step()
             per_step.append(((time.perf_counter() - t0) - (clock.seconds - f0)) * 1e3)
+            plans.append((planning[0] - p0) * 1e3)
 
         s._step = timed_step
         enough = threading.Event()
@@ -120,22 +167,29 @@ def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict
         def on_record(r):
             if isinstance(r, SchedulerStep) and r.batch_size == batch:
                 full.append(len(per_step))
+                tokens.append((sum(q.committed for q in r.requests), sum(q.drafted for q in r.requests)))
                 if len(full) >= steps + 5:
                     enough.set()
 
         s.add_listener(on_record)
-        with s._lock:  # every request in before the first step; long enough for ``steps`` steps of 8 tokens
-            handles = [s.submit([1 + (7 * i + j) % (vocab - 1) for j in range(64)], 8 * (steps + 10))
+        with s._lock:  # every request in before the first step; long enough for ``steps`` steps of 16 tokens
+            handles = [s.submit([1 + (7 * i + j) % (vocab - 1) for j in range(64)], 16 * (steps + 10))
                        for i in range(batch)]
-        enough.wait(600)
+        deadline = time.monotonic() + 600
+        while not enough.wait(0.2) and time.monotonic() < deadline and not all(h.finished for h in handles):
+            pass  # a drafter right more often ends its requests sooner: fewer steps, as "steps" says
         for h in handles:  # enough steps of the full batch: the requests end
             h.cancel()
     # the steps of the full batch (each listener call follows its step's record), the first 5 dropped (captures of
     # shapes, the drafters' start)
-    ms = [per_step[i - 1] for i in full][5: steps + 5]
+    ms, plan_ms = [per_step[i - 1] for i in full][5: steps + 5], [plans[i - 1] for i in full][5: steps + 5]
+    work = tokens[5: steps + 5]
     return {"drafter": kind, "batch": batch, "vocab": vocab, "steps": len(ms),
             "host_ms_median": statistics.median(ms), "host_ms_p90": sorted(ms)[int(0.9 * len(ms))],
-            "host_ms_per_request": statistics.median(ms) / batch}
+            "host_ms_per_request": statistics.median(ms) / batch,
+            "plan_ms_median": statistics.median(plan_ms),  # the allocator's step_plan (0 without one)
+            "committed_per_step": statistics.mean(c for c, _ in work),
+            "drafted_per_step": statistics.mean(d for _, d in work)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(k, args.steps, t, v) for v in args.vocab for t in args.temperatures for k in args.drafters]
     for r in rows:
         what = f"batch {r['batch']:2d}" if "batch" in r else f"T={r['temperature']:.0f}"
+        plan = f", allocator {r['plan_ms_median']:.2f} of it" if r.get("plan_ms_median") else ""
         print(f"{r['drafter']:11s} {what} vocab {r['vocab']}: host {r['host_ms_median']:.2f} ms/step median "
-              f"(p90 {r['host_ms_p90']:.2f}), {r['steps']} steps")
+              f"(p90 {r['host_ms_p90']:.2f}{plan}), {r['steps']} steps")
     if args.out:
         out = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

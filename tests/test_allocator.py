@@ -300,6 +300,36 @@ def test_allocator_with_drafting_costs_matches_exhaustive_search(seed):
     assert a.goodput == pytest.approx(best)
 
 
+def test_a_curve_or_cost_shared_by_requests_is_read_once_and_allocates_as_copies_would():
+    reads = []
+
+    class Counted(Geometric):
+        def expected_many(self, ds):
+            reads.append(self)
+            return np.array([self.expected(int(d)) for d in ds])
+
+    class Cost:
+        def __init__(self, slope):
+            self.slope = slope
+
+        def __call__(self, d):
+            return self.slope * d
+
+        def many(self, ds):
+            reads.append(self)
+            return self.slope * np.asarray(ds, dtype=np.float64)
+
+    curve, cost = Counted(0.7), Cost(0.02)
+    curve.grid = (1, 2, 4, 8, 16)
+    shared = plan([curve] * 16, [4, 16] * 8, affine_cost, draft_costs=[cost] * 16)
+    assert reads == [curve, cost]  # one read each for the 16 requests
+    copies = [Counted(0.7) for _ in range(16)]
+    for cu in copies:
+        cu.grid = curve.grid
+    alone = plan(copies, [4, 16] * 8, affine_cost, draft_costs=[Cost(0.02) for _ in range(16)])
+    assert len(reads) == 2 + 32 and shared == alone and shared.width > 0
+
+
 def goodput_of_options(curves, alternatives, draft_costs, choice, cost):
     """Expected goodput of ``choice`` (per request: (option, d)), option 0 the arm's curve and cost."""
     picked = [((cu, fn) if o == 0 else alts[o - 1]) for (o, _), cu, fn, alts in zip(choice, curves, draft_costs,

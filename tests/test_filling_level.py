@@ -84,3 +84,22 @@ def test_one_plan_per_arm_and_step_answers_every_fresh_request(monkeypatch):
     fresh = [_Pending(length=200, max_new_tokens=64) for _ in range(8)]
     assert adaptive.allocate([arm] * 8, fresh, joining=8).nodes == [0] * 8
     assert calls.count(16) == 1  # drafts_at for 16 rows: once, not once per request
+
+
+def test_a_draft_cost_read_at_many_budgets_is_its_value_at_each_and_shared_by_requests_with_nothing_to_read():
+    adaptive, arm = _priced()
+    fresh, read = _Pending(length=200, max_new_tokens=64), _Pending(length=200, max_new_tokens=64)
+    adaptive._fed[read] = 200
+    ds = [0, 1, 2, 3, 4, 6, 8, 16]
+    costs = [adaptive.draft_cost(arm, fresh, running=4),  # amortized catch-up
+             adaptive.draft_cost(arm, fresh, running=4, joining=12),  # the catch-up whole
+             adaptive.draft_cost(arm, read, running=4), adaptive.draft_cost(arm)]  # none; no load: the average
+    for cost in costs:  # the allocator's vectorised read is the scalar one, exactly
+        assert cost.many(ds).tolist() == [cost(d) for d in ds] and cost(0) == 0.0
+    memo = {}  # a step's: the requests with nothing to read share one cost (the allocator reads it once)
+    other = _Pending(length=300, max_new_tokens=64)
+    adaptive._fed[other] = 300
+    shared = adaptive.draft_cost(arm, read, running=4, memo=memo)
+    assert adaptive.draft_cost(arm, other, running=4, memo=memo) is shared
+    assert adaptive.draft_cost(arm, fresh, running=4, memo=memo) is not shared  # its own catch-up
+    assert adaptive.draft_cost(arm, other, running=16, memo=memo) is not shared  # another level's price

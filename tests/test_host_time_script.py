@@ -15,6 +15,9 @@ def test_a_scheduler_steps_host_time_is_measured_over_full_batches(kind):
     assert (row["drafter"], row["batch"], row["vocab"], row["steps"]) == (kind, 3, 64, 4)
     assert 0 < row["host_ms_median"] <= row["host_ms_p90"]
     assert row["host_ms_per_request"] == pytest.approx(row["host_ms_median"] / 3)
+    assert row["committed_per_step"] >= 3 and row["drafted_per_step"] >= 0
+    # the allocator's step_plan timed apart where the pool has one (the served pool's), inside the step's host time
+    assert (0 < row["plan_ms_median"] <= row["host_ms_p90"]) if kind == "adaptive" else row["plan_ms_median"] == 0
 
 
 def test_the_batch_command_writes_one_row_per_drafter_and_batch(tmp_path):

@@ -49,7 +49,7 @@ from ..decoding.drafter import drafts_lookups
 from ..decoding.request_features import LOAD_LEVELS, load_features, load_level
 from ..pricing.acceptance_curve import AcceptanceCurve
 from ..pricing.allocator import Allocation, checked_min_gain, plan
-from ..pricing.draft_prices import DraftPrices
+from ..pricing.draft_prices import DraftCost, DraftPrices
 from ..pricing.forward_ratios import FORWARD_RATIO_DECAY, ForwardRatios
 from ..pricing.goodput import counterfactual_share, shared_step_cost
 from ..pricing.padding import Padding, bucket_grid, padded_tokens
@@ -295,7 +295,7 @@ class AdaptiveSpeculation:
         return self.catch_up_rates.get(self.curve_key(arm), 0.0) * unfed if unfed > self.max_width else 0.0
 
     def draft_cost(self, arm: Any, request: Any = None, running: int | None = None, joining: int = 0,
-                   memo: dict | None = None) -> Callable[[int], float] | None:
+                   memo: dict | None = None) -> DraftCost | None:
         """The arm's drafting cost as the allocator prices it, 0 at ``d = 0`` (a request given no nodes does not
         draft) and for ``d > 0``: its per-step drafting price at ``running`` requests for ``d`` nodes
         (``DraftPrices.price``: at a load level where it has not drafted yet, borrowed pessimistically; the arm's
@@ -303,7 +303,8 @@ class AdaptiveSpeculation:
         amortized over its remaining steps: ``catch_up * (1 + a(d)) / remaining``, ``remaining`` the tokens it may
         still commit and ``1 + a(d)`` the tokens a step commits - unless ``joining`` requests are about to raise the
         load to a level where the arm would not draft (``drafts_at``): then the catch-up is charged whole to this step
-        (the level is filling: amortized, it would be paid for steps that stay plain). None before it has drafted."""
+        (the level is filling: amortized, it would be paid for steps that stay plain). None before it has drafted;
+        with ``memo`` (a step's), the requests with nothing to catch up share one ``DraftCost`` per arm."""
         key = self.curve_key(arm)
         c, rate = self.draft_costs.get(key), self.catch_up_rates.get(key)
         if c is None and rate is None:
@@ -315,11 +316,10 @@ class AdaptiveSpeculation:
             return 0.0 if price is None else price
         catch_up = self.catch_up(arm, request)
         if not catch_up:
-            return lambda d: per_step(d) if d > 0 else 0.0
+            return DraftCost(per_step) if memo is None else memo.setdefault(("cost", key, level), DraftCost(per_step))
         if joining > 0 and running is not None and not self.drafts_at(arm, running + joining, memo):
-            return lambda d: per_step(d) + catch_up if d > 0 else 0.0
-        one_off, curve = catch_up / max(int(request.tokens_left), 1), self.curve(arm)
-        return lambda d: per_step(d) + one_off * (1.0 + max(float(curve.expected(d)), 0.0)) if d > 0 else 0.0
+            return DraftCost(per_step, fixed=catch_up)
+        return DraftCost(per_step, per_token=catch_up / max(int(request.tokens_left), 1), curve=self.curve(arm))
 
     def drafts_at(self, arm: Any, rows: int, memo: dict | None = None) -> bool:
         """Whether ``rows`` requests all drafting with ``arm`` (its curve, cap and price at their level, no catch-up)

@@ -86,6 +86,14 @@ def _curve_values(curve: Curve, ws: np.ndarray) -> np.ndarray:
     return np.array([float(curve.expected(int(w))) for w in ws.tolist()], dtype=np.float64)
 
 
+def _cost_values(fn: Callable[[int], float], ws: np.ndarray) -> np.ndarray:
+    """[C] the drafting cost at each budget of ``ws`` (``fn.many`` where it has one: ``DraftCost``)."""
+    many = getattr(fn, "many", None)
+    if many is not None:
+        return np.asarray(many(ws), dtype=np.float64)
+    return np.array([float(fn(int(w))) for w in ws.tolist()], dtype=np.float64)
+
+
 def _int(value, what: str) -> int:
     if isinstance(value, bool) or int(value) != value or value < 0:
         raise ValueError(f"allocate: {what} must be an integer >= 0, got {value!r}")
@@ -175,6 +183,13 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     dc = np.zeros((B, C, O), dtype=np.float64)
     valid = np.zeros((B, O), dtype=bool)  # [B, O] the options each request has
     priced = np.zeros(B, dtype=bool)  # [B] requests with a drafting cost or a choice of options
+    read: dict[int, np.ndarray] = {}  # id of a curve or cost -> its [C] values: one read each, shared by requests
+
+    def values(what, n: int, at: Callable[[object, np.ndarray], np.ndarray]) -> np.ndarray:  # [n] the first n
+        if id(what) not in read:  # ``options`` holds every curve and cost alive until the end: ids stay theirs
+            read[id(what)] = at(what, ws)
+        return read[id(what)][:n]
+
     for i, opts in enumerate(options):
         if opts[0][0] is None:
             continue
@@ -182,10 +197,10 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
         priced[i] = len(opts) > 1
         for o, (cu, fn) in enumerate(opts):
             valid[i, o] = True
-            acc[i, :n, o] = np.minimum(np.maximum(_curve_values(cu, ws[:n]), 0.0), ws[:n])  # 0 <= a(d) <= d
+            acc[i, :n, o] = np.minimum(np.maximum(values(cu, n, _curve_values), 0.0), ws[:n])  # 0 <= a(d) <= d
             if fn is not None:
                 priced[i] = True
-                dc[i, :n, o] = [float(fn(int(w))) for w in W[:n]]
+                dc[i, :n, o] = values(fn, n, _cost_values)
     if not np.all(np.isfinite(dc)) or np.any(dc < 0):
         raise ValueError("allocate: drafting costs must be finite and >= 0")
     # options in reverse within a budget, so that on a tie the largest column is the lowest option (the arm's own)

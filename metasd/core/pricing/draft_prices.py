@@ -29,7 +29,9 @@ measure a level that the borrowed price keeps plain. With no level learnt, None:
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 #: weight of the past in each key's average (an exponential average over the steps that drafted with it)
 PRICE_DECAY = 0.8
@@ -107,3 +109,34 @@ class DraftPrices:
 
 
 __all__ = ["DraftPrices", "PRICE_DECAY"]
+
+
+class DraftCost:
+    """One request's drafting cost for ``d`` nodes as the allocator charges it (``AdaptiveSpeculation.draft_cost``):
+    0 at ``d <= 0`` (no draft), else ``per_step(d) + fixed + per_token * (1 + max(a(d), 0))`` - its arm's price for
+    one step at its load, plus a one-off catch-up charged whole (``fixed``) or amortized over the tokens a step
+    commits (``per_token``; ``curve``'s ``a``, the arm's acceptance curve). Callable for one budget; ``many(ds)`` for
+    several at once, which the allocator reads once per distinct cost a step (requests with nothing to catch up share
+    one)."""
+
+    def __init__(self, per_step: Callable[[int], float], fixed: float = 0.0, per_token: float = 0.0,
+                 curve: Any = None):
+        if per_token and curve is None:
+            raise ValueError("DraftCost: an amortized catch-up (per_token) needs the arm's acceptance curve")
+        self.per_step, self.fixed, self.per_token, self.curve = per_step, float(fixed), float(per_token), curve
+
+    def __call__(self, d: int) -> float:
+        if d <= 0:
+            return 0.0
+        extra = self.per_token * (1.0 + max(float(self.curve.expected(d)), 0.0)) if self.per_token else 0.0
+        return self.per_step(d) + self.fixed + extra
+
+    def many(self, ds: Sequence[int] | np.ndarray) -> np.ndarray:
+        """[len(ds)] float64: the cost at each budget of ``ds``."""
+        ds = np.asarray(ds, dtype=np.int64)
+        out = np.array([self.per_step(int(d)) if d > 0 else 0.0 for d in ds.tolist()], dtype=np.float64)
+        if self.fixed:
+            out += self.fixed
+        if self.per_token:
+            out += self.per_token * (1.0 + np.maximum(np.asarray(self.curve.expected_many(ds), dtype=np.float64), 0.0))
+        return np.where(ds > 0, out, 0.0)
