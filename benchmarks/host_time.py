@@ -9,6 +9,8 @@ is the CPU too, it includes the small tensor ops of acceptance, which a GPU woul
 
     python benchmarks/host_time.py --steps 200 --out benchmarks/results/host_time.json
 
+``--trie DEPTH`` measures what feeding a suffix drafter's trie costs per committed token (``measure_trie``).
+
 ``--batch B [B ...]`` measures a scheduler step instead (issue "A batch at GPU speed"): B requests running together
 through ``metasd serve``'s scheduler at fixed shapes (the path a GPU captures, run eagerly: the runners' input staging
 and padding included), the same stand-ins, greedy; host time = a step's wall time minus its forwards, per step and
@@ -192,6 +194,26 @@ def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict
             "drafted_per_step": statistics.mean(d for _, d in work)}
 
 
+def measure_trie(depth: int = 32, tokens: int = 6000, repeats: int = 12, seed: int = 0) -> dict:
+    """Microseconds per token fed to a ``SuffixTrie`` of ``depth`` levels (the served pool's suffix lookup: a match of
+    16 tokens, then 16 to draft), over ``tokens`` tokens: half text that does not repeat (a vocabulary of 2,000 ids),
+    half text that does (50 ids) - the per-token work every committed token costs each suffix drafter."""
+    import random
+
+    from metasd.drafters.suffix_trie import SuffixTrie
+
+    rng = random.Random(seed)
+    text = [rng.randrange(2000) for _ in range(tokens // 2)] + [rng.randrange(50) for _ in range(tokens - tokens // 2)]
+    us = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        trie = SuffixTrie(depth)
+        trie.extend(text)
+        us.append((time.perf_counter() - t0) / len(text) * 1e6)
+    return {"depth": depth, "tokens": len(text), "nodes": trie.n_nodes, "repeats": repeats,
+            "us_per_token_median": statistics.median(us), "us_per_token_min": min(us), "us_per_token_max": max(us)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -204,18 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+",
                    help="measure scheduler steps of these many requests together instead (module docstring; "
                         f"drafters from {', '.join(BATCH_DRAFTERS)}, greedy)")
+    p.add_argument("--trie", type=int, metavar="DEPTH",
+                   help="measure feeding a suffix trie of DEPTH levels instead (measure_trie; --steps: its repeats)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.batch:
+    if args.trie:
+        rows = [measure_trie(args.trie, repeats=args.steps)]
+        r = rows[0]
+        print(f"suffix trie, depth {r['depth']}: {r['us_per_token_median']:.2f} us a token median "
+              f"[{r['us_per_token_min']:.2f}, {r['us_per_token_max']:.2f}], {r['tokens']} tokens, {r['nodes']} nodes")
+    elif args.batch:
         kinds = [k for k in args.drafters if k in BATCH_DRAFTERS] if args.drafters != p.get_default("drafters") \
             else list(BATCH_DRAFTERS)
         rows = [measure_batch(k, args.steps, b, v) for v in args.vocab for b in args.batch for k in kinds]
     else:
         rows = [measure(k, args.steps, t, v) for v in args.vocab for t in args.temperatures for k in args.drafters]
-    for r in rows:
+    for r in rows if not args.trie else []:
         what = f"batch {r['batch']:2d}" if "batch" in r else f"T={r['temperature']:.0f}"
         plan = f", allocator {r['plan_ms_median']:.2f} of it" if r.get("plan_ms_median") else ""
         print(f"{r['drafter']:11s} {what} vocab {r['vocab']}: host {r['host_ms_median']:.2f} ms/step median "

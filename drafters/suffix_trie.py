@@ -29,6 +29,8 @@ class SuffixTrie:
     A growing sequence is represented by its *frontier*: ``[root, node of its last token, node of its last two
     tokens, ...]``, up to ``depth - 1`` tokens. ``append`` moves each frontier node to its child for the new
     token (creating it when missing): ``depth`` dictionary operations per token, whatever the sequence's length.
+    Once a child is missing, a string new to the trie, every longer one is new too: the rest of the frontier gets its
+    children together, without a lookup each (``_new_leaves``: new text costs a column write per node).
     ``remove`` replays a sequence and takes its counts back, freeing the nodes whose count falls to zero; the
     result equals a trie built over the remaining sequences (with the same node count; ``last`` stamps may still
     name the removed occurrences). Memory: at most ``depth`` new nodes per appended token (about ``depth`` per
@@ -77,11 +79,12 @@ class SuffixTrie:
             self.link[v] = link
         else:
             v = len(self.more)
-            for column in (self.tok1, self.kid1):
-                column.append(-1)
+            self.tok1.append(-1)
+            self.kid1.append(-1)
             self.more.append(None)
-            for column in (self.count, self.cont, self.last):
-                column.append(0)
+            self.count.append(0)
+            self.cont.append(0)
+            self.last.append(0)
             self.link.append(link)
         if self.tok1[parent] < 0:
             self.tok1[parent], self.kid1[parent] = token, v
@@ -109,18 +112,55 @@ class SuffixTrie:
     def append(self, frontier: list[int], token: int) -> list[int]:
         """Append ``token`` to the sequence whose frontier is ``frontier``; return its new frontier."""
         self._stamp += 1
-        new = [ROOT]
-        for u in frontier:  # u spells the last d tokens (d = 0, 1, ...): its child spells the last d + 1
-            v = self.child(u, token)
-            if v < 0:
-                v = self._new_node(u, token, new[-1])  # new[-1] spells the last d tokens, token included
-            self.count[v] += 1
-            self.cont[u] += 1
-            self.last[v] = self._stamp
+        stamp, new = self._stamp, [ROOT]
+        tok1, kid1, more, count, cont, last = self.tok1, self.kid1, self.more, self.count, self.cont, self.last
+        for d, u in enumerate(frontier):  # u spells the last d tokens: its child spells the last d + 1
+            if tok1[u] == token:  # ``child``, inlined: this loop runs up to ``depth`` times for each token fed
+                v = kid1[u]
+            else:
+                kids = more[u]
+                v = -1 if kids is None else kids.get(token, -1)
+                if v < 0:  # s(u) + token never occurred, so no longer string ending with it did: all new
+                    self._new_leaves(frontier[d:], token, new)
+                    break
+            count[v] += 1
+            cont[u] += 1
+            last[v] = stamp
             new.append(v)
         if len(new) > self.depth:  # the node of the last `depth` tokens is counted, never extended
             new.pop()
         return new
+
+    def _new_leaves(self, parents: list[int], token: int, new: list[int]) -> None:
+        """A child for ``token`` under each of ``parents`` (the rest of a frontier, shortest string first), each
+        occurring once now; each one's suffix link is ``new``'s last node, and it is appended to ``new`` in turn.
+        Without freed ids to reuse, the new nodes are consecutive ids, written column by column."""
+        stamp, k = self._stamp, len(parents)
+        if self._free:
+            for u in parents:
+                v = self._new_node(u, token, new[-1])
+                self.count[v], self.last[v] = 1, stamp
+                self.cont[u] += 1
+                new.append(v)
+            return
+        v0 = len(self.more)
+        for column, value in ((self.tok1, -1), (self.kid1, -1), (self.count, 1), (self.cont, 0), (self.last, stamp)):
+            column.extend([value] * k)
+        self.more.extend([None] * k)
+        self.link.append(new[-1])
+        self.link.extend(range(v0, v0 + k - 1))  # v0 + i + 1: v0 + i's string with one more token in front
+        tok1, kid1, more, cont = self.tok1, self.kid1, self.more, self.cont
+        for v, u in enumerate(parents, v0):
+            cont[u] += 1
+            if tok1[u] < 0:
+                tok1[u], kid1[u] = token, v
+            else:
+                kids = more[u]
+                if kids is None:
+                    kids = more[u] = {}
+                kids[token] = v
+        self.n_nodes += k
+        new.extend(range(v0, v0 + k))
 
     def extend(self, tokens: Iterable[int], frontier: list[int] | None = None) -> list[int]:
         """Append every token of ``tokens`` (to a new sequence, or to the one of ``frontier``); return the frontier."""

@@ -26,3 +26,11 @@ def test_the_batch_command_writes_one_row_per_drafter_and_batch(tmp_path):
                            "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["drafter"], r["batch"]) for r in rows] == [("none", 1), ("suffix", 1), ("none", 2), ("suffix", 2)]
+
+
+def test_the_trie_command_measures_a_suffix_tries_feed(tmp_path):
+    out = tmp_path / "trie.json"
+    assert host_time.main(["--trie", "8", "--steps", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["depth"], row["tokens"], row["repeats"]) == (8, 6000, 2) and 6000 < row["nodes"] <= 8 * 6000 + 1
+    assert 0 < row["us_per_token_min"] <= row["us_per_token_median"] <= row["us_per_token_max"]

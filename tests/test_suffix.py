@@ -74,6 +74,19 @@ def node_of(trie: SuffixTrie, s: tuple[int, ...]) -> int:
     return u
 
 
+def check_stamps(trie: SuffixTrie, seqs: list[list[int]], strings=None) -> None:
+    """Every node's ``last`` (of ``strings``' nodes; default: all) is the stamp of the latest append that ended an
+    occurrence of its string (stamps count the appends of ``seqs``, in order, from 1)."""
+    latest, stamp = {}, 0
+    for x in seqs:
+        for j in range(len(x)):
+            stamp += 1
+            for i in range(max(j + 1 - trie.depth, 0), j + 1):
+                latest[tuple(x[i:j + 1])] = stamp
+    strings = trie.as_dict() if strings is None else strings
+    assert {s: trie.last[node_of(trie, s)] for s in strings} == {s: latest[s] for s in strings}
+
+
 def check_links(trie: SuffixTrie) -> None:
     """Every node's suffix link is the node of its string without the first token."""
     for s in trie.as_dict():
@@ -200,6 +213,8 @@ def test_incremental_structure_equals_one_built_from_scratch():
     assert trie.as_dict() == scratch.as_dict() == brute_counts([tokens], depth)
     assert trie.n_nodes == scratch.n_nodes == len(scratch.as_dict()) + 1
     check_links(trie)
+    check_links(scratch)
+    check_stamps(scratch, [tokens])
 
 
 def test_remove_leaves_the_trie_of_the_other_sequences():
@@ -214,6 +229,14 @@ def test_remove_leaves_the_trie_of_the_other_sequences():
     assert trie.as_dict() == brute_counts([seqs[0], seqs[2], seqs[3], seqs[4]], 5)
     assert trie.n_nodes == len(trie.as_dict()) + 1
     check_links(trie)
+    check_stamps(trie, seqs, strings=brute_counts([seqs[4]], 5))  # the last sequence's strings: its stamps
+    fresh = SuffixTrie(5)  # the same sequences in a trie with nothing freed: new ids only
+    fresh.extend(seqs[0] + [7] * 6 + seqs[0])  # a repeat, then a run: strings met again and strings new
+    for x in seqs[1:]:
+        fresh.extend(x)
+    assert fresh.as_dict() == brute_counts([seqs[0] + [7] * 6 + seqs[0], *seqs[1:]], 5)
+    check_links(fresh)
+    check_stamps(fresh, [seqs[0] + [7] * 6 + seqs[0], *seqs[1:]])
     for s in (seqs[0], seqs[2], seqs[3], seqs[4]):
         trie.remove(s)
     assert trie.as_dict() == {} and trie.n_nodes == 1 and trie.cont[ROOT] == 0
