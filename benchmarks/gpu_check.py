@@ -13,6 +13,9 @@ still run; every result is written as it comes):
 3. ``fake_syncs`` (in the background, on the CPU): the same replay engine and tree drafter on tiny models on the
    fake device of ``tests/second_device.py``, its host-device synchronisations per step by kind - what the GPU
    count of section 5 is compared with.
+   ``host_time`` (in the background too, one CPU core, no GPU): ``benchmarks/host_time.py --batch 1 16`` - a
+   scheduler step's host time on this machine's CPU (plain, the static tree, the served adaptive pool), beside the
+   captured forwards of section 6: what share of a batched step the Python is there.
 4. ``conformance_greedy``: every drafter type's greedy identity on tiny models on the device
    (``pytest tests/test_conformance.py -k greedy_output --metasd-device cuda``).
 5. ``overhead``: ``benchmarks/gpu_overhead.py`` on the 1.5B and the 8B shapes at tokens/step 1, 2, 4 and 6 and with
@@ -245,7 +248,7 @@ def pytest_summary(run: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 
-SECTIONS = ("kernels", "fake_syncs", "conformance_greedy", "overhead_1.5b", "overhead_8b", "batch_forward",
+SECTIONS = ("kernels", "fake_syncs", "host_time", "conformance_greedy", "overhead_1.5b", "overhead_8b", "batch_forward",
             "draft_forward", "overhead_rest", "trace_replay", "conformance_batch", "conformance_sampling")
 
 
@@ -312,6 +315,18 @@ def main(argv: list[str] | None = None) -> int:
         fake = subprocess.Popen([py, str(Path(__file__).resolve()), "--fake-syncs", *(["--quick"] * args.quick)],
                                 cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    host = None  # in the background too, on one CPU core: a scheduler step's host time on this machine's CPU
+    if "host_time" in wanted:
+        plan = ["--batch", "2", "--steps", "3", "--vocab", "64", "--drafters", "none", "adaptive"] if args.quick else \
+            ["--batch", "1", "16", "--steps", "30", "--vocab", "1024", "--drafters", "none", "static_tree", "adaptive"]
+        script = HERE / "host_time.py"
+        host = subprocess.Popen([py, "-c", f"import runpy, sys; sys.path.insert(0, {str(HERE)!r}); "
+                                 f"import metasd_layout; sys.argv[0] = {str(script)!r}; "
+                                 "runpy.run_path(sys.argv[0], run_name='__main__')",
+                                 *plan, "--threads", "1", "--out", str(Path(args.out) / "host_time.json")],
+                                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     pytest = [py, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import metasd_layout, pytest; "
               "sys.exit(pytest.main(sys.argv[1:]))",
@@ -401,6 +416,19 @@ def main(argv: list[str] | None = None) -> int:
         check.record("fake_syncs", fake_result)
         check.log(f"fake_syncs: {json.dumps(fake_result)}")
         ok &= "error" not in fake_result and "exit" not in fake_result
+
+    if host is not None:
+        try:
+            output, _ = host.communicate(timeout=max(check.left() - 30, 5))
+            figures = Path(args.out) / "host_time.json"
+            host_result = {"exit": host.returncode, "tail": output[-1500:],
+                           "figures": json.loads(figures.read_text()) if figures.exists() else None}
+        except subprocess.TimeoutExpired as e:
+            host.kill()
+            host_result = {"error": f"{type(e).__name__}: {e}"}
+        check.record("host_time", host_result)
+        check.log(f"host_time: exit {host_result.get('exit')}")
+        ok &= host_result.get("exit") == 0
 
     if "conformance_batch" in wanted and check.left() > 40:
         batch_k = "fixed and (static_tree or ngram)" if args.quick else "fixed"

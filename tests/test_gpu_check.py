@@ -44,6 +44,11 @@ def test_the_dry_run_of_the_gpu_script_runs_every_section(tmp_path):
     assert rows[0]["graphs"] is None and rows[1]["graphs"]["eager"] > 0 == rows[1]["graphs"]["captured"]
     assert figures["shapes"][0]["margins"]["ties"] == 0  # decisive greedy decoding
     assert set(figures["shapes"][0]["forward_ms_by_rows"]["ms"]) == {"1", "2"}
+    host = s["host_time"]  # a scheduler step's host time on the machine's CPU, in the background
+    assert host["exit"] == 0, host["tail"]
+    assert [(r["drafter"], r["batch"]) for r in host["figures"]["rows"]] == [("none", 2), ("adaptive", 2)]
+    rows = host["figures"]["rows"]
+    assert all(r["host_ms_median"] > 0 for r in rows) and rows[1]["plan_ms_median"] > 0 == rows[0]["plan_ms_median"]
     fake = s["fake_syncs"]
     assert fake["tokens_per_step_2"]["tokens_match"] and fake["tokens_per_step_2"]["per_step"] < 1.5  # one read a step
     assert fake["tokens_per_step_2"].get("h2d_per_step", 0) == 0
