@@ -329,6 +329,14 @@ def test_a_curve_or_cost_shared_by_requests_is_read_once_and_allocates_as_copies
     alone = plan(copies, [4, 16] * 8, affine_cost, draft_costs=[Cost(0.02) for _ in range(16)])
     assert len(reads) == 2 + 32 and shared == alone and shared.width > 0
 
+    class Both(Counted):  # one object as a request's curve and as its drafting cost: read as each
+        many = Cost.many
+        __call__ = Cost.__call__
+
+    both = Both(0.7)
+    both.grid, both.slope = curve.grid, 0.02
+    assert plan([both] * 16, [4, 16] * 8, affine_cost, draft_costs=[both] * 16) == shared
+
 
 def goodput_of_options(curves, alternatives, draft_costs, choice, cost):
     """Expected goodput of ``choice`` (per request: (option, d)), option 0 the arm's curve and cost."""

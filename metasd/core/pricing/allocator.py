@@ -183,12 +183,13 @@ def plan(curves: Sequence[Optional[Curve]], caps: Sequence[int], cost: Callable[
     dc = np.zeros((B, C, O), dtype=np.float64)
     valid = np.zeros((B, O), dtype=bool)  # [B, O] the options each request has
     priced = np.zeros(B, dtype=bool)  # [B] requests with a drafting cost or a choice of options
-    read: dict[int, np.ndarray] = {}  # id of a curve or cost -> its [C] values: one read each, shared by requests
+    read: dict[tuple, np.ndarray] = {}  # (reader, id of a curve or cost) -> its [C] values: one read each, shared
 
     def values(what, n: int, at: Callable[[object, np.ndarray], np.ndarray]) -> np.ndarray:  # [n] the first n
-        if id(what) not in read:  # ``options`` holds every curve and cost alive until the end: ids stay theirs
-            read[id(what)] = at(what, ws)
-        return read[id(what)][:n]
+        key = (at, id(what))  # ``options`` holds every curve and cost alive until the end: ids stay theirs
+        if key not in read:
+            read[key] = at(what, ws)
+        return read[key][:n]
 
     for i, opts in enumerate(options):
         if opts[0][0] is None:
