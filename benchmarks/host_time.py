@@ -143,7 +143,7 @@ def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict
                    "suffix": lambda: SuffixDrafter()}[kind]()
     engine = Engine(Verifier(verifier, fixed_shapes=True), drafter, check_tokenizers=False, **engine_kw)
     clock = ForwardClock(verifier, drafter_model)
-    per_step, plans, full, tokens, planning = [], [], [], [], [0.0]
+    per_step, plans, full, work, planning = [], [], [], [], [0.0]  # work: (committed, drafted) per full step
     with Scheduler(engine, max_batch=batch, adaptive=adaptive) as s:
         step = s._step
         if adaptive is not None:  # the step allocator's share of the host time: its step_plan, timed apart
@@ -169,7 +169,7 @@ def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict
         def on_record(r):
             if isinstance(r, SchedulerStep) and r.batch_size == batch:
                 full.append(len(per_step))
-                tokens.append((sum(q.committed for q in r.requests), sum(q.drafted for q in r.requests)))
+                work.append((sum(q.committed for q in r.requests), sum(q.drafted for q in r.requests)))
                 if len(full) >= steps + 5:
                     enough.set()
 
@@ -185,7 +185,7 @@ def measure_batch(kind: str, steps: int, batch: int, vocab: int = VOCAB) -> dict
     # the steps of the full batch (each listener call follows its step's record), the first 5 dropped (captures of
     # shapes, the drafters' start)
     ms, plan_ms = [per_step[i - 1] for i in full][5: steps + 5], [plans[i - 1] for i in full][5: steps + 5]
-    work = tokens[5: steps + 5]
+    work = work[5: steps + 5]
     return {"drafter": kind, "batch": batch, "vocab": vocab, "steps": len(ms),
             "host_ms_median": statistics.median(ms), "host_ms_p90": sorted(ms)[int(0.9 * len(ms))],
             "host_ms_per_request": statistics.median(ms) / batch,

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..execution.tree import Draft, ancestor_mask
+from ..execution.tree import Draft
 from .sampling import _is_real
 
 
@@ -84,7 +84,7 @@ class PathPenalizer:
             self._start(vocab)
         counts = self.counts.expand(len(draft) + 1, vocab)  # [n+1, vocab]
         if len(draft):
-            on_path = ancestor_mask(draft.parents)[:, 1:].to(self.device, torch.float32)  # [n+1, n]: node j on row r's path
+            on_path = draft.layout.mask[:, 1:].to(self.device, torch.float32)  # [n+1, n]: node j on row r's path
             tokens = torch.nn.functional.one_hot(draft.tokens.to(self.device), vocab).float()  # [n, vocab]
             counts = counts + on_path @ tokens
         p, out = self.penalties, logits.float().clone()

@@ -108,9 +108,6 @@ class DraftPrices:
         return {f"{key}@level{level}": dict(sorted(row.items())) for (key, level), row in sorted(self._table.items())}
 
 
-__all__ = ["DraftPrices", "PRICE_DECAY"]
-
-
 class DraftCost:
     """One request's drafting cost for ``d`` nodes as the allocator charges it (``AdaptiveSpeculation.draft_cost``):
     0 at ``d <= 0`` (no draft), else ``per_step(d) + fixed + per_token * (1 + max(a(d), 0))`` - its arm's price for
@@ -140,3 +137,6 @@ class DraftCost:
         if self.per_token:
             out += self.per_token * (1.0 + np.maximum(np.asarray(self.curve.expected_many(ds), dtype=np.float64), 0.0))
         return np.where(ds > 0, out, 0.0)
+
+
+__all__ = ["DraftCost", "DraftPrices", "PRICE_DECAY"]
