@@ -16,7 +16,9 @@
    batched path) and ``adaptive`` (the serving pool, its acceptance replayed from the trace). Repeats run while
    ``--budget-s`` leaves time for one more (the first always runs); the log says how many did. Results:
    ``$OUT/gpu_serve.json`` (every server's rows, the repeats run, the servers that failed and why), each server's
-   own ``gpu_serve_<server>.json`` and its server logs.
+   own ``gpu_serve_<server>.json`` and its server logs. metasd's shapes are captured the first time a level meets
+   them, inside that level: each metasd row says how many graphs it captured and the seconds that took (``graphs``,
+   read from the server's ``/metrics``; the warm-up's apart), and the tables list the levels that captured any.
 
 Every figure from it is **trace-replayed**: the acceptance is the recorded pool's on the real models, the forwards
 and the serving are the device's. Sampled requests are not replayed (greedy only).

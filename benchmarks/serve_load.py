@@ -49,6 +49,11 @@ Per (server, concurrency, repeat) row:
   (time since the previous delivery) / (tokens in the delivery). p50 and p99 over all tokens of the level. The per-delivery gap p50 is kept too.
 - TPOT p50 (per request: (last text - first text) / (completion tokens - 1)), e2e latency p50 (sent to stream end).
 - tokens/step: metasd's extension record (a ``metasd`` object in a chunk) when the server sends one.
+- graphs (metasd servers): what the server's fixed-shape forwards did during the level, read from its ``/metrics``
+  before and after (``graph_counters``): the shapes met so far, and the CUDA graphs captured and the seconds capturing
+  took during the level (verify forward and drafting levels apart). On a GPU a shape is captured the first time it is
+  met, inside the step that meets it, so a level's wall time includes those seconds; the warm-up's are kept apart
+  (``warmup_graphs``). All zero where nothing is captured (a CPU, ``graphs: off``).
 
 The table gives per (server, c) the median over repeats and [min-max] range; the ratios are per repeat (the two
 servers measured in the same repeat), median [range], with "faster"/"slower" when the two servers' tok/s ranges do
@@ -212,6 +217,59 @@ def summarise_level(requests: list[dict], wall_s: float, count_tokens) -> dict:
     }
 
 
+#: metasd's /metrics gauges of its fixed-shape forwards (metasd/serve/metrics.py): key -> metric name; the drafters'
+#: are labelled per drafter and summed here
+GRAPH_METRICS = {"verify_shapes": "metasd:verify_fixed_shapes", "verify_captured": "metasd:verify_graphs_captured",
+                 "verify_capture_s": "metasd:verify_graph_capture_seconds",
+                 "draft_shapes": "metasd:draft_fixed_shapes", "draft_captured": "metasd:draft_graphs_captured",
+                 "draft_capture_s": "metasd:draft_graph_capture_seconds"}
+#: of those, the ones a level reports as what happened during it (the others as they stand at its end)
+GRAPH_DELTAS = ("verify_captured", "verify_capture_s", "draft_captured", "draft_capture_s")
+
+
+def graph_counters(metrics_text: str) -> dict[str, float]:
+    """GRAPH_METRICS read from a ``/metrics`` page (Prometheus text): each summed over its samples, 0 where absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {name: key for key, name in GRAPH_METRICS.items()}
+    out = dict.fromkeys(GRAPH_METRICS, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+def graph_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What happened between two ``graph_counters`` reads: GRAPH_DELTAS as differences, the shapes as they stand
+    ``after``; None where either read failed."""
+    if before is None or after is None:
+        return None
+    return {key: round(after[key] - before[key], 3) if key in GRAPH_DELTAS else after[key] for key in GRAPH_METRICS}
+
+
+def read_graph_counters(base: str) -> dict[str, float] | None:
+    """``graph_counters`` of the server at ``base``; None (and a printed note) where its /metrics cannot be read."""
+    import httpx
+
+    try:
+        r = httpx.get(base + "/metrics", timeout=30)
+        r.raise_for_status()
+        return graph_counters(r.text)
+    except Exception as e:  # noqa: BLE001 - a benchmark figure the row goes without, said so
+        print(f"  /metrics not read ({type(e).__name__}: {e}); the row has no graph counters", flush=True)
+        return None
+
+
+def graph_note(graphs: dict | None) -> str:
+    """The level line's note on captures during it ("" when none)."""
+    if not graphs:
+        return ""
+    n = graphs["verify_captured"] + graphs["draft_captured"]
+    s = graphs["verify_capture_s"] + graphs["draft_capture_s"]
+    return f", {n:.0f} CUDA graphs captured in {s:.2f}s" if n else ""
+
+
 # --------------------------------------------------------------------------------------------- tables
 def _levels(rows, server):
     return sorted({r["concurrency"] for r in rows if r["server"] == server})
@@ -334,12 +392,31 @@ def identity_line(rows, reference: str = "transformers") -> str:
     return (f"completions identical to {label}'s text for the same prompt: " + ", ".join(parts)) if parts else ""
 
 
+def capture_lines(rows) -> list[str]:
+    """Per (server, c) whose levels captured CUDA graphs: how many and the seconds, median [range] over repeats - time
+    inside the level's wall time (``graphs``); none where no level captured any."""
+    out = []
+    for server in servers_in(rows):
+        for c in _levels(rows, server):
+            g = [r["graphs"] for r in rows if r["server"] == server and r["concurrency"] == c and r.get("graphs")]
+            n = [x["verify_captured"] + x["draft_captured"] for x in g]
+            if any(n):
+                secs = [x["verify_capture_s"] + x["draft_capture_s"] for x in g]
+                out.append(f"  {server} c={c}: {fmt_mr(median_range(n), 0)} graphs in {fmt_mr(median_range(secs))} s")
+    return ["CUDA graphs captured inside the measured levels (their seconds count in the levels' wall time):", *out] \
+        if out else []
+
+
 def print_tables(rows) -> None:
     print(summary_table(rows))
     t = ratio_table(rows)
     if t:
         print()
         print(t)
+    lines = capture_lines(rows)
+    if lines:
+        print()
+        print("\n".join(lines))
     for reference in ("transformers", "llama-server"):  # llama.cpp's servers against llama.cpp's plain decoding
         line = identity_line(rows, reference)
         if line:
@@ -787,6 +864,8 @@ def main(argv=None) -> int:
                 with Server(cmd, server_env(spec, env), logs / f"{spec.name}_r{rep}.log",
                             args.startup_timeout) as server:
                     model = server.model or str(model_dir)
+                    metasd = spec.kind == "metasd"
+                    counters = read_graph_counters(server.base) if metasd else None
                     t_warm = time.perf_counter()
                     for _ in range(args.warmup):
                         warm_args = argparse.Namespace(**{**vars(args), "max_tokens": 8, "level_timeout": args.startup_timeout})
@@ -795,12 +874,18 @@ def main(argv=None) -> int:
                         if not r.get("ok"):
                             raise RuntimeError(f"{spec.name}: warm-up request failed: {r.get('error')}\n{server.log_tail()}")
                     warm_s = time.perf_counter() - t_warm
+                    if metasd:
+                        counters, before = read_graph_counters(server.base), counters
+                        warm_graphs = graph_delta(before, counters)
                     print(f"  healthy after {server.startup_s:.1f}s, warm-up {warm_s:.1f}s, model {model!r}", flush=True)
                     for c, n in todo:
                         reqs, wall, timed_out = asyncio.run(run_level(server.base, model, prompts, c, n, args, spec.extra_body))
                         row = {"server": spec.name, "concurrency": c, "repeat": rep, "requests_sent": n,
                                "timed_out": timed_out, "startup_s": server.startup_s, "warmup_s": warm_s,
                                "command": cmd, **summarise_level(reqs, wall, count_tokens)}
+                        if metasd:
+                            counters, before = read_graph_counters(server.base), counters
+                            row.update(graphs=graph_delta(before, counters), warmup_graphs=warm_graphs)
                         for q in reqs:
                             q.pop("chunks", None)
                         row["requests"] = reqs
@@ -809,6 +894,7 @@ def main(argv=None) -> int:
                         errs = [q.get("error") for q in reqs if not q.get("ok")]
                         print(f"  c={c}: {row['requests_done']}/{n} requests in {wall:.1f}s, "
                               f"{row['output_tok_s'] or 0:.2f} tok/s, TTFT p50 {row['ttft_p50'] or 0:.2f}s"
+                              + graph_note(row.get("graphs"))
                               + (f", {len(errs)} failed (first: {errs[0]})" if errs else "")
                               + (" [level timeout]" if timed_out else ""), flush=True)
     except KeyboardInterrupt:

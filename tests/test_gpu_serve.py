@@ -30,6 +30,9 @@ def test_the_dry_run_serves_the_trace_through_both_servers(tmp_path):
     adaptive = [r for r in rows if r["server"] == "adaptive"]
     assert max(r["mean_tokens_per_step"] for r in adaptive) > 1.0  # it drafted, and its drafts were accepted
     assert all(r["mean_tokens_per_step"] == 1.0 for r in rows if r["server"] == "plain")
+    for r in rows:  # each level's graph counters read from the server's /metrics: on a CPU, nothing captured
+        assert r["graphs"]["verify_captured"] == r["graphs"]["draft_captured"] == 0, r["graphs"]
+        assert r["warmup_graphs"]["verify_capture_s"] == 0.0
 
 
 def test_a_server_that_fails_is_reported_and_the_others_go_on(tmp_path, monkeypatch):

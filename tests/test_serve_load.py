@@ -218,3 +218,64 @@ def test_llama_cpp_servers_commands_ratios_and_identity(sl, monkeypatch):
     line = sl.identity_line(rows, "llama-server")
     assert line.startswith("completions identical to llama-server's text")
     assert line.endswith("llama-server-draft 4/4, metasd-llama-cpp 4/4, metasd-llama-cpp-off 0/4")
+
+
+METRICS_PAGE = """# HELP metasd:verify_fixed_shapes (rows, tokens, width) shapes the batched verify forward met.
+# TYPE metasd:verify_fixed_shapes gauge
+metasd:verify_fixed_shapes{engine="0",model_name="m"} 5.0
+metasd:verify_graphs_captured{engine="0",model_name="m"} 7.0
+metasd:verify_graph_capture_seconds{engine="0",model_name="m"} 1.5
+metasd:draft_fixed_shapes{drafter="a",engine="0",model_name="m"} 3.0
+metasd:draft_fixed_shapes{drafter="b",engine="0",model_name="m"} 4.0
+metasd:draft_graphs_captured{drafter="a",engine="0",model_name="m"} 2.0
+metasd:draft_graphs_captured{drafter="b",engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+"""
+
+
+def test_graph_counters_sum_the_drafters_and_a_level_reports_what_it_captured(sl):
+    before = sl.graph_counters(METRICS_PAGE)
+    assert before == {"verify_shapes": 5.0, "verify_captured": 7.0, "verify_capture_s": 1.5, "draft_shapes": 7.0,
+                      "draft_captured": 3.0, "draft_capture_s": 0.0}  # absent: 0
+    after = dict(before, verify_shapes=6.0, verify_captured=9.0, verify_capture_s=2.0, draft_captured=4.0)
+    delta = sl.graph_delta(before, after)
+    assert delta == {"verify_shapes": 6.0, "verify_captured": 2.0, "verify_capture_s": 0.5, "draft_shapes": 7.0,
+                     "draft_captured": 1.0, "draft_capture_s": 0.0}  # shapes as they stand, captures during it
+    assert sl.graph_delta(None, after) is None and sl.graph_delta(before, None) is None
+    assert sl.graph_note(delta) == ", 3 CUDA graphs captured in 0.50s"
+    assert sl.graph_note(sl.graph_delta(before, before)) == "" and sl.graph_note(None) == ""
+    zero = sl.graph_delta(before, before)
+    rows = [{"server": "a", "concurrency": 4, "repeat": k, "graphs": g} for k, g in enumerate((delta, zero, delta))]
+    rows += [{"server": "b", "concurrency": 1, "repeat": 0, "graphs": zero}, {"server": "t", "concurrency": 1}]
+    assert sl.capture_lines(rows) == [
+        "CUDA graphs captured inside the measured levels (their seconds count in the levels' wall time):",
+        "  a c=4: 3 [0-3] graphs in 0.50 [0.00-0.50] s"]  # b captured none, t is no metasd server
+    assert sl.capture_lines(rows[3:]) == []
+
+
+def test_graph_counters_read_the_names_the_server_exports(sl):
+    """serve_load reads the gauges metasd's /metrics exports (a renamed gauge fails here): a scheduler with fixed
+    shapes on the CPU, its runners' capture counts set as a GPU's captures would leave them."""
+    from metasd.core.batching.scheduler import Scheduler
+    from metasd.core.engine import Engine
+    from metasd.core.execution.verifier import Verifier
+    from metasd.drafters import PretrainedTreeDrafter
+    from metasd.serve.metrics import ServeMetrics
+    from tiny import tiny_qwen, tiny_tokenizer
+
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=1.5), nodes=8, depth=3, width=2, name="tree",
+                                    graphs="fixed")
+    engine = Engine(Verifier(tiny_qwen(seed=0, logit_scale=2.0), tiny_tokenizer(), fixed_shapes=True), drafter,
+                    check_tokenizers=False)
+    metrics = ServeMetrics("m")
+    with Scheduler(engine, max_batch=2) as s:
+        metrics.attach(s)
+        s.submit([0, 7, 12, 9], 8).result(timeout=60)
+        verify, draft = s.verifier.runner, drafter.rows.runner
+        verify.stats.captured, verify.stats.capture_s = 3, 0.75
+        draft.stats.captured, draft.stats.capture_s = 2, 0.25
+        got = sl.graph_counters(metrics.render().decode())
+        shapes = len(verify.shapes), sum(len(r.shapes) for r in (draft, *drafter.rows.loops.values()))
+    assert got == {"verify_shapes": shapes[0], "verify_captured": 3.0, "verify_capture_s": 0.75,
+                   "draft_shapes": shapes[1], "draft_captured": 2.0, "draft_capture_s": 0.25}
+    assert min(shapes) > 0
