@@ -184,7 +184,6 @@ def test_a_shared_suffix_cache_leaves_no_trace_in_the_served_record():
 BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", "{not json", None),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # the template renders no tools
-    ("chat", {"model": "gpt-4o"}, "model"),
     ("chat", {"max_tokens": "5"}, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),
     ("chat", {"messages": [{"role": "robot", "content": "w10"}]}, "messages.[0].role"),
@@ -211,7 +210,23 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"metasd": {"drafter": "nope"}}, "metasd.drafter"),
     ("chat", {"metasd": {"fast": True}}, "metasd.fast"),
-    ("chat", {"seed": -1}, "seed"),
+    ("chat", {"seed": 2 ** 64}, "seed"),
+    ("chat", {"seed": -2 ** 63 - 1}, "seed"),
+    ("chat", {"top_k": -2}, "top_k"),
+    ("chat", {"echo": True}, "echo"),  # a completions field
+    ("text", {"max_completion_tokens": 2}, "max_completion_tokens"),  # a chat field
+    ("text", {"max_tokens": 1000}, "max_tokens"),
+    ("chat", {"use_beam_search": True}, "use_beam_search"),  # vLLM's, each refused unless "off"
+    ("chat", {"allowed_token_ids": [10]}, "allowed_token_ids"),
+    ("chat", {"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("text", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("text", {"n_predict": 2}, "n_predict"),  # llama-server's
+    ("text", {"grammar": 'root ::= "a"'}, "grammar"),
+    ("chat", {"json_schema": {"type": "object"}}, "json_schema"),
+    ("chat", {"repeat_penalty": 1.1}, "repeat_penalty"),
+    ("chat", {"response_format": {"type": "json_object", "schema": 5}}, "response_format.schema"),
     ("text", {"logprobs": -1}, "logprobs"),
     ("text", {"prompt": [5, 999]}, "prompt"),
     ("text", {"prompt": ["w10", "w11"]}, "prompt"),
@@ -231,6 +246,34 @@ def test_bad_input_is_a_400_naming_the_field_and_starts_nothing(server, route, b
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
     assert len(server.scheduler.handles) == before  # refused before anything was queued
+
+
+def test_an_unknown_model_is_a_404_and_a_missing_one_the_served_model(client, server):
+    before = len(server.scheduler.handles)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MSG, max_tokens=2)
+    assert e.value.param == "model" and e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    assert len(server.scheduler.handles) == before  # refused before anything was queued
+    assert client.models.retrieve(MODEL).id == MODEL
+    body = {"messages": MSG, "max_tokens": 3, "temperature": 0}
+    answers = [httpx.post(server.url + "/v1/chat/completions", json=body | extra).json() for extra in
+               ({"model": MODEL}, {}, {"model": None}, {"model": ""})]  # vLLM's: null or "" is the served model
+    assert all(a["model"] == MODEL for a in answers), answers
+    assert len({a["choices"][0]["message"]["content"] for a in answers}) == 1
+
+
+def test_vllm_and_llama_server_off_values_are_accepted(client, reference):
+    """Clients built for vLLM or llama-server send their own fields at their "off" values: accepted, the output
+    unchanged; vLLM's top_k=-1 is off and its negative seeds are seeds (mod 2**64, as a generator takes them)."""
+    off = {"use_beam_search": False, "skip_special_tokens": True, "allowed_token_ids": [], "n_predict": -1,
+           "repeat_penalty": 1.0, "typical_p": 1.0, "min_p": 0.0, "top_k": -1}
+    got = _chat(client, MSG, max_tokens=6, temperature=0, extra_body=off)
+    assert got.choices[0].message.content == reference(MSG, 6).text
+    sampled = [_chat(client, MSG, max_tokens=8, temperature=1.0, seed=seed).choices[0].message.content
+               for seed in (-1, 2 ** 64 - 1, -2 ** 63, 2 ** 63)]
+    assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
 
 
 def test_the_openai_client_gets_its_bad_request_error(client):
@@ -293,6 +336,10 @@ def test_a_request_failing_inside_a_drafter_fails_alone(client, reference):
                 pool.submit(_chat, client, MSG, max_tokens=14, temperature=0)]
         whole, streamed, ok1, ok2 = (j.result() for j in jobs)
     assert whole.status_code == 500 and whole.type == "server_error"
+    with httpx.stream("POST", str(client.base_url).rstrip("/") + "/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": failing, "max_tokens": 8, "stream": True}) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"  # a failed stream ends as every stream does
     for error in (whole, streamed):  # what failed inside stays in the server's log
         assert "on purpose" not in error.message and "the server's log has the error" in error.message
     assert ok1.choices[0].message.content == reference(MSG, 10).text

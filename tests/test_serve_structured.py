@@ -77,6 +77,9 @@ def test_json_object_and_guided_forms(served):
                                           response_format={"type": "json_schema",
                                                            "json_schema": {"name": "r", "schema": SCHEMA}})
     assert guided.choices[0].message.content == formatted.choices[0].message.content
+    llama_server = c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=120, temperature=0,
+                                             response_format={"type": "json_object", "schema": SCHEMA})
+    assert llama_server.choices[0].message.content == formatted.choices[0].message.content  # its schema followed
 
 
 def test_answers_equal_engine_generate_with_the_same_constraint(served):

@@ -139,6 +139,7 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
             if event is None or event.finish_reason in ("error", "cancelled") or event.error:
                 error = failed(event, handle.id) if event is None or event.finish_reason != "cancelled" else draining()
                 yield sse(error.body())
+                yield sse("[DONE]")  # the stream ends as every stream does (as vLLM's)
                 return
             if echo[index] is not None and (event.token_ids or (event.finished and event.result is not None)):
                 prompt = event.prompt_logprobs if event.token_ids else event.result.prompt_logprobs

@@ -25,12 +25,12 @@ from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, c
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
 from metasd.core.execution.kv_memory import KVBudgetError
 
-from .errors import ApiError, bad_request, error_body, from_validation
+from .errors import ApiError, bad_request, error_body, from_validation, unknown_model
 from .http_log import HttpObserver
 from .logprobs import TokenNames
 from .metrics import ServeMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults, ignored_fields,
-                       refused_field)
+from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults
+from .unknown_fields import ignored_fields, refused_field
 from .answers import answer, draining, stream
 from .responses import Completion
 from .tokenize import add_tokenizer_routes
@@ -123,7 +123,8 @@ class ServeState:
     def budget(self, req, n_prompt: int, prompt_field: str) -> int:
         """``max_tokens`` checked against the context; when not given, what the context leaves (as vLLM does)."""
         budget, limit = req.token_budget(), self.context_length
-        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        chat = isinstance(req, ChatCompletionRequest)
+        field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         if limit and n_prompt >= limit:
             raise bad_request(f"the prompt is {n_prompt} tokens; {self.model_name}'s context is {limit} tokens",
                               prompt_field, "context_length_exceeded")
@@ -202,9 +203,10 @@ class ServeState:
         options = RequestOptions(drafter=opts.drafter, draft_budget=opts.draft_budget, speculate=opts.speculate) \
             if opts else RequestOptions()
         logprobs, prompt_logprobs = req.logprob_options()
+        seed = None if req.seed is None else (req.seed + seed_offset) % 2 ** 64  # a generator's seed is a uint64
         try:
             return self.scheduler.submit(
-                ids, max_new_tokens, stop=req.stops() or None, seed=None if req.seed is None else req.seed + seed_offset,
+                ids, max_new_tokens, stop=req.stops() or None, seed=seed,
                 chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
                 **req.sampling(self.defaults))
         except QueueFullError:
@@ -349,9 +351,8 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
         if ignored:  # as vLLM: accepted, named in the log, so a client's misspelt option can be found
             log.warning("%s: the request's fields %s were ignored (not used by this server)", request.url.path,
                         ", ".join(ignored))
-        if req.model != state.model_name:
-            raise bad_request(f"The model {req.model!r} does not exist: this server serves {state.model_name!r}",
-                              "model", "model_not_found")
+        if req.model and req.model != state.model_name:  # null or "": the served model (as vLLM)
+            raise unknown_model(req.model, state.model_name)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
@@ -363,7 +364,7 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
                                 prompt_scores=None if req.prompt_logprobs is None else (state.names,
                                                                                         req.prompt_logprobs))
-        if getattr(req, "echo", False):  # the prompt as given (token ids: their text)
+        if kind == "text" and req.echo:  # the prompt as given (token ids: their text)
             prompt = req.prompt_value()
             completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)
         if req.stream:
@@ -384,6 +385,13 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
         state.check_auth(request)
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "metasd", "max_model_len": state.context_length}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        state.check_auth(request)
+        if model_id != state.model_name:
+            raise unknown_model(model_id, state.model_name)
+        return (await models(request))["data"][0]
 
     @app.get("/health")
     async def health():

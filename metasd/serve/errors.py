@@ -33,6 +33,12 @@ def bad_request(message: str, param: str | None, code: str | None = None) -> Api
     return ApiError(400, message, param=param, code=code)
 
 
+def unknown_model(model: str, served: str) -> ApiError:
+    """The 404 for a request naming a model this server does not serve (OpenAI's: ``openai.NotFoundError``)."""
+    return ApiError(404, f"The model {model!r} does not exist: this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
 def _param(loc: tuple) -> str | None:
     """pydantic's error location as OpenAI spells a parameter: ``messages.[0].content``; union member tags dropped."""
     parts = []

@@ -1,8 +1,7 @@
 """The request bodies the server accepts, as pydantic models that refuse wrong types (``strict``: ``"5"`` is not an
-integer) and the options metasd cannot honour, which would change the output (a ``logit_bias``, ``min_p``, ...:
-``refused_field``), instead of silently ignoring them; other fields it does not know (``store``, ``metadata``,
-``user``, ...) change nothing and are accepted, and the server logs their names (``ignored_fields``), as vLLM does
-(docs/serving.md#requests). metasd's own ``metasd`` options stay strict: a misspelt one is refused.
+integer). Fields they do not declare are kept aside (``Lenient``) for ``unknown_fields.py``: refused where they would
+change the output, else accepted and named in the log (docs/serving.md#requests). metasd's own ``metasd`` options
+stay strict: a misspelt one is refused.
 """
 from __future__ import annotations
 
@@ -30,58 +29,6 @@ class Lenient(BaseModel):
     """Unknown fields are kept aside (``model_extra``): refused when they would change the output, else ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-
-
-def _off(*values):
-    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in (None, *values))
-
-
-#: fields metasd does not implement that would change the output: refused unless given their "off" value
-REFUSED = {
-    "functions": (_off([]), "the legacy functions field is not supported: use tools"),
-    "function_call": (_off("none", "auto"), "the legacy function_call field is not supported: use tool_choice"),
-    "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
-    "min_tokens": (_off(0), "min_tokens is not supported (only 0)"),
-    "ignore_eos": (_off(False), "ignore_eos is not supported (only false)"),
-    "stop_token_ids": (_off([]), "stop_token_ids is not supported: use stop"),
-    "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
-    "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
-    "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "
-                                   "guided_regex"),
-    "modalities": (_off(["text"]), "only text output is served"),
-    "audio": (_off(), "only text output is served"),
-    "web_search_options": (_off(), "web search is not supported"),
-    "chat_template": (_off(), "only the model's own chat template is served"),
-    "chat_template_kwargs": (_off({}), "chat_template_kwargs are not supported"),
-    "add_generation_prompt": (_off(True), "add_generation_prompt is not supported (only true)"),
-    "continue_final_message": (_off(False), "continue_final_message is not supported (only false)"),
-}
-
-
-def _extras(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
-    """(path, value) of every unknown field in ``model`` and the models inside it (``messages.[0].refusal``)."""
-    out = [(prefix + k, v) for k, v in (model.model_extra or {}).items()]
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-        for i, item in items:
-            if isinstance(item, BaseModel):
-                out += _extras(item, f"{prefix}{name}." + (f"[{i}]." if i is not None else ""))
-    return out
-
-
-def refused_field(req: BaseModel) -> tuple[str, str] | None:
-    """The first unknown field that would change the output, as (path, why); None when there is none."""
-    for path, value in _extras(req):
-        rule = REFUSED.get(path.rpartition(".")[2])
-        if rule and not rule[0](value):
-            return path, f"{rule[1]}, got {path}={value!r}"
-    return None
-
-
-def ignored_fields(req: BaseModel) -> list[str]:
-    """The unknown fields of ``req`` (paths), accepted and not used: for the server's warning."""
-    return [path for path, _ in _extras(req)]
 
 
 class MetasdOptions(_Strict):
@@ -201,11 +148,13 @@ class NamedToolChoice(Lenient):
 
 class ResponseFormat(Lenient):
     """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (structured output, docs/serving.md#structured-output);
-    the schema is checked when the request is (``Constraint.from_response_format``)."""
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (structured output, docs/serving.md#structured-output),
+    or llama-server's ``{"type": "json_object", "schema": {...}}``; the schema is checked when the request is
+    (``Constraint.from_response_format``)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama-server's json_object with a schema
 
 
 def _only(value, allowed, what: str):
@@ -217,13 +166,13 @@ def _only(value, allowed, what: str):
 class _Common(Lenient):
     """Fields both routes take."""
 
-    model: str
+    model: str | None = None  # null or left out: the served model (as vLLM)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # not OpenAI's; vLLM takes it too
+    top_k: int | None = Field(None, ge=-1)  # not OpenAI's; vLLM takes it too (0 or -1: off)
     stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)  # vLLM's int64 range, and uint64 (seeds are mod 2^64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -263,7 +212,7 @@ class _Common(Lenient):
             value = getattr(self, field)
             value = value if value is not None else defaults.get(field, fallback)
             if value is not None:
-                out[field] = int(value) if field == "top_k" else float(value)
+                out[field] = max(int(value), 0) if field == "top_k" else float(value)  # top_k -1: off, as 0
         return out
 
     def constraint(self) -> Constraint | None:
@@ -289,7 +238,7 @@ class _Common(Lenient):
             except ConstraintError as e:
                 raise ConstraintError(f"guided_json.{e.field}" if e.field != "schema" else "guided_json",
                                       e.reason) from None
-        return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True))
+        return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True, by_alias=True))
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

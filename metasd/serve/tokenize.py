@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from metasd.core.decoding.prompt import render_chat
 
-from .errors import bad_request, from_validation
+from .errors import bad_request, from_validation, unknown_model
 from .protocol import ChatMessage, Lenient, Tool
 
 
@@ -58,9 +58,8 @@ def add_tokenizer_routes(app, state) -> None:
             req = await run_in_threadpool(model.model_validate_json, await request.body())
         except ValidationError as e:
             raise from_validation(e, sorted(model.model_fields)) from None
-        if req.model is not None and req.model != state.model_name:
-            raise bad_request(f"The model {req.model!r} does not exist: this server serves {state.model_name!r}",
-                              "model", "model_not_found")
+        if req.model and req.model != state.model_name:
+            raise unknown_model(req.model, state.model_name)
         return req
 
     def tokenize(req: TokenizeRequest) -> dict:

@@ -118,8 +118,9 @@ class Constraint:
                              name: str = "response_format") -> "Constraint | None":
         """OpenAI's ``response_format`` -> a Constraint (None for ``{"type": "text"}`` or None): ``{"type":
         "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict":
-        ...}}`` (``strict`` is accepted and changes nothing: the output always follows the schema). Errors name the
-        field under ``name``, e.g. ``response_format.json_schema.schema``."""
+        ...}}`` (``strict`` is accepted and changes nothing: the output always follows the schema); llama-server's
+        ``{"type": "json_object", "schema": {...}}`` follows its schema. Errors name the field under ``name``, e.g.
+        ``response_format.json_schema.schema``."""
         if response_format is None:
             return None
         if not isinstance(response_format, Mapping):
@@ -127,6 +128,11 @@ class Constraint:
         kind = response_format.get("type")
         if kind == "text":
             return None
+        if kind == "json_object" and response_format.get("schema") is not None:  # llama-server's form
+            try:
+                return cls.json_schema(response_format["schema"])
+            except ConstraintError as e:
+                raise ConstraintError(f"{name}.{e.field}", e.reason) from None
         if kind == "json_object":
             return cls.json_object()
         if kind != "json_schema":
