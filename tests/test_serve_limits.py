@@ -88,6 +88,39 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_holds_up_no_one_else()
         scheduler.close()
 
 
+def test_a_request_without_max_tokens_gets_what_the_kv_budget_holds_not_a_refusal(caplog):
+    """A KV budget smaller than the context (here 512 positions, a context of 2,048): a request that leaves max_tokens
+    out gets what one request may hold alone (prompt + answer + 17 positions of draft headroom within 512), not a 400
+    for a max_tokens it never sent; the start-up log says so; a prompt that leaves no room is refused naming it."""
+    from metasd.serve.app import kv_tokens_alone
+
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="tiny"), [])
+    reference = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="ref"), [])
+    with caplog.at_level("WARNING", logger="metasd.serve.app"):
+        srv, scheduler = _server(engine, kv_budget=512, max_draft_nodes=16, max_batch=2)
+    assert kv_tokens_alone(scheduler, 2048) == 512 - 17 and kv_tokens_alone(scheduler, 400) is None
+    assert any("holds one request of at most 495 tokens" in r.getMessage() for r in caplog.records)
+    try:
+        with srv:
+            prompt = [{"role": "user", "content": "w10 w11"}]
+            r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": prompt,
+                                                                   "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] <= 495
+            if r.json()["choices"][0]["finish_reason"] == "length":  # it ran to what fits
+                assert usage["prompt_tokens"] + usage["completion_tokens"] == 495
+            want = reference.generate(prompt, usage["completion_tokens"]).text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            long = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10 " * 600,
+                                                                 "max_tokens": None})
+            assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
+            assert long.json()["error"]["code"] == "kv_budget_exceeded"
+    finally:
+        scheduler.close()
+
+
 def test_a_request_the_kv_budget_could_never_hold_is_a_400_naming_max_tokens_and_others_wait_their_turn():
     tok = tiny_tokenizer()
     engine = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="tiny"), [])

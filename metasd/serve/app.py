@@ -51,6 +51,29 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 log = logging.getLogger(__name__)
 
 
+def kv_tokens_alone(scheduler, context: int | None) -> int | None:
+    """The most tokens (prompt + new) one request may have with nothing else running, where the scheduler's KV budget
+    holds fewer than ``context`` (None: it holds a whole context, or has no bound): its reservation adds the draft
+    headroom (``max_draft_nodes`` + 1) and rounds up to the bucket (``check_admissible``)."""
+    check = getattr(getattr(scheduler.verifier, "cache", None), "check_admissible", None)
+    headroom = getattr(scheduler, "max_draft_nodes", 0) + 1
+
+    def holds(tokens: int) -> bool:
+        try:
+            check(tokens + headroom)
+            return True
+        except KVBudgetError:
+            return False
+
+    if check is None or not context or holds(context):
+        return None
+    lo, hi = 0, context  # holds(hi) is false; bisect for the largest that holds (0: not even one token)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+    return lo
+
+
 class ServeState:
     """What the routes share: the scheduler, the served model's name, the API key, the metrics, and whether the
     server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
@@ -70,6 +93,12 @@ class ServeState:
                 raise ValueError(f"--max-model-len {max_model_len} exceeds the context of {model_name} "
                                  f"({self.context_length} tokens)")
             self.context_length = max_model_len
+        #: the most tokens (prompt + new) one request may hold alone in the KV budget (None: the context bounds it)
+        self.kv_tokens = kv_tokens_alone(scheduler, self.context_length)
+        if self.kv_tokens is not None:
+            log.warning("the KV budget holds one request of at most %d tokens (prompt and answer; %s's context is "
+                        "%s): a request without max_tokens gets what fits, one asking for more is refused "
+                        "(--kv-budget sets the budget)", self.kv_tokens, model_name, self.context_length or "unbounded")
         self.vocab_size = getattr(getattr(engine.verifier.model, "config", None), "vocab_size", None)
         self.drafters = [d.name for d in engine.drafters]
         self.names = TokenNames(self.tokenizer)  # names the tokens of log-probabilities
@@ -128,10 +157,13 @@ class ServeState:
         if limit and n_prompt >= limit:
             raise bad_request(f"the prompt is {n_prompt} tokens; {self.model_name}'s context is {limit} tokens",
                               prompt_field, "context_length_exceeded")
-        if budget is None and "max_tokens" in self.defaults:  # the model's max_new_tokens, within the context
-            budget = min(self.defaults["max_tokens"], limit - n_prompt) if limit else self.defaults["max_tokens"]
-        if budget is None:
-            return limit - n_prompt if limit else 1024
+        if budget is None:  # the model's max_new_tokens, else what the context leaves - within what the KV holds
+            fits = [n - n_prompt for n in (limit, self.kv_tokens) if n]
+            budget = min([self.defaults.get("max_tokens", 1024 if not fits else fits[0]), *fits])
+            if budget < 1:
+                raise bad_request(f"the prompt is {n_prompt} tokens; the KV budget holds one request of at most "
+                                  f"{self.kv_tokens} tokens", prompt_field, "kv_budget_exceeded")
+            return budget
         if limit and n_prompt + budget > limit:
             raise bad_request(f"the prompt ({n_prompt} tokens) and {field}={budget} exceed {self.model_name}'s context "
                               f"of {limit} tokens (at most {limit - n_prompt} new tokens fit)", field,
