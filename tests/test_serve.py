@@ -99,6 +99,42 @@ def test_chat_and_completions_streamed_and_not_give_the_greedy_text(client, refe
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+def test_completions_take_several_prompts_each_choice_indexed_as_vllm(client, server, reference):
+    """``prompt`` as a list of strings or of token-id lists (vLLM's batch form): prompt p's choice i is ``index``
+    p x n + i, each the text it gets alone; the usage counts every prompt once; streamed, the same per index; echo puts
+    each prompt before its own choices; seeded choices sample as a request of that prompt alone."""
+    prompts = ["w10 w11 w12", "w20 w21", "w30 w31 w32 w33"]
+    want = [reference(q, 7) for q in prompts]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=7, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [w.text for w in want for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(len(w.prompt_ids) for w in want)
+    assert whole.usage.completion_tokens == 6 * 7
+    as_ids = client.completions.create(model=MODEL, prompt=[w.prompt_ids for w in want], max_tokens=7, temperature=0)
+    assert [c.text for c in as_ids.choices] == [w.text for w in want]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=7, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: w.text for i, w in enumerate(want)}
+    assert chunk.usage.prompt_tokens == whole.usage.prompt_tokens and chunk.usage.completion_tokens == 3 * 7
+    echo = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=3, temperature=0, echo=True)
+    assert [c.text for c in echo.choices] == [q + reference(q, 3).text for q in prompts[:2]]
+    sampled = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=1.0, seed=5, n=2)
+    alone = [client.completions.create(model=MODEL, prompt=q, max_tokens=6, temperature=1.0, seed=5, n=2)
+             for q in prompts[:2]]
+    assert [c.text for c in sampled.choices] == [c.text for a in alone for c in a.choices]
+
+
+def test_cached_prompt_tokens_count_each_prompt_once():
+    from metasd.serve.responses import Completion
+
+    completion = Completion("text", "m", 20, n=2)  # two prompts, two choices each: per prompt, its choices' most
+    assert completion.cached_tokens({0: 5, 1: 3, 2: 0, 3: 7}) == 5 + 7
+    assert Completion("chat", "m", 9, n=3).cached_tokens({0: 4, 1: 4, 2: 0}) == 4
+
+
 def test_four_concurrent_greedy_requests_of_different_lengths_equal_engine_generate(client, server, reference):
     prompts = [[{"role": "user", "content": f"w{10 + i} w{20 + i} w{10 + i} w{30 + i}"}] for i in range(4)]
     lengths = [5, 17, 9, 30]
@@ -229,7 +265,12 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"response_format": {"type": "json_object", "schema": 5}}, "response_format.schema"),
     ("text", {"logprobs": -1}, "logprobs"),
     ("text", {"prompt": [5, 999]}, "prompt"),
-    ("text", {"prompt": ["w10", "w11"]}, "prompt"),
+    ("text", {"prompt": []}, "prompt"),
+    ("text", {"prompt": [[10], []]}, "prompt"),
+    ("text", {"prompt": ["w10", [10]]}, "prompt"),
+    ("text", {"prompt": [[10], [5, 999]]}, "prompt"),  # a token id outside the vocabulary in the second prompt
+    ("text", {"prompt": ["w10"] * 65}, "prompt"),  # more than MAX_COMPLETIONS
+    ("text", {"prompt": ["w10"] * 5, "n": 13}, "prompt"),
     ("text", {"best_of": 3}, "best_of"),
     ("text", {"prompt": "   "}, "prompt"),
 ]

@@ -92,14 +92,15 @@ def test_a_request_without_max_tokens_gets_what_the_kv_budget_holds_not_a_refusa
     """A KV budget smaller than the context (here 512 positions, a context of 2,048): a request that leaves max_tokens
     out gets what one request may hold alone (prompt + answer + 17 positions of draft headroom within 512), not a 400
     for a max_tokens it never sent; the start-up log says so; a prompt that leaves no room is refused naming it."""
-    from metasd.serve.app import kv_tokens_alone
+    from metasd.core.execution.kv_memory import tokens_alone
 
     tok = tiny_tokenizer()
     engine = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="tiny"), [])
     reference = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="ref"), [])
     with caplog.at_level("WARNING", logger="metasd.serve.app"):
         srv, scheduler = _server(engine, kv_budget=512, max_draft_nodes=16, max_batch=2)
-    assert kv_tokens_alone(scheduler, 2048) == 512 - 17 and kv_tokens_alone(scheduler, 400) is None
+    cache = scheduler.verifier.cache
+    assert tokens_alone(cache, 2048, 17) == 512 - 17 and tokens_alone(cache, 400, 17) is None
     assert any("holds one request of at most 495 tokens" in r.getMessage() for r in caplog.records)
     try:
         with srv:

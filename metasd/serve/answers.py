@@ -90,9 +90,9 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
             work.cancel()
     if not work.done() or work.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed_request")
-    choices, records, total, cached = [], [], 0, 0
+    choices, records, total, cached = [], [], 0, {}
     for index, (handle, (text, last)) in enumerate(zip(handles, work.result())):
-        cached = max(cached, _cached(last))
+        cached[index] = _cached(last)
         reason, record, tokens = _finished(last, handle.id)
         result = last.result
         logprobs = None
@@ -101,12 +101,13 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
         own = completion.logprobs(result.logprobs if result is not None else None, index=index)
         logprobs = own if logprobs is None else {k: logprobs[k] + own[k] for k in own}
         if completion.echo is not None:
-            text = completion.echo + text
+            text = completion.echo[index] + text
         prompt_scores = result.prompt_logprobs if result is not None else None
         choices.append(completion.choice(index, text, reason, logprobs, prompt_scores))
         records.append(record)
         total += tokens
-    return completion.whole(choices, total, records[0] if len(records) == 1 else records, cached)
+    return completion.whole(choices, total, records[0] if len(records) == 1 else records,
+                            completion.cached_tokens(cached))
 
 
 async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str]:
@@ -129,10 +130,10 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
         if completion.kind == "chat":
             for index in range(len(handles)):
                 yield sse(completion.chunk(None, first=True, index=index))
-        echo = {index: completion.echo for index in range(len(handles))}
+        echo = dict(enumerate(completion.echo or [None] * len(handles)))
         # chat with tools: per choice, the content that is safe to send (none of a call) until the calls are whole
         calls = {index: completion.tools.stream() for index in range(len(handles))} if completion.tools else {}
-        remaining, total, cached = len(handles), 0, 0
+        remaining, total, cached = len(handles), 0, {}
         while remaining:
             index, event = await queue.get()
             handle = handles[index]
@@ -152,7 +153,7 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                 yield sse(completion.chunk(text, logprobs=logprobs, index=index))
             if event.finished:
                 reason, record, tokens = _finished(event, handle.id)
-                total, cached = total + tokens, max(cached, _cached(event))
+                total, cached[index] = total + tokens, _cached(event)
                 remaining -= 1
                 if calls:
                     rest, made = calls[index].finish()
@@ -164,7 +165,7 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                         yield sse(completion.chunk(None, tool_calls=made, index=index))
                 yield sse(completion.chunk(text, reason, record=record, index=index))
         if completion.include_usage:
-            yield sse(completion.usage_chunk(total, cached))
+            yield sse(completion.usage_chunk(total, completion.cached_tokens(cached)))
         yield sse("[DONE]")
     finally:
         for p in pumps:

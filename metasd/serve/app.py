@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
-from metasd.core.execution.kv_memory import KVBudgetError
+from metasd.core.execution.kv_memory import KVBudgetError, tokens_alone
 
 from .errors import ApiError, bad_request, error_body, from_validation, unknown_model
 from .http_log import HttpObserver
@@ -51,29 +51,6 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 log = logging.getLogger(__name__)
 
 
-def kv_tokens_alone(scheduler, context: int | None) -> int | None:
-    """The most tokens (prompt + new) one request may have with nothing else running, where the scheduler's KV budget
-    holds fewer than ``context`` (None: it holds a whole context, or has no bound): its reservation adds the draft
-    headroom (``max_draft_nodes`` + 1) and rounds up to the bucket (``check_admissible``)."""
-    check = getattr(getattr(scheduler.verifier, "cache", None), "check_admissible", None)
-    headroom = getattr(scheduler, "max_draft_nodes", 0) + 1
-
-    def holds(tokens: int) -> bool:
-        try:
-            check(tokens + headroom)
-            return True
-        except KVBudgetError:
-            return False
-
-    if check is None or not context or holds(context):
-        return None
-    lo, hi = 0, context  # holds(hi) is false; bisect for the largest that holds (0: not even one token)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
-    return lo
-
-
 class ServeState:
     """What the routes share: the scheduler, the served model's name, the API key, the metrics, and whether the
     server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
@@ -94,7 +71,9 @@ class ServeState:
                                  f"({self.context_length} tokens)")
             self.context_length = max_model_len
         #: the most tokens (prompt + new) one request may hold alone in the KV budget (None: the context bounds it)
-        self.kv_tokens = kv_tokens_alone(scheduler, self.context_length)
+        cache = getattr(scheduler.verifier, "cache", None)
+        self.kv_tokens = None if cache is None else tokens_alone(cache, self.context_length,
+                                                                  getattr(scheduler, "max_draft_nodes", 0) + 1)
         if self.kv_tokens is not None:
             log.warning("the KV budget holds one request of at most %d tokens (prompt and answer; %s's context is "
                         "%s): a request without max_tokens gets what fits, one asking for more is refused "
@@ -126,28 +105,31 @@ class ServeState:
             raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key the "
                                 "server was started with", type="authentication_error", code="invalid_api_key")
 
-    def prompt_ids(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
-        """The prompt's token ids (chat messages through the chat template) and the field they came from."""
-        engine = self.scheduler.engine
+    def prompt_ids(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[list[list[int]], str]:
+        """Each prompt's token ids (chat messages through the chat template; completions may give several prompts)
+        and the field they came from."""
         field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if field == "messages" and not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"{self.model_name} has no chat template: use /v1/completions", field)
-        prompt = req.prompt() if field == "messages" else req.prompt_value()
+        tools = req.tool_functions() if field == "messages" else None
+        if tools:
+            self.check_tools(req)
+        return [self._ids(prompt, field, tools) for prompt in req.prompt_values()], field
+
+    def _ids(self, prompt, field: str, tools) -> list[int]:
+        """One prompt's token ids: token ids as given (checked against the vocabulary), text encoded."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if not 0 <= t < (self.vocab_size or 2**63)]
             if bad:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", field)
-            return list(prompt), field
-        tools = req.tool_functions() if field == "messages" else None
-        if tools:
-            self.check_tools(req)
+            return list(prompt)
         try:
-            ids = engine.encode(prompt, chat=field == "messages", tools=tools)
+            ids = self.scheduler.engine.encode(prompt, chat=field == "messages", tools=tools)
         except (ValueError, TypeError) as e:
             raise bad_request(f"{field}: {e}", field) from None
         if not ids:
             raise bad_request(f"{field}: the prompt is empty after tokenisation", field)
-        return ids, field
+        return ids
 
     def budget(self, req, n_prompt: int, prompt_field: str) -> int:
         """``max_tokens`` checked against the context; when not given, what the context leaves (as vLLM does)."""
@@ -213,13 +195,16 @@ class ServeState:
                               f": {INSTALL_HINT}", "tool_choice" if enforced else "response_format",
                               "structured_output_unavailable") from None
 
-    def submit_choices(self, req, ids: list[int], max_new_tokens: int, constraint=None) -> list:
-        """One scheduler request per choice (``n``; choice i of a seeded request samples with seed + i, so the
-        choices differ and each is reproducible); when one cannot be queued, those queued before it are cancelled."""
+    def submit_choices(self, req, prompts: list[tuple[list[int], int]], constraint=None) -> list:
+        """One scheduler request per choice of each prompt (``prompts``: its ids and new-token budget; ``n`` each,
+        choice i of a seeded request sampling with seed + i, so the choices differ and each is reproducible), in the
+        order of their ``index`` (prompt p's choice i: p x n + i); when one cannot be queued, those queued before it
+        are cancelled."""
         handles = []
         try:
-            for i in range(req.n):
-                handles.append(self.submit(req, ids, max_new_tokens, seed_offset=i, constraint=constraint))
+            for ids, max_new_tokens in prompts:
+                for i in range(req.n):
+                    handles.append(self.submit(req, ids, max_new_tokens, seed_offset=i, constraint=constraint))
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -387,18 +372,19 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
             raise unknown_model(req.model, state.model_name)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        ids, prompt_field = await run_in_threadpool(state.prompt_ids, req)
-        budget = state.budget(req, len(ids), prompt_field)
+        prompts, prompt_field = await run_in_threadpool(state.prompt_ids, req)
+        budgets = [state.budget(req, len(ids), prompt_field) for ids in prompts]
         constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
-        handles = state.submit_choices(req, ids, budget, constraint)
-        completion = Completion(kind, state.model_name, len(ids), req.include_usage(),
+        handles = state.submit_choices(req, list(zip(prompts, budgets)), constraint)
+        completion = Completion(kind, state.model_name, sum(map(len, prompts)), req.include_usage(), n=req.n,
                                 names=state.names if req.logprob_options()[0] is not None else None,
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
                                 prompt_scores=None if req.prompt_logprobs is None else (state.names,
                                                                                         req.prompt_logprobs))
-        if kind == "text" and req.echo:  # the prompt as given (token ids: their text)
-            prompt = req.prompt_value()
-            completion.echo = prompt if isinstance(prompt, str) else await run_in_threadpool(state.tokenizer.decode, ids)
+        if kind == "text" and req.echo:  # each prompt as given (token ids: their text), before each of its choices
+            texts = [p if isinstance(p, str) else await run_in_threadpool(state.tokenizer.decode, ids)
+                     for p, ids in zip(req.prompt_values(), prompts)]
+            completion.echo = [text for text in texts for _ in range(req.n)]
         if req.stream:
             return StreamingResponse(stream(handles, completion), media_type="text/event-stream",
                                      headers=_STREAM_HEADERS)

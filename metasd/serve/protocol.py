@@ -18,6 +18,8 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 #: the most choices (``n``) one request may ask for: each is a request of its own in the batch
 MAX_CHOICES = 16
+#: the most completions (prompts x ``n``) one /v1/completions request may ask for
+MAX_COMPLETIONS = 64
 _Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -315,12 +317,16 @@ class ChatCompletionRequest(_Common):
     def prompt(self) -> list[dict[str, Any]]:
         return [m.rendered() for m in self.messages]
 
+    def prompt_values(self) -> list[list[dict[str, Any]]]:
+        """The one prompt: the messages as the chat template takes them."""
+        return [self.prompt()]
+
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: ``prompt`` is a string (encoded as it is: no chat template), a list of one string, or
-    a list of token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string (encoded as it is: no chat template) or a list of token ids, or
+    a list of either (several prompts, as vLLM: choice ``i`` of prompt ``p`` is ``index`` p x n + i)."""
 
-    prompt: Annotated[str, Field(min_length=1)] | list[int] | list[str]
+    prompt: Annotated[str, Field(min_length=1)] | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -329,9 +335,13 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and (not v or (isinstance(v[0], str) and len(v) != 1)):
-            raise ValueError("one prompt per request: a string, a list of one string, or a non-empty list of token ids")
+    def _prompts(cls, v, info):
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("a string, a non-empty list of token ids, or a non-empty list of either")
+        many = len(v) if isinstance(v, list) and not isinstance(v[0], int) else 1
+        n = info.data.get("n", 1)
+        if many * n > MAX_COMPLETIONS:
+            raise ValueError(f"{many} prompts x n={n} ask for more than {MAX_COMPLETIONS} completions in one request")
         return v
 
     @field_validator("best_of")
@@ -353,8 +363,10 @@ class CompletionRequest(_Common):
         asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
         return self.logprobs, max(asked, default=None)
 
-    def prompt_value(self) -> str | list[int]:
-        return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+    def prompt_values(self) -> list[str | list[int]]:
+        """Each prompt: a string or a list of token ids."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 #: OpenAI's value of a sampling field that neither the request nor the model's generation_config sets (None: the

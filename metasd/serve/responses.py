@@ -33,13 +33,14 @@ class Completion:
 
     kind: str
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # of every prompt (completions may give several)
     include_usage: bool = False
+    n: int = 1  # choices per prompt: choice ``index`` answers prompt index // n
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     #: set when the request asked for log-probabilities: names their tokens (``logprobs``)
     names: TokenNames | None = None
-    echo: str | None = None  # completions with ``echo``: the prompt's text, sent before the completion's
+    echo: list[str] | None = None  # completions with ``echo``: per choice, its prompt's text, sent before its own
     #: completions: per choice, where its next token's text starts in the choice's text (streams included)
     text_offsets: dict[int, int] = field(default_factory=dict)
     #: chat with tools the model may call: how its text is read for calls (None: all content)
@@ -62,6 +63,14 @@ class Completion:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def cached_tokens(self, per_choice: dict[int, int]) -> int:
+        """The prompt tokens reused from the prefix cache, from each choice's count (``index`` -> tokens): per prompt
+        the most any of its choices reused (its choices share one prompt), summed over the prompts."""
+        per_prompt: dict[int, int] = {}
+        for index, tokens in per_choice.items():
+            per_prompt[index // self.n] = max(per_prompt.get(index // self.n, 0), tokens)
+        return sum(per_prompt.values())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

@@ -87,3 +87,26 @@ def default_budget_bytes(device: torch.device) -> int:
     are loaded)."""
     kind = torch.device(device).type
     return int(free_memory_bytes(device) * DEFAULT_FRACTION.get(kind, DEFAULT_FRACTION["cpu"]))
+
+
+def tokens_alone(cache, context: int | None, headroom: int) -> int | None:
+    """The most tokens (prompt + new) one request may have in ``cache`` (a ``BatchCache`` or any cache with
+    ``check_admissible``) with nothing else running, where its budget holds fewer than ``context``; None where it holds
+    a whole context, has no ``check_admissible`` or the context is unbounded. A reservation adds ``headroom`` (the
+    scheduler's draft nodes + 1) and rounds up to the cache's bucket."""
+    check = getattr(cache, "check_admissible", None)
+
+    def holds(tokens: int) -> bool:
+        try:
+            check(tokens + headroom)
+            return True
+        except KVBudgetError:
+            return False
+
+    if check is None or not context or holds(context):
+        return None
+    lo, hi = 0, context  # holds(hi) is false: bisect for the largest that holds (0: not even one token)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+    return lo
