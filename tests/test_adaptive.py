@@ -169,7 +169,9 @@ def test_each_step_is_priced_at_its_share_of_the_forward(verifier_model, tok, mo
     with Scheduler(engine, max_batch=4, adaptive=adaptive) as s:
         s.add_listener(lambda r: steps.append(list(calls)) or calls.clear()
                        if isinstance(r, SchedulerStep) and r.batch_size else None)
-        for h in [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]:
+        with s._lock:  # all queued before the first step: steps of several requests are sure to come
+            handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        for h in handles:
             h.result(timeout=120)
     worked = [st for st in steps if len(st) > 1 and any(c[2] for c in st)]
     assert worked, "no step with several requests and a draft"

@@ -151,14 +151,17 @@ def test_the_servers_metrics_report_the_verify_shapes(model, tok):
 
 
 def test_a_forward_wider_than_the_fixed_shapes_hold_runs_at_its_own_shape(model, tok):
-    prompts, max_new = [[0, 7, 12, 9], [0, 50, 9], [0, 21, 22, 23, 24]], [16, 16, 16]
+    # the third runs alone once the other two are done: its forwards of one row fit the fixed shapes
+    prompts, max_new = [[0, 7, 12, 9], [0, 50, 9], [0, 21, 22, 23, 24]], [16, 16, 40]
     expected = [_engine(model, tok, False).generate(p, n).token_ids for p, n in zip(prompts, max_new)]
     steps = []
     with Scheduler(_engine(model, tok, True), max_batch=4) as s:
         runner = s.verifier.runner
         runner.max_tokens = 8  # a tree of 6 nodes beside two others pads to 4 x 8 = 32: run eagerly, unpadded
         s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
-        got = [h.result(timeout=120).token_ids for h in [s.submit(p, n) for p, n in zip(prompts, max_new)]]
+        with s._lock:  # all three queued before the first step: steps of three rows are sure to come
+            handles = [s.submit(p, n) for p, n in zip(prompts, max_new)]
+        got = [h.result(timeout=120).token_ids for h in handles]
     assert got == expected
     assert all(r * t <= 8 for r, t, _ in runner.shapes) and runner.stats.eager < s.verifier.forwards
     assert any(r.forward_tokens > 8 for r in steps)  # the wide ones recorded at their own shape

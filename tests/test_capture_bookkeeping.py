@@ -45,6 +45,27 @@ def fake_graphs(monkeypatch):
     return lambda cache: watched.__setitem__("cache", cache)
 
 
+class JoinGate:
+    """A listener that holds the scheduler thread at the first step ``when(record)`` accepts until the test has queued
+    the next request (``joined``): that request joins while the others still run, however slow the machine."""
+
+    def __init__(self, when):
+        self.when, self.reached, self.joined = when, threading.Event(), threading.Event()
+
+    def __call__(self, record) -> None:
+        if isinstance(record, SchedulerStep) and not self.reached.is_set() and self.when(record):
+            self.reached.set()
+            self.joined.wait(60)
+
+    def join(self, submit):
+        """``submit()`` once the gate is reached (the gate opens whatever happens): its handle."""
+        try:
+            assert self.reached.wait(60)
+            return submit()
+        finally:
+            self.joined.set()
+
+
 def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_after_the_cache_grows(fake_graphs,
                                                                                                     caplog):
     tok, model = tiny_tokenizer(), tiny_qwen(seed=0, logit_scale=4.0, context=1024)
@@ -56,16 +77,17 @@ def test_the_batch_verifiers_shapes_are_captured_once_replayed_and_recaptured_af
                 for p, n in zip(prompts, max_new)]
     verifier = Verifier(model, tok, fixed_shapes=True)
     verifier.capture = True  # what graphs="on" sets on CUDA
-    steps, running = [], threading.Event()
+    steps = []
     caplog.set_level(logging.INFO, logger="metasd.core.execution.graph_runner")
     with Scheduler(Engine(verifier, [tree()], check_tokenizers=False), max_batch=3) as s:
         runner = s.verifier.runner
         fake_graphs(lambda: s.verifier.cache)
-        s.add_listener(lambda r: (steps.append(s.verifier.cache.capacity), running.set() if len(steps) > 2 else None)
-                       if isinstance(r, SchedulerStep) else None)
-        first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
-        assert running.wait(60)  # the two short ones run at 256 positions ...
-        got = [h.result(timeout=60).token_ids for h in first + [s.submit(prompts[2], max_new[2])]]
+        s.add_listener(lambda r: steps.append(s.verifier.cache.capacity) if isinstance(r, SchedulerStep) else None)
+        gate = JoinGate(lambda r: len(steps) > 2)  # the two short ones run at 256 positions ...
+        with s._lock:
+            first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
+            s.add_listener(gate)
+        got = [h.result(timeout=60).token_ids for h in first + [gate.join(lambda: s.submit(prompts[2], max_new[2]))]]
     assert got == expected
     # ... the long one joins at 512 and leaves; the buffers stay (keep_allocation: no recapture for a shrink)
     assert steps[0] == 256 and steps[-1] == 512
@@ -117,13 +139,13 @@ def test_the_drafting_levels_over_the_rows_capture_replay_and_recapture_after_th
     max_new = [40, 40, 10]
     fake_graphs(lambda: drafter.rows)
     caplog.set_level(logging.INFO, logger="metasd.core.execution.graph_runner")
-    running = threading.Event()
+    gate = JoinGate(lambda r: r.batch_size == 2)  # the two short ones draft over 256 columns, then the long one joins
     # the verifier at fixed shapes too: its rows (and the drafter's, shaped like them) kept between requests
     with Scheduler(Engine(Verifier(verifier_model, fixed_shapes=True), [drafter]), max_batch=3) as s:
-        s.add_listener(lambda r: running.set() if isinstance(r, SchedulerStep) and r.batch_size == 2 else None)
-        first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
-        assert running.wait(60)  # the two short ones draft over 256 columns, then the long one joins
-        got = [h.result(timeout=60).token_ids for h in first + [s.submit(prompts[2], max_new[2])]]
+        with s._lock:
+            first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
+            s.add_listener(gate)
+        got = [h.result(timeout=60).token_ids for h in first + [gate.join(lambda: s.submit(prompts[2], max_new[2]))]]
     assert got == [plain_greedy(verifier_model, p, n) for p, n in zip(prompts, max_new)]
     stats = drafter.rows.runner.stats
     assert stats.eager == 0 and stats.replays > 0
@@ -142,13 +164,13 @@ def test_the_whole_tree_loop_over_the_rows_captures_replays_and_recaptures_after
     prompts = [[5, 17, 3, 59], [42, 8, 23], [7] + [(3 * i) % 60 + 1 for i in range(290)]]  # the third: 512 columns
     max_new = [40, 40, 10]
     fake_graphs(lambda: drafter.rows)
-    running = threading.Event()
+    gate = JoinGate(lambda r: r.batch_size == 2)  # the two short ones draft over 256 columns, then the long one joins
     # the verifier at fixed shapes too: its rows (and the drafter's, shaped like them) kept between requests
     with Scheduler(Engine(Verifier(verifier_model, fixed_shapes=True), [drafter]), max_batch=3) as s:
-        s.add_listener(lambda r: running.set() if isinstance(r, SchedulerStep) and r.batch_size == 2 else None)
-        first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
-        assert running.wait(60)
-        got = [h.result(timeout=60).token_ids for h in first + [s.submit(prompts[2], max_new[2])]]
+        with s._lock:
+            first = [s.submit(p, n) for p, n in zip(prompts[:2], max_new)]
+            s.add_listener(gate)
+        got = [h.result(timeout=60).token_ids for h in first + [gate.join(lambda: s.submit(prompts[2], max_new[2]))]]
     assert got == [plain_greedy(verifier_model, p, n) for p, n in zip(prompts, max_new)]
     (loop,) = drafter.rows.loops.values()
     assert loop.stats.eager == 0 and loop.stats.replays > 0

@@ -155,8 +155,9 @@ def test_nothing_is_allocated_inside_a_forward_and_the_buffers_shrink_when_the_l
     with Scheduler(engine, max_batch=3, max_draft_nodes=16) as s:
         cache = s.verifier.cache
         s.add_listener(lambda r: sizes.append((cache.rows, cache.capacity)) if isinstance(r, RequestFinished) else None)
-        long = s.submit(PROMPTS[2] * 30, 8)  # 330 prompt tokens: a reservation of 512
-        short = s.submit(PROMPTS[1], 40)  # 256
+        with s._lock:  # both queued before the first step: they run side by side
+            long = s.submit(PROMPTS[2] * 30, 8)  # 330 prompt tokens: a reservation of 512
+            short = s.submit(PROMPTS[1], 40)  # 256
         assert long.result(timeout=60) and short.result(timeout=60)
     assert inside and not any(inside)
     assert sizes[0] == (2, 512) or sizes[0][1] == 256  # the long one left first: rows shrink to the short one's 256
@@ -262,8 +263,9 @@ def test_a_long_prompt_does_not_hold_back_those_that_join_after_it(tok):
     finished = []
     with Scheduler(engine, max_batch=2, prefill_chunk=8) as s:
         s.add_listener(lambda r: finished.append(r.id) if isinstance(r, RequestFinished) else None)
-        long = s.submit(PROMPTS[2] * 12, 2, request_id="long")  # 132 prompt tokens: 17 chunks of 8
-        short = s.submit(PROMPTS[1], 2, request_id="short")  # 3 tokens: one chunk
+        with s._lock:  # both queued before the first step (else the long one may be done before the short comes)
+            long = s.submit(PROMPTS[2] * 12, 2, request_id="long")  # 132 prompt tokens: 17 chunks of 8
+            short = s.submit(PROMPTS[1], 2, request_id="short")  # 3 tokens: one chunk
         long.result(timeout=60), short.result(timeout=60)
     assert finished == ["short", "long"]  # first come, first prefilled, it would finish ~16 steps later
 

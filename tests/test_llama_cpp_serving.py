@@ -4,7 +4,6 @@ context verified in one decode, each seeing only its own committed text and tree
 Tiny f32 GGUFs (tests/llama_cpp_models.py), so the torch model they were converted from is the reference."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -215,13 +214,19 @@ def test_requests_cancelled_in_their_prefill_free_their_sequence(tiny):
     model, gguf = tiny
     engine = Engine(LlamaCppVerifier(gguf, model, name="tiny", context=2048), _tree(), check_tokenizers=False)
     long_prompt = list(range(60)) * 3
-    prefilling = threading.Event()
+    prefilled = []
+
+    def cancel_in_prefill(r):  # on the scheduler thread: cancelled after its first prefill step, well before its last
+        if isinstance(r, SchedulerStep) and r.prefill_tokens:
+            prefilled.append(r.prefill_tokens)
+            if len(prefilled) == 1:
+                h.cancel()
+
     with Scheduler(engine, max_batch=2, prefill_chunk=4) as s:  # 45 steps of prefill
-        s.add_listener(lambda r: prefilling.set() if isinstance(r, SchedulerStep) and r.prefill_tokens else None)
-        h = s.submit(long_prompt, 8)
+        with s._lock:
+            h = s.submit(long_prompt, 8)
+            s.add_listener(cancel_in_prefill)
         events = h.events(timeout=60)
-        assert prefilling.wait(60)
-        h.cancel()
         assert list(events)[-1].finish_reason == "cancelled"
         other = s.submit(PROMPTS[0], 10).result(timeout=60)  # the backend still serves
         bv = s.verifier

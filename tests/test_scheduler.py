@@ -3,6 +3,7 @@ step - give what ``Engine.generate`` gives, token for token; events, cancellatio
 documented. Tiny fp32 models (tests/tiny.py)."""
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -79,16 +80,23 @@ def test_requests_join_while_others_run_and_long_prompts_prefill_in_chunks(verif
     engine = _engine(verifier_model, tok, _tree())
     max_new = [80] + MAX_NEW[1:]  # the first request runs while the others join
     expected = [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, max_new)]
-    steps = []
+    steps, decoding, joined = [], threading.Event(), threading.Event()
+
+    def listen(r):  # on the scheduler thread: after the first request's first step, wait for the others to be queued
+        if isinstance(r, SchedulerStep):
+            steps.append(r)
+            if r.batch_size and not decoding.is_set():
+                decoding.set()
+                joined.wait(60)
+
     with Scheduler(engine, max_batch=3, prefill_chunk=4) as s:  # PROMPTS[2] takes 5 steps to prefill
-        s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
+        s.add_listener(listen)
         first = s.submit(PROMPTS[0], max_new[0])
-        events = first.events(timeout=60)
-        next(events)  # the first request is decoding: the others join it, one after another
-        handles = [first]
-        for p, n in zip(PROMPTS[1:], max_new[1:]):
-            handles.append(s.submit(p, n))
-            next(handles[-1].events(timeout=60))
+        try:
+            assert decoding.wait(60)  # the first request is decoding: the others join it
+            handles = [first] + [s.submit(p, n) for p, n in zip(PROMPTS[1:], max_new[1:])]
+        finally:
+            joined.set()
         got = [h.result(timeout=60).token_ids for h in handles]
     assert got == expected
     sizes = [st.batch_size for st in steps if st.batch_size]
@@ -108,12 +116,14 @@ def test_requests_leave_early_on_stop_strings_eos_and_cancel(tok):
              dict(prompt=PROMPTS[3], max_new_tokens=30)]
     expected = [engine.generate(c.pop("prompt"), c.pop("max_new_tokens"), **c) for c in [dict(c) for c in cases]]
     with Scheduler(engine, max_batch=4) as s:
-        handles = [s.submit(**c) for c in cases]
-        long = s.submit(PROMPTS[2], 60)
-        for e in long.events(timeout=60):
-            if sum(1 for _ in e.token_ids):
-                long.cancel()  # after its first tokens
-                break
+        def cancel_long(r):  # on the scheduler thread: after the step that gave "long" its first tokens
+            if isinstance(r, SchedulerStep) and any(q.id == "long" for q in r.requests):
+                long.cancel()
+
+        with s._lock:  # queued and listened to before the first step
+            handles = [s.submit(**c) for c in cases]
+            long = s.submit(PROMPTS[2], 60, request_id="long")
+            s.add_listener(cancel_long)
         results = [h.result(timeout=60) for h in handles]
         events = list(long.events(timeout=60))
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
@@ -201,9 +211,6 @@ def test_cancel_frees_the_slot_within_one_step(verifier_model, tok):
     expected = engine.generate(PROMPTS[3], 5).token_ids
     steps, cancelled_at = [], []
     with Scheduler(engine, max_batch=1) as s:
-        first = s.submit(PROMPTS[0], 100)
-        second = s.submit(PROMPTS[3], 5)
-
         def listen(r):  # on the scheduler thread, between steps: cancel after the first's third step
             if isinstance(r, SchedulerStep):
                 steps.append([q.id for q in r.requests])
@@ -211,7 +218,10 @@ def test_cancel_frees_the_slot_within_one_step(verifier_model, tok):
                     first.cancel()
                     cancelled_at.append(len(steps))
 
-        s.add_listener(listen)
+        with s._lock:  # both queued and listened to before the first step
+            first = s.submit(PROMPTS[0], 100)
+            second = s.submit(PROMPTS[3], 5)
+            s.add_listener(listen)
         assert second.result(timeout=60).token_ids == expected
     assert first.result().stats.stop_reason == "cancelled"
     assert cancelled_at == [3] and all(ids == [first.id] for ids in steps[:3])
@@ -263,7 +273,8 @@ def test_each_step_is_one_verifier_forward_for_the_whole_batch(verifier_model, t
     try:
         with Scheduler(engine, max_batch=4) as s:
             s.add_listener(lambda r: steps.append(r) if isinstance(r, SchedulerStep) else None)
-            handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+            with s._lock:  # all queued before the first step: steps of several requests are sure to come
+                handles = [s.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
             results = [h.result(timeout=60) for h in handles]
     finally:
         handle.remove()
@@ -410,7 +421,11 @@ def test_a_broken_step_fails_its_requests_and_the_scheduler_goes_on(verifier_mod
         for h in handles:
             with pytest.raises(RuntimeError, match="broken cache"):
                 h.result(timeout=60)
-        assert s.failure is None and s.failed_steps >= 1 and s.verifier.cache.active == 0
+        assert s.failure is None and s.failed_steps >= 1
+        deadline = time.monotonic() + 30  # the rows are freed after the requests hear of their failure
+        while s.verifier.cache.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.verifier.cache.active == 0
         s.verifier.commit, s.verifier.remove = commit, remove
         assert s.submit(PROMPTS[0], 6).result(timeout=60).token_ids == expected
         assert s.failed_steps == 0 and s.health() == (True, "ok")

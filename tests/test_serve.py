@@ -444,17 +444,21 @@ def test_draining_refuses_new_requests_and_finishes_the_running_ones():
     signal on a ``metasd serve`` process is in test_serve_cli.py."""
     import signal
 
+    GATE.clear()  # the running request waits at the gate each step until the checks are done
     srv, scheduler = _serve()
     with srv:
-        body = {"model": MODEL, "prompt": f"w10 w{SLOW}", "max_tokens": 20, "temperature": 0, "stream": True}
+        body = {"model": MODEL, "prompt": f"w10 w{GATED}", "max_tokens": 20, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(lines)
-            srv.server.handle_exit(signal.SIGTERM, None)
-            _wait(lambda: srv.server.state.draining)
-            refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10"})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
-            assert httpx.get(srv.url + "/health").status_code == 503
+            try:
+                lines = r.iter_lines()
+                _wait(lambda: scheduler.running == 1)
+                srv.server.handle_exit(signal.SIGTERM, None)
+                _wait(lambda: srv.server.state.draining)
+                refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w10"})
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+                assert httpx.get(srv.url + "/health").status_code == 503
+            finally:
+                GATE.set()
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # the running request finished
         srv.thread.join(30)

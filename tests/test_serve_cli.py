@@ -55,7 +55,8 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
         key = {"Authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models").status_code == 401  # the key came from METASD_API_KEY
         assert httpx.get(url + "/health").status_code == 200
-        body = {"model": "tiny", "prompt": [10, SLOW, 11], "max_tokens": 30, "temperature": 0, "stream": True,
+        # SLOW: 0.05 s a step, and 200 tokens (>= 50 steps): it runs well past the checks below, even on a slow machine
+        body = {"model": "tiny", "prompt": [10, SLOW, 11], "max_tokens": 200, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=key, timeout=60) as r:
             lines = r.iter_lines()
@@ -65,7 +66,7 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
             refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [10]}, headers=key)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-        assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 30
+        assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 200
         assert proc.wait(60) == 0, log.read_text()
         assert "draining" in log.read_text()
     finally:
