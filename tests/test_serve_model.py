@@ -118,7 +118,7 @@ def test_a_model_served_with_a_speculative_config(tiny_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "metasd.cli", "serve", tiny_dir, "--port", "0", "--served-model-name", "tiny-ngram",
-           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--max-model-len", "64",
+           "ngram-alias", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--max-model-len", "64",
            "--api-key", "k3y", "--log-stats-interval", "0.2",
            "--dtype", "float32"]  # auto is bf16 on a CPU with AVX512-BF16; the reference below is fp32
     with open(log, "w") as out:
@@ -127,10 +127,12 @@ def test_a_model_served_with_a_speculative_config(tiny_dir, tmp_path):
         url = _listening(proc, log)
         key = {"Authorization": "Bearer k3y"}
         models = httpx.get(url + "/v1/models", headers=key).json()["data"]
-        assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-ngram", 64)]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-ngram", 64), ("ngram-alias", 64)]
         prompt = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
-        body = {"model": "tiny-ngram", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        body = {"model": "ngram-alias", "prompt": prompt, "max_tokens": 16, "temperature": 0}  # either name is served
         answer = httpx.post(url + "/v1/completions", json=body, headers=key, timeout=60).json()
+        assert answer["model"] == "tiny-ngram"  # answers name the first, as vLLM's
+        assert httpx.get(url + "/v1/models/ngram-alias", headers=key).json()["id"] == "ngram-alias"
         plain = Engine(Verifier(tiny_qwen(seed=0), tiny_tokenizer(), name="ref")).generate(prompt, max_new_tokens=16)
         assert answer["choices"][0]["text"] == load_tokenizer(tiny_dir).decode(plain.token_ids)
         assert set(answer["metasd"]["drafter_counts"]) == {"ngram"} and answer["metasd"]["drafted"] > 0

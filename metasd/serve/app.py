@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import time
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,9 +56,12 @@ class ServeState:
     """What the routes share: the scheduler, the served model's name, the API key, the metrics, and whether the
     server is draining (``begin_drain``: new generation requests get 503, running ones finish)."""
 
-    def __init__(self, scheduler, model_name: str, api_key: str | None, metrics: ServeMetrics,
+    def __init__(self, scheduler, model_name: str | Sequence[str], api_key: str | None, metrics: ServeMetrics,
                  retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto",
                  tool_call_parser: str = "auto"):
+        #: every name a request may give in ``model``; the first is the one answers and errors name
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        model_name = self.model_names[0]
         self.scheduler, self.model_name, self.api_key, self.metrics = scheduler, model_name, api_key, metrics
         self.retry_after_s = retry_after_s
         self.draining = False
@@ -309,12 +313,13 @@ class _ServerHeader:
         await self.app(scope, receive, send_named if scope["type"] == "http" else send)
 
 
-def create_app(scheduler, model_name: str, api_key: str | None = None, *, metrics: ServeMetrics | None = None,
+def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None = None, *, metrics: ServeMetrics | None = None,
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
                metrics_require_key: bool = False, access_log: bool = True, generation_config: str = "auto",
                tool_call_parser: str = "auto") -> FastAPI:
-    """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name``; with
+    """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name`` (several
+    names: each accepted and listed, answers naming the first); with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
     ``metrics_require_key``) needs ``Authorization: Bearer <api_key>``; with ``server_id`` every response carries it
     in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413, one not received within
@@ -325,7 +330,7 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
     ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
     'none' refused). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful
     shutdown)."""
-    metrics = metrics or ServeMetrics(model_name)
+    metrics = metrics or ServeMetrics(model_name if isinstance(model_name, str) else model_name[0])
     state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
                        tool_call_parser)
     metrics.attach(scheduler)
@@ -368,7 +373,7 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
         if ignored:  # as vLLM: accepted, named in the log, so a client's misspelt option can be found
             log.warning("%s: the request's fields %s were ignored (not used by this server)", request.url.path,
                         ", ".join(ignored))
-        if req.model and req.model != state.model_name:  # null or "": the served model (as vLLM)
+        if req.model and req.model not in state.model_names:  # null or "": the served model (as vLLM)
             raise unknown_model(req.model, state.model_name)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -401,15 +406,16 @@ def create_app(scheduler, model_name: str, api_key: str | None = None, *, metric
     @app.get("/v1/models")
     async def models(request: Request):
         state.check_auth(request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "metasd", "max_model_len": state.context_length}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                            "owned_by": "metasd", "max_model_len": state.context_length}
+                                           for name in state.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         state.check_auth(request)
-        if model_id != state.model_name:
+        if model_id not in state.model_names:
             raise unknown_model(model_id, state.model_name)
-        return (await models(request))["data"][0]
+        return next(m for m in (await models(request))["data"] if m["id"] == model_id)
 
     @app.get("/health")
     async def health():

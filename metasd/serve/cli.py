@@ -50,8 +50,9 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics "
                         "(default: $METASD_API_KEY; none: no authentication)")
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
-    p.add_argument("--served-model-name", "--model-name", dest="model_name",
-                   help="the model id clients name in 'model' (default: MODEL as given, else the pool's verifier)")
+    p.add_argument("--served-model-name", "--model-name", dest="model_name", nargs="+", metavar="NAME",
+                   help="the model id clients name in 'model' (default: MODEL as given, else the pool's verifier); "
+                        "several: each is accepted and listed, the first is the one answers name (as vLLM)")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS",
                    help="the context served: prompt + max_tokens at most this many tokens (default: the model's)")
     p.add_argument("--max-batch", type=int, default=8, help="requests verified together in one step")
@@ -310,9 +311,12 @@ def serve_command(args) -> int:
     return _serve_here(recipe, settings, model_name, app_options, args)
 
 
-def served_model_name(args, config) -> str:
-    """The id clients send in ``model``: --served-model-name, else MODEL as given, else the pool's verifier."""
-    return args.model_name or args.model or config.verifier.model
+def served_model_name(args, config) -> str | list[str]:
+    """The id clients send in ``model``: --served-model-name (several: a list, the first the one answers name), else
+    MODEL as given, else the pool's verifier."""
+    if args.model_name:
+        return args.model_name[0] if len(args.model_name) == 1 else list(args.model_name)
+    return args.model or config.verifier.model
 
 
 @dataclass(frozen=True)

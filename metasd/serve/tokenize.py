@@ -58,7 +58,7 @@ def add_tokenizer_routes(app, state) -> None:
             req = await run_in_threadpool(model.model_validate_json, await request.body())
         except ValidationError as e:
             raise from_validation(e, sorted(model.model_fields)) from None
-        if req.model and req.model != state.model_name:
+        if req.model and req.model not in state.model_names:
             raise unknown_model(req.model, state.model_name)
         return req
 
