@@ -53,7 +53,8 @@ Per (server, concurrency, repeat) row:
   before and after (``graph_counters``): the shapes met so far, and the CUDA graphs captured and the seconds capturing
   took during the level (verify forward and drafting levels apart). On a GPU a shape is captured the first time it is
   met, inside the step that meets it, so a level's wall time includes those seconds; the warm-up's are kept apart
-  (``warmup_graphs``). All zero where nothing is captured (a CPU, ``graphs: off``).
+  (``warmup_graphs``). All zero where nothing is captured (a CPU, ``graphs: off``). Requests a level timeout
+  cancelled may still finish a step in the next level, and their captures count there.
 
 The table gives per (server, c) the median over repeats and [min-max] range; the ratios are per repeat (the two
 servers measured in the same repeat), median [range], with "faster"/"slower" when the two servers' tok/s ranges do
@@ -879,6 +880,8 @@ def main(argv=None) -> int:
                         warm_graphs = graph_delta(before, counters)
                     print(f"  healthy after {server.startup_s:.1f}s, warm-up {warm_s:.1f}s, model {model!r}", flush=True)
                     for c, n in todo:
+                        if metasd and counters is None:  # the last read failed: this level reads its own start
+                            counters = read_graph_counters(server.base)
                         reqs, wall, timed_out = asyncio.run(run_level(server.base, model, prompts, c, n, args, spec.extra_body))
                         row = {"server": spec.name, "concurrency": c, "repeat": rep, "requests_sent": n,
                                "timed_out": timed_out, "startup_s": server.startup_s, "warmup_s": warm_s,

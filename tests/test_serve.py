@@ -262,6 +262,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("text", {"grammar": 'root ::= "a"'}, "grammar"),
     ("chat", {"json_schema": {"type": "object"}}, "json_schema"),
     ("chat", {"repeat_penalty": 1.1}, "repeat_penalty"),
+    ("chat", {"repetition_penalty": 1.2, "repeat_last_n": 64}, "repeat_last_n"),  # a window on a penalty applied
     ("chat", {"response_format": {"type": "json_object", "schema": 5}}, "response_format.schema"),
     ("text", {"logprobs": -1}, "logprobs"),
     ("text", {"prompt": [5, 999]}, "prompt"),
@@ -309,9 +310,12 @@ def test_vllm_and_llama_server_off_values_are_accepted(client, reference):
     """Clients built for vLLM or llama-server send their own fields at their "off" values: accepted, the output
     unchanged; vLLM's top_k=-1 is off and its negative seeds are seeds (mod 2**64, as a generator takes them)."""
     off = {"use_beam_search": False, "skip_special_tokens": True, "allowed_token_ids": [], "n_predict": -1,
-           "repeat_penalty": 1.0, "typical_p": 1.0, "min_p": 0.0, "top_k": -1}
+           "repeat_penalty": 1.0, "typical_p": 1.0, "min_p": 0.0, "top_k": -1,
+           "repeat_last_n": 64, "penalty_last_n": 64}  # llama-server's windows: no penalty applied, no change
     got = _chat(client, MSG, max_tokens=6, temperature=0, extra_body=off)
     assert got.choices[0].message.content == reference(MSG, 6).text
+    nested = {"messages": [{"role": "user", "content": "w10 w11", "echo": True, "grammar": "x"}], "max_tokens": 2}
+    assert httpx.post(client.base_url.__str__().rstrip("/") + "/chat/completions", json=nested).status_code == 200
     sampled = [_chat(client, MSG, max_tokens=8, temperature=1.0, seed=seed).choices[0].message.content
                for seed in (-1, 2 ** 64 - 1, -2 ** 63, 2 ** 63)]
     assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
@@ -385,6 +389,33 @@ def test_a_request_failing_inside_a_drafter_fails_alone(client, reference):
         assert "on purpose" not in error.message and "the server's log has the error" in error.message
     assert ok1.choices[0].message.content == reference(MSG, 10).text
     assert ok2.choices[0].message.content == reference(MSG, 14).text
+
+
+def test_more_completions_than_the_queue_can_ever_hold_are_a_400_not_a_429():
+    """A 429 says "retry later"; a request for more completions than the queue and the batch hold together would
+    get it forever."""
+    srv, scheduler = _serve(max_batch=2, max_queue=4)
+    try:
+        with srv:
+            for body, param in (({"prompt": ["w10"] * 4, "n": 2}, "prompt"), ({"prompt": "w10", "n": 7}, "n")):
+                r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "max_tokens": 2} | body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+                assert r.json()["error"]["code"] == "too_many_completions"
+            assert not scheduler.handles  # refused before anything was queued
+            ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "max_tokens": 2, "prompt": ["w10"] * 3,
+                                                                "n": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
+    finally:
+        scheduler.close()
+
+
+def test_one_failed_choice_fails_the_answer_at_once_and_cancels_the_others(client, server):
+    before = len(server.scheduler.handles)
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [f"w10 w{SLOW} w11", f"w10 w{FAIL}"], "max_tokens": 200, "temperature": 0})
+    assert r.status_code == 500 and "the server's log has the error" in r.json()["error"]["message"], r.text
+    slow = server.scheduler.handles[before]
+    assert list(slow.events(timeout=30))[-1].finish_reason == "cancelled"  # not left running its 200 tokens
 
 
 def test_a_full_queue_is_a_429_with_retry_after_and_starts_nothing():

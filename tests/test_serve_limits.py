@@ -122,6 +122,15 @@ def test_a_request_without_max_tokens_gets_what_the_kv_budget_holds_not_a_refusa
         scheduler.close()
 
 
+def test_a_kv_budget_that_holds_no_request_refuses_to_start():
+    scheduler = Scheduler(tiny_engine(), kv_budget=16)  # 16 positions: not even a 256-position reservation fits
+    try:
+        with pytest.raises(ValueError, match="cannot hold one request .* larger --kv-budget"):
+            create_app(scheduler, MODEL)
+    finally:
+        scheduler.close()
+
+
 def test_a_request_the_kv_budget_could_never_hold_is_a_400_naming_max_tokens_and_others_wait_their_turn():
     tok = tiny_tokenizer()
     engine = Engine(Verifier(tiny_qwen(seed=0, context=2048), tok, name="tiny"), [])

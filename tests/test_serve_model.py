@@ -108,6 +108,20 @@ def test_help_prints_each_default_once(capsys):
         assert needle in out, needle
 
 
+def test_served_model_names_repeat_the_flag_and_never_take_model(tiny_dir):
+    """One name per --served-model-name (repeated for several): a name list would swallow a MODEL given after it and
+    serve the default pool's verifier under its name."""
+    from metasd.serve.cli import served_model_name
+
+    def names(*argv):
+        args = build_parser(["serve", *argv]).parse_args(["serve", *argv])
+        return args.model, served_model_name(args, pool_recipe(args).parse())
+
+    assert names("--served-model-name", "a", tiny_dir) == (tiny_dir, "a")
+    assert names(tiny_dir, "--served-model-name", "a", "--served-model-name", "b") == (tiny_dir, ["a", "b"])
+    assert names(tiny_dir) == (tiny_dir, tiny_dir)
+
+
 def test_a_model_served_with_a_speculative_config(tiny_dir, tmp_path):
     """The process end to end: ``metasd serve DIR --speculative-config ...`` with a name, a shorter context, a key."""
     from metasd.core.engine import Engine
@@ -118,7 +132,7 @@ def test_a_model_served_with_a_speculative_config(tiny_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "metasd.cli", "serve", tiny_dir, "--port", "0", "--served-model-name", "tiny-ngram",
-           "ngram-alias", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--max-model-len", "64",
+           "--served-model-name", "ngram-alias", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--max-model-len", "64",
            "--api-key", "k3y", "--log-stats-interval", "0.2",
            "--dtype", "float32"]  # auto is bf16 on a CPU with AVX512-BF16; the reference below is fp32
     with open(log, "w") as out:

@@ -42,14 +42,17 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(handle) -> tuple[str, Any]:
-    """The request's whole text and its last event."""
+async def _collect(handle, handles: Sequence) -> tuple[str, Any]:
+    """The request's whole text and its last event; when it failed, the other choices (``handles``) are cancelled:
+    the answer fails whatever they do."""
     parts, last = [], None
     async for event in handle.aevents():
         parts.append(event.text or "")
         last = event
         if event.finished:
             break
+    if last is None or last.finish_reason in ("error", "cancelled") or last.error:
+        _cancel_unfinished(handles)
     return "".join(parts), last
 
 
@@ -79,7 +82,7 @@ def _cancel_unfinished(handles) -> None:
 
 async def answer(request: Request, handles: Sequence, completion: Completion) -> dict[str, Any]:
     """Wait for every choice's whole completion; cancel them when the client goes away first."""
-    work = asyncio.ensure_future(asyncio.gather(*(_collect(h) for h in handles)))
+    work = asyncio.ensure_future(asyncio.gather(*(_collect(h, handles) for h in handles)))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -90,6 +93,9 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
             work.cancel()
     if not work.done() or work.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed_request")
+    for handle, (_, last) in zip(handles, work.result()):  # a choice that failed names the failure, not the
+        if last is None or last.finish_reason == "error" or last.error:  # others its failure cancelled
+            raise failed(last, handle.id)
     choices, records, total, cached = [], [], 0, {}
     for index, (handle, (text, last)) in enumerate(zip(handles, work.result())):
         cached[index] = _cached(last)

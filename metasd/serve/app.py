@@ -78,6 +78,9 @@ class ServeState:
         cache = getattr(scheduler.verifier, "cache", None)
         self.kv_tokens = None if cache is None else tokens_alone(cache, self.context_length,
                                                                   getattr(scheduler, "max_draft_nodes", 0) + 1)
+        if self.kv_tokens == 0:
+            raise ValueError(f"the KV budget cannot hold one request of {model_name} (a reservation of its draft "
+                             f"headroom alone does not fit): start with a larger --kv-budget")
         if self.kv_tokens is not None:
             log.warning("the KV budget holds one request of at most %d tokens (prompt and answer; %s's context is "
                         "%s): a request without max_tokens gets what fits, one asking for more is refused "
@@ -144,7 +147,7 @@ class ServeState:
             raise bad_request(f"the prompt is {n_prompt} tokens; {self.model_name}'s context is {limit} tokens",
                               prompt_field, "context_length_exceeded")
         if budget is None:  # the model's max_new_tokens, else what the context leaves - within what the KV holds
-            fits = [n - n_prompt for n in (limit, self.kv_tokens) if n]
+            fits = [n - n_prompt for n in (limit, self.kv_tokens) if n is not None]
             budget = min([self.defaults.get("max_tokens", 1024 if not fits else fits[0]), *fits])
             if budget < 1:
                 raise bad_request(f"the prompt is {n_prompt} tokens; the KV budget holds one request of at most "
@@ -204,6 +207,11 @@ class ServeState:
         choice i of a seeded request sampling with seed + i, so the choices differ and each is reproducible), in the
         order of their ``index`` (prompt p's choice i: p x n + i); when one cannot be queued, those queued before it
         are cancelled."""
+        most = self.scheduler.max_queue + self.scheduler.max_batch  # what the queue and the batch can ever hold
+        if len(prompts) * req.n > most:
+            raise bad_request(f"{len(prompts)} prompt(s) x n={req.n} ask for more completions than this server can "
+                              f"hold at once ({most}: --max-queue + --max-batch)", "n" if len(prompts) == 1 else
+                              "prompt", "too_many_completions")
         handles = []
         try:
             for ids, max_new_tokens in prompts:
@@ -380,7 +388,6 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
         prompts, prompt_field = await run_in_threadpool(state.prompt_ids, req)
         budgets = [state.budget(req, len(ids), prompt_field) for ids in prompts]
         constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
-        handles = state.submit_choices(req, list(zip(prompts, budgets)), constraint)
         completion = Completion(kind, state.model_name, sum(map(len, prompts)), req.include_usage(), n=req.n,
                                 names=state.names if req.logprob_options()[0] is not None else None,
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
@@ -390,6 +397,7 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
             texts = [p if isinstance(p, str) else await run_in_threadpool(state.tokenizer.decode, ids)
                      for p, ids in zip(req.prompt_values(), prompts)]
             completion.echo = [text for text in texts for _ in range(req.n)]
+        handles = state.submit_choices(req, list(zip(prompts, budgets)), constraint)  # the last step: queued, answered
         if req.stream:
             return StreamingResponse(stream(handles, completion), media_type="text/event-stream",
                                      headers=_STREAM_HEADERS)

@@ -50,9 +50,9 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics "
                         "(default: $METASD_API_KEY; none: no authentication)")
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
-    p.add_argument("--served-model-name", "--model-name", dest="model_name", nargs="+", metavar="NAME",
+    p.add_argument("--served-model-name", "--model-name", dest="model_name", action="append", metavar="NAME",
                    help="the model id clients name in 'model' (default: MODEL as given, else the pool's verifier); "
-                        "several: each is accepted and listed, the first is the one answers name (as vLLM)")
+                        "repeated: each is accepted and listed, the first is the one answers name")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS",
                    help="the context served: prompt + max_tokens at most this many tokens (default: the model's)")
     p.add_argument("--max-batch", type=int, default=8, help="requests verified together in one step")

@@ -2,7 +2,8 @@
 (``refused_field``: a ``min_p``, vLLM's ``allowed_token_ids``, llama-server's ``grammar``, ...), with what to send
 instead where the server has it; every other unknown field (``store``, ``metadata``, ``user``, ...) changes nothing
 and is accepted, its name logged (``ignored_fields``), as vLLM does. A refused field is accepted at its "off" value,
-which clients built for vLLM or llama-server often send explicitly.
+which clients built for vLLM or llama-server often send explicitly. Fields are matched by their path from the top of
+the body (``stream_options.continuous_usage_stats``): an unknown key inside a message is only ignored.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ REFUSED_OPENAI_VLLM = {
     "spaces_between_special_tokens": (_off(True), "spaces_between_special_tokens is not supported (only true)"),
     "return_tokens_as_token_ids": (_off(False), "return_tokens_as_token_ids is not supported (only false)"),
     "logits_processors": (_off([]), "logits_processors are not supported"),
-    "continuous_usage_stats": (_off(False), "stream_options.continuous_usage_stats is not supported: "
-                                            "include_usage sends the usage in the last chunk"),
+    "stream_options.continuous_usage_stats": (_off(False), "stream_options.continuous_usage_stats is not supported: "
+                                                           "include_usage sends the usage in the last chunk"),
 }
 
 #: llama-server's own fields: refused, naming the OpenAI or vLLM field this server takes instead
@@ -58,8 +59,8 @@ REFUSED_LLAMA_SERVER = {
     "grammar": (_off(""), "grammar (GBNF) is llama-server's: use guided_grammar, a Lark grammar"),
     "json_schema": (_off({}), "json_schema is llama-server's: use response_format (type json_schema) or guided_json"),
     "repeat_penalty": (_off(1, 1.0), "repeat_penalty is llama-server's: use repetition_penalty"),
-    "repeat_last_n": (_off(), "repeat_last_n is not supported: repetition_penalty covers the whole text"),
-    "penalty_last_n": (_off(), "penalty_last_n is not supported: the penalties cover the whole text"),
+    "repeat_last_n": (_off(-1), "repeat_last_n is not supported: the penalties cover the whole text (-1)"),
+    "penalty_last_n": (_off(-1), "penalty_last_n is not supported: the penalties cover the whole text (-1)"),
     "typical_p": (_off(1, 1.0), "typical_p is not supported (only 1)"),
     "tfs_z": (_off(1, 1.0), "tfs_z is not supported (only 1)"),
     "top_n_sigma": (_off(-1, -1.0), "top_n_sigma is not supported"),
@@ -71,8 +72,12 @@ REFUSED_LLAMA_SERVER = {
     "samplers": (_off(), "samplers (llama-server's sampler order) is not supported"),
 }
 
-#: every refused field; a field's name is matched at any depth (``stream_options.continuous_usage_stats``)
+#: every refused field, by its path from the top of the body
 REFUSED = {**REFUSED_OPENAI_VLLM, **REFUSED_LLAMA_SERVER}
+#: llama-server's penalty windows: they change nothing where the request applies no penalty (llama-server's clients
+#: send their default, 64, with every request)
+PENALTY_WINDOWS = {"repeat_last_n", "penalty_last_n"}
+_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
 def _extras(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
@@ -87,10 +92,17 @@ def _extras(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+def _penalised(req: BaseModel) -> bool:
+    """Whether the request applies a penalty (a value other than its off value)."""
+    return any(getattr(req, name, None) not in (None, off) for name, off in _PENALTIES.items())
+
+
 def refused_field(req: BaseModel) -> tuple[str, str] | None:
     """The first unknown field that would change the output, as (path, why); None when there is none."""
     for path, value in _extras(req):
-        rule = REFUSED.get(path.rpartition(".")[2])
+        rule = REFUSED.get(path)
+        if path in PENALTY_WINDOWS and not _penalised(req):
+            continue
         if rule and not rule[0](value):
             return path, f"{rule[1]}, got {path}={value!r}"
     return None
