@@ -1,6 +1,6 @@
 """A fault and soak run of ``metasd serve`` (issue: "A server that survives faults and hostile input"): concurrent
-clients send a mix of normal requests (greedy and seeded sampling, streamed and not), malformed, oversized and absurd
-ones, streams they abandon mid-way and bodies they send only half of, while the server's KV allocations and batched
+clients send a mix of normal requests (greedy and seeded sampling, streamed and not, and completions of two prompts
+with two choices each), malformed, oversized and absurd ones, streams they abandon mid-way and bodies they send only half of, while the server's KV allocations and batched
 forwards fail at random (injected). Afterwards every request that succeeded must have returned exactly what
 ``Engine.generate`` gives alone (greedy: its greedy text; seeded: plain seeded decoding's text,
 docs/architecture.md#random-streams), every one that failed must have got an OpenAI-style error, the server must
@@ -47,7 +47,7 @@ REAL_MODEL = "metasd-soak"
 #: 0.244 on the bundled pair in bf16 (BENCHMARKS.md, "Log-probabilities under speculation")
 BF16_TIE_MARGIN = 0.25
 KINDS = ("greedy", "greedy_stream", "seeded", "malformed", "unknown_field", "oversized", "absurd", "disconnect",
-         "slow_body")
+         "slow_body", "batch")
 
 
 class Faults:
@@ -134,13 +134,23 @@ REAL_PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\
 def plan(n: int, seed: int, prompts: list[str] = PROMPTS, model: str = MODEL) -> list[dict]:
     """n requests: a kind each (normal ones most often) and its parameters."""
     rng = random.Random(seed)
-    weights = [5, 3, 3, 1, 1, 1, 2, 2, 1]
+    weights = [5, 3, 3, 1, 1, 1, 2, 2, 1, 2]
     out = []
     for i in range(n):
         kind = rng.choices(KINDS, weights)[0]
         out.append({"i": i, "kind": kind, "prompt": rng.choice(prompts), "max_tokens": rng.choice([4, 12, 30]),
-                    "seed": rng.randrange(1000), "temperature": rng.choice([0.7, 1.0]), "model": model})
+                    "seed": rng.randrange(1000), "temperature": rng.choice([0.7, 1.0]), "model": model,
+                    "prompts": rng.sample(prompts, 2), "sampled": rng.random() < 0.5})  # a batch's
     return out
+
+
+def choices_of(r: dict, o: dict) -> list[tuple[dict, str]]:
+    """Each checked answer of an outcome as (the request it must equal alone, its text): one, or a batch's every
+    choice - prompt p's choice i (``index`` p x 2 + i) as that prompt alone with seed + i."""
+    if "texts" in o:
+        return [(r | {"prompt": r["prompts"][k // 2], "seed": r["seed"] + k % 2}, text)
+                for k, text in enumerate(o["texts"])]
+    return [(r, o["text"])] if "text" in o else []
 
 
 def send(url: str, r: dict, body_limit: int, timeout: float = 60.0) -> dict:
@@ -174,6 +184,13 @@ def send(url: str, r: dict, body_limit: int, timeout: float = 60.0) -> dict:
                 for _ in s.iter_lines():
                     break  # the first event, then the client goes away
             return {"status": "disconnected"}
+        elif kind == "batch":  # several prompts, two choices each: every choice must be its prompt's text alone
+            extra = {"temperature": r["temperature"], "seed": r["seed"]} if r["sampled"] else {"temperature": 0}
+            resp = httpx.post(path, json=base | extra | {"prompt": r["prompts"], "n": 2}, timeout=timeout)
+            if resp.status_code == 200:
+                choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+                return {"status": 200, "texts": [c["text"] for c in choices],
+                        "check": "seeded" if r["sampled"] else "greedy"}
         elif kind == "slow_body":  # half the body, then nothing: the server must give up on it (408)
             return send_half_a_body(url, json.dumps(base | {"temperature": 0}).encode())
         elif kind == "greedy_stream":
@@ -370,15 +387,18 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             err = o.get("error") or {}
             if not (isinstance(err, dict) and err.get("message") and err.get("type")):
                 unclear.append((r, o))
-        elif "text" in o and o["text"] != expected_text(reference, r, o["check"]):
-            walk = tie_walk(reference, r, o["check"], o["text"], tie_margin)
-            (near_ties if walk["ok"] else wrong).append((r, o | {"walk": walk}))
+        else:
+            for alone, text in choices_of(r, o):
+                if text != expected_text(reference, alone, o["check"]):
+                    walk = tie_walk(reference, alone, o["check"], text, tie_margin)
+                    (near_ties if walk["ok"] else wrong).append((alone, o | {"text": text, "walk": walk}))
     return {"requests_planned": requests, "requests_sent": sum(1 for _, o in outcomes if o["status"] != "not_sent"),
             "clients": clients, "wall_s": round(wall, 1), "by_kind_and_status": dict(sorted(tally.items())),
             "bad_inputs_tried": dict(Counter(r["kind"] for r, o in outcomes if r["kind"] not in
-                                             ("greedy", "greedy_stream", "seeded") and o["status"] != "not_sent")),
+                                             ("greedy", "greedy_stream", "seeded", "batch")
+                                             and o["status"] != "not_sent")),
             "faults_injected": dict(faults.counts),
-            "checked_texts": sum(1 for _, o in outcomes if "text" in o), "client_timeout_s": client_timeout,
+            "checked_texts": sum(len(choices_of(r, o)) for r, o in outcomes), "client_timeout_s": client_timeout,
             "answer_seconds": _spread([o["seconds"] for _, o in outcomes if isinstance(o["status"], int)]),
             "longest_step_s": round(peak["step_s"], 2),
             "wrong_outputs": len(wrong), "lost_without_error": len(lost), "errors_without_a_clear_body": len(unclear),
