@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -116,11 +117,20 @@ def _generate(args) -> int:
         check_quantization(config)  # also resolves each device and dtype
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
-    if bool(args.input) != bool(args.output) or (args.input and args.prompt) or args.max_batch < 1:
-        raise ValueError("--input and --output go together, without a prompt; --max-batch must be >= 1")
+    if bool(args.input) != bool(args.output) or (args.input and args.prompt):
+        raise ValueError("--input and --output go together, without a prompt")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.input:
         from metasd.core.batching.offline import read_requests, run_offline
-        requests = read_requests(Path(args.input).read_text().splitlines(), dict(
+        try:
+            lines = Path(args.input).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--input {args.input}: {getattr(e, 'strerror', None) or e}") from None
+        out_dir = Path(args.output).resolve().parent
+        if not out_dir.is_dir() or not os.access(out_dir, os.W_OK) or Path(args.output).is_dir():
+            raise ValueError(f"--output {args.output}: not a file that can be written (its folder must exist)")
+        requests = read_requests(lines, dict(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, chat=not args.raw))
     else:

@@ -44,3 +44,27 @@ def test_every_request_gets_a_line_with_its_result():
         assert records[line]["token_ids"] == result.token_ids and records[line]["text"] == result.text
         assert records[line]["finish_reason"] == "length" and records[line]["stats"]["steps"] >= 1
     assert records[5]["stats"]["drafted"] == 0 and records[1]["stats"]["drafted"] > 0
+
+
+def test_input_and_output_paths_are_named_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """A folder or a missing file as --input (once a traceback, or an error naming no flag) and an --output whose
+    folder does not exist (once found only after the models loaded) are refused naming the flag, nothing loaded."""
+    import metasd.config
+    from metasd.cli import main
+
+    def no_load(*a, **kw):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(metasd.config, "build_engine", no_load)
+    good, out = tmp_path / "in.jsonl", str(tmp_path / "out.jsonl")
+    good.write_text('{"prompt": "w7"}\n')
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    for argv, message in (
+            (["--input", str(tmp_path), "--output", out], f"--input {tmp_path}: Is a directory"),
+            (["--input", str(tmp_path / "missing.jsonl"), "--output", out], "--input " + str(tmp_path / "missing.jsonl")),
+            (["--input", str(tmp_path / "latin1.jsonl"), "--output", out], "--input " + str(tmp_path / "latin1.jsonl")),
+            (["--input", str(good), "--output", "/nonexistent_dir/o.jsonl"], "--output /nonexistent_dir/o.jsonl"),
+            (["--input", str(good), "--output", str(tmp_path)], f"--output {tmp_path}"),
+            (["--input", str(good), "--output", out, "--max-batch", "0"], "--max-batch must be >= 1, got 0")):
+        assert main(["generate", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv

@@ -66,6 +66,14 @@ def test_cli_packs_a_folder_and_names_a_folder_without_weights(tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     assert main(["pack-weights", str(tmp_path / "empty")]) == 2
     assert "no weights" in capsys.readouterr().err
+    (tmp_path / "odd").mkdir()  # a group size that packs nothing must not mark the file packed
+    save_file({"w": torch.randn(256, 40)}, str(tmp_path / "odd" / "model.safetensors"))
+    for group in ("0", "-1", "7", "48"):
+        assert main(["pack-weights", str(tmp_path / "odd"), "--group-size", group]) == 2
+        assert "--group-size must be a power of two >= 16" in capsys.readouterr().err
+    assert main(["pack-weights", str(tmp_path / "odd"), "--group-size", "32"]) == 2  # 40 columns: no group divides
+    assert "no tensor can be packed" in capsys.readouterr().err
+    assert not is_packed(tmp_path / "odd" / "model.safetensors")
 
 
 @pytest.mark.parametrize("kind", ["block", "hidden_state", "treeflash", "steered"])

@@ -266,6 +266,21 @@ def test_missing_dataset_fails_before_any_model_load(store, uri, monkeypatch, ca
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_bad_threads_and_tracking_uris_are_named_before_any_model_load(store, uri, monkeypatch, capsys):
+    from metasd.cli import main
+
+    def no_load(*a, **kw):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(metasd.models, "load_model", no_load)
+    path = _write(store, "flags", runs=[{"single": True, "drafters": ["ngram"]}])
+    for threads in ("0", "-1"):  # 0 once meant the experiment's threads, -1 a traceback
+        assert main(["bench", str(path), "--tracking-uri", uri, "--threads", threads]) == 2
+        assert "--threads must be an integer >= 1" in capsys.readouterr().err
+    assert main(["bench", str(path), "--tracking-uri", "nonsense://x", "--no-progress"]) == 2  # once a traceback
+    assert "--tracking-uri nonsense://x: MLflow cannot open this store" in capsys.readouterr().err
+
+
 def test_cli_bench_prints_table(store, uri, capsys):
     from metasd.cli import main
 

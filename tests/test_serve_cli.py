@@ -41,6 +41,27 @@ def test_bad_options_exit_2_before_any_model_loads(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_address_it_cannot_listen_on_is_named_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    import socket
+
+    from metasd.serve.cli import PoolEngine
+
+    def no_load(*a, **kw):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(PoolEngine, "__call__", no_load)
+    pool = str(write_tiny_pool(tmp_path))
+    for host in ("not.a.real.host..", "no-such-host.invalid"):
+        assert main(["serve", "--pool", pool, "--host", host, "--port", "0"]) == 2
+        assert f"--host {host}:" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--pool", pool, "--port", str(port)]) == 2
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in capsys.readouterr().err
+
+
 def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path):
     pool = write_tiny_pool(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "METASD_API_KEY": "k3y",

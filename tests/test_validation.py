@@ -88,6 +88,12 @@ def _bad_yaml(tmp_path):
     return ["--pool", str(tmp_path / "bad.yaml")], [f"{tmp_path / 'bad.yaml'}: not valid YAML"]
 
 
+def _twice(tmp_path):
+    path = _pool_file(tmp_path)
+    path.write_text(path.read_text() + "reward: accepted\nreward: throughput\n")  # plain YAML keeps the last
+    return ["--pool", str(path)], [f"{path}: not valid YAML: the key 'reward' is given twice"]
+
+
 def _pool_row(mutate, *needles):
     def row(tmp_path):
         path = _pool_file(tmp_path, mutate)
@@ -148,6 +154,7 @@ ROWS = {
     "directory as pool file": _directory,
     "missing pool file": _missing,
     "YAML syntax error": _bad_yaml,
+    "a key given twice": _twice,
     "pool model path missing": _missing_pool_model,
     "pool checkpoint missing": _missing_checkpoint,
     "max_new_tokens 0": _option_row(["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
@@ -156,6 +163,8 @@ ROWS = {
     "top_k -1": _option_row(["--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
     "threads 0": _option_row(["--threads", "0"], "--threads must be an integer >= 1, got 0"),
     "k 0": _option_row(["--drafter", "ngram", "--k", "0"], "--k must be an integer >= 1, got 0"),
+    "--k without a drafter that takes it": _option_row(["--k", "3"], "--k 3: no chosen drafter drafts a chain"),
+    "--k with --drafter none": _option_row(["--drafter", "none", "--k", "4"], "--k 4: no chosen drafter drafts"),
     "unknown --policy": _option_row(["--policy", "ucbx"], "--policy: unknown policy 'ucbx'; registered: ["),
     "bad --dtype": _option_row(["--dtype", "fp8"], "--dtype: dtype 'fp8' is not valid; allowed: 'auto', "),
     "nonexistent --drafter path": _missing_drafter_path,

@@ -68,6 +68,8 @@ def _bench(args) -> int:
     require_bench_extra()  # MLflow and matplotlib come with the 'bench' extra: say so before anything loads
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {args.threads}")
     exp = load_experiment(args.experiment, limit=args.limit)  # errors (bad field, missing dataset) before models load
     executor = _bench_executor(args, exp)
     try:

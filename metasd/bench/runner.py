@@ -92,7 +92,7 @@ class ExperimentRunner:
         self.uri = tracking_uri
         self.store = BenchStore(tracking_uri)
         self.client = self.store.client
-        self.threads = threads or self.cfg.threads
+        self.threads = threads if threads is not None else self.cfg.threads
         self.progress = progress
         self.summaries: dict[str, dict[str, Any]] = {}
         self.generated = self.skipped = 0

@@ -144,10 +144,16 @@ class BenchStore:
     def __init__(self, tracking_uri: str):
         from mlflow import MlflowClient
 
+        from mlflow.exceptions import MlflowException
+
         self.uri = tracking_uri
-        with store_lock(tracking_uri):  # opening a new store creates / migrates its tables
-            self.client = RetryingClient(MlflowClient(tracking_uri), tracking_uri)
-            self.client.search_experiments(max_results=1)
+        try:
+            with store_lock(tracking_uri):  # opening a new store creates / migrates its tables
+                self.client = RetryingClient(MlflowClient(tracking_uri), tracking_uri)
+                self.client.search_experiments(max_results=1)
+        except MlflowException as e:  # a store MLflow cannot open: the user's --tracking-uri, named
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"--tracking-uri {tracking_uri}: MLflow cannot open this store: {first}") from None
         self.records: dict[str, list[dict]] = {}  # nested-run key -> request records
         self.run_ids: dict[str, str] = {}  # nested-run key -> MLflow run id
         self.active: set[NestedRun] = set()  # nested runs not finished yet (ended as KILLED on Ctrl-C)

@@ -96,9 +96,14 @@ def pool_overrides(args, default: Path | None = None, drafters: list[dict] | Non
                 entries.append({"name": "ngram", "type": "ngram", "params": {}} if ref == "ngram" else
                                {"name": ref, "type": "pretrained", "model": ref, "params": {}})
         cfg["drafters"] = select_entries(entries, [ref for ref in args.drafter if ref != "none"])
-        for d in cfg["drafters"]:
-            if args.k is not None and d["arm"] and d.get("type") in ("pretrained", "ngram", "steered"):
-                d["params"] = {**(d.get("params") or {}), "k": args.k}
+        takes_k = [d for d in cfg["drafters"] if d["arm"] and d.get("type") in ("pretrained", "ngram", "steered")]
+        for d in takes_k if args.k is not None else []:
+            d["params"] = {**(d.get("params") or {}), "k": args.k}
+    else:
+        takes_k = []
+    if args.k is not None and not takes_k:  # never dropped in silence
+        raise ValueError(f"--k {args.k}: no chosen drafter drafts a chain of k tokens (--k applies to the drafters "
+                         f"--drafter names of type pretrained, ngram or steered; others: --param NAME.KEY=VALUE)")
     entries = pool_drafters(cfg)
     for name, key, value in map(parse_param, args.param or []):
         if name not in entries:

@@ -82,9 +82,25 @@ def validate_config(model: type[BaseModel], raw: dict[str, Any], source: str, wh
         raise ConfigError(format_validation_error(e, source, what, model)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last in silence)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": its keys may be overridden, as YAML says
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """The top-level mapping of a YAML file; a ``ConfigError`` naming the file when it is missing, a directory,
-    unreadable, not UTF-8 text, not YAML, or not a mapping."""
+    unreadable, not UTF-8 text, not YAML (a key given twice in a mapping included), or not a mapping."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory, not a {what} file")
@@ -101,7 +117,7 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at position {e.start}, line {line}); "
                           f"save the {what} as UTF-8") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:  # its marks (line, column, snippet) name the text "<unicode string>": say which file
         raise ConfigError(f"{path}: not valid YAML: " + str(e).replace('"<unicode string>"', f'"{path}"')) from None
     if not isinstance(raw, dict):

@@ -108,12 +108,18 @@ def pack_checkpoint(folder: str | Path, group_size: int = 32,
     """Pack every weights file of a drafter checkpoint folder (draft vocabularies are token ids, left alone)
     and record it in the folder's config.json (``weights_dtype: int4``, ``int4_group_size``)."""
     folder = Path(folder)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 or \
+            group_size & (group_size - 1):
+        raise ValueError(f"--group-size must be a power of two >= 16 (input columns per scale), got {group_size!r}")
     files = [p for p in sorted(folder.glob("*.safetensors")) if "vocab" not in p.name]
     if not files:
         raise FileNotFoundError(f"{folder}: no weights (*.safetensors) to pack")
     for p in files:  # all checked before any is rewritten
         if is_packed(p):
             raise ValueError(f"{p} is already packed")
+        if not any(group_for(t, group_size, min_numel) for t in load_file(str(p)).values()):
+            raise ValueError(f"{p}: no tensor can be packed with --group-size {group_size} (none is a float matrix "
+                             f"of at least {min_numel} elements whose width a group of 16 or more divides)")
     done = [(p, *pack_file(p, group_size, min_numel)) for p in files]
     cfg_path = folder / "config.json"
     if cfg_path.is_file():

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -96,6 +97,21 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, one engine and scheduler each")
     p.add_argument("--ray-address", help="with --ray: the cluster to join ('auto', HOST:PORT; default: start one)")
     p.set_defaults(func=serve_command)
+
+
+def _check_address(host: str, port: int) -> None:
+    """The address the server will listen on, tried before any model loads: a host that does not resolve or is not
+    this machine's, or a port another process listens on, is named now, not after minutes of loading."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:  # a name that does not resolve, or is no host name at all
+        raise ValueError(f"--host {host}: {getattr(e, 'strerror', None) or 'not a valid host name'}") from None
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
 
 
 def _check_args(args) -> None:
@@ -343,6 +359,7 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
     from metasd.serve.server import DrainingServer
     from metasd.serve.stats_log import StatsLogger, log_to_stderr
 
+    _check_address(args.host, args.port)  # every option and the pool checked; before the models load
     log_to_stderr()
     print(f"[metasd serve] loading {recipe.source}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
