@@ -262,12 +262,17 @@ def read_graph_counters(base: str) -> dict[str, float] | None:
         return None
 
 
+def captured(graphs: dict) -> tuple[float, float]:
+    """(graphs captured, seconds capturing) of a ``graph_delta``: the verify forward's and the drafters' together."""
+    return (graphs["verify_captured"] + graphs["draft_captured"],
+            graphs["verify_capture_s"] + graphs["draft_capture_s"])
+
+
 def graph_note(graphs: dict | None) -> str:
     """The level line's note on captures during it ("" when none)."""
     if not graphs:
         return ""
-    n = graphs["verify_captured"] + graphs["draft_captured"]
-    s = graphs["verify_capture_s"] + graphs["draft_capture_s"]
+    n, s = captured(graphs)
     return f", {n:.0f} CUDA graphs captured in {s:.2f}s" if n else ""
 
 
@@ -400,9 +405,9 @@ def capture_lines(rows) -> list[str]:
     for server in servers_in(rows):
         for c in _levels(rows, server):
             g = [r["graphs"] for r in rows if r["server"] == server and r["concurrency"] == c and r.get("graphs")]
-            n = [x["verify_captured"] + x["draft_captured"] for x in g]
+            n = [captured(x)[0] for x in g]
             if any(n):
-                secs = [x["verify_capture_s"] + x["draft_capture_s"] for x in g]
+                secs = [captured(x)[1] for x in g]
                 out.append(f"  {server} c={c}: {fmt_mr(median_range(n), 0)} graphs in {fmt_mr(median_range(secs))} s")
     return ["CUDA graphs captured inside the measured levels (their seconds count in the levels' wall time):", *out] \
         if out else []

@@ -89,6 +89,7 @@ def pool_overrides(args, default: Path | None = None, drafters: list[dict] | Non
     if drafters is not None:  # the drafters as given, alone: no arm "none", no adaptive sizing of their drafts
         cfg["drafters"], cfg["no_speculation_arm"] = drafters, False
         cfg.pop("serving", None)
+    takes_k = []  # the chosen chain drafters --k sets
     if args.drafter:  # the chosen entries become the arms; a fused entry keeps the entries it drafts with
         entries = list(pool_drafters(cfg).values())
         for ref in dict.fromkeys(args.drafter):
@@ -97,13 +98,12 @@ def pool_overrides(args, default: Path | None = None, drafters: list[dict] | Non
                                {"name": ref, "type": "pretrained", "model": ref, "params": {}})
         cfg["drafters"] = select_entries(entries, [ref for ref in args.drafter if ref != "none"])
         takes_k = [d for d in cfg["drafters"] if d["arm"] and d.get("type") in ("pretrained", "ngram", "steered")]
-        for d in takes_k if args.k is not None else []:
-            d["params"] = {**(d.get("params") or {}), "k": args.k}
-    else:
-        takes_k = []
     if args.k is not None and not takes_k:  # never dropped in silence
         raise ValueError(f"--k {args.k}: no chosen drafter drafts a chain of k tokens (--k applies to the drafters "
                          f"--drafter names of type pretrained, ngram or steered; others: --param NAME.KEY=VALUE)")
+    if args.k is not None:
+        for d in takes_k:
+            d["params"] = {**(d.get("params") or {}), "k": args.k}
     entries = pool_drafters(cfg)
     for name, key, value in map(parse_param, args.param or []):
         if name not in entries:

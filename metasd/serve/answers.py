@@ -42,6 +42,11 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _went_wrong(event) -> bool:
+    """Whether a choice's last event says it failed inside the server (None: its events could not be read)."""
+    return event is None or event.finish_reason == "error" or bool(event.error)
+
+
 async def _collect(handle, handles: Sequence) -> tuple[str, Any]:
     """The request's whole text and its last event; when it failed, the other choices (``handles``) are cancelled:
     the answer fails whatever they do."""
@@ -51,7 +56,7 @@ async def _collect(handle, handles: Sequence) -> tuple[str, Any]:
         last = event
         if event.finished:
             break
-    if last is None or last.finish_reason in ("error", "cancelled") or last.error:
+    if _went_wrong(last) or last.finish_reason == "cancelled":
         _cancel_unfinished(handles)
     return "".join(parts), last
 
@@ -64,7 +69,7 @@ def _cached(event) -> int:
 
 def _finished(event, request_id: str) -> tuple[str, dict[str, Any], int]:
     """A finished event as (OpenAI finish reason, served record, completion tokens); ApiError when it failed."""
-    if event is None or event.finish_reason == "error" or event.error:
+    if _went_wrong(event):
         raise failed(event, request_id)
     if event.finish_reason == "cancelled":
         raise draining()
@@ -94,7 +99,7 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
     if not work.done() or work.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed_request")
     for handle, (_, last) in zip(handles, work.result()):  # a choice that failed names the failure, not the
-        if last is None or last.finish_reason == "error" or last.error:  # others its failure cancelled
+        if _went_wrong(last):  # others its failure cancelled
             raise failed(last, handle.id)
     choices, records, total, cached = [], [], 0, {}
     for index, (handle, (text, last)) in enumerate(zip(handles, work.result())):
@@ -143,7 +148,7 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
         while remaining:
             index, event = await queue.get()
             handle = handles[index]
-            if event is None or event.finish_reason in ("error", "cancelled") or event.error:
+            if _went_wrong(event) or event.finish_reason == "cancelled":
                 error = failed(event, handle.id) if event is None or event.finish_reason != "cancelled" else draining()
                 yield sse(error.body())
                 yield sse("[DONE]")  # the stream ends as every stream does (as vLLM's)

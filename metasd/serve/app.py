@@ -148,7 +148,8 @@ class ServeState:
                               prompt_field, "context_length_exceeded")
         if budget is None:  # the model's max_new_tokens, else what the context leaves - within what the KV holds
             fits = [n - n_prompt for n in (limit, self.kv_tokens) if n is not None]
-            budget = min([self.defaults.get("max_tokens", 1024 if not fits else fits[0]), *fits])
+            model_cap = [self.defaults["max_tokens"]] if "max_tokens" in self.defaults else []
+            budget = min(model_cap + fits, default=1024)
             if budget < 1:
                 raise bad_request(f"the prompt is {n_prompt} tokens; the KV budget holds one request of at most "
                                   f"{self.kv_tokens} tokens", prompt_field, "kv_budget_exceeded")
