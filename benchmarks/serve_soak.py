@@ -366,9 +366,12 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
         settle_until = time.monotonic() + 30  # the abandoned streams leave within a step; then the server is idle
         while scheduler.running and time.monotonic() < settle_until:
             time.sleep(0.05)
-        probe = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": prompts[0], "max_tokens": 3,
-                                                              "temperature": 0}, timeout=60)
-        alive = probe.status_code == 200 and httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        # after the faults: a sampled several-prompt request (n = 2), every choice checked as its prompt alone - the
+        # soak's own batch requests may all meet a fault (each forward fails with forward_p), this one cannot
+        probe_request = {"i": requests, "kind": "batch", "prompt": prompts[0], "prompts": prompts[:2],
+                         "max_tokens": 12, "seed": seed, "temperature": 0.7, "model": model, "sampled": True}
+        probe = send(srv.url, probe_request, body_limit, client_timeout)
+        alive = probe["status"] == 200 and httpx.get(srv.url + "/health", timeout=10).status_code == 200
         cache = scheduler.verifier.cache
         settle_until = time.monotonic() + 10  # the probe's answer arrives before its step ends and the buffers shrink
         while cache.row_bytes and time.monotonic() < settle_until:
@@ -378,9 +381,10 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
     scheduler.close()
     wall = time.perf_counter() - t0
     tally, wrong, lost, unclear, near_ties = Counter(), [], [], [], []
-    for r, o in outcomes:
+    for r, o in outcomes + [(probe_request, probe | {"after_faults": True})]:
         status = o["status"]
-        tally[f"{r['kind']}:{status}"] += 1
+        if not o.get("after_faults"):
+            tally[f"{r['kind']}:{status}"] += 1
         if status == "lost":
             lost.append((r, o))
         elif isinstance(status, int) and status >= 400:
@@ -399,6 +403,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
                                              and o["status"] != "not_sent")),
             "faults_injected": dict(faults.counts),
             "checked_texts": sum(len(choices_of(r, o)) for r, o in outcomes), "client_timeout_s": client_timeout,
+            "after_faults": {"status": probe["status"], "checked_texts": len(choices_of(probe_request, probe))},
             "answer_seconds": _spread([o["seconds"] for _, o in outcomes if isinstance(o["status"], int)]),
             "longest_step_s": round(peak["step_s"], 2),
             "wrong_outputs": len(wrong), "lost_without_error": len(lost), "errors_without_a_clear_body": len(unclear),
