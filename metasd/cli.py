@@ -65,6 +65,9 @@ def _check_options(args) -> None:
     check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, threads=args.threads)
     check_pool_options(args)
+    if args.json and args.stream:
+        raise ValueError("--stream and --json go apart: --json prints one record once the text is done "
+                         "(use --no-stream, or leave --stream out)")
 
 
 def _check_context(verifier: str, prompt: str, args) -> None:
@@ -95,7 +98,7 @@ def _stdout_is_terminal() -> bool:
 
 
 def _should_stream(args) -> bool:
-    """--stream / --no-stream when given; otherwise stream to a terminal (never with --json)."""
+    """--stream / --no-stream when given; otherwise stream to a terminal (never with --json, which --stream refuses)."""
     if args.json:
         return False
     return _stdout_is_terminal() if args.stream is None else args.stream

@@ -1,7 +1,8 @@
 """Training-data plumbing: verifier-generated (on-policy) responses, resumable; the features command's
-guard against training on benchmark questions."""
+guard against training on benchmark questions, and its options checked before any model loads."""
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,55 @@ def test_features_command_refuses_an_unused_pool(tmp_path, capsys):
         args = parser.parse_args(["features", str(tmp_path / "out"), "--pool", "p.yaml", "--exclude", "none"] + extra)
         assert args.func(args) == 2
         assert "--pool" in capsys.readouterr().err
+
+
+def _features_args(tmp_path, *flags):
+    parser = argparse.ArgumentParser()
+    add_train_features_parser(parser.add_subparsers())
+    return parser.parse_args(["features", str(tmp_path / "out"), "--exclude", "none", *map(str, flags)])
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """``metasd train features`` must refuse before it loads a model or a pool: loading fails the test."""
+    import metasd.config
+    import metasd.models
+
+    def fail(*a, **kw):
+        raise AssertionError("a model was loaded before the options were checked")
+    monkeypatch.setattr(metasd.models, "load_model", fail)
+    monkeypatch.setattr(metasd.config, "load_pool", fail)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--layers", "3,x"], "--layers '3,x'"), (["--layers", "-1"], "--layers '-1'"), (["--layers", ","], "--layers"),
+    (["--sequences", 0], "--sequences"), (["--skip", -1], "--skip"), (["--max-len", 1], "--max-len"),
+    (["--topk", 0], "--topk"), (["--shard-size", 0], "--shard-size"), (["--max-new-tokens", 0], "--max-new-tokens"),
+    (["--batch-size", 0], "--batch-size"), (["--dtype", "fp8"], "--dtype: dtype 'fp8'"),
+    (["--device", "gpu0"], "--device: device 'gpu0'"), (["--sharegpt", "nope.json"], "--sharegpt: nope.json"),
+    (["--responses", "verifier", "--verifier", "bundled:other",
+      "--pool", str(Path(__file__).resolve().parents[1] / "configs" / "pools" / "serve_adaptive.yaml")],
+     "--verifier is 'bundled:other'")])
+def test_features_command_refuses_a_bad_option_before_any_model_loads(tmp_path, nothing_loads, capsys, flags, named):
+    args = _features_args(tmp_path, *flags)
+    assert args.func(args) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_features_command_refuses_to_resume_features_of_another_kind(tmp_path, nothing_loads, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"layers": [1, 2], "topk": 4, "shard_size": 32}))
+    args = _features_args(tmp_path, "--layers", "2,1", "--topk", 8, "--shard-size", 32)
+    assert args.func(args) == 2
+    assert "holds features with topk=4, asked for 8 (--topk)" in capsys.readouterr().err
+
+
+def test_features_command_refuses_a_layer_the_verifier_does_not_have(tmp_path, model, monkeypatch, capsys):
+    import metasd.models
+
+    monkeypatch.setattr(metasd.models, "load_model", lambda *a, **kw: (model, None))
+    depth = model.config.num_hidden_layers
+    args = _features_args(tmp_path, "--layers", f"0,{depth + 1}", "--verifier", "tiny")
+    assert args.func(args) == 2
+    assert f"--layers '0,{depth + 1}': tiny has hidden_states 0..{depth}" in capsys.readouterr().err

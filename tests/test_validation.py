@@ -167,6 +167,12 @@ ROWS = {
     "--k with --drafter none": _option_row(["--drafter", "none", "--k", "4"], "--k 4: no chosen drafter drafts"),
     "unknown --policy": _option_row(["--policy", "ucbx"], "--policy: unknown policy 'ucbx'; registered: ["),
     "bad --dtype": _option_row(["--dtype", "fp8"], "--dtype: dtype 'fp8' is not valid; allowed: 'auto', "),
+    "bad verifier.dtype": _pool_row(lambda c: c["verifier"].update(dtype="bf17"),
+                                    "  verifier.dtype: dtype 'bf17' is not valid; allowed: 'auto', "),
+    "bad drafter dtype": _pool_row(lambda c: c["drafters"][1].update(dtype="int8"),
+                                   "  drafters.1.dtype: dtype 'int8' is not valid; allowed: 'auto', "),
+    "--stream with --json": _option_row(["--stream", "--json"], "--stream and --json go apart: --json prints one "
+                                                                "record once the text is done"),
     "nonexistent --drafter path": _missing_drafter_path,
     "--param without KEY=VALUE": _option_row(["--param", "ngram"], "--param 'ngram': expected DRAFTER.KEY=VALUE"),
     "--param for a drafter not in the pool": lambda tmp_path: (

@@ -15,6 +15,7 @@ from metasd.core.decoding.drafter import cross_tokenizer_types
 from metasd.core.decoding.params import Bool, Int
 from metasd.core.decoding.policy import Policy, make_policy
 from metasd.core.decoding.rewards import BOUNDED_REWARDS, REWARDS, RewardName
+from metasd.models.devices import resolve_dtype
 
 from .plugins import import_plugins, line_error, resolve_drafter_class, resolve_policy_class, validate_params
 
@@ -29,9 +30,18 @@ LLAMA_CPP_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp16": 
                     "fp32": "f32", "float32": "f32"}
 
 
+def _known_dtype(name: str | None) -> str | None:
+    """A dtype name ``resolve_dtype`` takes (``auto``, ``bf16``, ``fp32``, ...), refused here so the error names the
+    field (``verifier.dtype``, ``drafters.1.dtype``) before any model loads."""
+    if name is not None:
+        resolve_dtype(name, "cpu")
+    return name
+
+
 class VerifierConfig(_Strict):
     model: str = Field(description="model reference: bundled:<name>, a local HF directory or .gguf file, or a hub id")
     dtype: str = "auto"
+    _dtype_name = field_validator("dtype")(_known_dtype)
     device: str | None = None
     #: weight-only quantization of the verifier: the output is then exactly the quantized model's
     quantize: Quantize = "none"
@@ -75,6 +85,7 @@ class DrafterConfig(_Strict):
     type: str = Field(description="registered drafter kind, or package.module:ClassName")
     model: str | None = None
     dtype: str | None = None  # default: the verifier's
+    _dtype_name = field_validator("dtype")(_known_dtype)
     #: weight-only quantization of the drafter's own weights (never inherited from the verifier)
     quantize: Quantize = "none"
     checkpoint: str | None = None

@@ -167,6 +167,44 @@ def add_train_features_parser(subparsers):
     return p
 
 
+def option_error(args) -> str | None:
+    """The first option of ``metasd train features`` that cannot work, as a message naming it (None: none). Cheap (no
+    model, no data read): it runs before the verifier loads, so a typo costs no minutes of loading."""
+    from metasd.models import resolve_device, resolve_dtype
+
+    try:
+        layers = [int(x) for x in args.layers.split(",") if x.strip()]
+    except ValueError:
+        return f"--layers {args.layers!r}: give comma-separated hidden_states indices, e.g. {DEFAULT_LAYERS}"
+    if not layers or min(layers) < 0:
+        return f"--layers {args.layers!r}: give at least one hidden_states index, each >= 0 (0: the embeddings)"
+    for flag, value, least in (("--sequences", args.sequences, 1), ("--skip", args.skip, 0),
+                               ("--max-len", args.max_len, 2), ("--topk", args.topk, 1),
+                               ("--shard-size", args.shard_size, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                               ("--batch-size", args.batch_size, 1)):
+        if value < least:
+            return f"{flag} must be at least {least}, got {value}"
+    for flag, check in (("--dtype", lambda: resolve_dtype(args.dtype, "cpu")),
+                        ("--device", lambda: resolve_device(args.device))):
+        try:
+            check()
+        except ValueError as e:
+            return f"{flag}: {e}"
+    if args.sharegpt is not None and not Path(args.sharegpt).is_file():
+        return f"--sharegpt: {args.sharegpt} is not a file (relative paths are from the working directory)"
+    if args.pool is not None and (args.responses != "verifier" or args.batch_size > 1):
+        return ("--pool is only used with --responses verifier --batch-size 1 (batched responses come from "
+                "--verifier alone, teacher-forced ones need no pool)")
+    manifest = Path(args.out_dir) / "manifest.json"
+    if manifest.is_file():  # resuming: the shards already written must be of the same kind
+        old = json.loads(manifest.read_text())
+        for key, asked in (("layers", sorted(set(layers))), ("topk", args.topk), ("shard_size", args.shard_size)):
+            if old.get(key) != asked:
+                return (f"{args.out_dir} holds features with {key}={old.get(key)}, asked for {asked} "
+                        f"(--{key.replace('_', '-')}); use another directory")
+    return None
+
+
 def train_features_main(args) -> int:
     import sys
 
@@ -176,6 +214,10 @@ def train_features_main(args) -> int:
     from .data import (batched_greedy_responder, benchmark_turns, chat_examples, engine_responder, generate_responses,
                        pad_token_id)
 
+    error = option_error(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     layers = [int(x) for x in args.layers.split(",") if x.strip()]
     if args.exclude == "none":
         exclude: set[str] = set()
@@ -189,25 +231,22 @@ def train_features_main(args) -> int:
         exclude = benchmark_turns(bench)
         excluded = f"first turns of {bench} excluded"
     engine = None
-    if args.batch_size < 1:
-        print(f"error: --batch-size must be at least 1, got {args.batch_size}", file=sys.stderr)
-        return 2
-    if args.pool is not None and (args.responses != "verifier" or args.batch_size > 1):
-        print("error: --pool is only used with --responses verifier --batch-size 1 (batched responses come from "
-              "--verifier alone, teacher-forced ones need no pool)", file=sys.stderr)
-        return 2
     if args.responses == "verifier" and args.batch_size == 1:
         from metasd.config import load_pool, read_pool_config
 
         verifier = read_pool_config(args.pool).verifier.model_dump(exclude_none=True)
-        engine = load_pool(args.pool, {"verifier": {**verifier, "device": args.device}} if args.device else None)
-        if engine.verifier.name != args.verifier:
-            print(f"error: --pool's verifier is {engine.verifier.name!r}, --verifier is {args.verifier!r}; "
+        if verifier["model"] != args.verifier:
+            print(f"error: --pool's verifier is {verifier['model']!r}, --verifier is {args.verifier!r}; "
                   "features must come from the verifier that wrote the responses", file=sys.stderr)
             return 2
+        engine = load_pool(args.pool, {"verifier": {**verifier, "device": args.device}} if args.device else None)
         model, tokenizer = engine.verifier.model, engine.tokenizer
     else:
         model, tokenizer = load_model(args.verifier, dtype=args.dtype, device=args.device)
+    depth = model.config.get_text_config().num_hidden_layers
+    if max(layers) > depth:  # hidden_states holds the embeddings and one state per layer: indices 0..depth
+        print(f"error: --layers {args.layers!r}: {args.verifier} has hidden_states 0..{depth}", file=sys.stderr)
+        return 2
     examples = chat_examples(tokenizer, args.sequences, max_len=args.max_len, skip=args.skip, exclude=exclude,
                              path=args.sharegpt)
     source = f"sharegpt first exchanges {args.skip}..{args.skip + len(examples) - 1} ({excluded})"
