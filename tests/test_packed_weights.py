@@ -94,3 +94,18 @@ def test_packed_checkpoint_drafts_and_keeps_greedy_identity(root, kind):  # noqa
         result = engine.generate(PROMPT, max_new_tokens=n)
         assert result.token_ids == plain_greedy(engine.verifier.model, PROMPT, n), f"{kind}: differs at {n}"
     assert result.stats.drafted > 0
+
+
+def test_packing_a_folder_reads_each_file_once_and_checks_from_the_headers(tmp_path, monkeypatch):
+    """The check that some tensor of each file can be packed reads the files' headers (shapes and dtypes): each file's
+    weights are read once, to pack them (they were read twice, a checkpoint's size in memory each time)."""
+    import metasd.models.packed_weights as packed_weights
+
+    reads, load = [], packed_weights.load_file
+    monkeypatch.setattr(packed_weights, "load_file", lambda path, *a: reads.append(path) or load(path, *a))
+    for name in ("a", "b"):
+        save_file({"w": torch.randn(64, 64).to(torch.bfloat16), "ids": torch.arange(8)},
+                  str(tmp_path / f"{name}.safetensors"))
+    pack_checkpoint(tmp_path, group_size=32, min_numel=256)
+    assert sorted(reads) == [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    assert is_packed(tmp_path / "a.safetensors") and is_packed(tmp_path / "b.safetensors")

@@ -87,6 +87,19 @@ def is_packed(path: str | Path) -> bool:
         return PACKED_META in (f.metadata() or {}) or any(k.endswith(INT4_SUFFIX) for k in f.keys())
 
 
+#: safetensors' dtype codes -> torch dtypes, for the float ones (any other code reads as a non-float tensor)
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _shapes_of(path: Path) -> list[torch.Tensor]:
+    """The tensors of a safetensors file as shape-and-dtype-only ("meta") tensors, read from its header: what
+    ``group_for`` needs, without reading the weights."""
+    with safe_open(str(path), "pt") as f:
+        return [torch.empty(f.get_slice(k).get_shape(), device="meta",
+                            dtype=_FLOAT_CODES.get(f.get_slice(k).get_dtype(), torch.int8)) for k in f.keys()]
+
+
 def pack_file(path: str | Path, group_size: int = 32, min_numel: int = MIN_PACKED_NUMEL) -> tuple[int, int]:
     """Pack one safetensors file in place (written beside, then renamed: a kill leaves the old file whole).
     Returns (bytes before, bytes after). Its metadata is kept, with ``metasd_packed`` added."""
@@ -117,7 +130,7 @@ def pack_checkpoint(folder: str | Path, group_size: int = 32,
     for p in files:  # all checked before any is rewritten
         if is_packed(p):
             raise ValueError(f"{p} is already packed")
-        if not any(group_for(t, group_size, min_numel) for t in load_file(str(p)).values()):
+        if not any(group_for(t, group_size, min_numel) for t in _shapes_of(p)):
             raise ValueError(f"{p}: no tensor can be packed with --group-size {group_size} (none is a float matrix "
                              f"of at least {min_numel} elements whose width a group of 16 or more divides)")
     done = [(p, *pack_file(p, group_size, min_numel)) for p in files]
