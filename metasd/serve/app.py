@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
-from metasd.core.execution.kv_memory import KVBudgetError, tokens_alone
+from metasd.core.execution.kv_memory import KVBudgetError, draft_headroom, tokens_alone
 
 from .errors import ApiError, bad_request, error_body, from_validation, unknown_model
 from .http_log import HttpObserver
@@ -76,8 +76,8 @@ class ServeState:
             self.context_length = max_model_len
         #: the most tokens (prompt + new) one request may hold alone in the KV budget (None: the context bounds it)
         cache = getattr(scheduler.verifier, "cache", None)
-        self.kv_tokens = None if cache is None else tokens_alone(cache, self.context_length,
-                                                                  getattr(scheduler, "max_draft_nodes", 0) + 1)
+        self.kv_tokens = None if cache is None else tokens_alone(
+            cache, self.context_length, draft_headroom(getattr(scheduler, "max_draft_nodes", 0)))
         if self.kv_tokens == 0:
             raise ValueError(f"the KV budget cannot hold one request of {model_name} (a reservation of its draft "
                              f"headroom alone does not fit): start with a larger --kv-budget")

@@ -11,7 +11,7 @@ import torch
 
 from ..decoding.drafter import with_components
 from ..execution.batch_cache import BatchCache
-from ..execution.kv_memory import KVBudgetError, KVGeometry, default_budget_bytes
+from ..execution.kv_memory import KVBudgetError, KVGeometry, default_budget_bytes, draft_headroom
 from ..decoding.request import Prompt, Request
 from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from ..execution.draft_rows import draft_rows_of
@@ -259,7 +259,7 @@ def new_request(engine, prompt: Prompt, max_new_tokens: int, options: RequestOpt
     request.policy = policy_for(engine, options)  # None where the request drafts with one named arm (Request itself
     request.draft_budget = options.draft_budget  # falls back to the engine's policy when given None)
     request.max_draft_nodes = max_draft_nodes
-    kv_tokens = len(request.prompt_ids) + max_new_tokens + max_draft_nodes + 1
+    kv_tokens = len(request.prompt_ids) + max_new_tokens + draft_headroom(max_draft_nodes)
     try:
         cache.check_admissible(kv_tokens)
     except KVBudgetError as e:

@@ -89,11 +89,17 @@ def default_budget_bytes(device: torch.device) -> int:
     return int(free_memory_bytes(device) * DEFAULT_FRACTION.get(kind, DEFAULT_FRACTION["cpu"]))
 
 
+def draft_headroom(max_draft_nodes: int) -> int:
+    """The positions a request's KV reservation holds beyond its prompt and new tokens: a step's draft (at most
+    ``max_draft_nodes`` nodes) and the token the verifier adds after it."""
+    return max_draft_nodes + 1
+
+
 def tokens_alone(cache, context: int | None, headroom: int) -> int | None:
     """The most tokens (prompt + new) one request may have in ``cache`` (a ``BatchCache`` or any cache with
     ``check_admissible``) with nothing else running, where its budget holds fewer than ``context``; None where it holds
     a whole context, has no ``check_admissible`` or the context is unbounded. A reservation adds ``headroom`` (the
-    scheduler's draft nodes + 1) and rounds up to the cache's bucket."""
+    scheduler's ``draft_headroom``) and rounds up to the cache's bucket."""
     check = getattr(cache, "check_admissible", None)
 
     def holds(tokens: int) -> bool:
