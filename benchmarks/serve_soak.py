@@ -52,16 +52,20 @@ KINDS = ("greedy", "greedy_stream", "seeded", "malformed", "unknown_field", "ove
 
 class Faults:
     """Injected faults: each KV allocation and each batched verify forward fails with its probability (a seeded
-    RNG), while ``on``."""
+    RNG), while ``on``; with ``certain_at`` N, the N-th of each kind fails for certain too (thread timing decides which
+    draws of the one RNG go to which kind, so a small run may otherwise draw no fault of a kind at all)."""
 
-    def __init__(self, alloc_p: float, forward_p: float, seed: int = 0):
+    def __init__(self, alloc_p: float, forward_p: float, seed: int = 0, certain_at: int | None = None):
         self.alloc_p, self.forward_p, self.rng, self.on = alloc_p, forward_p, random.Random(seed), True
-        self.counts = Counter()
+        self.certain_at, self.draws, self.counts = certain_at, Counter(), Counter()
         self.lock = threading.Lock()
 
     def hit(self, kind: str, p: float) -> bool:
         with self.lock:
-            if self.on and self.rng.random() < p:
+            if not self.on:
+                return False
+            self.draws[kind] += 1
+            if self.rng.random() < p or self.draws[kind] == self.certain_at:
                 self.counts[kind] += 1
                 return True
         return False
@@ -306,14 +310,15 @@ def tie_walk(reference, r: dict, check: str, served: str, tie_margin: float, max
 def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc_p: float = 0.05,
              forward_p: float = 0.03, kv_budget: int = 2048, body_limit: int = 32 * 1024, seed: int = 0,
              prefix_caching: bool = True, pool: str | None = None, tie_margin: float | None = None,
-             body_timeout: float = 1.0, client_timeout: float = 300.0) -> dict:
+             body_timeout: float = 1.0, client_timeout: float = 300.0, certain_fault_at: int | None = None) -> dict:
     """Run the soak; its report (counts by outcome, faults injected, memory, whether the server answers). With
     ``prefix_caching`` (``metasd serve``'s default) finished requests' KV stays in the budget for later ones: the
     rows must still be freed when idle, and the stored prefixes stay within the budget. ``pool``: a real pool file
     (``default``: ``metasd serve``'s) instead of the tiny models, its answers checked by ``tie_walk`` within
     ``tie_margin`` (default ``BF16_TIE_MARGIN``; the tiny models: 0, exact); ``body_timeout``: the server's
     ``--body-timeout`` (what a client sending half a body waits for its 408); ``client_timeout``: how long each client
-    waits for an answer before it gives up (a lost request). The report gives the seconds each answered request took
+    waits for an answer before it gives up (a lost request); ``certain_fault_at`` N: the N-th allocation and the N-th
+    forward fail for certain (``Faults``). The report gives the seconds each answered request took
     (``answer_seconds``), so a lost request can be told from a slow server."""
     import httpx
 
@@ -337,7 +342,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
                                       prefix_caching=prefix_caching).make(served)
         model, prompts = REAL_MODEL, REAL_PROMPTS
         tie_margin = BF16_TIE_MARGIN if tie_margin is None else tie_margin
-    faults = Faults(alloc_p, forward_p, seed)
+    faults = Faults(alloc_p, forward_p, seed, certain_fault_at)
     faults.install(scheduler)
     peak = {"held": 0, "step_s": 0.0}
 
@@ -358,7 +363,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
                 return r, {"status": "not_sent"}
             t = time.perf_counter()
             outcome = send(srv.url, r, body_limit, client_timeout)
-            return r, outcome | {"seconds": round(time.perf_counter() - t, 2)}
+            return r, outcome | {"seconds": round(time.perf_counter() - t, 4)}
 
         with ThreadPoolExecutor(clients) as senders:
             outcomes = list(senders.map(one, todo))
@@ -405,7 +410,7 @@ def run_soak(requests: int = 60, clients: int = 4, seconds: float = 120.0, alloc
             "checked_texts": sum(len(choices_of(r, o)) for r, o in outcomes), "client_timeout_s": client_timeout,
             "after_faults": {"status": probe["status"], "checked_texts": len(choices_of(probe_request, probe))},
             "answer_seconds": _spread([o["seconds"] for _, o in outcomes if isinstance(o["status"], int)]),
-            "longest_step_s": round(peak["step_s"], 2),
+            "longest_step_s": round(peak["step_s"], 4),
             "wrong_outputs": len(wrong), "lost_without_error": len(lost), "errors_without_a_clear_body": len(unclear),
             "model": "tiny random fp32" if pool is None else f"pool {pool}: {served.verifier.describe()}",
             "tie_margin": tie_margin, "left_plain_decoding_at_near_ties": len(near_ties),

@@ -12,7 +12,8 @@ from benchmark_scripts import load_script  # noqa: E402
 
 def test_a_small_soak_with_faults_loses_nothing_and_returns_no_wrong_text():
     soak = load_script("serve_soak")
-    report = soak.run_soak(requests=60, clients=4, seconds=120, alloc_p=0.05, forward_p=0.05, seed=1)
+    report = soak.run_soak(requests=60, clients=4, seconds=120, alloc_p=0.05, forward_p=0.05, seed=1,
+                           certain_fault_at=3)  # each kind's 3rd draw fails: a run that draws none by chance is no test
     assert report["requests_sent"] == 60, report
     assert report["wrong_outputs"] == 0, report["examples"]["wrong"]
     assert report["lost_without_error"] == 0, report["examples"]["lost"]
