@@ -253,6 +253,28 @@ def test_executor_field_and_flags_are_checked(store, tmp_path, capsys):
     assert "--workers needs --executor ray" in capsys.readouterr().err
 
 
+def _ray_bench_paused(pause_file: str, at: str, *argv: str) -> None:
+    """Child: ``metasd bench ARGV`` (``--executor ray``) whose driver stops dead when handed finished shard number
+    ``at`` to log, the shards before it logged: it writes ``pause_file`` and blocks until the test SIGKILLs it."""
+    import threading
+    from pathlib import Path
+
+    from metasd.bench import ray_executor
+    from metasd.cli import main
+
+    real, taken = ray_executor.RayRunner._take, []
+
+    def take(self, shard, result):
+        taken.append(shard)
+        if len(taken) == int(at):
+            Path(pause_file).write_text("")
+            threading.Event().wait()  # blocked until killed
+        return real(self, shard, result)
+
+    ray_executor.RayRunner._take = take
+    sys.exit(main(list(argv)))
+
+
 @needs_ray
 def test_killed_driver_then_resume_completes_without_duplicates(store, ray_session, tmp_path):
     """SIGKILL the `metasd bench --executor ray` process mid-experiment (no Ctrl-C handler runs), then --resume."""
@@ -269,22 +291,22 @@ def test_killed_driver_then_resume_completes_without_duplicates(store, ray_sessi
     path.write_text(yaml.safe_dump(_experiment(store, "killed", runs=RUNS, datasets=[{"name": "q", "path": str(data)}])))
     uri = f"sqlite:///{tmp_path}/killed.db"
     address = ray.get_runtime_context().gcs_address  # the driver joins this module's Ray
-    cmd = [sys.executable, "-m", "metasd.cli", "bench", str(path), "--executor", "ray", "--ray-address", address,
-           "--workers", "2", "--tracking-uri", uri, "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client, logged, deadline = MlflowClient(uri), 0, time.time() + 120
-    while proc.poll() is None and time.time() < deadline:
-        time.sleep(0.3)
-        try:
-            runs = client.search_runs([client.get_experiment_by_name("killed").experiment_id],
-                                      "tags.`metasd.kind` = 'baseline'")
-            logged = len(client.get_metric_history(runs[0].info.run_id, "tokens_per_second")) if runs else 0
-        except Exception:  # the store or experiment does not exist yet
-            continue
-        if logged >= 2:
-            proc.send_signal(signal.SIGKILL)
-            break
+    argv = ["bench", str(path), "--executor", "ray", "--ray-address", address, "--workers", "2", "--tracking-uri", uri,
+            "--no-progress"]
+    pause = tmp_path / "paused"
+    # the driver stops dead when handed its 3rd finished shard (2 logged), then is killed: no race with its progress
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_ray_executor as t; "
+            "t._ray_bench_paused(*sys.argv[1:])")
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(pause), "3", *argv], stdout=log,
+                                stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while not pause.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert pause.exists(), f"the driver did not reach its 3rd shard:\n{(tmp_path / 'driver.log').read_text()}"
+    proc.send_signal(signal.SIGKILL)
     proc.wait(60)
+    client = MlflowClient(uri)
     assert proc.returncode == -signal.SIGKILL, "the experiment ended before it could be killed"
     done = run_experiment(path, tracking_uri=uri, resume=True, progress=False, executor="ray")
     assert 0 < done.skipped < len(questions) * N_RUNS and done.generated + done.skipped == len(questions) * N_RUNS
