@@ -3,6 +3,7 @@ that request fail, run slowly or wait at a gate; a server in a background thread
 pool on disk for a ``metasd serve`` subprocess (which imports this module for its drafter type)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -11,15 +12,20 @@ import yaml
 
 from metasd.drafters import NGramDrafter, PretrainedDrafter
 
-# prompt tokens "w59", "w58", "w57" (not "w6x": tiny_tokenizer splits a word that begins with "w6", its unknown token)
-FAIL, SLOW, GATED = 59, 58, 57
+# prompt tokens "w59", "w58", "w57", "w56" (not "w6x": tiny_tokenizer splits a word that begins with "w6", its unknown
+# token)
+FAIL, SLOW, GATED, FILE_GATED = 59, 58, 57, 56
 SLOW_S = 0.05  # seconds a SLOW request's step sleeps
 GATE = threading.Event()  # what a GATED request waits for at each step (set by the test)
+#: the environment variable naming the file a FILE_GATED request waits for at each step: the gate of a server in
+#: another process, opened by creating the file
+GATE_FILE_ENV = "METASD_TEST_GATE_FILE"
 
 
 class _Markers:
     """Before drafting as its base class does: a request whose prompt holds "w59" fails here, one with "w58"
-    sleeps ``SLOW_S`` a step, one with "w57" waits at ``GATE`` (at most 30 s) each step. Other requests are not
+    sleeps ``SLOW_S`` a step, one with "w57" waits at ``GATE`` (at most 30 s) each step, one with "w56", once it has two
+    new tokens, until the file named by ``$METASD_TEST_GATE_FILE`` exists (at most 60 s). Other requests are not
     affected."""
 
     def propose(self, ctx):
@@ -30,6 +36,10 @@ class _Markers:
             time.sleep(SLOW_S)
         if GATED in prompt:
             GATE.wait(30)
+        if FILE_GATED in prompt and len(ctx.tokens) - ctx.prompt_len >= 2:  # once its first tokens are streamed
+            gate, deadline = Path(os.environ[GATE_FILE_ENV]), time.monotonic() + 60
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         return super().propose(ctx)
 
 

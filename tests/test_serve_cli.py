@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from metasd.cli import main
-from serve_helpers import SLOW, write_tiny_pool
+from serve_helpers import FILE_GATED, GATE_FILE_ENV, write_tiny_pool
 
 pytest.importorskip("fastapi")
 
@@ -64,8 +64,9 @@ def test_an_address_it_cannot_listen_on_is_named_before_any_model_loads(tmp_path
 
 def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path):
     pool = write_tiny_pool(tmp_path)
+    gate = tmp_path / "gate"
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "METASD_API_KEY": "k3y",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", GATE_FILE_ENV: str(gate)}
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "metasd.cli", "serve", "--pool", str(pool), "--port", "0", "--model-name", "tiny",
            "--drain-timeout", "60"]
@@ -76,8 +77,9 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
         key = {"Authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models").status_code == 401  # the key came from METASD_API_KEY
         assert httpx.get(url + "/health").status_code == 200
-        # SLOW: 0.05 s a step, and 200 tokens (>= 50 steps): it runs well past the checks below, even on a slow machine
-        body = {"model": "tiny", "prompt": [10, SLOW, 11], "max_tokens": 200, "temperature": 0, "stream": True,
+        # FILE_GATED: each step waits for the gate file, created once the checks below are done: the request is
+        # running through all of them however slow the machine
+        body = {"model": "tiny", "prompt": [10, FILE_GATED, 11], "max_tokens": 200, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=key, timeout=60) as r:
             lines = r.iter_lines()
@@ -86,6 +88,7 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
             _until(lambda: httpx.get(url + "/health").status_code == 503, proc, log)
             refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [10]}, headers=key)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+            gate.write_text("")  # the running request may go on now
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 200
         assert proc.wait(60) == 0, log.read_text()
