@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import metasd.core.execution.clock
+import metasd.core.decoding.request
 from metasd.core.pricing.cost import (CPU_ROW_COST, CostModel, ForwardCost, StepMeter, attach, decode_step_cost,
                                     linear_layers)
 from metasd.drafters import NGramDrafter, PretrainedDrafter
@@ -168,7 +168,8 @@ def _noisy_clock(seed):
 
 
 def _pool_run(verifier_model, reward, clock_seed, monkeypatch, **kwargs):
-    monkeypatch.setattr(metasd.core.execution.clock.time, "perf_counter", _noisy_clock(clock_seed))  # every step clock
+    noisy = _noisy_clock(clock_seed)  # every step clock of a request (not time.perf_counter: other threads read it)
+    monkeypatch.setattr(metasd.core.decoding.request, "now", lambda device=None: noisy())
     pool = [PretrainedDrafter(tiny_qwen(seed=0), k=3, name="same"), PretrainedDrafter(tiny_llama(seed=3), k=2, name="other"),
             NGramDrafter(k=3, name="ngram")]
     engine = Engine(Verifier(verifier_model), pool, UCB(3, normalize=True), reward=reward, check_tokenizers=False)
