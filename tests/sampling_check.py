@@ -67,7 +67,8 @@ def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: f
     for _ in range(length):
         prefixes = list(live)
         batch = torch.tensor([prompt + list(s) for s in prefixes], device=device)
-        logits = model(batch).logits[:, -1]  # [prefixes, vocab]
+        with torch.no_grad():  # exact probabilities, not a graph to train through
+            logits = model(batch).logits[:, -1]  # [prefixes, vocab]
         if constraint is not None:
             masks = []
             for seq in prefixes:

@@ -17,6 +17,7 @@ from metasd.core.execution.verifier import Verifier
 from metasd.drafters import PretrainedDrafter
 from metasd.drafters.token_bridge import PROBE_TEXT, IncrementalDecoder, TokenBridge, TokenBridgeError
 from metasd.models import ModelLoadError
+from metasd.core.execution.kv_cache import cache_kwargs
 from sampling_check import sampled_pairs_pvalue
 from tiny import (VOCAB, _bpe_tokenizer, _chars, as_llama, char_tokenizer, plain_greedy, spaced_word_map,
                   spaced_word_tokenizer, tiny_qwen, tiny_tokenizer)
@@ -418,7 +419,7 @@ def test_sliding_window_drafter_crops_past_its_window(verifier, monkeypatch):
             ids = drafter.cached_ids
             assert drafter.cache.get_seq_length() == len(ids)
             with torch.no_grad():  # the cache holds the keys and values of exactly cached_ids
-                step = model(torch.tensor([[5]]), past_key_values=drafter.cache, use_cache=True).logits[0, -1]
+                step = model(torch.tensor([[5]]), **cache_kwargs(model, drafter.cache), use_cache=True).logits[0, -1]
                 drafter.cache.crop(-1)
                 fresh = model(torch.tensor([ids + [5]])).logits[0, -1]
             assert torch.allclose(step, fresh, atol=1e-4)

@@ -21,6 +21,7 @@ from metasd.drafters import (FusedDrafter, PretrainedDrafter, PretrainedTreeDraf
                              SteeredDrafter, SuffixDrafter)
 from metasd.drafters.budgeted import budget_arms
 from metasd.policies import make_policy
+from metasd.core.execution.kv_cache import cache_kwargs
 from drafting_helpers import MAX_NEW, PROMPTS, sampled_side_by_side, schedule_together
 from tiny import tiny_qwen, tiny_tokenizer
 
@@ -43,7 +44,7 @@ def test_a_level_over_the_rows_gives_each_row_its_own_forwards_logits_and_cache(
     for prefix in prefixes:
         a, b = new_cache(model), rows.take()
         for cache in (a, b):  # a prompt's catch-up: through the row's own view of the buffers
-            model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+            model(input_ids=torch.tensor([prefix]), **cache_kwargs(model, cache), use_cache=True)
         alone.append(a)
         together.append(b)
     assert [c.row for c in together] == [0, 1, 2] and rows.rows == 4  # rows grown by doubling
@@ -71,10 +72,11 @@ def test_rows_grow_all_or_nothing_keeping_what_they_hold_and_are_given_back():
     model = tiny_qwen(seed=3, context=1024)
     rows = DraftRows(model, capture=False)
     first = rows.take()
-    model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=first, use_cache=True)
+    model(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwargs(model, first), use_cache=True)
     kept = first.layers[0].keys.clone()
     second = rows.take()  # a second row: the buffers reallocated, the first row's keys copied over
-    model(input_ids=torch.tensor([list(range(1, 60)) * 5]), past_key_values=second, use_cache=True)  # 295 positions
+    # the second row: 295 positions
+    model(input_ids=torch.tensor([list(range(1, 60)) * 5]), **cache_kwargs(model, second), use_cache=True)
     # a forward past the capacity it did not reserve: twice its need, as a StaticKVCache grows (2 x 295 -> 768)
     assert rows.rows == 2 and rows.capacity == 768 and rows.reallocations == 3
     torch.testing.assert_close(first.layers[0].keys, kept)
@@ -98,8 +100,8 @@ def test_one_loop_over_the_rows_drafts_each_rows_tree_as_its_loop_alone_would():
     alone, own_caches, caches, roots = [], [], [], []
     for prefix in ([1, 2, 3, 4, 5, 6, 7], [9, 8], [4, 4, 5, 1, 2]):
         own, row = new_cache(model), rows.take()
-        root = model(input_ids=torch.tensor([prefix]), past_key_values=own, use_cache=True).logits[0, -1]
-        model(input_ids=torch.tensor([prefix]), past_key_values=row, use_cache=True)
+        root = model(input_ids=torch.tensor([prefix]), **cache_kwargs(model, own), use_cache=True).logits[0, -1]
+        model(input_ids=torch.tensor([prefix]), **cache_kwargs(model, row), use_cache=True)
         alone.append(DraftLoop(model, None, own, widths, capture=False).run(root))
         own_caches.append(own)
         caches.append(row)
@@ -230,7 +232,7 @@ def test_rows_follow_the_verifiers_shape_moving_the_held_ones_down():
     rows = DraftRows(model, capture=False)
     caches = [rows.take() for _ in range(3)]
     for i, cache in enumerate(caches):
-        model(input_ids=torch.tensor([[i + 1] * (5 + i)]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[i + 1] * (5 + i)]), **cache_kwargs(model, cache), use_cache=True)
     kept = [cache.layers[1].keys.clone() for cache in caches]
     rows.give_back(caches[0])
     rows.follow(2, 512)  # the verifier's rows shrank to two and grew to 512 positions: rows 1, 2 move to 0, 1
@@ -287,7 +289,7 @@ def test_rows_grown_past_the_verifiers_shape_count_in_its_budget_until_they_fit_
     assert (rows.rows, rows.capacity, rows.bytes_past()) == (1, 256, 0) and cache.held_bytes == 3 * per_row
     assert cache.fits(200)
     row = rows.take()
-    model(input_ids=torch.tensor([[5] * 300]), past_key_values=row, use_cache=True)  # 300 drafter tokens
+    model(input_ids=torch.tensor([[5] * 300]), **cache_kwargs(model, row), use_cache=True)  # 300 drafter tokens
     assert (rows.rows, rows.capacity) == (1, 768)  # the row alone doubles its need: 600, bucketed
     assert rows.bytes_past() == 2 * 512 * geometry.bytes_per_token == 4 * per_row
     assert cache.outside_bytes == 4 * per_row and cache.held_bytes == 7 * per_row
