@@ -17,6 +17,7 @@ pytest.importorskip("fastapi")
 
 from metasd.core.engine import Engine  # noqa: E402
 from metasd.core.batching.scheduler import Scheduler  # noqa: E402
+from metasd.core.decoding.prompt import render_chat  # noqa: E402
 from metasd.core.execution.verifier import Verifier  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.records import SERVED_DRAFTER_COUNTS, SERVED_FIELDS, served_record  # noqa: E402
@@ -146,6 +147,32 @@ def test_four_concurrent_greedy_requests_of_different_lengths_equal_engine_gener
         assert answer.usage.completion_tokens == len(want.token_ids) == n
 
 
+def test_an_assistant_message_continued_is_the_greedy_text_after_it_and_echo_begins_with_it(client, server,
+                                                                                          reference):
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt`` false): the answer continues the last message,
+    the assistant's start - plain greedy decoding of the template rendered up to its content, left open (its
+    end-of-turn removed); with ``echo`` each choice's content begins with that message, streamed and not; ``/tokenize``
+    gives the same prompt tokens. Without a last assistant message ``echo`` adds nothing."""
+    start = [*MSG, {"role": "assistant", "content": "w20 w21"}]
+    tok = tiny_tokenizer()
+    ids = tok.encode(render_chat(tok, start, add_generation_prompt=False, continue_final_message=True),
+                     add_special_tokens=False)
+    assert tok.decode(ids).endswith("assistant : w20 w21")  # open: no "</s>" after the message
+    want = reference(ids, 8).text
+    assert want != reference(start, 8).text  # a new turn after the message would be another text
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    whole = _chat(client, messages=start, max_tokens=8, temperature=0, extra_body=extra)
+    assert whole.choices[0].message.content == want and whole.usage.prompt_tokens == len(ids)
+    echoed = _chat(client, messages=start, max_tokens=8, temperature=0, n=2, extra_body=extra | {"echo": True})
+    assert [c.message.content for c in echoed.choices] == ["w20 w21" + want] * 2
+    chunks = _chat(client, messages=start, max_tokens=8, temperature=0, stream=True, extra_body=extra | {"echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w20 w21" + want
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": start} | extra, timeout=60).json()
+    assert tokenized["tokens"] == ids
+    plain = _chat(client, max_tokens=8, temperature=0, extra_body={"echo": True})  # the last message is the user's
+    assert plain.choices[0].message.content == reference(MSG, 8).text
+
+
 def test_a_stop_string_ends_the_text_before_it(client, reference):
     text = reference(MSG, 12).text
     stop = text.split()[3]
@@ -249,7 +276,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"seed": 2 ** 64}, "seed"),
     ("chat", {"seed": -2 ** 63 - 1}, "seed"),
     ("chat", {"top_k": -2}, "top_k"),
-    ("chat", {"echo": True}, "echo"),  # a completions field
+    ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (true)
+    ("chat", {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # a user's
     ("text", {"max_completion_tokens": 2}, "max_completion_tokens"),  # a chat field
     ("text", {"max_tokens": 1000}, "max_tokens"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),  # vLLM's, each refused unless "off"

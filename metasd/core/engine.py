@@ -287,10 +287,12 @@ class Engine:
                 raise o
         return outcomes
 
-    def encode(self, prompt: Prompt, chat: bool | None = None, tools: Sequence[Mapping] | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool | None = None, tools: Sequence[Mapping] | None = None,
+               **template: bool) -> list[int]:
         """Prompt -> token ids. Message lists always get the chat template (with ``tools``, OpenAI's tool objects,
-        where given); strings when ``chat``."""
-        return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name, tools)
+        where given; ``template``: ``add_generation_prompt``, ``continue_final_message``, as ``render_chat`` takes
+        them); strings when ``chat``."""
+        return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name, tools, **template)
 
     # ---------------------------------------------------------------- internals
     def _run(self, prompt: Prompt, max_new_tokens: int, **kwargs) -> Request:

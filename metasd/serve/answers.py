@@ -107,7 +107,8 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
         reason, record, tokens = _finished(last, handle.id)
         result = last.result
         logprobs = None
-        if completion.echo is not None and completion.names is not None:  # the prompt's tokens first
+        if completion.echo is not None and completion.names is not None and completion.kind == "text":
+            # the prompt's tokens first (a chat's echoed message is part of a templated prompt, not scored alone)
             logprobs = completion.logprobs([], result.prompt_logprobs, handle.prompt_ids, index)
         own = completion.logprobs(result.logprobs if result is not None else None, index=index)
         logprobs = own if logprobs is None else {k: logprobs[k] + own[k] for k in own}
@@ -155,8 +156,13 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                 return
             if echo[index] is not None and (event.token_ids or (event.finished and event.result is not None)):
                 prompt = event.prompt_logprobs if event.token_ids else event.result.prompt_logprobs
-                logprobs = completion.logprobs([], prompt, handle.prompt_ids, index)
-                yield sse(completion.chunk(echo[index], logprobs=logprobs, index=index))
+                if completion.kind == "text":
+                    logprobs = completion.logprobs([], prompt, handle.prompt_ids, index)
+                    yield sse(completion.chunk(echo[index], logprobs=logprobs, index=index))
+                else:  # a chat's continued message: content, through the tool-call parser where there is one
+                    content = calls[index].feed(echo[index]) if calls else echo[index]
+                    if content:
+                        yield sse(completion.chunk(content, index=index))
                 echo[index] = None  # the prompt (scored by now) before the first new tokens
             logprobs = completion.logprobs(event.logprobs, index=index) if event.token_ids else None
             text = calls[index].feed(event.text or "") if calls else event.text

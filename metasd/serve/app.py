@@ -121,9 +121,10 @@ class ServeState:
         tools = req.tool_functions() if field == "messages" else None
         if tools:
             self.check_tools(req)
-        return [self._ids(prompt, field, tools) for prompt in req.prompt_values()], field
+        template = req.template_options() if field == "messages" else {}
+        return [self._ids(prompt, field, tools, template) for prompt in req.prompt_values()], field
 
-    def _ids(self, prompt, field: str, tools) -> list[int]:
+    def _ids(self, prompt, field: str, tools, template: dict[str, bool]) -> list[int]:
         """One prompt's token ids: token ids as given (checked against the vocabulary), text encoded."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if not 0 <= t < (self.vocab_size or 2**63)]
@@ -131,7 +132,7 @@ class ServeState:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", field)
             return list(prompt)
         try:
-            ids = self.scheduler.engine.encode(prompt, chat=field == "messages", tools=tools)
+            ids = self.scheduler.engine.encode(prompt, chat=field == "messages", tools=tools, **template)
         except (ValueError, TypeError) as e:
             raise bad_request(f"{field}: {e}", field) from None
         if not ids:
@@ -398,6 +399,8 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
             texts = [p if isinstance(p, str) else await run_in_threadpool(state.tokenizer.decode, ids)
                      for p, ids in zip(req.prompt_values(), prompts)]
             completion.echo = [text for text in texts for _ in range(req.n)]
+        elif kind == "chat" and req.echoed() is not None:  # the assistant message it continues, before each choice
+            completion.echo = [req.echoed()] * req.n
         handles = state.submit_choices(req, list(zip(prompts, budgets)), constraint)  # the last step: queued, answered
         if req.stream:
             return StreamingResponse(stream(handles, completion), media_type="text/event-stream",

@@ -253,6 +253,12 @@ class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    #: vLLM's chat template switches: the assistant's turn opened after the messages (the default), or the last
+    #: message - the start of an assistant's answer - left open and continued (``continue_final_message``)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    #: vLLM's: each choice's content begins with the last message's content where that is the assistant's
+    echo: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -306,6 +312,28 @@ class ChatCompletionRequest(_Common):
         if v and not info.data.get("logprobs"):
             raise ValueError(f"top_logprobs={v} needs logprobs: true")
         return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_an_assistant_message(cls, v, info):
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt "
+                             "false")
+        if v and "messages" in info.data and info.data["messages"][-1].role != "assistant":
+            raise ValueError(f"continue_final_message continues an assistant's message; the last message is the "
+                             f"{info.data['messages'][-1].role}'s")
+        return v
+
+    def template_options(self) -> dict[str, bool]:
+        """How the chat template renders the messages (``render_chat``'s switches)."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def echoed(self) -> str | None:
+        """``echo``: the text each choice's content begins with - the last message's, where it is the assistant's
+        (as vLLM); None: nothing echoed."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else None
 
     def logprob_options(self) -> tuple[int | None, int | None]:
         """(alternatives per new token, per prompt token) to ask the scheduler for; None: none asked."""

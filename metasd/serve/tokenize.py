@@ -1,7 +1,7 @@
 """``/tokenize``, ``/detokenize`` and ``/version``, with vLLM's request and response shapes.
 
 ``POST /tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
-"add_generation_prompt": true, "add_special_tokens": false}`` (the chat template applied as ``/v1/chat/completions``
+"add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false}`` (the chat template applied as ``/v1/chat/completions``
 applies it, with the request's ``tools``), either with ``"return_token_strs": true`` and an optional ``model``, and
 answers ``{"count", "max_model_len", "tokens", "token_strs"}``; with their defaults the tokens are what the completion
 routes prefill.
@@ -32,6 +32,7 @@ class TokenizeRequest(Lenient):
     tools: list[Tool] | None = None  # rendered with the messages, as the chat route renders them
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open, as the chat route's field of that name
     return_token_strs: bool | None = False
 
 
@@ -70,7 +71,12 @@ def add_tokenizer_routes(app, state) -> None:
             if not getattr(tok, "chat_template", None):
                 raise bad_request(f"{state.model_name} has no chat template: tokenize a prompt", "messages")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text = render_chat(tok, [m.rendered() for m in req.messages], tools, req.add_generation_prompt)
+            try:
+                text = render_chat(tok, [m.rendered() for m in req.messages], tools, req.add_generation_prompt,
+                                   req.continue_final_message)
+            except ValueError as e:  # continue_final_message with add_generation_prompt, or a template's refusal
+                raise bad_request(f"messages: {e}", "continue_final_message" if req.continue_final_message
+                                  else "messages") from None
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

@@ -11,20 +11,25 @@ Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
     """The text of chat ``messages`` through the tokenizer's chat template (which it must have), OpenAI's ``tools``
     rendered as the template renders them: what a chat prompt's tokens encode (without special tokens added), for
-    ``encode_prompt`` and the server's ``/tokenize`` alike."""
+    ``encode_prompt`` and the server's ``/tokenize`` alike. ``add_generation_prompt``: the start of the assistant's
+    turn after the messages; ``continue_final_message``: instead, the last message left open (its end-of-turn
+    removed), so that the answer continues it - an assistant message's start given by the client."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt false")
     return tokenizer.apply_chat_template([dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
-                                         add_generation_prompt=add_generation_prompt, tokenize=False)
+                                         add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         continue_final_message=continue_final_message)
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier",
-                  tools: Sequence[Mapping] | None = None) -> list[int]:
+                  tools: Sequence[Mapping] | None = None, **template: bool) -> list[int]:
     """Prompt -> token ids, as ``Engine.encode`` does: token ids as given, message lists through the chat template
-    (with ``tools``, OpenAI's tool objects, rendered as the template renders them), strings through it when ``chat``
-    (else encoded as they are). Needs no model, only its tokenizer, so a command can check a prompt's length before
-    any model loads."""
+    (with ``tools``, OpenAI's tool objects, rendered as the template renders them; ``template``: ``render_chat``'s
+    ``add_generation_prompt`` and ``continue_final_message``), strings through it when ``chat`` (else encoded as they
+    are). Needs no model, only its tokenizer, so a command can check a prompt's length before any model loads."""
     def tokenizer_or_fail():
         if tokenizer is None:
             raise ValueError(f"{model_name} has no tokenizer: pass token ids")
@@ -46,7 +51,7 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_nam
         tok = tokenizer_or_fail()
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"{model_name}'s tokenizer has no chat template; pass a string prompt")
-        return tok.encode(render_chat(tok, prompt, tools), add_special_tokens=False)
+        return tok.encode(render_chat(tok, prompt, tools, **template), add_special_tokens=False)
     raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
 
 
