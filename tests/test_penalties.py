@@ -1,5 +1,5 @@
 """Presence, frequency and repetition penalties (metasd/core/decoding/penalties.py), applied along each draft node's
-own path: greedy output token-identical to a plain penalised decoding loop written independently (one full forward
+own path, and a logit bias (metasd/core/decoding/processing.py) before them: greedy output token-identical to a plain penalised decoding loop written independently (one full forward
 per token, the penalties token by token: ``sampling_check.penalised``) for chains, trees and lookups, alone and
 through the scheduler; sampled output distributed as the penalised verifier's through a tree of depth 2 (chi-square);
 out-of-range values refused naming the field. Tiny fp32 models."""
@@ -18,7 +18,10 @@ from tiny import tiny_qwen, tiny_tokenizer
 PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41, 7, 7, 7, 12, 13]]
 SETTINGS = {"presence": dict(presence_penalty=1.5), "frequency": dict(frequency_penalty=0.7),
             "repetition": dict(repetition_penalty=1.8),
-            "all": dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3)}
+            "all": dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3),
+            # a logit bias: the same amount at every position, before the penalties (vLLM's order); -100 bans a token
+            "bias": dict(logit_bias={12: 1.0, 9: -100.0, 40: 0.8}),
+            "bias and repetition": dict(logit_bias={7: 1.0, 33: -1.0}, repetition_penalty=1.8)}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,9 @@ def test_greedy_is_plain_penalised_decoding_token_for_token(model, tok, setting)
 
 def test_scheduler_applies_each_requests_own_penalties(model, tok):
     engine = Engine(Verifier(model, tok), _drafters()["tree"], check_tokenizers=False)
-    asks = [(PROMPTS[0], SETTINGS["all"]), (PROMPTS[1], {}), (PROMPTS[1], SETTINGS["repetition"])]
-    with Scheduler(engine, max_batch=3) as s:
+    asks = [(PROMPTS[0], SETTINGS["all"]), (PROMPTS[1], {}), (PROMPTS[1], SETTINGS["repetition"]),
+            (PROMPTS[0], SETTINGS["bias"])]
+    with Scheduler(engine, max_batch=4) as s:
         handles = [s.submit(p, 20, **kw) for p, kw in asks]
         got = [h.result(timeout=120).token_ids for h in handles]
     assert got == [_plain_penalised(model, p, 20, **kw) for p, kw in asks]
@@ -93,6 +97,30 @@ def test_sampled_tokens_follow_the_penalised_verifier_through_a_tree_of_depth_2(
     check = joint_check(Engine(Verifier(verifier), drafter), [3], 2000, length=3, **penalties)
     assert check.pvalue > 1e-4, check
     assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
+
+
+def test_sampled_tokens_follow_the_biased_verifier_through_a_tree_of_depth_2():
+    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
+                                    nodes=6, depth=2)
+    engine = Engine(Verifier(verifier), drafter)
+    plain = engine.generate([3], 3, temperature=1.0, seed=0).token_ids
+    bias = {plain[0]: -4.0, (plain[0] + 1) % 8: 3.0}  # the unbiased first token made less likely, another more
+    check = joint_check(engine, [3], 2000, length=3, logit_bias=bias)
+    assert check.pvalue > 1e-4, check
+    assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
+
+
+@pytest.mark.parametrize("bias, message", [({70: 1.0}, "token id 70 is outside the vocabulary (0..63)"),
+                                           ({-1: 1.0}, "token id -1 is outside"), ({"5": 1.0}, "token id '5'"),
+                                           ({5: 101.0}, "the bias of token 5 must be a number in [-100, 100]"),
+                                           ({5: float("nan")}, "must be a number in [-100, 100], got nan"),
+                                           ([5], "logit_bias must map token ids to numbers")])
+def test_a_bad_logit_bias_is_refused_naming_the_field(model, tok, bias, message):
+    engine = Engine(Verifier(model, tok), None, check_tokenizers=False)
+    with pytest.raises(ValueError, match="^logit_bias") as e:
+        engine.generate([0, 5], 3, logit_bias=bias)
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),

@@ -173,6 +173,19 @@ def test_an_assistant_message_continued_is_the_greedy_text_after_it_and_echo_beg
     assert plain.choices[0].message.content == reference(MSG, 8).text
 
 
+def test_a_logit_bias_gives_plain_decodings_text_under_that_bias(client, reference):
+    """OpenAI's ``logit_bias`` (token ids as strings, each in [-100, 100]) gives plain greedy decoding's text with the
+    same bias, chat and completions; +100 on a token makes every token that one."""
+    bias = {12: 1.5, 11: -100.0}
+    want = reference(MSG, 10, logit_bias=bias).text
+    assert want != reference(MSG, 10).text  # the bias changes the text: the test can fail
+    chat = _chat(client, max_tokens=10, temperature=0, logit_bias={str(t): b for t, b in bias.items()})
+    assert chat.choices[0].message.content == want
+    text = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=4, temperature=0,
+                                     logit_bias={"20": 100})
+    assert text.choices[0].text == "w20 w20 w20 w20"
+
+
 def test_a_stop_string_ends_the_text_before_it(client, reference):
     text = reference(MSG, 12).text
     stop = text.split()[3]
@@ -261,7 +274,9 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"messages": [{"role": "user", "content": " ".join(["w10"] * 300)}]}, "messages"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # more than MAX_TOP_LOGPROBS
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-    ("chat", {"logit_bias": {"12": 5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"999": 5}}, "logit_bias"),  # outside the tiny vocabulary (refused at submit)
+    ("chat", {"logit_bias": {"w12": 5}}, "logit_bias"),
+    ("text", {"logit_bias": {"12": 101}}, "logit_bias"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),

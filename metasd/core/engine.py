@@ -239,7 +239,9 @@ class Engine:
         log-probability under the verifier and its k most likely alternatives, in ``result.logprobs``),
         prompt_logprobs (the same for the prompt's tokens, ``result.prompt_logprobs``; one more prefill cost),
         presence_penalty, frequency_penalty (in [-2, 2]) and repetition_penalty (> 0; 1 = off), applied along each
-        draft node's own path so the output stays plain penalised decoding's (``metasd.core.decoding.penalties``).
+        draft node's own path so the output stays plain penalised decoding's (``metasd.core.decoding.penalties``),
+        logit_bias ({token id: amount in [-100, 100]} added to its logit at every position, before the penalties;
+        -100 in effect bans a token), constraint (structured output, ``metasd.core.constraints``).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

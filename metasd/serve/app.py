@@ -41,7 +41,8 @@ from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                   "stop": "stop", "seed": "seed", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
                   "speculate": "metasd.speculate", "prompt": "prompt", "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
+                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+                  "logit_bias": "logit_bias"}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -63,8 +64,7 @@ class ServeState:
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         model_name = self.model_names[0]
         self.scheduler, self.model_name, self.api_key, self.metrics = scheduler, model_name, api_key, metrics
-        self.retry_after_s = retry_after_s
-        self.draining = False
+        self.retry_after_s, self.draining = retry_after_s, False
         self.created = int(time.time())
         engine = scheduler.engine
         self.tokenizer = engine.tokenizer
@@ -237,7 +237,7 @@ class ServeState:
         seed = None if req.seed is None else (req.seed + seed_offset) % 2 ** 64  # a generator's seed is a uint64
         try:
             return self.scheduler.submit(
-                ids, max_new_tokens, stop=req.stops() or None, seed=seed,
+                ids, max_new_tokens, stop=req.stops() or None, seed=seed, logit_bias=req.token_bias(),
                 chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
                 **req.sampling(self.defaults))
         except QueueFullError:

@@ -6,6 +6,7 @@ stay strict: a misspelt one is refused.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -199,10 +200,18 @@ class _Common(Lenient):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported (only an empty one is accepted)")
+    def _bias_by_token_id(cls, v):
+        """OpenAI's form: token ids as strings (JSON keys), each bias in [-100, 100]."""
+        for token, amount in (v or {}).items():
+            if not token.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not (math.isfinite(amount) and -100 <= amount <= 100):
+                raise ValueError(f"the bias of token {token} must be in [-100, 100], got {amount!r}")
         return v
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (None: no bias); ids outside the vocabulary are refused at submit."""
+        return {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the

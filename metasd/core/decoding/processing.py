@@ -1,32 +1,57 @@
 """What a request does to the verifier's logits before acceptance, row by row along each draft node's own path: the
-grammar mask of structured output (metasd/core/constraints), then the penalties (penalties.py). Temperature, top-k
-and top-p follow (sampling.py). Each depends only on the tokens before the row's position - the committed ones and
+grammar mask of structured output (metasd/core/constraints), the logit bias (a fixed amount added to chosen tokens'
+logits at every position), then the penalties (penalties.py) - vLLM's order. Temperature, top-k and top-p follow
+(sampling.py). Each depends only on the tokens before the row's position - the committed ones and
 the node's ancestors - so acceptance stays exact: the output is plain decoding's with the same processing
 (docs/algorithms.md#lossless-acceptance)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
-from ..constraints import CompiledConstraint, ConstraintError, ConstraintState, apply_mask
+from ..constraints import ConstraintError, ConstraintState, apply_mask
 from ..execution.tree import Draft
-from .penalties import PathPenalizer, Penalties
+from .penalties import PathPenalizer
+
+
+def check_logit_bias(bias: Mapping[int, float] | None, verifier) -> dict[int, float] | None:
+    """A request's ``logit_bias`` ({token id: amount added to its logit}, OpenAI's range [-100, 100]) checked against
+    the ``verifier``'s vocabulary (where its model's config gives one): ``ValueError`` naming the field; None or
+    empty: no bias."""
+    if not bias:
+        return None
+    vocab_size = getattr(getattr(getattr(verifier, "model", None), "config", None), "vocab_size", None)
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out = {}
+    for token, amount in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
+            raise ValueError(f"logit_bias: token id {token!r} is outside the vocabulary (0..{(vocab_size or 0) - 1})")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {amount!r}")
+        out[token] = float(amount)
+    return out
 
 
 class PathProcessing:
-    """One request's grammar state and penalty counts; ``apply`` processes a draft's rows, ``commit`` records the
-    tokens a step committed. Built only when the request has a constraint or a penalty (``for_request``)."""
+    """One request's grammar state, logit bias and penalty counts; ``apply`` processes a draft's rows, ``commit``
+    records the tokens a step committed. Built only when the request has one of them (``for_request``)."""
 
-    def __init__(self, grammar: ConstraintState | None, penalizer: PathPenalizer | None):
-        self.grammar, self.penalizer = grammar, penalizer
+    def __init__(self, grammar: ConstraintState | None, penalizer: PathPenalizer | None,
+                 bias: Mapping[int, float] | None = None):
+        self.grammar, self.penalizer, self.bias = grammar, penalizer, dict(bias or {})
+        self._bias_row: torch.Tensor | None = None  # [vocab] float32, built at the first apply (on the logits' device)
 
     @classmethod
-    def for_request(cls, constraint: CompiledConstraint | None, penalties: Penalties, prompt_ids: Sequence[int],
-                    device) -> "PathProcessing | None":
-        grammar = constraint.new_state() if constraint is not None else None
-        penalizer = None if penalties.off else PathPenalizer(penalties, prompt_ids, device)
-        return cls(grammar, penalizer) if grammar is not None or penalizer is not None else None
+    def for_request(cls, request, device) -> "PathProcessing | None":
+        """A ``Request``'s processing (its ``constraint``, ``penalties`` over its ``prompt_ids``, ``logit_bias``), on
+        ``device``; None when it has none of them."""
+        grammar = request.constraint.new_state() if request.constraint is not None else None
+        penalizer = None if request.penalties.off else PathPenalizer(request.penalties, request.prompt_ids, device)
+        if grammar is None and penalizer is None and not request.logit_bias:
+            return None
+        return cls(grammar, penalizer, request.logit_bias)
 
     def apply(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """logits: [n+1, vocab] the verifier's raw rows (row 0 after the pending token, row i+1 after node i);
@@ -39,6 +64,12 @@ class PathProcessing:
                                                  "asks for may exist only as a special token, which a grammar must "
                                                  "name as a token: <tool_call>, not \"<tool_call>\")")
             logits = apply_mask(logits.float(), masks)
+        if self.bias:  # the same at every position: each row gets it whatever its path
+            if self._bias_row is None or self._bias_row.shape[-1] != logits.shape[-1]:
+                row = torch.zeros(logits.shape[-1], dtype=torch.float32)
+                row[torch.tensor(list(self.bias))] = torch.tensor(list(self.bias.values()), dtype=torch.float32)
+                self._bias_row = row.to(logits.device)
+            logits = logits.float() + self._bias_row  # [n+1, vocab]
         if self.penalizer is not None:
             logits = self.penalizer.apply(logits, draft)
         return logits

@@ -2,14 +2,13 @@
 
 Each step: the policy picks a drafter (per step, or once per request), the drafter proposes a chain or a tree, the
 verifier scores it in one forward, an exact acceptance rule keeps a root-to-node path plus one bonus token, the
-verifier's cache keeps exactly what was committed, the reward scores the step and the policy and the drafter learn
-from it.
+verifier's cache keeps exactly what was committed, the reward scores the step, and policy and drafter learn from it.
 """
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,12 +24,11 @@ from .drafter import StepContext, StepFeedback, drafting_loop, drafts_lookups
 from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
 from .metrics import GenerationResult, RequestStats, StepRecord  # noqa: F401 - re-exported
 from .penalties import Penalties
-from .processing import PathProcessing
+from .processing import PathProcessing, check_logit_bias
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
 from .sampling import KeyedNoise, SamplingParams, process_logits
-
 
 
 def _fresh_seed() -> int:
@@ -62,12 +60,14 @@ class Request:
                  seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 constraint: Constraint | CompiledConstraint | None = None):
+                 constraint: Constraint | CompiledConstraint | None = None,
+                 logit_bias: Mapping[int, float] | None = None):
         self.engine = engine
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         self.penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        self.logit_bias = check_logit_bias(logit_bias, engine.verifier)
         if isinstance(constraint, Constraint):  # structured output: compiled for the verifier's tokenizer (cached)
             constraint = compile_constraint(engine.tokenizer, constraint, sorted(engine.eos_ids()) or None)
         if constraint is not None and not constraint.new_state().mask(constraint.vocab_size).any():
@@ -189,7 +189,7 @@ class Request:
         if self.prompt_logprobs is not None:
             self.prompt_token_logprobs = [None, *(prompt_scores or [])]
         eng, verifier, stats = self.engine, self.verifier, self.stats
-        self.processing = PathProcessing.for_request(self.constraint, self.penalties, self.prompt_ids, verifier.device)
+        self.processing = PathProcessing.for_request(self, verifier.device)
         stats.prefill_s = now(verifier.device) - self.t_start
         # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
         # a view of its first T entries); the last committed token is the pending one
