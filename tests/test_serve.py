@@ -186,6 +186,17 @@ def test_a_logit_bias_gives_plain_decodings_text_under_that_bias(client, referen
     assert text.choices[0].text == "w20 w20 w20 w20"
 
 
+def test_ignore_eos_runs_the_answer_to_max_tokens(client):
+    """vLLM's ``ignore_eos``: with end-of-sequence forced (+100), the answer is one EOS token and stops; asked to
+    ignore it, it runs to max_tokens (its EOS tokens left out of the text as special tokens)."""
+    forced = {"model": MODEL, "prompt": "w10 w11", "max_tokens": 6, "temperature": 0, "logit_bias": {"1": 100}}
+    stops = client.completions.create(**forced)
+    assert stops.choices[0].finish_reason == "stop" and stops.usage.completion_tokens == 1
+    runs = client.completions.create(**forced, extra_body={"ignore_eos": True})
+    assert runs.choices[0].finish_reason == "length" and runs.usage.completion_tokens == 6
+    assert runs.choices[0].text == ""
+
+
 def test_a_stop_string_ends_the_text_before_it(client, reference):
     text = reference(MSG, 12).text
     stop = text.split()[3]

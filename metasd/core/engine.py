@@ -241,7 +241,8 @@ class Engine:
         presence_penalty, frequency_penalty (in [-2, 2]) and repetition_penalty (> 0; 1 = off), applied along each
         draft node's own path so the output stays plain penalised decoding's (``metasd.core.decoding.penalties``),
         logit_bias ({token id: amount in [-100, 100]} added to its logit at every position, before the penalties;
-        -100 in effect bans a token), constraint (structured output, ``metasd.core.constraints``).
+        -100 in effect bans a token), constraint (structured output, ``metasd.core.constraints``), ignore_eos (generate
+        past end-of-sequence tokens up to ``max_new_tokens``, as vLLM's benchmarks ask for fixed-length answers).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

@@ -42,7 +42,7 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", 
                   "stop": "stop", "seed": "seed", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
                   "speculate": "metasd.speculate", "prompt": "prompt", "presence_penalty": "presence_penalty",
                   "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                  "logit_bias": "logit_bias"}
+                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos"}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -237,7 +237,7 @@ class ServeState:
         seed = None if req.seed is None else (req.seed + seed_offset) % 2 ** 64  # a generator's seed is a uint64
         try:
             return self.scheduler.submit(
-                ids, max_new_tokens, stop=req.stops() or None, seed=seed, logit_bias=req.token_bias(),
+                ids, max_new_tokens, stop=req.stops() or None, seed=seed, **req.processing(),
                 chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
                 **req.sampling(self.defaults))
         except QueueFullError:

@@ -183,6 +183,7 @@ class _Common(Lenient):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; 1 = off
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's: generate past end-of-sequence tokens up to max_tokens (fixed-length benchmarks)
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
@@ -212,6 +213,10 @@ class _Common(Lenient):
     def token_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids (None: no bias); ids outside the vocabulary are refused at submit."""
         return {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
+
+    def processing(self) -> dict[str, Any]:
+        """The logit bias and ``ignore_eos``, as ``Scheduler.submit`` takes them."""
+        return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos}
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the

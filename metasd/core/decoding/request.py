@@ -61,7 +61,7 @@ class Request:
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  constraint: Constraint | CompiledConstraint | None = None,
-                 logit_bias: Mapping[int, float] | None = None):
+                 logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False):
         self.engine = engine
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -82,7 +82,9 @@ class Request:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
-        self.category = category
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        self.category, self.ignore_eos = category, ignore_eos  # ignore_eos: generate past EOS to max_new_tokens
         self.generator = None  # sampling draws on the verifier's device, from this request's own stream
         self.noise = None  # a seeded request's keyed noise: the verifier's draws (docs/architecture.md#random-streams)
         if not self.sampling.greedy:
@@ -99,9 +101,7 @@ class Request:
         self._text = StoppingText(engine.tokenizer, self.stop)  # the text so far, read incrementally; stop strings
         #: what the request runs on: the engine's verifier and pool, unless a ``Scheduler`` binds its own (a slot of
         #: the batched cache, per-request forks of the drafters) before ``start``
-        self.verifier = engine.verifier
-        self.drafters: list = engine.drafters
-        self.all_drafters: list = engine.all_drafters
+        self.verifier, self.drafters, self.all_drafters = engine.verifier, engine.drafters, engine.all_drafters
         self.draft_budget: int | None = None  # most draft nodes verified per step (None: the drafter's draft)
         self.max_draft_nodes: int | None = None  # a scheduler's cap on any draft (the KV rows it reserved hold it)
         self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
@@ -174,7 +174,7 @@ class Request:
         if self.policy is not None and not self.engine.persistent_policy:
             self.policy.reset()
         self.context = self._context()
-        self.eos = self.engine.eos_ids()
+        self.eos = frozenset() if self.ignore_eos else self.engine.eos_ids()
         self.t_start = now(self.verifier.device)
 
     def prompt_scoring(self) -> dict[str, Any]:
