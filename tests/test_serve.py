@@ -186,15 +186,18 @@ def test_a_logit_bias_gives_plain_decodings_text_under_that_bias(client, referen
     assert text.choices[0].text == "w20 w20 w20 w20"
 
 
-def test_ignore_eos_runs_the_answer_to_max_tokens(client):
+def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(client):
     """vLLM's ``ignore_eos``: with end-of-sequence forced (+100), the answer is one EOS token and stops; asked to
-    ignore it, it runs to max_tokens (its EOS tokens left out of the text as special tokens)."""
+    ignore it, it runs to max_tokens (its EOS tokens left out of the text as special tokens); with ``min_tokens`` it
+    stops at the EOS after them."""
     forced = {"model": MODEL, "prompt": "w10 w11", "max_tokens": 6, "temperature": 0, "logit_bias": {"1": 100}}
     stops = client.completions.create(**forced)
     assert stops.choices[0].finish_reason == "stop" and stops.usage.completion_tokens == 1
     runs = client.completions.create(**forced, extra_body={"ignore_eos": True})
     assert runs.choices[0].finish_reason == "length" and runs.usage.completion_tokens == 6
     assert runs.choices[0].text == ""
+    held = client.completions.create(**forced, extra_body={"min_tokens": 3})  # vLLM's: no EOS before 3 tokens
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
 
 
 def test_a_stop_string_ends_the_text_before_it(client, reference):
@@ -288,6 +291,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"logit_bias": {"999": 5}}, "logit_bias"),  # outside the tiny vocabulary (refused at submit)
     ("chat", {"logit_bias": {"w12": 5}}, "logit_bias"),
     ("text", {"logit_bias": {"12": 101}}, "logit_bias"),
+    ("text", {"min_tokens": -1}, "min_tokens"),
+    ("text", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),

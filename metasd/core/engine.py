@@ -242,7 +242,8 @@ class Engine:
         draft node's own path so the output stays plain penalised decoding's (``metasd.core.decoding.penalties``),
         logit_bias ({token id: amount in [-100, 100]} added to its logit at every position, before the penalties;
         -100 in effect bans a token), constraint (structured output, ``metasd.core.constraints``), ignore_eos (generate
-        past end-of-sequence tokens up to ``max_new_tokens``, as vLLM's benchmarks ask for fixed-length answers).
+        past end-of-sequence tokens up to ``max_new_tokens``, as vLLM's benchmarks ask for fixed-length answers),
+        min_tokens (vLLM's: no end-of-sequence token, and no stop string ending, before this many new tokens).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

@@ -42,7 +42,7 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", 
                   "stop": "stop", "seed": "seed", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
                   "speculate": "metasd.speculate", "prompt": "prompt", "presence_penalty": "presence_penalty",
                   "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos"}
+                  "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens"}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20

@@ -184,6 +184,7 @@ class _Common(Lenient):
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; 1 = off
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # vLLM's: generate past end-of-sequence tokens up to max_tokens (fixed-length benchmarks)
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no end-of-sequence token, and no stop string, before this many tokens
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
@@ -215,8 +216,8 @@ class _Common(Lenient):
         return {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
 
     def processing(self) -> dict[str, Any]:
-        """The logit bias and ``ignore_eos``, as ``Scheduler.submit`` takes them."""
-        return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos}
+        """The logit bias, ``ignore_eos`` and ``min_tokens``, as ``Scheduler.submit`` takes them."""
+        return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the

@@ -83,6 +83,7 @@ class StoppingText:
         self.stopped: str | None = None  # the text once a stop string ended the request, cut before it
         self._detok: IncrementalDetokenizer | None = None
         self._fed = 0  # tokens given to _detok
+        self._floor = 0  # with min_tokens: the text's length before a stop string may end (``hit_stop``)
 
     def _read(self, ids: Sequence[int]) -> str:
         """Feed the tokens of ``ids`` not fed yet to the incremental detokenizer; its text."""
@@ -109,13 +110,23 @@ class StoppingText:
         hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold] if hold else text
 
-    def hit_stop(self, ids: Sequence[int]) -> bool:
+    def hit_stop(self, ids: Sequence[int], checked_from: int = 0) -> bool:
         """Whether the text of ``ids`` now holds a stop string: only the tail the tokens added since the last call can
-        complete is searched. On a hit, the whole text is decoded once and cut before the first."""
+        complete is searched. On a hit, the whole text is decoded once and cut before the first. ``checked_from``
+        (vLLM's ``min_tokens``): while ``ids`` holds fewer tokens nothing is looked for, and afterwards only a stop
+        string that ends in the text of the ``checked_from``-th token or a later one counts."""
         checked = len(self._detok.text) if self._detok is not None else 0
-        if find_stop(self._read(ids), self.stop, checked) is None:
+        text = self._read(ids)
+        if len(ids) < checked_from:
+            self._floor = len(text)  # a stop string ending in the text so far never counts
             return False
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        self.stopped = text[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
+        floor = self._floor
+        if find_stop(text, self.stop, max(checked, floor)) is None:
+            return False
+        whole = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        # each stop string's first occurrence ending past the floor (the start of the text, without min_tokens)
+        cuts = [i for s in self.stop if (i := whole.find(s, max(floor - len(s) + 1, 0))) != -1]
+        if not cuts and floor:
+            return False  # what the incremental search found ends before the floor
+        self.stopped = whole[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
         return True

@@ -1,9 +1,9 @@
 """What a request does to the verifier's logits before acceptance, row by row along each draft node's own path: the
-grammar mask of structured output (metasd/core/constraints), the logit bias (a fixed amount added to chosen tokens'
-logits at every position), then the penalties (penalties.py) - vLLM's order. Temperature, top-k and top-p follow
-(sampling.py). Each depends only on the tokens before the row's position - the committed ones and
-the node's ancestors - so acceptance stays exact: the output is plain decoding's with the same processing
-(docs/algorithms.md#lossless-acceptance)."""
+grammar mask of structured output (metasd/core/constraints), the end-of-sequence tokens masked before ``min_tokens``
+new tokens, the logit bias (a fixed amount added to chosen tokens' logits at every position), then the penalties
+(penalties.py) - vLLM's order. Temperature, top-k and top-p follow (sampling.py). Each depends only on the tokens
+before the row's position - the committed ones and the node's ancestors - so acceptance stays exact: the output is
+plain decoding's with the same processing (docs/algorithms.md#lossless-acceptance)."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -39,9 +39,11 @@ class PathProcessing:
     records the tokens a step committed. Built only when the request has one of them (``for_request``)."""
 
     def __init__(self, grammar: ConstraintState | None, penalizer: PathPenalizer | None,
-                 bias: Mapping[int, float] | None = None):
+                 bias: Mapping[int, float] | None = None, min_tokens: int = 0, eos: Sequence[int] = ()):
         self.grammar, self.penalizer, self.bias = grammar, penalizer, dict(bias or {})
         self._bias_row: torch.Tensor | None = None  # [vocab] float32, built at the first apply (on the logits' device)
+        #: vLLM's min_tokens: the end-of-sequence tokens are masked where fewer new tokens come before the row's
+        self.min_tokens, self.eos, self.generated = min_tokens, sorted(eos), 0
 
     @classmethod
     def for_request(cls, request, device) -> "PathProcessing | None":
@@ -49,9 +51,10 @@ class PathProcessing:
         ``device``; None when it has none of them."""
         grammar = request.constraint.new_state() if request.constraint is not None else None
         penalizer = None if request.penalties.off else PathPenalizer(request.penalties, request.prompt_ids, device)
-        if grammar is None and penalizer is None and not request.logit_bias:
+        eos = request.eos if request.min_tokens else ()
+        if grammar is None and penalizer is None and not request.logit_bias and not eos:
             return None
-        return cls(grammar, penalizer, request.logit_bias)
+        return cls(grammar, penalizer, request.logit_bias, request.min_tokens, eos)
 
     def apply(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """logits: [n+1, vocab] the verifier's raw rows (row 0 after the pending token, row i+1 after node i);
@@ -64,6 +67,10 @@ class PathProcessing:
                                                  "asks for may exist only as a special token, which a grammar must "
                                                  "name as a token: <tool_call>, not \"<tool_call>\")")
             logits = apply_mask(logits.float(), masks)
+        if self.eos and self.generated < self.min_tokens:  # row r is new token number generated + depth(r) + 1
+            early = torch.tensor(draft.layout.depths, device=logits.device) + self.generated < self.min_tokens
+            logits = logits.float().clone()
+            logits[early.nonzero(), torch.tensor(self.eos, device=logits.device)] = float("-inf")  # [n+1, vocab]
         if self.bias:  # the same at every position: each row gets it whatever its path
             if self._bias_row is None or self._bias_row.shape[-1] != logits.shape[-1]:
                 row = torch.zeros(logits.shape[-1], dtype=torch.float32)
@@ -80,6 +87,7 @@ class PathProcessing:
         return self.grammar is not None and not eos and self.grammar.is_complete()
 
     def commit(self, tokens: Sequence[int]) -> None:
+        self.generated += len(tokens)
         if self.grammar is not None:
             self.grammar.accept_tokens(tokens)
         if self.penalizer is not None:

@@ -28,7 +28,7 @@ from .processing import PathProcessing, check_logit_bias
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
-from .sampling import KeyedNoise, SamplingParams, process_logits
+from .sampling import KeyedNoise, SamplingParams, check_request, process_logits
 
 
 def _fresh_seed() -> int:
@@ -61,10 +61,11 @@ class Request:
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  constraint: Constraint | CompiledConstraint | None = None,
-                 logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False):
+                 logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0):
         self.engine = engine
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        check_request(max_new_tokens=max_new_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
+        if (min_tokens or 0) > max_new_tokens:  # None: not given, as check_request reads it
+            raise ValueError(f"min_tokens ({min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         self.penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         self.logit_bias = check_logit_bias(logit_bias, engine.verifier)
@@ -82,9 +83,8 @@ class Request:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
-        if not isinstance(ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {ignore_eos!r}")
-        self.category, self.ignore_eos = category, ignore_eos  # ignore_eos: generate past EOS to max_new_tokens
+        self.category, self.ignore_eos = category, bool(ignore_eos)  # generate past EOS to max_new_tokens
+        self.min_tokens = int(min_tokens or 0)  # no EOS, and no stop string found, before this many new tokens
         self.generator = None  # sampling draws on the verifier's device, from this request's own stream
         self.noise = None  # a seeded request's keyed noise: the verifier's draws (docs/architecture.md#random-streams)
         if not self.sampling.greedy:
@@ -439,7 +439,7 @@ class Request:
             self.new_ids.append(t)
             if t in eos:
                 reason = "eos"
-            elif self.stop and self._text.hit_stop(self.new_ids):
+            elif self.stop and self._text.hit_stop(self.new_ids, checked_from=self.min_tokens):
                 reason = "stop"
             elif len(self.new_ids) >= self.max_new_tokens:
                 reason = "length"

@@ -34,6 +34,8 @@ REQUEST_LIMITS = {
     "top_p": (lambda x: _is_real(x) and 0.0 < x <= 1.0, "in (0, 1]"),
     "top_k": (lambda x: _is_int(x) and x >= 0, ">= 0 (0 = off)"),
     "threads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "min_tokens": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
+    "ignore_eos": (lambda x: isinstance(x, bool), "true or false"),
 }
 
 
