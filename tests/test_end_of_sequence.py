@@ -1,7 +1,7 @@
-"""What ends a request at an end-of-sequence token, vLLM's two switches: ``ignore_eos`` (for fixed-length load
-tests: EOS tokens do not end a request, which runs to ``max_new_tokens``) and ``min_tokens`` (no EOS before that many
+"""What ends a request at an end-of-sequence token, vLLM's three switches: ``ignore_eos`` (for fixed-length load
+tests: EOS tokens do not end a request, which runs to ``max_new_tokens``), ``min_tokens`` (no EOS before that many
 new tokens, masked in every draft row along its path; no stop string counts that ends before the ``min_tokens``-th
-token's text). Each token-identical to a plain greedy loop written independently, with chain, tree and lookup
+token's text) and ``stop_token_ids`` (tokens that end a request as EOS does, ignore_eos or not). Each token-identical to a plain greedy loop written independently, with chain, tree and lookup
 drafting, alone and through the scheduler; bad values refused naming the field. Tiny fp32 models."""
 import pytest
 import torch
@@ -23,16 +23,16 @@ def model():
     return tiny_qwen(seed=0, logit_scale=4.0)
 
 
-def _never_stopping(model, prompt: list[int], n: int, min_tokens: int = 0) -> list[int]:
-    """Plain greedy decoding with the bias, one full forward per token, reading past every EOS; EOS never chosen as
-    one of the first ``min_tokens`` tokens."""
+def _never_stopping(model, prompt: list[int], n: int, min_tokens: int = 0, held=(EOS,), bias=BIAS) -> list[int]:
+    """Plain greedy decoding with the ``bias`` on EOS, one full forward per token, reading past every EOS; the
+    ``held`` tokens (EOS, stop tokens) never chosen as one of the first ``min_tokens`` tokens."""
     out: list[int] = []
     with torch.no_grad():
         for i in range(n):
             logits = model(input_ids=torch.tensor([prompt + out])).logits[0, -1].clone()
-            logits[EOS] += BIAS[EOS]
+            logits[EOS] += bias.get(EOS, 0.0)
             if i < min_tokens:
-                logits[EOS] = float("-inf")
+                logits[list(held)] = float("-inf")
             out.append(int(logits.argmax()))
     return out
 
@@ -125,3 +125,27 @@ def test_a_bad_min_tokens_is_refused_naming_the_field(model, kwargs, message):
     engine = Engine(Verifier(model, tiny_tokenizer()), None, check_tokenizers=False)
     with pytest.raises(ValueError, match=message):
         engine.generate(PROMPT, 3, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(_drafters()))
+def test_stop_token_ids_end_the_request_as_eos_does_even_with_ignore_eos(model, name):
+    want = _never_stopping(model, PROMPT, 24, bias={})
+    stop = next(t for t in want[3:] if t != EOS)  # a token plain decoding meets after a few others
+    engine = Engine(Verifier(model, tiny_tokenizer()), _drafters()[name], check_tokenizers=False)
+    got = engine.generate(PROMPT, 24, ignore_eos=True, stop_token_ids=[stop])
+    assert got.token_ids == want[: want.index(stop) + 1] and got.stats.stop_reason == "stop"
+    # held back by min_tokens (EOS ignored): plain decoding with the stop token masked until then
+    held = _never_stopping(model, PROMPT, 24, min_tokens=want.index(stop) + 1, held=(stop,), bias={})
+    assert held[: want.index(stop) + 1] != want[: want.index(stop) + 1]  # the mask changed something
+    got = engine.generate(PROMPT, 24, ignore_eos=True, stop_token_ids=[stop], min_tokens=want.index(stop) + 1)
+    assert got.token_ids == (held[: held.index(stop) + 1] if stop in held else held)
+
+
+@pytest.mark.parametrize("ids, message", [([999], "stop_token_ids: token id 999 is outside the vocabulary (0..63)"),
+                                          ([-1], "token id -1 is outside"), ("5", "must be a list of token ids"),
+                                          ([True], "token id True is outside")])
+def test_bad_stop_token_ids_are_refused_naming_the_field(model, ids, message):
+    engine = Engine(Verifier(model, tiny_tokenizer()), None, check_tokenizers=False)
+    with pytest.raises(ValueError, match="^stop_token_ids") as e:
+        engine.generate(PROMPT, 3, stop_token_ids=ids)
+    assert message in str(e.value)

@@ -198,6 +198,12 @@ def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(
     assert runs.choices[0].text == ""
     held = client.completions.create(**forced, extra_body={"min_tokens": 3})  # vLLM's: no EOS before 3 tokens
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
+    words = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=8, temperature=0).choices[0].text
+    third = words.split()[2]  # a stop token: the answer ends with it (a word, not special: kept in the text)
+    ends = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=8, temperature=0,
+                                     extra_body={"stop_token_ids": [int(third[1:])]})
+    first = words.split().index(third)
+    assert ends.choices[0].finish_reason == "stop" and ends.choices[0].text == " ".join(words.split()[: first + 1])
 
 
 def test_a_stop_string_ends_the_text_before_it(client, reference):
@@ -293,6 +299,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("text", {"logit_bias": {"12": 101}}, "logit_bias"),
     ("text", {"min_tokens": -1}, "min_tokens"),
     ("text", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
+    ("text", {"stop_token_ids": [999]}, "stop_token_ids"),
+    ("text", {"stop_token_ids": "w10"}, "stop_token_ids"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),

@@ -68,7 +68,7 @@ def test_inert_fields_are_accepted_and_named_in_a_warning(client, caplog):
     ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),  # GBNF, not Lark
-    ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
+    ({"extra_body": {"bad_words": ["w10"]}}, "bad_words"),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),  # the legacy form of tools
     ({"messages": MSG + [{"role": "tool", "content": "21"}]}, "messages.[1]"),  # no tool_call_id
 ])

@@ -12,7 +12,6 @@ pytest.importorskip("llguidance", reason="tool-call grammars need llguidance (pi
 
 from metasd.core.constraints import Constraint, ConstraintError, compile_constraint  # noqa: E402
 from metasd.core.decoding.processing import PathProcessing  # noqa: E402
-from metasd.core.decoding.penalties import Penalties  # noqa: E402
 from metasd.core.execution.tree import Draft  # noqa: E402
 from metasd.serve.tools import HermesParser, ToolStream, added_tokens, detect_parser, split_answer  # noqa: E402
 from test_constraints import _qwen_tokenizer, byte_bpe  # noqa: E402
@@ -117,7 +116,7 @@ def test_a_mask_never_allows_a_special_token_the_grammar_refuses():
     state.accept_tokens(tok.encode("a", add_special_tokens=False))
     mask = state.mask(len(tok))
     assert not mask[special]
-    processing = PathProcessing.for_request(compiled, Penalties(), [5], "cpu")
+    processing = PathProcessing(compiled.new_state(), penalizer=None)
     processing.commit(tok.encode("a", add_special_tokens=False))
     import torch
     with pytest.raises(ConstraintError, match="grammar: allows no token"):  # a clear error, not NaN probabilities

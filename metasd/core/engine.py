@@ -243,7 +243,9 @@ class Engine:
         logit_bias ({token id: amount in [-100, 100]} added to its logit at every position, before the penalties;
         -100 in effect bans a token), constraint (structured output, ``metasd.core.constraints``), ignore_eos (generate
         past end-of-sequence tokens up to ``max_new_tokens``, as vLLM's benchmarks ask for fixed-length answers),
-        min_tokens (vLLM's: no end-of-sequence token, and no stop string ending, before this many new tokens).
+        min_tokens (vLLM's: no end-of-sequence token, and no stop string ending, before this many new tokens),
+        stop_token_ids (vLLM's: token ids that end the request as an end-of-sequence token does, even with
+        ignore_eos; kept in ``token_ids``, and in the text unless special).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

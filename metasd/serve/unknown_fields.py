@@ -22,7 +22,6 @@ REFUSED_OPENAI_VLLM = {
     "functions": (_off([]), "the legacy functions field is not supported: use tools"),
     "function_call": (_off("none", "auto"), "the legacy function_call field is not supported: use tool_choice"),
     "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
-    "stop_token_ids": (_off([]), "stop_token_ids is not supported: use stop"),
     "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
     "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
     "guided_whitespace_pattern": (_off(), "guided_whitespace_pattern is not supported"),

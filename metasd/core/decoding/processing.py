@@ -34,6 +34,20 @@ def check_logit_bias(bias: Mapping[int, float] | None, verifier) -> dict[int, fl
     return out
 
 
+def check_token_ids(ids: Sequence[int] | None, verifier, field: str) -> frozenset[int]:
+    """A request's list of token ids (``stop_token_ids``) checked against the ``verifier``'s vocabulary, where its
+    model's config gives one: ``ValueError`` naming ``field``."""
+    vocab_size = getattr(getattr(getattr(verifier, "model", None), "config", None), "vocab_size", None)
+    if ids is None:
+        return frozenset()
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, (list, tuple, set, frozenset)):
+        raise ValueError(f"{field} must be a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
+            raise ValueError(f"{field}: token id {t!r} is outside the vocabulary (0..{(vocab_size or 0) - 1})")
+    return frozenset(ids)
+
+
 class PathProcessing:
     """One request's grammar state, logit bias and penalty counts; ``apply`` processes a draft's rows, ``commit``
     records the tokens a step committed. Built only when the request has one of them (``for_request``)."""

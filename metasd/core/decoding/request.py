@@ -24,7 +24,7 @@ from .drafter import StepContext, StepFeedback, drafting_loop, drafts_lookups
 from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
 from .metrics import GenerationResult, RequestStats, StepRecord  # noqa: F401 - re-exported
 from .penalties import Penalties
-from .processing import PathProcessing, check_logit_bias
+from .processing import PathProcessing, check_logit_bias, check_token_ids
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
@@ -61,7 +61,8 @@ class Request:
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  constraint: Constraint | CompiledConstraint | None = None,
-                 logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0):
+                 logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0,
+                 stop_token_ids: Sequence[int] | None = None):
         self.engine = engine
         check_request(max_new_tokens=max_new_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
         if (min_tokens or 0) > max_new_tokens:  # None: not given, as check_request reads it
@@ -83,8 +84,9 @@ class Request:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
-        self.category, self.ignore_eos = category, bool(ignore_eos)  # generate past EOS to max_new_tokens
-        self.min_tokens = int(min_tokens or 0)  # no EOS, and no stop string found, before this many new tokens
+        # ignore_eos: past EOS to max_new_tokens; min_tokens: no EOS (stop token, stop string) before that many tokens
+        self.category, self.ignore_eos, self.min_tokens = category, bool(ignore_eos), int(min_tokens or 0)
+        self.stop_ids = check_token_ids(stop_token_ids, engine.verifier, "stop_token_ids")  # end as an EOS does
         self.generator = None  # sampling draws on the verifier's device, from this request's own stream
         self.noise = None  # a seeded request's keyed noise: the verifier's draws (docs/architecture.md#random-streams)
         if not self.sampling.greedy:
@@ -111,13 +113,11 @@ class Request:
         self.load: np.ndarray | None = None  # [2] load features a scheduler sets; appended last to a step context
 
     def text(self) -> str:
-        """The text of the new tokens, cut before the first stop string. Decodes them all: call it once, at the end
-        (``text_so_far`` is the incremental read)."""
+        """The new tokens' text, cut before the first stop string; decodes them all (``text_so_far``: incremental)."""
         return self._text.final(self.new_ids)
 
     def text_so_far(self) -> str:
-        """The text committed so far, read incrementally (one decode of a few tokens per step, not of the whole
-        output): complete characters only, and nothing a stop string may still cut away."""
+        """The text so far, read incrementally: complete characters only, none a stop string may still cut away."""
         return self._text.so_far(self.new_ids)
 
     def result(self) -> GenerationResult:
@@ -174,7 +174,7 @@ class Request:
         if self.policy is not None and not self.engine.persistent_policy:
             self.policy.reset()
         self.context = self._context()
-        self.eos = frozenset() if self.ignore_eos else self.engine.eos_ids()
+        self.eos = (frozenset() if self.ignore_eos else frozenset(self.engine.eos_ids())) | self.stop_ids
         self.t_start = now(self.verifier.device)
 
     def prompt_scoring(self) -> dict[str, Any]:
@@ -438,7 +438,7 @@ class Request:
         for i, t in enumerate(committed):
             self.new_ids.append(t)
             if t in eos:
-                reason = "eos"
+                reason = "stop" if t in self.stop_ids else "eos"
             elif self.stop and self._text.hit_stop(self.new_ids, checked_from=self.min_tokens):
                 reason = "stop"
             elif len(self.new_ids) >= self.max_new_tokens:
