@@ -21,7 +21,11 @@ SETTINGS = {"presence": dict(presence_penalty=1.5), "frequency": dict(frequency_
             "all": dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3),
             # a logit bias: the same amount at every position, before the penalties (vLLM's order); -100 bans a token
             "bias": dict(logit_bias={12: 1.0, 9: -100.0, 40: 0.8}),
-            "bias and repetition": dict(logit_bias={7: 1.0, 33: -1.0}, repetition_penalty=1.8)}
+            "bias and repetition": dict(logit_bias={7: 1.0, 33: -1.0}, repetition_penalty=1.8),
+            # vLLM's allowed_token_ids: every other token masked (here a few, EOS among them, so drafts still land)
+            "allowed": dict(allowed_token_ids=[t for t in range(64) if t not in (1, 9, 12, 33)]),
+            "allowed and frequency": dict(allowed_token_ids=[t for t in range(64) if t not in (1, 7, 23)],
+                                          frequency_penalty=0.7)}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +111,18 @@ def test_sampled_tokens_follow_the_biased_verifier_through_a_tree_of_depth_2():
     plain = engine.generate([3], 3, temperature=1.0, seed=0).token_ids
     bias = {plain[0]: -4.0, (plain[0] + 1) % 8: 3.0}  # the unbiased first token made less likely, another more
     check = joint_check(engine, [3], 2000, length=3, logit_bias=bias)
+    assert check.pvalue > 1e-4, check
+    assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
+
+
+def test_sampled_tokens_follow_the_verifier_restricted_to_the_allowed_tokens_through_a_tree_of_depth_2():
+    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
+    drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
+                                    nodes=6, depth=2)
+    engine = Engine(Verifier(verifier), drafter)
+    plain = engine.generate([3], 3, temperature=1.0, seed=0).token_ids
+    allowed = sorted({0, 1, 2, 3, 4, 5, 6, 7} - {plain[0], plain[1]})  # the first tokens plain sampling drew, banned
+    check = joint_check(engine, [3], 2000, length=3, allowed_token_ids=allowed)
     assert check.pvalue > 1e-4, check
     assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
 

@@ -184,6 +184,10 @@ def test_a_logit_bias_gives_plain_decodings_text_under_that_bias(client, referen
     text = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=4, temperature=0,
                                      logit_bias={"20": 100})
     assert text.choices[0].text == "w20 w20 w20 w20"
+    only = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=6, temperature=0,
+                                     extra_body={"allowed_token_ids": [30, 31]})  # vLLM's: nothing else generated
+    assert set(only.choices[0].text.split()) <= {"w30", "w31"} and only.usage.completion_tokens == 6
+    assert only.choices[0].text == reference("w10 w11", 6, allowed_token_ids=[30, 31]).text
 
 
 def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(client):
@@ -320,7 +324,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("text", {"max_completion_tokens": 2}, "max_completion_tokens"),  # a chat field
     ("text", {"max_tokens": 1000}, "max_tokens"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),  # vLLM's, each refused unless "off"
-    ("chat", {"allowed_token_ids": [10]}, "allowed_token_ids"),
+    ("chat", {"allowed_token_ids": [10, 999]}, "allowed_token_ids"),  # outside the tiny vocabulary
     ("chat", {"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
     ("text", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}},

@@ -245,7 +245,8 @@ class Engine:
         past end-of-sequence tokens up to ``max_new_tokens``, as vLLM's benchmarks ask for fixed-length answers),
         min_tokens (vLLM's: no end-of-sequence token, and no stop string ending, before this many new tokens),
         stop_token_ids (vLLM's: token ids that end the request as an end-of-sequence token does, even with
-        ignore_eos; kept in ``token_ids``, and in the text unless special).
+        ignore_eos; kept in ``token_ids``, and in the text unless special), allowed_token_ids (vLLM's: only these
+        tokens may be generated; empty: no restriction).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

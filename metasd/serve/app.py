@@ -40,8 +40,9 @@ from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_
 #: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
                   "speculate": "metasd.speculate", **{f: f for f in (
-                      "temperature", "top_p", "top_k", "stop", "seed", "prompt", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids")}}
+                      "temperature", "top_p", "top_k", "stop", "seed", "prompt", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
+                      "stop_token_ids", "allowed_token_ids")}}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20

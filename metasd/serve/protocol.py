@@ -186,6 +186,7 @@ class _Common(Lenient):
     ignore_eos: bool = False  # vLLM's: generate past end-of-sequence tokens up to max_tokens (fixed-length benchmarks)
     min_tokens: int = Field(0, ge=0)  # vLLM's: no end-of-sequence token, and no stop string, before this many tokens
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: tokens that end the answer as EOS does
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens generated (empty: no restriction)
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
@@ -217,9 +218,10 @@ class _Common(Lenient):
         return {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
 
     def processing(self) -> dict[str, Any]:
-        """The logit bias, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids``, as ``Scheduler.submit`` takes them."""
+        """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``allowed_token_ids``, as
+        ``Scheduler.submit`` takes them."""
         return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                "stop_token_ids": self.stop_token_ids or None}
+                "stop_token_ids": self.stop_token_ids or None, "allowed_token_ids": self.allowed_token_ids or None}
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the

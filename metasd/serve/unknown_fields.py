@@ -1,5 +1,5 @@
 """Request fields the server does not declare (docs/serving.md#requests): refused where they would change the output
-(``refused_field``: a ``min_p``, vLLM's ``allowed_token_ids``, llama-server's ``grammar``, ...), with what to send
+(``refused_field``: a ``min_p``, vLLM's ``bad_words``, llama-server's ``grammar``, ...), with what to send
 instead where the server has it; every other unknown field (``store``, ``metadata``, ``user``, ...) changes nothing
 and is accepted, its name logged (``ignored_fields``), as vLLM does. A refused field is accepted at its "off" value,
 which clients built for vLLM or llama-server often send explicitly. Fields are matched by their path from the top of
@@ -36,7 +36,6 @@ REFUSED_OPENAI_VLLM = {
     "max_completion_tokens": (_off(), "max_completion_tokens is a chat field: /v1/completions takes max_tokens"),
     "use_beam_search": (_off(False), "beam search is not supported"),
     "length_penalty": (_off(1, 1.0), "length_penalty is not supported (beam search only)"),
-    "allowed_token_ids": (_off([]), "allowed_token_ids is not supported: use guided_regex or guided_grammar"),
     "bad_words": (_off([]), "bad_words is not supported"),
     "truncate_prompt_tokens": (_off(), "truncate_prompt_tokens is not supported: the prompt is never truncated"),
     "skip_special_tokens": (_off(True), "skip_special_tokens is not supported (only true)"),

@@ -1,9 +1,10 @@
 """What a request does to the verifier's logits before acceptance, row by row along each draft node's own path: the
-grammar mask of structured output (metasd/core/constraints), the end-of-sequence tokens masked before ``min_tokens``
-new tokens, the logit bias (a fixed amount added to chosen tokens' logits at every position), then the penalties
-(penalties.py) - vLLM's order. Temperature, top-k and top-p follow (sampling.py). Each depends only on the tokens
-before the row's position - the committed ones and the node's ancestors - so acceptance stays exact: the output is
-plain decoding's with the same processing (docs/algorithms.md#lossless-acceptance)."""
+grammar mask of structured output (metasd/core/constraints), ``allowed_token_ids`` (every other token masked), the
+end-of-sequence tokens masked before ``min_tokens`` new tokens, the logit bias (a fixed amount added to chosen
+tokens' logits at every position), then the penalties (penalties.py) - vLLM's order. Temperature, top-k and top-p
+follow (sampling.py). Each depends only on the tokens before the row's position - the committed ones and the node's
+ancestors - so acceptance stays exact: the output is plain decoding's with the same processing
+(docs/algorithms.md#lossless-acceptance)."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -53,8 +54,11 @@ class PathProcessing:
     records the tokens a step committed. Built only when the request has one of them (``for_request``)."""
 
     def __init__(self, grammar: ConstraintState | None, penalizer: PathPenalizer | None,
-                 bias: Mapping[int, float] | None = None, min_tokens: int = 0, eos: Sequence[int] = ()):
+                 bias: Mapping[int, float] | None = None, min_tokens: int = 0, eos: Sequence[int] = (),
+                 allowed: Sequence[int] | None = None):
         self.grammar, self.penalizer, self.bias = grammar, penalizer, dict(bias or {})
+        self.allowed = sorted(allowed) if allowed else None  # vLLM's allowed_token_ids: every other token masked
+        self._allowed_row: torch.Tensor | None = None  # [vocab] bool, built at the first apply
         self._bias_row: torch.Tensor | None = None  # [vocab] float32, built at the first apply (on the logits' device)
         #: vLLM's min_tokens: the end-of-sequence tokens are masked where fewer new tokens come before the row's
         self.min_tokens, self.eos, self.generated = min_tokens, sorted(eos), 0
@@ -66,9 +70,9 @@ class PathProcessing:
         grammar = request.constraint.new_state() if request.constraint is not None else None
         penalizer = None if request.penalties.off else PathPenalizer(request.penalties, request.prompt_ids, device)
         eos = request.eos if request.min_tokens else ()
-        if grammar is None and penalizer is None and not request.logit_bias and not eos:
+        if grammar is None and penalizer is None and not request.logit_bias and not eos and not request.allowed_ids:
             return None
-        return cls(grammar, penalizer, request.logit_bias, request.min_tokens, eos)
+        return cls(grammar, penalizer, request.logit_bias, request.min_tokens, eos, request.allowed_ids)
 
     def apply(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """logits: [n+1, vocab] the verifier's raw rows (row 0 after the pending token, row i+1 after node i);
@@ -81,6 +85,14 @@ class PathProcessing:
                                                  "asks for may exist only as a special token, which a grammar must "
                                                  "name as a token: <tool_call>, not \"<tool_call>\")")
             logits = apply_mask(logits.float(), masks)
+        if self.allowed is not None:  # the same at every position
+            if self._allowed_row is None or self._allowed_row.shape[-1] != logits.shape[-1]:
+                row = torch.zeros(logits.shape[-1], dtype=torch.bool)
+                row[torch.tensor(self.allowed)] = True
+                self._allowed_row = row.to(logits.device)
+            logits = logits.float().masked_fill(~self._allowed_row, float("-inf"))  # [n+1, vocab]
+            if not bool(torch.isfinite(logits[0]).any()):  # only with a grammar: nothing both allow
+                raise ConstraintError("allowed_token_ids", "leaves no token the grammar allows after the text so far")
         if self.eos and self.generated < self.min_tokens:  # row r is new token number generated + depth(r) + 1
             early = torch.tensor(draft.layout.depths, device=logits.device) + self.generated < self.min_tokens
             logits = logits.float().clone()

@@ -62,7 +62,7 @@ class Request:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  constraint: Constraint | CompiledConstraint | None = None,
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0,
-                 stop_token_ids: Sequence[int] | None = None):
+                 stop_token_ids: Sequence[int] | None = None, allowed_token_ids: Sequence[int] | None = None):
         self.engine = engine
         check_request(max_new_tokens=max_new_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
         if (min_tokens or 0) > max_new_tokens:  # None: not given, as check_request reads it
@@ -87,8 +87,8 @@ class Request:
         # ignore_eos: past EOS to max_new_tokens; min_tokens: no EOS (stop token, stop string) before that many tokens
         self.category, self.ignore_eos, self.min_tokens = category, bool(ignore_eos), int(min_tokens or 0)
         self.stop_ids = check_token_ids(stop_token_ids, engine.verifier, "stop_token_ids")  # end as an EOS does
-        self.generator = None  # sampling draws on the verifier's device, from this request's own stream
-        self.noise = None  # a seeded request's keyed noise: the verifier's draws (docs/architecture.md#random-streams)
+        self.allowed_ids = check_token_ids(allowed_token_ids, engine.verifier, "allowed_token_ids") or None
+        self.generator, self.noise = None, None  # the request's own draws: its stream, or keyed noise when seeded
         if not self.sampling.greedy:
             self.generator = torch.Generator(device=engine.verifier.device)
             self.generator.manual_seed(seed if seed is not None else _fresh_seed())
