@@ -93,36 +93,22 @@ def test_rows_are_penalised_along_their_own_path():
     assert logits.abs().sum() == 0  # the verifier's logits are not touched (log-probabilities read them raw)
 
 
-def test_sampled_tokens_follow_the_penalised_verifier_through_a_tree_of_depth_2():
-    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
-    drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
-                                    nodes=6, depth=2)
-    penalties = dict(presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=1.5)
-    check = joint_check(Engine(Verifier(verifier), drafter), [3], 2000, length=3, **penalties)
-    assert check.pvalue > 1e-4, check
-    assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
+#: sampled processing, each from the first tokens plain sampling drew (``plain``) on the 8-token pair below
+SAMPLED = {"penalties": lambda plain: dict(presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=1.5),
+           # the unbiased first token made less likely, another more
+           "bias": lambda plain: dict(logit_bias={plain[0]: -4.0, (plain[0] + 1) % 8: 3.0}),
+           # the first tokens plain sampling drew, not allowed
+           "allowed": lambda plain: dict(allowed_token_ids=sorted(set(range(8)) - {plain[0], plain[1]}))}
 
 
-def test_sampled_tokens_follow_the_biased_verifier_through_a_tree_of_depth_2():
-    verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
-    drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
-                                    nodes=6, depth=2)
-    engine = Engine(Verifier(verifier), drafter)
-    plain = engine.generate([3], 3, temperature=1.0, seed=0).token_ids
-    bias = {plain[0]: -4.0, (plain[0] + 1) % 8: 3.0}  # the unbiased first token made less likely, another more
-    check = joint_check(engine, [3], 2000, length=3, logit_bias=bias)
-    assert check.pvalue > 1e-4, check
-    assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
-
-
-def test_sampled_tokens_follow_the_verifier_restricted_to_the_allowed_tokens_through_a_tree_of_depth_2():
+@pytest.mark.parametrize("kind", sorted(SAMPLED))
+def test_sampled_tokens_follow_the_processed_verifier_through_a_tree_of_depth_2(kind):
     verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
     drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
                                     nodes=6, depth=2)
     engine = Engine(Verifier(verifier), drafter)
-    plain = engine.generate([3], 3, temperature=1.0, seed=0).token_ids
-    allowed = sorted({0, 1, 2, 3, 4, 5, 6, 7} - {plain[0], plain[1]})  # the first tokens plain sampling drew, banned
-    check = joint_check(engine, [3], 2000, length=3, allowed_token_ids=allowed)
+    processing = SAMPLED[kind](engine.generate([3], 3, temperature=1.0, seed=0).token_ids)
+    check = joint_check(engine, [3], 2000, length=3, **processing)
     assert check.pvalue > 1e-4, check
     assert check.taken_at(2) >= 100 and check.tried_at(2) - check.taken_at(2) >= 50, check
 
