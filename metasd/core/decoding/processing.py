@@ -22,27 +22,23 @@ def check_logit_bias(bias: Mapping[int, float] | None, verifier) -> dict[int, fl
     empty: no bias."""
     if not bias:
         return None
-    vocab_size = getattr(getattr(getattr(verifier, "model", None), "config", None), "vocab_size", None)
     if not isinstance(bias, Mapping):
         raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
-    out = {}
+    check_token_ids(list(bias), verifier, "logit_bias")
     for token, amount in bias.items():
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
-            raise ValueError(f"logit_bias: token id {token!r} is outside the vocabulary (0..{(vocab_size or 0) - 1})")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
             raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {amount!r}")
-        out[token] = float(amount)
-    return out
+    return {token: float(amount) for token, amount in bias.items()}
 
 
 def check_token_ids(ids: Sequence[int] | None, verifier, field: str) -> frozenset[int]:
-    """A request's list of token ids (``stop_token_ids``) checked against the ``verifier``'s vocabulary, where its
-    model's config gives one: ``ValueError`` naming ``field``."""
-    vocab_size = getattr(getattr(getattr(verifier, "model", None), "config", None), "vocab_size", None)
+    """A request's token ids (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias``'s keys) checked against the
+    ``verifier``'s vocabulary, where its model's config gives one: ``ValueError`` naming ``field``."""
     if ids is None:
         return frozenset()
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, (list, tuple, set, frozenset)):
         raise ValueError(f"{field} must be a list of token ids, got {type(ids).__name__}")
+    vocab_size = getattr(getattr(getattr(verifier, "model", None), "config", None), "vocab_size", None)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
             raise ValueError(f"{field}: token id {t!r} is outside the vocabulary (0..{(vocab_size or 0) - 1})")
