@@ -17,7 +17,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 # generate's request options, as the CLI spells them in errors (the checks: metasd.core.decoding.sampling.check_request)
 _REQUEST_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                    "top_k": "--top-k", "threads": "--threads"}
+                    "top_k": "--top-k", "min_p": "--min-p", "threads": "--threads"}
 
 
 def _add_generate(sub) -> None:
@@ -41,6 +41,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help=f"sampling temperature: {allowed('temperature')}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass: {allowed('top_p')} (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help=f"keep the k most likely tokens: {allowed('top_k')}")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help=f"drop a token less likely than min-p times the most likely one: {allowed('min_p')}")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true",
@@ -63,7 +65,7 @@ def _check_options(args) -> None:
     from metasd.core.decoding.sampling import check_request
 
     check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, threads=args.threads)
+                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, threads=args.threads)
     check_pool_options(args)
     if args.json and args.stream:
         raise ValueError("--stream and --json go apart: --json prints one record once the text is done "
@@ -135,7 +137,7 @@ def _generate(args) -> int:
             raise ValueError(f"--output {args.output}: not a file that can be written (its folder must exist)")
         requests = read_requests(lines, dict(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, stop=args.stop, chat=not args.raw))
+            min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw))
     else:
         prompt = _read_prompt(args)
         if not prompt.strip():
@@ -170,7 +172,7 @@ def _generate(args) -> int:
             print(f"[metasd] {done} requests written to {args.output}, {failed} failed", file=sys.stderr)
             return 0
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      top_k=args.top_k, seed=args.seed, stop=args.stop, chat=not args.raw)
+                      top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw)
         if stream:
             gen = engine.stream(prompt, **kwargs)
             try:

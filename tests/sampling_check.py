@@ -59,15 +59,15 @@ def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], presen
 
 
 def exact_joint(model, prompt: list[int], length: int, eos=frozenset(), floor: float = 0.0,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, constraint=None,
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, constraint=None,
                 min_tokens: int = 0, **penalties) -> dict[tuple[int, ...], float]:
     """{sequence: p(sequence | prompt)} for every continuation of ``length`` tokens (shorter when it ends at an EOS)
     with probability >= ``floor``, by enumeration: one batched forward of the verifier per position over the prefixes
     that are still >= ``floor`` (a sequence is never more likely than its prefix, so nothing >= floor is missed).
     Probabilities are the verifier's processed ones (a compiled ``constraint``'s mask after each prefix, from a fresh
     grammar state; EOS masked in the first ``min_tokens`` positions; ``penalties`` - presence_penalty,
-    frequency_penalty, repetition_penalty; then temperature, top-k, top-p, as the engine applies them)."""
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    frequency_penalty, repetition_penalty; then temperature, top-k, top-p, min-p, as the engine applies them)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     eos = set(eos)
     done: dict[tuple[int, ...], float] = {}
     live: dict[tuple[int, ...], float] = {(): 1.0}
@@ -230,7 +230,7 @@ def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_toke
     counts, stats = sample_joint(engine, prompt, n, length, max_new_tokens, seed, generate, **sampling)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     processing = {k: v for k, v in sampling.items()
-                  if k in ("temperature", "top_k", "top_p", "logit_bias", "min_tokens", "allowed_token_ids")
+                  if k in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "min_tokens", "allowed_token_ids")
                   or "penalty" in k}
     if sampling.get("constraint") is not None:
         from metasd.core.constraints import compile_constraint

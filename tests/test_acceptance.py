@@ -83,9 +83,40 @@ def test_top_k_top_p_processing():
     p = process_logits(logits, SamplingParams(temperature=1.0, top_k=3))
     assert p[3] == 0 and torch.allclose(p.sum(), torch.tensor(1.0))
     assert process_logits(logits, SamplingParams()).tolist() == [1, 0, 0, 0]
-    for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
-        with pytest.raises(ValueError):
+    for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=-0.1),
+                dict(min_p=1.5), dict(min_p=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def test_min_p_processing():
+    """min-p keeps the tokens at least min_p times as likely as the most likely one, renormalised."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = process_logits(logits, SamplingParams(temperature=1.0, min_p=0.3))  # threshold 0.15: 0.15 stays
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    assert process_logits(logits, SamplingParams(temperature=1.0, min_p=1.0)).tolist() == [1, 0, 0, 0]
+    assert process_logits(logits, SamplingParams(temperature=1.0, min_p=0.0)).allclose(torch.tensor([.5, .3, .15, .05]))
+
+
+@pytest.mark.parametrize("settings", [dict(min_p=0.05), dict(top_k=40, min_p=0.1), dict(top_p=0.9, min_p=0.02),
+                                      dict(temperature=0.6, top_k=20, top_p=0.8, min_p=0.01)])
+def test_processing_matches_transformers_warpers(settings):
+    """temperature, top-k, top-p and min-p in transformers' order, against transformers' own warpers (an independent
+    implementation) on random logits rows."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    settings = {"temperature": 1.0, **settings}
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3  # [rows, vocab]
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(settings["temperature"])])
+    if settings.get("top_k"):
+        warpers.append(TopKLogitsWarper(settings["top_k"]))
+    if settings.get("top_p"):
+        warpers.append(TopPLogitsWarper(settings["top_p"]))
+    warpers.append(MinPLogitsWarper(settings["min_p"]))
+    reference = warpers(torch.zeros(6, 1, dtype=torch.long), logits.clone()).softmax(-1)
+    ours = process_logits(logits, SamplingParams(**settings))
+    assert ((ours > 0) == (reference > 0)).all() and torch.allclose(ours, reference, atol=1e-6)
+    assert (reference == 0).sum() > 0  # the warpers dropped something: the comparison is not vacuous
 
 
 # ---------------------------------------------------------------- exactness by enumeration

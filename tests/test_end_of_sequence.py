@@ -118,6 +118,48 @@ def test_min_tokens_ignores_a_stop_string_ending_before_its_token(model):
     assert got.text == plain.text[:second] and got.stats.stop_reason == "stop"
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(model):
+    """vLLM's ``include_stop_str_in_output``: the text ends after the stop string instead of before it (with
+    ``min_tokens``, after the occurrence that counts), alone and streamed through the scheduler."""
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(model, tok), _drafters()["chain"], check_tokenizers=False)
+    plain = engine.generate(PROMPT, 24, ignore_eos=True)
+    words = plain.text.split()
+    stop = next(w for w in words if words.count(w) >= 2)
+    first = plain.text.index(stop)
+    n_first = next(j for j in range(1, 25) if stop in tok.decode(plain.token_ids[:j]))
+    second = plain.text.index(stop, first + 1)
+    cases = [(dict(), plain.text[: first + len(stop)]),
+             (dict(min_tokens=n_first + 1), plain.text[: second + len(stop)])]
+    for extra, want in cases:
+        got = engine.generate(PROMPT, 24, ignore_eos=True, stop=[stop, "never"], include_stop_str_in_output=True,
+                              **extra)
+        assert got.text == want and got.stats.stop_reason == "stop", extra
+        with Scheduler(engine) as s:
+            events = list(s.submit(PROMPT, 24, ignore_eos=True, stop=stop, include_stop_str_in_output=True,
+                                   **extra).events(timeout=60))
+        assert "".join(e.text for e in events) == want and events[-1].finish_reason == "stop", extra
+    with pytest.raises(ValueError, match="^include_stop_str_in_output must be true or false"):
+        engine.generate(PROMPT, 4, stop="w1", include_stop_str_in_output="yes")
+
+
+def test_with_min_tokens_the_stream_runs_past_a_stop_string_that_does_not_count(model):
+    """A stop string ending before the ``min_tokens``-th token's text does not end the request, so the events carry
+    the text after it as it is generated, not all of it in the last event."""
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(model, tok), None, check_tokenizers=False)  # a token a step: many events
+    plain = engine.generate(PROMPT, 24, ignore_eos=True)
+    words = plain.text.split()
+    stop = next(w for w in words if words.count(w) >= 2)
+    first = plain.text.index(stop)
+    n_first = next(j for j in range(1, 25) if stop in tok.decode(plain.token_ids[:j]))
+    with Scheduler(engine) as s:
+        events = list(s.submit(PROMPT, 24, ignore_eos=True, stop=stop, min_tokens=n_first + 1).events(timeout=60))
+    before_last = "".join(e.text for e in events[:-1])
+    assert len(before_last) > first + len(stop), (before_last, stop)
+    assert before_last + events[-1].text == plain.text[: plain.text.index(stop, first + 1)]
+
+
 @pytest.mark.parametrize("kwargs, message", [({"min_tokens": -1}, "^min_tokens must be an integer >= 0"),
                                              ({"min_tokens": 4}, r"^min_tokens \(4\) must be at most max_new_tokens"),
                                              ({"min_tokens": 1.5}, "^min_tokens must be an integer")])

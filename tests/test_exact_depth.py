@@ -14,7 +14,7 @@ tests with p = 6e-29, 2e-13 and 6e-22. A correct rule fails one with probability
 fixed, so a run is reproducible.
 
 Cost: one-layer models over 8 tokens, one-token prompts where nothing needs more; a request is 2.5 to 5 model
-forwards. Each test takes 15-23 s of one core (5,000 requests), the file about two minutes.
+forwards. Each test takes 15-23 s of one core (5,000 requests), the file about three and a half minutes.
 """
 import pytest
 
@@ -108,3 +108,32 @@ def test_suffix_tree_sample_and_match(verifier):
 
 def test_ngram_chain_sample_and_match(verifier):
     check_at_depth(Engine(Verifier(verifier), NGramDrafter(k=3, n_max=3)), prompt=NGRAM_PROMPT)
+
+
+
+#: truncated sampling: each setting drops about 7% of the verifier's mass at the first position (the tokens after its
+#: 4 most likely), so q and p both have zeros, and a drafted token the verifier's truncation removed must be rejected
+#: and its mass never returned
+TRUNCATIONS = {"min_p": dict(min_p=0.1), "top_p": dict(top_p=0.9), "top_k_min_p": dict(top_k=4, min_p=0.05)}
+
+
+def test_truncations_drop_mass(verifier):
+    """The truncations above are not vacuous: each of top-k, top-p and min-p alone removes >= 5% of the mass the
+    verifier's first position gives (a verifier that ignored it fails the chi-square test below)."""
+    import torch
+
+    from metasd.core.decoding.sampling import SamplingParams, process_logits
+    with torch.no_grad():
+        logits = verifier(torch.tensor([PROMPT])).logits[0, -1]  # [V]
+    full = process_logits(logits, SamplingParams(temperature=1.0))
+    for setting in (dict(top_k=4), dict(top_p=0.9), dict(min_p=0.1)):
+        kept = process_logits(logits, SamplingParams(temperature=1.0, **setting)) > 0
+        assert full[~kept].sum() >= 0.05, setting
+
+
+@pytest.mark.parametrize("name, tree", [("min_p", False), ("top_p", False), ("top_k_min_p", True)])
+def test_truncated_sampling(verifier, drafter_model, name, tree):
+    """The ratio rule (a chain) and recursive rejection (a tree) with truncated p and q."""
+    drafter = (PretrainedTreeDrafter(drafter_model, depth=2, mode="rsd_c", branching=[2, 2], nodes=6) if tree
+               else PretrainedDrafter(drafter_model, k=3))
+    check_at_depth(Engine(Verifier(verifier), drafter), temperature=1.0, **TRUNCATIONS[name])

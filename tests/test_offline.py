@@ -21,6 +21,9 @@ def test_lines_are_checked_before_anything_runs():
                           ('{"prompt": 7}', "'prompt' must be a string")]:
         with pytest.raises(ValueError, match=message):
             read_requests([text], DEFAULTS)
+    sampling = read_requests(['{"prompt": "w7", "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1}'], DEFAULTS)
+    assert {k: sampling[0][1][k] for k in ("temperature", "top_p", "top_k", "min_p")} == dict(
+        temperature=0.5, top_p=0.9, top_k=4, min_p=0.1)
 
 
 def test_every_request_gets_a_line_with_its_result():

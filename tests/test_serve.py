@@ -190,6 +190,18 @@ def test_a_logit_bias_gives_plain_decodings_text_under_that_bias(client, referen
     assert only.choices[0].text == reference("w10 w11", 6, allowed_token_ids=[30, 31]).text
 
 
+def test_min_p_one_keeps_only_the_most_likely_token(client, reference):
+    """vLLM's and llama-server's ``min_p``: at 1 only tokens as likely as the most likely one stay, so sampling at
+    temperature 1 (any seed) gives greedy decoding's text, chat and completions, streamed too."""
+    want = reference(MSG, 10).text
+    sampled = _chat(client, max_tokens=10, temperature=1.0, seed=3, n=2, extra_body={"min_p": 1.0})
+    assert [c.message.content for c in sampled.choices] == [want, want]
+    assert _chat(client, max_tokens=10, temperature=1.0, seed=3).choices[0].message.content != want  # without: not
+    text = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=6, temperature=1.0, stream=True,
+                                     extra_body={"min_p": 1.0})
+    assert "".join(c.choices[0].text for c in text) == reference("w10 w11", 6).text
+
+
 def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(client):
     """vLLM's ``ignore_eos``: with end-of-sequence forced (+100), the answer is one EOS token and stops; asked to
     ignore it, it runs to max_tokens (its EOS tokens left out of the text as special tokens); with ``min_tokens`` it
@@ -210,12 +222,20 @@ def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(
     assert ends.choices[0].finish_reason == "stop" and ends.choices[0].text == " ".join(words.split()[: first + 1])
 
 
-def test_a_stop_string_ends_the_text_before_it(client, reference):
+def test_a_stop_string_ends_the_text_before_it_or_after_it_when_included(client, reference):
     text = reference(MSG, 12).text
     stop = text.split()[3]
     answer = _chat(client, max_tokens=12, temperature=0, stop=[stop, "never"])
     assert answer.choices[0].message.content == text[: text.index(stop)]
     assert answer.choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output: the text ends after the stop string, streamed or not
+    kept = text[: text.index(stop) + len(stop)]
+    answer = _chat(client, max_tokens=12, temperature=0, stop=[stop, "never"],
+                   extra_body={"include_stop_str_in_output": True})
+    assert answer.choices[0].message.content == kept and answer.choices[0].finish_reason == "stop"
+    chunks = _chat(client, max_tokens=12, temperature=0, stop=stop, stream=True,
+                   extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == kept
 
 
 def test_sampling_with_a_seed_is_reproducible(client):
@@ -313,6 +333,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"min_p": 1.5}, "min_p"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"metasd": {"drafter": "nope"}}, "metasd.drafter"),
     ("chat", {"metasd": {"fast": True}}, "metasd.fast"),

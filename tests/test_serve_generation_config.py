@@ -1,5 +1,5 @@
 """``--generation-config``: with ``auto`` (the default, as vLLM's) a request that leaves temperature, top_p, top_k,
-repetition_penalty or max_tokens unset gets the model's ``generation_config`` value; a value the request sets wins;
+min_p, repetition_penalty or max_tokens unset gets the model's ``generation_config`` value; a value the request sets wins;
 with ``none`` the server keeps OpenAI's defaults. Driven by the official openai client against tiny fp32 models."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _engine():
     engine = tiny_engine()
     config = engine.verifier.model.generation_config
     config.do_sample, config.top_k, config.repetition_penalty, config.max_new_tokens = True, 1, 1.6, 7
+    config.min_p = 0.05
     return engine
 
 
@@ -35,13 +36,14 @@ def _chat(setting: str, **kw):
 
 
 def test_generation_defaults_read_only_what_the_model_sets():
-    assert generation_defaults(_engine().verifier.model) == {"top_k": 1, "repetition_penalty": 1.6, "max_tokens": 7}
+    assert generation_defaults(_engine().verifier.model) == {"top_k": 1, "min_p": 0.05, "repetition_penalty": 1.6,
+                                                           "max_tokens": 7}
     assert generation_defaults(tiny_engine().verifier.model) == {}
 
 
 def test_auto_fills_unset_fields_from_the_models_generation_config():
     engine, (unset, overridden) = _chat("auto", asks=[{}, {"max_tokens": 5, "extra_body": {"repetition_penalty": 1.0}}])
-    penalised = engine.generate(MSG, 7, temperature=1.0, top_k=1, repetition_penalty=1.6)
+    penalised = engine.generate(MSG, 7, temperature=1.0, top_k=1, min_p=0.05, repetition_penalty=1.6)
     plain = engine.generate(MSG, 5)
     assert penalised.text != engine.generate(MSG, 7).text, "the model's repetition_penalty changed nothing here"
     assert unset.usage.completion_tokens == 7 and unset.choices[0].message.content == penalised.text

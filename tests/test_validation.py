@@ -161,6 +161,7 @@ ROWS = {
     "temperature -1": _option_row(["--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
     "top_p 1.5": _option_row(["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     "top_k -1": _option_row(["--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
+    "min_p 2": _option_row(["--min-p", "2"], "--min-p must be in [0, 1] (0 = off), got 2.0"),
     "threads 0": _option_row(["--threads", "0"], "--threads must be an integer >= 1, got 0"),
     "k 0": _option_row(["--drafter", "ngram", "--k", "0"], "--k must be an integer >= 1, got 0"),
     "--k without a drafter that takes it": _option_row(["--k", "3"], "--k 3: no chosen drafter drafts a chain"),

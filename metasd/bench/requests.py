@@ -139,7 +139,8 @@ class MethodRequests:
                 self.engine.policy.load_state_dict(states[-1])  # resume a persistent policy where it was
         c = self.engines.cfg
         res = self.engine.generate(prompt_ids, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-                                   top_k=c.top_k, seed=seed * 1_000_003 + index, category=question.category)
+                                   top_k=c.top_k, min_p=c.min_p, seed=seed * 1_000_003 + index,
+                                   category=question.category)
         rec = res.to_record()  # the same record as `metasd generate --json`'s
         if not m.persistent:
             rec.pop("policy_state")  # a per-request policy's state is not needed to resume anything

@@ -223,7 +223,8 @@ class ExperimentRunner:
         c = self.cfg
         d = {"pool": pool.name, "dataset": ds.name, "dataset.path": str(ds.path), "turns": ds.turns,
              "questions": len(ds.questions), "seed": seed, "max_new_tokens": c.max_new_tokens,
-             "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k, **settings}
+             "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k,
+             "min_p": c.min_p, **settings}
         out = flatten_params(d)
         out.update(model_params(pool))
         return out

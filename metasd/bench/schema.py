@@ -30,7 +30,7 @@ Top-level fields (all optional but ``runs``):
   Python's standard library, ``questions_per_group`` per category, metasd.data.copy_heavy) | a path | ``{name?, path,
   categories?, groups?, questions_per_group?, turns?}``; ``categories``, ``groups``, ``questions_per_group`` and
   ``turns`` (``all`` | ``first``) may also be set at top level as defaults for every dataset.
-- ``max_new_tokens`` (128), ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seeds`` ([0]).
+- ``max_new_tokens`` (128), ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_p``, ``seeds`` ([0]).
 - ``baselines``: ``plain`` (required: the speedup denominator), ``{type: assisted, drafter: NAME,
   params?}`` (transformers assisted generation with that pool drafter's model), ``prompt_lookup``.
   Baselines decode greedily, with metasd's LM-head fix on the verifier and the assistant (the strongest baselines).
@@ -195,6 +195,7 @@ class ExperimentConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     baselines: list[BaselineSpec] = Field(default_factory=lambda: [BaselineSpec(type="plain")])
     threads: int | None = Field(None, ge=1)

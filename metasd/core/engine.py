@@ -232,8 +232,9 @@ class Engine:
         """Generate up to ``max_new_tokens`` tokens; returns text, token ids and per-request stats (a KeyboardInterrupt
         meanwhile raises ``GenerationInterrupted``, whose ``result`` is what was generated so far).
 
-        Keyword arguments: temperature (0 = greedy), top_p, top_k, stop (strings; the text ends before
-        the first one), seed (sampling reproducible), policy (overrides the engine's for this call),
+        Keyword arguments: temperature (0 = greedy), top_p, top_k, min_p (in [0, 1]: a token less likely than
+        min_p times the most likely one is never sampled; applied after top_k and top_p), stop (strings; the text
+        ends before the first one), seed (sampling reproducible), policy (overrides the engine's for this call),
         chat (apply the chat template to a string prompt; default: only for message lists),
         category (request feature for contextual policies), logprobs (None, or k in 0..20: each new token's raw
         log-probability under the verifier and its k most likely alternatives, in ``result.logprobs``),
@@ -246,7 +247,8 @@ class Engine:
         min_tokens (vLLM's: no end-of-sequence token, and no stop string ending, before this many new tokens),
         stop_token_ids (vLLM's: token ids that end the request as an end-of-sequence token does, even with
         ignore_eos; kept in ``token_ids``, and in the text unless special), allowed_token_ids (vLLM's: only these
-        tokens may be generated; empty: no restriction).
+        tokens may be generated; empty: no restriction), include_stop_str_in_output (vLLM's: the text ends after the
+        stop string that ended it rather than before).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

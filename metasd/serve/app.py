@@ -40,9 +40,9 @@ from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_
 #: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
                   "speculate": "metasd.speculate", **{f: f for f in (
-                      "temperature", "top_p", "top_k", "stop", "seed", "prompt", "presence_penalty",
+                      "temperature", "top_p", "top_k", "min_p", "stop", "seed", "prompt", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
-                      "stop_token_ids", "allowed_token_ids")}}
+                      "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output")}}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -335,7 +335,7 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
     in ``x-metasd-server``; a request body over ``max_body_bytes`` gets 413, one not received within
     ``body_timeout_s`` seconds 408; ``max_model_len`` caps the context served; ``access_log``: a log line per
     request (logger ``metasd.serve.access``); ``generation_config``: "auto" fills a request's unset temperature,
-    top_p, top_k, repetition_penalty and max_tokens from the model's ``generation_config`` (vLLM's default), "none"
+    top_p, top_k, min_p, repetition_penalty and max_tokens from the model's ``generation_config`` (vLLM's), "none"
     leaves OpenAI's defaults; ``tool_call_parser``: the format the model's tool calls are read in (a name of
     ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
     'none' refused). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful

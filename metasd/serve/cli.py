@@ -81,7 +81,8 @@ def add_serve_parser(sub) -> None:
                    help="log a line of throughput, running and waiting requests and acceptance this often while "
                         "there is work (0: never)")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
-                   help="auto: a request that leaves temperature, top_p, top_k, repetition_penalty or max_tokens unset "
+                   help="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
+                        "max_tokens unset "
                         "gets the model's generation_config value, as vLLM does; none: OpenAI's defaults")
     p.add_argument("--tool-call-parser", choices=["auto", "none", *PARSERS], default="auto",
                    help="the format the model's tool calls are read in (auto: from its chat template, e.g. hermes for "

@@ -174,6 +174,7 @@ class _Common(Lenient):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # not OpenAI's; vLLM takes it too (0 or -1: off)
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's and llama-server's; 0: off
     stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)  # vLLM's int64 range, and uint64 (seeds are mod 2^64)
     stream: bool = False
@@ -187,6 +188,7 @@ class _Common(Lenient):
     min_tokens: int = Field(0, ge=0)  # vLLM's: no end-of-sequence token, and no stop string, before this many tokens
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: tokens that end the answer as EOS does
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens generated (empty: no restriction)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string that ended it
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
@@ -218,10 +220,12 @@ class _Common(Lenient):
         return {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
 
     def processing(self) -> dict[str, Any]:
-        """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``allowed_token_ids``, as
+        """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids`` and
+        ``include_stop_str_in_output``, as
         ``Scheduler.submit`` takes them."""
         return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                "stop_token_ids": self.stop_token_ids or None, "allowed_token_ids": self.allowed_token_ids or None}
+                "stop_token_ids": self.stop_token_ids or None, "allowed_token_ids": self.allowed_token_ids or None,
+                "include_stop_str_in_output": self.include_stop_str_in_output}
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the
@@ -418,13 +422,13 @@ class CompletionRequest(_Common):
 
 #: OpenAI's value of a sampling field that neither the request nor the model's generation_config sets (None: the
 #: penalty is off)
-SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": None,
+SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": None,
                       "frequency_penalty": None, "repetition_penalty": None}
 
 
 #: the ``generation_config`` fields a server started with ``--generation-config auto`` uses as request defaults, by the
 #: request field they fill
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 

@@ -1,5 +1,5 @@
 """Request fields the server does not declare (docs/serving.md#requests): refused where they would change the output
-(``refused_field``: a ``min_p``, vLLM's ``bad_words``, llama-server's ``grammar``, ...), with what to send
+(``refused_field``: vLLM's ``bad_words``, llama-server's ``grammar``, ...), with what to send
 instead where the server has it; every other unknown field (``store``, ``metadata``, ``user``, ...) changes nothing
 and is accepted, its name logged (``ignored_fields``), as vLLM does. A refused field is accepted at its "off" value,
 which clients built for vLLM or llama-server often send explicitly. Fields are matched by their path from the top of
@@ -21,8 +21,6 @@ def _off(*values) -> Callable[[Any], bool]:
 REFUSED_OPENAI_VLLM = {
     "functions": (_off([]), "the legacy functions field is not supported: use tools"),
     "function_call": (_off("none", "auto"), "the legacy function_call field is not supported: use tool_choice"),
-    "min_p": (_off(0, 0.0), "min_p is not supported (only 0)"),
-    "include_stop_str_in_output": (_off(False), "include_stop_str_in_output is not supported (only false)"),
     "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
     "guided_whitespace_pattern": (_off(), "guided_whitespace_pattern is not supported"),
     "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "

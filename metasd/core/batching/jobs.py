@@ -17,9 +17,30 @@ from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from ..execution.draft_rows import draft_rows_of
 from ..execution.llama_cpp_batch import LlamaCppBatchVerifier  # needs no llama-cpp-python until one is made
 from ..execution.prefix_cache import PrefixCache
-from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent, _TextStream
+from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent
 
 log = logging.getLogger("metasd.core.batching.scheduler")
+
+
+class TextDeltas:
+    """The text of a request's events, piece by piece: what ``Request.text_so_far`` has added since the last piece -
+    complete characters, holding back a tail that could still grow into a stop string, and never what follows the
+    stop string that ended the request (nor the stop string, unless the request includes it)."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.sent = ""  # the text sent so far
+
+    def add(self) -> str:
+        text = self.request.text_so_far()
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the request's final text (``GenerationResult.text``) not sent yet."""
+        return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""  # never send text twice
 
 
 class Job:
@@ -30,7 +51,7 @@ class Job:
         self.handle = handle
         self.request = request
         self.options = options
-        self.text = _TextStream(request.engine.tokenizer, request.stop)
+        self.text = TextDeltas(request)
         self.started_at: float | None = None
         self.first_token_at: float | None = None
         self.sent = 0  # new tokens sent in events
@@ -53,7 +74,7 @@ class Job:
         self.sent += len(new)
         if self.first_token_at is None and new:
             self.first_token_at = time.perf_counter()
-        return TokenEvent(list(new), self.text.add(new), logprobs=scores, prompt_logprobs=prompt)
+        return TokenEvent(list(new), self.text.add(), logprobs=scores, prompt_logprobs=prompt)
 
     def step_record(self) -> RequestStepRecord:
         """Its part of the last scheduler step."""
@@ -238,7 +259,8 @@ def policy_for(engine, options: RequestOptions):
 
 #: what ``Scheduler.submit`` passes on to ``Request`` beside sampling (``Engine.generate``'s keyword arguments)
 PROCESSING = {"logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-              "constraint", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids"}
+              "constraint", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids",
+              "include_stop_str_in_output"}
 
 
 def new_request(engine, prompt: Prompt, max_new_tokens: int, options: RequestOptions, arm_names: list[str],
@@ -247,7 +269,7 @@ def new_request(engine, prompt: Prompt, max_new_tokens: int, options: RequestOpt
     its admission reserves. ``ValueError`` naming the field for a bad one, ``KVBudgetError`` (one) for a request the
     KV budget could never hold."""
     check_options(options, arm_names)
-    unknown = sorted(set(sampling) - PROCESSING - {"temperature", "top_p", "top_k", "stop", "chat"})
+    unknown = sorted(set(sampling) - PROCESSING - {"temperature", "top_p", "top_k", "min_p", "stop", "chat"})
     if unknown:
         raise TypeError(f"submit() got unexpected keyword arguments {unknown}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):

@@ -5,7 +5,7 @@ Input: one JSON object per line (blank lines skipped) -
     {"prompt": "text"}                      a string prompt (the chat template applies unless the command's --raw)
     {"messages": [{"role": "user", "content": "..."}, ...]}   a conversation (always through the chat template)
 plus any of: "id" (echoed in the output; default: the line number), "max_tokens" (or "max_new_tokens"),
-"temperature", "top_p", "top_k", "seed", "stop" (a string or a list), "drafter" (one arm of the pool),
+"temperature", "top_p", "top_k", "min_p", "seed", "stop" (a string or a list), "drafter" (one arm of the pool),
 "draft_budget", "speculate" (false: plain decoding). Missing values take the command's options.
 
 Output: one JSON object per request, in the order they finish: {"id", "line", "text", "token_ids",
@@ -24,8 +24,8 @@ from .request_handle import RequestFinished, RequestOptions
 from .scheduler import Scheduler
 
 #: keys of an input line, beyond "prompt" / "messages"
-REQUEST_KEYS = {"id", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "drafter",
-                "draft_budget", "speculate"}
+REQUEST_KEYS = {"id", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                "drafter", "draft_budget", "speculate"}
 
 
 def parse_request_line(text: str, line: int, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def parse_request_line(text: str, line: int, defaults: dict[str, Any]) -> dict[s
         raise ValueError(f"line {line}: 'messages' must be a list of objects with 'role' and 'content'")
     kwargs = dict(defaults)
     kwargs["prompt"] = obj.get("prompt", obj.get("messages"))
-    for key in ("temperature", "top_p", "top_k", "seed", "stop"):
+    for key in ("temperature", "top_p", "top_k", "min_p", "seed", "stop"):
         if key in obj:
             kwargs[key] = obj[key]
     if "max_tokens" in obj or "max_new_tokens" in obj:

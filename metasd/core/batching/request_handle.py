@@ -7,9 +7,8 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator
 
-from ..decoding.detokenize import IncrementalDetokenizer, find_stop
 from ..decoding.request import GenerationResult
 from ..execution.logprobs import TokenLogprob
 
@@ -115,7 +114,7 @@ class RequestHandle:
     """A submitted request: its events as they come, its result, its cancellation. Thread-safe; events are kept, so
     ``events()`` / ``aevents()`` each replay them from the first (one consumer is the normal case)."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], scheduler: "Scheduler"):
+    def __init__(self, request_id: str, prompt_ids: list[int], scheduler: "Scheduler"):  # noqa: F821 - an import cycle
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self._scheduler = scheduler
@@ -196,39 +195,3 @@ class RequestHandle:
             except RuntimeError:  # that loop is closed: nobody waits there any more
                 pass
 
-
-class _TextStream:
-    """The text deltas of a request's events: incremental detokenisation, holding back a tail that could still grow
-    into a stop string, never sending a stop string or what follows it."""
-
-    def __init__(self, tokenizer, stop: Sequence[str]):
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = list(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.sent = 0  # characters of detok.text already sent
-        self.checked = 0  # characters of detok.text searched for stop strings
-        self.cut: int | None = None
-
-    def add(self, ids: Sequence[int]) -> str:
-        if self.detok is None or self.cut is not None:
-            return ""
-        self.detok.add(ids)
-        text = self.detok.text
-        hit = find_stop(text, self.stop, self.checked)
-        self.checked = len(text)
-        if hit is not None:
-            self.cut = hit
-            end = hit
-        else:
-            end = max(len(text) - self.hold, self.sent)
-        delta, self.sent = text[self.sent:end], end
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """The rest of the request's final text (``GenerationResult.text``) not sent yet."""
-        if self.detok is None:
-            return ""
-        sent = self.detok.text[: self.sent]
-        if final_text.startswith(sent):
-            return final_text[len(sent):]
-        return ""  # cannot happen with a consistent tokenizer: never send text twice

@@ -27,7 +27,7 @@ from .adaptive import AdaptiveSpeculation, StepPlan
 from .drafting import each_drafts
 from .jobs import Forks, Job, batch_verifier_for, free_row, new_request, prefix_cache_for, start_prefill, tidy_memory
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
-    RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent, _TextStream)
+    RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent)
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Scheduler:
             self._listeners.append(fn)
 
     def submit(self, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, stop: str | Sequence[str] | None = None, seed: int | None = None,
+               top_k: int = 0, min_p: float = 0.0, stop: str | Sequence[str] | None = None, seed: int | None = None,
                chat: bool | None = None, options: RequestOptions | None = None, request_id: str | None = None,
                **processing) -> RequestHandle:
         """Check a request and queue it; its ``RequestHandle``. ``ValueError`` (naming the field) for a bad request
@@ -146,9 +146,9 @@ class Scheduler:
         if self._closing:
             raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")
         options = options if options is not None else RequestOptions()
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed, chat=chat)
         request, kv_tokens = new_request(self.engine, prompt, max_new_tokens, options, self._arm_names,
-                                         self.verifier.cache, self.max_draft_nodes, temperature=temperature,
-                                         top_p=top_p, top_k=top_k, stop=stop, seed=seed, chat=chat, **processing)
+                                         self.verifier.cache, self.max_draft_nodes, **sampling, **processing)
         with self._lock:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is shutting down: it takes no new requests")

@@ -73,13 +73,26 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
     return min(hits) if hits else None
 
 
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the stop string in ``text`` that starts first among those ending after ``floor``
+    (characters), the first listed where two start together; None where there is none."""
+    hits = [(i, k) for k, s in enumerate(stops) if (i := text.find(s, max(floor - len(s) + 1, 0))) != -1]
+    return (min(hits)[0], stops[min(hits)[1]]) if hits else None
+
+
 class StoppingText:
     """A request's text as its tokens are committed, and its stop strings: read incrementally (one short decode per
-    append), cut before the first stop string once one is complete."""
+    append), cut before the first stop string once one is complete - or after it, with ``include_stop`` (vLLM's
+    ``include_stop_str_in_output``). ``stop``: a string, a list of them or None; an empty one is a ``ValueError``."""
 
-    def __init__(self, tokenizer, stop: Sequence[str]):
+    def __init__(self, tokenizer, stop: str | Sequence[str] | None, include_stop: bool = False):
         self.tokenizer = tokenizer
-        self.stop = list(stop)
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(include_stop, bool):
+            raise ValueError(f"include_stop_str_in_output must be true or false, got {include_stop!r}")
+        self.include_stop = include_stop
         self.stopped: str | None = None  # the text once a stop string ended the request, cut before it
         self._detok: IncrementalDetokenizer | None = None
         self._fed = 0  # tokens given to _detok
@@ -124,9 +137,11 @@ class StoppingText:
         if find_stop(text, self.stop, max(checked, floor)) is None:
             return False
         whole = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        # each stop string's first occurrence ending past the floor (the start of the text, without min_tokens)
-        cuts = [i for s in self.stop if (i := whole.find(s, max(floor - len(s) + 1, 0))) != -1]
-        if not cuts and floor:
+        # the first stop string ending past the floor (the start of the text, without min_tokens)
+        hit = first_stop(whole, self.stop, floor)
+        if hit is None and floor:
             return False  # what the incremental search found ends before the floor
-        self.stopped = whole[: min(cuts)] if cuts else self._detok.text[: find_stop(self._detok.text, self.stop)]
+        if hit is None:  # found in the incremental text only (a tokenizer whose whole decode spells it otherwise)
+            whole, hit = self._detok.text, first_stop(self._detok.text, self.stop)
+        self.stopped = whole[: hit[0] + (len(hit[1]) if self.include_stop else 0)]
         return True

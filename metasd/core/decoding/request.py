@@ -56,18 +56,19 @@ class Request:
     token lists (``steps``)."""
 
     def __init__(self, engine, prompt: Prompt, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
                  seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  constraint: Constraint | CompiledConstraint | None = None,
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0,
-                 stop_token_ids: Sequence[int] | None = None, allowed_token_ids: Sequence[int] | None = None):
+                 stop_token_ids: Sequence[int] | None = None, allowed_token_ids: Sequence[int] | None = None,
+                 include_stop_str_in_output: bool = False):
         self.engine = engine
         check_request(max_new_tokens=max_new_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
         if (min_tokens or 0) > max_new_tokens:  # None: not given, as check_request reads it
             raise ValueError(f"min_tokens ({min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
-        self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         self.penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
         self.logit_bias = check_logit_bias(logit_bias, engine.verifier)
         if isinstance(constraint, Constraint):  # structured output: compiled for the verifier's tokenizer (cached)
@@ -80,9 +81,9 @@ class Request:
             raise ValueError("prompt is empty after tokenisation")
         check_context(len(self.prompt_ids), max_new_tokens, engine.verifier.context_length, engine.verifier.name)
         self.max_new_tokens = max_new_tokens
-        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        # the text so far, read incrementally; stop strings (cut before one, after it with include_stop_str_in_output)
+        self._text = StoppingText(engine.tokenizer, stop, include_stop_str_in_output)
+        self.stop = self._text.stop
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
         # ignore_eos: past EOS to max_new_tokens; min_tokens: no EOS (stop token, stop string) before that many tokens
         self.category, self.ignore_eos, self.min_tokens = category, bool(ignore_eos), int(min_tokens or 0)
@@ -100,7 +101,6 @@ class Request:
         self.prompt_token_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill when asked
         self.new_ids: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(self.prompt_ids))
-        self._text = StoppingText(engine.tokenizer, self.stop)  # the text so far, read incrementally; stop strings
         #: what the request runs on: the engine's verifier and pool, unless a ``Scheduler`` binds its own (a slot of
         #: the batched cache, per-request forks of the drafters) before ``start``
         self.verifier, self.drafters, self.all_drafters = engine.verifier, engine.drafters, engine.all_drafters

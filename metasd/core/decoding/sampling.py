@@ -1,9 +1,10 @@
 """Sampling parameters and the logit processing shared by verifier and drafters.
 
-The same processing (temperature, then top-k, then top-p) is applied to verifier logits ``p`` and drafter
-logits ``q`` before any acceptance test, so that acceptance compares like with like. Temperature 0 means
-greedy: the processed distribution is one-hot on the argmax; so does any temperature below ``GREEDY_BELOW`` (1e-5),
-where dividing the logits would overflow to infinities and NaN probabilities (on CUDA a device-side assert).
+The same processing (temperature, then top-k, then top-p, then min-p - transformers' order) is applied to verifier
+logits ``p`` and drafter logits ``q`` before any acceptance test, so that acceptance compares like with like.
+Temperature 0 means greedy: the processed distribution is one-hot on the argmax; so does any temperature below
+``GREEDY_BELOW`` (1e-5), where dividing the logits would overflow to infinities and NaN probabilities (on CUDA a
+device-side assert).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ REQUEST_LIMITS = {
     "temperature": (lambda x: _is_real(x) and x >= 0, ">= 0 (0 = greedy)"),
     "top_p": (lambda x: _is_real(x) and 0.0 < x <= 1.0, "in (0, 1]"),
     "top_k": (lambda x: _is_int(x) and x >= 0, ">= 0 (0 = off)"),
+    "min_p": (lambda x: _is_real(x) and 0.0 <= x <= 1.0, "in [0, 1] (0 = off)"),
     "threads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
     "min_tokens": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
     "ignore_eos": (lambda x: isinstance(x, bool), "true or false"),
@@ -40,7 +42,7 @@ REQUEST_LIMITS = {
 
 
 def check_request(names: dict[str, str] | None = None, **values) -> None:
-    """Check request arguments (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``threads``; None =
+    """Check request arguments (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ...; None =
     not given) against ``REQUEST_LIMITS`` before any work is done; ``ValueError`` naming every bad one, as
     ``names`` spells it (the CLI: ``--top-p``), with its allowed values. Used by ``SamplingParams`` (so by
     ``Engine.generate`` / ``stream``) and by ``metasd generate`` before it loads any model."""
@@ -61,9 +63,10 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
 
     def __post_init__(self):
-        check_request(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        check_request(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +74,8 @@ class SamplingParams:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits -> probabilities after temperature, top-k and top-p.
+    """Logits -> probabilities after temperature, top-k, top-p and min-p (transformers' order; vLLM applies min-p
+    before top-k and top-p, which differs only where a request sets both min_p and top_p).
 
     logits: [..., vocab] (any float dtype); returns float32 probabilities [..., vocab].
     Greedy returns the one-hot distribution of the argmax.
@@ -90,7 +94,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if params.min_p > 0.0:
+        # min-p (Nguyen et al. 2024): drop a token less likely than min_p times the most likely one (which stays);
+        # renormalising after top-k / top-p scales every probability alike, so the ratio is the same before and after
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def fit_vocab(q: torch.Tensor, width: int) -> torch.Tensor:
