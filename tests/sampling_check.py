@@ -31,6 +31,7 @@ from scipy.stats import chisquare
 
 from metasd.core.decoding.sampling import SamplingParams, process_logits
 from metasd.core.execution.tree import children_lists
+from tiny import tiny_words
 
 MIN_EXPECTED = 5.0  # a cell expected fewer times than this goes into the pooled cell
 
@@ -38,16 +39,22 @@ MIN_EXPECTED = 5.0  # a cell expected fewer times than this goes into the pooled
 @torch.no_grad()
 def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], presence_penalty: float = 0.0,
               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-              logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None) -> torch.Tensor:
-    """One position's logits [vocab] with allowed tokens, a logit bias and vLLM's penalties, token by token (an
-    independent reference for ``metasd.core.decoding.processing`` and ``penalties``): every token not allowed set to
-    -inf, the bias added, then repetition over the prompt and the output, then frequency and presence over the
-    output."""
+              logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
+              bad_words: list[str] | None = None) -> torch.Tensor:
+    """One position's logits [vocab] with allowed tokens, bad words, a logit bias and vLLM's penalties, token by token
+    (an independent reference for ``metasd.core.decoding.processing``, ``bad_words`` and ``penalties``): every token
+    not allowed set to -inf, and every token that would complete a bad word after the output (words of the tiny
+    word-level tokenizer, each token the word at its id in ``tiny_words``), the bias added, then repetition over the
+    prompt and the output, then frequency and presence over the output."""
     row = logits.float().clone()
     if allowed_token_ids:
         for t in range(len(row)):
             if t not in allowed_token_ids:
                 row[t] = float("-inf")
+    for word in bad_words or []:
+        *prefix, last = [tiny_words().index(w) for w in word.split()]
+        if len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix:
+            row[last] = float("-inf")
     for t, amount in (logit_bias or {}).items():
         row[t] += amount
     for t in set(prompt) | set(output):
@@ -230,7 +237,8 @@ def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_toke
     counts, stats = sample_joint(engine, prompt, n, length, max_new_tokens, seed, generate, **sampling)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     processing = {k: v for k, v in sampling.items()
-                  if k in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "min_tokens", "allowed_token_ids")
+                  if k in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "min_tokens", "allowed_token_ids",
+                           "bad_words")
                   or "penalty" in k}
     if sampling.get("constraint") is not None:
         from metasd.core.constraints import compile_constraint

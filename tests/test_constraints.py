@@ -27,11 +27,13 @@ SCHEMA = {
     "required": ["name", "age", "kind"], "additionalProperties": False,
 }
 REGEX = r"[0-9]{3}-[a-z]{1,4}(\.[a-z]{1,3}){0,2}"
+#: vLLM's guided_choice: one prefix of another, and the characters a Lark string literal must escape
+CHOICES = ["no", "not sure", 'say "hi"', "back\\slash\n", "ünï ✓", "a|b"]
 SPECS = {"json_object": Constraint.json_object(), "json_schema": Constraint.json_schema(SCHEMA),
-         "regex": Constraint.regex(REGEX)}
+         "regex": Constraint.regex(REGEX), "choice": Constraint.choice(CHOICES)}
 PREFIXES = {"json_object": ['', '{"name": "Al', '{"n": [1, 2', '{"a": {}}'],
             "json_schema": ['', '{"name": "Al', '{"name": "Bob", "age": 4', '{"name": "", "age": 1, "kind": "x"}'],
-            "regex": ['', '12', '123-ab', '123-ab.c']}
+            "regex": ['', '12', '123-ab', '123-ab.c'], "choice": ['', 'no', 'say "', 'back\\']}
 
 
 def byte_bpe(vocab: int) -> PreTrainedTokenizerFast:
@@ -222,6 +224,9 @@ def check_schema(value) -> None:
 
 
 def check_text(kind: str, text: str) -> None:
+    if kind == "choice":
+        assert text in CHOICES, text
+        return
     if kind == "regex":
         assert re.fullmatch(REGEX, text), text
         return
@@ -510,3 +515,30 @@ def test_without_llguidance_specs_and_masks_work_and_compiling_says_what_to_inst
     assert unpack_bitmask(torch.tensor([5], dtype=torch.int32), 3).tolist() == [True, False, True]
     with pytest.raises(ImportError, match=re.escape("pip install 'metasd[structured]'")):
         ConstraintCompiler().compile(TOKENIZERS["bpe"], spec)
+
+
+def test_a_choice_is_each_of_its_strings_whole_and_nothing_else(compiler):
+    """``Constraint.choice`` (vLLM's guided_choice): every choice, escapes included, is complete text; a prefix of one
+    is not, and text that is none of them is refused."""
+    tok = TOKENIZERS["bpe"]
+    compiled = compiler.compile(tok, SPECS["choice"])
+    for choice in CHOICES:
+        state = compiled.new_state()
+        state.accept_tokens(encode(tok, choice))
+        assert state.eos_allowed(), choice  # (not is_complete for "no": "not sure" may still follow)
+    for prefix in ("n", "not", "not su", 'say "hi', "back\\slash"):
+        state = compiled.new_state()
+        state.accept_tokens(encode(tok, prefix))
+        assert not state.eos_allowed(), prefix
+    for other in ("yes", "say hi", "x", "a|c", "back\\\\slash"):
+        with pytest.raises(ConstraintViolation):
+            compiled.new_state().accept_tokens(encode(tok, other))
+
+
+@pytest.mark.parametrize("choices, message", [([], "non-empty list"), ("yes", "non-empty list"),
+                                              (["yes", ""], "choice 1 must be a non-empty string"),
+                                              (["yes", 3], "choice 1 must be a non-empty string")])
+def test_bad_choices_are_refused_naming_the_field(choices, message):
+    with pytest.raises(ConstraintError, match=message) as e:
+        Constraint.choice(choices)
+    assert e.value.field == "choices"

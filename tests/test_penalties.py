@@ -1,8 +1,9 @@
 """Presence, frequency and repetition penalties (metasd/core/decoding/penalties.py), applied along each draft node's
-own path, and a logit bias (metasd/core/decoding/processing.py) before them: greedy output token-identical to a plain penalised decoding loop written independently (one full forward
-per token, the penalties token by token: ``sampling_check.penalised``) for chains, trees and lookups, alone and
-through the scheduler; sampled output distributed as the penalised verifier's through a tree of depth 2 (chi-square);
-out-of-range values refused naming the field. Tiny fp32 models."""
+own path, and before them a logit bias, allowed tokens and bad words (metasd/core/decoding/processing.py): greedy
+output token-identical to a plain penalised decoding loop written independently (one full forward per token, the
+penalties token by token: ``sampling_check.penalised``) for chains, trees and lookups, alone and through the scheduler;
+sampled output distributed as the penalised verifier's through a tree of depth 2 (chi-square); out-of-range values
+refused naming the field. Tiny fp32 models."""
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ from metasd.core.execution.tree import Draft
 from metasd.core.execution.verifier import Verifier
 from metasd.drafters import FusedDrafter, NGramDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
 from sampling_check import joint_check, penalised
-from tiny import tiny_qwen, tiny_tokenizer
+from tiny import tiny_qwen, tiny_tokenizer, tiny_words
 
+WORDS = tiny_words()  # tiny_tokenizer's tokens, by id
 PROMPTS = [[0, 7, 12, 9, 33, 12, 9, 41, 5], [0, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41, 7, 7, 7, 12, 13]]
 SETTINGS = {"presence": dict(presence_penalty=1.5), "frequency": dict(frequency_penalty=0.7),
             "repetition": dict(repetition_penalty=1.8),
@@ -25,7 +27,11 @@ SETTINGS = {"presence": dict(presence_penalty=1.5), "frequency": dict(frequency_
             # vLLM's allowed_token_ids: every other token masked (here a few, EOS among them, so drafts still land)
             "allowed": dict(allowed_token_ids=[t for t in range(64) if t not in (1, 9, 12, 33)]),
             "allowed and frequency": dict(allowed_token_ids=[t for t in range(64) if t not in (1, 7, 23)],
-                                          frequency_penalty=0.7)}
+                                          frequency_penalty=0.7),
+            # vLLM's bad_words: a word of one token banned everywhere, longer ones only after their first tokens
+            # (tiny_tokenizer cannot encode w60..w63: its unknown token w6 is matched inside them)
+            "bad words": dict(bad_words=["w29 w18", "w16 w53 w48", "w23"]),
+            "bad words and repetition": dict(bad_words=["w56", "w48 w23"], repetition_penalty=1.3)}
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +79,8 @@ def test_greedy_is_plain_penalised_decoding_token_for_token(model, tok, setting)
 def test_scheduler_applies_each_requests_own_penalties(model, tok):
     engine = Engine(Verifier(model, tok), _drafters()["tree"], check_tokenizers=False)
     asks = [(PROMPTS[0], SETTINGS["all"]), (PROMPTS[1], {}), (PROMPTS[1], SETTINGS["repetition"]),
-            (PROMPTS[0], SETTINGS["bias"])]
-    with Scheduler(engine, max_batch=4) as s:
+            (PROMPTS[0], SETTINGS["bias"]), (PROMPTS[1], SETTINGS["bad words and repetition"])]
+    with Scheduler(engine, max_batch=5) as s:
         handles = [s.submit(p, 20, **kw) for p, kw in asks]
         got = [h.result(timeout=120).token_ids for h in handles]
     assert got == [_plain_penalised(model, p, 20, **kw) for p, kw in asks]
@@ -98,7 +104,9 @@ SAMPLED = {"penalties": lambda plain: dict(presence_penalty=1.0, frequency_penal
            # the unbiased first token made less likely, another more
            "bias": lambda plain: dict(logit_bias={plain[0]: -4.0, (plain[0] + 1) % 8: 3.0}),
            # the first tokens plain sampling drew, not allowed
-           "allowed": lambda plain: dict(allowed_token_ids=sorted(set(range(8)) - {plain[0], plain[1]}))}
+           "allowed": lambda plain: dict(allowed_token_ids=sorted(set(range(8)) - {plain[0], plain[1]})),
+           # the third token plain sampling drew banned after the second, and token 5 anywhere (a word a token)
+           "bad words": lambda plain: dict(bad_words=[f"{WORDS[plain[1]]} {WORDS[plain[2]]}", WORDS[5]])}
 
 
 @pytest.mark.parametrize("kind", sorted(SAMPLED))
@@ -106,7 +114,7 @@ def test_sampled_tokens_follow_the_processed_verifier_through_a_tree_of_depth_2(
     verifier = tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=20.0)
     drafter = PretrainedTreeDrafter(tiny_qwen(seed=5, vocab=8, layers=1, logit_scale=10.0), mode="rsd_s", width=3,
                                     nodes=6, depth=2)
-    engine = Engine(Verifier(verifier), drafter)
+    engine = Engine(Verifier(verifier, tiny_tokenizer(8)), drafter)
     processing = SAMPLED[kind](engine.generate([3], 3, temperature=1.0, seed=0).token_ids)
     check = joint_check(engine, [3], 2000, length=3, **processing)
     assert check.pvalue > 1e-4, check

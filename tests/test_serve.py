@@ -190,6 +190,19 @@ def test_a_logit_bias_gives_plain_decodings_text_under_that_bias(client, referen
     assert only.choices[0].text == reference("w10 w11", 6, allowed_token_ids=[30, 31]).text
 
 
+def test_bad_words_give_plain_decodings_text_under_the_same_ban(client, reference):
+    """vLLM's ``bad_words``: a one-word ban and a two-word one, chat and completions, streamed too."""
+    words = reference(MSG, 10).text.split()
+    ban = [words[1], f"{words[3]} {words[4]}"]
+    want = reference(MSG, 10, bad_words=ban).text
+    assert want != reference(MSG, 10).text  # the ban changes the text: the test can fail
+    chat = _chat(client, max_tokens=10, temperature=0, extra_body={"bad_words": ban})
+    assert chat.choices[0].message.content == want and words[1] not in want.split()
+    chunks = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"bad_words": ban})
+    assert "".join(c.choices[0].text for c in chunks) == reference("w10 w11", 8, bad_words=ban).text
+
+
 def test_min_p_one_keeps_only_the_most_likely_token(client, reference):
     """vLLM's and llama-server's ``min_p``: at 1 only tokens as likely as the most likely one stay, so sampling at
     temperature 1 (any seed) gives greedy decoding's text, chat and completions, streamed too."""
@@ -334,6 +347,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"temperature": -1}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),
     ("chat", {"min_p": 1.5}, "min_p"),
+    ("chat", {"bad_words": ["w10", " "]}, "bad_words"),
+    ("chat", {"bad_words": "w10"}, "bad_words"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"metasd": {"drafter": "nope"}}, "metasd.drafter"),
     ("chat", {"metasd": {"fast": True}}, "metasd.fast"),

@@ -65,10 +65,10 @@ def test_inert_fields_are_accepted_and_named_in_a_warning(client, caplog):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
      "tools"),  # this chat template does not render tools
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
-    ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
+    ({"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, "structured_outputs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),  # GBNF, not Lark
-    ({"extra_body": {"bad_words": ["w10"]}}, "bad_words"),
+    ({"extra_body": {"logits_processors": ["my_module.Processor"]}}, "logits_processors"),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),  # the legacy form of tools
     ({"messages": MSG + [{"role": "tool", "content": "21"}]}, "messages.[1]"),  # no tool_call_id
 ])

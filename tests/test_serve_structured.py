@@ -1,12 +1,14 @@
 """Structured output over HTTP with the official openai client: ``response_format`` (a JSON schema, a JSON object) and
-vLLM's ``guided_regex`` / ``guided_json``, with speculation on and off giving the same text under greedy, the text
-parsing as JSON valid against the schema (or matching the regex), and equal to ``Engine.generate`` with the same
-constraint. Tiny fp32 models over a byte-level BPE trained in the test (tests/test_constraints.py)."""
+vLLM's ``guided_regex`` / ``guided_json`` / ``guided_choice``, with speculation on and off giving the same text under
+greedy, the text parsing as JSON valid against the schema (or matching the regex, or one of the choices), and equal to
+``Engine.generate`` with the same constraint. Tiny fp32 models over a byte-level BPE trained in the test
+(tests/test_constraints.py)."""
 from __future__ import annotations
 
 import json
 import re
 
+import openai
 import pytest
 
 pytest.importorskip("fastapi")
@@ -19,7 +21,7 @@ from metasd.core.execution.verifier import Verifier  # noqa: E402
 from metasd.drafters import PretrainedDrafter  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from serve_helpers import ServerThread, openai_client  # noqa: E402
-from test_constraints import EOS, REGEX, SCHEMA, byte_bpe, check_schema  # noqa: E402
+from test_constraints import CHOICES, EOS, REGEX, SCHEMA, byte_bpe, check_schema  # noqa: E402
 from tiny import tiny_qwen  # noqa: E402
 
 MODEL = "tiny-json"
@@ -47,8 +49,9 @@ def served():
 
 def _both(create, **kw):
     """The same greedy request with speculation on and off: (on, off)."""
-    on = create(temperature=0, extra_body={**kw.pop("extra_body", {}), "metasd": {"speculate": True}}, **kw)
-    off = create(temperature=0, extra_body={"metasd": {"speculate": False}} | kw.pop("_off_extra", {}), **kw)
+    extra = kw.pop("extra_body", {})
+    on = create(temperature=0, extra_body={**extra, "metasd": {"speculate": True}}, **kw)
+    off = create(temperature=0, extra_body={**extra, "metasd": {"speculate": False}}, **kw)
     return on, off
 
 
@@ -80,6 +83,23 @@ def test_json_object_and_guided_forms(served):
     llama_server = c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=120, temperature=0,
                                              response_format={"type": "json_object", "schema": SCHEMA})
     assert llama_server.choices[0].message.content == formatted.choices[0].message.content  # its schema followed
+
+
+def test_guided_choice_answers_one_of_the_choices(served):
+    """vLLM's ``guided_choice``: the answer is one of the strings whole (greedy: the same with speculation on and off;
+    sampled: whichever seed), and a bad list or a second structured output is a 400 naming the field."""
+    on, off = _both(served.client.chat.completions.create, model=MODEL, messages=MSG, max_tokens=30,
+                    extra_body={"guided_choice": CHOICES})
+    assert on.choices[0].message.content == off.choices[0].message.content
+    assert on.choices[0].message.content in CHOICES and on.choices[0].finish_reason == "stop"
+    sampled = served.client.completions.create(model=MODEL, prompt="pick: ", max_tokens=30, temperature=1.0, n=6,
+                                               seed=1, extra_body={"guided_choice": CHOICES})
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in sampled.choices), sampled.choices
+    for extra, field in (({"guided_choice": []}, "guided_choice"), ({"guided_choice": ["a", ""]}, "guided_choice"),
+                         ({"guided_regex": REGEX, "guided_choice": ["a"]}, "guided_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            served.client.completions.create(model=MODEL, prompt="pick: ", max_tokens=4, extra_body=extra)
+        assert e.value.param == field, e.value.message
 
 
 def test_answers_equal_engine_generate_with_the_same_constraint(served):

@@ -248,7 +248,8 @@ class Engine:
         stop_token_ids (vLLM's: token ids that end the request as an end-of-sequence token does, even with
         ignore_eos; kept in ``token_ids``, and in the text unless special), allowed_token_ids (vLLM's: only these
         tokens may be generated; empty: no restriction), include_stop_str_in_output (vLLM's: the text ends after the
-        stop string that ended it rather than before).
+        stop string that ended it rather than before), bad_words (vLLM's: words never generated, each banned as the
+        token sequences it encodes to, as written and after a space; ``metasd.core.decoding.bad_words``).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

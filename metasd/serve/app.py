@@ -42,7 +42,7 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "drafter": "metasd.drafter", "
                   "speculate": "metasd.speculate", **{f: f for f in (
                       "temperature", "top_p", "top_k", "min_p", "stop", "seed", "prompt", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
-                      "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output")}}
+                      "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output", "bad_words")}}
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from metasd.core.constraints import Constraint, ConstraintError
+from metasd.core.decoding.bad_words import MAX_BAD_WORDS
 from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 
 #: the most stop strings a request may give, and the longest (every step searches the new text for each)
@@ -189,10 +190,12 @@ class _Common(Lenient):
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: tokens that end the answer as EOS does
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens generated (empty: no restriction)
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string that ended it
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured-output fields
     guided_regex: str | None = None
     guided_grammar: str | None = None  # a Lark grammar (llguidance's dialect), not xgrammar's EBNF
+    guided_choice: list[str] | None = None  # exactly one of these strings
     #: vLLM's extension: the prompt tokens' log-probabilities, each with this many alternatives (not with stream)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     metasd: MetasdOptions | None = None
@@ -220,12 +223,12 @@ class _Common(Lenient):
         return {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
 
     def processing(self) -> dict[str, Any]:
-        """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids`` and
-        ``include_stop_str_in_output``, as
+        """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``,
+        ``include_stop_str_in_output`` and ``bad_words``, as
         ``Scheduler.submit`` takes them."""
         return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "stop_token_ids": self.stop_token_ids or None, "allowed_token_ids": self.allowed_token_ids or None,
-                "include_stop_str_in_output": self.include_stop_str_in_output}
+                "include_stop_str_in_output": self.include_stop_str_in_output, "bad_words": self.bad_words or None}
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the
@@ -241,29 +244,22 @@ class _Common(Lenient):
         return out
 
     def constraint(self) -> Constraint | None:
-        """The structured output asked for (at most one of ``response_format``, ``guided_json``, ``guided_regex``);
+        """The structured output asked for (at most one of ``response_format`` and vLLM's ``guided_*`` fields);
         ``ConstraintError`` naming the field at fault."""
-        given = [name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, name) is not None]
+        given = [name for name in GUIDED if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
         if len(given) > 1:
             raise ConstraintError(given[1], f"only one structured output per request; {given[0]} is given too")
         if not given:
             return None
-        if given[0] in ("guided_regex", "guided_grammar"):
-            try:
-                if given[0] == "guided_regex":
-                    return Constraint.regex(self.guided_regex)
-                return Constraint.grammar_of(self.guided_grammar)
-            except ConstraintError as e:
-                raise ConstraintError(given[0], e.reason) from None
-        if given[0] == "guided_json":
-            try:
-                return Constraint.json_schema(self.guided_json)
-            except ConstraintError as e:
-                raise ConstraintError(f"guided_json.{e.field}" if e.field != "schema" else "guided_json",
-                                      e.reason) from None
-        return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True, by_alias=True))
+        if given[0] == "response_format":
+            return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True, by_alias=True))
+        try:
+            return GUIDED[given[0]](getattr(self, given[0]))
+        except ConstraintError as e:  # a part of guided_json's schema is named by its path
+            inner = f".{e.field}" if given[0] == "guided_json" and e.field != "schema" else ""
+            raise ConstraintError(given[0] + inner, e.reason) from None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -419,6 +415,10 @@ class CompletionRequest(_Common):
         one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
         return [self.prompt] if one else list(self.prompt)
 
+
+#: vLLM's structured-output fields, each made into a ``Constraint``
+GUIDED = {"guided_json": Constraint.json_schema, "guided_regex": Constraint.regex,
+          "guided_grammar": Constraint.grammar_of, "guided_choice": Constraint.choice}
 
 #: OpenAI's value of a sampling field that neither the request nor the model's generation_config sets (None: the
 #: penalty is off)

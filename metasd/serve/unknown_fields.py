@@ -1,5 +1,5 @@
 """Request fields the server does not declare (docs/serving.md#requests): refused where they would change the output
-(``refused_field``: vLLM's ``bad_words``, llama-server's ``grammar``, ...), with what to send
+(``refused_field``: vLLM's ``logits_processors``, llama-server's ``grammar``, ...), with what to send
 instead where the server has it; every other unknown field (``store``, ``metadata``, ``user``, ...) changes nothing
 and is accepted, its name logged (``ignored_fields``), as vLLM does. A refused field is accepted at its "off" value,
 which clients built for vLLM or llama-server often send explicitly. Fields are matched by their path from the top of
@@ -21,10 +21,9 @@ def _off(*values) -> Callable[[Any], bool]:
 REFUSED_OPENAI_VLLM = {
     "functions": (_off([]), "the legacy functions field is not supported: use tools"),
     "function_call": (_off("none", "auto"), "the legacy function_call field is not supported: use tool_choice"),
-    "guided_choice": (_off(), "guided_choice is not supported: use response_format or guided_regex"),
     "guided_whitespace_pattern": (_off(), "guided_whitespace_pattern is not supported"),
-    "structured_outputs": (_off(), "structured_outputs is not supported: use response_format, guided_json or "
-                                   "guided_regex"),
+    "structured_outputs": (_off(), "structured_outputs is not supported: use response_format or guided_json, "
+                                   "guided_regex, guided_grammar, guided_choice"),
     "modalities": (_off(["text"]), "only text output is served"),
     "audio": (_off(), "only text output is served"),
     "web_search_options": (_off(), "web search is not supported"),
@@ -34,7 +33,6 @@ REFUSED_OPENAI_VLLM = {
     "max_completion_tokens": (_off(), "max_completion_tokens is a chat field: /v1/completions takes max_tokens"),
     "use_beam_search": (_off(False), "beam search is not supported"),
     "length_penalty": (_off(1, 1.0), "length_penalty is not supported (beam search only)"),
-    "bad_words": (_off([]), "bad_words is not supported"),
     "truncate_prompt_tokens": (_off(), "truncate_prompt_tokens is not supported: the prompt is never truncated"),
     "skip_special_tokens": (_off(True), "skip_special_tokens is not supported (only true)"),
     "spaces_between_special_tokens": (_off(True), "spaces_between_special_tokens is not supported (only true)"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .backend import ConstraintError, available, check_grammar, grammar_source
 
@@ -36,8 +36,8 @@ class Constraint:
 
     Frozen; equal constraints (same kind, same schema whatever its key order, same pattern) are equal and hash
     alike, so they share one compiled grammar (``ConstraintCompiler``). Raises ``ConstraintError`` naming the field.
-    ``Constraint.json_object()``, ``.json_schema(schema)``, ``.regex(pattern)``, ``.grammar_of(lark)`` and
-    ``.from_response_format(rf)`` build one.
+    ``Constraint.json_object()``, ``.json_schema(schema)``, ``.regex(pattern)``, ``.grammar_of(lark)``,
+    ``.choice(strings)`` and ``.from_response_format(rf)`` build one.
     """
 
     kind: str
@@ -112,6 +112,18 @@ class Constraint:
     def grammar_of(cls, lark: str) -> "Constraint":
         """Text in the language of the Lark grammar ``lark`` (llguidance's dialect: rule ``start``, ``%json``)."""
         return cls("lark", lark=lark)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> "Constraint":
+        """Exactly one of ``choices`` (vLLM's ``guided_choice``): the Lark grammar of their alternatives, each a
+        string literal (JSON's escapes, which Lark's strings read alike). ``ConstraintError`` naming ``choices`` for
+        anything but a non-empty list of non-empty strings."""
+        if isinstance(choices, (str, bytes)) or not isinstance(choices, (list, tuple)) or not choices:
+            raise ConstraintError("choices", f"must be a non-empty list of strings, got {choices!r}")
+        for i, choice in enumerate(choices):
+            if not isinstance(choice, str) or not choice:
+                raise ConstraintError("choices", f"choice {i} must be a non-empty string, got {choice!r}")
+        return cls.grammar_of("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any] | None,

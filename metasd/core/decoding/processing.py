@@ -1,6 +1,7 @@
 """What a request does to the verifier's logits before acceptance, row by row along each draft node's own path: the
-grammar mask of structured output (metasd/core/constraints), ``allowed_token_ids`` (every other token masked), the
-end-of-sequence tokens masked before ``min_tokens`` new tokens, the logit bias (a fixed amount added to chosen
+grammar mask of structured output (metasd/core/constraints), ``allowed_token_ids`` (every other token masked),
+``bad_words`` (the token completing a banned sequence masked, bad_words.py), the end-of-sequence tokens masked before
+``min_tokens`` new tokens, the logit bias (a fixed amount added to chosen
 tokens' logits at every position), then the penalties (penalties.py) - vLLM's order. Temperature, top-k and top-p
 follow (sampling.py). Each depends only on the tokens before the row's position - the committed ones and the node's
 ancestors - so acceptance stays exact: the output is plain decoding's with the same processing
@@ -13,6 +14,7 @@ import torch
 
 from ..constraints import ConstraintError, ConstraintState, apply_mask
 from ..execution.tree import Draft
+from .bad_words import BadWords
 from .penalties import PathPenalizer
 
 
@@ -51,8 +53,8 @@ class PathProcessing:
 
     def __init__(self, grammar: ConstraintState | None, penalizer: PathPenalizer | None,
                  bias: Mapping[int, float] | None = None, min_tokens: int = 0, eos: Sequence[int] = (),
-                 allowed: Sequence[int] | None = None):
-        self.grammar, self.penalizer, self.bias = grammar, penalizer, dict(bias or {})
+                 allowed: Sequence[int] | None = None, bad_words: BadWords | None = None):
+        self.grammar, self.penalizer, self.bias, self.bad_words = grammar, penalizer, dict(bias or {}), bad_words
         self.allowed = sorted(allowed) if allowed else None  # vLLM's allowed_token_ids: every other token masked
         self._allowed_row: torch.Tensor | None = None  # [vocab] bool, built at the first apply
         self._bias_row: torch.Tensor | None = None  # [vocab] float32, built at the first apply (on the logits' device)
@@ -66,9 +68,11 @@ class PathProcessing:
         grammar = request.constraint.new_state() if request.constraint is not None else None
         penalizer = None if request.penalties.off else PathPenalizer(request.penalties, request.prompt_ids, device)
         eos = request.eos if request.min_tokens else ()
-        if grammar is None and penalizer is None and not request.logit_bias and not eos and not request.allowed_ids:
+        bad_words = BadWords(request.bad_words) if request.bad_words else None
+        if (grammar is None and penalizer is None and not request.logit_bias and not eos and not request.allowed_ids
+                and bad_words is None):
             return None
-        return cls(grammar, penalizer, request.logit_bias, request.min_tokens, eos, request.allowed_ids)
+        return cls(grammar, penalizer, request.logit_bias, request.min_tokens, eos, request.allowed_ids, bad_words)
 
     def apply(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """logits: [n+1, vocab] the verifier's raw rows (row 0 after the pending token, row i+1 after node i);
@@ -89,6 +93,10 @@ class PathProcessing:
             logits = logits.float().masked_fill(~self._allowed_row, float("-inf"))  # [n+1, vocab]
             if not bool(torch.isfinite(logits[0]).any()):  # only with a grammar: nothing both allow
                 raise ConstraintError("allowed_token_ids", "leaves no token the grammar allows after the text so far")
+        if self.bad_words is not None:
+            logits = self.bad_words.apply(logits, draft)  # [n+1, vocab]
+            if not bool(torch.isfinite(logits[0]).any()):
+                raise ConstraintError("bad_words", "ban every token the request may still generate here")
         if self.eos and self.generated < self.min_tokens:  # row r is new token number generated + depth(r) + 1
             early = torch.tensor(draft.layout.depths, device=logits.device) + self.generated < self.min_tokens
             logits = logits.float().clone()
@@ -110,6 +118,8 @@ class PathProcessing:
 
     def commit(self, tokens: Sequence[int]) -> None:
         self.generated += len(tokens)
+        if self.bad_words is not None:
+            self.bad_words.commit(tokens)
         if self.grammar is not None:
             self.grammar.accept_tokens(tokens)
         if self.penalizer is not None:

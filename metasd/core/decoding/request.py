@@ -6,7 +6,6 @@ verifier's cache keeps exactly what was committed, the reward scores the step, a
 """
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -24,17 +23,12 @@ from .drafter import StepContext, StepFeedback, drafting_loop, drafts_lookups
 from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
 from .metrics import GenerationResult, RequestStats, StepRecord  # noqa: F401 - re-exported
 from .penalties import Penalties
+from .bad_words import bad_word_sequences
 from .processing import PathProcessing, check_logit_bias, check_token_ids
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
-from .sampling import KeyedNoise, SamplingParams, check_request, process_logits
-
-
-def _fresh_seed() -> int:
-    """A seed for an unseeded sampled request, from the OS's entropy: ``torch.seed()`` would reseed the caller's global
-    torch RNG (and so change every draw their own code makes after the request)."""
-    return secrets.randbits(63)
+from .sampling import SamplingParams, check_request, process_logits, request_draws
 
 
 @dataclass
@@ -63,7 +57,7 @@ class Request:
                  constraint: Constraint | CompiledConstraint | None = None,
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                  stop_token_ids: Sequence[int] | None = None, allowed_token_ids: Sequence[int] | None = None,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, bad_words: Sequence[str] | None = None):
         self.engine = engine
         check_request(max_new_tokens=max_new_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
         if (min_tokens or 0) > max_new_tokens:  # None: not given, as check_request reads it
@@ -89,12 +83,9 @@ class Request:
         self.category, self.ignore_eos, self.min_tokens = category, bool(ignore_eos), int(min_tokens or 0)
         self.stop_ids = check_token_ids(stop_token_ids, engine.verifier, "stop_token_ids")  # end as an EOS does
         self.allowed_ids = check_token_ids(allowed_token_ids, engine.verifier, "allowed_token_ids") or None
-        self.generator, self.noise = None, None  # the request's own draws: its stream, or keyed noise when seeded
-        if not self.sampling.greedy:
-            self.generator = torch.Generator(device=engine.verifier.device)
-            self.generator.manual_seed(seed if seed is not None else _fresh_seed())
-            if seed is not None and engine.seeded_sampling == "keyed":
-                self.noise = KeyedNoise(seed, engine.verifier.device)
+        self.bad_words = bad_word_sequences(bad_words, engine.tokenizer, engine.verifier.name)  # token sequences
+        # the request's own draws: its stream, and keyed noise when seeded (none when greedy)
+        self.generator, self.noise = request_draws(self.sampling, seed, engine.verifier.device, engine.seeded_sampling)
         self.logprobs = check_logprobs(logprobs)  # None, or the alternatives per token (0: the chosen token's only)
         self.prompt_logprobs = check_logprobs(prompt_logprobs, "prompt_logprobs")
         self.token_logprobs: list[TokenLogprob] | None = [] if self.logprobs is not None else None

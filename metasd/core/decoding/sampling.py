@@ -9,6 +9,7 @@ device-side assert).
 from __future__ import annotations
 
 import numbers
+import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -101,6 +102,23 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def fresh_seed() -> int:
+    """A seed for an unseeded sampled request, from the OS's entropy: ``torch.seed()`` would reseed the caller's global
+    torch RNG (and so change every draw their own code makes after the request)."""
+    return secrets.randbits(63)
+
+
+def request_draws(params: SamplingParams, seed: int | None, device: torch.device | str,
+                  seeded_sampling: str = "keyed") -> tuple["torch.Generator | None", "KeyedNoise | None"]:
+    """A request's own random draws: (None, None) when it is greedy; else its generator (seeded with ``seed``, or
+    from the OS's entropy) and, where it is seeded and ``seeded_sampling`` is "keyed", its ``KeyedNoise``."""
+    if params.greedy:
+        return None, None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else fresh_seed())
+    return generator, KeyedNoise(seed, device) if seed is not None and seeded_sampling == "keyed" else None
 
 
 def fit_vocab(q: torch.Tensor, width: int) -> torch.Tensor:
