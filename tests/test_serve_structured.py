@@ -102,6 +102,19 @@ def test_guided_choice_answers_one_of_the_choices(served):
         assert e.value.param == field, e.value.message
 
 
+def test_the_responses_routes_text_format_is_chats_response_format(served):
+    """``/v1/responses`` with ``text.format`` (the schema inline) answers as the chat route with the same format."""
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}})
+    got = served.client.responses.create(model=MODEL, input=MSG[0]["content"], max_output_tokens=120, temperature=0,
+                                         text={"format": {"type": "json_schema", "name": "record", "schema": SCHEMA,
+                                                          "strict": True}})
+    assert got.output_text == chat.choices[0].message.content and got.status == "completed"
+    check_schema(json.loads(got.output_text))
+    assert got.text.format.type == "json_schema"
+
+
 def test_answers_equal_engine_generate_with_the_same_constraint(served):
     fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
     got = served.client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=120, temperature=0,

@@ -18,6 +18,8 @@ from .records import served_record
 from .responses import FINISH_REASONS, Completion, sse
 
 log = logging.getLogger("metasd.serve.app")
+#: the headers of a streamed answer: no caching, and no buffering by a proxy in front (nginx's X-Accel-Buffering)
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def draining() -> ApiError:

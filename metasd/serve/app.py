@@ -7,9 +7,7 @@ request, which frees its batch slot at the scheduler's next step.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
 import math
 import re
@@ -30,9 +28,11 @@ from .errors import ApiError, bad_request, error_body, from_validation, unknown_
 from .http_log import HttpObserver
 from .logprobs import TokenNames
 from .metrics import ServeMetrics
+from .middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, ServerHeader
+from .openai_responses import add_responses_route
 from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults
 from .unknown_fields import ignored_fields, refused_field
-from .answers import answer, draining, stream
+from .answers import STREAM_HEADERS, answer, draining, stream
 from .responses import Completion
 from .tokenize import add_tokenizer_routes
 from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
@@ -43,12 +43,6 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "drafter": "metasd.drafter", "
                       "temperature", "top_p", "top_k", "min_p", "stop", "seed", "prompt", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
                       "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output", "bad_words")}}
-_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-#: the largest request body read (bytes); a larger one is refused with 413 before it is parsed
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-#: seconds a client has to send its whole request body, from the first read; a slower one gets 408 (nginx's
-#: ``client_body_timeout`` is 60 s between two reads: a total bounds a client that trickles a byte a minute too)
-DEFAULT_BODY_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -256,73 +250,6 @@ class ServeState:
             raise bad_request(message, _SUBMIT_PARAMS.get(field)) from None
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 - at once when its Content-Length says
-    so, else as soon as what arrived passes it - before anything parses it; a body not complete ``timeout`` seconds
-    after the app first reads it is refused with 408 (a client that sends slowly holds a connection, never the
-    scheduler: nothing is submitted before the body is parsed). Reads after the body (a stream's wait for the client
-    to disconnect) are not bounded."""
-
-    def __init__(self, app, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S):
-        self.app, self.limit, self.timeout = app, limit, timeout
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await _send_error(send, _too_large(self.limit))
-        seen, complete, deadline = 0, False, None
-
-        async def counted():
-            nonlocal seen, complete, deadline
-            if complete:
-                return await receive()
-            if deadline is None:
-                deadline = time.monotonic() + self.timeout
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                raise ApiError(408, f"the request body did not arrive within the server's {self.timeout:g} s",
-                               code="body_timeout") from None
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _too_large(self.limit)
-                complete = not message.get("more_body", False)
-            else:  # http.disconnect: nothing more will come
-                complete = True
-            return message
-
-        await self.app(scope, counted, send)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than the server's limit of {limit} bytes", code="body_too_large")
-
-
-async def _send_error(send, error: ApiError) -> None:
-    body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-class _ServerHeader:
-    """ASGI middleware: every response names the server that answered (``x-metasd-server``), e.g. a Ray replica."""
-
-    def __init__(self, app, value: str):
-        self.app, self.header = app, (b"x-metasd-server", value.encode())
-
-    async def __call__(self, scope, receive, send):
-        async def send_named(message):
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), self.header]
-            await send(message)
-
-        await self.app(scope, receive, send_named if scope["type"] == "http" else send)
-
-
 def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None = None, *, metrics: ServeMetrics | None = None,
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
@@ -347,10 +274,10 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
     app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     if server_id:
-        app.add_middleware(_ServerHeader, value=server_id)
+        app.add_middleware(ServerHeader, value=server_id)
     if not (isinstance(body_timeout_s, (int, float)) and math.isfinite(body_timeout_s) and body_timeout_s > 0):
         raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {body_timeout_s!r}")
-    app.add_middleware(_BodyLimit, limit=max_body_bytes, timeout=float(body_timeout_s))
+    app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=float(body_timeout_s))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -367,7 +294,8 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
         log.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse(error_body("internal error (the server's log has it)", "server_error"), status_code=500)
 
-    async def generate(request: Request, model: type, kind: str):
+    async def parse(request: Request, model: type):
+        """The request's body checked against the route's ``model``: the API key, the drain, the fields, the model."""
         state.check_auth(request)
         if state.draining:
             raise draining()
@@ -385,6 +313,11 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                         ", ".join(ignored))
         if req.model and req.model not in state.model_names:  # null or "": the served model (as vLLM)
             raise unknown_model(req.model, state.model_name)
+        return req
+
+    async def start(req, kind: str) -> tuple[list, Completion]:
+        """A checked request's choices submitted (``kind``: "chat" or "text"), and the ``Completion`` that renders
+        them."""
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         prompts, prompt_field = await run_in_threadpool(state.prompt_ids, req)
@@ -401,10 +334,15 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
             completion.echo = [text for text in texts for _ in range(req.n)]
         elif kind == "chat" and req.echoed() is not None:  # the assistant message it continues, before each choice
             completion.echo = [req.echoed()] * req.n
-        handles = state.submit_choices(req, list(zip(prompts, budgets)), constraint)  # the last step: queued, answered
+        # the last step: queued, answered
+        return state.submit_choices(req, list(zip(prompts, budgets)), constraint), completion
+
+    async def generate(request: Request, model: type, kind: str):
+        req = await parse(request, model)
+        handles, completion = await start(req, kind)
         if req.stream:
             return StreamingResponse(stream(handles, completion), media_type="text/event-stream",
-                                     headers=_STREAM_HEADERS)
+                                     headers=STREAM_HEADERS)
         return JSONResponse(await answer(request, handles, completion))
 
     @app.post("/v1/chat/completions")
@@ -444,6 +382,7 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
             state.check_auth(request)
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    add_responses_route(app, state.model_name, parse, start)
     add_tokenizer_routes(app, state)
     app.add_middleware(HttpObserver, metrics=metrics, routes={getattr(r, "path", "") for r in app.routes},
                        log=access_log)  # the outermost: it sees every answer, a 413 and a 401 included
