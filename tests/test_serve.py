@@ -203,6 +203,21 @@ def test_bad_words_give_plain_decodings_text_under_the_same_ban(client, referenc
     assert "".join(c.choices[0].text for c in chunks) == reference("w10 w11", 8, bad_words=ban).text
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, server, reference):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (the templated prompt's, on chat), echoed as
+    kept; -1 keeps what the context holds."""
+    text = client.completions.create(model=MODEL, prompt="w20 w21 w10 w11 w12", max_tokens=6, temperature=0,
+                                     echo=True, extra_body={"truncate_prompt_tokens": 3})
+    want = reference("w10 w11 w12", 6).text
+    assert want != reference("w20 w21 w10 w11 w12", 6).text  # the cut changes the answer: the test can fail
+    assert text.choices[0].text == "w10 w11 w12" + want and text.usage.prompt_tokens == 3
+    ids = server.scheduler.engine.encode(MSG)
+    chat = _chat(client, max_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": 4})
+    assert chat.choices[0].message.content == reference(ids[-4:], 6).text and chat.usage.prompt_tokens == 4
+    whole = _chat(client, max_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+
+
 def test_min_p_one_keeps_only_the_most_likely_token(client, reference):
     """vLLM's and llama-server's ``min_p``: at 1 only tokens as likely as the most likely one stay, so sampling at
     temperature 1 (any seed) gives greedy decoding's text, chat and completions, streamed too."""
@@ -361,7 +376,8 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("text", {"max_tokens": 1000}, "max_tokens"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),  # vLLM's, each refused unless "off"
     ("chat", {"allowed_token_ids": [10, 999]}, "allowed_token_ids"),  # outside the tiny vocabulary
-    ("chat", {"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("text", {"truncate_prompt_tokens": 300}, "truncate_prompt_tokens"),  # more than the tiny model's context
     ("text", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),

@@ -116,7 +116,19 @@ class ServeState:
         if tools:
             self.check_tools(req)
         template = req.template_options() if field == "messages" else {}
-        return [self._ids(prompt, field, tools, template) for prompt in req.prompt_values()], field
+        prompts = [self._ids(prompt, field, tools, template) for prompt in req.prompt_values()]
+        return self.truncated(prompts, req.truncate_prompt_tokens), field
+
+    def truncated(self, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as many as the context holds;
+        None: the prompts as they are)."""
+        keep = self.context_length if keep == -1 else keep
+        if keep is None:
+            return prompts
+        if self.context_length and keep > self.context_length:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) is more than {self.model_name}'s context of "
+                              f"{self.context_length} tokens", "truncate_prompt_tokens")
+        return [ids[-keep:] for ids in prompts]
 
     def _ids(self, prompt, field: str, tools, template: dict[str, bool]) -> list[int]:
         """One prompt's token ids: token ids as given (checked against the vocabulary), text encoded."""
@@ -328,8 +340,9 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
                                 prompt_scores=None if req.prompt_logprobs is None else (state.names,
                                                                                         req.prompt_logprobs))
-        if kind == "text" and req.echo:  # each prompt as given (token ids: their text), before each of its choices
-            texts = [p if isinstance(p, str) else await run_in_threadpool(state.tokenizer.decode, ids)
+        if kind == "text" and req.echo:  # each prompt as given (token ids, a truncated prompt: their text), before
+            texts = [p if isinstance(p, str) and req.truncate_prompt_tokens is None  # each of its choices
+                     else await run_in_threadpool(state.tokenizer.decode, ids)
                      for p, ids in zip(req.prompt_values(), prompts)]
             completion.echo = [text for text in texts for _ in range(req.n)]
         elif kind == "chat" and req.echoed() is not None:  # the assistant message it continues, before each choice
