@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -115,3 +116,19 @@ def openai_client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@contextmanager
+def serving(engine, model: str, max_batch: int = 4, **app_kwargs):
+    """A running ``ServerThread`` over a new ``Scheduler`` on ``engine``, served as ``model``, with the official client
+    as its ``client``; the scheduler is closed afterwards."""
+    from metasd.core.batching.scheduler import Scheduler
+    from metasd.serve.app import create_app
+
+    scheduler = Scheduler(engine, max_batch=max_batch)
+    try:
+        with ServerThread(create_app(scheduler, model, **app_kwargs)) as srv:
+            srv.client = openai_client(srv)
+            yield srv
+    finally:
+        scheduler.close()

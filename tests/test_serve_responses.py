@@ -10,10 +10,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from metasd.core.batching.scheduler import Scheduler  # noqa: E402
-from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.openai_responses import ResponsesRequest  # noqa: E402
-from serve_helpers import ServerThread, openai_client, tiny_engine  # noqa: E402
+from serve_helpers import serving, tiny_engine  # noqa: E402
 
 MODEL = "tiny"
 TEXT = "w10 w11 w12 w10 w11"
@@ -21,11 +19,8 @@ TEXT = "w10 w11 w12 w10 w11"
 
 @pytest.fixture(scope="module")
 def server():
-    scheduler = Scheduler(tiny_engine(), max_batch=4)
-    with ServerThread(create_app(scheduler, MODEL)) as srv:
-        srv.client = openai_client(srv)
+    with serving(tiny_engine(), MODEL) as srv:
         yield srv
-    scheduler.close()
 
 
 def _chat(server, messages, **kw):

@@ -22,7 +22,7 @@ from metasd.core.execution.verifier import Verifier  # noqa: E402
 from metasd.drafters import PretrainedDrafter  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.tools import HermesParser, added_tokens  # noqa: E402
-from serve_helpers import ServerThread, openai_client  # noqa: E402
+from serve_helpers import ServerThread, openai_client, serving  # noqa: E402
 from test_constraints import EOS, byte_bpe  # noqa: E402
 from tiny import tiny_qwen  # noqa: E402
 
@@ -64,11 +64,8 @@ def _engine(tok=None):
 
 @pytest.fixture(scope="module")
 def served():
-    scheduler = Scheduler(_engine(), max_batch=4)
-    with ServerThread(create_app(scheduler, MODEL)) as srv:
-        srv.client = openai_client(srv)
+    with serving(_engine(), MODEL) as srv:
         yield srv
-    scheduler.close()
 
 
 def _create(served, speculate=True, **kw):
