@@ -109,6 +109,26 @@ def test_completion_logprobs_and_echo(served, client):
     assert echo.usage.completion_tokens == 8 and echo.usage.prompt_tokens == len(prompt)
 
 
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(served, client):
+    """vLLM's ``return_tokens_as_token_ids``: every token of the log-probabilities, alternatives included, is
+    ``token_id:<id>``, with the same numbers as by text; the answer's text is unchanged."""
+    engine = served.engine
+    named = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=TOP)
+    by_id = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=TOP, extra_body={"return_tokens_as_token_ids": True})
+    assert by_id.choices[0].message.content == named.choices[0].message.content
+    for a, b in zip(named.choices[0].logprobs.content, by_id.choices[0].logprobs.content):
+        assert b.token == f"token_id:{_ids(engine, [a.token])[0]}" and b.bytes == list(b.token.encode())
+        assert b.logprob == a.logprob
+        assert [x.token for x in b.top_logprobs] == [f"token_id:{i}" for i in _ids(engine, [x.token for x in
+                                                                                            a.top_logprobs])]
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                     extra_body={"return_tokens_as_token_ids": True})
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    assert text.choices[0].logprobs.tokens == [f"token_id:{i}" for i in _ids(engine, plain.choices[0].logprobs.tokens)]
+
+
 def test_completion_stream_with_echo_sends_the_prompt_first(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True)
     whole = client.completions.create(**kw).choices[0]

@@ -26,7 +26,7 @@ from metasd.core.execution.kv_memory import KVBudgetError, draft_headroom, token
 
 from .errors import ApiError, bad_request, error_body, from_validation, unknown_model
 from .http_log import HttpObserver
-from .logprobs import TokenNames
+from .logprobs import TokenIdNames, TokenNames
 from .metrics import ServeMetrics
 from .middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, ServerHeader
 from .openai_responses import add_responses_route
@@ -82,6 +82,7 @@ class ServeState:
         self.vocab_size = getattr(getattr(engine.verifier.model, "config", None), "vocab_size", None)
         self.drafters = [d.name for d in engine.drafters]
         self.names = TokenNames(self.tokenizer)  # names the tokens of log-probabilities
+        self.id_names = TokenIdNames(self.tokenizer)  # names them "token_id:<id>" (return_tokens_as_token_ids)
         if generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
         #: what a request that leaves a sampling field unset gets: the model's generation_config (``auto``)
@@ -105,6 +106,10 @@ class ServeState:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key the "
                                 "server was started with", type="authentication_error", code="invalid_api_key")
+
+    def names_for(self, req) -> TokenNames:
+        """How the request's log-probabilities name tokens: by their text, or ``token_id:<id>``."""
+        return self.id_names if req.return_tokens_as_token_ids else self.names
 
     def prompt_ids(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[list[list[int]], str]:
         """Each prompt's token ids (chat messages through the chat template; completions may give several prompts)
@@ -336,9 +341,9 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
         budgets = [state.budget(req, len(ids), prompt_field) for ids in prompts]
         constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
         completion = Completion(kind, state.model_name, sum(map(len, prompts)), req.include_usage(), n=req.n,
-                                names=state.names if req.logprob_options()[0] is not None else None,
+                                names=state.names_for(req) if req.logprob_options()[0] is not None else None,
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
-                                prompt_scores=None if req.prompt_logprobs is None else (state.names,
+                                prompt_scores=None if req.prompt_logprobs is None else (state.names_for(req),
                                                                                         req.prompt_logprobs))
         if kind == "text" and req.echo:  # each prompt as given (token ids, a truncated prompt: their text), before
             texts = [p if isinstance(p, str) and req.truncate_prompt_tokens is None  # each of its choices

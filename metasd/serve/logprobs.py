@@ -52,6 +52,15 @@ class TokenNames:
         return named
 
 
+class TokenIdNames(TokenNames):
+    """vLLM's ``return_tokens_as_token_ids``: each token named ``token_id:<id>`` (its bytes: that text's), so a client
+    can tell apart tokens whose text is the same or not valid UTF-8 alone."""
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        name = f"token_id:{int(token)}"
+        return name, list(name.encode("utf-8"))
+
+
 def chat_content(names: TokenNames, scores: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """``choices[i].logprobs.content`` of a chat completion (or of one streamed chunk)."""
     out = []

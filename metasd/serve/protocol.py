@@ -190,6 +190,7 @@ class _Common(Lenient):
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: tokens that end the answer as EOS does
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens generated (empty: no restriction)
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string that ended it
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens "token_id:<id>"
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None  # vLLM's: keep the last k
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too

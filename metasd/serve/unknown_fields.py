@@ -35,7 +35,6 @@ REFUSED_OPENAI_VLLM = {
     "length_penalty": (_off(1, 1.0), "length_penalty is not supported (beam search only)"),
     "skip_special_tokens": (_off(True), "skip_special_tokens is not supported (only true)"),
     "spaces_between_special_tokens": (_off(True), "spaces_between_special_tokens is not supported (only true)"),
-    "return_tokens_as_token_ids": (_off(False), "return_tokens_as_token_ids is not supported (only false)"),
     "logits_processors": (_off([]), "logits_processors are not supported"),
     "stream_options.continuous_usage_stats": (_off(False), "stream_options.continuous_usage_stats is not supported: "
                                                            "include_usage sends the usage in the last chunk"),
