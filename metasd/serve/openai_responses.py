@@ -20,11 +20,6 @@ from .answers import STREAM_HEADERS, answer, stream
 from .errors import ApiError, bad_request, from_validation
 from .protocol import ChatCompletionRequest, Lenient, MetasdOptions, accepted_fields
 
-#: the chat routes' sampling and output fields a Responses request may send as they are (not OpenAI's, as on the chat
-#: routes: vLLM's and llama-server's extensions)
-PASSED = ("top_k", "min_p", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-          "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output", "bad_words",
-          "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 #: the roles of an input message, by the chat role each becomes (the Responses API's ``developer`` is a system turn)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -84,27 +79,10 @@ class TextOptions(Lenient):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(Lenient):
-    """``POST /v1/responses``: the fields of OpenAI's Responses API this server serves, and the chat routes'
-    extensions (``PASSED``: ``top_k``, ``min_p``, ``stop``, penalties, ``guided_*``, ...) as they are; unknown
-    fields as on the other routes: refused where they would change the output, else ignored and logged."""
+class ChatExtensions(Lenient):
+    """The chat routes' sampling and output fields a Responses request may send (not OpenAI's, as on the chat routes:
+    vLLM's and llama-server's extensions), passed on to the chat request as they are and checked there."""
 
-    model: str | None = None
-    input: str | list[dict[str, Any]] = Field(min_length=1)  # the items: InputMessage each (``messages``)
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    stream: bool = False
-    text: TextOptions | None = None
-    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)  # not OpenAI's here: the chat routes' extension
-    metasd: MetasdOptions | None = None
-    previous_response_id: str | None = None
-    background: bool | None = None
-    tools: list[dict[str, Any]] | None = None
-    truncation: Literal["disabled", "auto"] | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-    # the chat routes' extensions (``PASSED``), passed on as they are and checked there
     top_k: Any = None
     min_p: Any = None
     stop: Any = None
@@ -122,6 +100,32 @@ class ResponsesRequest(Lenient):
     guided_regex: Any = None
     guided_grammar: Any = None
     guided_choice: Any = None
+
+
+#: the names of ``ChatExtensions``' fields
+PASSED = tuple(ChatExtensions.model_fields)
+
+
+class ResponsesRequest(ChatExtensions):
+    """``POST /v1/responses``: the fields of OpenAI's Responses API this server serves, and the chat routes'
+    extensions (``ChatExtensions``: ``top_k``, ``min_p``, ``stop``, penalties, ``guided_*``, ...) as they are; unknown
+    fields as on the other routes: refused where they would change the output, else ignored and logged."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)  # the items: InputMessage each (``messages``)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    text: TextOptions | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)  # not OpenAI's here: the chat routes' extension
+    metasd: MetasdOptions | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    top_logprobs: int | None = Field(None, ge=0)
 
     def refusal(self) -> tuple[str, str] | None:
         """(field, why) for what this server does not do - it stores nothing, runs nothing in the background - or

@@ -226,8 +226,7 @@ class _Common(Lenient):
 
     def processing(self) -> dict[str, Any]:
         """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``,
-        ``include_stop_str_in_output`` and ``bad_words``, as
-        ``Scheduler.submit`` takes them."""
+        ``include_stop_str_in_output`` and ``bad_words``, as ``Scheduler.submit`` takes them."""
         return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "stop_token_ids": self.stop_token_ids or None, "allowed_token_ids": self.allowed_token_ids or None,
                 "include_stop_str_in_output": self.include_stop_str_in_output, "bad_words": self.bad_words or None}

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from ..execution.tree import Draft
+from .vocab_row import VocabRow
 
 #: the most bad words one request may name (vLLM's ``MAX_NUM_BAD_WORDS``)
 MAX_BAD_WORDS = 128
@@ -54,7 +55,7 @@ class BadWords:
         self.multi = [(s[:-1], s[-1]) for s in sequences if len(s) > 1]  # (prefix, last token)
         self.width = max((len(prefix) for prefix, _ in self.multi), default=0)  # generated tokens a prefix may span
         self.recent: list[int] = []  # the last ``width`` generated tokens
-        self._single_row: torch.Tensor | None = None  # [vocab] bool, built at the first apply
+        self._single_row = VocabRow(dict.fromkeys(self.single, True), False, torch.bool)
 
     def contexts(self, draft: Draft) -> list[list[int]]:
         """The last ``width`` generated tokens before each row: row 0 after the committed tokens, row i+1 after node
@@ -69,11 +70,7 @@ class BadWords:
         """logits: [n+1, vocab] (row 0 after the pending token, row i+1 after node i); the rows with every token that
         would complete a banned sequence there at -inf (a new tensor where anything is masked)."""
         if self.single:
-            if self._single_row is None or self._single_row.shape[-1] != logits.shape[-1]:
-                row = torch.zeros(logits.shape[-1], dtype=torch.bool)
-                row[torch.tensor(self.single)] = True
-                self._single_row = row.to(logits.device)
-            logits = logits.float().masked_fill(self._single_row, float("-inf"))  # [n+1, vocab]
+            logits = logits.float().masked_fill(self._single_row.like(logits), float("-inf"))  # [n+1, vocab]
         if self.multi:
             banned = [(r, last) for r, context in enumerate(self.contexts(draft)) for prefix, last in self.multi
                       if len(context) >= len(prefix) and tuple(context[len(context) - len(prefix):]) == prefix]

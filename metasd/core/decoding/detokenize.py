@@ -62,22 +62,18 @@ class IncrementalDetokenizer:
         return ""
 
 
-def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
-    """Index of the earliest stop string in ``text`` that ends at or after ``start`` (the length of the text already
-    checked), or None. Only the tail that new text can complete is searched: O(new text + longest stop) per call."""
-    if not stops:
-        return None
-    longest = max(len(s) for s in stops)
-    lo = max(start - longest + 1, 0)
-    hits = [i for s in stops if (i := text.find(s, lo)) != -1]
-    return min(hits) if hits else None
-
-
 def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> tuple[int, str] | None:
     """(index, stop string) of the stop string in ``text`` that starts first among those ending after ``floor``
-    (characters), the first listed where two start together; None where there is none."""
+    characters (the text already checked), the first listed where two start together; None where there is none.
+    Only the tail that new text can complete is searched: O(new text + longest stop) per call."""
     hits = [(i, k) for k, s in enumerate(stops) if (i := text.find(s, max(floor - len(s) + 1, 0))) != -1]
     return (min(hits)[0], stops[min(hits)[1]]) if hits else None
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index of the earliest stop string in ``text`` that ends at or after ``start`` (``first_stop``'s), or None."""
+    hit = first_stop(text, stops, start)
+    return hit[0] if hit else None
 
 
 class StoppingText:

@@ -1,11 +1,10 @@
 """What a request does to the verifier's logits before acceptance, row by row along each draft node's own path: the
 grammar mask of structured output (metasd/core/constraints), ``allowed_token_ids`` (every other token masked),
 ``bad_words`` (the token completing a banned sequence masked, bad_words.py), the end-of-sequence tokens masked before
-``min_tokens`` new tokens, the logit bias (a fixed amount added to chosen
-tokens' logits at every position), then the penalties (penalties.py) - vLLM's order. Temperature, top-k and top-p
-follow (sampling.py). Each depends only on the tokens before the row's position - the committed ones and the node's
-ancestors - so acceptance stays exact: the output is plain decoding's with the same processing
-(docs/algorithms.md#lossless-acceptance)."""
+``min_tokens`` new tokens, the logit bias (a fixed amount added to chosen tokens' logits at every position), then the
+penalties (penalties.py) - vLLM's order. Temperature, top-k, top-p and min-p follow (sampling.py). Each depends only
+on the tokens before the row's position - the committed ones and the node's ancestors - so acceptance stays exact:
+the output is plain decoding's with the same processing (docs/algorithms.md#lossless-acceptance)."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -16,6 +15,7 @@ from ..constraints import ConstraintError, ConstraintState, apply_mask
 from ..execution.tree import Draft
 from .bad_words import BadWords
 from .penalties import PathPenalizer
+from .vocab_row import VocabRow
 
 
 def check_logit_bias(bias: Mapping[int, float] | None, verifier) -> dict[int, float] | None:
@@ -54,10 +54,10 @@ class PathProcessing:
     def __init__(self, grammar: ConstraintState | None, penalizer: PathPenalizer | None,
                  bias: Mapping[int, float] | None = None, min_tokens: int = 0, eos: Sequence[int] = (),
                  allowed: Sequence[int] | None = None, bad_words: BadWords | None = None):
-        self.grammar, self.penalizer, self.bias, self.bad_words = grammar, penalizer, dict(bias or {}), bad_words
-        self.allowed = sorted(allowed) if allowed else None  # vLLM's allowed_token_ids: every other token masked
-        self._allowed_row: torch.Tensor | None = None  # [vocab] bool, built at the first apply
-        self._bias_row: torch.Tensor | None = None  # [vocab] float32, built at the first apply (on the logits' device)
+        self.grammar, self.penalizer, self.bad_words = grammar, penalizer, bad_words
+        # vLLM's allowed_token_ids: every other token masked; the bias: added to its tokens' logits
+        self.allowed = VocabRow(dict.fromkeys(allowed, True), False, torch.bool) if allowed else None
+        self.bias = VocabRow(bias) if bias else None
         #: vLLM's min_tokens: the end-of-sequence tokens are masked where fewer new tokens come before the row's
         self.min_tokens, self.eos, self.generated = min_tokens, sorted(eos), 0
 
@@ -86,11 +86,7 @@ class PathProcessing:
                                                  "name as a token: <tool_call>, not \"<tool_call>\")")
             logits = apply_mask(logits.float(), masks)
         if self.allowed is not None:  # the same at every position
-            if self._allowed_row is None or self._allowed_row.shape[-1] != logits.shape[-1]:
-                row = torch.zeros(logits.shape[-1], dtype=torch.bool)
-                row[torch.tensor(self.allowed)] = True
-                self._allowed_row = row.to(logits.device)
-            logits = logits.float().masked_fill(~self._allowed_row, float("-inf"))  # [n+1, vocab]
+            logits = logits.float().masked_fill(~self.allowed.like(logits), float("-inf"))  # [n+1, vocab]
             if not bool(torch.isfinite(logits[0]).any()):  # only with a grammar: nothing both allow
                 raise ConstraintError("allowed_token_ids", "leaves no token the grammar allows after the text so far")
         if self.bad_words is not None:
@@ -101,12 +97,8 @@ class PathProcessing:
             early = torch.tensor(draft.layout.depths, device=logits.device) + self.generated < self.min_tokens
             logits = logits.float().clone()
             logits[early.nonzero(), torch.tensor(self.eos, device=logits.device)] = float("-inf")  # [n+1, vocab]
-        if self.bias:  # the same at every position: each row gets it whatever its path
-            if self._bias_row is None or self._bias_row.shape[-1] != logits.shape[-1]:
-                row = torch.zeros(logits.shape[-1], dtype=torch.float32)
-                row[torch.tensor(list(self.bias))] = torch.tensor(list(self.bias.values()), dtype=torch.float32)
-                self._bias_row = row.to(logits.device)
-            logits = logits.float() + self._bias_row  # [n+1, vocab]
+        if self.bias is not None:  # the same at every position: each row gets it whatever its path
+            logits = logits.float() + self.bias.like(logits)  # [n+1, vocab]
         if self.penalizer is not None:
             logits = self.penalizer.apply(logits, draft)
         return logits
