@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
                                           StepFeedback, check_params, register_drafter)
-from metasd.core.constraints.guide import DraftGuide
+from metasd.core.decoding.processing import DraftProcessing
 from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.core.execution.kv_cache import crop_to
 from metasd.core.execution.draft_rows import DraftRows, give_back_row
@@ -331,7 +331,7 @@ class PretrainedDrafter(Drafter):
             return Draft.empty()
         logits = yield from self._sync_steps(ctx.tokens.tolist())  # [vocab]
         whole = None  # argmax k times = the top-1 tree of k levels, one shape: one loop (for the batch over rows)
-        if ctx.sampling.greedy and ctx.grammar is None and self.confidence_threshold is None:
+        if ctx.sampling.greedy and ctx.processing is None and self.confidence_threshold is None:
             whole = self.loops.feed([1] * self.k, logits) if self.loops is not None else \
                 None if self.rows is None else self.rows.loop_feed([1] * self.k, self.cache, logits)
         if whole is not None:
@@ -350,16 +350,16 @@ class PretrainedDrafter(Drafter):
 
         The chain stays on the model's device (``DeviceTokens``), each token fed to the next forward as a device
         tensor; the host reads it once, with the verifier's choices - only a stop rule (the confidence stop,
-        ``stop_ids``) or a grammar (``ctx.grammar``: each token's logits masked by ``DraftGuide``) reads each token as
-        it goes. A drafting loop: returns (tokens: DeviceTokens, or [] when none; q rows)."""
+        ``stop_ids``) or the request's processing (``ctx.processing``, along the chain by ``DraftProcessing``) reads
+        each token as it goes. A drafting loop: returns (tokens: DeviceTokens, or [] when none; q rows)."""
         drafted: list[torch.Tensor] = []  # [1] int64 each, on the device
         probs: list[torch.Tensor] = []  # [vocab] each: q, the processed distribution each token was drawn from
-        guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and shared is None and self.bridge is None \
-            else None
+        guide = DraftProcessing(ctx.processing) if ctx.processing is not None and shared is None and \
+            self.bridge is None else None
         for i in range(depth):
             if guide is not None:
                 logits = guide.mask([i - 1], logits.reshape(1, -1))[0]  # [vocab]: after node i-1 (-1: the root)
-                if not bool(torch.isfinite(logits).any()):
+                if guide.grammar is not None and not bool(torch.isfinite(logits).any()):
                     break  # nothing the grammar allows: the chain ends here
             if ctx.sampling.greedy:
                 x = logits.argmax(-1, keepdim=True)

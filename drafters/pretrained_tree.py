@@ -58,7 +58,7 @@ from transformers import PreTrainedModel
 
 from metasd.core.decoding.drafter import (Bool, Counterfactual, DrafterParams, Float, Int, StepContext, StepFeedback,
                                           check_params, register_drafter)
-from metasd.core.constraints.guide import DraftGuide
+from metasd.core.decoding.processing import DraftProcessing
 from metasd.core.execution.kv_cache import cache_length, crop_to, keep_positions
 from metasd.core.decoding.sampling import process_logits
 from metasd.core.execution.draft_batch import Drafting, Feed, drive
@@ -158,7 +158,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         self.min_path_prob = float(min_path_prob)
         self.branching = branching
         self._pending: tuple[Draft, GrowingTree, list[int]] | None = None
-        self._guide: DraftGuide | None = None  # the grammar along the draft being grown (make_draft)
+        self._guide: DraftProcessing | None = None  # the request's processing along the draft being grown
 
     # ---------------------------------------------------------------- request life cycle
     def begin(self, ctx: StepContext) -> None:
@@ -185,8 +185,8 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         root_logits = yield from self._sync_steps(tokens)
         mode = "dynamic" if ctx.sampling.greedy else self.mode
         tree = GrowingTree(base=len(tokens))
-        # a constrained request: every node's logits masked to the grammar after its path (DraftGuide)
-        self._guide = DraftGuide(ctx.grammar) if ctx.grammar is not None and self.bridge is None else None
+        # a request with processing (a grammar, bans, a bias, penalties): every node's logits processed after its path
+        self._guide = DraftProcessing(ctx.processing) if ctx.processing is not None and self.bridge is None else None
         if mode == "dynamic":
             keep, probs = (yield from self._grow_dynamic(tree, root_logits, depth, ctx)), None
         else:
@@ -227,12 +227,12 @@ class PretrainedTreeDrafter(PretrainedDrafter):
 
     def _expandable(self, nodes: list[int]) -> list[int]:
         """The nodes worth drafting below: all of them, or under a grammar those inside it and before an
-        end-of-sequence token (``DraftGuide.expandable``)."""
+        end-of-sequence token (``DraftProcessing.expandable``)."""
         return nodes if self._guide is None else [i for i in nodes if self._guide.expandable(i)]
 
     def _guided(self, logits: torch.Tensor, nodes: list[int]) -> torch.Tensor:
-        """logits [len(nodes), vocab] after each node (-1: the root), masked to the grammar where the request has
-        one (``make_draft``)."""
+        """logits [len(nodes), vocab] after each node (-1: the root), processed as the request's verifier rows are
+        where it has processing (``make_draft``)."""
         return logits if self._guide is None else self._guide.mask(nodes, logits)
 
     def _log_scores(self, logits: torch.Tensor, ctx: StepContext, tree: GrowingTree, parents: list[int]

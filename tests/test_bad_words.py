@@ -43,7 +43,7 @@ def test_rows_are_masked_along_their_own_path():
     bad = BadWords([(4,), (2, 3), (1, 2, 0)])
     logits = torch.zeros(5, 5)  # [n+1, vocab]: the root and four nodes
     draft = Draft(tokens=torch.tensor([2, 1, 2, 2]), parents=torch.tensor([-1, -1, 1, 0]))  # 2; 1 -> 2; and 2 -> 2
-    out = bad.apply(logits, draft)
+    out = bad.apply(logits, draft.paths())
     inf = float("-inf")
     assert out[0].tolist() == [0, 0, 0, 0, inf]  # nothing generated yet
     assert out[1].tolist() == [0, 0, 0, inf, inf]  # after 2: 3 would complete (2, 3)
@@ -51,7 +51,7 @@ def test_rows_are_masked_along_their_own_path():
     assert out[3].tolist() == [inf, 0, 0, inf, inf]  # after 1, 2: both (2, 3) and (1, 2, 0)
     assert out[4].tolist() == [0, 0, 0, inf, inf]  # after 2, 2
     bad.commit([7, 1])  # the committed text ends with 1: its rows follow it
-    assert bad.apply(logits, Draft(tokens=torch.tensor([2]), parents=torch.tensor([-1])))[1, 0] == inf
+    assert bad.apply(logits, Draft(tokens=torch.tensor([2]), parents=torch.tensor([-1])).paths())[1, 0] == inf
     assert logits.abs().sum() == 0  # the verifier's logits are not touched (log-probabilities read them raw)
 
 

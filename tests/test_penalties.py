@@ -86,12 +86,61 @@ def test_scheduler_applies_each_requests_own_penalties(model, tok):
     assert got == [_plain_penalised(model, p, 20, **kw) for p, kw in asks]
 
 
+@pytest.mark.parametrize("name", ["chain", "tree"])
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_model_drafters_process_their_rows_as_the_verifier_and_gain_acceptance(model, tok, setting, name):
+    """A model drafter with the verifier's own weights processes its rows as the verifier's are processed
+    (``DraftProcessing``: bias, allowed ids, bad words and penalties along each draft path), so it drafts exactly what
+    the processed verifier picks: every chain step accepts its whole draft. With its processing off
+    (``Engine.mask_drafts``) it drafts the unprocessed model's picks and loses acceptance; the output is the same."""
+    twin = tiny_qwen(seed=0, logit_scale=4.0)
+    drafter = PretrainedDrafter(twin, k=4, name="chain") if name == "chain" else \
+        PretrainedTreeDrafter(twin, nodes=8, depth=4, width=2, frontier=1, name="tree")  # best child expanded
+    engine = Engine(Verifier(model, tok), drafter, check_tokenizers=False)
+    allowed, drafted = set(SETTINGS[setting].get("allowed_token_ids", range(64))), []
+    real = engine.drafters[0].propose
+    engine.drafters[0].propose = lambda ctx: drafted.append(real(ctx)) or drafted[-1]
+    texts, accepted, outside, full = {}, {}, {}, {}
+    for masked in (False, True):
+        engine.mask_drafts, drafted[:] = masked, []
+        results = [engine.generate(p, 24, **SETTINGS[setting]) for p in PROMPTS]
+        texts[masked], accepted[masked] = [r.token_ids for r in results], sum(r.stats.accepted for r in results)
+        outside[masked] = sum(int(t) not in allowed for d in drafted for t in d.tokens)
+        full[masked] = all(tau == 5 for r in results for tau in r.stats.tokens_per_step[:-1])
+    assert texts[True] == texts[False] == [_plain_penalised(model, p, 24, **SETTINGS[setting]) for p in PROMPTS]
+    # the twin drafts the processed verifier's own picks: its best path accepted whole at every step
+    assert full[True] and accepted[True] > accepted[False], (setting, accepted)
+    assert outside[True] == 0 and (outside[False] > 0 or "allowed" not in setting), outside
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("mode", ["chain", "dynamic", "rsd_s"])
+def test_processing_that_names_ids_past_a_drafters_head(model, tok, mode, sampled):
+    """A drafter whose LM head covers the first 48 ids only (``head_vocab``) under processing that names ids past it:
+    allowed ids all outside its head (its rows keep their unprocessed values: nothing to sample otherwise), a bias, a
+    ban and penalties on them. The output is the verifier's alone, greedy or seeded, and no draft carries a NaN q."""
+    head = dict(head_vocab=48)
+    drafter = PretrainedDrafter(tiny_qwen(seed=0, logit_scale=4.0), k=4, **head) if mode == "chain" else \
+        PretrainedTreeDrafter(tiny_qwen(seed=0, logit_scale=4.0), nodes=8, depth=3, width=2, mode=mode, **head)
+    sampling = dict(temperature=1.0, seed=1) if sampled else {}
+    real = drafter.propose
+    for processing in (dict(allowed_token_ids=[50, 51, 60]), dict(allowed_token_ids=[50, 51, 60, 7, 12]),
+                       dict(repetition_penalty=1.5, logit_bias={55: 5.0, 3: 2.0}),
+                       dict(bad_words=["w50", "w7 w55"], frequency_penalty=1.0, min_tokens=3)):
+        want = Engine(Verifier(model, tok), None).generate([0, 50, 7, 12, 55], 16, **processing, **sampling)
+        engine, drafts = Engine(Verifier(model, tok), drafter, check_tokenizers=False), []
+        engine.drafters[0].propose = lambda ctx: drafts.append(real(ctx)) or drafts[-1]
+        got = engine.generate([0, 50, 7, 12, 55], 16, **processing, **sampling)
+        assert got.token_ids == want.token_ids, processing
+        # every q a sampled draft carries is a distribution (a row of nothing would be NaN)
+        assert all(bool(torch.isfinite(d.probs).all()) for d in drafts if d.probs is not None), processing
+
 def test_rows_are_penalised_along_their_own_path():
-    pen = PathPenalizer(Penalties(frequency=1.0), prompt_ids=[1], device="cpu")
+    pen = PathPenalizer(Penalties(frequency=1.0), prompt_ids=[1])
     logits = torch.zeros(4, 5)  # [n+1, vocab]: root and three nodes
     draft = Draft(tokens=torch.tensor([2, 3, 2]), parents=torch.tensor([-1, 0, -1]))  # 2 -> 3, and a sibling 2
     pen.commit([4, 4])
-    out = pen.apply(logits, draft)
+    out = pen.apply(logits, draft.paths())
     assert out[0].tolist() == [0, 0, 0, 0, -2]  # committed: token 4 twice
     assert out[1].tolist() == [0, 0, -1, 0, -2]  # after node 0 (token 2)
     assert out[2].tolist() == [0, 0, -1, -1, -2]  # after node 1: the path 2, 3

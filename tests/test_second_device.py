@@ -526,6 +526,25 @@ def test_engine_on_the_device(pool_root, kind, mode):
     assert result.stats.drafted > 0, f"{kind}: drafted nothing, so the device path of drafting went unchecked"
 
 
+
+#: a request's processing of the verifier's rows, which model drafters apply to their own rows too
+PROCESSING = dict(repetition_penalty=1.3, frequency_penalty=0.2, logit_bias={12: 1.5, 9: -2.0}, min_tokens=4,
+                  bad_words=["w33 w12", "w41"], allowed_token_ids=[t for t in range(64) if t not in (7, 30)])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["pretrained", "pretrained_tree"])
+def test_processing_along_drafts_on_the_device(pool_root, kind, mode):
+    """A request with processing (penalties, bias, min_tokens, bad words, allowed ids) on the device: the model
+    drafter processes its own rows along its draft paths there (``DraftProcessing``) and gives the CPU's tokens."""
+    import test_conformance as tc
+
+    kwargs = dict(PROCESSING, **({} if mode == "greedy" else {"temperature": 1.0, "seed": 0}))
+    result = _engine(pool_root, kind, NAME).generate(tc.PROMPT, max_new_tokens=12, **kwargs)
+    assert result.token_ids == _engine(pool_root, kind, "cpu").generate(tc.PROMPT, max_new_tokens=12,
+                                                                          **kwargs).token_ids
+    assert result.stats.accepted > 0, f"{kind}: nothing accepted, so the drafter's processed rows went unchecked"
+
 # ---------------------------------------------------------------------------------------------- syncs per step
 REQUEST_LEVEL = ("(_finish)",)  # the request's end (its start is counted apart: ``_syncs_per_step``)
 

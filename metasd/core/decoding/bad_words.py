@@ -16,7 +16,6 @@ from typing import Sequence
 
 import torch
 
-from ..execution.tree import Draft
 from .vocab_row import VocabRow
 
 #: the most bad words one request may name (vLLM's ``MAX_NUM_BAD_WORDS``)
@@ -57,23 +56,19 @@ class BadWords:
         self.recent: list[int] = []  # the last ``width`` generated tokens
         self._single_row = VocabRow(dict.fromkeys(self.single, True), False, torch.bool)
 
-    def contexts(self, draft: Draft) -> list[list[int]]:
-        """The last ``width`` generated tokens before each row: row 0 after the committed tokens, row i+1 after node
-        i (its ancestors' tokens, then its own, after the committed ones)."""
-        rows = [self.recent]
-        tokens = draft.tokens.tolist() if len(draft) else []  # [n]
-        for i, parent in enumerate(draft.parents.tolist()):  # a parent comes before its children
-            rows.append((rows[parent + 1] + [tokens[i]])[-self.width:])
-        return rows
-
-    def apply(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """logits: [n+1, vocab] (row 0 after the pending token, row i+1 after node i); the rows with every token that
-        would complete a banned sequence there at -inf (a new tensor where anything is masked)."""
+    def apply(self, logits: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """logits: [rows, vocab], row r after the committed tokens then ``paths[r]`` (a draft's rows: ``Draft.paths``);
+        the rows with every token that would complete a banned sequence there at -inf (a new tensor where anything
+        is masked). Ids past the rows' width (a drafter's narrower vocabulary) are never drawn there: left out."""
+        width = logits.shape[-1]
         if self.single:
-            logits = logits.float().masked_fill(self._single_row.like(logits), float("-inf"))  # [n+1, vocab]
+            logits = logits.float().masked_fill(self._single_row.like(logits), float("-inf"))  # [rows, vocab]
         if self.multi:
-            banned = [(r, last) for r, context in enumerate(self.contexts(draft)) for prefix, last in self.multi
-                      if len(context) >= len(prefix) and tuple(context[len(context) - len(prefix):]) == prefix]
+            banned = []
+            for r, path in enumerate(paths):
+                context = (self.recent + list(path))[-self.width:]  # the last generated tokens before row r
+                banned += [(r, last) for prefix, last in self.multi if last < width and len(context) >= len(prefix)
+                           and tuple(context[len(context) - len(prefix):]) == prefix]
             if banned:
                 rows, columns = zip(*banned)
                 logits = logits.float().clone()

@@ -24,6 +24,7 @@ from ..execution.hidden import HiddenStore
 from ..execution.tree import Draft
 from .acceptance import Acceptance, follow
 from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (drafters import them here)
+from .processing import PathProcessing
 from .registry import registrar
 from .sampling import KeyedNoise, SamplingParams
 
@@ -47,12 +48,18 @@ class StepContext:
     #: None: no bound. A drafter may honour it to draft less, but only so that its draft is still exactly the one it
     #: would have drafted without the bound, cut to its first ``max_nodes`` nodes (budget counterfactuals rely on it)
     max_nodes: int | None = None
-    #: a constrained request's committed grammar state (never change it: ``DraftGuide`` forks it): model drafters
-    #: mask their logits along each draft path with it, so that drafts stay inside the grammar; None: no grammar
-    grammar: ConstraintState | None = None
+    #: the request's processing of the verifier's rows - its grammar, allowed ids, bad words, min_tokens, bias and
+    #: penalties - as committed (never change it): model drafters process their own rows along each draft path with
+    #: it (``DraftProcessing``), so that their drafts go where the processed verifier goes; None: nothing to process
+    processing: PathProcessing | None = None
     #: draft with lookups alone (``Drafter.lookup``): a drafter that runs a model drafts nothing this step and reads
     #: the committed text when it next drafts (an allocator's choice while a model has a long prompt still to read)
     lookup_only: bool = False
+
+    @property
+    def grammar(self) -> ConstraintState | None:
+        """A constrained request's committed grammar state (never change it); None: no grammar."""
+        return None if self.processing is None else self.processing.grammar
 
 
 @dataclass

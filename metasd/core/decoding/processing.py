@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..constraints import ConstraintError, ConstraintState, apply_mask
+from ..constraints import ConstraintError, ConstraintState, DraftGuide, apply_mask
 from ..execution.tree import Draft
 from .bad_words import BadWords
 from .penalties import PathPenalizer
@@ -62,11 +62,11 @@ class PathProcessing:
         self.min_tokens, self.eos, self.generated = min_tokens, sorted(eos), 0
 
     @classmethod
-    def for_request(cls, request, device) -> "PathProcessing | None":
-        """A ``Request``'s processing (its ``constraint``, ``penalties`` over its ``prompt_ids``, ``logit_bias``), on
-        ``device``; None when it has none of them."""
+    def for_request(cls, request) -> "PathProcessing | None":
+        """A ``Request``'s processing (its ``constraint``, ``penalties`` over its ``prompt_ids``, ``logit_bias``,
+        ``min_tokens``, ``allowed_token_ids``, ``bad_words``); None when it has none of them."""
         grammar = request.constraint.new_state() if request.constraint is not None else None
-        penalizer = None if request.penalties.off else PathPenalizer(request.penalties, request.prompt_ids, device)
+        penalizer = None if request.penalties.off else PathPenalizer(request.penalties, request.prompt_ids)
         eos = request.eos if request.min_tokens else ()
         bad_words = BadWords(request.bad_words) if request.bad_words else None
         if (grammar is None and penalizer is None and not request.logit_bias and not eos and not request.allowed_ids
@@ -77,7 +77,8 @@ class PathProcessing:
     def apply(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """logits: [n+1, vocab] the verifier's raw rows (row 0 after the pending token, row i+1 after node i);
         returns the processed rows (a new tensor). A node the grammar does not allow under its parent has an all
-        -inf row (never read: no rule accepts a node of probability 0)."""
+        -inf row (never read: no rule accepts a node of probability 0). ``ConstraintError`` naming the field where
+        row 0 is left no token."""
         if self.grammar is not None:
             masks = self.grammar.tree_masks(draft.parents, draft.tokens, logits.shape[-1])  # [n+1, vocab] bool
             if not bool(masks[0].any()):  # a dead end: nothing to sample (softmax of all -inf is NaN)
@@ -85,22 +86,33 @@ class PathProcessing:
                                                  "asks for may exist only as a special token, which a grammar must "
                                                  "name as a token: <tool_call>, not \"<tool_call>\")")
             logits = apply_mask(logits.float(), masks)
+        return self.along(logits, draft.paths(), check=True)
+
+    def along(self, logits: torch.Tensor, paths: Sequence[Sequence[int]], check: bool = False) -> torch.Tensor:
+        """Everything but the grammar, on rows after the committed tokens then ``paths[r]`` (logits: [rows, vocab],
+        the verifier's or a drafter's): the allowed ids, the bad words, the end-of-sequence tokens before
+        ``min_tokens``, the bias, the penalties. ``check``: ``ConstraintError`` naming the field that leaves row 0
+        no token (the verifier's rows)."""
+        def left_nothing(field: str, why: str) -> None:
+            if check and not bool(torch.isfinite(logits[0]).any()):
+                raise ConstraintError(field, why)
         if self.allowed is not None:  # the same at every position
-            logits = logits.float().masked_fill(~self.allowed.like(logits), float("-inf"))  # [n+1, vocab]
-            if not bool(torch.isfinite(logits[0]).any()):  # only with a grammar: nothing both allow
-                raise ConstraintError("allowed_token_ids", "leaves no token the grammar allows after the text so far")
+            logits = logits.float().masked_fill(~self.allowed.like(logits), float("-inf"))  # [rows, vocab]
+            left_nothing("allowed_token_ids", "leaves no token the grammar allows after the text so far")
         if self.bad_words is not None:
-            logits = self.bad_words.apply(logits, draft)  # [n+1, vocab]
-            if not bool(torch.isfinite(logits[0]).any()):
-                raise ConstraintError("bad_words", "ban every token the request may still generate here")
-        if self.eos and self.generated < self.min_tokens:  # row r is new token number generated + depth(r) + 1
-            early = torch.tensor(draft.layout.depths, device=logits.device) + self.generated < self.min_tokens
-            logits = logits.float().clone()
-            logits[early.nonzero(), torch.tensor(self.eos, device=logits.device)] = float("-inf")  # [n+1, vocab]
+            logits = self.bad_words.apply(logits, paths)  # [rows, vocab]
+            left_nothing("bad_words", "ban every token the request may still generate here")
+        if self.eos and self.generated < self.min_tokens:  # row r is new token number generated + len(path) + 1
+            early = [r for r, path in enumerate(paths) if self.generated + len(path) < self.min_tokens]
+            eos = [t for t in self.eos if t < logits.shape[-1]]
+            if early and eos:
+                logits = logits.float().clone()
+                logits[torch.tensor(early, device=logits.device)[:, None], torch.tensor(eos, device=logits.device)] \
+                    = float("-inf")  # [rows, vocab]
         if self.bias is not None:  # the same at every position: each row gets it whatever its path
-            logits = logits.float() + self.bias.like(logits)  # [n+1, vocab]
+            logits = logits.float() + self.bias.like(logits)  # [rows, vocab]
         if self.penalizer is not None:
-            logits = self.penalizer.apply(logits, draft)
+            logits = self.penalizer.apply(logits, paths)
         return logits
 
     def ended(self, eos: set[int]) -> bool:
@@ -116,3 +128,45 @@ class PathProcessing:
             self.grammar.accept_tokens(tokens)
         if self.penalizer is not None:
             self.penalizer.commit(tokens)
+
+
+class DraftProcessing:
+    """A request's processing along a draft a model drafter grows: each row of the drafter's logits processed as the
+    verifier's row at the same node will be (``PathProcessing``; the grammar by ``DraftGuide``), so its drafts go
+    where the processed verifier goes. ``add(node, parent, token)`` records a node (-1: the root, the committed
+    text); ``mask(nodes, logits)`` processes the rows after those nodes; ``expandable(node)`` says whether drafting
+    below a node can help.
+
+    Processing the drafter changes only what it proposes, never what is accepted: the verifier's rows are processed
+    anyway, and a sampled draft carries the processed ``q`` it was drawn from, which the acceptance rules use as
+    they use any ``q``. What it buys is acceptance: a drafter that does not know a ban or a bias spends its draft on
+    tokens the processed verifier gives probability 0, or little.
+    """
+
+    def __init__(self, processing: PathProcessing):
+        self.processing = processing
+        self.grammar = DraftGuide(processing.grammar) if processing.grammar is not None else None
+        self._paths: dict[int, list[int]] = {-1: []}  # node -> the draft tokens up to it
+
+    def add(self, node: int, parent: int, token: int) -> None:
+        self._paths[node] = self._paths[parent] + [token]
+        if self.grammar is not None:
+            self.grammar.add(node, parent, token)
+
+    def expandable(self, node: int) -> bool:
+        """Whether drafting below ``node`` can help: not below a token outside the grammar or an end-of-sequence
+        token (``DraftGuide.expandable``)."""
+        return self.grammar is None or self.grammar.expandable(node)
+
+    def mask(self, nodes: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits: [len(nodes), vocab] a drafter's raw logits after each node -> its processed rows, on their
+        device. A row the processing leaves no token (allowed ids all past a narrow head, or all banned after the
+        node) keeps its unprocessed values: no sampling reads a row of nothing (NaN), and the verifier rejects what
+        it must."""
+        if self.grammar is not None:
+            logits = self.grammar.mask(nodes, logits)  # [len(nodes), vocab]
+        out = self.processing.along(logits, [self._paths[n] for n in nodes])
+        if self.processing.allowed is None:  # only the allowed ids can leave a row of this vocabulary empty
+            return out
+        emptied = ~torch.isfinite(out).any(-1, keepdim=True) & torch.isfinite(logits).any(-1, keepdim=True)
+        return torch.where(emptied, logits.float(), out)

@@ -180,7 +180,7 @@ class Request:
         if self.prompt_logprobs is not None:
             self.prompt_token_logprobs = [None, *(prompt_scores or [])]
         eng, verifier, stats = self.engine, self.verifier, self.stats
-        self.processing = PathProcessing.for_request(self, verifier.device)
+        self.processing = PathProcessing.for_request(self)
         stats.prefill_s = now(verifier.device) - self.t_start
         # every committed token, prompt included, in one host buffer that grows in place (a drafter's ctx.tokens is
         # a view of its first T entries); the last committed token is the pending one
@@ -189,7 +189,7 @@ class Request:
         self.buffer[: self.length] = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
                              noise=self.noise, hidden=verifier.hidden,
-                             grammar=self.processing.grammar if self.processing and eng.mask_drafts else None,
+                             processing=self.processing if eng.mask_drafts else None,
                              request={"category": self.category, "max_new_tokens": self.max_new_tokens})
         for d in self.all_drafters:
             d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))

@@ -9,17 +9,20 @@ import torch
 
 class VocabRow:
     """``values`` at their token ids and ``fill`` at every other id, as a [vocab] tensor of ``dtype`` built at the
-    first ``like`` (on the logits' device, as wide as their rows) and kept while those stay the same."""
+    first ``like`` for each width and device (the verifier's rows, a drafter's) and kept. Ids past a width (a
+    drafter's narrower vocabulary) are left out of its row."""
 
     def __init__(self, values: Mapping[int, float | bool], fill: float | bool = 0, dtype: torch.dtype = torch.float32):
         self.values, self.fill, self.dtype = dict(values), fill, dtype
-        self._row: torch.Tensor | None = None
+        self._rows: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def like(self, logits: torch.Tensor) -> torch.Tensor:
         """The row for ``logits`` [..., vocab]: [vocab] on their device."""
-        width, row = logits.shape[-1], self._row
-        if row is None or row.shape[-1] != width or row.device != logits.device:
-            row = torch.full((width,), self.fill, dtype=self.dtype)
-            row[torch.tensor(list(self.values))] = torch.tensor(list(self.values.values()), dtype=self.dtype)
-            self._row = row = row.to(logits.device)
-        return row
+        key = (logits.shape[-1], logits.device)
+        if key not in self._rows:
+            row = torch.full((key[0],), self.fill, dtype=self.dtype)
+            inside = {t: v for t, v in self.values.items() if t < key[0]}
+            if inside:
+                row[torch.tensor(list(inside))] = torch.tensor(list(inside.values()), dtype=self.dtype)
+            self._rows[key] = row.to(logits.device)
+        return self._rows[key]

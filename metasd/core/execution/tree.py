@@ -161,6 +161,15 @@ class Draft:
     def depth(self) -> int:
         return max(self.layout.depths)
 
+    def paths(self) -> list[list[int]]:
+        """The draft tokens before each row of its verified logits: [] for row 0 (after the committed tokens), then
+        for row i+1 node i's path - its ancestors' tokens, then its own."""
+        rows: list[list[int]] = [[]]
+        tokens = self.tokens.tolist() if len(self) else []
+        for i, parent in enumerate(self.parents.tolist()):  # a parent comes before its children
+            rows.append(rows[parent + 1] + [tokens[i]])
+        return rows
+
     def truncated(self, max_depth: int) -> "Draft":
         """The sub-tree of nodes at depth <= max_depth (keeps topological indices consistent)."""
         if max_depth >= self.depth:
