@@ -86,30 +86,41 @@ def test_scheduler_applies_each_requests_own_penalties(model, tok):
     assert got == [_plain_penalised(model, p, 20, **kw) for p, kw in asks]
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 @pytest.mark.parametrize("name", ["chain", "tree"])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_model_drafters_process_their_rows_as_the_verifier_and_gain_acceptance(model, tok, setting, name):
+def test_model_drafters_process_their_rows_as_the_verifier_but_for_the_penalties(model, tok, setting, name):
     """A model drafter with the verifier's own weights processes its rows as the verifier's are processed
-    (``DraftProcessing``: bias, allowed ids, bad words and penalties along each draft path), so it drafts exactly what
-    the processed verifier picks: every chain step accepts its whole draft. With its processing off
-    (``Engine.mask_drafts``) it drafts the unprocessed model's picks and loses acceptance; the output is the same."""
+    (``DraftProcessing``: bias, allowed ids and bad words along each draft path), so under those it drafts exactly
+    what the processed verifier picks: every step accepts its best path whole; with its processing off
+    (``Engine.mask_drafts``) it drafts the unprocessed model's picks and loses acceptance. The penalties it leaves
+    out (they cost the default pool acceptance, BENCHMARKS.md): under penalties alone its drafts are the same either
+    way. The output is the same in every case."""
     twin = tiny_qwen(seed=0, logit_scale=4.0)
     drafter = PretrainedDrafter(twin, k=4, name="chain") if name == "chain" else \
         PretrainedTreeDrafter(twin, nodes=8, depth=4, width=2, frontier=1, name="tree")  # best child expanded
     engine = Engine(Verifier(model, tok), drafter, check_tokenizers=False)
-    allowed, drafted = set(SETTINGS[setting].get("allowed_token_ids", range(64))), []
+    processing = SETTINGS[setting]
+    allowed, drafted = set(processing.get("allowed_token_ids", range(64))), []
     real = engine.drafters[0].propose
     engine.drafters[0].propose = lambda ctx: drafted.append(real(ctx)) or drafted[-1]
-    texts, accepted, outside, full = {}, {}, {}, {}
+    texts, accepted, outside, full, drafts = {}, {}, {}, {}, {}
     for masked in (False, True):
         engine.mask_drafts, drafted[:] = masked, []
-        results = [engine.generate(p, 24, **SETTINGS[setting]) for p in PROMPTS]
+        results = [engine.generate(p, 24, **processing) for p in PROMPTS]
         texts[masked], accepted[masked] = [r.token_ids for r in results], sum(r.stats.accepted for r in results)
         outside[masked] = sum(int(t) not in allowed for d in drafted for t in d.tokens)
         full[masked] = all(tau == 5 for r in results for tau in r.stats.tokens_per_step[:-1])
-    assert texts[True] == texts[False] == [_plain_penalised(model, p, 24, **SETTINGS[setting]) for p in PROMPTS]
-    # the twin drafts the processed verifier's own picks: its best path accepted whole at every step
-    assert full[True] and accepted[True] > accepted[False], (setting, accepted)
+        drafts[masked] = [(d.tokens.tolist(), d.parents.tolist()) for d in drafted]
+    assert texts[True] == texts[False] == [_plain_penalised(model, p, 24, **processing) for p in PROMPTS]
+    if set(processing) <= set(PENALTIES):  # nothing drafters apply: the same drafts
+        assert drafts[True] == drafts[False]
+    elif not set(processing) & set(PENALTIES):  # the twin drafts the processed verifier's own picks
+        assert full[True] and accepted[True] > accepted[False], (setting, accepted)
+    else:  # the bias, allowed ids or bad words applied, the penalties not: other drafts
+        assert drafts[True] != drafts[False]
     assert outside[True] == 0 and (outside[False] > 0 or "allowed" not in setting), outside
 
 

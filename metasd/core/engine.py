@@ -181,8 +181,8 @@ class Engine:
         attach([verifier.model, *(m for d in self.all_drafters for m in d.modules())])
         self.meter = StepMeter(self.cost_model, decode_step_cost(verifier.model, self.cost_model))
         self.hidden_layers = tuple(sorted({layer for d in self.all_drafters for layer in d.hidden_layers}))
-        #: model drafters draft under a request's processing - grammar, allowed ids, bad words, min_tokens, bias,
-        #: penalties (``StepContext.processing``); False only to measure what that buys: outputs are the same
+        #: model drafters draft under a request's processing - grammar, allowed ids, bad words, min_tokens, bias
+        #: (``StepContext.processing``); False only to measure what that buys: outputs are the same
         self.mask_drafts = True
         backend = getattr(verifier, "backend", "torch")
         if self.hidden_layers and backend != "torch":

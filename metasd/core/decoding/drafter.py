@@ -50,7 +50,8 @@ class StepContext:
     max_nodes: int | None = None
     #: the request's processing of the verifier's rows - its grammar, allowed ids, bad words, min_tokens, bias and
     #: penalties - as committed (never change it): model drafters process their own rows along each draft path with
-    #: it (``DraftProcessing``), so that their drafts go where the processed verifier goes; None: nothing to process
+    #: it, all but the penalties (``DraftProcessing``), so that their drafts go where the processed verifier goes;
+    #: None: nothing for them to process (no processing, or penalties alone)
     processing: PathProcessing | None = None
     #: draft with lookups alone (``Drafter.lookup``): a drafter that runs a model drafts nothing this step and reads
     #: the committed text when it next drafts (an allocator's choice while a model has a long prompt still to read)

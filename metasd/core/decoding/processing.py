@@ -88,11 +88,19 @@ class PathProcessing:
             logits = apply_mask(logits.float(), masks)
         return self.along(logits, draft.paths(), check=True)
 
-    def along(self, logits: torch.Tensor, paths: Sequence[Sequence[int]], check: bool = False) -> torch.Tensor:
+    @property
+    def for_drafters(self) -> bool:
+        """Whether model drafters process their rows with it (``DraftProcessing``): where it has a grammar, allowed
+        ids, bad words, ``min_tokens`` or a bias - not for penalties alone, which drafters leave out."""
+        return bool(self.grammar is not None or self.allowed is not None or self.bad_words is not None or self.eos
+                    or self.bias is not None)
+
+    def along(self, logits: torch.Tensor, paths: Sequence[Sequence[int]], check: bool = False,
+              penalties: bool = True) -> torch.Tensor:
         """Everything but the grammar, on rows after the committed tokens then ``paths[r]`` (logits: [rows, vocab],
         the verifier's or a drafter's): the allowed ids, the bad words, the end-of-sequence tokens before
-        ``min_tokens``, the bias, the penalties. ``check``: ``ConstraintError`` naming the field that leaves row 0
-        no token (the verifier's rows)."""
+        ``min_tokens``, the bias, then the penalties where ``penalties``. ``check``: ``ConstraintError`` naming the
+        field that leaves row 0 no token (the verifier's rows)."""
         def left_nothing(field: str, why: str) -> None:
             if check and not bool(torch.isfinite(logits[0]).any()):
                 raise ConstraintError(field, why)
@@ -111,7 +119,7 @@ class PathProcessing:
                     = float("-inf")  # [rows, vocab]
         if self.bias is not None:  # the same at every position: each row gets it whatever its path
             logits = logits.float() + self.bias.like(logits)  # [rows, vocab]
-        if self.penalizer is not None:
+        if self.penalizer is not None and penalties:
             logits = self.penalizer.apply(logits, paths)
         return logits
 
@@ -132,15 +140,18 @@ class PathProcessing:
 
 class DraftProcessing:
     """A request's processing along a draft a model drafter grows: each row of the drafter's logits processed as the
-    verifier's row at the same node will be (``PathProcessing``; the grammar by ``DraftGuide``), so its drafts go
-    where the processed verifier goes. ``add(node, parent, token)`` records a node (-1: the root, the committed
-    text); ``mask(nodes, logits)`` processes the rows after those nodes; ``expandable(node)`` says whether drafting
-    below a node can help.
+    verifier's row at the same node will be (``PathProcessing``; the grammar by ``DraftGuide``) - all but the
+    penalties - so its drafts go where the processed verifier goes. ``add(node, parent, token)`` records a node (-1:
+    the root, the committed text); ``mask(nodes, logits)`` processes the rows after those nodes; ``expandable(node)``
+    says whether drafting below a node can help.
 
     Processing the drafter changes only what it proposes, never what is accepted: the verifier's rows are processed
     anyway, and a sampled draft carries the processed ``q`` it was drawn from, which the acceptance rules use as
     they use any ``q``. What it buys is acceptance: a drafter that does not know a ban or a bias spends its draft on
-    tokens the processed verifier gives probability 0, or little.
+    tokens the processed verifier gives probability 0, or little. The penalties are left out: applied to the default
+    pool's drafter they flattened its probabilities (a repetition penalty divides the logits of every token already
+    seen), so its confidence-grown trees stopped sooner and lost more acceptance than the penalised picks won
+    (BENCHMARKS.md, "What the drafters' own processing buys").
     """
 
     def __init__(self, processing: PathProcessing):
@@ -165,7 +176,7 @@ class DraftProcessing:
         it must."""
         if self.grammar is not None:
             logits = self.grammar.mask(nodes, logits)  # [len(nodes), vocab]
-        out = self.processing.along(logits, [self._paths[n] for n in nodes])
+        out = self.processing.along(logits, [self._paths[n] for n in nodes], penalties=False)
         if self.processing.allowed is None:  # only the allowed ids can leave a row of this vocabulary empty
             return out
         emptied = ~torch.isfinite(out).any(-1, keepdim=True) & torch.isfinite(logits).any(-1, keepdim=True)

@@ -187,9 +187,9 @@ class Request:
         self.buffer = torch.empty(len(self.prompt_ids) + self.max_new_tokens + 1, dtype=torch.long)
         self.length = len(self.prompt_ids)
         self.buffer[: self.length] = torch.tensor(self.prompt_ids, dtype=torch.long)
+        drafted = self.processing if eng.mask_drafts and self.processing and self.processing.for_drafters else None
         self.base_ctx = dict(prompt_len=len(self.prompt_ids), sampling=self.sampling, generator=self.generator,
-                             noise=self.noise, hidden=verifier.hidden,
-                             processing=self.processing if eng.mask_drafts else None,
+                             noise=self.noise, hidden=verifier.hidden, processing=drafted,
                              request={"category": self.category, "max_new_tokens": self.max_new_tokens})
         for d in self.all_drafters:
             d.begin(StepContext(tokens=self.buffer[: self.length], max_depth=0, **self.base_ctx))
