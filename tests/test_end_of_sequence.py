@@ -191,3 +191,42 @@ def test_bad_stop_token_ids_are_refused_naming_the_field(model, ids, message):
     with pytest.raises(ValueError, match="^stop_token_ids") as e:
         engine.generate(PROMPT, 3, stop_token_ids=ids)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_skip_special_tokens_false_keeps_their_text_but_not_the_token_that_ended_the_request(model, streamed):
+    """vLLM's ``skip_special_tokens`` (default true) and its rule for the token that ends a request: an end-of-sequence
+    or stop token's text is left out of the answer unless ``include_stop_str_in_output``; with skip_special_tokens
+    false every other special token's text stays in it. The same whole or streamed (through the scheduler)."""
+    tok = tiny_tokenizer()
+    engine = Engine(Verifier(model, tok), _drafters()["chain"], check_tokenizers=False)
+    bias = {EOS: 1.0}  # plain decoding meets EOS after a word, then a word again
+    want = _never_stopping(model, PROMPT, 24, bias=bias)
+    stop = next(t for t in want[want.index(EOS) + 1:] if t != EOS)  # a word met after the first EOS
+
+    def text(**kw) -> str:
+        if not streamed:
+            return engine.generate(PROMPT, 24, logit_bias=bias, **kw).text
+        with Scheduler(engine, max_batch=2) as s:
+            handle = s.submit(PROMPT, 24, logit_bias=bias, **kw)
+            pieces = [e.text for e in handle.events(timeout=60)]
+            assert "".join(pieces) == handle.result(timeout=60).text
+            return "".join(pieces)
+
+    upto = want[: want.index(EOS)]  # the words before the first EOS, which ends the request
+    assert text() == text(skip_special_tokens=False) == tok.decode(upto)
+    assert text(skip_special_tokens=False, include_stop_str_in_output=True) == tok.decode(upto + [EOS])
+    assert text(include_stop_str_in_output=True) == tok.decode(upto)  # special: skipped
+    # past EOS (ignore_eos) to a stop token: the EOS's text is in the answer with skip_special_tokens false only
+    past = want[: want.index(stop)]
+    assert text(ignore_eos=True, stop_token_ids=[stop]) == tok.decode(past, skip_special_tokens=True)
+    assert text(ignore_eos=True, stop_token_ids=[stop], skip_special_tokens=False) == \
+        tok.decode(past, skip_special_tokens=False) and "</s>" in tok.decode(past, skip_special_tokens=False)
+    assert text(ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True) == \
+        tok.decode(past + [stop], skip_special_tokens=True)
+
+
+def test_a_bad_skip_special_tokens_is_refused_naming_the_field(model):
+    engine = Engine(Verifier(model, tiny_tokenizer()), None, check_tokenizers=False)
+    with pytest.raises(ValueError, match="^skip_special_tokens must be true or false, got 'no'"):
+        engine.generate(PROMPT, 3, skip_special_tokens="no")

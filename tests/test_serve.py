@@ -233,7 +233,8 @@ def test_min_p_one_keeps_only_the_most_likely_token(client, reference):
 def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(client):
     """vLLM's ``ignore_eos``: with end-of-sequence forced (+100), the answer is one EOS token and stops; asked to
     ignore it, it runs to max_tokens (its EOS tokens left out of the text as special tokens); with ``min_tokens`` it
-    stops at the EOS after them."""
+    stops at the EOS after them. A stop token ends the answer with its text left out unless
+    ``include_stop_str_in_output``; ``skip_special_tokens`` false keeps special tokens' text but the ending one's."""
     forced = {"model": MODEL, "prompt": "w10 w11", "max_tokens": 6, "temperature": 0, "logit_bias": {"1": 100}}
     stops = client.completions.create(**forced)
     assert stops.choices[0].finish_reason == "stop" and stops.usage.completion_tokens == 1
@@ -243,11 +244,21 @@ def test_ignore_eos_runs_the_answer_to_max_tokens_and_min_tokens_holds_eos_back(
     held = client.completions.create(**forced, extra_body={"min_tokens": 3})  # vLLM's: no EOS before 3 tokens
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
     words = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=8, temperature=0).choices[0].text
-    third = words.split()[2]  # a stop token: the answer ends with it (a word, not special: kept in the text)
-    ends = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=8, temperature=0,
-                                     extra_body={"stop_token_ids": [int(third[1:])]})
+    third = words.split()[2]  # a stop token: the answer ends at it, its text left out unless included (vLLM's)
     first = words.split().index(third)
-    assert ends.choices[0].finish_reason == "stop" and ends.choices[0].text == " ".join(words.split()[: first + 1])
+    for included in (False, True):
+        ends = client.completions.create(model=MODEL, prompt="w10 w11", max_tokens=8, temperature=0, extra_body={
+            "stop_token_ids": [int(third[1:])], "include_stop_str_in_output": included})
+        assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens == first + 1
+        assert ends.choices[0].text == " ".join(words.split()[: first + included])
+    # skip_special_tokens false: the EOS tokens met past EOS are in the text, the one that ends an answer is not
+    kept = client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == " ".join(["</s>"] * 6)
+    ended = client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+    with_it = client.completions.create(**forced, extra_body={"skip_special_tokens": False,
+                                                              "include_stop_str_in_output": True})
+    assert with_it.choices[0].text == "</s>"
 
 
 def test_a_stop_string_ends_the_text_before_it_or_after_it_when_included(client, reference):
@@ -378,7 +389,7 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"allowed_token_ids": [10, 999]}, "allowed_token_ids"),  # outside the tiny vocabulary
     ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("text", {"truncate_prompt_tokens": 300}, "truncate_prompt_tokens"),  # more than the tiny model's context
-    ("text", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("text", {"skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     ("text", {"n_predict": 2}, "n_predict"),  # llama-server's

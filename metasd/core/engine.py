@@ -246,10 +246,12 @@ class Engine:
         past end-of-sequence tokens up to ``max_new_tokens``, as vLLM's benchmarks ask for fixed-length answers),
         min_tokens (vLLM's: no end-of-sequence token, and no stop string ending, before this many new tokens),
         stop_token_ids (vLLM's: token ids that end the request as an end-of-sequence token does, even with
-        ignore_eos; kept in ``token_ids``, and in the text unless special), allowed_token_ids (vLLM's: only these
-        tokens may be generated; empty: no restriction), include_stop_str_in_output (vLLM's: the text ends after the
-        stop string that ended it rather than before), bad_words (vLLM's: words never generated, each banned as the
-        token sequences it encodes to, as written and after a space; ``metasd.core.decoding.bad_words``).
+        ignore_eos; kept in ``token_ids``, left out of the text as an ending end-of-sequence token is),
+        allowed_token_ids (vLLM's: only these tokens may be generated; empty: no restriction),
+        include_stop_str_in_output (vLLM's: the text ends after the stop string, or the stop or end-of-sequence token's
+        text, that ended it rather than before), bad_words (vLLM's: words never generated, each banned as the token
+        sequences it encodes to, as written and after a space; ``metasd.core.decoding.bad_words``),
+        skip_special_tokens (vLLM's; default true: special tokens' text left out of the text).
         """
         run = self._run(prompt, max_new_tokens, **kwargs)
         try:

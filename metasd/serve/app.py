@@ -42,7 +42,8 @@ _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "drafter": "metasd.drafter", "
                   "speculate": "metasd.speculate", **{f: f for f in (
                       "temperature", "top_p", "top_k", "min_p", "stop", "seed", "prompt", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
-                      "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output", "bad_words")}}
+                      "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output", "bad_words",
+                      "skip_special_tokens")}}
 
 log = logging.getLogger(__name__)
 

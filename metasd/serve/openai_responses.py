@@ -96,6 +96,7 @@ class ChatExtensions(Lenient):
     allowed_token_ids: Any = None
     include_stop_str_in_output: Any = None
     bad_words: Any = None
+    skip_special_tokens: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_grammar: Any = None

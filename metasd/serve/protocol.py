@@ -189,7 +189,8 @@ class _Common(Lenient):
     min_tokens: int = Field(0, ge=0)  # vLLM's: no end-of-sequence token, and no stop string, before this many tokens
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: tokens that end the answer as EOS does
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens generated (empty: no restriction)
-    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string that ended it
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string (or token) that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens "token_id:<id>"
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None  # vLLM's: keep the last k
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
@@ -226,10 +227,11 @@ class _Common(Lenient):
 
     def processing(self) -> dict[str, Any]:
         """The logit bias, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``,
-        ``include_stop_str_in_output`` and ``bad_words``, as ``Scheduler.submit`` takes them."""
+        ``include_stop_str_in_output``, ``bad_words``, ``skip_special_tokens``: as ``Scheduler.submit`` takes them."""
         return {"logit_bias": self.token_bias(), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "stop_token_ids": self.stop_token_ids or None, "allowed_token_ids": self.allowed_token_ids or None,
-                "include_stop_str_in_output": self.include_stop_str_in_output, "bad_words": self.bad_words or None}
+                "include_stop_str_in_output": self.include_stop_str_in_output, "bad_words": self.bad_words or None,
+                "skip_special_tokens": self.skip_special_tokens}
 
     def sampling(self, defaults: dict | None = None) -> dict[str, float | int]:
         """Every sampling and penalty setting as ``Scheduler.submit`` takes it, resolved in this one place: the

@@ -33,7 +33,6 @@ REFUSED_OPENAI_VLLM = {
     "max_completion_tokens": (_off(), "max_completion_tokens is a chat field: /v1/completions takes max_tokens"),
     "use_beam_search": (_off(False), "beam search is not supported"),
     "length_penalty": (_off(1, 1.0), "length_penalty is not supported (beam search only)"),
-    "skip_special_tokens": (_off(True), "skip_special_tokens is not supported (only true)"),
     "spaces_between_special_tokens": (_off(True), "spaces_between_special_tokens is not supported (only true)"),
     "logits_processors": (_off([]), "logits_processors are not supported"),
     "stream_options.continuous_usage_stats": (_off(False), "stream_options.continuous_usage_stats is not supported: "

@@ -260,7 +260,7 @@ def policy_for(engine, options: RequestOptions):
 #: what ``Scheduler.submit`` passes on to ``Request`` beside sampling (``Engine.generate``'s keyword arguments)
 PROCESSING = {"logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
               "constraint", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids",
-              "include_stop_str_in_output", "bad_words"}
+              "include_stop_str_in_output", "bad_words", "skip_special_tokens"}
 
 
 def new_request(engine, prompt: Prompt, max_new_tokens: int, options: RequestOptions, arm_names: list[str],

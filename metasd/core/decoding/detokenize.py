@@ -79,10 +79,17 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
 class StoppingText:
     """A request's text as its tokens are committed, and its stop strings: read incrementally (one short decode per
     append), cut before the first stop string once one is complete - or after it, with ``include_stop`` (vLLM's
-    ``include_stop_str_in_output``). ``stop``: a string, a list of them or None; an empty one is a ``ValueError``."""
+    ``include_stop_str_in_output``). ``stop``: a string, a list of them or None; an empty one is a ``ValueError``.
+    ``skip_special``: special tokens' text left out (vLLM's ``skip_special_tokens``). The token that ended the request
+    (an end-of-sequence or stop token: ``ended_by_token``) is left out of the text unless ``include_stop``, as vLLM
+    leaves it."""
 
-    def __init__(self, tokenizer, stop: str | Sequence[str] | None, include_stop: bool = False):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: str | Sequence[str] | None, include_stop: bool = False,
+                 skip_special: bool = True):
+        if not isinstance(skip_special, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {skip_special!r}")
+        self.tokenizer, self.skip_special = tokenizer, skip_special
+        self.cut_last = False  # the last token ended the request and stays out of the text (``ended_by_token``)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
@@ -97,17 +104,25 @@ class StoppingText:
     def _read(self, ids: Sequence[int]) -> str:
         """Feed the tokens of ``ids`` not fed yet to the incremental detokenizer; its text."""
         if self._detok is None:
-            self._detok = IncrementalDetokenizer(self.tokenizer)
+            self._detok = IncrementalDetokenizer(self.tokenizer, self.skip_special)
         if self._fed < len(ids):
             self._detok.add(ids[self._fed:])
             self._fed = len(ids)
         return self._detok.text
 
+    def ended_by_token(self) -> None:
+        """The last token given ended the request (an end-of-sequence or stop token): its text is left out, unless
+        the request includes the stop in its text."""
+        self.cut_last = not self.include_stop
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special)
+
     def final(self, ids: Sequence[int]) -> str:
-        """The whole text of ``ids`` (decoded once), cut before the stop string that ended it."""
+        """The whole text of ``ids`` (decoded once), cut before the stop string or token that ended it."""
         if self.tokenizer is None or self.stopped is not None:
             return self.stopped if self.tokenizer is not None else ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._decode(ids[:-1] if self.cut_last else ids)
 
     def so_far(self, ids: Sequence[int]) -> str:
         """Complete characters only, ending before a stop string, holding back a tail that could begin one."""
@@ -115,7 +130,7 @@ class StoppingText:
             return ""
         if self.stopped is not None:
             return self.stopped
-        text = self._read(ids)
+        text = self._read(ids[:-1] if self.cut_last else ids)
         hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold] if hold else text
 
@@ -132,7 +147,7 @@ class StoppingText:
         floor = self._floor
         if find_stop(text, self.stop, max(checked, floor)) is None:
             return False
-        whole = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        whole = self._decode(ids)
         # the first stop string ending past the floor (the start of the text, without min_tokens)
         hit = first_stop(whole, self.stop, floor)
         if hit is None and floor:

@@ -57,7 +57,8 @@ class Request:
                  constraint: Constraint | CompiledConstraint | None = None,
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                  stop_token_ids: Sequence[int] | None = None, allowed_token_ids: Sequence[int] | None = None,
-                 include_stop_str_in_output: bool = False, bad_words: Sequence[str] | None = None):
+                 include_stop_str_in_output: bool = False, bad_words: Sequence[str] | None = None,
+                 skip_special_tokens: bool = True):
         self.engine = engine
         check_request(max_new_tokens=max_new_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
         if (min_tokens or 0) > max_new_tokens:  # None: not given, as check_request reads it
@@ -76,7 +77,7 @@ class Request:
         check_context(len(self.prompt_ids), max_new_tokens, engine.verifier.context_length, engine.verifier.name)
         self.max_new_tokens = max_new_tokens
         # the text so far, read incrementally; stop strings (cut before one, after it with include_stop_str_in_output)
-        self._text = StoppingText(engine.tokenizer, stop, include_stop_str_in_output)
+        self._text = StoppingText(engine.tokenizer, stop, include_stop_str_in_output, skip_special_tokens)
         self.stop = self._text.stop
         self.policy = engine._check_policy(policy) if policy is not None else engine.policy
         # ignore_eos: past EOS to max_new_tokens; min_tokens: no EOS (stop token, stop string) before that many tokens
@@ -430,6 +431,7 @@ class Request:
             self.new_ids.append(t)
             if t in eos:
                 reason = "stop" if t in self.stop_ids else "eos"
+                self._text.ended_by_token()
             elif self.stop and self._text.hit_stop(self.new_ids, checked_from=self.min_tokens):
                 reason = "stop"
             elif len(self.new_ids) >= self.max_new_tokens:
