@@ -185,7 +185,7 @@ class PretrainedTreeDrafter(PretrainedDrafter):
         root_logits = yield from self._sync_steps(tokens)
         mode = "dynamic" if ctx.sampling.greedy else self.mode
         tree = GrowingTree(base=len(tokens))
-        # a request with processing (a grammar, bans, a bias, penalties): every node's logits processed after its path
+        # a request with processing (a grammar, bans, a bias): every node's logits processed after its path
         self._guide = DraftProcessing(ctx.processing) if ctx.processing is not None and self.bridge is None else None
         if mode == "dynamic":
             keep, probs = (yield from self._grow_dynamic(tree, root_logits, depth, ctx)), None

@@ -47,8 +47,8 @@ class Penalties:
 
 
 class PathPenalizer:
-    """One request's penalties: what it committed, counted per vocabulary width and device that asked (the
-    verifier's rows, a drafter's), and each row penalised along its path."""
+    """One request's penalties: what it committed, counted per vocabulary width and device of the rows it penalises,
+    and each row penalised along its path."""
 
     def __init__(self, penalties: Penalties, prompt_ids: Sequence[int]):
         self.penalties = penalties
