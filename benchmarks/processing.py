@@ -3,8 +3,9 @@ bad words) when its model drafters process their rows as the verifier's are proc
 the same pool with that off (``Engine.mask_drafts = False``) and plain decoding with the same processing.
 
 Three methods per prompt and setting - ``plain`` (metasd's engine with no drafter), ``processed`` and ``unprocessed``
-(the pool with its drafters' processing on and off) - in an order rotated per prompt, setting and repeat, greedy,
-``--max-new-tokens`` each, the Spec-Bench subset (``--per-group`` prompts a group, the first turn, chat template).
+(the pool with its drafters' processing on and off) - in an order rotated per prompt, setting and repeat, greedy
+(or seeded sampling at ``--temperature``), ``--max-new-tokens`` each, the Spec-Bench subset (``--per-group`` prompts
+a group, the first turn, chat template).
 Per repeat and setting: R = tokens/s(processed) / tokens/s(unprocessed), and each over plain, geometric means over the
 prompts; the figures are medians over repeats with their ranges. The processed and unprocessed runs read the same
 processed verifier rows, so their tokens must be the same; plain's may differ at bf16 ties only.
@@ -37,12 +38,13 @@ def settings(tokenizer) -> dict[str, dict]:
             "bad words: the, is, and": {"bad_words": ["the", "is", "and"]}}
 
 
-def run_one(engines: dict, method: str, ids: list[int], processing: dict, max_new_tokens: int) -> dict:
+def run_one(engines: dict, method: str, ids: list[int], processing: dict, max_new_tokens: int,
+            sampling: dict | None = None) -> dict:
     engine = engines["plain" if method == "plain" else "pool"]
     engine.mask_drafts = method != "unprocessed"
     try:
         t0 = time.perf_counter()
-        r = engine.generate(ids, max_new_tokens, **processing)
+        r = engine.generate(ids, max_new_tokens, **processing, **(sampling or {}))
         seconds = time.perf_counter() - t0
     finally:
         engine.mask_drafts = True
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-group", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: every method samples at this temperature, seeded (--seed), so the three give the same "
+                        "text but for bf16 ties")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", action="append", help="run only the settings whose name contains this (repeatable)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", help="write the rows and the summary here (JSON), after every prompt")
@@ -119,17 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python benchmarks/processing.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "seed": args.seed if args.temperature > 0 else None,
               "settings": {k: {f: (v if f != "logit_bias" else {str(t): b for t, b in v.items()})
                                for f, v in s.items()} for k, s in chosen.items()},
               "rows": [], "complete": False}
     prompts = [pool.encode([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature > 0 else {}
     step = 0
     for rep in range(args.repeats):
         for i, ids in enumerate(prompts):
             for name, processing in chosen.items():
                 shift, step = step % len(METHODS), step + 1
                 for method in METHODS[shift:] + METHODS[:shift]:
-                    row = run_one(engines, method, ids, processing, args.max_new_tokens)
+                    row = run_one(engines, method, ids, processing, args.max_new_tokens, sampling)
                     report["rows"].append({"repeat": rep, "prompt": i, "category": questions[i].category,
                                            "setting": name, **row})
                     print(f"repeat {rep + 1} prompt {i + 1} {name:>28} {method:>11}: {row['tokens_per_s']:.2f} "
