@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -53,10 +52,6 @@ def run_one(engines: dict, method: str, ids: list[int], processing: dict, max_ne
             "accepted": r.stats.accepted, "steps": r.stats.steps, "token_ids": r.token_ids}
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def summarize(rows: list[dict], names: list[str]) -> dict:
     """Per setting: per repeat the geometric means over prompts of processed/unprocessed, processed/plain and
     unprocessed/plain tokens/s; medians and ranges over the complete repeats; identical outputs counted."""
@@ -70,7 +65,8 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
             if any((p, m) not in tps for p in prompts for m in METHODS):
                 continue  # an incomplete repeat (a run still going)
             def ratio(a: str, b: str) -> float:
-                return geomean([tps[p, a]["tokens_per_s"] / tps[p, b]["tokens_per_s"] for p in prompts])
+                return statistics.geometric_mean([tps[p, a]["tokens_per_s"] / tps[p, b]["tokens_per_s"]
+                                                  for p in prompts])
             per.append({"repeat": rep, "processed/unprocessed": ratio("processed", "unprocessed"),
                         "processed/plain": ratio("processed", "plain"),
                         "unprocessed/plain": ratio("unprocessed", "plain"),

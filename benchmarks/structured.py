@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -79,10 +78,6 @@ def run_one(engines: dict, method: str, prompt: str, schema: dict, max_new_token
             "stop_reason": r.stats.stop_reason, "text": r.text, "token_ids": r.token_ids}
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def summarize(rows: list[dict], repeats: int) -> dict:
     """Per repeat R_u, R_c and R_c / R_u (geometric means over prompts); medians and ranges over repeats."""
     per = []
@@ -92,9 +87,10 @@ def summarize(rows: list[dict], repeats: int) -> dict:
             continue
         tps = {(r["prompt"], r["method"]): r["tokens_per_s"] for r in mine}
         prompts = sorted({r["prompt"] for r in mine})
-        ru = geomean([tps[p, "speculative"] / tps[p, "plain"] for p in prompts])
-        rc = geomean([tps[p, "speculative+schema"] / tps[p, "plain+schema"] for p in prompts])
-        rm = geomean([tps[p, "speculative+schema"] / tps[p, "speculative+schema/unmasked"] for p in prompts])
+        def ratio(a: str, b: str) -> float:  # geometric mean over the prompts of a's tokens/s over b's
+            return statistics.geometric_mean([tps[p, a] / tps[p, b] for p in prompts])
+        ru, rc = ratio("speculative", "plain"), ratio("speculative+schema", "plain+schema")
+        rm = ratio("speculative+schema", "speculative+schema/unmasked")
         per.append({"repeat": rep, "R_u": ru, "R_c": rc, "ratio": rc / ru, "R_m": rm,
                     "R_m_per_prompt": {p: tps[p, "speculative+schema"] / tps[p, "speculative+schema/unmasked"]
                                        for p in prompts}})

@@ -47,56 +47,49 @@ class Penalties:
 
 
 class PathPenalizer:
-    """One request's penalties: what it committed, counted per vocabulary width and device of the rows it penalises,
-    and each row penalised along its path."""
+    """One request's penalties: the counts of what it committed, and each row of the verifier's logits penalised along
+    its path."""
 
     def __init__(self, penalties: Penalties, prompt_ids: Sequence[int]):
         self.penalties = penalties
         self.prompt_ids = list(prompt_ids)
-        self.output: list[int] = []  # every committed token
-        #: (width, device) -> ([width] float32 occurrences of each token in the output, [width] bool: in the prompt
-        #: or the output); ids past a width (a drafter's narrower vocabulary) are left out of its rows
-        self._counts: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.counts: torch.Tensor | None = None  # [vocab] float32: occurrences of each token in the output
+        self.seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output (repetition)
+        self._pending: list[int] = []  # committed before the vocabulary and device were known (the first ``apply``)
 
-    def _committed(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if (width, device) not in self._counts:
-            counts = torch.zeros(width, dtype=torch.float32, device=device)
-            seen = torch.zeros(width, dtype=torch.bool, device=device)
-            seen[torch.tensor([t for t in self.prompt_ids if t < width], dtype=torch.long, device=device)] = True
-            self._count(counts, seen, self.output)
-            self._counts[(width, device)] = counts, seen
-        return self._counts[(width, device)]
-
-    @staticmethod
-    def _count(counts: torch.Tensor, seen: torch.Tensor, tokens: Sequence[int]) -> None:
-        ids = [t for t in tokens if t < len(counts)]
-        if ids:
-            index = torch.tensor(ids, dtype=torch.long, device=counts.device)
-            counts.index_add_(0, index, torch.ones(len(ids), device=counts.device))
-            seen[index] = True
+    def _start(self, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+        pending, self._pending = self._pending, []
+        self.commit(pending)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Count the tokens a step committed."""
-        tokens = [int(t) for t in tokens]
-        self.output += tokens
-        for counts, seen in self._counts.values():
-            self._count(counts, seen, tokens)
+        if self.counts is None:
+            self._pending += [int(t) for t in tokens]
+            return
+        if tokens:
+            ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones(len(ids), device=self.counts.device))
+            self.seen[ids] = True
 
     def apply(self, logits: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """The penalised logits of every row (a new float32 tensor; ``logits`` is unchanged).
 
-        logits: [rows, vocab] raw logits, row r after the committed tokens then ``paths[r]`` (a draft's rows:
-        ``Draft.paths``)."""
-        width, device = logits.shape[-1], logits.device
-        counts, seen = self._committed(width, device)  # [vocab] each
-        counts = counts.expand(len(paths), width)  # [rows, vocab]
-        drafted = [(r, t) for r, path in enumerate(paths) for t in path if t < width]
+        logits: [rows, vocab] the verifier's raw logits, row r after the committed tokens then ``paths[r]`` (a
+        draft's rows: ``Draft.paths``)."""
+        vocab, device = logits.shape[-1], logits.device
+        if self.counts is None:
+            self._start(vocab, device)
+        counts = self.counts.expand(len(paths), vocab)  # [rows, vocab]
+        drafted = [(r, t) for r, path in enumerate(paths) for t in path]
         if drafted:  # each row's counts: the committed ones plus its path's tokens
             rows, ids = (torch.tensor(x, dtype=torch.long, device=device) for x in zip(*drafted))
             counts = counts.clone().index_put_((rows, ids), torch.ones(len(drafted), device=device), accumulate=True)
         p, out = self.penalties, logits.float().clone()
         if p.repetition != 1:
-            seen = seen | (counts > 0)  # [rows, vocab]
+            seen = self.seen | (counts > 0)  # [rows, vocab]
             out = torch.where(seen, torch.where(out > 0, out / p.repetition, out * p.repetition), out)
         if p.frequency:
             out -= p.frequency * counts
