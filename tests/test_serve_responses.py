@@ -104,9 +104,11 @@ def test_a_seeded_sampled_response_is_reproducible(server):
 @pytest.mark.parametrize("body, field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
     ({"background": True}, "background"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),  # no tool template
+    ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),  # a hosted tool
     ({"truncation": "auto"}, "truncation"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.[0].content.[0].type"),
     ({"input": []}, "input"),
     ({"temperature": -1}, "temperature"),

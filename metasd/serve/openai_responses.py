@@ -1,9 +1,11 @@
 """OpenAI's Responses API (``POST /v1/responses``), served as a chat completion: the request's ``input`` (a string, or
-messages whose content is text) and ``instructions`` become chat messages, ``max_output_tokens`` the token budget,
-``text.format`` the structured output; the answer is one assistant message, whole or as the API's stream of events
-(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). Nothing is stored: a request
-that names an earlier response (``previous_response_id``), asks to run in the background or gives tools is refused
-with a 400 naming the field, as is any input item that is not a text message.
+items: messages whose content is text, earlier function calls and their outputs) and ``instructions`` become chat
+messages, ``max_output_tokens`` the token budget, ``text.format`` the structured output, function ``tools`` and
+``tool_choice`` the chat route's tools; the answer is an assistant message and the function calls the model made,
+whole or as the API's stream of events (``response.created`` ... ``response.output_text.delta`` ...
+``response.function_call_arguments.done`` ... ``response.completed``). Nothing is stored: a request that names an
+earlier response (``previous_response_id``) or asks to run in the background is refused with a 400 naming the field,
+as are any other input item (an image, a reasoning item) and any tool that is not a function (web search, ...).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pydantic import Field, ValidationError
 
 from .answers import STREAM_HEADERS, answer, stream
 from .errors import ApiError, bad_request, from_validation
-from .protocol import ChatCompletionRequest, Lenient, MetasdOptions, accepted_fields
+from .protocol import ChatCompletionRequest, Lenient, MetasdOptions, ToolFunction, accepted_fields
 
 #: the roles of an input message, by the chat role each becomes (the Responses API's ``developer`` is a system turn)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -32,7 +34,7 @@ class InputText(Lenient):
 
 
 class InputMessage(Lenient):
-    """One item of ``input``: a message with text content (other items - images, tool outputs - are refused)."""
+    """One item of ``input``: a message with text content."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -42,19 +44,87 @@ class InputMessage(Lenient):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-def _messages(items: list[dict[str, Any]]) -> list[InputMessage]:
-    """``input``'s items as messages; a ``ValidationError`` naming the item's field (``input.[0].content.[1].type``),
-    its most specific error first (pydantic reports each member of a union: a string, a list of parts)."""
-    out = []
-    for i, item in enumerate(items):
-        try:
-            out.append(InputMessage.model_validate(item))
-        except ValidationError as e:
-            errors = sorted(e.errors(include_url=False), key=lambda err: -len(err["loc"]))
-            raise ValidationError.from_exception_data("input", [
-                {"type": err["type"], "loc": ("input", i, *err["loc"]), "input": err["input"],
-                 **({"ctx": err["ctx"]} if "ctx" in err else {})} for err in errors]) from None
+class FunctionCallItem(Lenient):
+    """One item of ``input``: a function call the model made earlier (an item of an earlier response's ``output``,
+    passed back with the call's result)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the API returns it
+
+
+class FunctionCallOutput(Lenient):
+    """One item of ``input``: what a function call returned (``call_id``: the call it answers), a tool turn."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+#: the input items served, by ``type`` (a message may leave its type out)
+ITEMS: dict[str, type[Lenient]] = {"message": InputMessage, "function_call": FunctionCallItem,
+                                   "function_call_output": FunctionCallOutput}
+
+
+def _validated(field: str, i: int, value: Any, models: dict[str, type[Lenient]], refused: str) -> Any:
+    """Item ``i`` of a list ``field`` (``input``, ``tools``) as the model its ``type`` names (a message may leave its
+    type out); a ``ValidationError`` naming the item's field (``input.[0].content.[1].type``), its most specific
+    error first (pydantic reports each member of a union: a string, a list of parts), or its type with ``refused``
+    (``{kind}`` the type) where no model serves it."""
+    kind = value.get("type", "message" if field == "input" else None) if isinstance(value, dict) else None
+    if kind not in models:
+        loc = (field, i, "type") if isinstance(value, dict) else (field, i)
+        raise ValidationError.from_exception_data(field, [{"type": "value_error", "loc": loc, "input": kind, "ctx": {
+            "error": ValueError(refused.format(kind=kind, served=", ".join(repr(k) for k in models)))}}])
+    try:
+        return models[kind].model_validate(value)
+    except ValidationError as e:
+        errors = sorted(e.errors(include_url=False), key=lambda err: -len(err["loc"]))
+        raise ValidationError.from_exception_data(field, [
+            {"type": err["type"], "loc": (field, i, *err["loc"]), "input": err["input"],
+             **({"ctx": err["ctx"]} if "ctx" in err else {})} for err in errors]) from None
+
+
+def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """``input``'s items as chat messages: a message as it is (``developer`` a system turn); a function call joins
+    the assistant turn before it (its text, then its calls: how an earlier response's ``output`` comes back) or
+    opens one; a call's output is a ``tool`` message answering its ``call_id``."""
+    out: list[dict[str, Any]] = []
+    for i, raw in enumerate(items):
+        item = _validated("input", i, raw, ITEMS, "an item of type {kind!r} is not served here (served: {served})")
+        if isinstance(item, InputMessage):
+            out.append({"role": ROLES[item.role], "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return out
+
+
+class FunctionTool(ToolFunction):
+    """One entry of ``tools``: a function (the Responses API's flat form of chat's ``{"type": "function", "function":
+    {...}}``); the hosted tools (web search, file search, ...) run on OpenAI's side and are refused."""
+
+    type: Literal["function"]
+
+    def chat_tool(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
+
+
+class FunctionChoice(Lenient):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(Lenient):
@@ -124,7 +194,9 @@ class ResponsesRequest(ChatExtensions):
     metasd: MetasdOptions | None = None
     previous_response_id: str | None = None
     background: bool | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # FunctionTool each (``function_tools``)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
     truncation: Literal["disabled", "auto"] | None = None
     top_logprobs: int | None = Field(None, ge=0)
 
@@ -135,13 +207,16 @@ class ResponsesRequest(ChatExtensions):
             return "previous_response_id", "responses are not stored here: send the whole conversation as input"
         if self.background:
             return "background", "responses run in the foreground only"
-        if self.tools:
-            return "tools", "tool calls are served on /v1/chat/completions, not /v1/responses"
         if self.truncation == "auto":
             return "truncation", "only 'disabled': an input over the context is refused, never cut"
         if self.top_logprobs:
             return "top_logprobs", "log-probabilities are served on /v1/chat/completions"
         return None
+
+    def function_tools(self) -> list[FunctionTool]:
+        """``tools`` checked: functions only (a ``ValidationError`` naming ``tools.[i].type`` for a hosted tool)."""
+        refused = "only function tools are served here: a {kind!r} tool is run by OpenAI's own servers"
+        return [_validated("tools", i, t, {"function": FunctionTool}, refused) for i, t in enumerate(self.tools or [])]
 
     def chat_request(self) -> ChatCompletionRequest:
         """The equivalent chat completion request."""
@@ -149,8 +224,15 @@ class ResponsesRequest(ChatExtensions):
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [{"role": ROLES[m.role], "content": m.text()} for m in _messages(self.input)]
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
+            messages += chat_messages(self.input)
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
+                                "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools is not None:
+            body["tools"] = [t.chat_tool() for t in self.function_tools()]
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
+                                   if isinstance(choice, FunctionChoice) else choice)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         fields = {"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -163,8 +245,9 @@ class ResponsesRequest(ChatExtensions):
 
 class ResponseBuilder:
     """One response's objects and events, in the API's shapes: the ``Response`` (``whole``) and, streamed, its event
-    sequence (``events``). Beside OpenAI's fields, the finished response carries this request's record in ``metasd``,
-    as the chat routes' answers do."""
+    sequence (``events``). Its ``output`` is the assistant's message (left out when the model only called functions)
+    and then a ``function_call`` item per call. Beside OpenAI's fields, the finished response carries this request's
+    record in ``metasd``, as the chat routes' answers do."""
 
     def __init__(self, req: ResponsesRequest, model_name: str):
         self.req, self.model = req, model_name
@@ -175,10 +258,12 @@ class ResponseBuilder:
     def response(self, status: str, output: list[dict], usage: dict | None = None, reason: str | None = None,
                  record: Any = None) -> dict[str, Any]:
         req = self.req
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
                "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-               "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": False, "tool_choice": "none",
-               "tools": [], "error": None, "previous_response_id": None, "store": False,
+               "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+               "tool_choice": choice or "auto", "tools": req.tools or [],
+               "error": None, "previous_response_id": None, "store": False,
                "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
                "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)
                         if req.text and req.text.format else {"type": "text"}},
@@ -196,6 +281,15 @@ class ResponseBuilder:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     @staticmethod
+    def function_call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        """A ``function_call`` output item from a chat ``tool_calls`` entry (its ``id`` is the item's ``call_id``,
+        the id a ``function_call_output`` answers); in progress, its arguments are still to come."""
+        function = call["function"]
+        return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": status,
+                "call_id": call["id"], "name": function["name"],
+                "arguments": function["arguments"] if status == "completed" else ""}
+
+    @staticmethod
     def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
         """Chat's usage in the Responses API's names."""
         cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -203,13 +297,18 @@ class ResponseBuilder:
                 "total_tokens": chat_usage["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
+    def output(self, text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The finished output items: the message (with text, or without calls), then the calls."""
+        message = [self.message(text or "", "completed")] if text or not calls else []
+        return message + [self.function_call(c) for c in calls]
+
     def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The finished response, from the chat completion it was served as."""
         choice = chat["choices"][0]
-        text, reason = choice["message"].get("content") or "", choice["finish_reason"]
+        message, reason = choice["message"], choice["finish_reason"]
         status = "incomplete" if reason == "length" else "completed"
-        return self.response(status, [self.message(text, "completed")], self.usage(chat["usage"]), reason,
-                             chat.get("metasd"))
+        return self.response(status, self.output(message.get("content"), message.get("tool_calls") or []),
+                             self.usage(chat["usage"]), reason, chat.get("metasd"))
 
     def event(self, kind: str, **fields) -> str:
         """One server-sent event: its type named twice, as the API does (``event:`` and the data's ``type``)."""
@@ -217,15 +316,35 @@ class ResponseBuilder:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
+    def _message_events(self, opening: bool, text: str = "") -> list[str]:
+        """The events that open the message (output item 0) or close it with its whole ``text``."""
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        if opening:
+            return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+                    self.event("response.content_part.added", **where, part=self.part(""))]
+        return [self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                self.event("response.content_part.done", **where, part=self.part(text)),
+                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]
+
+    def _call_events(self, call: dict[str, Any], index: int) -> list[str]:
+        """A whole call's events: its item added, its arguments (in one delta: a call is sent once it is whole), the
+        item done."""
+        done = self.function_call(call)
+        where = {"item_id": done["id"], "output_index": index}
+        added = self.function_call(call, "in_progress")
+        return [self.event("response.output_item.added", output_index=index, item=added),
+                self.event("response.function_call_arguments.delta", **where, delta=done["arguments"]),
+                self.event("response.function_call_arguments.done", **where, arguments=done["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=done)]
+
     async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The response's events, from the server-sent chunks of the chat completion it is served as (``chunks``:
-        ``answers.stream`` with usage included)."""
+        ``answers.stream`` with usage included). The message opens at its first text (or at the end, empty, when
+        the model made no call), the calls follow it as output items 1, 2, ... (0, 1, ... without text)."""
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
-        yield self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-        yield self.event("response.content_part.added", **where, part=self.part(""))
-        text, reason, record, usage = "", None, None, None
+        text, opened, calls, reason, record, usage = "", False, [], None, None, None
         async for chunk in chunks:
             data = chunk.removeprefix("data: ").strip()
             if data == "[DONE]":
@@ -242,18 +361,30 @@ class ResponseBuilder:
             if body.get("usage"):
                 usage = self.usage(body["usage"])
             for choice in body.get("choices") or []:
-                delta = (choice.get("delta") or {}).get("content")
-                if delta:
-                    text += delta
-                    yield self.event("response.output_text.delta", **where, delta=delta, logprobs=[])
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    if not opened:
+                        opened = True
+                        for event in self._message_events(opening=True):
+                            yield event
+                    text += delta["content"]
+                    yield self.event("response.output_text.delta", **where, delta=delta["content"], logprobs=[])
+                for call in delta.get("tool_calls") or []:  # whole calls, after the text: the message is done
+                    if opened and not calls:
+                        for event in self._message_events(opening=False, text=text):
+                            yield event
+                    calls.append(call)
+                    for event in self._call_events(call, len(calls) - int(not opened)):
+                        yield event
                 reason = choice.get("finish_reason") or reason
             record = body.get("metasd", record)
-        yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self.event("response.content_part.done", **where, part=self.part(text))
-        yield self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))
+        if not calls:  # the message, opened at the end where no text came
+            for event in (self._message_events(opening=True) if not opened else []) + \
+                    self._message_events(opening=False, text=text):
+                yield event
         status = "incomplete" if reason == "length" else "completed"
         yield self.event(f"response.{status}",
-                         response=self.response(status, [self.message(text, "completed")], usage, reason, record))
+                         response=self.response(status, self.output(text, calls), usage, reason, record))
 
 
 #: ``add_responses_route``'s two steps of the chat pipeline: a request body read and checked against a route's model
