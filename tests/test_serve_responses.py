@@ -38,6 +38,7 @@ def test_a_string_input_is_answered_as_chat_answers_the_user_message(server):
                                                                  chat.usage.completion_tokens)
     assert got.usage.total_tokens == chat.usage.total_tokens
     assert (got.status, got.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # 8 tokens: length
+    assert message.status == "incomplete"  # the message the budget cut, as the response
     assert got.model_extra["metasd"]["steps"] >= 1  # the request's record, as on the chat routes
 
 
@@ -73,6 +74,7 @@ def test_the_stream_is_the_apis_events_carrying_the_same_text(server):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-4].text and kinds.count("response.output_text.delta") >= 2
     last = events[-1].response
+    assert events[-2].item.status == last.output[0].status == "incomplete"
     assert last.output_text == whole.output_text and last.usage.output_tokens == whole.usage.output_tokens
     # the client's own stream helper (it needs response.completed: a stop string ends the text before the budget)
     stop = whole.output_text.split()[3]

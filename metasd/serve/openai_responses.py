@@ -243,6 +243,11 @@ class ResponsesRequest(ChatExtensions):
         return ChatCompletionRequest.model_validate(body)
 
 
+def _status(reason: str | None) -> str:
+    """A response's (and its message's) status from the chat answer's finish reason."""
+    return "incomplete" if reason == "length" else "completed"
+
+
 class ResponseBuilder:
     """One response's objects and events, in the API's shapes: the ``Response`` (``whole``) and, streamed, its event
     sequence (``events``). Its ``output`` is the assistant's message (left out when the model only called functions)
@@ -297,17 +302,18 @@ class ResponseBuilder:
                 "total_tokens": chat_usage["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
-    def output(self, text: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The finished output items: the message (with text, or without calls), then the calls."""
-        message = [self.message(text or "", "completed")] if text or not calls else []
+    def output(self, text: str | None, calls: list[dict[str, Any]], reason: str | None) -> list[dict[str, Any]]:
+        """The finished output items: the message (with text, or without calls; ``incomplete`` where the budget cut
+        it), then the calls."""
+        message = [self.message(text or "", _status(reason))] if text or not calls else []
         return message + [self.function_call(c) for c in calls]
 
     def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The finished response, from the chat completion it was served as."""
         choice = chat["choices"][0]
         message, reason = choice["message"], choice["finish_reason"]
-        status = "incomplete" if reason == "length" else "completed"
-        return self.response(status, self.output(message.get("content"), message.get("tool_calls") or []),
+        status = _status(reason)
+        return self.response(status, self.output(message.get("content"), message.get("tool_calls") or [], reason),
                              self.usage(chat["usage"]), reason, chat.get("metasd"))
 
     def event(self, kind: str, **fields) -> str:
@@ -316,7 +322,7 @@ class ResponseBuilder:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-    def _message_events(self, opening: bool, text: str = "") -> list[str]:
+    def _message_events(self, opening: bool, text: str = "", status: str = "completed") -> list[str]:
         """The events that open the message (output item 0) or close it with its whole ``text``."""
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         if opening:
@@ -324,7 +330,7 @@ class ResponseBuilder:
                     self.event("response.content_part.added", **where, part=self.part(""))]
         return [self.event("response.output_text.done", **where, text=text, logprobs=[]),
                 self.event("response.content_part.done", **where, part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]
+                self.event("response.output_item.done", output_index=0, item=self.message(text, status))]
 
     def _call_events(self, call: dict[str, Any], index: int) -> list[str]:
         """A whole call's events: its item added, its arguments (in one delta: a call is sent once it is whole), the
@@ -380,11 +386,11 @@ class ResponseBuilder:
             record = body.get("metasd", record)
         if not calls:  # the message, opened at the end where no text came
             for event in (self._message_events(opening=True) if not opened else []) + \
-                    self._message_events(opening=False, text=text):
+                    self._message_events(opening=False, text=text, status=_status(reason)):
                 yield event
-        status = "incomplete" if reason == "length" else "completed"
+        status = _status(reason)
         yield self.event(f"response.{status}",
-                         response=self.response(status, self.output(text, calls), usage, reason, record))
+                         response=self.response(status, self.output(text, calls, reason), usage, reason, record))
 
 
 #: ``add_responses_route``'s two steps of the chat pipeline: a request body read and checked against a route's model
