@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from metasd.serve.openai_responses import ResponsesRequest  # noqa: E402
+from metasd.serve.openai_responses_request import ResponsesRequest  # noqa: E402
 from serve_helpers import serving, tiny_engine  # noqa: E402
 
 MODEL = "tiny"
@@ -103,12 +103,53 @@ def test_a_seeded_sampled_response_is_reproducible(server):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def _scores(entries) -> list[tuple]:
+    return [(e.token, e.logprob, e.bytes, [(t.token, t.logprob) for t in e.top_logprobs or []]) for e in entries]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_log_probabilities_are_the_chat_routes_whole_and_streamed(server, held):
+    """``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` alternatives) puts chat's log-probabilities
+    of the text's tokens on its ``output_text`` part; streamed, each text delta carries its tokens' and the done event
+    all of them - also where a stop string held a token's text back (``held``: a stop string that begins with the
+    third word, one token a step), so that a chunk brought its log-probabilities without text."""
+    extra = {}
+    if held:
+        third = _chat(server, [{"role": "user", "content": TEXT}], max_tokens=10).choices[0].message.content.split()[2]
+        extra = {"stop": [" " + third + " zz"], "metasd": {"speculate": False}}
+    chat = _chat(server, [{"role": "user", "content": TEXT}], max_tokens=10, logprobs=True, top_logprobs=2,
+                 extra_body=extra)
+    kw = {"model": MODEL, "input": TEXT, "max_output_tokens": 10, "temperature": 0, "top_logprobs": 2,
+          "include": ["message.output_text.logprobs"], "extra_body": extra}
+    got = server.client.responses.create(**kw)
+    part = got.output[0].content[0]
+    assert got.output_text == chat.choices[0].message.content
+    assert _scores(part.logprobs) == _scores(chat.choices[0].logprobs.content) and part.logprobs
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    events = list(server.client.responses.create(stream=True, **kw))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [(e.token, e.logprob) for d in deltas for e in d.logprobs]
+    assert streamed == [(e.token, e.logprob) for e in part.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [(e.token, e.logprob) for e in done.logprobs] == streamed
+    assert _scores(events[-1].response.output[0].content[0].logprobs) == _scores(part.logprobs)
+    # include alone: no alternatives; top_logprobs alone: the same entries; neither: none
+    alone = server.client.responses.create(**{**kw, "top_logprobs": None})
+    assert [(e.token, e.logprob) for e in alone.output[0].content[0].logprobs] == streamed
+    assert all(not e.top_logprobs for e in alone.output[0].content[0].logprobs)
+    asked = server.client.responses.create(**{**kw, "include": None})
+    assert _scores(asked.output[0].content[0].logprobs) == _scores(part.logprobs)
+    plain = server.client.responses.create(**{**kw, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("body, field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
     ({"background": True}, "background"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),  # no tool template
     ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),  # a hosted tool
     ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.[0].content.[0].type"),

@@ -62,8 +62,9 @@ def test_text_before_a_call_is_the_message_then_the_call(served):
     items = _items(got)
     assert [i[:2] for i in items] == [("message", "Sure."), ("function_call", "get_time")]
     assert got.output_text == "Sure." and got.status == "completed"
-    plain = _respond(served, tool_choice="none", extra_body={"guided_grammar": FORCED})  # never read for calls
-    assert [o.type for o in plain.output] == ["message"] and "<tool_call>" in plain.output_text
+    plain = _respond(served, tool_choice="none", top_logprobs=1, extra_body={"guided_grammar": FORCED})
+    assert [o.type for o in plain.output] == ["message"] and "<tool_call>" in plain.output_text  # never read for calls
+    assert len(plain.output[0].content[0].logprobs) == plain.usage.output_tokens  # none: log-probabilities served
     one = _respond(served, tool_choice="required", parallel_tool_calls=False)
     assert [o.type for o in one.output] == ["function_call"] and one.parallel_tool_calls is False
 
@@ -133,6 +134,8 @@ def test_a_call_and_its_output_passed_back_are_the_chat_routes_tool_turns(served
     ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "output": "1"}]}, "input.[0].call_id"),
+    ({"tools": TOOLS, "top_logprobs": 1}, "top_logprobs"),  # log-probabilities with calls: on chat
+    ({"tools": TOOLS, "include": ["message.output_text.logprobs"]}, "include"),
 ])
 def test_bad_tool_requests_are_a_400_naming_the_field(served, body, field):
     r = httpx.post(served.url + "/v1/responses", json={"model": MODEL, "input": INPUT, **body}, timeout=30)
