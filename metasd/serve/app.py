@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
+from metasd.core.batching.jobs import PROCESSING, SAMPLING
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
 from metasd.core.execution.kv_memory import KVBudgetError, draft_headroom, tokens_alone
 
@@ -37,13 +38,11 @@ from .responses import Completion
 from .tokenize import add_tokenizer_routes
 from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
 
-#: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses)
+#: the fields of the scheduler's ValueErrors, as the request spells them (``submit`` names the field it refuses):
+#: its sampling and processing arguments are the request's fields of the same names (a constraint has several)
 _SUBMIT_PARAMS = {"max_new_tokens": "max_tokens", "drafter": "metasd.drafter", "draft_budget": "metasd.draft_budget",
-                  "speculate": "metasd.speculate", **{f: f for f in (
-                      "temperature", "top_p", "top_k", "min_p", "stop", "seed", "prompt", "presence_penalty",
-                      "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
-                      "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output", "bad_words",
-                      "skip_special_tokens")}}
+                  "speculate": "metasd.speculate", "seed": "seed", "prompt": "prompt",
+                  **{f: f for f in sorted((SAMPLING | PROCESSING) - {"chat", "constraint"})}}
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +263,7 @@ class ServeState:
             message = str(e)
             field = re.match(r"[a-z_]+", message)
             field = field.group(0) if field and field.group(0) in _SUBMIT_PARAMS else \
-                next((f for f in _SUBMIT_PARAMS if f in message), None)
+                next((f for f in sorted(_SUBMIT_PARAMS, key=len, reverse=True) if f in message), None)
             raise bad_request(message, _SUBMIT_PARAMS.get(field)) from None
 
 

@@ -257,6 +257,8 @@ def policy_for(engine, options: RequestOptions):
     return policy if engine.persistent_policy else copy.deepcopy(policy)
 
 
+#: the sampling keyword arguments ``Scheduler.submit`` passes on to ``Request`` (``chat``: the text is a chat turn)
+SAMPLING = {"temperature", "top_p", "top_k", "min_p", "stop", "chat"}
 #: what ``Scheduler.submit`` passes on to ``Request`` beside sampling (``Engine.generate``'s keyword arguments)
 PROCESSING = {"logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
               "constraint", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids",
@@ -269,7 +271,7 @@ def new_request(engine, prompt: Prompt, max_new_tokens: int, options: RequestOpt
     its admission reserves. ``ValueError`` naming the field for a bad one, ``KVBudgetError`` (one) for a request the
     KV budget could never hold."""
     check_options(options, arm_names)
-    unknown = sorted(set(sampling) - PROCESSING - {"temperature", "top_p", "top_k", "min_p", "stop", "chat"})
+    unknown = sorted(set(sampling) - PROCESSING - SAMPLING)
     if unknown:
         raise TypeError(f"submit() got unexpected keyword arguments {unknown}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
