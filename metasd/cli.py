@@ -45,6 +45,9 @@ def _add_generate(sub) -> None:
                    help=f"drop a token less likely than min-p times the most likely one: {allowed('min_p')}")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--suffix", help="fill in the middle: the code after the gap (the prompt is the code before it, "
+                                    "never a chat turn), in the verifier's fill-in-the-middle format; the answer is "
+                                    "the gap's text")
     p.add_argument("--raw", action="store_true",
                    help="encode the prompt as it is; without it the prompt is a user message through the chat template "
                         "(Engine.generate and /v1/completions take a string as it is)")
@@ -67,6 +70,8 @@ def _check_options(args) -> None:
     check_request(_REQUEST_OPTIONS, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, threads=args.threads)
     check_pool_options(args)
+    if args.suffix is not None and args.input:
+        raise ValueError("--suffix fills in the middle between the prompt and it: it takes no --input")
     if args.json and args.stream:
         raise ValueError("--stream and --json go apart: --json prints one record once the text is done "
                          "(use --no-stream, or leave --stream out)")
@@ -75,7 +80,7 @@ def _check_options(args) -> None:
 def _check_context(verifier: str, prompt: str, args) -> None:
     """Refuse, before any model loads, a prompt and ``--max-new-tokens`` that do not fit the verifier's context, when
     its config and tokenizer can be read without loading it (a prepared bundled model, a local directory)."""
-    from metasd.core.decoding.request import check_context, encode_prompt
+    from metasd.core.decoding.request import check_context
     from metasd.models import context_length, load_tokenizer
 
     limit = context_length(verifier)
@@ -83,8 +88,19 @@ def _check_context(verifier: str, prompt: str, args) -> None:
         return  # checked by the engine once the model is loaded
     if args.max_new_tokens >= limit:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} does not fit the context of {verifier} ({limit} tokens)")
-    ids = encode_prompt(load_tokenizer(verifier), prompt, chat=not args.raw, model_name=verifier)
+    ids = _prompt_ids(load_tokenizer(verifier), prompt, args, verifier)
     check_context(len(ids), args.max_new_tokens, limit, verifier)
+
+
+def _prompt_ids(tokenizer, prompt: str, args, verifier: str) -> list[int]:
+    """The prompt's token ids: a chat turn (a string with ``--raw``), or with ``--suffix`` the fill-in-the-middle
+    prompt of the gap between it and the suffix (ValueError naming the model when it has no such format)."""
+    from metasd.core.decoding.prompt import encode_infill
+    from metasd.core.decoding.request import encode_prompt
+
+    if args.suffix is not None:
+        return encode_infill(tokenizer, prompt, args.suffix, verifier).ids
+    return encode_prompt(tokenizer, prompt, chat=not args.raw, model_name=verifier)
 
 
 def _read_prompt(args) -> str:
@@ -173,6 +189,9 @@ def _generate(args) -> int:
             return 0
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw)
+        if args.suffix is not None:  # fill in the middle: the format's prompt, ended by its end tokens
+            infill = engine.encode_infill(prompt, args.suffix)
+            prompt, kwargs["chat"], kwargs["stop_token_ids"] = infill.ids, False, infill.stop_token_ids
         if stream:
             gen = engine.stream(prompt, **kwargs)
             try:

@@ -68,6 +68,20 @@ def tiny_engine():
     return Engine(Verifier(tiny_qwen(seed=0), tok, name="tiny"), [twin])
 
 
+def tiny_chain_engine(tok, name: str, context: int = 256):
+    """A tiny fp32 verifier over ``tok`` (a byte-level BPE of tests/test_constraints.py, EOS id 0) and a chain
+    drafter of k=4 from a blunter copy of it: drafts that are accepted often, not always."""
+    from metasd.core.engine import Engine
+    from metasd.core.execution.verifier import Verifier
+    from test_constraints import EOS
+    from tiny import tiny_qwen
+
+    drafter = PretrainedDrafter(tiny_qwen(seed=3, vocab=len(tok), logit_scale=2.0, eos=EOS, context=context), k=4,
+                                name="chain")
+    verifier = Verifier(tiny_qwen(seed=3, vocab=len(tok), logit_scale=3.0, eos=EOS, context=context), tok, name=name)
+    return Engine(verifier, drafter, check_tokenizers=False)
+
+
 class ServerThread:
     """uvicorn serving ``app`` in a daemon thread on a free 127.0.0.1 port (the OS picks it: port 0)."""
 

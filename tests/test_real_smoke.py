@@ -97,3 +97,20 @@ def test_bundled_pair_calls_a_named_tool_in_its_own_format(pair):
     assert plain.token_ids[0] == vt.convert_tokens_to_ids("<tool_call>")
     content, calls = HermesParser().parse(plain.text)
     assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_bundled_pair_fills_in_the_middle(pair):
+    """The bundled 1.5B's own fill-in-the-middle format (Qwen's ``<|fim_prefix|>`` ... ``<|fim_middle|>`` markers):
+    the line missing between a docstring and a return that uses its name, ended by the format's end-of-text; the same
+    tokens with the default pool's drafter (the 0.5B tree behind suffix decoding) as without."""
+    vm, vt, dm, dt = pair
+    verifier = Verifier(vm, vt, name="bundled:qwen2.5-coder-1.5b-instruct")
+    before = 'def mean(xs):\n    """The arithmetic mean of a non-empty list."""\n'
+    after = "\n    return total / len(xs)\n\n\nprint(mean([1, 2, 3]))\n"
+    prompt = Engine(verifier).encode_infill(before, after)
+    plain = Engine(verifier).generate(prompt.ids, max_new_tokens=24, stop_token_ids=prompt.stop_token_ids)
+    tree = PretrainedTreeDrafter(dm, dt, mode="dynamic", nodes=32, depth=16, width=4, min_path_prob=0.3)
+    pool = FusedDrafter([SuffixDrafter(max_depth=16, max_nodes=16, name="suffix"), tree], enough=6, name="cascade")
+    speculative = Engine(verifier, pool).generate(prompt.ids, max_new_tokens=24, stop_token_ids=prompt.stop_token_ids)
+    assert plain.text == "    total = sum(xs)" and plain.token_ids[-1] == vt.convert_tokens_to_ids("<|endoftext|>")
+    assert speculative.token_ids == plain.token_ids and speculative.stats.accepted > 0

@@ -16,13 +16,9 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (pi
 
 from metasd.core.batching.scheduler import Scheduler  # noqa: E402
 from metasd.core.constraints import Constraint  # noqa: E402
-from metasd.core.engine import Engine  # noqa: E402
-from metasd.core.execution.verifier import Verifier  # noqa: E402
-from metasd.drafters import PretrainedDrafter  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
-from serve_helpers import ServerThread, openai_client  # noqa: E402
-from test_constraints import CHOICES, EOS, REGEX, SCHEMA, byte_bpe, check_schema  # noqa: E402
-from tiny import tiny_qwen  # noqa: E402
+from serve_helpers import ServerThread, openai_client, tiny_chain_engine  # noqa: E402
+from test_constraints import CHOICES, REGEX, SCHEMA, byte_bpe, check_schema  # noqa: E402
 
 MODEL = "tiny-json"
 MSG = [{"role": "user", "content": "Give me a record."}]
@@ -31,9 +27,7 @@ MSG = [{"role": "user", "content": "Give me a record."}]
 def _engine():
     tok = byte_bpe(340)
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
-    drafter = PretrainedDrafter(tiny_qwen(seed=3, vocab=len(tok), logit_scale=2.0, eos=EOS), k=4, name="chain")
-    return Engine(Verifier(tiny_qwen(seed=3, vocab=len(tok), logit_scale=3.0, eos=EOS), tok, name=MODEL), drafter,
-                  check_tokenizers=False)
+    return tiny_chain_engine(tok, MODEL)
 
 
 @pytest.fixture(scope="module")

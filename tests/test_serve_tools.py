@@ -17,14 +17,10 @@ import openai  # noqa: E402
 
 from metasd.core.batching.scheduler import Scheduler  # noqa: E402
 from metasd.core.constraints import Constraint  # noqa: E402
-from metasd.core.engine import Engine  # noqa: E402
-from metasd.core.execution.verifier import Verifier  # noqa: E402
-from metasd.drafters import PretrainedDrafter  # noqa: E402
 from metasd.serve.app import create_app  # noqa: E402
 from metasd.serve.tools import HermesParser, added_tokens  # noqa: E402
-from serve_helpers import ServerThread, openai_client, serving  # noqa: E402
-from test_constraints import EOS, byte_bpe  # noqa: E402
-from tiny import tiny_qwen  # noqa: E402
+from serve_helpers import ServerThread, openai_client, serving, tiny_chain_engine  # noqa: E402
+from test_constraints import byte_bpe  # noqa: E402
 
 MODEL = "tiny-tools"
 TEMPLATE = (
@@ -57,9 +53,7 @@ def _tokenizer():
 
 def _engine(tok=None):
     tok = tok or _tokenizer()
-    drafter = PretrainedDrafter(tiny_qwen(seed=3, vocab=len(tok), logit_scale=2.0, eos=EOS, context=1024), k=4, name="chain")
-    return Engine(Verifier(tiny_qwen(seed=3, vocab=len(tok), logit_scale=3.0, eos=EOS, context=1024), tok, name=MODEL), drafter,
-                  check_tokenizers=False)
+    return tiny_chain_engine(tok, MODEL, context=1024)
 
 
 @pytest.fixture(scope="module")

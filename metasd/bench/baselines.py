@@ -27,15 +27,18 @@ def _generate(model, prompt_ids: list[int], max_new_tokens: int, **kwargs):
     return seq[0, len(prompt_ids):].tolist(), seconds, out
 
 
-def plain(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """Autoregressive greedy decoding (``model.generate``)."""
-    ids, s, _ = _generate(model, prompt_ids, max_new_tokens)
+def plain(model, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> tuple[list[int], float]:
+    """Autoregressive greedy decoding (``model.generate``; ``generate_kwargs``: its other arguments, e.g.
+    ``eos_token_id``)."""
+    ids, s, _ = _generate(model, prompt_ids, max_new_tokens, **generate_kwargs)
     return ids, s
 
 
-def plain_with_margins(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, list[float]]:
+def plain_with_margins(model, prompt_ids: list[int], max_new_tokens: int,
+                       **generate_kwargs) -> tuple[list[int], float, list[float]]:
     """Plain decoding that also returns, per generated position, the top-two logit margin."""
-    ids, s, out = _generate(model, prompt_ids, max_new_tokens, return_dict_in_generate=True, output_logits=True)
+    ids, s, out = _generate(model, prompt_ids, max_new_tokens, return_dict_in_generate=True, output_logits=True,
+                            **generate_kwargs)
     margins = []
     for logits in out.logits:
         top = logits[0].float().topk(2).values
@@ -49,9 +52,10 @@ def assisted(model, assistant, prompt_ids: list[int], max_new_tokens: int, **ass
     return ids, s
 
 
-def prompt_lookup(model, prompt_ids: list[int], max_new_tokens: int, num_tokens: int = 10) -> tuple[list[int], float]:
+def prompt_lookup(model, prompt_ids: list[int], max_new_tokens: int, num_tokens: int = 10,
+                  **generate_kwargs) -> tuple[list[int], float]:
     """transformers prompt lookup decoding."""
-    ids, s, _ = _generate(model, prompt_ids, max_new_tokens, prompt_lookup_num_tokens=num_tokens)
+    ids, s, _ = _generate(model, prompt_ids, max_new_tokens, prompt_lookup_num_tokens=num_tokens, **generate_kwargs)
     return ids, s
 
 

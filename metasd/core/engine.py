@@ -14,6 +14,7 @@ from .batching.scheduler import Scheduler
 from .decoding.drafter import Drafter
 from .decoding.drafter import with_components as _with_components
 from .decoding.policy import Policy
+from .decoding.prompt import InfillPrompt, encode_infill
 from .decoding.request import GenerationResult, Prompt, Request, encode_prompt
 from .decoding.rewards import get_reward
 from .decoding.sampling import SEEDED_SAMPLING
@@ -305,6 +306,11 @@ class Engine:
         where given; ``template``: ``add_generation_prompt``, ``continue_final_message``, as ``render_chat`` takes
         them); strings when ``chat``."""
         return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name, tools, **template)
+
+    def encode_infill(self, prefix: str, suffix: str) -> InfillPrompt:
+        """The prompt asking for the text between ``prefix`` and ``suffix`` in the verifier's fill-in-the-middle
+        format, and the tokens that end it: ``engine.generate(p.ids, n, stop_token_ids=p.stop_token_ids)``."""
+        return encode_infill(self.tokenizer, prefix, suffix, self.verifier.name)
 
     # ---------------------------------------------------------------- internals
     def _run(self, prompt: Prompt, max_new_tokens: int, **kwargs) -> Request:

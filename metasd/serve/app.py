@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
+from metasd.core.decoding.prompt import encode_infill, infill_format, infill_stop_ids
 from metasd.core.batching.jobs import PROCESSING, SAMPLING
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
 from metasd.core.execution.kv_memory import KVBudgetError, draft_headroom, tokens_alone
@@ -93,6 +94,9 @@ class ServeState:
         self.takes_tools = template_takes_tools(template)
         #: reads the model's tool calls out of its text (and writes the grammar of an enforced call); None: none
         self.tool_parser = tool_parser(tool_call_parser, template)
+        #: the tokens that end a fill-in-the-middle answer (a completion with ``suffix``); None: the model has no format
+        infill = infill_format(self.tokenizer)
+        self.infill_stops = infill_stop_ids(self.tokenizer, infill) if infill else None
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -121,7 +125,10 @@ class ServeState:
         if tools:
             self.check_tools(req)
         template = req.template_options() if field == "messages" else {}
-        prompts = [self._ids(prompt, field, tools, template) for prompt in req.prompt_values()]
+        if field == "prompt" and req.suffix:
+            prompts = [self._infill_ids(req, prompt) for prompt in req.prompt_values()]
+        else:
+            prompts = [self._ids(prompt, field, tools, template) for prompt in req.prompt_values()]
         return self.truncated(prompts, req.truncate_prompt_tokens), field
 
     def truncated(self, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
@@ -149,6 +156,18 @@ class ServeState:
         if not ids:
             raise bad_request(f"{field}: the prompt is empty after tokenisation", field)
         return ids
+
+    def _infill_ids(self, req: CompletionRequest, prompt) -> list[int]:
+        """A completion's prompt with a ``suffix``: the text before the gap, then the suffix, in the model's
+        fill-in-the-middle format."""
+        if not isinstance(prompt, str):
+            raise bad_request("suffix: fill in the middle takes text prompts, not token ids", "suffix")
+        if req.echo:
+            raise bad_request("echo and suffix cannot be combined: the answer is inserted, not continued", "echo")
+        try:
+            return encode_infill(self.tokenizer, prompt, req.suffix, self.model_name).ids
+        except ValueError as e:
+            raise bad_request(f"suffix: {e}", "suffix", "infill_unsupported") from None
 
     def budget(self, req, n_prompt: int, prompt_field: str) -> int:
         """``max_tokens`` checked against the context; when not given, what the context leaves (as vLLM does)."""
@@ -246,9 +265,12 @@ class ServeState:
             if opts else RequestOptions()
         logprobs, prompt_logprobs = req.logprob_options()
         seed = None if req.seed is None else (req.seed + seed_offset) % 2 ** 64  # a generator's seed is a uint64
+        processing = req.processing()
+        if getattr(req, "suffix", None):  # fill in the middle: the format's end tokens end the answer too
+            processing["stop_token_ids"] = sorted({*(processing["stop_token_ids"] or ()), *self.infill_stops})
         try:
             return self.scheduler.submit(
-                ids, max_new_tokens, stop=req.stops() or None, seed=seed, **req.processing(),
+                ids, max_new_tokens, stop=req.stops() or None, seed=seed, **processing,
                 chat=False, options=options, logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
                 **req.sampling(self.defaults))
         except QueueFullError:

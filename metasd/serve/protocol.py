@@ -381,7 +381,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # the text after the gap: fill in the middle ("" or null: none; the server checks it)
 
     @field_validator("prompt")
     @classmethod
@@ -398,11 +398,6 @@ class CompletionRequest(_Common):
     @classmethod
     def _one_best(cls, v):
         return _only(v, (1,), f"only best_of=1 is served, got {v}")
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        return _only(v, ("",), "suffix (insertion) is not supported")
 
     def token_budget(self) -> int | None:
         return self.max_tokens

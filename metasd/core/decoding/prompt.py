@@ -1,8 +1,10 @@
 """From what a caller gives to the verifier's token ids: ``encode_prompt`` (strings, chat messages, token ids; chat
-messages through ``render_chat``) and the context check (``check_context``). Needs no model, only its tokenizer, so a
+messages through ``render_chat``), ``encode_infill`` (the text before and after a gap, in a code model's
+fill-in-the-middle format) and the context check (``check_context``). Needs no model, only its tokenizer, so a
 command can check a prompt before any model loads."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -60,3 +62,85 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int |
     if context_length and prompt_tokens + max_new_tokens > context_length:
         raise ValueError(f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
                          f"{model_name} ({context_length} tokens)")
+
+
+@dataclass(frozen=True)
+class InfillFormat:
+    """A code model's fill-in-the-middle format, by its marker tokens: the prompt is ``prefix`` + the text before the
+    gap + ``suffix`` + the text after it + ``middle`` (PSM order), and the model writes the gap's text, ending it with
+    its end-of-text token or another of ``ends`` (a marker: the middle is over)."""
+
+    prefix: str
+    suffix: str
+    middle: str
+    ends: tuple[str, ...] = ()
+
+    def markers(self) -> tuple[str, ...]:
+        return self.prefix, self.suffix, self.middle
+
+
+#: the fill-in-the-middle formats metasd knows; a tokenizer's is the first whose three markers are tokens of its
+#: vocabulary (``infill_format``)
+INFILL_FORMATS = (
+    # Qwen2.5-Coder, CodeGemma
+    InfillFormat("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+                 ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")),
+    # StarCoder, StarCoder2, SantaCoder, Granite Code
+    InfillFormat("<fim_prefix>", "<fim_suffix>", "<fim_middle>",
+                 ("<|endoftext|>", "<fim_pad>", "<file_sep>", "<reponame>", "<repo_name>")),
+    # DeepSeek-Coder
+    InfillFormat("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>",
+                 ("<\uff5cend\u2581of\u2581sentence\uff5c>",)),
+)
+
+
+def _token_id(tokenizer, text: str) -> int | None:
+    """The id of the token spelled ``text`` in the tokenizer's vocabulary, or None (not one token)."""
+    try:
+        found = tokenizer.convert_tokens_to_ids(text)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return None if found is None or found == getattr(tokenizer, "unk_token_id", None) else int(found)
+
+
+def infill_format(tokenizer) -> InfillFormat | None:
+    """The fill-in-the-middle format of ``INFILL_FORMATS`` whose markers are all tokens of the tokenizer, or None."""
+    for fmt in INFILL_FORMATS:
+        if tokenizer is not None and all(_token_id(tokenizer, m) is not None for m in fmt.markers()):
+            return fmt
+    return None
+
+
+@dataclass(frozen=True)
+class InfillPrompt:
+    """A fill-in-the-middle prompt: its token ids, and the tokens that end the middle (the format's end-of-text and
+    markers, the tokenizer's EOS) - pass them as ``stop_token_ids``."""
+
+    ids: list[int]
+    stop_token_ids: list[int]
+
+
+def encode_infill(tokenizer, prefix: str, suffix: str, model_name: str = "the verifier") -> InfillPrompt:
+    """The prompt that asks the model for the text between ``prefix`` and ``suffix``, in its fill-in-the-middle
+    format (``infill_format``): the special tokens the tokenizer puts first (a BOS), the markers as tokens and the two
+    texts encoded apart, special tokens spelled in them left as text (as llama.cpp's ``/infill`` does). ValueError
+    naming the model when its tokenizer has no fill-in-the-middle tokens."""
+    fmt = infill_format(tokenizer)
+    if fmt is None:
+        known = "; ".join(" ".join(f.markers()) for f in INFILL_FORMATS)
+        raise ValueError(f"{model_name}'s tokenizer has no fill-in-the-middle tokens (known formats: {known})")
+    plain, full = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a", add_special_tokens=True)
+    lead = full[:len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
+    p, s, m = (_token_id(tokenizer, t) for t in fmt.markers())
+    def text(t: str) -> list[int]:  # a marker's spelling in the code stays text
+        return tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True)
+
+    ids = [*lead, p, *text(prefix), s, *text(suffix), m]
+    return InfillPrompt(ids, infill_stop_ids(tokenizer, fmt))
+
+
+def infill_stop_ids(tokenizer, fmt: InfillFormat) -> list[int]:
+    """The tokens that end a middle in ``fmt``: its end-of-text and other ``ends``, its markers, the tokenizer's
+    EOS - those of them the vocabulary has."""
+    ends = {_token_id(tokenizer, t) for t in (*fmt.ends, *fmt.markers())} | {getattr(tokenizer, "eos_token_id", None)}
+    return sorted(e for e in ends if isinstance(e, int))
