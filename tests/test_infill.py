@@ -102,8 +102,10 @@ def test_a_suffix_is_the_engines_infill_with_speculation_on_and_off(served):
     want = engine.generate(prompt.ids, 12, stop_token_ids=prompt.stop_token_ids)
     assert on.choices[0].text == off.choices[0].text == want.text
     assert on.usage.prompt_tokens == len(prompt.ids)
-    assert on.choices[0].text != _complete(served).choices[0].text, "the suffix changed nothing"
     assert on.model_extra["metasd"]["accepted"] > 0, "nothing was accepted: the draft rows were not exercised"
+    chunks = list(_complete(served, suffix=SUFFIX, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == on.choices[0].finish_reason
 
 
 def test_the_formats_end_token_ends_the_middle(served):
@@ -132,7 +134,9 @@ def test_a_model_without_markers_refuses_a_suffix_naming_it():
         with pytest.raises(openai.BadRequestError) as e:
             srv.client.completions.create(model=MODEL, prompt=PREFIX, suffix=SUFFIX, max_tokens=4)
         assert e.value.body["param"] == "suffix" and "fill-in-the-middle" in e.value.body["message"]
-        assert srv.client.completions.create(model=MODEL, prompt=PREFIX, suffix="", max_tokens=4).choices[0].text
+        empty = srv.client.completions.create(model=MODEL, prompt=PREFIX, suffix="", max_tokens=4, temperature=0)
+        plain = srv.client.completions.create(model=MODEL, prompt=PREFIX, max_tokens=4, temperature=0)
+        assert (empty.choices[0].text, empty.usage.prompt_tokens) == (plain.choices[0].text, plain.usage.prompt_tokens)
 
 
 # ------------------------------------------------------------------------------------------------------ metasd generate
