@@ -145,6 +145,7 @@ def test_log_probabilities_are_the_chat_routes_whole_and_streamed(server, held):
 
 @pytest.mark.parametrize("body, field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
+    ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),  # no tool template
     ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),  # a hosted tool
