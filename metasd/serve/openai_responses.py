@@ -39,6 +39,8 @@ class ResponseBuilder:
     def __init__(self, req: ResponsesRequest, model_name: str):
         self.req, self.model = req, model_name
         self.id, self.item_id = f"resp_{secrets.token_hex(12)}", f"msg_{secrets.token_hex(12)}"
+        #: where the message's text is: output item 0, its one part
+        self.text_at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         self.created = int(time.time())
         self.sequence = 0
 
@@ -110,7 +112,7 @@ class ResponseBuilder:
     def _message_events(self, opening: bool, text: str = "", status: str = "completed",
                         logprobs: list | None = None) -> list[str]:
         """The events that open the message (output item 0) or close it with its whole ``text``."""
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        where = self.text_at
         if opening:
             return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
                     self.event("response.content_part.added", **where, part=self.part(""))]
@@ -135,7 +137,6 @@ class ResponseBuilder:
         the model made no call), the calls follow it as output items 1, 2, ... (0, 1, ... without text). A text
         delta carries the log-probabilities that came since the last one (a chunk may bring a held-back token's
         without text)."""
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
         text, opened, calls, reason, record, usage = "", False, [], None, None, None
@@ -165,7 +166,8 @@ class ResponseBuilder:
                         for event in self._message_events(opening=True):
                             yield event
                     text += delta["content"]
-                    yield self.event("response.output_text.delta", **where, delta=delta["content"], logprobs=pending)
+                    yield self.event("response.output_text.delta", **self.text_at, delta=delta["content"],
+                                     logprobs=pending)
                     pending = []
                 for call in delta.get("tool_calls") or []:  # whole calls, after the text: the message is done
                     if opened and not calls:

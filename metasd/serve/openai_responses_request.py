@@ -23,6 +23,11 @@ class InputText(Lenient):
     text: str
 
 
+def _joined(content: str | list[InputText]) -> str:
+    """A content given as a string or as text parts, as one string."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class InputMessage(Lenient):
     """One item of ``input``: a message with text content."""
 
@@ -31,7 +36,7 @@ class InputMessage(Lenient):
     content: str | list[InputText]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(Lenient):
@@ -52,7 +57,7 @@ class FunctionCallOutput(Lenient):
     output: str | list[InputText]
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+        return _joined(self.output)
 
 
 #: the input items served, by ``type`` (a message may leave its type out)
@@ -60,12 +65,13 @@ ITEMS: dict[str, type[Lenient]] = {"message": InputMessage, "function_call": Fun
                                    "function_call_output": FunctionCallOutput}
 
 
-def _validated(field: str, i: int, value: Any, models: dict[str, type[Lenient]], refused: str) -> Any:
-    """Item ``i`` of a list ``field`` (``input``, ``tools``) as the model its ``type`` names (a message may leave its
-    type out); a ``ValidationError`` naming the item's field (``input.[0].content.[1].type``), its most specific
-    error first (pydantic reports each member of a union: a string, a list of parts), or its type with ``refused``
-    (``{kind}`` the type) where no model serves it."""
-    kind = value.get("type", "message" if field == "input" else None) if isinstance(value, dict) else None
+def _validated(field: str, i: int, value: Any, models: dict[str, type[Lenient]], refused: str,
+               default: str | None = None) -> Any:
+    """Item ``i`` of a list ``field`` (``input``, ``tools``) as the model its ``type`` names (``default`` where it
+    gives none: an input message may leave its type out); a ``ValidationError`` naming the item's field
+    (``input.[0].content.[1].type``), its most specific error first (pydantic reports each member of a union: a
+    string, a list of parts), or its type with ``refused`` (``{kind}`` the type) where no model serves it."""
+    kind = value.get("type", default) if isinstance(value, dict) else None
     if kind not in models:
         loc = (field, i, "type") if isinstance(value, dict) else (field, i)
         raise ValidationError.from_exception_data(field, [{"type": "value_error", "loc": loc, "input": kind, "ctx": {
@@ -85,7 +91,8 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     opens one; a call's output is a ``tool`` message answering its ``call_id``."""
     out: list[dict[str, Any]] = []
     for i, raw in enumerate(items):
-        item = _validated("input", i, raw, ITEMS, "an item of type {kind!r} is not served here (served: {served})")
+        item = _validated("input", i, raw, ITEMS, "an item of type {kind!r} is not served here (served: {served})",
+                          default="message")
         if isinstance(item, InputMessage):
             out.append({"role": ROLES[item.role], "content": item.text()})
         elif isinstance(item, FunctionCallItem):

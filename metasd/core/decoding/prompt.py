@@ -132,6 +132,7 @@ def encode_infill(tokenizer, prefix: str, suffix: str, model_name: str = "the ve
     plain, full = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a", add_special_tokens=True)
     lead = full[:len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
     p, s, m = (_token_id(tokenizer, t) for t in fmt.markers())
+
     def text(t: str) -> list[int]:  # a marker's spelling in the code stays text
         return tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True)
 
