@@ -1,14 +1,16 @@
-"""Prefix caching on a multi-turn chat: time to first token of each turn with the scheduler's prefix cache on and off.
+"""Prefix caching on a multi-turn chat: time to first token and the whole turn's time with the scheduler's prefix cache
+off, on for the verifier alone, and on for the verifier and the model drafters (the default: ``PrefixEntry.drafters``).
 
 A chat of ``--turns`` turns over a long first message (``--history-tokens`` tokens of metasd's own source text, then a
 question); each later turn is the history, the model's last answer (greedy, ``--answer-tokens``) and the next
-question, as a chat client sends it. Per repeat, both settings run the whole chat on a fresh scheduler over the same
-engine, in an order rotated per repeat; the answers of the two settings must be the same text (checked and reported).
-The figure per turn is the median over repeats of the paired ratio TTFT(on) / TTFT(off), with its range; TTFT is the
-scheduler's own (submit to first committed token, in-process: no HTTP).
+question, as a chat client sends it. Per repeat, every setting runs the whole chat on a fresh scheduler over the same
+engine, in an order rotated per repeat; the answers of the settings must be the same text (checked and reported).
+The figures per turn are medians over repeats of paired ratios, with their ranges: TTFT(on) / TTFT(off), and the
+turn's end-to-end time with the drafters' positions kept over the verifier's alone; both are the scheduler's own
+(from submit, in-process: no HTTP).
 
     python benchmarks/prefix_cache.py --out benchmarks/results/prefix_cache.json          # the embedded serving pool
-    python benchmarks/prefix_cache.py --pool my_pool.yaml --repeats 3 --threads 2
+    python benchmarks/prefix_cache.py --pool my_pool.yaml --repeats 3 --threads 2 --answer-tokens 64
 
 The scheduler is the one ``metasd serve`` makes for the pool (``SchedulerSettings``: the pool's adaptive speculation
 included, its forward profile measured once before the first chat), with one request at a time.
@@ -41,9 +43,13 @@ def history_text(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids).rsplit("\n", 1)[0]
 
 
+#: the settings compared: prefix caching off, on for the verifier alone, on for the verifier and the model drafters
+SETTINGS = {"off": (False, False), "verifier": (True, False), "both": (True, True)}
+
+
 def run_chat(scheduler, history: str, turns: int, answer_tokens: int) -> list[dict]:
-    """One chat on a fresh scheduler (shut down at the end): per turn its TTFT (s), prompt tokens, cached tokens and
-    answer."""
+    """One chat on a fresh scheduler (shut down at the end): per turn its TTFT and end-to-end time (s), prompt tokens,
+    cached tokens, the drafter positions it started with, its steps and answer."""
     from metasd.core.batching.scheduler import RequestFinished
 
     finished: dict[str, RequestFinished] = {}
@@ -52,29 +58,45 @@ def run_chat(scheduler, history: str, turns: int, answer_tokens: int) -> list[di
     with scheduler:
         scheduler.add_listener(lambda r: finished.__setitem__(r.id, r) if isinstance(r, RequestFinished) else None)
         for turn in range(turns):
+            drafter_hits = scheduler.prefix_cache.stats.drafter_hits if scheduler.prefix_cache is not None else 0
             handle = scheduler.submit(messages, answer_tokens, chat=True)
             result = handle.result(timeout=3600)
             while handle.id not in finished:  # the listener runs on the scheduler thread, after the last event
                 time.sleep(0.001)
-            rows.append({"turn": turn + 1, "ttft_s": finished[handle.id].ttft_s, "prompt_tokens": len(result.prompt_ids),
-                         "cached_tokens": result.stats.cached_prompt_tokens, "text": result.text})
+            done = finished[handle.id]
+            resumed = scheduler.prefix_cache.stats.drafter_hits - drafter_hits if scheduler.prefix_cache else 0
+            rows.append({"turn": turn + 1, "ttft_s": done.ttft_s, "e2e_s": done.e2e_s,
+                         "prompt_tokens": len(result.prompt_ids), "cached_tokens": result.stats.cached_prompt_tokens,
+                         "drafter_positions_resumed": resumed, "new_tokens": result.stats.new_tokens,
+                         "steps": result.stats.steps, "draft_s": result.stats.draft_s, "text": result.text})
             messages = messages + [{"role": "assistant", "content": result.text},
                                    {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
     return rows
 
 
+def _paired(runs: list[dict], t: int, key: str, a: str, b: str) -> tuple[float, list[float]]:
+    """Median and [min, max] over repeats of turn ``t``'s ``key`` under setting ``a`` over setting ``b``."""
+    ratios = [r[a][t][key] / r[b][t][key] for r in runs]
+    return statistics.median(ratios), [min(ratios), max(ratios)]
+
+
 def summarize(runs: list[dict], turns: int) -> list[dict]:
-    """Per turn: TTFT on and off (median and range over repeats) and the paired ratio on/off."""
+    """Per turn: medians over repeats of each setting's TTFT and end-to-end time, the paired ratios TTFT both/off and
+    end-to-end both/verifier, what was reused, and whether every setting gave the same answer."""
     out = []
     for t in range(turns):
-        on = [r["on"][t]["ttft_s"] for r in runs]
-        off = [r["off"][t]["ttft_s"] for r in runs]
-        ratios = [a / b for a, b in zip(on, off)]
-        out.append({"turn": t + 1, "ttft_on_s": statistics.median(on), "ttft_off_s": statistics.median(off),
-                    "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                    "cached_tokens": [r["on"][t]["cached_tokens"] for r in runs],
-                    "prompt_tokens": runs[0]["on"][t]["prompt_tokens"],
-                    "same_text": all(r["on"][t]["text"] == r["off"][t]["text"] for r in runs)})
+        row = {"turn": t + 1, "prompt_tokens": runs[0]["off"][t]["prompt_tokens"]}
+        for name in SETTINGS:
+            for key in ("ttft_s", "e2e_s"):
+                row[f"{key}_{name}"] = statistics.median(r[name][t][key] for r in runs)
+        row["ttft_both_over_off"], row["ttft_both_over_off_range"] = _paired(runs, t, "ttft_s", "both", "off")
+        row["e2e_both_over_verifier"], row["e2e_both_over_verifier_range"] = _paired(runs, t, "e2e_s", "both",
+                                                                                     "verifier")
+        row["cached_tokens"] = [r["both"][t]["cached_tokens"] for r in runs]
+        row["drafter_positions_resumed"] = [r["both"][t]["drafter_positions_resumed"] for r in runs]
+        row["steps"] = {name: [r[name][t]["steps"] for r in runs] for name in SETTINGS}
+        row["same_text"] = all(len({r[name][t]["text"] for name in SETTINGS}) == 1 for r in runs)
+        out.append(row)
     return out
 
 
@@ -107,20 +129,27 @@ def main(argv: list[str] | None = None) -> int:
               "machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "pool": recipe.source,
               "turns": args.turns, "answer_tokens": args.answer_tokens, "history_tokens": args.history_tokens,
               "runs": [], "complete": False}
+    names = list(SETTINGS)
     for repeat in range(args.repeats):
-        order = [True, False] if repeat % 2 == 0 else [False, True]
+        order = names[repeat % len(names):] + names[: repeat % len(names)]  # rotated per repeat
         run = {}
-        for setting in order:
-            scheduler = dataclasses.replace(settings, prefix_caching=setting).make(engine)
-            run["on" if setting else "off"] = run_chat(scheduler, history, args.turns, args.answer_tokens)
+        for name in order:
+            caching, drafters = SETTINGS[name]
+            scheduler = dataclasses.replace(settings, prefix_caching=caching).make(engine)
+            if scheduler.prefix_cache is not None:
+                scheduler.prefix_cache.drafters = drafters
+            run[name] = run_chat(scheduler, history, args.turns, args.answer_tokens)
         report["runs"].append(run)
         report["summary"] = summarize(report["runs"], args.turns)
         report["complete"] = repeat == args.repeats - 1
         for row in report["summary"]:
-            print(f"repeat {repeat + 1} turn {row['turn']}: TTFT on {row['ttft_on_s']:.3f} s, off "
-                  f"{row['ttft_off_s']:.3f} s, on/off {row['ratio_median']:.3f} [{row['ratio_range'][0]:.3f}, "
-                  f"{row['ratio_range'][1]:.3f}], cached {row['cached_tokens']} of {row['prompt_tokens']}, "
-                  f"same text {row['same_text']}", flush=True)
+            print(f"after repeat {repeat + 1}, turn {row['turn']}: TTFT off {row['ttft_s_off']:.2f} s, verifier "
+                  f"{row['ttft_s_verifier']:.2f} s, both {row['ttft_s_both']:.2f} s (both/off "
+                  f"{row['ttft_both_over_off']:.3f} {row['ttft_both_over_off_range']}); turn time off "
+                  f"{row['e2e_s_off']:.2f} s, verifier {row['e2e_s_verifier']:.2f} s, both {row['e2e_s_both']:.2f} s "
+                  f"(both/verifier {row['e2e_both_over_verifier']:.3f} {row['e2e_both_over_verifier_range']}); "
+                  f"cached {row['cached_tokens']}, drafter positions {row['drafter_positions_resumed']} of "
+                  f"{row['prompt_tokens']}; steps {row['steps']}; same text {row['same_text']}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, model_validator
 from torch import nn
 from transformers import PreTrainedModel
 
-from metasd.core.decoding.drafter import (Bool, Counterfactual, Drafter, DrafterParams, Float, Int, StepContext,
-                                          StepFeedback, check_params, register_drafter)
+from metasd.core.decoding.drafter import (Counterfactual, Drafter, StepContext, StepFeedback, check_params,
+                                          register_drafter)
 from metasd.core.decoding.processing import DraftProcessing
 from metasd.core.execution.hooks import contiguous_lm_head_input
 from metasd.core.execution.kv_cache import crop_to
+from metasd.core.execution.prefix_cache import KVPrefix
 from metasd.core.execution.draft_rows import DraftRows, give_back_row
 from metasd.core.execution.static_cache import StaticKVCache, new_cache
 from metasd.models import ModelLoadError, config_eos_ids
@@ -28,6 +28,7 @@ from metasd.core.execution.staging import to_device
 from metasd.core.execution.tree import DeviceTokens, Draft
 
 from .draft_head import DraftHead
+from .pretrained_params import GRAPHS_HELP, HEAD_VOCAB_HELP, TRACK_HELP, PretrainedParams  # noqa: F401 (re-exported)
 from .shared_vocab import SharedVocab
 from .token_bridge import TokenBridge
 from .tracking import chain_acceptance
@@ -36,38 +37,6 @@ from .tracking import chain_acceptance
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))  # usually a drafter's cache is a prefix of the text: compared at C speed first
     return n if a[:n] == b[:n] else next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-
-
-HEAD_VOCAB_HELP = ("draft among the first N token ids only (plus the EOS ids): the LM head computes N rows instead "
-                   "of the whole vocabulary; byte-pair ids come roughly in frequency order (default: all)")
-
-TRACK_HELP = ("full-information feedback: feed the committed tokens every step, also when another arm drafted (priced "
-              "as the pool's work), so this arm is scored on every step")
-
-GRAPHS_HELP = ("the drafting loop after the catch-up run as one CUDA graph (core/execution/draft_loop.py), and a "
-               "scheduler's drafting levels as one fixed-shape forward for the batch (core/execution/draft_rows.py): "
-               "auto = captured where the model is on CUDA, on = required (refused elsewhere), off = eager forwards, "
-               "fixed = the fixed shapes run eagerly (the path a GPU captures, on any device)")
-
-class PretrainedParams(DrafterParams):
-    """Pool-config ``params`` of the pretrained chain drafter (and, extended, of the steered one)."""
-
-    k: Int = Field(5, ge=1, description="draft tokens per step (the first k with adaptive_k)")
-    confidence_threshold: Float | None = Field(None, ge=0.0, lt=1.0,
-                                               description="stop after a token whose drafter probability is below it")
-    adaptive_k: Bool = Field(False, description="k += 2 after a fully accepted draft, else k -= 1")
-    k_min: Int = Field(1, ge=1, description="lower bound of k (adaptive_k)")
-    k_max: Int = Field(16, ge=1, description="upper bound of k (adaptive_k); k may not exceed it")
-    head_vocab: Int | None = Field(None, ge=2, description=HEAD_VOCAB_HELP)
-    track: Bool = Field(False, description=TRACK_HELP)
-    graphs: Literal["auto", "on", "off", "fixed"] = Field("auto", description=GRAPHS_HELP)
-
-    @model_validator(mode="after")
-    def _order(self) -> "PretrainedParams":
-        if not self.k_min <= self.k <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k <= k_max, got k_min={self.k_min}, k={self.k}, k_max={self.k_max}"
-                             + (" (k_max defaults to 16: set it too)" if self.k > self.k_max == 16 else ""))
-        return self
 
 
 @register_drafter
@@ -150,6 +119,7 @@ class PretrainedDrafter(Drafter):
         self.last_catch_up = 0  # committed tokens fed in the last propose beyond the pending one
         self.steering = None  # a composed ``metasd.drafters.steered.Steering`` (the steered types set it)
         self._root: tuple[int, torch.Tensor] | None = None  # (cached tokens, logits after them) from tracking
+        self._resumed = False  # the cache was started from a stored prefix (``resume``) for the next request
         self.graphs = graphs
         capture = resolve_graphs(graphs, self.model.device, self.name)
         if graphs == "on" and not (type(self).draft_loops or type(self).draft_rows):
@@ -192,25 +162,49 @@ class PretrainedDrafter(Drafter):
         return cls(model, tokenizer, name=name, model_ref=build.model, **params)
 
     def begin(self, ctx: StepContext) -> None:
+        if not self._resumed:  # a cache started from a stored prefix (``resume``) is kept
+            self._fresh_cache()
+        self._resumed = False
+        self._root = None
+        self.k = self.k_initial
+        if self.bridge is not None:
+            self.bridge.begin()
+
+    def _fresh_cache(self) -> None:
         give_back_row(self.cache)
         if self.loops is not None:
             self.cache = self.loops.fresh_cache()
         else:  # a row of the shared buffers where shapes are fixed (a scheduler's fork), else a cache of its own
             self.cache = self.rows.take() if self.rows is not None else new_cache(self.model, name=self.name)
         self.cached_ids = []
-        self._root = None
-        self.k = self.k_initial
-        if self.bridge is not None:
-            self.bridge.begin()
 
     def end(self) -> None:
         give_back_row(self.cache)
-        self.cache, self.cached_ids = None, []
+        self.cache, self.cached_ids, self._resumed = None, [], False
+
+    def kv_prefix(self, tokens) -> KVPrefix | None:
+        """The cache's positions that hold a prefix of ``tokens`` (``Drafter.kv_prefix``); none for a drafter in its own
+        tokens (a prefix of the verifier's ids is not one of its own) or a steered one (its positions carry the
+        verifier's states)."""
+        if self.cache is None or self.bridge is not None or self.steering is not None:
+            return None
+        n = common_prefix_len(self.cached_ids, list(tokens))
+        if not n:
+            return None
+        keys, values = self.cache.copy_prefix(n)
+        return KVPrefix(torch.tensor(self.cached_ids[:n], dtype=torch.long), keys, values)
+
+    def resume(self, prefix: KVPrefix, length: int) -> None:
+        """``Drafter.resume``: a fresh cache holding ``prefix``'s first ``length`` positions, kept by ``begin``."""
+        self._fresh_cache()
+        self.cache.load_prefix(prefix.keys, prefix.values, length)
+        self.cached_ids = prefix.ids[:length].tolist()
+        self._resumed = True
 
     def _forked(self, cross_request: bool) -> None:
         """Own request state: the cache, the ids fed, the translation state and the steering's step state (the
         steering hooks on the shared model stay shared: they act only while a drafter's forward runs)."""
-        self.cache, self.cached_ids, self._unread, self._root = None, [], 0, None
+        self.cache, self.cached_ids, self._unread, self._root, self._resumed = None, [], 0, None, False
         self.loops = None  # a scheduler's requests draft level by level, batched (a graph per fork would not pay)
         if self.bridge is not None:
             self.bridge = copy.copy(self.bridge)

@@ -1,5 +1,6 @@
 """Prefix caching over HTTP with the official openai client: the second turn of a chat reuses the first turn's
-prompt and answer (``usage.prompt_tokens_details.cached_tokens``, ``vllm:prefix_cache_hits``) and answers exactly
+prompt and answer (``usage.prompt_tokens_details.cached_tokens``, ``vllm:prefix_cache_hits``; its drafter's own
+positions too, ``metasd:drafter_prefix_cache_hits``) and answers exactly
 what ``Engine.generate`` answers; ``--enable-prefix-caching``'s default follows the pool. Tiny fp32 models."""
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_the_second_turn_of_a_chat_hits_the_prefix_cache_with_identical_output()
         client.completions.create(model=MODEL, prompt="w10 w11 w12 w13", max_tokens=2, temperature=0, echo=True,
                                   logprobs=1)
         hits, queries = _metric(srv.url, "vllm:prefix_cache_hits_total"), _metric(srv.url, "vllm:prefix_cache_queries_total")
+        drafter_hits = _metric(srv.url, "metasd:drafter_prefix_cache_hits_total")
     scheduler.close()
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
@@ -50,6 +52,8 @@ def test_the_second_turn_of_a_chat_hits_the_prefix_cache_with_identical_output()
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.text
     assert hits == cached + streamed[-1].usage.prompt_tokens_details.cached_tokens
     assert queries == first.usage.prompt_tokens + 2 * second.usage.prompt_tokens
+    # the drafter started the later turns from its own positions of the history too
+    assert drafter_hits == scheduler.prefix_cache.stats.drafter_hits >= len(engine.encode(TURN1))
 
 
 def test_prefix_caching_default_follows_the_pool():

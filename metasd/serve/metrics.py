@@ -80,6 +80,8 @@ class ServeMetrics:
                                                                    "(whole prompts of the requests that consulted it).")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits: prompt tokens found in the cache, "
                                                              "not prefilled again.")
+        self.drafter_prefix_hits = counter("metasd:drafter_prefix_cache_hits", "Drafter cache positions requests "
+                                           "started with from the prefix cache, not read again (summed over drafters).")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Count of successfully processed requests "
                                                                "(cancelled: abort).", ["finished_reason"])
@@ -115,7 +117,7 @@ class ServeMetrics:
         self._last_step: dict[Any, float] = {}  # request id -> when its previous step ended (inter-token latency)
         self._finished: set = set()  # requests finished since the last step record
         self._lock = threading.Lock()
-        self._prefix_seen = (0, 0)  # the prefix cache's (queries, hits) already counted
+        self._prefix_seen = (0, 0, 0)  # the prefix cache's (queries, hits, drafter hits) already counted
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -198,9 +200,10 @@ class ServeMetrics:
         self.prompt_tokens.inc(done.prompt_tokens)
         store = getattr(getattr(self, "_scheduler", None), "prefix_cache", None)
         if store is not None:  # the prefix cache's own counts (one definition: PrefixCacheStats), passed on as they grow
-            seen, self._prefix_seen = self._prefix_seen, (store.stats.queries, store.stats.hits)
-            self.prefix_queries.inc(self._prefix_seen[0] - seen[0])
-            self.prefix_hits.inc(self._prefix_seen[1] - seen[1])
+            seen, self._prefix_seen = self._prefix_seen, (store.stats.queries, store.stats.hits, store.stats.drafter_hits)
+            for metric, now, before in zip((self.prefix_queries, self.prefix_hits, self.drafter_prefix_hits),
+                                           self._prefix_seen, seen):
+                metric.inc(now - before)
         reason = _VLLM_FINISHED.get(done.finish_reason)
         if reason:  # a failed request is no success
             self.request_success.labels(*self._values, reason).inc()

@@ -284,9 +284,9 @@ class AdaptiveSpeculation:
                         {j: o > 0 for j, o in zip(jobs, alloc.options)})
 
     def unfed(self, request: Any) -> int:
-        """Committed tokens of the request its drafters have not fed if it drafts now: its whole text before its
-        first draft, the tokens committed since the last step it drafted in after that."""
-        return max(int(request.length) - self._fed.get(request, 0), 0)
+        """Committed tokens of the request its drafters have not fed if it drafts now: its text before its first draft
+        (but what they held from the start, ``read_at_start``), then the tokens committed since it last drafted."""
+        return max(int(request.length) - self._fed.get(request, getattr(request, "read_at_start", 0)), 0)
 
     def catch_up(self, arm: Any, request: Any) -> float:
         """The one-off cost of the arm's drafters reading the request's unread text, ``rate * unfed``, where that is

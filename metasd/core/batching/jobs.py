@@ -16,7 +16,7 @@ from ..decoding.request import Prompt, Request
 from ..execution.batch_verifier import BatchVerifier, Prefill, SlotVerifier
 from ..execution.draft_rows import draft_rows_of
 from ..execution.llama_cpp_batch import LlamaCppBatchVerifier  # needs no llama-cpp-python until one is made
-from ..execution.prefix_cache import PrefixCache
+from ..execution.prefix_cache import PrefixCache, PrefixEntry
 from .request_handle import RequestFinished, RequestHandle, RequestOptions, RequestStepRecord, TokenEvent
 
 log = logging.getLogger("metasd.core.batching.scheduler")
@@ -60,6 +60,7 @@ class Job:
         self.forks: Forks | None = None
         self.kv_tokens = 0  # KV positions its admission reserves (prompt, max_new_tokens, the widest draft)
         self.begun = False  # the request's drafters started (Request.prefilled)
+        self.resumed: list = []  # its drafters started from a stored prefix at admission (``resume_drafters``)
 
     @property
     def id(self) -> str:
@@ -90,8 +91,8 @@ class Job:
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed at its end", self.id)
                 reason, error = "error", e
-        if self.begun:
-            for d in self.request.all_drafters:
+        if self.begun or self.resumed:  # (a request that left in its prefill: the drafters that hold a stored prefix)
+            for d in self.request.all_drafters if self.begun else self.resumed:
                 try:
                     d.end()
                 except Exception:  # noqa: BLE001
@@ -170,7 +171,8 @@ def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):
 def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) -> None:
     """The request's prefill (made by ``verifier``, the scheduler's batched verifier), starting after the longest
     prefix of its prompt the prefix cache holds (not for a request that asked for its prompt's log-probabilities: the
-    prefill computes them); its stats count the prompt tokens reused (``cached_prompt_tokens``)."""
+    prefill computes them), and its model drafters from their own positions of that prefix (``resume_drafters``); its
+    stats count the prompt tokens reused (``cached_prompt_tokens``)."""
     ids, scoring = job.request.prompt_ids[:-1], job.request.prompt_scoring()
     prefix = None
     if prefix_cache is not None and not scoring:
@@ -178,6 +180,29 @@ def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) 
         prefix = (entry, n) if entry is not None else None
         job.request.stats.cached_prompt_tokens = n
     job.prefill = verifier.start_prefill(ids, engine.hidden_layers, prefix=prefix, **scoring)
+    if prefix is not None and prefix[0].drafters:
+        resume_drafters(job, prefix[0], prefix_cache)
+
+
+def resume_drafters(job: Job, entry: PrefixEntry, prefix_cache: PrefixCache) -> None:
+    """The request's model drafters start from the positions of theirs the entry keeps (``Drafter.resume``), so their
+    first catch-up reads only what follows; where every one of them did, the request says so (``read_at_start``: an
+    ``AdaptiveSpeculation`` prices only that catch-up). A drafter that fails to is logged and reads its prompt."""
+    lengths, readers = [], [d for d in job.request.all_drafters if not d.lookup and not d.components()]
+    for d in readers:
+        start = prefix_cache.drafter_start(entry, d.name, job.request.prompt_ids)
+        if start is None:
+            continue
+        try:
+            d.resume(*start)
+        except Exception:  # noqa: BLE001 - it loses its head start, not its request
+            log.exception("request %s: drafter %s could not start from the stored prefix", job.id, d.name)
+            d.end()
+            continue
+        job.resumed.append(d)
+        lengths.append(start[1])
+    if lengths and len(lengths) == len(readers):
+        job.request.read_at_start = min(lengths)
 
 
 def free_row(job: Job, verifier: BatchVerifier, prefix_cache: PrefixCache | None) -> int | None:
@@ -200,7 +225,10 @@ def store_prefix(job: Job, cache: BatchCache, prefix_cache: PrefixCache) -> None
     cache.release(job)  # its reservation first: the entry is held in its place
     sequence = request.prompt_ids + request.new_ids
     try:  # a failure here costs the entry (logged), never the request or the scheduler
-        prefix_cache.store(sequence[: min(cache.lengths[row], len(sequence) - 1)], row)
+        ids = sequence[: min(cache.lengths[row], len(sequence) - 1)]
+        drafters = {d.name: kv for d in request.all_drafters if prefix_cache.drafters
+                    and (kv := d.kv_prefix(ids)) is not None}
+        prefix_cache.store(ids, row, drafters)
     except Exception:  # noqa: BLE001
         log.exception("request %s: storing its prefix failed", job.id)
 

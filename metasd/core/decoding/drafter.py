@@ -21,6 +21,7 @@ from torch import nn
 from ..constraints import ConstraintState
 from ..execution.draft_batch import Drafting
 from ..execution.hidden import HiddenStore
+from ..execution.prefix_cache import KVPrefix
 from ..execution.tree import Draft
 from .acceptance import Acceptance, follow
 from .params import Bool, Float, Int, PluginParams, check_params  # noqa: F401  (drafters import them here)
@@ -197,6 +198,19 @@ class Drafter(abc.ABC):
 
     def end(self) -> None:
         """The request is over: free per-request memory."""
+
+    def kv_prefix(self, tokens: Sequence[int]) -> KVPrefix | None:
+        """At the end of a request: the positions of its cache that hold a prefix of ``tokens`` (the request's committed
+        text), copied out for a later request that continues it - the scheduler's prefix cache keeps them beside the
+        verifier's (docs/serving.md#prefix-caching). None (the default): nothing worth keeping (a lookup rebuilds its
+        index in microseconds; a drafter whose cache cannot be reused so)."""
+        return None
+
+    def resume(self, prefix: KVPrefix, length: int) -> None:
+        """Before ``begin``: start the next request with the first ``length`` positions of ``prefix`` (a ``kv_prefix``
+        of an earlier request; its first ``length`` ids are the new request's) in the cache, instead of reading them
+        again at its first catch-up. Only drafters whose ``kv_prefix`` returns one are asked."""
+        raise NotImplementedError(f"{self.name}: drafter type {self.kind!r} keeps no KV prefix to resume from")
 
     def fork(self, cross_request: bool = False, memo: dict[int, "Drafter"] | None = None) -> "Drafter":
         """A drafter for another request running at the same time (a ``Scheduler`` gives each running request its own

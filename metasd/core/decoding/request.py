@@ -99,6 +99,7 @@ class Request:
         self.draft_budget: int | None = None  # most draft nodes verified per step (None: the drafter's draft)
         self.max_draft_nodes: int | None = None  # a scheduler's cap on any draft (the KV rows it reserved hold it)
         self.last_step: StepRecord | None = None  # the last step, for a scheduler's step records
+        self.read_at_start = 0  # prompt tokens its model drafters held before its first step (a stored prefix's)
         self._pending_step: _PendingStep | None = None  # between draft_step and finish_step
         self._selected: StepContext | None = None  # between select_arm and propose
         self._proposal: tuple | None = None  # between drafting and drafted: (ctx, drafter, asked, max_nodes)

@@ -20,7 +20,7 @@ moment, as it can catch a reallocation holding old and new buffers at once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -30,14 +30,14 @@ from .batch_cache import BatchCache
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)  # entries are compared by identity (removing one must not compare tensors)
-class PrefixEntry:
-    """One stored prefix: its token ids and, per layer, keys and values [kv_heads, length, head_dim]."""
+@dataclass(eq=False)  # compared by identity (removing one must not compare tensors)
+class KVPrefix:
+    """A cache's first positions copied out: the token ids they hold and, per layer, keys and values
+    [kv_heads, length, head_dim]."""
 
     ids: torch.Tensor  # [length] int64, on the host
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    last_used: int = 0
 
     @property
     def length(self) -> int:
@@ -46,6 +46,20 @@ class PrefixEntry:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass(eq=False)
+class PrefixEntry(KVPrefix):
+    """One stored prefix: the verifier's positions (``KVPrefix``) and, by pool entry name, the model drafters' own
+    (``Drafter.kv_prefix``: the positions each had read of the same text, often fewer), so that a request continuing
+    it starts its drafters there too instead of their catch-up reading the whole prefix again."""
+
+    last_used: int = 0
+    drafters: dict[str, KVPrefix] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(d.nbytes for d in self.drafters.values())
 
 
 @dataclass
@@ -57,16 +71,20 @@ class PrefixCacheStats:
     hits: int = 0
     stored: int = 0
     evicted: int = 0
+    #: drafter cache positions a request started with from an entry instead of reading them (summed over drafters)
+    drafter_hits: int = 0
 
 
 class PrefixCache:
     """Stored prefixes of one verifier (module docstring). ``min_tokens``: a shorter match is not used (a prefill of
-    a few tokens costs less than the copy); ``max_entries``: the most entries kept."""
+    a few tokens costs less than the copy); ``max_entries``: the most entries kept; ``drafters``: keep the model
+    drafters' own positions in the entries too (``PrefixEntry``)."""
 
-    def __init__(self, cache: BatchCache, min_tokens: int = 16, max_entries: int = 64):
+    def __init__(self, cache: BatchCache, min_tokens: int = 16, max_entries: int = 64, drafters: bool = True):
         self.cache = cache
         self.min_tokens = min_tokens
         self.max_entries = max_entries
+        self.drafters = drafters
         self.entries: list[PrefixEntry] = []
         self.stats = PrefixCacheStats()
         self._clock = 0
@@ -101,11 +119,30 @@ class PrefixCache:
         self.stats.hits += best_len
         return best, best_len
 
-    def store(self, ids: Sequence[int], row: int) -> bool:
-        """Copy row ``row``'s first ``len(ids)`` positions of the batched cache as an entry for ``ids``. Not stored when
-        shorter than ``min_tokens``, already held by an entry that extends it, or when it would not fit the budget
-        beside the reservations; an entry it extends is replaced. Returns whether it was stored."""
+    def drafter_start(self, entry: PrefixEntry, name: str, prompt: Sequence[int]) -> tuple[KVPrefix, int] | None:
+        """Where drafter ``name`` of a request whose prompt hit ``entry`` starts: the entry's positions of that drafter
+        and how many of them hold the prompt's first tokens (its pending last token excepted); None below
+        ``min_tokens`` or when the entry keeps none of that drafter. Counts the hit."""
+        kept = entry.drafters.get(name)
+        if kept is None:
+            return None
+        query = torch.as_tensor(list(prompt[:-1]), dtype=torch.long)
+        n = min(len(query), kept.length)
+        diff = (kept.ids[:n] != query[:n]).nonzero()
+        common = int(diff[0]) if len(diff) else n
+        if common < self.min_tokens:
+            return None
+        self.stats.drafter_hits += common
+        return kept, common
+
+    def store(self, ids: Sequence[int], row: int, drafters: dict[str, KVPrefix] | None = None) -> bool:
+        """Copy row ``row``'s first ``len(ids)`` positions of the batched cache as an entry for ``ids``, with the model
+        drafters' own positions ``drafters`` (by name; their bytes count as the entry's). Not stored when shorter than
+        ``min_tokens``, already held by an entry that extends it, or when it would not fit the budget beside the
+        reservations; an entry it extends is replaced. Returns whether it was stored."""
         n = len(ids)
+        drafters = {name: kv for name, kv in (drafters or {}).items() if kv.length >= self.min_tokens} \
+            if self.drafters else {}
         if n < self.min_tokens or n > self.cache.lengths[row]:
             return False
         new = torch.as_tensor(list(ids), dtype=torch.long)
@@ -118,7 +155,7 @@ class PrefixCache:
                     return False  # held already
                 self.entries.remove(entry)  # the new one covers it
         g = self.cache.geometry
-        need = n * g.bytes_per_token
+        need = n * g.bytes_per_token + sum(kv.nbytes for kv in drafters.values())
         budget = self.cache.budget_bytes
         while budget is not None and self.entries and self._over(need):
             self._evict_one()
@@ -129,7 +166,7 @@ class PrefixCache:
         keys = [layer.keys[row, :, :n].clone() for layer in layers]
         values = [layer.values[row, :, :n].clone() for layer in layers]
         self._clock += 1
-        self.entries.append(PrefixEntry(new, keys, values, self._clock))
+        self.entries.append(PrefixEntry(new, keys, values, self._clock, drafters))
         self.stats.stored += 1
         while len(self.entries) > self.max_entries:
             self._evict_one()

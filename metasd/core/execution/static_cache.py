@@ -197,6 +197,24 @@ class StaticKVCache(Cache):
         """The buffers' addresses and shapes (``buffer_keys``): a captured graph is recaptured when they change."""
         return buffer_keys(t for layer in self.layers for t in (layer.k_buf, layer.v_buf))
 
+    def copy_prefix(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Positions 0..length-1 of every layer (of row 0) copied out: keys and values [kv_heads, length, head_dim]."""
+        if length > self.get_seq_length():
+            raise ValueError(f"StaticKVCache: {length} positions asked for; it holds {self.get_seq_length()}")
+        return ([layer.k_buf[0, :, :length].clone() for layer in self.layers],
+                [layer.v_buf[0, :, :length].clone() for layer in self.layers])
+
+    def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Start the sequence with the first ``length`` positions of ``copy_prefix``'s keys and values (of a cache of
+        the same model): written at 0..length-1 of every layer, the length set to ``length``."""
+        self.reserve(length)
+        for layer, k, v in zip(self.layers, keys, values):
+            if layer.k_buf is None:
+                layer.allocate(k[None], v[None], max(self.reserved, self.bucket))
+            layer.k_buf[0, :, :length] = k[:, :length]
+            layer.v_buf[0, :, :length] = v[:, :length]
+        self.set_length(length)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
 
