@@ -11,6 +11,7 @@ turn's end-to-end time with the drafters' positions kept over the verifier's alo
 
     python benchmarks/prefix_cache.py --out benchmarks/results/prefix_cache.json          # the embedded serving pool
     python benchmarks/prefix_cache.py --pool my_pool.yaml --repeats 3 --threads 2 --answer-tokens 64
+    python benchmarks/prefix_cache.py --threads 2 --margins-of benchmarks/results/prefix_cache.json   # near-ties?
 
 The scheduler is the one ``metasd serve`` makes for the pool (``SchedulerSettings``: the pool's adaptive speculation
 included, its forward profile measured once before the first chat), with one request at a time.
@@ -68,7 +69,8 @@ def run_chat(scheduler, history: str, turns: int, answer_tokens: int) -> list[di
             rows.append({"turn": turn + 1, "ttft_s": done.ttft_s, "e2e_s": done.e2e_s,
                          "prompt_tokens": len(result.prompt_ids), "cached_tokens": result.stats.cached_prompt_tokens,
                          "drafter_positions_resumed": resumed, "new_tokens": result.stats.new_tokens,
-                         "steps": result.stats.steps, "draft_s": result.stats.draft_s, "text": result.text})
+                         "steps": result.stats.steps, "draft_s": result.stats.draft_s, "text": result.text,
+                         "token_ids": list(result.token_ids)})
             messages = messages + [{"role": "assistant", "content": result.text},
                                    {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
     return rows
@@ -100,6 +102,42 @@ def summarize(runs: list[dict], turns: int) -> list[dict]:
     return out
 
 
+def chat_messages(history: str, run: dict, name: str, turn: int) -> list[dict]:
+    """The messages of turn ``turn`` (0-based) of setting ``name``'s chat in ``run``: its own earlier answers."""
+    messages = [{"role": "user", "content": f"Here is a Python module:\n\n{history}\n\n{QUESTIONS[0]}"}]
+    for k in range(turn):
+        messages += [{"role": "assistant", "content": run[name][k]["text"]},
+                     {"role": "user", "content": QUESTIONS[(k + 1) % len(QUESTIONS)]}]
+    return messages
+
+
+def divergence_margins(engine, history: str, runs: list[dict]) -> list[dict]:
+    """Where two settings' answers to the same prompt differ: the first differing token and plain decoding's top-two
+    logit margin there (the verifier's own forward over the prompt and the common prefix; a bf16 near-tie is a margin
+    of a logit step or two)."""
+    import torch
+
+    out, tok = [], engine.tokenizer
+    for i, run in enumerate(runs):
+        names = list(run)
+        for t in range(len(run[names[0]])):
+            for a, b in ((x, y) for j, x in enumerate(names) for y in names[j + 1:]):
+                messages = chat_messages(history, run, a, t)
+                if run[a][t]["text"] == run[b][t]["text"] or messages != chat_messages(history, run, b, t):
+                    continue  # the same answer, or different prompts (an earlier turn differed)
+                ids_a, ids_b = (run[x][t].get("token_ids") or tok.encode(run[x][t]["text"], add_special_tokens=False)
+                                for x in (a, b))
+                d = next((j for j, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+                with torch.inference_mode():
+                    logits = engine.verifier.model(torch.tensor([engine.encode(messages) + ids_a[:d]])).logits[0, -1]
+                top = logits.float().topk(2)
+                out.append({"repeat": i + 1, "turn": t + 1, "settings": [a, b], "token": d,
+                            "tokens": [tok.decode(ids_a[d: d + 1]), tok.decode(ids_b[d: d + 1])],
+                            "plain_top2": [tok.decode([x]) for x in top.indices.tolist()],
+                            "margin": float(top.values[0] - top.values[1])})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pool", help="pool config YAML (default: the embedded serving pool)")
@@ -109,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", help="write the runs and the summary here (JSON), after every repeat")
+    p.add_argument("--margins-of", metavar="JSON", help="no chat: read a report this script wrote, add where the "
+                   "settings' answers differ and plain decoding's top-two logit margin there, and write it back")
     args = p.parse_args(argv)
 
     from metasd.serve.cli import PoolEngine, SchedulerSettings
@@ -116,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     recipe = PoolEngine.from_file(args.pool, args.threads)
     config = recipe.parse()
     engine = recipe()
+    if args.margins_of:
+        saved = json.loads(Path(args.margins_of).read_text())
+        saved["divergences"] = divergence_margins(engine, history_text(engine.tokenizer, saved["history_tokens"]),
+                                                  saved["runs"])
+        Path(args.margins_of).write_text(json.dumps(saved, indent=1))
+        for d in saved["divergences"]:
+            print(f"repeat {d['repeat']} turn {d['turn']} {d['settings']}: token {d['token']} {d['tokens']}, plain's "
+                  f"top two {d['plain_top2']}, margin {d['margin']:.4f}")
+        return 0
     settings = SchedulerSettings(max_batch=1, adaptive=config.serving.model_dump() if config.serving.adaptive else None)
     if settings.adaptive:  # profile the verifier once, not per scheduler (as `metasd serve --cost-profile` reuses one)
         from metasd.core.pricing.forward_profile import profile_forward

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import _by, fmt_mr, median_range, paired_ratio, verdict  # noqa: E402
+from serve_load import _by, fmt_mr, median_range, paired_ratio  # noqa: E402
 
 KEY = "output_tok_s"
 

@@ -519,7 +519,7 @@ def summary_table(rows: list[dict], oracle: list[str] | None = None, compare=COM
     n_rep = len(stats.repeats(rows))
     present = [(name, label) for name, label in compare if name in methods]
     to_plain = {m: stats.ratios(rows, m, PLAIN) for m in methods}
-    lines = [f"| method | tok/s (median) | vs plain(+fix) median [range] | "
+    lines = ["| method | tok/s (median) | vs plain(+fix) median [range] | "
              + "".join(f"vs {label} median [range] | " for _, label in present)
              + "verdicts | " + " | ".join(groups)
              + " | mean tokens/step | identical to plain | plain's top-2 logit margin at each first divergence |",

@@ -3,6 +3,7 @@ for the verifier and its model drafter, on a tiny pool on disk; later turns reus
 positions of it too), the answers are the same text, and the JSON holds every repeat and the summary."""
 import json
 
+import pytest
 import yaml
 
 from benchmark_scripts import load_script
@@ -31,3 +32,31 @@ def test_the_prefix_cache_benchmark_runs_and_reports_paired_ratios(tmp_path):
     assert all(run["verifier"][t]["drafter_positions_resumed"] == 0 for run in report["runs"] for t in range(3))
     for key in ("ttft_both_over_off", "e2e_both_over_verifier"):
         assert all(r[f"{key}_range"][0] <= r[key] <= r[f"{key}_range"][1] for r in rows)
+
+    # where settings' answers differ (never, in fp32 here), the margins pass says where and by how much
+    assert script.main(["--pool", str(pool), "--threads", "1", "--margins-of", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["divergences"] == [] and report["summary"] == rows
+
+
+def test_the_margins_pass_finds_a_divergence_and_reads_plain_decodings_margin(tmp_path):
+    script = load_script("prefix_cache")
+    pool = write_tiny_pool(tmp_path)
+    from metasd.serve.cli import PoolEngine
+
+    engine = PoolEngine.from_file(str(pool), 1)()
+    history = script.history_text(engine.tokenizer, 40)
+    messages = script.chat_messages(history, {}, "off", 0)
+    answer = engine.generate(messages, 6, chat=True)
+    changed = answer.token_ids[:3] + [(answer.token_ids[3] + 1) % 60 + 3]
+    runs = [{"off": [{"text": answer.text, "token_ids": answer.token_ids}],
+             "both": [{"text": engine.tokenizer.decode(changed), "token_ids": changed}]}]
+    (found,) = script.divergence_margins(engine, history, runs)
+    assert found["token"] == 3 and found["settings"] == ["off", "both"] and found["margin"] >= 0
+    import torch
+
+    with torch.inference_mode():
+        logits = engine.verifier.model(torch.tensor([engine.encode(messages) + answer.token_ids[:3]])).logits[0, -1]
+    top = logits.topk(2).values
+    assert found["margin"] == pytest.approx(float(top[0] - top[1]))
+    assert found["plain_top2"][0] == engine.tokenizer.decode(answer.token_ids[3:4])

@@ -9,13 +9,17 @@ values depend only on the tokens before them, so a reused prefix holds what a pr
 floating-point order of the forwards that computed it (the batched verify forwards of the earlier request), which in
 bf16 can flip a near-tie of the top two logits, as batching itself can (docs/models.md#bf16-and-greedy-identity).
 
-Memory: the entries' bytes are held inside the scheduler's KV budget (``BatchCache.pinned_bytes``); an admission that
-does not fit evicts entries, least recently used first, before it waits; an entry that would not fit beside the
-reservations is not stored. An entry is copied while its request's row is still allocated, so until that row is
-freed the cache can hold up to that entry more than its budget; the scheduler calls ``fit`` right after (rows
-shrink, or entries are evicted, least recently used first), before the request's end or its step is reported
-(``jobs.free_row``). Only a reader in another thread (the server's ``vllm:kv_cache_usage_perc``) can catch that
-moment, as it can catch a reallocation holding old and new buffers at once.
+An entry also keeps the model drafters' own positions of the text, by pool entry name (``PrefixEntry.drafters``), so
+that a request continuing it starts those drafters there (``Drafter.resume``) rather than reading the prefix again at
+their first catch-up.
+
+Memory: the entries' bytes (the drafters' included) are held inside the scheduler's KV budget
+(``BatchCache.pinned_bytes``); an admission that does not fit evicts entries, least recently used first, before it
+waits; an entry that would not fit beside the reservations is not stored. An entry is copied while its request's row is
+still allocated, so until that row is freed the cache can hold up to that entry more than its budget; the scheduler
+calls ``fit`` right after (rows shrink, or entries are evicted, least recently used first), before the request's end or
+its step is reported (``jobs.free_row``). Only a reader in another thread (the server's ``vllm:kv_cache_usage_perc``)
+can catch that moment, as it can catch a reallocation holding old and new buffers at once.
 """
 from __future__ import annotations
 
