@@ -12,19 +12,8 @@ from metasd.core.engine import Engine
 from metasd.core.execution.prefix_cache import KVPrefix
 from metasd.core.execution.verifier import Verifier
 from metasd.drafters import FusedDrafter, PretrainedDrafter, PretrainedTreeDrafter, SuffixDrafter
-from tiny import tiny_qwen, tiny_tokenizer
-
-HISTORY = [0, 7, 12, 9, 33, 12, 9, 41, 5, 21, 22, 23, 24, 25, 21, 22, 23, 11, 40, 41]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_qwen(seed=0, logit_scale=4.0)
+from test_prefix_cache import HISTORY, model, tok  # noqa: F401 (the same chat history and models)
+from tiny import tiny_qwen
 
 
 def _pool(kind: str, fixed: bool = False):
