@@ -33,6 +33,8 @@ def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
 
 @pytest.mark.parametrize("args,message", [(["--max-batch", "0"], "--max-batch must be an integer >= 1"),
                                           (["--max-queue", "-1"], "--max-queue must be an integer >= 0"),
+                                          (["--max-stored-responses", "-1"],
+                                           "--max-stored-responses must be an integer >= 0"),
                                           (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0"),
                                           (["--replicas", "2"], "--replicas and --ray-address need --ray"),
                                           (["--pool", "missing.yaml"], "missing.yaml")])
@@ -69,7 +71,7 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
            "PYTHONUNBUFFERED": "1", GATE_FILE_ENV: str(gate)}
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "metasd.cli", "serve", "--pool", str(pool), "--port", "0", "--model-name", "tiny",
-           "--drain-timeout", "60"]
+           "--drain-timeout", "60", "--max-stored-responses", "1"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -77,6 +79,10 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
         key = {"Authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models").status_code == 401  # the key came from METASD_API_KEY
         assert httpx.get(url + "/health").status_code == 200
+        # --max-stored-responses 1: the second response stored gives the first up
+        made = [httpx.post(url + "/v1/responses", headers=key, json={"model": "tiny", "input": f"w{10 + i}",
+                                                                     "max_output_tokens": 2}).json() for i in range(2)]
+        assert [httpx.get(f"{url}/v1/responses/{m['id']}", headers=key).status_code for m in made] == [404, 200]
         # FILE_GATED: each step waits for the gate file, created once the checks below are done: the request is
         # running through all of them however slow the machine
         body = {"model": "tiny", "prompt": [10, FILE_GATED, 11], "max_tokens": 200, "temperature": 0, "stream": True,

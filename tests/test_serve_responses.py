@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``, metasd/serve/openai_responses.py) driven by the official openai
 client: a string or a list of messages (with ``instructions``) answered as the chat route answers the same messages,
-whole and streamed as the API's events, the token budget and usage in the API's names, and what a server that stores
-nothing cannot do refused naming the field. Each server runs in a thread on a free 127.0.0.1 port."""
+whole and streamed as the API's events, the token budget and usage in the API's names, and what this server does not
+do refused naming the field (stored responses: tests/test_serve_responses_store.py). Each server runs in a thread on
+a free 127.0.0.1 port."""
 from __future__ import annotations
 
 import httpx
@@ -144,7 +145,6 @@ def test_log_probabilities_are_the_chat_routes_whole_and_streamed(server, held):
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),  # no tool template

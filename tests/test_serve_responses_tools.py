@@ -143,3 +143,13 @@ def test_bad_tool_requests_are_a_400_naming_the_field(served, body, field):
     assert r.json()["error"]["param"] == field, r.json()
     assert "OpenAI's own servers" in r.json()["error"]["message"] or field != "tools.[0].type"
 
+
+
+def test_a_stored_call_is_answered_by_its_output_alone(served):
+    """``previous_response_id``: the stored conversation holds the call, so the next request sends only its output."""
+    first = _respond(served, tool_choice={"type": "function", "name": "get_weather"})
+    result = {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "21 degrees"}
+    continued = _respond(served, input=[result], previous_response_id=first.id)
+    explicit = _respond(served, input=[{"role": "user", "content": INPUT}, *first.output, result])
+    assert continued.usage.input_tokens == explicit.usage.input_tokens
+    assert _items(continued) == _items(explicit) and continued.previous_response_id == first.id

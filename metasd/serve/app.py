@@ -32,6 +32,7 @@ from .logprobs import TokenIdNames, TokenNames
 from .metrics import ServeMetrics
 from .middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, ServerHeader
 from .openai_responses import add_responses_route
+from .response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields, generation_defaults
 from .unknown_fields import ignored_fields, refused_field
 from .answers import STREAM_HEADERS, answer, draining, stream
@@ -293,7 +294,7 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
                metrics_require_key: bool = False, access_log: bool = True, generation_config: str = "auto",
-               tool_call_parser: str = "auto") -> FastAPI:
+               tool_call_parser: str = "auto", max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name`` (several
     names: each accepted and listed, answers naming the first); with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
@@ -304,8 +305,8 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
     top_p, top_k, min_p, repetition_penalty and max_tokens from the model's ``generation_config`` (vLLM's), "none"
     leaves OpenAI's defaults; ``tool_call_parser``: the format the model's tool calls are read in (a name of
     ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
-    'none' refused). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful
-    shutdown)."""
+    'none' refused); ``max_stored_responses``: the Responses API's responses kept for ``previous_response_id`` (0:
+    none). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name if isinstance(model_name, str) else model_name[0])
     state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
                        tool_call_parser)
@@ -422,7 +423,7 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
             state.check_auth(request)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    add_responses_route(app, state.model_name, parse, start)
+    add_responses_route(app, state.model_name, parse, start, ResponseStore(max_stored_responses))
     add_tokenizer_routes(app, state)
     app.add_middleware(HttpObserver, metrics=metrics, routes={getattr(r, "path", "") for r in app.routes},
                        log=access_log)  # the outermost: it sees every answer, a 413 and a 401 included

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metasd.serve import SERVE_EXTRA
+from metasd.serve.response_store import DEFAULT_MAX_STORED_RESPONSES
 from metasd.serve.tools import PARSERS
 
 _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
@@ -87,6 +88,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", choices=["auto", "none", *PARSERS], default="auto",
                    help="the format the model's tool calls are read in (auto: from its chat template, e.g. hermes for "
                         "Qwen's <tool_call>; none: tools are shown to the model but its calls not read)")
+    p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
+                   help="Responses API: keep the N most recent responses (store: true, the default) in memory for "
+                        "previous_response_id and GET /v1/responses/{id}; 0: keep none (default: %(default)s)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log a line per HTTP request")
     p.add_argument("--cost-profile", metavar="FILE",
@@ -119,8 +123,9 @@ def _check_args(args) -> None:
     for name in ("max_batch", "replicas"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
+    for name in ("max_queue", "max_stored_responses"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {getattr(args, name)}")
     for name in ("kv_budget", "max_body_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -319,7 +324,7 @@ def serve_command(args) -> int:
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
                                  read_cost_profile(args.cost_profile, config), args.kv_budget, args.prefix_caching)
     app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log,
-                             args.generation_config, args.tool_call_parser)
+                             args.generation_config, args.tool_call_parser, args.max_stored_responses)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
@@ -346,11 +351,13 @@ class AppOptions:
     access_log: bool = True
     generation_config: str = "auto"
     tool_call_parser: str = "auto"
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def kwargs(self) -> dict:
         return {"api_key": self.api_key, "max_model_len": self.max_model_len,
                 "metrics_require_key": self.metrics_require_key, "access_log": self.access_log,
-                "generation_config": self.generation_config, "tool_call_parser": self.tool_call_parser}
+                "generation_config": self.generation_config, "tool_call_parser": self.tool_call_parser,
+                "max_stored_responses": self.max_stored_responses}
 
 
 def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, options: AppOptions, args) -> int:

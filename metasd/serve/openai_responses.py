@@ -4,9 +4,11 @@ messages, ``max_output_tokens`` the token budget, ``text.format`` the structured
 ``tool_choice`` the chat route's tools, ``top_logprobs`` / ``include`` the text's log-probabilities (the request side:
 ``openai_responses_request``); the answer is an assistant message and the function calls the model made, whole or as
 the API's stream of events (``response.created`` ... ``response.output_text.delta`` ...
-``response.function_call_arguments.done`` ... ``response.completed``). Nothing is stored: a request that names an
-earlier response (``previous_response_id``) or asks to run in the background is refused with a 400 naming the field,
-as are any other input item (an image, a reasoning item) and any tool that is not a function (web search, ...).
+``response.function_call_arguments.done`` ... ``response.completed``). A finished response is stored (``store``, true
+by default; ``response_store``) for a later request that continues it (``previous_response_id``: its conversation's
+items come before that request's input) and for ``GET`` / ``DELETE /v1/responses/{id}``. A request to run in the
+background is refused with a 400 naming the field, as are any other input item (an image, a reasoning item) and any
+tool that is not a function (web search, ...).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .answers import STREAM_HEADERS, answer, stream
 from .errors import ApiError, bad_request, from_validation
 from .openai_responses_request import FunctionChoice, ResponsesRequest
 from .protocol import ChatCompletionRequest, accepted_fields
+from .response_store import ResponseStore
 
 
 def _status(reason: str | None) -> str:
@@ -36,13 +39,14 @@ class ResponseBuilder:
     and then a ``function_call`` item per call. Beside OpenAI's fields, the finished response carries this request's
     record in ``metasd``, as the chat routes' answers do."""
 
-    def __init__(self, req: ResponsesRequest, model_name: str):
-        self.req, self.model = req, model_name
+    def __init__(self, req: ResponsesRequest, model_name: str, stored: bool = False):
+        self.req, self.model, self.stored = req, model_name, stored  # stored: kept once finished (``ResponseStore``)
         self.id, self.item_id = f"resp_{secrets.token_hex(12)}", f"msg_{secrets.token_hex(12)}"
         #: where the message's text is: output item 0, its one part
         self.text_at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         self.created = int(time.time())
         self.sequence = 0
+        self.final: dict[str, Any] | None = None  # the finished response, once streamed
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, reason: str | None = None,
                  record: Any = None) -> dict[str, Any]:
@@ -52,7 +56,7 @@ class ResponseBuilder:
                "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
                "tool_choice": choice or "auto", "tools": req.tools or [],
-               "error": None, "previous_response_id": None, "store": False,
+               "error": None, "previous_response_id": req.previous_response_id, "store": self.stored,
                "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
                "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)
                         if req.text and req.text.format else {"type": "text"}},
@@ -183,9 +187,8 @@ class ResponseBuilder:
                     self._message_events(opening=False, text=text, status=_status(reason), logprobs=scores):
                 yield event
         status = _status(reason)
-        yield self.event(f"response.{status}",
-                         response=self.response(status, self.output(text, calls, reason, scores), usage, reason,
-                                                record))
+        self.final = self.response(status, self.output(text, calls, reason, scores), usage, reason, record)
+        yield self.event(f"response.{status}", response=self.final)
 
 
 #: ``add_responses_route``'s two steps of the chat pipeline: a request body read and checked against a route's model
@@ -195,8 +198,9 @@ Parse = Callable[[Request, type], Awaitable[Any]]
 Start = Callable[[ChatCompletionRequest, str], Awaitable[tuple[list, Any]]]
 
 
-def add_responses_route(app: FastAPI, model_name: str, parse: Parse, start: Start) -> None:
-    """``POST /v1/responses`` on ``app``, served through the chat route's ``parse`` and ``start``."""
+def add_responses_route(app: FastAPI, model_name: str, parse: Parse, start: Start, store: ResponseStore) -> None:
+    """``POST /v1/responses`` on ``app``, served through the chat route's ``parse`` and ``start``, its finished
+    responses kept in ``store``; ``GET`` and ``DELETE /v1/responses/{response_id}`` over them."""
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -204,8 +208,9 @@ def add_responses_route(app: FastAPI, model_name: str, parse: Parse, start: Star
         refused = req.refusal()
         if refused:
             raise bad_request(refused[1], refused[0], "unsupported_value")
+        earlier = _continued(req, store)
         try:
-            chat = req.chat_request()
+            chat = req.chat_request(earlier)
         except ValidationError as e:  # a chat extension's value (top_k, min_p, ...): named as the request gave it
             raise from_validation(e, accepted_fields(ResponsesRequest)) from None
         try:
@@ -214,8 +219,51 @@ def add_responses_route(app: FastAPI, model_name: str, parse: Parse, start: Star
             if e.param == "max_tokens":
                 e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
             raise
-        built = ResponseBuilder(req, model_name)
+        built = ResponseBuilder(req, model_name, stored=req.store and store.enabled)
+        items = [*earlier, *req.input_items()]
         if req.stream:
-            return StreamingResponse(built.events(stream(handles, completion)), media_type="text/event-stream",
-                                     headers=STREAM_HEADERS)
-        return JSONResponse(built.whole(await answer(request, handles, completion)))
+            return StreamingResponse(_kept(built, built.events(stream(handles, completion)), items, store),
+                                     media_type="text/event-stream", headers=STREAM_HEADERS)
+        whole = built.whole(await answer(request, handles, completion))
+        if built.stored:
+            store.put(whole, [*items, *whole["output"]])
+        return JSONResponse(whole)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str):
+        return JSONResponse(_stored(store, response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        _stored(store, response_id)
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _continued(req: ResponsesRequest, store: ResponseStore) -> list[Any]:
+    """The items of the stored conversation ``previous_response_id`` names (none without one); a 404 naming the field
+    where it is not stored (never was, deleted, given up for newer ones), a 400 where this server stores nothing."""
+    if req.previous_response_id is None:
+        return []
+    if not store.enabled:
+        raise bad_request("responses are not stored on this server (--max-stored-responses 0): send the whole "
+                          "conversation as input", "previous_response_id", "unsupported_value")
+    return _stored(store, req.previous_response_id, "previous_response_id").items
+
+
+def _stored(store: ResponseStore, response_id: str, param: str | None = None):
+    stored = store.get(response_id)
+    if stored is None:
+        raise ApiError(404, f"No response with id {response_id!r} is stored here (never stored, deleted, or given up "
+                            f"for newer ones: at most {store.max_entries} are kept)", param=param,
+                       code="response_not_found")
+    return stored
+
+
+async def _kept(built: ResponseBuilder, events: AsyncIterator[str], items: list[Any],
+                store: ResponseStore) -> AsyncIterator[str]:
+    """``events`` passed on; the response stored once its last event is out (not when the client left before)."""
+    async for event in events:
+        yield event
+    if built.stored and built.final is not None:
+        store.put(built.final, [*items, *built.final["output"]])

@@ -85,13 +85,16 @@ def _validated(field: str, i: int, value: Any, models: dict[str, type[Lenient]],
              **({"ctx": err["ctx"]} if "ctx" in err else {})} for err in errors]) from None
 
 
-def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+def chat_messages(items: list[Any], start: int = 0) -> list[dict[str, Any]]:
     """``input``'s items as chat messages: a message as it is (``developer`` a system turn); a function call joins
     the assistant turn before it (its text, then its calls: how an earlier response's ``output`` comes back) or
-    opens one; a call's output is a ``tool`` message answering its ``call_id``."""
+    opens one; a call's output is a ``tool`` message answering its ``call_id``. The items before ``start`` are a
+    stored conversation's (``previous_response_id``): an error in one names that field, the others ``input.[i]``
+    counted from ``start``."""
     out: list[dict[str, Any]] = []
     for i, raw in enumerate(items):
-        item = _validated("input", i, raw, ITEMS, "an item of type {kind!r} is not served here (served: {served})",
+        where = ("input", i - start) if i >= start else ("previous_response_id", i)
+        item = _validated(*where, raw, ITEMS, "an item of type {kind!r} is not served here (served: {served})",
                           default="message")
         if isinstance(item, InputMessage):
             out.append({"role": ROLES[item.role], "content": item.text()})
@@ -189,7 +192,8 @@ class ResponsesRequest(ChatExtensions):
     text: TextOptions | None = None
     seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)  # not OpenAI's here: the chat routes' extension
     metasd: MetasdOptions | None = None
-    previous_response_id: str | None = None
+    previous_response_id: str | None = None  # a stored response this one continues (``ResponseStore``)
+    store: bool = True  # keep this response for a later ``previous_response_id`` and ``GET /v1/responses/{id}``
     background: bool | None = None
     tools: list[dict[str, Any]] | None = None  # FunctionTool each (``function_tools``)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
@@ -199,10 +203,8 @@ class ResponsesRequest(ChatExtensions):
     include: list[str] | None = None  # "message.output_text.logprobs" served; the others name what is never made here
 
     def refusal(self) -> tuple[str, str] | None:
-        """(field, why) for what this server does not do - it stores nothing, runs nothing in the background - or
+        """(field, why) for what this server does not do - it runs nothing in the background, cuts no input - or
         None."""
-        if self.previous_response_id is not None:
-            return "previous_response_id", "responses are not stored here: send the whole conversation as input"
         if self.background:
             return "background", "responses run in the foreground only"
         if self.truncation == "auto":
@@ -222,13 +224,16 @@ class ResponsesRequest(ChatExtensions):
         refused = "only function tools are served here: a {kind!r} tool is run by OpenAI's own servers"
         return [_validated("tools", i, t, {"function": FunctionTool}, refused) for i, t in enumerate(self.tools or [])]
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The equivalent chat completion request."""
+    def input_items(self) -> list[Any]:
+        """``input`` as items (a string: one user message)."""
+        return [{"role": "user", "content": self.input}] if isinstance(self.input, str) else list(self.input)
+
+    def chat_request(self, earlier: list[Any] = ()) -> ChatCompletionRequest:
+        """The equivalent chat completion request; ``earlier``: the items of the stored conversation this request
+        continues (``previous_response_id``), before its own input. ``instructions`` are this request's alone: an
+        earlier response's are not carried over, as in OpenAI's API."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        if isinstance(self.input, str):
-            messages.append({"role": "user", "content": self.input})
-        else:
-            messages += chat_messages(self.input)
+        messages += chat_messages([*earlier, *self.input_items()], start=len(earlier))
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls}
         if self.tools is not None:

@@ -35,7 +35,8 @@ REFUSED_OPENAI_VLLM = {
     "length_penalty": (_off(1, 1.0), "length_penalty is not supported (beam search only)"),
     "spaces_between_special_tokens": (_off(True), "spaces_between_special_tokens is not supported (only true)"),
     "logits_processors": (_off([]), "logits_processors are not supported"),
-    "conversation": (_off(), "conversations are not stored here: send the whole conversation as input"),
+    "conversation": (_off(), "conversation objects are not served here: continue a stored response with "
+                             "previous_response_id, or send the whole conversation as input"),
     "stream_options.continuous_usage_stats": (_off(False), "stream_options.continuous_usage_stats is not supported: "
                                                            "include_usage sends the usage in the last chunk"),
 }
