@@ -1,7 +1,8 @@
 """Stored responses on OpenAI's Responses API (metasd/serve/response_store.py) with the official openai client: a
 finished response is kept (``store``, true by default) and a request naming it in ``previous_response_id`` continues
 its conversation - answered as the chat route answers the whole conversation -, ``GET`` / ``DELETE
-/v1/responses/{id}`` read and remove it, and what is not stored is a 404 naming the field. Tiny fp32 models."""
+/v1/responses/{id}`` read and remove it, ``.../input_items`` lists what it was generated from, and what is not stored
+is a 404 naming the field. Tiny fp32 models."""
 from __future__ import annotations
 
 import json
@@ -128,7 +129,7 @@ def test_an_error_in_the_new_input_is_named_from_its_own_items(server):
 def test_the_store_is_bounded_and_least_recently_used_goes_first():
     store = ResponseStore(2)
     for i in range(3):
-        store.put({"id": f"r{i}"}, [{"n": i}])
+        store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": f"w{i}"}])
         if i == 1:
             assert store.get("r0") is not None  # r0 used: r1 is now the least recent
     assert [k for k in ("r0", "r1", "r2") if store.get(k)] == ["r0", "r2"] and len(store) == 2
@@ -138,3 +139,27 @@ def test_the_store_is_bounded_and_least_recently_used_goes_first():
     with pytest.raises(ValueError):
         ResponseStore(-1)
     json.dumps(store.get("r2").response)  # what a GET returns is the JSON it was given
+
+
+def test_the_input_items_of_a_continued_response_are_listed_in_pages(server):
+    first = _respond(server, input="w10 w11")
+    second = _respond(server, input=[{"role": "user", "content": [{"type": "input_text", "text": "w12"}]}],
+                      previous_response_id=first.id)
+    items = server.client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role) for i in items.data] == [("message", "user"), ("message", "assistant"),
+                                                      ("message", "user")]
+    assert [i.content[0].text for i in items.data] == ["w10 w11", first.output_text, "w12"]
+    assert items.data[1].id == first.output[0].id and all(i.id.startswith("msg_") for i in items.data)
+    assert [i.id for i in server.client.responses.input_items.list(second.id).data] == \
+        [i.id for i in items.data][::-1]  # newest first by default
+    page = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items", params={"order": "asc", "limit": 2},
+                     timeout=30).json()
+    assert [i["id"] for i in page["data"]] == [i.id for i in items.data[:2]] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (items.data[0].id, items.data[1].id)
+    rest = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items",
+                     params={"order": "asc", "after": page["last_id"]}, timeout=30).json()
+    assert [i["id"] for i in rest["data"]] == [items.data[2].id] and rest["has_more"] is False
+    for params, name in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        r = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items", params=params, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    assert httpx.get(f"{server.url}/v1/responses/resp_x/input_items", timeout=30).status_code == 404

@@ -1,14 +1,14 @@
 """OpenAI's Responses API (``POST /v1/responses``), served as a chat completion: the request's ``input`` (a string, or
 items: messages whose content is text, earlier function calls and their outputs) and ``instructions`` become chat
 messages, ``max_output_tokens`` the token budget, ``text.format`` the structured output, function ``tools`` and
-``tool_choice`` the chat route's tools, ``top_logprobs`` / ``include`` the text's log-probabilities (the request side:
-``openai_responses_request``); the answer is an assistant message and the function calls the model made, whole or as
-the API's stream of events (``response.created`` ... ``response.output_text.delta`` ...
+``tool_choice`` the chat route's tools, ``top_logprobs`` / ``include`` the text's log-probabilities (the request
+side: ``openai_responses_request``); the answer is an assistant message and the function calls the model made, whole
+or as the API's stream of events (``response.created`` ... ``response.output_text.delta`` ...
 ``response.function_call_arguments.done`` ... ``response.completed``). A finished response is stored (``store``, true
 by default; ``response_store``) for a later request that continues it (``previous_response_id``: its conversation's
-items come before that request's input) and for ``GET`` / ``DELETE /v1/responses/{id}``. A request to run in the
-background is refused with a 400 naming the field, as are any other input item (an image, a reasoning item) and any
-tool that is not a function (web search, ...).
+items come before that request's input) and for ``GET`` / ``DELETE /v1/responses/{id}`` and its ``input_items``. A
+request to run in the background is refused with a 400 naming the field, as are any other input item (an image, a
+reasoning item) and any tool that is not a function (web search, ...).
 """
 from __future__ import annotations
 
@@ -226,18 +226,47 @@ def add_responses_route(app: FastAPI, model_name: str, parse: Parse, start: Star
                                      media_type="text/event-stream", headers=STREAM_HEADERS)
         whole = built.whole(await answer(request, handles, completion))
         if built.stored:
-            store.put(whole, [*items, *whole["output"]])
+            store.put(whole, items)
         return JSONResponse(whole)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):
         return JSONResponse(_stored(store, response_id).response)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request):
+        return JSONResponse(listed(_stored(store, response_id).input_items(), request.query_params))
+
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
         _stored(store, response_id)
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def listed(items: list[dict[str, Any]], query) -> dict[str, Any]:
+    """A page of a stored response's input items as the API lists them: ``order`` (``desc``, newest first, by
+    default, or ``asc``), the items after / before the item ids ``after`` / ``before`` in that order, at most
+    ``limit`` (1-100, 20 by default); a 400 naming the query parameter at fault."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', not {order!r}", "order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be an integer in 1..100, not {query.get('limit')!r}", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in ordered]
+    for name in ("after", "before"):
+        if name in query and query[name] not in ids:
+            raise bad_request(f"{name}: no input item {query[name]!r} in this response", name)
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(ordered)
+    page = ordered[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
 
 
 def _continued(req: ResponsesRequest, store: ResponseStore) -> list[Any]:
@@ -266,4 +295,4 @@ async def _kept(built: ResponseBuilder, events: AsyncIterator[str], items: list[
     async for event in events:
         yield event
     if built.stored and built.final is not None:
-        store.put(built.final, [*items, *built.final["output"]])
+        store.put(built.final, items)

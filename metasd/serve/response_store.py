@@ -12,6 +12,7 @@ none after a restart. Anyone who may call the server and knows a response's id (
 """
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,10 +24,16 @@ DEFAULT_MAX_STORED_RESPONSES = 256
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """One stored response: the object sent (``response``) and its conversation as input items (``items``)."""
+    """One stored response: the object sent (``response``) and its conversation as input items (``items``), the first
+    ``inputs`` of them the items it was generated from (the rest: its output)."""
 
     response: dict[str, Any]
     items: list[Any]
+    inputs: int = 0
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The items it was generated from, oldest first, each with an ``id`` (``GET .../input_items``)."""
+        return self.items[: self.inputs]
 
 
 class ResponseStore:
@@ -47,13 +54,14 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], items: list[Any]) -> bool:
-        """Keep ``response`` (under its ``id``) with its conversation ``items``; whether it was kept (not when
-        storing is off)."""
+    def put(self, response: dict[str, Any], inputs: list[Any]) -> bool:
+        """Keep ``response`` (under its ``id``) with its conversation: ``inputs``, the items it was generated from (an
+        ``id`` given to those without one), then its output; whether it was kept (not when storing is off)."""
         if not self.enabled:
             return False
+        items = [*(with_id(item) for item in inputs), *response["output"]]
         with self._lock:
-            self._entries[response["id"]] = StoredResponse(response, list(items))
+            self._entries[response["id"]] = StoredResponse(response, items, len(inputs))
             self._entries.move_to_end(response["id"])
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
@@ -70,3 +78,17 @@ class ResponseStore:
         """Remove the response; whether it was stored."""
         with self._lock:
             return self._entries.pop(response_id, None) is not None
+
+
+def with_id(item: Any) -> Any:
+    """An input item as the API lists it: with an ``id`` (``msg_...`` for a message, ``fc_...`` / ``fco_...`` for a
+    function call and its output) and, for a message, a ``type`` and its content as text parts."""
+    if not isinstance(item, dict) or "id" in item:
+        return item
+    kind = item.get("type", "message")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+    out = {"id": f"{prefix}_{secrets.token_hex(12)}", "type": kind, **item}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
