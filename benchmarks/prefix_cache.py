@@ -44,6 +44,11 @@ def history_text(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids).rsplit("\n", 1)[0]
 
 
+def first_message(history: str) -> list[dict]:
+    """The chat's first turn: the module's source and the first question."""
+    return [{"role": "user", "content": f"Here is a Python module:\n\n{history}\n\n{QUESTIONS[0]}"}]
+
+
 #: the settings compared: prefix caching off, on for the verifier alone, on for the verifier and the model drafters
 SETTINGS = {"off": (False, False), "verifier": (True, False), "both": (True, True)}
 
@@ -54,7 +59,7 @@ def run_chat(scheduler, history: str, turns: int, answer_tokens: int) -> list[di
     from metasd.core.batching.scheduler import RequestFinished
 
     finished: dict[str, RequestFinished] = {}
-    messages = [{"role": "user", "content": f"Here is a Python module:\n\n{history}\n\n{QUESTIONS[0]}"}]
+    messages = first_message(history)
     rows = []
     with scheduler:
         scheduler.add_listener(lambda r: finished.__setitem__(r.id, r) if isinstance(r, RequestFinished) else None)
@@ -104,7 +109,7 @@ def summarize(runs: list[dict], turns: int) -> list[dict]:
 
 def chat_messages(history: str, run: dict, name: str, turn: int) -> list[dict]:
     """The messages of turn ``turn`` (0-based) of setting ``name``'s chat in ``run``: its own earlier answers."""
-    messages = [{"role": "user", "content": f"Here is a Python module:\n\n{history}\n\n{QUESTIONS[0]}"}]
+    messages = first_message(history)
     for k in range(turn):
         messages += [{"role": "assistant", "content": run[name][k]["text"]},
                      {"role": "user", "content": QUESTIONS[(k + 1) % len(QUESTIONS)]}]

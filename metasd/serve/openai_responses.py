@@ -239,8 +239,8 @@ def add_responses_route(app: FastAPI, model_name: str, parse: Parse, start: Star
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
-        _stored(store, response_id)
-        store.delete(response_id)
+        if not store.delete(response_id):
+            raise _not_found(store, response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
@@ -283,10 +283,13 @@ def _continued(req: ResponsesRequest, store: ResponseStore) -> list[Any]:
 def _stored(store: ResponseStore, response_id: str, param: str | None = None):
     stored = store.get(response_id)
     if stored is None:
-        raise ApiError(404, f"No response with id {response_id!r} is stored here (never stored, deleted, or given up "
-                            f"for newer ones: at most {store.max_entries} are kept)", param=param,
-                       code="response_not_found")
+        raise _not_found(store, response_id, param)
     return stored
+
+
+def _not_found(store: ResponseStore, response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"No response with id {response_id!r} is stored here (never stored, deleted, or given up for "
+                         f"newer ones: at most {store.max_entries} are kept)", param=param, code="response_not_found")
 
 
 async def _kept(built: ResponseBuilder, events: AsyncIterator[str], items: list[Any],

@@ -51,6 +51,12 @@ class KVPrefix:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def common_length(self, query: torch.Tensor) -> int:
+        """How many of its first ids equal ``query``'s first ids ([n] int64, on the host)."""
+        n = min(len(query), self.length)
+        diff = (self.ids[:n] != query[:n]).nonzero()
+        return int(diff[0]) if len(diff) else n
+
 
 @dataclass(eq=False)
 class PrefixEntry(KVPrefix):
@@ -111,9 +117,7 @@ class PrefixCache:
         query = torch.as_tensor(list(ids), dtype=torch.long)
         best, best_len = None, 0
         for entry in self.entries:
-            n = min(len(query), entry.length)
-            diff = (entry.ids[:n] != query[:n]).nonzero()
-            common = int(diff[0]) if len(diff) else n
+            common = entry.common_length(query)
             if common > best_len:
                 best, best_len = entry, common
         if best is None or best_len < self.min_tokens:
@@ -130,10 +134,7 @@ class PrefixCache:
         kept = entry.drafters.get(name)
         if kept is None:
             return None
-        query = torch.as_tensor(list(prompt[:-1]), dtype=torch.long)
-        n = min(len(query), kept.length)
-        diff = (kept.ids[:n] != query[:n]).nonzero()
-        common = int(diff[0]) if len(diff) else n
+        common = kept.common_length(torch.as_tensor(list(prompt[:-1]), dtype=torch.long))
         if common < self.min_tokens:
             return None
         self.stats.drafter_hits += common
