@@ -70,8 +70,11 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", "METASD_API_KEY": "k3y",
            "PYTHONUNBUFFERED": "1", GATE_FILE_ENV: str(gate)}
     log = tmp_path / "serve.log"
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<s>{% endfor %}")  # (the saved tokenizer encodes only <s> and </s>)
     cmd = [sys.executable, "-m", "metasd.cli", "serve", "--pool", str(pool), "--port", "0", "--model-name", "tiny",
-           "--drain-timeout", "60", "--max-stored-responses", "1"]
+           "--drain-timeout", "60", "--max-stored-responses", "1", "--chat-template", str(template),
+           "--trust-request-chat-template"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -79,6 +82,11 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
         key = {"Authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models").status_code == 401  # the key came from METASD_API_KEY
         assert httpx.get(url + "/health").status_code == 200
+        # --chat-template: the file's template (one <s> a message); --trust-request-chat-template: a request's own
+        chat = {"messages": [{"role": "user", "content": "w10"}] * 2}
+        assert httpx.post(url + "/tokenize", headers=key, json=chat).json()["tokens"] == [0, 0]
+        theirs = {**chat, "chat_template": "</s>{{ messages | length }}"}
+        assert httpx.post(url + "/tokenize", headers=key, json=theirs).json()["tokens"][0] == 1
         # --max-stored-responses 1: the second response stored gives the first up
         made = [httpx.post(url + "/v1/responses", headers=key, json={"model": "tiny", "input": f"w{10 + i}",
                                                                      "max_output_tokens": 2}).json() for i in range(2)]

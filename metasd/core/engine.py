@@ -301,10 +301,11 @@ class Engine:
         return outcomes
 
     def encode(self, prompt: Prompt, chat: bool | None = None, tools: Sequence[Mapping] | None = None,
-               **template: bool) -> list[int]:
+               **template: Any) -> list[int]:
         """Prompt -> token ids. Message lists always get the chat template (with ``tools``, OpenAI's tool objects,
-        where given; ``template``: ``add_generation_prompt``, ``continue_final_message``, as ``render_chat`` takes
-        them); strings when ``chat``."""
+        where given; ``template``: ``add_generation_prompt``, ``continue_final_message``, ``documents``,
+        ``chat_template`` and ``variables`` - more names the template reads, e.g. ``{"enable_thinking": False}`` -
+        as ``render_chat`` takes them); strings when ``chat``."""
         return encode_prompt(self.tokenizer, prompt, chat, self.verifier.name, tools, **template)
 
     def encode_infill(self, prefix: str, suffix: str) -> InfillPrompt:

@@ -37,6 +37,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, accepted_fields,
 from .unknown_fields import ignored_fields, refused_field
 from .answers import STREAM_HEADERS, answer, draining, stream
 from .responses import Completion
+from .chat_template import ChatTemplates
 from .tokenize import add_tokenizer_routes
 from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
 
@@ -55,7 +56,8 @@ class ServeState:
 
     def __init__(self, scheduler, model_name: str | Sequence[str], api_key: str | None, metrics: ServeMetrics,
                  retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto",
-                 tool_call_parser: str = "auto"):
+                 tool_call_parser: str = "auto", chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         #: every name a request may give in ``model``; the first is the one answers and errors name
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         model_name = self.model_names[0]
@@ -91,7 +93,9 @@ class ServeState:
         self.defaults = generation_defaults(engine.verifier.model) if generation_config == "auto" else {}
         if self.defaults:
             log.info("request defaults from %s's generation_config: %s", model_name, self.defaults)
-        template = getattr(self.tokenizer, "chat_template", None)
+        #: how chats are rendered: the server's template (--chat-template, else the model's) and a request's options
+        self.templates = ChatTemplates(self.tokenizer, model_name, chat_template, trust_request_chat_template)
+        template = self.templates.text
         self.takes_tools = template_takes_tools(template)
         #: reads the model's tool calls out of its text (and writes the grammar of an enforced call); None: none
         self.tool_parser = tool_parser(tool_call_parser, template)
@@ -120,12 +124,12 @@ class ServeState:
         """Each prompt's token ids (chat messages through the chat template; completions may give several prompts)
         and the field they came from."""
         field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-        if field == "messages" and not getattr(self.tokenizer, "chat_template", None):
+        if field == "messages" and not (self.templates.text or req.chat_template):
             raise bad_request(f"{self.model_name} has no chat template: use /v1/completions", field)
         tools = req.tool_functions() if field == "messages" else None
         if tools:
             self.check_tools(req)
-        template = req.template_options() if field == "messages" else {}
+        template = self.templates.options(req) if field == "messages" else {}
         if field == "prompt" and req.suffix:
             prompts = [self._infill_ids(req, prompt) for prompt in req.prompt_values()]
         else:
@@ -143,7 +147,7 @@ class ServeState:
                               f"{self.context_length} tokens", "truncate_prompt_tokens")
         return [ids[-keep:] for ids in prompts]
 
-    def _ids(self, prompt, field: str, tools, template: dict[str, bool]) -> list[int]:
+    def _ids(self, prompt, field: str, tools, template: dict) -> list[int]:
         """One prompt's token ids: token ids as given (checked against the vocabulary), text encoded."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if not 0 <= t < (self.vocab_size or 2**63)]
@@ -294,7 +298,8 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                retry_after_s: int = 1, server_id: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
                metrics_require_key: bool = False, access_log: bool = True, generation_config: str = "auto",
-               tool_call_parser: str = "auto", max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+               tool_call_parser: str = "auto", max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+               chat_template: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name`` (several
     names: each accepted and listed, answers naming the first); with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
@@ -306,10 +311,12 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
     leaves OpenAI's defaults; ``tool_call_parser``: the format the model's tool calls are read in (a name of
     ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
     'none' refused); ``max_stored_responses``: the Responses API's responses kept for ``previous_response_id`` (0:
-    none). ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
+    none); ``chat_template``: the template chats are rendered through instead of the model's (its text,
+    ``chat_template.read_chat_template``); ``trust_request_chat_template``: a request may send a template of its own.
+    ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name if isinstance(model_name, str) else model_name[0])
     state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
-                       tool_call_parser)
+                       tool_call_parser, chat_template, trust_request_chat_template)
     metrics.attach(scheduler)
     app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state

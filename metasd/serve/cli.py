@@ -88,6 +88,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", choices=["auto", "none", *PARSERS], default="auto",
                    help="the format the model's tool calls are read in (auto: from its chat template, e.g. hermes for "
                         "Qwen's <tool_call>; none: tools are shown to the model but its calls not read)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="render chats through this Jinja template instead of the model's: a file, or the template's "
+                        "text (checked before the model loads)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request send a chat template of its own (chat_template): a template is code the server "
+                        "runs (sandboxed); off by default, as in vLLM")
     p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
                    help="Responses API: keep the N most recent responses (store: true, the default) in memory for "
                         "previous_response_id and GET /v1/responses/{id}; 0: keep none (default: %(default)s)")
@@ -323,8 +329,12 @@ def serve_command(args) -> int:
     serving = config.serving.model_dump() if config.serving.adaptive else None
     settings = SchedulerSettings(args.max_batch, args.max_queue, args.share_suffix_cache, serving,
                                  read_cost_profile(args.cost_profile, config), args.kv_budget, args.prefix_caching)
+    from metasd.serve.chat_template import read_chat_template
+
+    template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log,
-                             args.generation_config, args.tool_call_parser, args.max_stored_responses)
+                             args.generation_config, args.tool_call_parser, args.max_stored_responses, template,
+                             args.trust_request_chat_template)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
@@ -352,12 +362,15 @@ class AppOptions:
     generation_config: str = "auto"
     tool_call_parser: str = "auto"
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    chat_template: str | None = None  # the template's text (``read_chat_template``)
+    trust_request_chat_template: bool = False
 
     def kwargs(self) -> dict:
         return {"api_key": self.api_key, "max_model_len": self.max_model_len,
                 "metrics_require_key": self.metrics_require_key, "access_log": self.access_log,
                 "generation_config": self.generation_config, "tool_call_parser": self.tool_call_parser,
-                "max_stored_responses": self.max_stored_responses}
+                "max_stored_responses": self.max_stored_responses, "chat_template": self.chat_template,
+                "trust_request_chat_template": self.trust_request_chat_template}
 
 
 def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, options: AppOptions, args) -> int:

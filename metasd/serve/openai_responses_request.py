@@ -171,6 +171,9 @@ class ChatExtensions(Lenient):
     guided_regex: Any = None
     guided_grammar: Any = None
     guided_choice: Any = None
+    chat_template: Any = None  # how the chat is rendered (``chat_template.py``)
+    chat_template_kwargs: Any = None
+    documents: Any = None
 
 
 #: the names of ``ChatExtensions``' fields

@@ -15,6 +15,8 @@ from metasd.core.constraints import Constraint, ConstraintError
 from metasd.core.decoding.bad_words import MAX_BAD_WORDS
 from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 
+from .chat_template import TemplateFields
+
 #: the most stop strings a request may give, and the longest (every step searches the new text for each)
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -271,8 +273,8 @@ class _Common(Lenient):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(_Common, TemplateFields):
+    """``POST /v1/chat/completions`` (``TemplateFields``: how its chat is rendered, ``chat_template.py``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     #: vLLM's chat template switches: the assistant's turn opened after the messages (the default), or the last

@@ -1,8 +1,9 @@
 """``/tokenize``, ``/detokenize`` and ``/version``, with vLLM's request and response shapes.
 
 ``POST /tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
-"add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false}`` (the chat template applied as ``/v1/chat/completions``
-applies it, with the request's ``tools``), either with ``"return_token_strs": true`` and an optional ``model``, and
+"add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false}`` (the chat template
+applied as ``/v1/chat/completions`` applies it, with the request's ``tools``, ``documents``, ``chat_template_kwargs``
+and ``chat_template``: ``chat_template.py``), either with ``"return_token_strs": true`` and an optional ``model``, and
 answers ``{"count", "max_model_len", "tokens", "token_strs"}``; with their defaults the tokens are what the completion
 routes prefill.
 ``POST /detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}``. ``GET /version`` answers
@@ -20,11 +21,13 @@ from starlette.concurrency import run_in_threadpool
 from metasd.core.decoding.prompt import render_chat
 
 from .errors import bad_request, from_validation, unknown_model
+from .chat_template import TemplateFields
 from .protocol import ChatMessage, Lenient, Tool
 
 
-class TokenizeRequest(Lenient):
-    """``POST /tokenize``: a ``prompt`` string or chat ``messages`` (one of them)."""
+class TokenizeRequest(Lenient, TemplateFields):
+    """``POST /tokenize``: a ``prompt`` string or chat ``messages`` (one of them; ``TemplateFields``: rendered as the
+    chat route renders them)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -34,6 +37,10 @@ class TokenizeRequest(Lenient):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open, as the chat route's field of that name
     return_token_strs: bool | None = False
+
+    def template_options(self) -> dict[str, bool]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
 
 class DetokenizeRequest(Lenient):
@@ -68,12 +75,12 @@ def add_tokenizer_routes(app, state) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give either prompt or messages", "prompt" if req.prompt is None else "messages")
         if req.messages is not None:
-            if not getattr(tok, "chat_template", None):
+            if not (state.templates.text or req.chat_template):
                 raise bad_request(f"{state.model_name} has no chat template: tokenize a prompt", "messages")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            options = state.templates.options(req)
             try:
-                text = render_chat(tok, [m.rendered() for m in req.messages], tools, req.add_generation_prompt,
-                                   req.continue_final_message)
+                text = render_chat(tok, [m.rendered() for m in req.messages], tools, **options)
             except ValueError as e:  # continue_final_message with add_generation_prompt, or a template's refusal
                 raise bad_request(f"messages: {e}", "continue_final_message" if req.continue_final_message
                                   else "messages") from None

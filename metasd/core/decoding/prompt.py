@@ -5,32 +5,47 @@ command can check a prompt before any model loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | torch.Tensor
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-    """The text of chat ``messages`` through the tokenizer's chat template (which it must have), OpenAI's ``tools``
-    rendered as the template renders them: what a chat prompt's tokens encode (without special tokens added), for
-    ``encode_prompt`` and the server's ``/tokenize`` alike. ``add_generation_prompt``: the start of the assistant's
-    turn after the messages; ``continue_final_message``: instead, the last message left open (its end-of-turn
-    removed), so that the answer continues it - an assistant message's start given by the client."""
+                add_generation_prompt: bool = True, continue_final_message: bool = False, *,
+                documents: Sequence[Mapping] | None = None, chat_template: str | None = None,
+                variables: Mapping[str, Any] | None = None) -> str:
+    """The text of chat ``messages`` through the tokenizer's chat template (which it must have, unless
+    ``chat_template`` gives one instead), OpenAI's ``tools`` rendered as the template renders them: what a chat
+    prompt's tokens encode (without special tokens added), for ``encode_prompt`` and the server's ``/tokenize`` alike.
+    ``add_generation_prompt``: the start of the assistant's turn after the messages; ``continue_final_message``:
+    instead, the last message left open (its end-of-turn removed), so that the answer continues it - an assistant
+    message's start given by the client. ``documents``: retrieved passages (dicts, e.g. ``title`` and ``text``) for a
+    template that renders them; ``variables``: more names the template reads (vLLM's ``chat_template_kwargs``, e.g.
+    Qwen3's ``enable_thinking``). A template that refuses the messages (its ``raise_exception``) or does not parse
+    raises ValueError with its message."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt false")
-    return tokenizer.apply_chat_template([dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
-                                         add_generation_prompt=add_generation_prompt, tokenize=False,
-                                         continue_final_message=continue_final_message)
+    try:
+        return tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
+            documents=[dict(d) for d in documents] if documents else None, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, tokenize=False, continue_final_message=continue_final_message,
+            **dict(variables or {}))
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
+    except TemplateError as e:
+        raise ValueError(f"the chat template refused the messages: {e}") from None
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_name: str = "the verifier",
-                  tools: Sequence[Mapping] | None = None, **template: bool) -> list[int]:
+                  tools: Sequence[Mapping] | None = None, **template: Any) -> list[int]:
     """Prompt -> token ids, as ``Engine.encode`` does: token ids as given, message lists through the chat template
     (with ``tools``, OpenAI's tool objects, rendered as the template renders them; ``template``: ``render_chat``'s
-    ``add_generation_prompt`` and ``continue_final_message``), strings through it when ``chat`` (else encoded as they
+    other options - ``add_generation_prompt``, ``continue_final_message``, ``documents``, ``chat_template``,
+    ``variables``), strings through it when ``chat`` (else encoded as they
     are). Needs no model, only its tokenizer, so a command can check a prompt's length before any model loads."""
     def tokenizer_or_fail():
         if tokenizer is None:
@@ -45,13 +60,13 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, model_nam
         raise ValueError("the prompt is empty")
     if isinstance(prompt, str):
         if chat:
-            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name, tools)
+            return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], True, model_name, tools, **template)
         return tokenizer_or_fail().encode(prompt, add_special_tokens=True)
     if all(isinstance(t, int) for t in prompt):
         return prompt
     if all(isinstance(m, Mapping) for m in prompt):
         tok = tokenizer_or_fail()
-        if not getattr(tok, "chat_template", None):
+        if not (template.get("chat_template") or getattr(tok, "chat_template", None)):
             raise ValueError(f"{model_name}'s tokenizer has no chat template; pass a string prompt")
         return tok.encode(render_chat(tok, prompt, tools, **template), add_special_tokens=False)
     raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
