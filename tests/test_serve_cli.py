@@ -74,7 +74,7 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
     template.write_text("{% for m in messages %}<s>{% endfor %}")  # (the saved tokenizer encodes only <s> and </s>)
     cmd = [sys.executable, "-m", "metasd.cli", "serve", "--pool", str(pool), "--port", "0", "--model-name", "tiny",
            "--drain-timeout", "60", "--max-stored-responses", "1", "--chat-template", str(template),
-           "--trust-request-chat-template"]
+           "--trust-request-chat-template", "--reasoning-parser", "qwen3"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -106,7 +106,7 @@ def test_sigterm_drains_a_running_request_refuses_new_ones_and_exits_0(tmp_path)
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 200
         assert proc.wait(60) == 0, log.read_text()
-        assert "draining" in log.read_text()
+        assert "draining" in log.read_text() and "thinking: read (qwen3)" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

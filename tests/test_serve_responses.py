@@ -151,7 +151,8 @@ def test_log_probabilities_are_the_chat_routes_whole_and_streamed(server, held):
     ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),  # a hosted tool
     ({"truncation": "auto"}, "truncation"),
     ({"top_logprobs": 21}, "top_logprobs"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.[0].type"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "gAAA"}]}, "input.[0].encrypted_content"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.[0].content.[0].type"),
     ({"input": []}, "input"),

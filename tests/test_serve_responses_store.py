@@ -122,7 +122,7 @@ def test_an_error_in_the_new_input_is_named_from_its_own_items(server):
     first = _respond(server, input="w10")
     r = httpx.post(server.url + "/v1/responses", json={
         "model": MODEL, "previous_response_id": first.id,
-        "input": [{"role": "user", "content": "w11"}, {"type": "reasoning", "summary": []}]}, timeout=30)
+        "input": [{"role": "user", "content": "w11"}, {"type": "item_reference", "id": "msg_1"}]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.[1].type", r.text
 
 

@@ -114,10 +114,9 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
             logprobs = completion.logprobs([], result.prompt_logprobs, handle.prompt_ids, index)
         own = completion.logprobs(result.logprobs if result is not None else None, index=index)
         logprobs = own if logprobs is None else {k: logprobs[k] + own[k] for k in own}
-        if completion.echo is not None:
-            text = completion.echo[index] + text
         prompt_scores = result.prompt_logprobs if result is not None else None
-        choices.append(completion.choice(index, text, reason, logprobs, prompt_scores))
+        echo = completion.echo[index] if completion.echo is not None else ""
+        choices.append(completion.choice(index, text, reason, logprobs, prompt_scores, echo))
         records.append(record)
         total += tokens
     return completion.whole(choices, total, records[0] if len(records) == 1 else records,
@@ -147,6 +146,9 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
         echo = dict(enumerate(completion.echo or [None] * len(handles)))
         # chat with tools: per choice, the content that is safe to send (none of a call) until the calls are whole
         calls = {index: completion.tools.stream() for index in range(len(handles))} if completion.tools else {}
+        # chat on a server with a reasoning parser: per choice, its thinking split from its content (before the calls)
+        thinking = {index: completion.reasoning_stream() for index in range(len(handles))} if completion.reasoning \
+            else {}
         remaining, total, cached = len(handles), 0, {}
         while remaining:
             index, event = await queue.get()
@@ -167,9 +169,13 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                         yield sse(completion.chunk(content, index=index))
                 echo[index] = None  # the prompt (scored by now) before the first new tokens
             logprobs = completion.logprobs(event.logprobs, index=index) if event.token_ids else None
-            text = calls[index].feed(event.text or "") if calls else event.text
-            if (text or logprobs) and not event.finished:
-                yield sse(completion.chunk(text, logprobs=logprobs, index=index))
+            thought, text = thinking[index].feed(event.text or "") if thinking else ("", event.text)
+            if event.finished and thinking:  # what the splitter held back: the end of the thinking, or content
+                held_thought, held = thinking[index].finish()
+                thought, text = thought + held_thought, (text or "") + held
+            text = calls[index].feed(text or "") if calls else text
+            if (text or thought or logprobs) and not event.finished:
+                yield sse(completion.chunk(text, logprobs=logprobs, index=index, reasoning=thought))
             if event.finished:
                 reason, record, tokens = _finished(event, handle.id)
                 total, cached[index] = total + tokens, _cached(event)
@@ -178,11 +184,11 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                     rest, made = calls[index].finish()
                     text = (text or "") + rest
                     if made:
-                        if text:
-                            yield sse(completion.chunk(text, index=index))
-                        text, reason = None, "tool_calls"
+                        if text or thought:
+                            yield sse(completion.chunk(text, index=index, reasoning=thought))
+                        text, thought, reason = None, "", "tool_calls"
                         yield sse(completion.chunk(None, tool_calls=made, index=index))
-                yield sse(completion.chunk(text, reason, record=record, index=index))
+                yield sse(completion.chunk(text, reason, record=record, index=index, reasoning=thought))
         if completion.include_usage:
             yield sse(completion.usage_chunk(total, completion.cached_tokens(cached)))
         yield sse("[DONE]")

@@ -38,6 +38,7 @@ from .unknown_fields import ignored_fields, refused_field
 from .answers import STREAM_HEADERS, answer, draining, stream
 from .responses import Completion
 from .chat_template import ChatTemplates
+from .reasoning import reasoning_parser_named
 from .tokenize import add_tokenizer_routes
 from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
 
@@ -57,7 +58,7 @@ class ServeState:
     def __init__(self, scheduler, model_name: str | Sequence[str], api_key: str | None, metrics: ServeMetrics,
                  retry_after_s: int = 1, max_model_len: int | None = None, generation_config: str = "auto",
                  tool_call_parser: str = "auto", chat_template: str | None = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, reasoning_parser: str | None = None):
         #: every name a request may give in ``model``; the first is the one answers and errors name
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         model_name = self.model_names[0]
@@ -99,6 +100,8 @@ class ServeState:
         self.takes_tools = template_takes_tools(template)
         #: reads the model's tool calls out of its text (and writes the grammar of an enforced call); None: none
         self.tool_parser = tool_parser(tool_call_parser, template)
+        #: reads a chat answer's thinking out of its text (None: the answer is all content)
+        self.reasoning = reasoning_parser_named(reasoning_parser)
         #: the tokens that end a fill-in-the-middle answer (a completion with ``suffix``); None: the model has no format
         infill = infill_format(self.tokenizer)
         self.infill_stops = infill_stop_ids(self.tokenizer, infill) if infill else None
@@ -299,7 +302,8 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_model_len: int | None = None,
                metrics_require_key: bool = False, access_log: bool = True, generation_config: str = "auto",
                tool_call_parser: str = "auto", max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-               chat_template: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+               chat_template: str | None = None, trust_request_chat_template: bool = False,
+               reasoning_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``scheduler`` (started by the caller), serving it as ``model_name`` (several
     names: each accepted and listed, answers naming the first); with
     ``api_key`` every route but ``/health``, ``/version`` and ``/metrics`` (that one too with
@@ -312,11 +316,12 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
     ``tools.PARSERS``; "auto": from the chat template; "none": tool calls are not read, tool_choice other than
     'none' refused); ``max_stored_responses``: the Responses API's responses kept for ``previous_response_id`` (0:
     none); ``chat_template``: the template chats are rendered through instead of the model's (its text,
-    ``chat_template.read_chat_template``); ``trust_request_chat_template``: a request may send a template of its own.
+    ``chat_template.read_chat_template``); ``trust_request_chat_template``: a request may send a template of its own;
+    ``reasoning_parser``: how a chat answer's thinking is read out of it (a name of ``reasoning.PARSERS``; None: not).
     ``app.state.serve`` is its ``ServeState`` (``begin_drain()`` stops admission for a graceful shutdown)."""
     metrics = metrics or ServeMetrics(model_name if isinstance(model_name, str) else model_name[0])
     state = ServeState(scheduler, model_name, api_key, metrics, retry_after_s, max_model_len, generation_config,
-                       tool_call_parser, chat_template, trust_request_chat_template)
+                       tool_call_parser, chat_template, trust_request_chat_template, reasoning_parser)
     metrics.attach(scheduler)
     app = FastAPI(title="metasd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
@@ -375,6 +380,10 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
                                 prompt_scores=None if req.prompt_logprobs is None else (state.names_for(req),
                                                                                         req.prompt_logprobs))
+        if kind == "chat" and state.reasoning is not None:  # one prompt: its choices start alike
+            completion.reasoning, completion.include_reasoning = state.reasoning, req.include_reasoning
+            completion.reasoning_inside = await run_in_threadpool(state.reasoning.starts_inside, state.tokenizer,
+                                                                  prompts[0])
         if kind == "text" and req.echo:  # each prompt as given (token ids, a truncated prompt: their text), before
             texts = [p if isinstance(p, str) and req.truncate_prompt_tokens is None  # each of its choices
                      else await run_in_threadpool(state.tokenizer.decode, ids)

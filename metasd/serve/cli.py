@@ -18,6 +18,7 @@ from pathlib import Path
 
 from metasd.serve import SERVE_EXTRA
 from metasd.serve.response_store import DEFAULT_MAX_STORED_RESPONSES
+from metasd.serve.reasoning import PARSERS as REASONING_PARSERS
 from metasd.serve.tools import PARSERS
 
 _NEEDS = ("fastapi", "uvicorn", "prometheus_client")
@@ -88,6 +89,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", choices=["auto", "none", *PARSERS], default="auto",
                    help="the format the model's tool calls are read in (auto: from its chat template, e.g. hermes for "
                         "Qwen's <tool_call>; none: tools are shown to the model but its calls not read)")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="read a reasoning model's thinking (<think>...</think>) out of chat answers into "
+                        "message.reasoning (default: none, the answer is all content)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="render chats through this Jinja template instead of the model's: a file, or the template's "
                         "text (checked before the model loads)")
@@ -334,7 +338,7 @@ def serve_command(args) -> int:
     template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     app_options = AppOptions(api_key, args.max_model_len, args.metrics_require_key, args.access_log,
                              args.generation_config, args.tool_call_parser, args.max_stored_responses, template,
-                             args.trust_request_chat_template)
+                             args.trust_request_chat_template, args.reasoning_parser)
     if args.ray:
         from metasd.serve.ray_serve import serve_with_ray
 
@@ -364,13 +368,15 @@ class AppOptions:
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     chat_template: str | None = None  # the template's text (``read_chat_template``)
     trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None
 
     def kwargs(self) -> dict:
         return {"api_key": self.api_key, "max_model_len": self.max_model_len,
                 "metrics_require_key": self.metrics_require_key, "access_log": self.access_log,
                 "generation_config": self.generation_config, "tool_call_parser": self.tool_call_parser,
                 "max_stored_responses": self.max_stored_responses, "chat_template": self.chat_template,
-                "trust_request_chat_template": self.trust_request_chat_template}
+                "trust_request_chat_template": self.trust_request_chat_template,
+                "reasoning_parser": self.reasoning_parser}
 
 
 def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str, options: AppOptions, args) -> int:
@@ -398,8 +404,9 @@ def _serve_here(recipe: PoolEngine, settings: SchedulerSettings, model_name: str
     app = create_app(scheduler, model_name, max_body_bytes=args.max_body_bytes,
                      body_timeout_s=args.body_timeout, **options.kwargs())
     parser = app.state.serve.tool_parser
-    print(f"[metasd serve] tool calls: {f'read in the {parser.name} format' if parser else 'not read'}",
-          file=sys.stderr, flush=True)
+    reasoning = app.state.serve.reasoning
+    print(f"[metasd serve] tool calls: {f'read in the {parser.name} format' if parser else 'not read'}; thinking: "
+          f"{f'read ({reasoning.name})' if reasoning else 'not read (all content)'}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,
                             lifespan="off", access_log=False)
     server = DrainingServer(config, app.state.serve, scheduler, args.drain_timeout)

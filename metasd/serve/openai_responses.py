@@ -2,7 +2,8 @@
 items: messages whose content is text, earlier function calls and their outputs) and ``instructions`` become chat
 messages, ``max_output_tokens`` the token budget, ``text.format`` the structured output, function ``tools`` and
 ``tool_choice`` the chat route's tools, ``top_logprobs`` / ``include`` the text's log-probabilities (the request
-side: ``openai_responses_request``); the answer is an assistant message and the function calls the model made, whole
+side: ``openai_responses_request``); the answer is the model's thinking where a reasoning parser reads one (a
+``reasoning`` item), an assistant message and the function calls the model made, whole
 or as the API's stream of events (``response.created`` ... ``response.output_text.delta`` ...
 ``response.function_call_arguments.done`` ... ``response.completed``). A finished response is stored (``store``, true
 by default; ``response_store``) for a later request that continues it (``previous_response_id``: its conversation's
@@ -42,8 +43,8 @@ class ResponseBuilder:
     def __init__(self, req: ResponsesRequest, model_name: str, stored: bool = False):
         self.req, self.model, self.stored = req, model_name, stored  # stored: kept once finished (``ResponseStore``)
         self.id, self.item_id = f"resp_{secrets.token_hex(12)}", f"msg_{secrets.token_hex(12)}"
-        #: where the message's text is: output item 0, its one part
-        self.text_at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        self.reasoning_id = f"rs_{secrets.token_hex(12)}"
+        self.reasoned = False  # whether the output starts with a reasoning item (the model's thinking)
         self.created = int(time.time())
         self.sequence = 0
         self.final: dict[str, Any] | None = None  # the finished response, once streamed
@@ -64,6 +65,17 @@ class ResponseBuilder:
         if record is not None:
             out["metasd"] = record
         return out
+
+    @property
+    def text_at(self) -> dict[str, Any]:
+        """Where the message's text is: its one part, the output's first item or the one after the reasoning."""
+        return {"item_id": self.item_id, "output_index": int(self.reasoned), "content_index": 0}
+
+    def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        """The ``reasoning`` output item: the model's thinking (``--reasoning-parser``) as its one ``reasoning_text``
+        (no summary: none is written)."""
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [], "content": content}
 
     def message(self, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
         content = [] if status == "in_progress" else [self.part(text, logprobs)]
@@ -92,11 +104,13 @@ class ResponseBuilder:
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
     def output(self, text: str | None, calls: list[dict[str, Any]], reason: str | None,
-               logprobs: list | None = None) -> list[dict[str, Any]]:
-        """The finished output items: the message (with text, or without calls; ``incomplete`` where the budget cut
-        it), then the calls."""
+               logprobs: list | None = None, thought: str | None = None) -> list[dict[str, Any]]:
+        """The finished output items: the reasoning where the model thought, the message (with text, or without calls;
+        ``incomplete`` where the budget cut it), then the calls."""
+        self.reasoned = bool(thought)  # (an empty block: no item, as a stream sends none)
+        reasoning = [self.reasoning(thought)] if thought else []
         message = [self.message(text or "", _status(reason), logprobs)] if text or not calls else []
-        return message + [self.function_call(c) for c in calls]
+        return reasoning + message + [self.function_call(c) for c in calls]
 
     def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The finished response, from the chat completion it was served as."""
@@ -104,7 +118,7 @@ class ResponseBuilder:
         message, reason = choice["message"], choice["finish_reason"]
         status = _status(reason)
         output = self.output(message.get("content"), message.get("tool_calls") or [], reason,
-                             (choice.get("logprobs") or {}).get("content"))
+                             (choice.get("logprobs") or {}).get("content"), message.get("reasoning"))
         return self.response(status, output, self.usage(chat["usage"]), reason, chat.get("metasd"))
 
     def event(self, kind: str, **fields) -> str:
@@ -117,12 +131,25 @@ class ResponseBuilder:
                         logprobs: list | None = None) -> list[str]:
         """The events that open the message (output item 0) or close it with its whole ``text``."""
         where = self.text_at
+        index = where["output_index"]
         if opening:
-            return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+            return [self.event("response.output_item.added", output_index=index, item=self.message("", "in_progress")),
                     self.event("response.content_part.added", **where, part=self.part(""))]
         return [self.event("response.output_text.done", **where, text=text, logprobs=logprobs or []),
                 self.event("response.content_part.done", **where, part=self.part(text, logprobs)),
-                self.event("response.output_item.done", output_index=0, item=self.message(text, status, logprobs))]
+                self.event("response.output_item.done", output_index=index, item=self.message(text, status, logprobs))]
+
+    def _reasoning_events(self, delta: str | None, thought: str) -> list[str]:
+        """The reasoning item's events: opened with its first ``delta``, a delta each, closed (``delta`` None) with
+        the whole ``thought``."""
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        if delta is None:
+            return [self.event("response.reasoning_text.done", **where, text=thought),
+                    self.event("response.output_item.done", output_index=0, item=self.reasoning(thought))]
+        opening = [] if self.reasoned else [
+            self.event("response.output_item.added", output_index=0, item=self.reasoning("", "in_progress"))]
+        self.reasoned = True
+        return opening + [self.event("response.reasoning_text.delta", **where, delta=delta)]
 
     def _call_events(self, call: dict[str, Any], index: int) -> list[str]:
         """A whole call's events: its item added, its arguments (in one delta: a call is sent once it is whole), the
@@ -145,6 +172,7 @@ class ResponseBuilder:
         yield self.event("response.in_progress", response=self.response("in_progress", []))
         text, opened, calls, reason, record, usage = "", False, [], None, None, None
         scores, pending = [], []  # the log-probabilities so far; those no text delta carried yet
+        thought, thinking = None, False  # the reasoning so far (None: none came), and whether its item is open
         async for chunk in chunks:
             data = chunk.removeprefix("data: ").strip()
             if data == "[DONE]":
@@ -164,6 +192,14 @@ class ResponseBuilder:
                 delta = choice.get("delta") or {}
                 new = (choice.get("logprobs") or {}).get("content") or []
                 scores, pending = scores + new, pending + new
+                if delta.get("reasoning"):  # the thinking comes first: its item is output 0
+                    thought, thinking = (thought or "") + delta["reasoning"], True
+                    for event in self._reasoning_events(delta["reasoning"], thought):
+                        yield event
+                if thinking and (delta.get("content") or delta.get("tool_calls") or choice.get("finish_reason")):
+                    thinking = False
+                    for event in self._reasoning_events(None, thought):
+                        yield event
                 if delta.get("content"):
                     if not opened:
                         opened = True
@@ -178,7 +214,7 @@ class ResponseBuilder:
                         for event in self._message_events(opening=False, text=text):
                             yield event
                     calls.append(call)
-                    for event in self._call_events(call, len(calls) - int(not opened)):
+                    for event in self._call_events(call, len(calls) - int(not opened) + int(self.reasoned)):
                         yield event
                 reason = choice.get("finish_reason") or reason
             record = body.get("metasd", record)
@@ -187,7 +223,7 @@ class ResponseBuilder:
                     self._message_events(opening=False, text=text, status=_status(reason), logprobs=scores):
                 yield event
         status = _status(reason)
-        self.final = self.response(status, self.output(text, calls, reason, scores), usage, reason, record)
+        self.final = self.response(status, self.output(text, calls, reason, scores, thought), usage, reason, record)
         yield self.event(f"response.{status}", response=self.final)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from .protocol import ChatCompletionRequest, Lenient, MetasdOptions, ToolFunction
 
@@ -60,9 +60,35 @@ class FunctionCallOutput(Lenient):
         return _joined(self.output)
 
 
+class ReasoningText(Lenient):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Lenient):
+    """One item of ``input``: the model's thinking in an earlier response (a ``reasoning`` item of its ``output``,
+    passed back), which opens the assistant turn it came before. Only thinking given as text: an
+    ``encrypted_content`` (OpenAI's own models') cannot be read here; a ``summary`` is not rendered."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] = []
+    encrypted_content: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _readable(cls, v):
+        if v is not None:
+            raise ValueError("encrypted reasoning (OpenAI's own models') cannot be read here: pass the thinking as "
+                             "content, [{\"type\": \"reasoning_text\", \"text\": ...}]")
+        return v
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content)
+
+
 #: the input items served, by ``type`` (a message may leave its type out)
 ITEMS: dict[str, type[Lenient]] = {"message": InputMessage, "function_call": FunctionCallItem,
-                                   "function_call_output": FunctionCallOutput}
+                                   "function_call_output": FunctionCallOutput, "reasoning": ReasoningItem}
 
 
 def _validated(field: str, i: int, value: Any, models: dict[str, type[Lenient]], refused: str,
@@ -86,7 +112,8 @@ def _validated(field: str, i: int, value: Any, models: dict[str, type[Lenient]],
 
 
 def chat_messages(items: list[Any], start: int = 0) -> list[dict[str, Any]]:
-    """``input``'s items as chat messages: a message as it is (``developer`` a system turn); a function call joins
+    """``input``'s items as chat messages: a message as it is (``developer`` a system turn); a reasoning item opens
+    an assistant turn (its ``reasoning_content``) that the assistant message after it completes; a function call joins
     the assistant turn before it (its text, then its calls: how an earlier response's ``output`` comes back) or
     opens one; a call's output is a ``tool`` message answering its ``call_id``. The items before ``start`` are a
     stored conversation's (``previous_response_id``): an error in one names that field, the others ``input.[i]``
@@ -96,7 +123,14 @@ def chat_messages(items: list[Any], start: int = 0) -> list[dict[str, Any]]:
         where = ("input", i - start) if i >= start else ("previous_response_id", i)
         item = _validated(*where, raw, ITEMS, "an item of type {kind!r} is not served here (served: {served})",
                           default="message")
-        if isinstance(item, InputMessage):
+        thought_only = bool(out) and out[-1].get("content") == "" and "reasoning_content" in out[-1] \
+            and "tool_calls" not in out[-1]
+        if isinstance(item, ReasoningItem):
+            if item.text():  # (one with a summary alone: nothing a chat template renders)
+                out.append({"role": "assistant", "content": "", "reasoning_content": item.text()})
+        elif isinstance(item, InputMessage) and item.role == "assistant" and thought_only:
+            out[-1]["content"] = item.text()  # the answer after its thinking: one turn
+        elif isinstance(item, InputMessage):
             out.append({"role": ROLES[item.role], "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",

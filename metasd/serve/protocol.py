@@ -5,17 +5,18 @@ stay strict: a misspelt one is refused.
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metasd.core.constraints import Constraint, ConstraintError
 from metasd.core.decoding.bad_words import MAX_BAD_WORDS
 from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 
 from .chat_template import TemplateFields
+from .protocol_messages import (ChatMessage, FunctionCall, Lenient, MessageToolCall, NamedToolChoice,  # noqa: F401
+                                TextPart, Tool, ToolFunction)  # (re-exported: the routes' modules import them here)
 
 #: the most stop strings a request may give, and the longest (every step searches the new text for each)
 MAX_STOPS = 16
@@ -29,12 +30,6 @@ _Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class Lenient(BaseModel):
-    """Unknown fields are kept aside (``model_extra``): refused when they would change the output, else ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class MetasdOptions(_Strict):
@@ -52,104 +47,6 @@ class StreamOptions(Lenient):
 
     include_usage: bool = False
     include_obfuscation: bool | None = None  # newer clients send it; streams here carry no obfuscation padding
-
-
-class TextPart(Lenient):
-    """One part of a message's content given as a list: only text parts are served."""
-
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(Lenient):
-    """The function an assistant message called: its name and its arguments as JSON text (OpenAI's) or an object."""
-
-    name: str
-    arguments: str | dict[str, Any]
-
-    def argument_object(self) -> dict[str, Any] | str:
-        """The arguments as an object, as chat templates render them (``arguments | tojson``); text that is not a JSON
-        object is passed on as it is."""
-        if isinstance(self.arguments, dict):
-            return self.arguments
-        try:
-            value = json.loads(self.arguments)
-        except json.JSONDecodeError:
-            return self.arguments
-        return value if isinstance(value, dict) else self.arguments
-
-
-class MessageToolCall(Lenient):
-    """One tool call of an earlier assistant message."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(Lenient):
-    """One chat message; the content as a string or a list of text parts. An assistant message may carry the
-    ``tool_calls`` it made (its content then may be null), a ``tool`` message the result of one (``tool_call_id``)."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _content_where_needed(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
-                             f"leave it null)")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"only assistant messages carry tool_calls, not a {self.role} message")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-    def rendered(self) -> dict[str, Any]:
-        """The message as a chat template takes it (``developer`` as ``system``, tool-call arguments as objects)."""
-        out: dict[str, Any] = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": c.function.argument_object()}} for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
-class ToolFunction(Lenient):
-    """A function the model may call: its name, what it does and the JSON schema of its arguments."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; the arguments follow the schema whenever a call is enforced
-
-
-class Tool(Lenient):
-    """One entry of ``tools``."""
-
-    type: Literal["function"]
-    function: ToolFunction
-
-
-class NamedToolChoice(Lenient):
-    """``tool_choice`` naming the function the model must call."""
-
-    class _Name(Lenient):
-        name: str
-
-    type: Literal["function"]
-    function: _Name
 
 
 class ResponseFormat(Lenient):
@@ -289,6 +186,7 @@ class ChatCompletionRequest(_Common, TemplateFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, false leaves the thinking out of the answer
 
     @field_validator("tools")
     @classmethod

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from metasd.core.execution.logprobs import TokenLogprob
 
 from .logprobs import TokenNames, chat_content, completion_logprobs, vllm_prompt_logprobs
+from .reasoning import ReasoningParser, ReasoningStream
 from .tools import ToolCall, ToolCalls
 
 #: the scheduler's finish reasons as OpenAI names them (an EOS token is a natural stop)
@@ -50,6 +51,11 @@ class Completion:
     echo_top: int | None = None
     #: vLLM's ``prompt_logprobs`` asked: (token names, alternatives per prompt token)
     prompt_scores: tuple[TokenNames, int] | None = None
+    #: chat on a server with a reasoning parser: how the answer's thinking is read (None: all content), whether the
+    #: answers start inside a thinking block the prompt opened, and whether the request wants the reasoning sent
+    reasoning: ReasoningParser | None = None
+    reasoning_inside: bool = False
+    include_reasoning: bool = True
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -94,11 +100,17 @@ class Completion:
         return body
 
     def choice(self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None,
-               prompt_scores: Sequence[TokenLogprob | None] | None = None) -> dict[str, Any]:
-        """One choice of the non-streamed response; a chat answer's tool calls (``tools``) in ``message.tool_calls``,
-        the finish reason then ``tool_calls``; with ``prompt_scores`` asked for, vLLM's ``prompt_logprobs``."""
+               prompt_scores: Sequence[TokenLogprob | None] | None = None, echo: str = "") -> dict[str, Any]:
+        """One choice of the non-streamed response (``echo``: the text it begins with, ``echo``'s); a chat answer's
+        thinking (``reasoning``) in ``message.reasoning``, its tool calls (``tools``) in ``message.tool_calls``, the
+        finish reason then ``tool_calls``; with ``prompt_scores`` asked for, vLLM's ``prompt_logprobs``."""
         if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            thought = None
+            if self.reasoning is not None:  # the new text's (the echoed message is the prompt's)
+                thought, text = self.reasoning.split(text, self.reasoning_inside)
+            message: dict[str, Any] = {"role": "assistant", "content": echo + text}
+            if thought is not None:
+                message.update(self.reasoning_fields(thought))
             if self.tools is not None:
                 message["content"], calls = self.tools.split(text)
                 if calls:
@@ -106,11 +118,19 @@ class Completion:
                     finish_reason = "tool_calls"
             body = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.prompt_scores is not None:
             names, top = self.prompt_scores
             body["prompt_logprobs"] = vllm_prompt_logprobs(names, prompt_scores or [], top)
         return body
+
+    def reasoning_stream(self) -> ReasoningStream | None:
+        """A choice's streamed answer split into reasoning and content (None: no reasoning parser)."""
+        return None if self.reasoning is None else self.reasoning.stream(self.reasoning_inside)
+
+    def reasoning_fields(self, text: str) -> dict[str, str]:
+        """A message's (or a delta's) reasoning, under vLLM's name and the older one most other servers use."""
+        return {"reasoning": text, "reasoning_content": text} if self.include_reasoning else {}
 
     def whole(self, choices: list[dict[str, Any]], completion_tokens: int,
               record: dict[str, Any] | list[dict[str, Any]], cached_tokens: int = 0) -> dict[str, Any]:
@@ -121,12 +141,15 @@ class Completion:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
               record: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
-              index: int = 0, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
-        """One streamed chunk of choice ``index``: new text (and the ``logprobs`` of its tokens) or a chat answer's
-        ``tool_calls`` (each whole, in one chunk), or (with ``finish_reason``) the last chunk of the choice, which
-        carries its ``metasd`` record; a chat stream's first chunk of a choice names the role."""
+              index: int = 0, tool_calls: list[ToolCall] | None = None, reasoning: str | None = None) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``: new text (and the ``logprobs`` of its tokens), new ``reasoning``
+        (a chat answer's thinking) or a chat answer's ``tool_calls`` (each whole, in one chunk), or (with
+        ``finish_reason``) the last chunk of the choice, which carries its ``metasd`` record; a chat stream's first
+        chunk of a choice names the role."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if reasoning:
+                delta.update(self.reasoning_fields(reasoning))
             if text:
                 delta["content"] = text
             if tool_calls:
