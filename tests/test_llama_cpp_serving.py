@@ -237,8 +237,6 @@ def test_requests_cancelled_in_their_prefill_free_their_sequence(tiny):
 def test_what_serving_on_the_backend_refuses_is_named(tiny):
     model, gguf = tiny
     engine = Engine(LlamaCppVerifier(gguf, model, name="tiny", context=512), check_tokenizers=False)
-    with pytest.raises(ValueError, match="prefix_caching: not built for the llama.cpp backend"):
-        Scheduler(engine, prefix_caching=True)
     with pytest.raises(ValueError, match="kv_budget=1024: the llama.cpp context holds 512"):
         Scheduler(engine, kv_budget=1024)
     with pytest.raises(ValueError, match="max_batch=300: the llama.cpp backend holds 256 sequences"):

@@ -135,16 +135,16 @@ class Forks:
             request.drafters, request.all_drafters = self.arms, self.all
 
 
-def prefix_cache_for(engine, cache: BatchCache) -> PrefixCache:
-    """A prefix cache over the scheduler's batched cache; ``ValueError`` for a pool whose drafters read the verifier's
-    hidden states (the entries keep keys and values only)."""
-    if getattr(engine.verifier, "backend", "torch") != "torch":
-        raise ValueError(f"prefix_caching: not built for the {engine.verifier.backend} backend (its requests prefill "
-                         f"their whole prompt); turn it off (--no-enable-prefix-caching)")
+def prefix_cache_for(engine, verifier) -> PrefixCache:
+    """A prefix cache over the scheduler's batched verifier (on llama.cpp, entries in its context's sequences:
+    ``keep_prefixes``); ``ValueError`` for a pool whose drafters read the verifier's hidden states (the entries keep
+    keys and values only)."""
     if engine.hidden_layers:
         raise ValueError(f"prefix_caching: the pool's drafters read the verifier's hidden states (layers "
                          f"{list(engine.hidden_layers)}), which the prefix cache does not keep")
-    return PrefixCache(cache)
+    if hasattr(verifier, "keep_prefixes"):
+        return verifier.keep_prefixes()
+    return PrefixCache(verifier.cache)
 
 
 def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):

@@ -76,8 +76,8 @@ class Scheduler:
             raise ValueError(f"kv_budget must be an integer >= 1 (KV positions of the verifier) or None, got {kv_budget!r}")
         self.verifier = batch_verifier_for(engine, max_batch, kv_budget)
         self.adaptive = AdaptiveSpeculation.checked(adaptive, self.verifier.padding)
+        self.prefix_cache = prefix_cache_for(engine, self.verifier) if prefix_caching else None  # (before node_limit)
         self.max_draft_nodes = min(max_draft_nodes, getattr(self.verifier, "node_limit", max_draft_nodes))
-        self.prefix_cache = prefix_cache_for(engine, self.verifier.cache) if prefix_caching else None
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._prefilling: list[Job] = []

@@ -21,7 +21,8 @@ whose prompt it held, and those requests fail at their next step instead of runn
 
 Memory. The context's cells are the KV budget: a request is admitted with its reservation (prompt + max_new_tokens
 + the widest draft + 1, rounded up to 256 positions, as ``BatchCache``) when the reservations fit in the cells
-(``CellBudget``); nothing is allocated after the context is made. The drafters' own (torch) caches are not counted
+beside the prefix cache's entries (``CellBudget``; ``keep_prefixes``, llama_cpp_prefix.py); nothing is allocated after
+the context is made. The drafters' own (torch) caches are not counted
 here: they grow with the requests' lengths in host memory.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from .batch_verifier import SlotVerifier
 from .kv_memory import RESERVATION_BUCKET, KVBudgetError, KVGeometry, bucketed
+from .llama_cpp_prefix import DEFAULT_MAX_ENTRIES, LlamaCppPrefixCache
 from .llama_cpp_verifier import leaf_sequences
 from .logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprob, token_logprobs
 from .tree import Draft
@@ -56,13 +58,14 @@ class CellBudget:
         self.lengths = [0] * slots  # row b's cached positions (its committed tokens but the pending one)
         self.active = 0
         self.reserved: dict[Hashable, int] = {}
-        self.pinned_bytes = 0  # no prefix cache on this backend
+        self.pinned_cells = 0  # held by the prefix cache's entries (llama_cpp_prefix.py)
+        self.pinned_bytes = 0
         self.budget_bytes = self.cells * geometry.bytes_per_token
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the cells reserved now."""
-        return sum(self.reserved.values()) * self.geometry.bytes_per_token
+        return sum(self.reserved.values()) * self.geometry.bytes_per_token + self.pinned_bytes
 
     def check_admissible(self, tokens: int) -> int:
         """The reservation for ``tokens`` positions; ``KVBudgetError`` when the context could never hold it."""
@@ -75,7 +78,7 @@ class CellBudget:
     def fits(self, tokens: int) -> bool:
         """Whether a reservation of ``tokens`` positions fits beside those held now."""
         return (len(self.reserved) < self.slots
-                and sum(self.reserved.values()) + bucketed(tokens, self.bucket) <= self.cells)
+                and sum(self.reserved.values()) + self.pinned_cells + bucketed(tokens, self.bucket) <= self.cells)
 
     def reserve(self, key: Hashable, tokens: int) -> int:
         need = self.check_admissible(tokens)
@@ -176,15 +179,34 @@ class LlamaCppBatchVerifier:
         #: the same llama_decode (``defer``)
         self._deferred: list[tuple[int, list[int], int]] = []
         self._broken: set[int] = set()  # sequences a failed decode left incomplete: their requests fail (``check``)
+        self.prefixes = None  # the prefix cache whose entries hold sequences of this context (``keep_prefixes``)
         verifier.reset()
+
+    def keep_prefixes(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> LlamaCppPrefixCache:
+        """A prefix cache whose entries are sequences of this context (``llama_cpp_prefix.py``): at most
+        ``max_entries``, and no more than a quarter of the sequences the requests leave to the leaves, which lose
+        them (``node_limit`` shrinks to what is left)."""
+        slots, spare = self.cache.slots, self.verifier.max_sequences - self.cache.slots
+        entries = min(max_entries, spare // 4)
+        self.node_limit = (spare - entries) // slots
+        self.prefixes = LlamaCppPrefixCache(self, max_entries=max(entries, 1))
+        if entries < 1:
+            self.prefixes.max_entries = 0  # (no sequence to spare: nothing is stored)
+        return self.prefixes
 
     # -------------------------------------------------------------- prefill, join, leave
     def start_prefill(self, token_ids: list[int], layers: Sequence[int] = (), score: Sequence[int] | None = None,
                       top: int = 0, prefix=None) -> LlamaCppPrefill:
-        """A joining request's prefill into a sequence of its own (``Prefill``'s arguments; no prefix cache here)."""
-        if layers or prefix is not None:
-            raise ValueError("the llama.cpp backend keeps no hidden states and no prefix cache")
-        return LlamaCppPrefill(self, self._take(), token_ids, score, top)
+        """A joining request's prefill into a sequence of its own (``Prefill``'s arguments): with ``prefix`` (entry,
+        n) of the prefix cache, the sequence first takes the entry's first n cells and the prefill starts after them."""
+        if layers:
+            raise ValueError("the llama.cpp backend keeps no hidden states")
+        prefill = LlamaCppPrefill(self, self._take(), token_ids, score, top)
+        if prefix is not None:
+            entry, n = prefix
+            self.share(entry.seq, prefill.seq, n)
+            prefill.done = n
+        return prefill
 
     def abandon(self, prefill: LlamaCppPrefill) -> None:
         """A request left during its prefill: its chunks not decoded yet are dropped, its sequence's cells freed."""
@@ -253,8 +275,11 @@ class LlamaCppBatchVerifier:
         return moved
 
     def reset(self) -> None:
-        """Drop every row and prefill (after a step broke: their requests failed): the context is cleared."""
+        """Drop every row and prefill (after a step broke: their requests failed): the context is cleared, the stored
+        prefixes with it."""
         self.verifier.reset()
+        if self.prefixes is not None:
+            self.prefixes.forget()
         self._row_seq, self._leaves, self._deferred, self._broken = [], [], [], set()
         self._free = list(range(self.verifier.max_sequences - 1, -1, -1))
         self.cache.reset()
@@ -269,6 +294,16 @@ class LlamaCppBatchVerifier:
         self.verifier.lib.llama_memory_seq_rm(self.verifier._memory, seq, -1, -1)
         self._broken.discard(seq)
         self._free.append(seq)
+
+    # the prefix cache's sequences (llama_cpp_prefix.py)
+    take_sequence, drop_sequence = _take, _drop
+
+    def row_sequence(self, row: int) -> int:
+        return self._row_seq[row]
+
+    def share(self, source: int, target: int, n: int) -> None:
+        """Sequence ``target`` also sees ``source``'s cells at positions 0..n-1 (no copy: the cells' sets grow)."""
+        self.verifier.lib.llama_memory_seq_cp(self.verifier._memory, source, target, 0, n)
 
     # -------------------------------------------------------------- a verify
     @torch.inference_mode()

@@ -158,30 +158,32 @@ class PrefixCache:
                     self._clock += 1
                     entry.last_used = self._clock
                     return False  # held already
-                self.entries.remove(entry)  # the new one covers it
-        g = self.cache.geometry
-        need = n * g.bytes_per_token + sum(kv.nbytes for kv in drafters.values())
-        budget = self.cache.budget_bytes
-        while budget is not None and self.entries and self._over(need):
+                self._remove(entry)  # the new one covers it
+        while self.entries and (len(self.entries) >= self.max_entries or self._over(n, drafters)):
             self._evict_one()
-        if budget is not None and self._over(need):
+        if self._over(n, drafters):
             self._pin()
             return False
-        layers = self.cache.layers
-        keys = [layer.keys[row, :, :n].clone() for layer in layers]
-        values = [layer.values[row, :, :n].clone() for layer in layers]
         self._clock += 1
-        self.entries.append(PrefixEntry(new, keys, values, self._clock, drafters))
+        self.entries.append(self._copy(new, row, drafters))
         self.stats.stored += 1
-        while len(self.entries) > self.max_entries:
-            self._evict_one()
         self._pin()
         return True
 
-    def _over(self, extra: int) -> bool:
-        """Whether ``extra`` more bytes of entries would pass the budget beside the rows the reservations need (rows
-        allocated beyond them are freed by ``fit``)."""
+    def _copy(self, ids: torch.Tensor, row: int, drafters: dict[str, KVPrefix]) -> PrefixEntry:
+        """The entry of row ``row``'s first ``len(ids)`` positions: its keys and values copied out of the rows."""
+        n = len(ids)
+        keys = [layer.keys[row, :, :n].clone() for layer in self.cache.layers]
+        values = [layer.values[row, :, :n].clone() for layer in self.cache.layers]
+        return PrefixEntry(ids, keys, values, self._clock, drafters)
+
+    def _over(self, n: int, drafters: dict[str, KVPrefix]) -> bool:
+        """Whether an entry of ``n`` positions (and ``drafters``' bytes) would pass the budget beside the entries and
+        the rows the reservations need (rows allocated beyond them are freed by ``fit``)."""
         c = self.cache
+        if c.budget_bytes is None:
+            return False
+        extra = n * c.geometry.bytes_per_token + sum(kv.nbytes for kv in drafters.values())
         return c.bytes_for(list(c.reserved.values())) + self.held_bytes + extra > c.budget_bytes
 
     def fit(self) -> None:
@@ -196,9 +198,11 @@ class PrefixCache:
             self._pin()
 
     def _evict_one(self) -> None:
-        oldest = min(self.entries, key=lambda e: e.last_used)
-        self.entries.remove(oldest)
+        self._remove(min(self.entries, key=lambda e: e.last_used))
         self.stats.evicted += 1
+
+    def _remove(self, entry: PrefixEntry) -> None:
+        self.entries.remove(entry)
 
     def evict_for(self, tokens: int) -> bool:
         """Evict entries, least recently used first, until a reservation of ``tokens`` fits; whether it fits. It runs
@@ -214,5 +218,6 @@ class PrefixCache:
         return self.cache.fits(tokens)
 
     def clear(self) -> None:
-        self.entries.clear()
+        for entry in list(self.entries):
+            self._remove(entry)
         self._pin()
