@@ -254,7 +254,7 @@ def test_what_serving_on_the_backend_refuses_is_named(tiny):
 def test_metasd_serve_on_the_backend_answers_the_openai_client(tmp_path):
     """``metasd serve --backend llama.cpp`` over a pool with adaptive speculation (the forward profiled through
     llama.cpp): concurrent greedy completions from the official client are plain greedy decoding's; the log says
-    where the verifier runs and that prefix caching is off."""
+    where the verifier runs and that prefix caching is on; a prompt continuing a finished one reuses its cells."""
     import os
     import subprocess
     import sys
@@ -295,6 +295,11 @@ def test_metasd_serve_on_the_backend_answers_the_openai_client(tmp_path):
 
             with ThreadPoolExecutor(4) as pool_:
                 answers = list(pool_.map(complete, prompts))
+            # prefix caching (on by default): a prompt that continues a finished one prefills only what follows it
+            long_prompt = list(range(10, 50))
+            first = complete(long_prompt)
+            later_prompt = long_prompt + tok.convert_tokens_to_ids(first.choices[0].logprobs.tokens) + [5, 6]
+            later = complete(later_prompt)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -303,7 +308,9 @@ def test_metasd_serve_on_the_backend_answers_the_openai_client(tmp_path):
             expected = tok.convert_ids_to_tokens(plain_greedy(model, prompt, 16))
             assert answer.choices[0].logprobs.tokens == expected, text
             assert answer.usage.completion_tokens == 16
-        assert "verifier: " in text and "on llama.cpp" in text and "prefix caching off" in text, text
+        assert later.usage.prompt_tokens_details.cached_tokens >= len(long_prompt)
+        assert later.choices[0].logprobs.tokens == tok.convert_ids_to_tokens(plain_greedy(model, later_prompt, 16))
+        assert "verifier: " in text and "on llama.cpp" in text and "prefix caching on" in text, text
         assert "llama.cpp" in text.split("adaptive speculation")[1].splitlines()[0], text  # the profile's line
     finally:
         gguf.unlink(missing_ok=True)  # converted into the user's cache, keyed by this temporary directory

@@ -253,15 +253,14 @@ class SchedulerSettings:
     cost_profile: dict | None = None
     #: --kv-budget: KV positions of the verifier's cache (None: from the free memory)
     kv_budget: int | None = None
-    #: --[no-]enable-prefix-caching (None: on where the pool allows it: the torch backend, no drafter reading the
-    #: verifier's hidden states)
+    #: --[no-]enable-prefix-caching (None: on where the pool allows it: no drafter reading the verifier's hidden
+    #: states)
     prefix_caching: bool | None = None
 
     def make(self, engine):
         from metasd.core.batching.scheduler import Scheduler
 
-        torch_backend = getattr(engine.verifier, "backend", "torch") == "torch"
-        prefix = self.prefix_caching if self.prefix_caching is not None else torch_backend and not engine.hidden_layers
+        prefix = self.prefix_caching if self.prefix_caching is not None else not engine.hidden_layers
         scheduler = Scheduler(engine, max_batch=self.max_batch, max_queue=self.max_queue,
                               share_suffix_cache=self.share_suffix_cache, adaptive=self._adaptive(engine),
                               kv_budget=self.kv_budget, prefix_caching=prefix)
