@@ -189,3 +189,14 @@ def test_models_that_cannot_take_or_write_tools_refuse_them():
         assert shown.choices[0].message.tool_calls is None
     scheduler.close()
     unread.close()
+
+
+def test_an_echoed_message_begins_the_content_with_tools_too(served):
+    """``echo`` with ``continue_final_message``: the continued assistant message begins the content, whole and
+    streamed, when the answer goes through the tool-call parser too."""
+    messages = MSG + [{"role": "assistant", "content": "Sure, "}]
+    kw = dict(messages=messages, tools=[WEATHER, TIME], tool_choice="auto",
+              extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
+    whole = _create(served, **kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in _create(served, stream=True, **kw) if c.choices)
+    assert whole.startswith("Sure, ") and streamed == whole

@@ -112,7 +112,7 @@ class Completion:
             if thought is not None:
                 message.update(self.reasoning_fields(thought))
             if self.tools is not None:
-                message["content"], calls = self.tools.split(text)
+                message["content"], calls = self.tools.split(echo + text)
                 if calls:
                     message["tool_calls"] = [c.body() for c in calls]
                     finish_reason = "tool_calls"
