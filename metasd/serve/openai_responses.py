@@ -8,8 +8,8 @@ or as the API's stream of events (``response.created`` ... ``response.output_tex
 ``response.function_call_arguments.done`` ... ``response.completed``). A finished response is stored (``store``, true
 by default; ``response_store``) for a later request that continues it (``previous_response_id``: its conversation's
 items come before that request's input) and for ``GET`` / ``DELETE /v1/responses/{id}`` and its ``input_items``. A
-request to run in the background is refused with a 400 naming the field, as are any other input item (an image, a
-reasoning item) and any tool that is not a function (web search, ...).
+request to run in the background is refused with a 400 naming the field, as are any other input item (an image, an
+item reference) and any tool that is not a function (web search, ...).
 """
 from __future__ import annotations
 

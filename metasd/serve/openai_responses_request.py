@@ -1,5 +1,5 @@
 """The request side of OpenAI's Responses API (``POST /v1/responses``, served by ``openai_responses``): the items of
-``input`` (messages, earlier function calls and their outputs) as chat messages, function ``tools`` in the API's flat
+``input`` (messages, earlier function calls and their outputs, earlier thinking) as chat messages, function ``tools`` in the API's flat
 form, and ``ResponsesRequest`` - every field served, checked as on the chat routes, and the equivalent chat completion
 request (``chat_request``).
 """
