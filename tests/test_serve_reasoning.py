@@ -170,6 +170,16 @@ def test_answers_that_start_inside_the_block(template, parser):
         assert _streamed(srv, INSIDE)[:2] == ("Let me see.", message.content)
 
 
+def test_a_server_without_a_parser_says_so_where_the_template_thinks(caplog):
+    with caplog.at_level("WARNING", logger="metasd.serve.app"):
+        with serving(tiny_chain_engine(_tokenizer(OPENING), MODEL, context=1024), MODEL):
+            pass
+        with serving(tiny_chain_engine(_tokenizer(TEMPLATE), MODEL, context=1024), MODEL):
+            pass
+    hints = [r for r in caplog.records if "writes <think>: start with --reasoning-parser" in r.getMessage()]
+    assert len(hints) == 1  # the template that opens a block, not the other
+
+
 def test_an_unknown_reasoning_parser_is_refused_naming_the_option():
     from metasd.serve.reasoning import reasoning_parser_named
 

@@ -102,6 +102,9 @@ class ServeState:
         self.tool_parser = tool_parser(tool_call_parser, template)
         #: reads a chat answer's thinking out of its text (None: the answer is all content)
         self.reasoning = reasoning_parser_named(reasoning_parser)
+        if self.reasoning is None and "<think>" in (template or ""):
+            log.warning("the chat template of %s writes <think>: start with --reasoning-parser qwen3 (or deepseek_r1) "
+                        "to answer the thinking in message.reasoning instead of the content", model_name)
         #: the tokens that end a fill-in-the-middle answer (a completion with ``suffix``); None: the model has no format
         infill = infill_format(self.tokenizer)
         self.infill_stops = infill_stop_ids(self.tokenizer, infill) if infill else None
