@@ -167,6 +167,9 @@ def test_evicting_among_several_entries_picks_the_least_recently_used(model):
         assert store.store(list(range(start, start + 20 + start // 100)), row)
     assert sorted(e.length for e in store.entries) == [20, 40] and store.stats.evicted == 1
     assert store.evict_for(4096) and len(store.entries) <= 2
+    store.max_entries = 0  # no entry at all (the llama.cpp backend when it has no sequence to spare)
+    store.clear()
+    assert not store.store(list(range(20)), row) and store.entries == []
 
 
 def test_a_failing_prefix_cache_costs_its_hits_not_the_scheduler(model, tok, monkeypatch, caplog):

@@ -89,10 +89,11 @@ class ChatTemplates:
         self.variables = template_variables(self.text) if isinstance(self.text, str) else frozenset()
 
     def options(self, req) -> dict[str, Any]:
-        """``render_chat``'s options for ``req`` (a request with ``TemplateFields`` and ``template_options()``): its
-        switches, the server's template where one was given, the request's documents and variables; an ``ApiError``
-        (400) naming the field at fault."""
-        out: dict[str, Any] = dict(req.template_options())
+        """``render_chat``'s options for ``req`` (a request with ``TemplateFields`` and the chat template's switches
+        ``add_generation_prompt`` and ``continue_final_message``): its switches, the server's template where one was
+        given, the request's documents and variables; an ``ApiError`` (400) naming the field at fault."""
+        out: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
+                               "continue_final_message": req.continue_final_message}
         template, reads = (self.text, self.variables)
         if req.chat_template is not None:
             template, reads = req.chat_template, self._request_template(req.chat_template)

@@ -1,7 +1,7 @@
 """The request side of OpenAI's Responses API (``POST /v1/responses``, served by ``openai_responses``): the items of
-``input`` (messages, earlier function calls and their outputs, earlier thinking) as chat messages, function ``tools`` in the API's flat
-form, and ``ResponsesRequest`` - every field served, checked as on the chat routes, and the equivalent chat completion
-request (``chat_request``).
+``input`` (messages, earlier function calls and their outputs, earlier thinking) as chat messages, function
+``tools`` in the API's flat form, and ``ResponsesRequest`` - every field served, checked as on the chat routes, and the
+equivalent chat completion request (``chat_request``).
 """
 
 from __future__ import annotations

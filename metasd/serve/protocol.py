@@ -246,11 +246,6 @@ class ChatCompletionRequest(_Common, TemplateFields):
                              f"{info.data['messages'][-1].role}'s")
         return v
 
-    def template_options(self) -> dict[str, bool]:
-        """How the chat template renders the messages (``render_chat``'s switches)."""
-        return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
-
     def echoed(self) -> str | None:
         """``echo``: the text each choice's content begins with - the last message's, where it is the assistant's
         (as vLLM); None: nothing echoed."""

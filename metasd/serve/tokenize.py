@@ -38,10 +38,6 @@ class TokenizeRequest(Lenient, TemplateFields):
     continue_final_message: bool = False  # the last message left open, as the chat route's field of that name
     return_token_strs: bool | None = False
 
-    def template_options(self) -> dict[str, bool]:
-        return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
-
 
 class DetokenizeRequest(Lenient):
     """``POST /detokenize``: token ids back to text."""

@@ -189,9 +189,7 @@ class LlamaCppBatchVerifier:
         slots, spare = self.cache.slots, self.verifier.max_sequences - self.cache.slots
         entries = min(max_entries, spare // 4)
         self.node_limit = (spare - entries) // slots
-        self.prefixes = LlamaCppPrefixCache(self, max_entries=max(entries, 1))
-        if entries < 1:
-            self.prefixes.max_entries = 0  # (no sequence to spare: nothing is stored)
+        self.prefixes = LlamaCppPrefixCache(self, max_entries=entries)  # 0 (no sequence to spare): nothing is stored
         return self.prefixes
 
     # -------------------------------------------------------------- prefill, join, leave

@@ -87,7 +87,7 @@ class PrefixCacheStats:
 
 class PrefixCache:
     """Stored prefixes of one verifier (module docstring). ``min_tokens``: a shorter match is not used (a prefill of
-    a few tokens costs less than the copy); ``max_entries``: the most entries kept; ``drafters``: keep the model
+    a few tokens costs less than the copy); ``max_entries``: the most entries kept (0: none); ``drafters``: keep the model
     drafters' own positions in the entries too (``PrefixEntry``)."""
 
     def __init__(self, cache: BatchCache, min_tokens: int = 16, max_entries: int = 64, drafters: bool = True):
@@ -148,7 +148,7 @@ class PrefixCache:
         n = len(ids)
         drafters = {name: kv for name, kv in (drafters or {}).items() if kv.length >= self.min_tokens} \
             if self.drafters else {}
-        if n < self.min_tokens or n > self.cache.lengths[row]:
+        if n < self.min_tokens or n > self.cache.lengths[row] or self.max_entries < 1:
             return False
         new = torch.as_tensor(list(ids), dtype=torch.long)
         for entry in list(self.entries):
