@@ -160,6 +160,35 @@ def test_the_responses_api_answers_the_thinking_as_a_reasoning_item(served):
     assert continued.usage.input_tokens == with_thought
 
 
+def _thinking_tokens(ids: list[int], inside: bool = False) -> int:
+    """The tokens up to the one whose text completes "</think>" (a linear scan of the decoded prefixes)."""
+    tok = _tokenizer()
+    for k in range(1, len(ids) + 1):
+        if "</think>" in tok.decode(ids[:k]):
+            return k
+    return len(ids) if inside or tok.decode(ids).lstrip().startswith("<think>") else 0
+
+
+def test_usage_counts_the_thinking_tokens(served):
+    """``usage.completion_tokens_details.reasoning_tokens``: the answer's tokens up to the one that completes the end
+    marker (here spelt in several tokens), whole, streamed and in the Responses API; 0 with no block."""
+    for grammar, budget in ((THINK, 60), (NO_THINK, 60), (THINK, 6)):  # 6: the budget ends inside the block
+        r = _create(served, grammar, max_tokens=budget, logprobs=True,
+                    extra_body={"return_tokens_as_token_ids": True})
+        ids = [int(t.token.split(":")[1]) for t in r.choices[0].logprobs.content]
+        want = _thinking_tokens(ids)
+        assert (want > 0) == (grammar == THINK) and r.usage.completion_tokens == len(ids)
+        assert budget == 60 or want == len(ids) == budget  # a block never closed: all thinking
+        assert r.usage.completion_tokens_details.reasoning_tokens == want
+        chunks = list(_create(served, grammar, stream=True, max_tokens=budget,
+                              stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == want
+    reply = served.client.responses.create(model=MODEL, input="What is it?", max_output_tokens=60, temperature=0,
+                                           extra_body={"guided_grammar": THINK})
+    whole = _create(served, THINK).usage.completion_tokens_details.reasoning_tokens
+    assert reply.usage.output_tokens_details.reasoning_tokens == whole > 0
+
+
 @pytest.mark.parametrize("template,parser", [(OPENING, "qwen3"), (TEMPLATE, "deepseek_r1")])
 def test_answers_that_start_inside_the_block(template, parser):
     """A template that opens the block (qwen3 reads it from the prompt), or DeepSeek-R1's format (always inside)."""
@@ -171,7 +200,7 @@ def test_answers_that_start_inside_the_block(template, parser):
 
 
 def test_a_server_without_a_parser_says_so_where_the_template_thinks(caplog):
-    with caplog.at_level("WARNING", logger="metasd.serve.app"):
+    with caplog.at_level("WARNING", logger="metasd.serve.reasoning"):
         with serving(tiny_chain_engine(_tokenizer(OPENING), MODEL, context=1024), MODEL):
             pass
         with serving(tiny_chain_engine(_tokenizer(TEMPLATE), MODEL, context=1024), MODEL):

@@ -69,8 +69,9 @@ def _cached(event) -> int:
     return result.stats.cached_prompt_tokens if result is not None else 0
 
 
-def _finished(event, request_id: str) -> tuple[str, dict[str, Any], int]:
-    """A finished event as (OpenAI finish reason, served record, completion tokens); ApiError when it failed."""
+def _finished(event, request_id: str, completion: Completion, index: int) -> tuple[str, dict[str, Any], int]:
+    """A finished event of choice ``index`` as (OpenAI finish reason, served record, completion tokens), its thinking
+    tokens counted; ApiError when it failed."""
     if _went_wrong(event):
         raise failed(event, request_id)
     if event.finish_reason == "cancelled":
@@ -78,6 +79,8 @@ def _finished(event, request_id: str) -> tuple[str, dict[str, Any], int]:
     result = event.result
     record = served_record(result.to_record() if result is not None else None)
     tokens = len(result.token_ids) if result is not None else 0
+    if result is not None:
+        completion.count_reasoning(index, result.token_ids)
     return FINISH_REASONS.get(event.finish_reason, "stop"), record, tokens
 
 
@@ -106,7 +109,7 @@ async def answer(request: Request, handles: Sequence, completion: Completion) ->
     choices, records, total, cached = [], [], 0, {}
     for index, (handle, (text, last)) in enumerate(zip(handles, work.result())):
         cached[index] = _cached(last)
-        reason, record, tokens = _finished(last, handle.id)
+        reason, record, tokens = _finished(last, handle.id, completion, index)
         result = last.result
         logprobs = None
         if completion.echo is not None and completion.names is not None and completion.kind == "text":
@@ -177,7 +180,7 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
             if (text or thought or logprobs) and not event.finished:
                 yield sse(completion.chunk(text, logprobs=logprobs, index=index, reasoning=thought))
             if event.finished:
-                reason, record, tokens = _finished(event, handle.id)
+                reason, record, tokens = _finished(event, handle.id, completion, index)
                 total, cached[index] = total + tokens, _cached(event)
                 remaining -= 1
                 if calls:

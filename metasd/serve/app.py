@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metasd.core.constraints import INSTALL_HINT, Constraint, ConstraintError, compile_constraint
+from metasd.core.constraints import INSTALL_HINT, AfterThinking, Constraint, ConstraintError, compile_constraint
 from metasd.core.decoding.prompt import encode_infill, infill_format, infill_stop_ids
 from metasd.core.batching.jobs import PROCESSING, SAMPLING
 from metasd.core.batching.scheduler import QueueFullError, RequestOptions, SchedulerClosedError
@@ -38,7 +38,7 @@ from .unknown_fields import ignored_fields, refused_field
 from .answers import STREAM_HEADERS, answer, draining, stream
 from .responses import Completion
 from .chat_template import ChatTemplates
-from .reasoning import reasoning_parser_named
+from .reasoning import served_reasoning
 from .tokenize import add_tokenizer_routes
 from .tools import PARSERS, ToolCalls, added_tokens, template_takes_tools, tool_parser
 
@@ -100,11 +100,8 @@ class ServeState:
         self.takes_tools = template_takes_tools(template)
         #: reads the model's tool calls out of its text (and writes the grammar of an enforced call); None: none
         self.tool_parser = tool_parser(tool_call_parser, template)
-        #: reads a chat answer's thinking out of its text (None: the answer is all content)
-        self.reasoning = reasoning_parser_named(reasoning_parser)
-        if self.reasoning is None and "<think>" in (template or ""):
-            log.warning("the chat template of %s writes <think>: start with --reasoning-parser qwen3 (or deepseek_r1) "
-                        "to answer the thinking in message.reasoning instead of the content", model_name)
+        #: reads a chat answer's thinking out of its text (None: all content); its markers' tokens (None: not tokens)
+        self.reasoning, self.thinking_ids = served_reasoning(reasoning_parser, self.tokenizer, template, model_name)
         #: the tokens that end a fill-in-the-middle answer (a completion with ``suffix``); None: the model has no format
         infill = infill_format(self.tokenizer)
         self.infill_stops = infill_stop_ids(self.tokenizer, infill) if infill else None
@@ -385,8 +382,11 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
                                                                                         req.prompt_logprobs))
         if kind == "chat" and state.reasoning is not None:  # one prompt: its choices start alike
             completion.reasoning, completion.include_reasoning = state.reasoning, req.include_reasoning
+            completion.tokenizer = state.tokenizer
             completion.reasoning_inside = await run_in_threadpool(state.reasoning.starts_inside, state.tokenizer,
                                                                   prompts[0])
+            if constraint is not None and state.thinking_ids:  # the grammar holds the answer, not the thinking
+                constraint = AfterThinking(constraint, *state.thinking_ids, completion.reasoning_inside)
         if kind == "text" and req.echo:  # each prompt as given (token ids, a truncated prompt: their text), before
             texts = [p if isinstance(p, str) and req.truncate_prompt_tokens is None  # each of its choices
                      else await run_in_threadpool(state.tokenizer.decode, ids)

@@ -101,7 +101,8 @@ class ResponseBuilder:
         cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
                 "total_tokens": chat_usage["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens_details": {"reasoning_tokens": 0}}
+                "output_tokens_details": {"reasoning_tokens": (chat_usage.get("completion_tokens_details") or {})
+                                          .get("reasoning_tokens", 0)}}
 
     def output(self, text: str | None, calls: list[dict[str, Any]], reason: str | None,
                logprobs: list | None = None, thought: str | None = None) -> list[dict[str, Any]]:

@@ -14,9 +14,15 @@ tokenizer splits them and whether or not they are special tokens.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Sequence
+
+from metasd.core.constraints import thinking_tokens
 
 START, END = "<think>", "</think>"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,26 @@ class ReasoningParser:
 
     def stream(self, inside: bool) -> "ReasoningStream":
         return ReasoningStream(inside)
+
+    def count_tokens(self, tokenizer, ids: Sequence[int], inside: bool) -> int:
+        """How many of an answer's tokens ``ids`` are its thinking, the markers included (usage's
+        ``reasoning_tokens``): none where the answer has no block, all where it never closed, else those up to the
+        one that completes ``</think>`` - found by bisection over the text of the answer's first k tokens, read as
+        the answer is read, so a marker spelt in several tokens counts alike."""
+        def read(k: int) -> ReasoningStream:
+            stream = self.stream(inside)
+            stream.feed(tokenizer.decode(list(ids[:k]), skip_special_tokens=True))
+            return stream
+        whole = read(len(ids))
+        if not whole.reasoned:
+            return 0
+        if whole.state != "content":  # never closed: all thinking
+            return len(ids)
+        lo, hi = 1, len(ids)  # the fewest tokens whose text closes the block
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if read(mid).state == "content" else (mid + 1, hi)
+        return lo
 
 
 class ReasoningStream:
@@ -113,3 +139,22 @@ def reasoning_parser_named(name: str | None) -> ReasoningParser | None:
     if name is not None and name not in PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {name!r}")
     return PARSERS[name] if name else None
+
+
+def served_reasoning(name: str | None, tokenizer, template: str | None,
+                     model_name: str) -> tuple[ReasoningParser | None, tuple[int, int] | None]:
+    """The parser ``--reasoning-parser`` names, and the ids of the block's two markers where each is one token of the
+    tokenizer: structured output then holds the answer after the thinking (metasd/core/constraints/thinking.py);
+    None where they are not, and the answer is held from its first token. The log says where either leaves the
+    thinking where a user may not expect it."""
+    parser = reasoning_parser_named(name)
+    if parser is None:
+        if "<think>" in (template or ""):
+            log.warning("the chat template of %s writes <think>: start with --reasoning-parser qwen3 (or deepseek_r1) "
+                        "to answer the thinking in message.reasoning instead of the content", model_name)
+        return None, None
+    ids = thinking_tokens(tokenizer, START, END)
+    if ids is None:
+        log.warning("%s's tokenizer has no single token for %s or %s: structured output and required tool calls hold "
+                    "the answer from its first token (the model cannot think first)", model_name, START, END)
+    return parser, ids

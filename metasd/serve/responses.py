@@ -56,6 +56,9 @@ class Completion:
     reasoning: ReasoningParser | None = None
     reasoning_inside: bool = False
     include_reasoning: bool = True
+    tokenizer: Any = None  # with a reasoning parser: reads each answer's thinking tokens (``count_reasoning``)
+    #: per choice, its answer's thinking tokens (``usage.completion_tokens_details.reasoning_tokens``)
+    reasoning_tokens: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -66,9 +69,18 @@ class Completion:
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": self.prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        if self.reasoning is not None:  # the answers' thinking, where a parser reads it
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(self.reasoning_tokens.values())}
+        return usage
+
+    def count_reasoning(self, index: int, token_ids: Sequence[int]) -> None:
+        """Record how many of choice ``index``'s tokens are thinking (nothing to do without a reasoning parser)."""
+        if self.reasoning is not None:
+            self.reasoning_tokens[index] = self.reasoning.count_tokens(self.tokenizer, token_ids,
+                                                                       self.reasoning_inside)
 
     def cached_tokens(self, per_choice: dict[int, int]) -> int:
         """The prompt tokens reused from the prefix cache, from each choice's count (``index`` -> tokens): per prompt

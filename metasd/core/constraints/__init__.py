@@ -8,6 +8,8 @@ lossless.
 - ``ConstraintState`` (state.py): one request's grammar state - ``accept_tokens``, ``mask``, ``eos_allowed``,
   ``is_complete``, ``is_terminated``, ``tree_masks``.
 - ``DraftGuide`` (guide.py): the grammar along a draft a model drafter grows, to mask its logits.
+- ``AfterThinking`` (thinking.py): a compiled constraint held back until a reasoning model's ``</think>``;
+  ``thinking_tokens`` finds a tokenizer's marker tokens.
 - ``apply_mask``, ``unpack_bitmask``, ``reachable_nodes`` (masking.py): the masks as tensors.
 
 Every module imports without llguidance: specs are then checked field by field only (their grammar when compiled),
@@ -19,9 +21,10 @@ from .guide import DraftGuide
 from .masking import apply_mask, reachable_nodes, unpack_bitmask
 from .spec import KINDS, Constraint
 from .state import ConstraintState, ConstraintViolation
+from .thinking import AfterThinking, AfterThinkingState, thinking_tokens
 
 __all__ = [
-    "DEFAULT_COMPILER", "INSTALL_HINT", "KINDS", "CompiledConstraint", "Constraint", "ConstraintCompiler",
-    "ConstraintError", "ConstraintState", "DraftGuide", "ConstraintViolation", "apply_mask", "compile_constraint",
-    "reachable_nodes", "unpack_bitmask",
+    "AfterThinking", "AfterThinkingState", "DEFAULT_COMPILER", "INSTALL_HINT", "KINDS", "CompiledConstraint",
+    "Constraint", "ConstraintCompiler", "ConstraintError", "ConstraintState", "DraftGuide", "ConstraintViolation",
+    "apply_mask", "compile_constraint", "reachable_nodes", "thinking_tokens", "unpack_bitmask",
 ]

@@ -29,6 +29,7 @@ class ConstraintViolation(ValueError):
         super().__init__(f"token {token} (index {index} of the tokens committed together) {reason}")
         self.index = index
         self.token = token
+        self.reason = reason
 
 
 def _token_ids(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:

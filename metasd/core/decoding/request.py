@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..constraints import CompiledConstraint, Constraint, compile_constraint
+from ..constraints import AfterThinking, CompiledConstraint, Constraint, compile_constraint
 from ..execution.clock import now
 from ..execution.draft_batch import Drafting, drive
 from ..execution.tree import Draft
@@ -54,7 +54,7 @@ class Request:
                  seed: int | None = None, policy: Policy | None = None, chat: bool | None = None,
                  category: str | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 constraint: Constraint | CompiledConstraint | None = None,
+                 constraint: Constraint | CompiledConstraint | AfterThinking | None = None,
                  logit_bias: Mapping[int, float] | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                  stop_token_ids: Sequence[int] | None = None, allowed_token_ids: Sequence[int] | None = None,
                  include_stop_str_in_output: bool = False, bad_words: Sequence[str] | None = None,
