@@ -48,6 +48,15 @@ def _add_generate(sub) -> None:
     p.add_argument("--suffix", help="fill in the middle: the code after the gap (the prompt is the code before it, "
                                     "never a chat turn), in the verifier's fill-in-the-middle format; the answer is "
                                     "the gap's text")
+    structured = p.add_argument_group("structured output (one of them; needs llguidance: pip install "
+                                      "'metasd[structured]')").add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="SCHEMA", help="the answer is a JSON object valid under this "
+                            "JSON schema: its JSON text, or a file holding it")
+    structured.add_argument("--regex", help="the answer fully matches this regular expression (Rust's regex syntax)")
+    structured.add_argument("--grammar", metavar="LARK", help="the answer is in the language of this Lark grammar "
+                            "(llguidance's dialect, rule 'start'): its text, or a file holding it")
+    structured.add_argument("--choice", action="append", help="the answer is exactly one of these strings "
+                            "(repeatable)")
     p.add_argument("--raw", action="store_true",
                    help="encode the prompt as it is; without it the prompt is a user message through the chat template "
                         "(Engine.generate and /v1/completions take a string as it is)")
@@ -75,6 +84,34 @@ def _check_options(args) -> None:
     if args.json and args.stream:
         raise ValueError("--stream and --json go apart: --json prints one record once the text is done "
                          "(use --no-stream, or leave --stream out)")
+    args.constraint = _constraint(args)
+
+
+#: the structured-output options, by the request field each fills
+_STRUCTURED = {"guided_json": "--json-schema", "guided_regex": "--regex", "guided_grammar": "--grammar",
+               "guided_choice": "--choice"}
+
+
+def _constraint(args):
+    """The structured output the options ask for (None: none), checked (the grammar compiled without a tokenizer),
+    or ``ValueError`` naming the option."""
+    from metasd.core.constraints import INSTALL_HINT, ConstraintError, constraint_from_fields
+    from metasd.core.constraints.backend import available
+
+    def text_or_file(value: str | None) -> str | None:
+        path = Path(value) if value and "\n" not in value and len(value) < 4096 else None
+        return path.read_text() if path is not None and path.is_file() else value
+
+    fields = {"guided_json": text_or_file(args.json_schema), "guided_regex": args.regex,
+              "guided_grammar": text_or_file(args.grammar), "guided_choice": args.choice}
+    given = next((_STRUCTURED[k] for k, v in fields.items() if v is not None), None)
+    if given is not None and not available():
+        raise ValueError(f"{given} needs the grammar library: {INSTALL_HINT}")
+    try:
+        return constraint_from_fields(fields)
+    except ConstraintError as e:
+        field, _, part = e.field.partition(".")
+        raise ValueError(f"{_STRUCTURED.get(field, given)}{f' (at {part})' if part else ''}: {e.reason}") from None
 
 
 def _check_context(verifier: str, prompt: str, args) -> None:
@@ -153,7 +190,7 @@ def _generate(args) -> int:
             raise ValueError(f"--output {args.output}: not a file that can be written (its folder must exist)")
         requests = read_requests(lines, dict(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw))
+            min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw, constraint=args.constraint))
     else:
         prompt = _read_prompt(args)
         if not prompt.strip():
@@ -188,7 +225,8 @@ def _generate(args) -> int:
             print(f"[metasd] {done} requests written to {args.output}, {failed} failed", file=sys.stderr)
             return 0
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw)
+                      top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, chat=not args.raw,
+                      constraint=args.constraint)
         if args.suffix is not None:  # fill in the middle: the format's prompt, ended by its end tokens
             infill = engine.encode_infill(prompt, args.suffix)
             prompt, kwargs["chat"], kwargs["stop_token_ids"] = infill.ids, False, infill.stop_token_ids

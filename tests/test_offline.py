@@ -71,3 +71,40 @@ def test_input_and_output_paths_are_named_before_any_model_loads(tmp_path, monke
             (["--input", str(good), "--output", out, "--max-batch", "0"], "--max-batch must be >= 1, got 0")):
         assert main(["generate", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_structured_output_per_line_and_from_the_command():
+    """A line's ``guided_*`` field or ``response_format`` holds its answer; a line without one takes the command's
+    (``--regex`` here); ``{"type": "text"}`` asks for none. Each answer is what ``Engine.generate`` gives with that
+    constraint. A bad one names its line and field before anything runs."""
+    import re
+
+    pytest.importorskip("llguidance")
+    from metasd.core.constraints import Constraint
+    from serve_helpers import tiny_chain_engine
+    from test_constraints import byte_bpe
+
+    with pytest.raises(ValueError, match=r"line 1: guided_regex: does not compile"):
+        read_requests(['{"prompt": "a", "guided_regex": "("}'], DEFAULTS)
+    with pytest.raises(ValueError, match=r"line 1: guided_choice: only one structured output"):
+        read_requests(['{"prompt": "a", "guided_regex": "a", "guided_choice": ["b"]}'], DEFAULTS)
+    tok = byte_bpe(340)
+    engine = tiny_chain_engine(tok, "tiny", context=512)
+    command = Constraint.regex("[a-z]{3,6}")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    lines = [json.dumps({"prompt": "Count: ", "guided_json": schema, "max_tokens": 40}),
+             json.dumps({"prompt": "Pick: ", "guided_choice": ["red", "green", "blue"]}),
+             json.dumps({"prompt": "Word: "}),
+             json.dumps({"prompt": "Word: ", "response_format": {"type": "text"}, "max_tokens": 6})]
+    requests = read_requests(lines, {**DEFAULTS, "max_new_tokens": 12, "constraint": command})
+    out = io.StringIO()
+    assert run_offline(engine, requests, out, max_batch=2, progress=False) == (4, 0)
+    records = {r["line"]: r for r in map(json.loads, out.getvalue().splitlines())}
+    assert isinstance(json.loads(records[1]["text"])["n"], int)
+    assert records[2]["text"] in ("red", "green", "blue")
+    assert re.fullmatch("[a-z]{3,6}", records[3]["text"])
+    expected = {1: ("Count: ", 40, Constraint.json_schema(schema)), 2: ("Pick: ", 12, Constraint.choice(
+        ["red", "green", "blue"])), 3: ("Word: ", 12, command), 4: ("Word: ", 6, None)}
+    for line, (prompt, budget, constraint) in expected.items():
+        assert records[line]["token_ids"] == engine.generate(prompt, budget, constraint=constraint).token_ids

@@ -175,6 +175,13 @@ ROWS = {
     "--stream with --json": _option_row(["--stream", "--json"], "--stream and --json go apart: --json prints one "
                                                                 "record once the text is done"),
     "nonexistent --drafter path": _missing_drafter_path,
+    "--json-schema that is not JSON": _option_row(["--json-schema", '{"type": '], "--json-schema: is not valid JSON"),
+    "--json-schema that is no schema": _option_row(["--json-schema", '{"type": "objec"}'],
+                                                   "--json-schema: does not compile to a grammar"),
+    "--regex that does not compile": _option_row(["--regex", "("], "--regex: does not compile to a grammar"),
+    "--grammar with an unknown rule": _option_row(["--grammar", "start: x"], "--grammar: does not compile",
+                                                  'unknown name: "x"'),
+    "--choice with an empty string": _option_row(["--choice", ""], "--choice: choice 0 must be a non-empty string"),
     "--param without KEY=VALUE": _option_row(["--param", "ngram"], "--param 'ngram': expected DRAFTER.KEY=VALUE"),
     "--param for a drafter not in the pool": lambda tmp_path: (
         ["--pool", str(_pool_file(tmp_path)), "--param", "tree.nodes=4"],
@@ -451,3 +458,44 @@ def test_prompt_and_max_new_tokens_beyond_the_context_are_refused_before_the_mod
     assert main(["generate", "--pool", str(pool), "--raw", "--max-new-tokens", "8", long_prompt]) == 2
     assert f"prompt of 300 tokens + max_new_tokens=8 exceeds the context of {folder} (256 tokens)" in capsys.readouterr().err
     assert loaded == []
+
+
+def test_structured_output_from_the_command_line(tmp_path, monkeypatch, capsys):
+    """``--json-schema FILE`` and ``--choice`` reach the engine: the answers follow them, as ``Engine.generate`` with
+    the same constraint gives (tiny local models over a byte-level tokenizer, which the grammar library reads)."""
+    import json
+
+    pytest.importorskip("llguidance")
+    from metasd.core.constraints import Constraint
+    from test_constraints import byte_bpe
+    from tiny import tiny_qwen
+
+    tok = byte_bpe(340)
+    build, engines = metasd.config.build_engine, []
+
+    def build_with_tokenizer(*args, **kwargs):  # the saved tokenizer reloads as another class: use the one built here
+        engine = build(*args, **kwargs)
+        engine.tokenizer = tok
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(metasd.config, "build_engine", build_with_tokenizer)
+    for name, seed in (("verifier", 0), ("drafter", 1)):
+        tiny_qwen(seed=seed, vocab=len(tok), eos=0).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    pool = {"verifier": {"model": str(tmp_path / "verifier"), "dtype": "fp32", "device": "cpu"},
+            "drafters": [{"name": "small", "type": "pretrained", "model": str(tmp_path / "drafter"),
+                          "params": {"k": 3}}],
+            "policy": {"name": "ucb"}, "reward": "block_efficiency"}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    base = ["generate", "--pool", str(tmp_path / "pool.yaml"), "--raw", "--max-new-tokens", "30", "--json"]
+    for flags, constraint in ((["--json-schema", str(tmp_path / "schema.json")], Constraint.json_schema(schema)),
+                              (["--choice", "yes", "--choice", "no"], Constraint.choice(["yes", "no"]))):
+        assert main([*base, *flags, "Answer: "]) == 0
+        record = json.loads(capsys.readouterr().out)
+        assert record["token_ids"] == engines[-1].generate("Answer: ", 30, constraint=constraint).token_ids
+        assert record["text"] in ("yes", "no") if flags[0] == "--choice" else isinstance(
+            json.loads(record["text"])["n"], int)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from metasd.core.constraints import Constraint, ConstraintError
+from metasd.core.constraints import GUIDED_FIELDS, Constraint, constraint_from_fields
 from metasd.core.decoding.bad_words import MAX_BAD_WORDS
 from metasd.core.execution.logprobs import MAX_TOP_LOGPROBS
 
@@ -148,20 +148,10 @@ class _Common(Lenient):
     def constraint(self) -> Constraint | None:
         """The structured output asked for (at most one of ``response_format`` and vLLM's ``guided_*`` fields);
         ``ConstraintError`` naming the field at fault."""
-        given = [name for name in GUIDED if getattr(self, name) is not None]
-        if self.response_format is not None and self.response_format.type != "text":
-            given.insert(0, "response_format")
-        if len(given) > 1:
-            raise ConstraintError(given[1], f"only one structured output per request; {given[0]} is given too")
-        if not given:
-            return None
-        if given[0] == "response_format":
-            return Constraint.from_response_format(self.response_format.model_dump(exclude_none=True, by_alias=True))
-        try:
-            return GUIDED[given[0]](getattr(self, given[0]))
-        except ConstraintError as e:  # a part of guided_json's schema is named by its path
-            inner = f".{e.field}" if given[0] == "guided_json" and e.field != "schema" else ""
-            raise ConstraintError(given[0] + inner, e.reason) from None
+        fields = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format.model_dump(exclude_none=True, by_alias=True)
+        return constraint_from_fields(fields)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -308,10 +298,6 @@ class CompletionRequest(_Common):
         one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
         return [self.prompt] if one else list(self.prompt)
 
-
-#: vLLM's structured-output fields, each made into a ``Constraint``
-GUIDED = {"guided_json": Constraint.json_schema, "guided_regex": Constraint.regex,
-          "guided_grammar": Constraint.grammar_of, "guided_choice": Constraint.choice}
 
 #: OpenAI's value of a sampling field that neither the request nor the model's generation_config sets (None: the
 #: penalty is off)

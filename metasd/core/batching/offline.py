@@ -6,7 +6,9 @@ Input: one JSON object per line (blank lines skipped) -
     {"messages": [{"role": "user", "content": "..."}, ...]}   a conversation (always through the chat template)
 plus any of: "id" (echoed in the output; default: the line number), "max_tokens" (or "max_new_tokens"),
 "temperature", "top_p", "top_k", "min_p", "seed", "stop" (a string or a list), "drafter" (one arm of the pool),
-"draft_budget", "speculate" (false: plain decoding). Missing values take the command's options.
+"draft_budget", "speculate" (false: plain decoding), and one structured output: "response_format" (OpenAI's) or
+vLLM's "guided_json", "guided_regex", "guided_grammar", "guided_choice" (docs/serving.md#structured-output). Missing
+values take the command's options (a line's structured output replaces the command's).
 
 Output: one JSON object per request, in the order they finish: {"id", "line", "text", "token_ids",
 "finish_reason", "stats"} (``stats``: the request record, ``RequestStats.to_record()``), or {"id", "line", "error"}
@@ -20,12 +22,13 @@ from typing import Any, Iterable, TextIO
 
 from tqdm import tqdm
 
+from ..constraints import GUIDED_FIELDS, ConstraintError, constraint_from_fields
 from .request_handle import RequestFinished, RequestOptions
 from .scheduler import Scheduler
 
 #: keys of an input line, beyond "prompt" / "messages"
 REQUEST_KEYS = {"id", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                "drafter", "draft_budget", "speculate"}
+                "drafter", "draft_budget", "speculate", "response_format", *GUIDED_FIELDS}
 
 
 def parse_request_line(text: str, line: int, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +57,12 @@ def parse_request_line(text: str, line: int, defaults: dict[str, Any]) -> dict[s
     for key in ("temperature", "top_p", "top_k", "min_p", "seed", "stop"):
         if key in obj:
             kwargs[key] = obj[key]
+    try:
+        constraint = constraint_from_fields(obj)
+    except ConstraintError as e:
+        raise ValueError(f"line {line}: {e}") from None
+    if constraint is not None or "response_format" in obj:  # {"type": "text"}: none, whatever the command's
+        kwargs["constraint"] = constraint
     if "max_tokens" in obj or "max_new_tokens" in obj:
         kwargs["max_new_tokens"] = obj.get("max_tokens", obj.get("max_new_tokens"))
     options = {k: obj[k] for k in ("drafter", "draft_budget", "speculate") if k in obj}

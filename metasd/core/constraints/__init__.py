@@ -2,7 +2,7 @@
 masks, for the committed prefix and for every path of a draft tree, so that masked speculative decoding stays
 lossless.
 
-- ``Constraint`` (spec.py): what a request asks for; ``ConstraintError`` (backend.py) names the field at fault.
+- ``Constraint`` (spec.py): what a request asks for (``constraint_from_fields``: from a request's fields); ``ConstraintError`` (backend.py) names the field at fault.
 - ``ConstraintCompiler`` / ``compile_constraint`` (compiler.py): a constraint compiled for a tokenizer (llguidance,
   the optional dependency ``metasd[structured]``), cached per (tokenizer, end-of-sequence ids, constraint).
 - ``ConstraintState`` (state.py): one request's grammar state - ``accept_tokens``, ``mask``, ``eos_allowed``,
@@ -19,12 +19,13 @@ from .backend import INSTALL_HINT, ConstraintError
 from .compiler import DEFAULT_COMPILER, CompiledConstraint, ConstraintCompiler, compile_constraint
 from .guide import DraftGuide
 from .masking import apply_mask, reachable_nodes, unpack_bitmask
-from .spec import KINDS, Constraint
+from .spec import GUIDED_FIELDS, KINDS, Constraint, constraint_from_fields
 from .state import ConstraintState, ConstraintViolation
 from .thinking import AfterThinking, AfterThinkingState, thinking_tokens
 
 __all__ = [
-    "AfterThinking", "AfterThinkingState", "DEFAULT_COMPILER", "INSTALL_HINT", "KINDS", "CompiledConstraint",
-    "Constraint", "ConstraintCompiler", "ConstraintError", "ConstraintState", "DraftGuide", "ConstraintViolation",
-    "apply_mask", "compile_constraint", "reachable_nodes", "thinking_tokens", "unpack_bitmask",
+    "AfterThinking", "AfterThinkingState", "DEFAULT_COMPILER", "GUIDED_FIELDS", "INSTALL_HINT", "KINDS",
+    "CompiledConstraint", "Constraint", "ConstraintCompiler", "ConstraintError", "ConstraintState", "DraftGuide",
+    "ConstraintViolation", "apply_mask", "compile_constraint", "constraint_from_fields", "reachable_nodes",
+    "thinking_tokens", "unpack_bitmask",
 ]

@@ -160,6 +160,35 @@ class Constraint:
             raise ConstraintError(f"{name}.json_schema.{e.field}", e.reason) from None
 
 
+#: vLLM's structured-output request fields, each to the ``Constraint`` it asks for
+GUIDED_FIELDS = {"guided_json": Constraint.json_schema, "guided_regex": Constraint.regex,
+                 "guided_grammar": Constraint.grammar_of, "guided_choice": Constraint.choice}
+
+
+def constraint_from_fields(fields: Mapping[str, Any]) -> Constraint | None:
+    """The structured output a request's fields ask for (the server's requests, ``metasd generate``'s input lines):
+    at most one of OpenAI's ``response_format`` (a dict; ``{"type": "text"}`` asks for none) and vLLM's
+    ``guided_json`` (a JSON schema), ``guided_regex``, ``guided_grammar`` (llguidance's Lark) and ``guided_choice``
+    (a list of strings); other keys are not read, None values are not given. None where none is asked for;
+    ``ConstraintError`` naming the field at fault (a part of ``guided_json``'s schema by its path)."""
+    response_format = fields.get("response_format")
+    given = [name for name in GUIDED_FIELDS if fields.get(name) is not None]
+    if response_format is not None and not (isinstance(response_format, Mapping)
+                                            and response_format.get("type") == "text"):
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise ConstraintError(given[1], f"only one structured output per request; {given[0]} is given too")
+    if not given:
+        return None
+    if given[0] == "response_format":
+        return Constraint.from_response_format(response_format)
+    try:
+        return GUIDED_FIELDS[given[0]](fields[given[0]])
+    except ConstraintError as e:
+        inner = f".{e.field}" if given[0] == "guided_json" and e.field != "schema" else ""
+        raise ConstraintError(given[0] + inner, e.reason) from None
+
+
 def _check_schema(schema: Any, name: str) -> dict[str, Any]:
     """A JSON schema given as a dict or its JSON text -> a private deep copy (a dict of JSON values)."""
     if isinstance(schema, str):
