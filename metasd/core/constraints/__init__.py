@@ -2,7 +2,8 @@
 masks, for the committed prefix and for every path of a draft tree, so that masked speculative decoding stays
 lossless.
 
-- ``Constraint`` (spec.py): what a request asks for (``constraint_from_fields``: from a request's fields); ``ConstraintError`` (backend.py) names the field at fault.
+- ``Constraint`` (spec.py): what a request asks for (``constraint_from_fields``: from a request's fields);
+  ``ConstraintError`` (backend.py) names the field at fault.
 - ``ConstraintCompiler`` / ``compile_constraint`` (compiler.py): a constraint compiled for a tokenizer (llguidance,
   the optional dependency ``metasd[structured]``), cached per (tokenizer, end-of-sequence ids, constraint).
 - ``ConstraintState`` (state.py): one request's grammar state - ``accept_tokens``, ``mask``, ``eos_allowed``,
