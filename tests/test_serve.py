@@ -90,6 +90,18 @@ def test_chat_and_completions_streamed_and_not_give_the_greedy_text(client, refe
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12  # include_usage: the last chunk
 
+    # vLLM's continuous_usage_stats: every chunk carries its usage so far, growing by the chunk's tokens
+    every = list(_chat(client, max_tokens=12, temperature=0, stream=True,
+                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in every]
+    assert so_far[0] == 0 and so_far == sorted(so_far) and so_far[-2:] == [12, 12]
+    assert all(c.usage.prompt_tokens == len(want.prompt_ids) for c in every)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in every)
+    assert "".join(c.choices[0].delta.content or "" for c in every if c.choices) == want.text
+    plain = _chat(client, max_tokens=3, temperature=0, stream=True,
+                  stream_options={"include_usage": False, "continuous_usage_stats": True})
+    assert all(c.usage is None for c in plain)  # without include_usage: no usage at all, as vLLM
+
     raw = reference("w10 w11 w12", 9)  # /v1/completions: the prompt as it is, no chat template
     text = client.completions.create(model=MODEL, prompt="w10 w11 w12", max_tokens=9, temperature=0)
     assert text.choices[0].text == raw.text and text.object == "text_completion"
@@ -390,8 +402,6 @@ BAD = [  # (route, body, param at fault); every body is otherwise valid
     ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("text", {"truncate_prompt_tokens": 300}, "truncate_prompt_tokens"),  # more than the tiny model's context
     ("text", {"skip_special_tokens": "no"}, "skip_special_tokens"),
-    ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
     ("text", {"n_predict": 2}, "n_predict"),  # llama-server's
     ("text", {"grammar": 'root ::= "a"'}, "grammar"),
     ("chat", {"json_schema": {"type": "object"}}, "json_schema"),

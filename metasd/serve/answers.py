@@ -142,6 +142,8 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
             await queue.put((index, None))
 
     pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    if completion.continuous_usage:
+        completion.progress = {i: [len(h.prompt_ids), 0] for i, h in enumerate(handles)}
     try:
         if completion.kind == "chat":
             for index in range(len(handles)):
@@ -171,6 +173,8 @@ async def stream(handles: Sequence, completion: Completion) -> AsyncIterator[str
                     if content:
                         yield sse(completion.chunk(content, index=index))
                 echo[index] = None  # the prompt (scored by now) before the first new tokens
+            if completion.continuous_usage and event.token_ids:
+                completion.progress[index][1] += len(event.token_ids)
             logprobs = completion.logprobs(event.logprobs, index=index) if event.token_ids else None
             thought, text = thinking[index].feed(event.text or "") if thinking else ("", event.text)
             if event.finished and thinking:  # what the splitter held back: the end of the thinking, or content

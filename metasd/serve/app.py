@@ -375,7 +375,7 @@ def create_app(scheduler, model_name: str | Sequence[str], api_key: str | None =
         prompts, prompt_field = await run_in_threadpool(state.prompt_ids, req)
         budgets = [state.budget(req, len(ids), prompt_field) for ids in prompts]
         constraint = await run_in_threadpool(state.constraint, req)  # compiling a grammar is work: off the loop too
-        completion = Completion(kind, state.model_name, sum(map(len, prompts)), req.include_usage(), n=req.n,
+        completion = Completion(kind, state.model_name, sum(map(len, prompts)), *req.usage_options(), n=req.n,
                                 names=state.names_for(req) if req.logprob_options()[0] is not None else None,
                                 tools=state.tool_calls(req), echo_top=req.logprobs if kind == "text" else None,
                                 prompt_scores=None if req.prompt_logprobs is None else (state.names_for(req),

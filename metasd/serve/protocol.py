@@ -43,9 +43,11 @@ class MetasdOptions(_Strict):
 
 
 class StreamOptions(Lenient):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and no choices)."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and no choices);
+    ``continuous_usage_stats`` (vLLM's, with ``include_usage``) adds each chunk's choice's usage so far."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None  # newer clients send it; streams here carry no obfuscation padding
 
 
@@ -156,8 +158,11 @@ class _Common(Lenient):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def usage_options(self) -> tuple[bool, bool]:
+        """(the usage in a last chunk, each chunk's usage so far): ``stream_options``' two switches, the second only
+        with the first (as vLLM reads them)."""
+        usage = bool(self.stream_options and self.stream_options.include_usage)
+        return usage, usage and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(_Common, TemplateFields):

@@ -36,6 +36,8 @@ class Completion:
     model: str
     prompt_tokens: int  # of every prompt (completions may give several)
     include_usage: bool = False
+    #: vLLM's ``continuous_usage_stats``: every chunk carries its choice's usage so far (``progress``)
+    continuous_usage: bool = False
     n: int = 1  # choices per prompt: choice ``index`` answers prompt index // n
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -59,6 +61,8 @@ class Completion:
     tokenizer: Any = None  # with a reasoning parser: reads each answer's thinking tokens (``count_reasoning``)
     #: per choice, its answer's thinking tokens (``usage.completion_tokens_details.reasoning_tokens``)
     reasoning_tokens: dict[int, int] = field(default_factory=dict)
+    #: a stream with ``continuous_usage``: per choice, (its prompt's tokens, the tokens generated so far)
+    progress: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -173,6 +177,9 @@ class Completion:
             body = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
+            if self.continuous_usage and index in self.progress:  # vLLM's: this choice's usage so far
+                prompt, done = self.progress[index]
+                body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if record is not None:
             body["metasd"] = record
         return body

@@ -34,8 +34,6 @@ REFUSED_OPENAI_VLLM = {
     "logits_processors": (_off([]), "logits_processors are not supported"),
     "conversation": (_off(), "conversation objects are not served here: continue a stored response with "
                              "previous_response_id, or send the whole conversation as input"),
-    "stream_options.continuous_usage_stats": (_off(False), "stream_options.continuous_usage_stats is not supported: "
-                                                           "include_usage sends the usage in the last chunk"),
 }
 
 #: llama-server's own fields: refused, naming the OpenAI or vLLM field this server takes instead
