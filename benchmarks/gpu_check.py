@@ -180,7 +180,7 @@ def fake_syncs(taus: list[int], trees: list[str], chains: list[int] = ()) -> dic
     from metasd.drafters.replay import ReplayDrafter
 
     dev = second_device.enable()
-    n, out = 24, {}
+    n, out = 32, {}  # a request's start (its first token's read included) and end, spread over its steps
     with torch.inference_mode():
         cpu_model = build("tiny", torch.device("cpu"), torch.float32)
         prompt = torch.randint(1, 1024, (1, 16), generator=torch.Generator().manual_seed(1))

@@ -171,11 +171,13 @@ def itl_samples(times, counts) -> list[float]:
 
 
 def tokens_per_step(records) -> float | None:
-    """Mean tokens per step of a level from metasd's per-request records: all new tokens / all steps when the
-    records count them, else the mean of their mean_tokens_per_step; None when no record has either."""
+    """Mean tokens per step of a level from metasd's per-request records: all the steps' new tokens (not the one
+    each drew with its prefill) / all steps when the records count them, else the mean of their
+    mean_tokens_per_step; None when no record has either."""
     recs = [r for r in records if r]
     steps = [r.get("steps") for r in recs]
-    new = [r.get("new_tokens") for r in recs]
+    new = [r.get("new_tokens") - r.get("prefill_committed", 0) if isinstance(r.get("new_tokens"), (int, float))
+           else None for r in recs]
     if recs and all(isinstance(s, (int, float)) for s in steps) and all(isinstance(n, (int, float)) for n in new) \
             and sum(steps) > 0:
         return sum(new) / sum(steps)

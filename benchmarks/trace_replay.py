@@ -72,7 +72,8 @@ def record_pool(engine: Engine, arms: list[str], prompts: list[tuple[str, list[i
             result = Engine(engine.verifier, by_name[check].fork(), check_tokenizers=False).generate(
                 ids, max_new_tokens=positions)
             taus = result.stats.tokens_per_step
-            starts = [sum(taus[:k]) for k in range(len(taus) - 1)]  # the last step: cut by the tokens left
+            # where each step started (after the token drawn with the prefill); the last step: cut by the tokens left
+            starts = [result.stats.prefill_committed + sum(taus[:k]) for k in range(len(taus) - 1)]
             info.update({"check_arm": check, "check_tokens_per_step": taus,
                          "check_identical": result.token_ids == R[:positions],
                          "check_mismatches": sum(steps[check][p].accepted() != t - 1 for p, t in zip(starts, taus))})

@@ -58,7 +58,8 @@ def sampled_side_by_side(engine, samples=3000):
     def generate(prompt, seeds):
         with Scheduler(engine, max_batch=16, max_queue=len(seeds)) as s:
             with s._lock:
-                handles = [s.submit(prompt, 3, temperature=1.0, seed=seed) for seed in seeds]
+                # four tokens: the first drawn with the prefill, the step after it drafting two deep
+                handles = [s.submit(prompt, 4, temperature=1.0, seed=seed) for seed in seeds]
             return [h.result(timeout=120) for h in handles]
 
     return joint_check(engine, [3], samples, length=3, generate=generate)

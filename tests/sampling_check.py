@@ -165,7 +165,9 @@ def _count_depths(draft, path: list[int], tried: list[int], taken: list[int]) ->
 
 def sample_joint(engine, prompt: list[int], n: int, length: int, max_new_tokens: int | None = None, seed: int = 0,
                  generate=None, seeded: str = "stream", **sampling) -> tuple[Counter, dict]:
-    """(Counter of the first ``length`` new tokens of n seeded requests, their summed draft statistics).
+    """(Counter of the first ``length`` new tokens of n seeded requests, their summed draft statistics). Each request
+    generates ``max_new_tokens`` (default ``length`` + 1: the first token is drawn with the prefill, so the step after
+    it drafts tokens 2..length, to depth ``length`` - 1).
     ``generate(prompt, seeds)``: the results of sampling ``length`` tokens with each seed, instead of
     ``engine.generate`` one by one (then the per-depth decisions are not counted: ``tried``/``taken`` stay empty).
     ``seeded``: the engine's ``seeded_sampling`` while sampling - "stream" (the default here: each seed a generator,
@@ -189,7 +191,8 @@ def sample_joint(engine, prompt: list[int], n: int, length: int, max_new_tokens:
     try:
         seeds = list(range(seed, seed + n))
         results = (generate(prompt, seeds) if generate is not None else
-                   (engine.generate(prompt, max_new_tokens=max_new_tokens or length, seed=s, **sampling) for s in seeds))
+                   (engine.generate(prompt, max_new_tokens=max_new_tokens or length + 1, seed=s, **sampling)
+                    for s in seeds))
         for r in results:
             counts[tuple(r.token_ids[:length])] += 1
             _add(stats["position_drafted"], r.stats.position_drafted)
@@ -230,7 +233,7 @@ def chi_square(counts: Counter, exact: dict[tuple[int, ...], float], n: int) -> 
 
 def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_tokens: int | None = None,
                 seed: int = 0, generate=None, reference=None, **sampling) -> JointCheck:
-    """Chi-square test of the first ``length`` tokens of n seeded requests (``max_new_tokens``: default ``length``)
+    """Chi-square test of the first ``length`` tokens of n seeded requests (``max_new_tokens``: default ``length`` + 1)
     against the verifier's exact joint distribution; see the module docstring. ``reference``: the torch model that
     distribution is enumerated from (default: the verifier's; a verifier on another backend names its weights')."""
     start, cpu = time.perf_counter(), time.process_time()
@@ -251,7 +254,8 @@ def joint_check(engine, prompt: list[int], n: int, length: int = 3, max_new_toke
 
 def sampled_pairs_pvalue(engine, prompt: list[int], n: int, generate=None) -> tuple[float, int, int]:
     """(chi-square p-value of n sampled two-token continuations against the verifier's distribution, accepted draft
-    tokens, drafted tokens): ``joint_check`` with two tokens, so drafts of depth 1 only. ``generate(prompt, seeds)``:
-    the results of sampling with each seed (default: ``engine.generate`` one by one; e.g. a scheduler's batch)."""
-    check = joint_check(engine, prompt, n, length=2, generate=generate)
+    tokens, drafted tokens): ``joint_check`` of the first two of three tokens (the first is drawn with the prefill, the
+    step after it drafts the second: depth 1 at most). ``generate(prompt, seeds)``: the results of sampling with
+    each seed (default: ``engine.generate`` one by one; e.g. a scheduler's batch)."""
+    check = joint_check(engine, prompt, n, length=2, max_new_tokens=3, generate=generate)
     return check.pvalue, check.accepted, check.drafted

@@ -285,8 +285,8 @@ def test_the_none_arm_is_plain_decoding_and_its_counterfactual_is_known(models):
     verifier_model, drafter_model = models
     alone = Engine(Verifier(verifier_model), [NoSpeculation()]).generate(PROMPT, max_new_tokens=20)
     assert alone.token_ids == plain_greedy(verifier_model, PROMPT, 20)
-    assert alone.stats.steps == 20 and set(alone.stats.drafter_per_step) == {"none"}
-    assert alone.stats.drafted == 0 and alone.stats.tokens_per_step == [1] * 20  # one verifier row, one token a step
+    assert alone.stats.steps == 19 and set(alone.stats.drafter_per_step) == {"none"}  # after the prefill's token
+    assert alone.stats.drafted == 0 and alone.stats.tokens_per_step == [1] * 19  # one verifier row, one token a step
     arm, none = BudgetedArm(_make_inner("tree", drafter_model), 4), NoSpeculation()
     seen: list = []
     _recording(none, seen)

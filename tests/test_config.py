@@ -177,11 +177,12 @@ def test_bounded_policy_refuses_unbounded_reward_and_linucb_gets_features():
     policy.select = lambda context=None: seen.append(context) or original(context)
     engine = Engine(Verifier(tiny_qwen(seed=0)), pool, policy, reward="block_efficiency",
                     categories=["code", "chat"], check_tokenizers=False)
-    engine.generate(PROMPT[:7], max_new_tokens=5, category="chat")  # ends in a bigram seen before: a lookup match
+    engine.generate(PROMPT, max_new_tokens=24, category="chat")  # the text falls into a loop: lookups match it
     # the request's features (bias, length, overlap, category one-hot: chat), then the step's (lookup match, model
     # confidence, each arm's recent acceptance)
     assert seen and all(c is not None and len(c) == (3 + 2) + (2 + 2) and c[4] == 1.0 for c in seen)
-    assert seen[0][5] == 2 / 8 and seen[0][6] == 0.0  # the n-gram arms match 2 tokens; no tracked model drafter
+    assert seen[0][5] == 0.0 and max(c[5] for c in seen) == 3 / 8  # no match at first, then the loop's 3 tokens
+    assert all(c[6] == 0.0 for c in seen)  # no tracked model drafter
     assert list(seen[0][7:]) == [0.5, 0.5] and list(seen[-1][7:]) != [0.5, 0.5]  # acceptance learnt as steps go
 
 

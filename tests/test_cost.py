@@ -122,7 +122,7 @@ def test_pricing_puts_no_pre_hook_on_the_linear_layers_of_transformers_models(ve
     engine = Engine(verifier, drafter, check_tokenizers=False)
     assert [dict(m._forward_pre_hooks) for m in linears] == before
     assert not [m for m in linears if any(h is cost._count for h in m._forward_pre_hooks.values())]
-    stats = engine.generate(PROMPT, max_new_tokens=8).stats
+    stats = engine.generate(PROMPT, max_new_tokens=9).stats  # the prefill's token, then two steps of 3 + 1
     assert stats.modeled_cost > stats.steps  # priced all the same: drafting and multi-row verifies cost more than 1
 
 
@@ -148,7 +148,7 @@ def test_plain_decoding_costs_one_unit_per_step(verifier_model):
 def test_speculative_step_cost_counts_drafter_and_verify_rows(verifier_model):
     drafter = PretrainedDrafter(tiny_qwen(seed=0), k=3)  # same weights: every draft accepted
     engine = Engine(Verifier(verifier_model), drafter, check_tokenizers=False)
-    stats = engine.generate(PROMPT, max_new_tokens=8).stats
+    stats = engine.generate(PROMPT, max_new_tokens=9).stats  # the prefill's token, then two steps of 3 + 1
     assert stats.position_drafted == [stats.steps] * 3  # every step drafted 3 tokens
     # each step: 3 drafter forwards of at least one unit each (the drafter is the verifier's twin) plus a
     # verify of 4 rows, which costs more than one unit
@@ -156,7 +156,7 @@ def test_speculative_step_cost_counts_drafter_and_verify_rows(verifier_model):
     assert sum(4 / r for r in stats.rewards) == pytest.approx(stats.modeled_cost)  # reward = tokens / step cost
     assert stats.modeled_speedup == pytest.approx(sum(stats.tokens_per_step) / stats.modeled_cost)
     # a derived engine re-attaches nothing twice: the same request costs the same
-    again = engine.derive().generate(PROMPT, max_new_tokens=8).stats
+    again = engine.derive().generate(PROMPT, max_new_tokens=9).stats
     assert again.modeled_cost == pytest.approx(stats.modeled_cost)
 
 

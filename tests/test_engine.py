@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import metasd.core.decoding.commit
 import metasd.core.decoding.request
 from metasd.core.decoding.drafter import Drafter
 from metasd.drafters import NGramDrafter, PretrainedDrafter
@@ -87,11 +88,11 @@ def test_greedy_output_identical_to_plain_decoding(model, make):
     for n in (1, 7, 40):
         result = engine.generate(PROMPT, max_new_tokens=n)
         assert result.token_ids == plain_greedy(model, PROMPT, n)
-        assert result.stats.new_tokens == n == sum(result.stats.tokens_per_step)
+        assert result.stats.new_tokens == n == result.stats.committed == 1 + sum(result.stats.tokens_per_step)
 
 
 def test_identical_drafter_is_always_accepted(model):
-    result = _engine(model, PretrainedDrafter(tiny_qwen(seed=0), k=4)).generate(PROMPT, max_new_tokens=40)
+    result = _engine(model, PretrainedDrafter(tiny_qwen(seed=0), k=4)).generate(PROMPT, max_new_tokens=41)  # 1 + 8x5
     s = result.stats
     assert s.acceptance_rate == 1.0 and s.mean_tokens_per_step == 5.0 and s.steps == 8
     assert s.per_position_acceptance == [1.0] * 4 and s.acceptance_histogram == {4: 8}
@@ -249,7 +250,7 @@ def test_streaming_and_stop_checks_decode_linearly_in_the_output_length():
                 assert text == result.text
             else:
                 result = engine.generate(PROMPT, max_new_tokens=n, stop=["no such text"])
-            assert len(result.token_ids) == n == result.stats.steps and result.stats.stop_reason == "length"
+            assert len(result.token_ids) == n == result.stats.steps + 1 and result.stats.stop_reason == "length"
             decoded[mode, n] = sum(calls)
             assert len(calls) <= 2 * n + 1, (mode, n, len(calls))  # two short windows a step, the whole text once
     for mode in ("stream", "generate"):
@@ -283,8 +284,9 @@ SMALL_V = 8
 
 def _sampling_pvalue(engine, n=1500):
     """Chi-square p-value of n two-token samples against the verifier's exact two-token distribution
-    (``sampling_check``: pairs expected fewer than 5 times pooled into one cell)."""
-    return joint_check(engine, [1, 2, 3], n, length=2).pvalue
+    (``sampling_check``: pairs expected fewer than 5 times pooled into one cell); three tokens are generated, so the
+    step after the prefill's token drafts the second."""
+    return joint_check(engine, [1, 2, 3], n, length=2, max_new_tokens=3).pvalue
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +308,7 @@ def test_wrong_acceptance_rule_fails_the_sampling_test(small_pair, monkeypatch):
     def accept_all(draft, p, generator=None):  # deliberately wrong: keeps every draft token
         return Acceptance(list(range(len(draft))), int(torch.multinomial(p[-1], 1, generator=generator)))
 
-    monkeypatch.setattr(metasd.core.decoding.request, "accept_rejection", accept_all)
+    monkeypatch.setattr(metasd.core.decoding.commit, "accept_rejection", accept_all)
     verifier, drafter = small_pair
     engine = _engine(verifier, PretrainedDrafter(drafter, k=2))
     assert _sampling_pvalue(engine) < 1e-6

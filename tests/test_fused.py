@@ -3,6 +3,7 @@ import pytest
 import torch
 import yaml
 
+import metasd.core.decoding.commit
 import metasd.core.decoding.request
 from metasd.config import ConfigError, parse_pool_config
 from metasd.core import Draft, Drafter, Engine, Verifier
@@ -85,7 +86,7 @@ def test_a_wrong_rule_for_fused_trees_fails_the_sampling_test(small_pair, monkey
             row = path[-1] + 1
         return Acceptance(path, int(torch.multinomial(p[row], 1, generator=generator)))
 
-    monkeypatch.setattr(metasd.core.decoding.request, "accept_match", first_child)
+    monkeypatch.setattr(metasd.core.decoding.commit, "accept_match", first_child)
     verifier, drafter = small_pair
     fused = FusedDrafter([PretrainedDrafter(drafter, k=2, name="chain"), NGramDrafter(k=2, name="lookup")])
     assert _sampling_pvalue(Engine(Verifier(verifier), fused)) < 1e-6

@@ -58,7 +58,7 @@ def test_later_turns_reuse_the_history_and_decode_as_generate(model, tok, drafte
     # turn t reuses everything the last turn committed: its prompt and its answer but the last token (still pending)
     assert cached == [0] + [len(p) + len(r.token_ids) - 1 for p, r in zip(prompts, results[:-1])], cached
     prefilled = sum(st.prefill_tokens for st in steps)
-    assert prefilled == sum(len(p) - 1 - c for p, c in zip(prompts, cached))  # only what the cache did not hold
+    assert prefilled == sum(len(p) - c for p, c in zip(prompts, cached))  # only what the cache did not hold
     assert store.hits == sum(cached) and store.queries == sum(len(p) for p in prompts)  # whole prompts, as vLLM
 
 

@@ -46,7 +46,7 @@ def test_greedy_output_identical_to_plain_decoding(model, mode, which):
     for n in (1, 7, 40):
         result = engine.generate(PROMPT, max_new_tokens=n)
         assert result.token_ids == plain_greedy(model, PROMPT, n)
-        assert result.stats.new_tokens == n == sum(result.stats.tokens_per_step)
+        assert result.stats.new_tokens == n == result.stats.committed
     if which == "same":  # the drafter's own argmax path is in every tree: some steps accept several tokens
         assert result.stats.mean_tokens_per_step > 1.5
 
@@ -222,6 +222,15 @@ def test_drafter_cache_after_acceptance_equals_fresh_prefill(model, mode, temper
         committed[:] = list(PROMPT)
 
     monkeypatch.setattr(PretrainedTreeDrafter, "begin", begin)
+    from metasd.core.decoding.commit import Commits
+    first_token = Commits.first_token
+
+    def first(self, logits):  # the token drawn with the prefill: committed before any step the drafter observes
+        tokens, done = first_token(self, logits)
+        committed.extend(tokens)
+        return tokens, done
+
+    monkeypatch.setattr(Commits, "first_token", first)
     engine.seeded_sampling = "stream"  # the rules that read q (RSD), whose accepted nodes the cache must gather
     result = engine.generate(PROMPT, max_new_tokens=30, temperature=temperature, seed=3)
     assert len(result.token_ids) == 30 and len(gathered) == result.stats.steps

@@ -128,7 +128,7 @@ def test_runner_logs_runs_params_metrics_artifacts(store, uri, tmp_path, count_g
     assert sorted((m.step, m.value) for m in sel) == [(r["index"], r["selection_counts"].get("small", 0)) for r in recs]
     for r in recs:
         assert r["steps"] == len(r["tokens_per_step"]) == len(r["drafter_per_step"]) == len(r["rewards"])
-        assert sum(r["tokens_per_step"]) >= r["new_tokens"] == 6
+        assert r["committed"] >= r["new_tokens"] == 6 and r["prefill_committed"] == 1
         assert r["matches_plain"] is True  # lossless: the same tokens as transformers greedy decoding
     small = res.records["tiny/q/single:small/seed0"]
     assert all(r["mean_tokens_per_step"] > 1.5 and r["acceptance_rate"] == 1.0 for r in small)

@@ -52,8 +52,8 @@ def test_a_stop_string_and_eos_in_one_step_end_the_text_where_plain_decoding_doe
     stop = tok.decode(full.token_ids[3:4]).strip()
     want = plain.generate(PROMPT, 30, stop=stop)
     got = spec.generate(PROMPT, 30, stop=stop)
-    assert want.stats.stop_reason == "stop" and want.stats.steps == 4  # plain decoding stopped at the 4th token
-    assert got.stats.steps == 1  # ... which the speculative step committed together with EOS
+    assert want.stats.stop_reason == "stop" and want.stats.steps == 3  # plain decoding stopped at the 4th token
+    assert got.stats.steps == 1  # ... which the speculative step after the prefill's token committed with EOS
     assert (got.text, got.token_ids, got.stats.stop_reason) == (want.text, want.token_ids, "stop")
     assert got.stats.new_tokens == want.stats.new_tokens == 4 and stop not in got.text
     pieces = list(spec.stream(PROMPT, 30, stop=stop))
@@ -73,7 +73,7 @@ def test_tokens_after_a_stop_string_in_the_same_step_are_not_committed(tok):
     assert stop not in tok.decode(full.token_ids[:2])
     want = plain.generate(PROMPT, 30, stop=stop)
     got = spec.generate(PROMPT, 30, stop=stop)
-    assert got.stats.steps == 1 and want.stats.steps == 3
+    assert got.stats.steps == 1 and want.stats.steps == 2  # after the token drawn with the prefill
     assert (got.text, got.token_ids, got.stats.new_tokens) == (want.text, want.token_ids, 3)
 
 

@@ -56,7 +56,7 @@ def test_a_static_tree_arm_replays_through_its_loop_in_the_recorded_steps(kind):
     replayed = Engine(Verifier(other_verifier), arm, check_tokenizers=False).generate(prompt, max_new_tokens=N)
     assert replayed.token_ids == G[:N]  # exact: the replaying verifier's own greedy text
     assert replayed.stats.tokens_per_step == taus  # the recorded pool's acceptance, step by step
-    starts = [sum(taus[:k]) for k in range(len(taus))]
+    starts = [1 + sum(taus[:k]) for k in range(len(taus))]  # the steps start after the prefill's token
     drafting = sum(1 for p in starts if steps[p].feeds)  # the cascade's deep lookups ran no model forward
     (loop,) = arm.loops.loops.values()
     assert loop.stats.eager == arm.loops.runner.stats.eager == drafting > 0

@@ -64,7 +64,7 @@ def test_a_replay_commits_its_own_verifiers_text_in_the_recorded_steps_at_the_re
     real_forwards.rows.clear()
     steps = record_arm(_arm(kind, drafter), PROMPT, R, N)
     trace = Trace([PromptTrace("p0", len(PROMPT), N, {"arm": steps})])
-    starts = [sum(taus[:k]) for k in range(len(taus))]
+    starts = [1 + sum(taus[:k]) for k in range(len(taus))]  # the steps start after the prefill's token
     assert [steps[p].accepted() for p in starts[:-1]] == [t - 1 for t in taus[:-1]]  # the recorded acceptance
 
     # another verifier and drafter (random weights: nothing in common with the recorded pair) and another prompt

@@ -198,6 +198,7 @@ class ServeMetrics:
         with self._lock:
             self._finished.add(done.id)
         self.prompt_tokens.inc(done.prompt_tokens)
+        self.generation_tokens.inc((done.record or {}).get("prefill_committed", 0))  # its first, drawn with the prefill
         store = getattr(getattr(self, "_scheduler", None), "prefix_cache", None)
         if store is not None:  # the prefix cache's own counts (one definition: PrefixCacheStats), passed on as they grow
             seen, self._prefix_seen = self._prefix_seen, (store.stats.queries, store.stats.hits, store.stats.drafter_hits)

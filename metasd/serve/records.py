@@ -12,8 +12,9 @@ from typing import Any, Mapping
 
 #: counters and timings of this request's own steps
 SERVED_FIELDS = (
-    "prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "tokens_per_step", "position_drafted",
-    "position_accepted", "drafter_per_step", "catch_up_tokens", "modeled_cost", "prefill_s", "draft_s", "verify_s",
+    "prompt_tokens", "new_tokens", "prefill_committed", "steps", "drafted", "accepted", "tokens_per_step",
+    "position_drafted", "position_accepted", "drafter_per_step", "catch_up_tokens", "modeled_cost", "prefill_s",
+    "draft_s", "verify_s",
     "wall_s", "stop_reason", "committed", "mean_tokens_per_step", "acceptance_rate", "per_position_acceptance",
     "acceptance_histogram", "selection_counts", "tokens_per_second", "modeled_speedup", "overhead_s",
 )

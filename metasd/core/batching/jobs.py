@@ -77,6 +77,14 @@ class Job:
             self.first_token_at = time.perf_counter()
         return TokenEvent(list(new), self.text.add(), logprobs=scores, prompt_logprobs=prompt)
 
+    def first_token(self, logits: torch.Tensor, choice: torch.Tensor | None = None,
+                    read: list[int] | None = None) -> bool:
+        """Its first token, drawn from the prefill's logits after the prompt (``Request.first_token``; ``choice`` /
+        ``read``: their greedy choice on the device and as read), sent at once; whether the request ended with it."""
+        _, done = self.request.first_token(logits, choice, read)
+        self.handle._push(self.token_event())
+        return done
+
     def step_record(self) -> RequestStepRecord:
         """Its part of the last scheduler step."""
         s = self.request.last_step
@@ -168,12 +176,32 @@ def batch_verifier_for(engine, max_batch: int, kv_budget: int | None):
     return batch
 
 
+def send_first_tokens(joined: list[tuple[Job, torch.Tensor]]) -> list[tuple[Job, BaseException | None]]:
+    """The first token of each request whose prefill ended in this step, from its prefill's logits ([1, vocab]), sent
+    at once; their greedy choices are read from the device together (one host read for all of them, as a step's).
+    Returns the requests that ended there, each with the error it failed with (None: its first token ended it)."""
+    if not joined:
+        return []
+    choices = torch.cat([logits.argmax(-1) for _, logits in joined])  # [J] on the device
+    ended = []
+    for (job, logits), choice, token in zip(joined, choices, choices.tolist()):
+        try:
+            if job.first_token(logits, choice[None], [token]):
+                ended.append((job, None))
+        except Exception as e:  # noqa: BLE001 - it alone fails
+            log.exception("request %s failed at its first token", job.id)
+            ended.append((job, e))
+    return ended
+
+
 def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) -> None:
     """The request's prefill (made by ``verifier``, the scheduler's batched verifier), starting after the longest
     prefix of its prompt the prefix cache holds (not for a request that asked for its prompt's log-probabilities: the
     prefill computes them), and its model drafters from their own positions of that prefix (``resume_drafters``); its
     stats count the prompt tokens reused (``cached_prompt_tokens``)."""
-    ids, scoring = job.request.prompt_ids[:-1], job.request.prompt_scoring()
+    # the whole prompt where the prefill draws the first token (the batched torch verifier), else all but its last
+    whole = getattr(verifier, "prefills_prompt", False)
+    ids, scoring = job.request.prompt_ids[:len(job.request.prompt_ids) - (not whole)], job.request.prompt_scoring()
     prefix = None
     if prefix_cache is not None and not scoring:
         entry, n = prefix_cache.lookup(job.request.prompt_ids)

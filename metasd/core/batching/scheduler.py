@@ -25,7 +25,8 @@ from ..execution.batch_verifier import SlotVerifier
 from ..execution.kv_memory import KVAllocationError
 from .adaptive import AdaptiveSpeculation, StepPlan
 from .drafting import each_drafts
-from .jobs import Forks, Job, batch_verifier_for, free_row, new_request, prefix_cache_for, start_prefill, tidy_memory
+from .jobs import (Forks, Job, batch_verifier_for, free_row, new_request, prefix_cache_for, send_first_tokens,
+                   start_prefill, tidy_memory)
 from .request_handle import (FINISH_REASONS, Listener, QueueFullError, RequestFinished, RequestHandle,  # noqa: F401
     RequestOptions, RequestStepRecord, SchedulerClosedError, SchedulerStep, TokenEvent)
 
@@ -288,9 +289,7 @@ class Scheduler:
                 self._leave(job, "error", e)
             return
         forward_s = time.perf_counter() - t1
-        done: list[Job] = []
-        failed: list[tuple[Job, Exception]] = []
-        records = []
+        done, failed, records = [], [], []  # jobs that finished; (job, error) of those that failed; step records
         rows_tokens = [1 + len(d) for d in batch]  # [B] each row's tokens before padding
         for i, (job, out) in enumerate(zip(running, outs)):
             try:
@@ -357,9 +356,8 @@ class Scheduler:
     def _prefill(self) -> int:
         """Prefill joining requests, ``prefill_chunk`` prompt tokens in all, in turn: a request that used the chunk
         without finishing goes behind the others, so a long prompt does not hold back those that joined after it. A
-        request whose prompt is in joins the batch. Returns the tokens prefilled."""
-        budget = self.prefill_chunk
-        total = 0
+        request whose prompt is in joins the batch, its first token sent. Returns the tokens prefilled."""
+        budget, total, firsts = self.prefill_chunk, 0, []
         for job in list(self._prefilling):
             if budget <= 0:
                 break
@@ -367,18 +365,18 @@ class Scheduler:
                 if job.prefill is None:
                     self._start(job)
                 n = job.prefill.step(budget)
-                budget -= n
-                total += n
+                budget, total = budget - n, total + n
                 if job.prefill.finished:
                     self.verifier.join(job.slot, job.prefill)
                     job.slot.hidden = job.prefill.hidden
-                    scores, job.prefill = job.prefill.scores, None
+                    scores, first, job.prefill = job.prefill.scores, getattr(job.prefill, "last_logits", None), None
                     with self._lock:
                         self._prefilling.remove(job)
                         self._running.append(job)
                     assert self._running[job.slot.row] is job
                     job.begun = True
                     job.request.prefilled(scores)
+                    firsts += [(job, first)] if first is not None else []  # its first token: sent below, before a step
                 else:
                     with self._lock:  # its turn is over: behind the other joiners
                         self._prefilling.remove(job)
@@ -386,6 +384,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed in its prefill", job.id)
                 self._leave(job, "error", e)
+        for job, error in send_first_tokens(firsts):  # those that ended with it (or failed) leave
+            self._leave(job, "error" if error else job.request.stats.stop_reason, error)
         return total
 
     def _start(self, job: Job) -> None:

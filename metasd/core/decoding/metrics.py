@@ -23,6 +23,9 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt positions reused from the prefix cache instead of prefilled
     new_tokens: int = 0
+    #: the first new token where the prefill drew it (from its logits after the whole prompt, before any step): 1, else
+    #: 0 (a backend that leaves the prompt's last token pending for the first step). Steps count the forwards after it
+    prefill_committed: int = 0
     steps: int = 0
     drafted: int = 0  # draft tokens scored by the verifier (tree nodes for trees)
     accepted: int = 0  # accepted draft tokens, bonus excluded
@@ -79,9 +82,9 @@ class RequestStats:
     # ---- derived figures -------------------------------------------------------------------------
     @property
     def committed(self) -> int:
-        """Tokens the steps committed (bonus tokens included; may exceed ``new_tokens`` when an EOS or a stop
-        string ends the request inside a step)."""
-        return sum(self.tokens_per_step)
+        """Tokens the prefill and the steps committed (bonus tokens included; may exceed ``new_tokens`` when an EOS
+        or a stop string ends the request inside a step)."""
+        return self.prefill_committed + sum(self.tokens_per_step)
 
     @property
     def mean_tokens_per_step(self) -> float:

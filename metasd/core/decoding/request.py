@@ -17,10 +17,10 @@ from ..execution.clock import now
 from ..execution.draft_batch import Drafting, drive
 from ..execution.tree import Draft
 from ..execution.verifier import VerifierOutput
-from .acceptance import accept_greedy, accept_keyed, accept_match, accept_rejection
+from .commit import Commits
 from .detokenize import StoppingText
 from .drafter import StepContext, StepFeedback, drafting_loop, drafts_lookups
-from ..execution.logprobs import TokenLogprob, check_logprobs, step_logprobs
+from ..execution.logprobs import TokenLogprob, check_logprobs
 from .metrics import GenerationResult, RequestStats, StepRecord  # noqa: F401 - re-exported
 from .penalties import Penalties
 from .bad_words import bad_word_sequences
@@ -28,7 +28,7 @@ from .processing import PathProcessing, check_logit_bias, check_token_ids
 from .policy import Policy
 from .prompt import Prompt, check_context, encode_prompt  # noqa: F401 - re-exported
 from .request_features import request_features, step_features
-from .sampling import SamplingParams, check_request, process_logits, request_draws
+from .sampling import SamplingParams, check_request, request_draws
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _PendingStep:
     cut: bool = False  # cut by the request's remaining tokens or its own draft_budget (``StepRecord.cut``)
 
 
-class Request:
+class Request(Commits):
     """One generate call of an ``Engine``: its arguments checked, then the step loop as a generator of committed
     token lists (``steps``)."""
 
@@ -142,25 +142,32 @@ class Request:
         with self.engine.exclusive_use():
             try:
                 with torch.inference_mode():
-                    self._start()
+                    step = self._start()  # (tokens, done): the first token, where the prefill draws it
                 while True:
-                    with torch.inference_mode():
-                        committed, done = self._step()
-                    yield committed
-                    if done:
+                    if step is None:
+                        with torch.inference_mode():
+                            step = self._step()
+                    yield step[0]
+                    if step[1]:
                         break
+                    step = None
                 with torch.inference_mode():
                     self._finish()
             finally:
                 for d in self.all_drafters:
                     d.end()
 
-    def _start(self) -> None:
-        """Prefill the verifier, lay out the context buffer, start the drafters and the policy's episode."""
+    def _start(self) -> tuple[list[int], bool] | None:
+        """Prefill the verifier, lay out the context buffer, start the drafters and the policy's episode; where the
+        verifier prefills the whole prompt, commit the first token from its logits (``first_token``: returned), else
+        the prompt's last token stays pending for the first step (None)."""
         self.open()
-        scored = self.verifier.prefill(torch.tensor(self.prompt_ids[:-1], dtype=torch.long), self.engine.hidden_layers,
+        whole = getattr(self.verifier, "prefills_prompt", False)
+        ids = torch.tensor(self.prompt_ids[:len(self.prompt_ids) - (not whole)], dtype=torch.long)
+        scored = self.verifier.prefill(ids, self.engine.hidden_layers,
                                        reserve=len(self.prompt_ids) + self.max_new_tokens, **self.prompt_scoring())
         self.prefilled(scored)
+        return self.first_token(self.verifier.last_logits) if whole else None
 
     def open(self) -> None:
         """Start the request's episode, before its prefill: the policy's reset, the request's features, the clock."""
@@ -338,18 +345,7 @@ class Request:
         else:
             verify_s = verify_s or 0.0
             seconds = (t1 - t0) + verify_s
-        # [n+1, vocab]: the grammar mask and penalties, each row along its own path (then temperature, top-k, top-p)
-        logits = out.logits if self.processing is None else self.processing.apply(out.logits, draft)
-        if self.sampling.greedy:  # the raw logits' argmax: a batch's (read at once) where no processing changed them
-            batch = out.choices is not None and self.processing is None
-            target_argmax, target_probs = (out.choices if batch else logits.argmax(-1)), None  # [n+1] on the device
-            acc = accept_greedy(draft, target_argmax, out.choices_read if batch else None)
-        else:
-            target_argmax, target_probs = None, process_logits(logits, self.sampling)  # [n+1, vocab]
-            if self.noise is not None:  # seeded: the verifier alone decides every token (row 0: position length)
-                acc = accept_keyed(draft, target_probs, self.noise, self.length)
-            else:
-                acc = (accept_match if draft.probs is None else accept_rejection)(draft, target_probs, self.generator)
+        acc, target_argmax, target_probs = self._accept(out, draft)
         verifier.commit(acc.path, out)
         committed = [int(draft.tokens[i]) for i in acc.path] + [acc.bonus]
         feedback = StepFeedback(draft, acc, committed, target_probs, target_argmax, seconds=seconds, cost=cost)
@@ -384,19 +380,7 @@ class Request:
             if policy is not None and eng.granularity == "step":
                 rewards[self.arm] = value
                 policy.observe(self.arm, rewards, self.context_used)
-        kept, done = self._commit(committed, self.eos)
-        if len(kept) < len(committed):  # tokens past the end (EOS, a stop, max_new_tokens) count for nothing
-            stats.drop_uncommitted(len(committed) - len(kept))
-        committed = kept
-        if self.processing is not None:
-            self.processing.commit(committed)
-            if not done and self.processing.ended(self.eos):  # the grammar is complete and the model has no EOS
-                done, self.stats.stop_reason = True, "stop"  # to end it with: plain constrained decoding stops here
-        if self.token_logprobs is not None:  # of the tokens kept: the raw rows that scored them
-            self.token_logprobs += step_logprobs(out.logits, acc.path, committed, self.logprobs)
-        self.buffer[self.length: self.length + len(committed)] = torch.tensor(committed, dtype=torch.long)
-        self.length += len(committed)
-        return committed, done
+        return self._keep(committed, out.logits, acc.path)
 
     def _track_acceptance(self, arm: int, n_accepted: float, depth: int) -> None:
         """Recent acceptance of each arm (exponential average of n_acc / depth), a per-step context feature."""
@@ -423,22 +407,3 @@ class Request:
         stats.new_tokens = len(self.new_ids)
         stats.wall_s = now(self.verifier.device) - self.t_start
         stats.policy_state = policy.state_dict() if policy is not None else None
-
-    def _commit(self, committed: list[int], eos: set[int]) -> tuple[list[int], bool]:
-        """Append the step's committed tokens one at a time, as plain decoding would commit them: the first that is an
-        EOS, completes a stop string or reaches ``max_new_tokens`` ends generation, and no token after it is kept (so
-        the text, the tokens and their count are plain decoding's). Returns the tokens kept and whether it ended."""
-        for i, t in enumerate(committed):
-            self.new_ids.append(t)
-            if t in eos:
-                reason = "stop" if t in self.stop_ids else "eos"
-                self._text.ended_by_token()
-            elif self.stop and self._text.hit_stop(self.new_ids, checked_from=self.min_tokens):
-                reason = "stop"
-            elif len(self.new_ids) >= self.max_new_tokens:
-                reason = "length"
-            else:
-                continue
-            self.stats.stop_reason = reason
-            return committed[: i + 1], True
-        return committed, False

@@ -95,7 +95,7 @@ class Throughput(Reward):
         return (c.n_accepted + 1) / cost if cost > 0 else 0.0
 
     def request(self, stats: RequestStats, step_rewards: Sequence[float]) -> float:
-        return stats.committed / stats.modeled_cost if stats.modeled_cost > 0 else 0.0
+        return sum(stats.tokens_per_step) / stats.modeled_cost if stats.modeled_cost > 0 else 0.0  # the steps' tokens
 
 
 class WallThroughput(Reward):
@@ -111,7 +111,7 @@ class WallThroughput(Reward):
 
     def request(self, stats: RequestStats, step_rewards: Sequence[float]) -> float:
         busy = stats.draft_s + stats.verify_s
-        return stats.committed / busy if busy > 0 else 0.0
+        return sum(stats.tokens_per_step) / busy if busy > 0 else 0.0
 
 
 REWARDS: dict[str, Reward] = {r.name: r for r in (Throughput(), WallThroughput(), BlockEfficiency(), BlockDivergence())}

@@ -92,11 +92,15 @@ class SlotVerifier:
 
 
 class Prefill:
-    """A joining request's prefill: every prompt token but the last into ``cache`` (the batched cache's row staged for
-    it, ``BatchCache.stage``), ``chunk`` tokens per call of ``step``, with the hidden states of ``layers`` for the drafters that read them; with ``prefix`` (an entry of the
-    prefix cache and how many of its positions are this prompt's) it starts after them. With ``score`` (the tokens that
-    follow each position: the prompt's tokens 1..T) it keeps their raw log-probabilities in ``scores`` (``top``
-    alternatives each; ``Verifier.prefill``)."""
+    """A joining request's prefill: its ``token_ids`` into ``cache`` (the batched cache's row staged for it,
+    ``BatchCache.stage``), ``chunk`` tokens per call of ``step``, with the hidden states of ``layers`` for the drafters
+    that read them; with ``prefix`` (an entry of the prefix cache and how many of its positions are this prompt's) it
+    starts after them. With ``score`` (the tokens that follow each position: the prompt's tokens 1..T) it keeps their
+    raw log-probabilities in ``scores`` (``top`` alternatives each; ``Verifier.prefill``).
+
+    The scheduler gives it the whole prompt (``BatchVerifier.prefills_prompt``): its last forward keeps the logits after
+    the prompt's last token in ``last_logits`` ([1, vocab]), from which the request draws its first token as soon as
+    the prompt is in (``Request.first_token``) - a step's pending token is then that first token."""
 
     def __init__(self, verifier: Verifier, token_ids: list[int], layers: Sequence[int],
                  cache: RowCache, score: Sequence[int] | None = None, top: int = 0,
@@ -117,6 +121,7 @@ class Prefill:
             self.done = n
         self.score, self.top = (list(score), top) if score is not None else (None, 0)
         self.scores: list[TokenLogprob] | None = [] if score is not None else None
+        self.last_logits: torch.Tensor | None = None  # [1, vocab]: after the last token, once the prefill is done
         if not self.ids and self.hidden is not None:
             self.hidden.append({layer: torch.empty(0, verifier.hidden_size, dtype=verifier.dtype, device=self.device)
                                 for layer in self.layers})
@@ -138,9 +143,11 @@ class Prefill:
                          logits_to_keep=1 if self.score is None else 0, output_hidden_states=bool(self.layers))
         if self.hidden is not None:
             self.hidden.append({layer: out.hidden_states[layer][0] for layer in self.layers})
-        if self.score is not None:
+        if self.score is not None:  # (its last row, after the prompt's last token, scores no prompt token)
             self.scores += token_logprobs(out.logits[0], self.score[self.done: self.done + len(part)], self.top)
         self.done += len(part)
+        if self.finished:
+            self.last_logits = out.logits[0, -1:]  # [1, vocab]
         return len(part)
 
 
@@ -252,6 +259,10 @@ class BatchVerifier:
             if s is not None:
                 s.kept = None
         self.cache.commit(kept)
+
+    #: a prefill takes the whole prompt and keeps the logits after it (``Prefill.last_logits``): the first token comes
+    #: with the prefill, not after a step (a backend without it prefills all but the last token, which stays pending)
+    prefills_prompt = True
 
     def start_prefill(self, token_ids: list[int], layers: Sequence[int] = (), score: Sequence[int] | None = None,
                       top: int = 0, prefix: tuple[PrefixEntry, int] | None = None) -> Prefill:

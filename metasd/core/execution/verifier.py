@@ -54,6 +54,9 @@ class Verifier:
     """
 
     backend = "torch"
+    #: ``prefill`` takes the whole prompt and keeps the logits after it, so a request draws its first token with the
+    #: prefill (``Request.first_token``); a verifier without it is given all but the last token, left pending
+    prefills_prompt = True
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "verifier", *, graphs: str = "auto",
                  fixed_shapes: bool | None = None):
@@ -102,13 +105,14 @@ class Verifier:
     @torch.inference_mode()
     def prefill(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = (), reserve: int = 0,
                 score: Sequence[int] | None = None, top: int = 0) -> list[TokenLogprob] | None:
-        """Start a request: cache ``token_ids`` (every prompt token but the last, which stays pending) and, for
-        ``hidden_layers``, their hidden states in ``self.hidden``. token_ids: [T] int64. ``reserve``: the positions
-        the request may reach (its KV buffers are allocated that wide now; a forward past them grows them).
-        ``score``: the T tokens that follow each position (the prompt's tokens 1..T): their raw log-probabilities
-        (``top`` alternatives each) are returned, computed ``PROMPT_LOGPROBS_CHUNK`` positions per forward; None:
-        the prefill keeps no logits."""
+        """Start a request: cache ``token_ids`` (the whole prompt: ``prefills_prompt``) and, for ``hidden_layers``,
+        their hidden states in ``self.hidden``; the logits after the last one are kept in ``last_logits`` ([1, vocab]),
+        the first new token's. token_ids: [T] int64. ``reserve``: the positions the request may reach (its KV buffers
+        are allocated that wide now; a forward past them grows them). ``score``: the tokens that follow each position
+        (the prompt's tokens 1..T-1): their raw log-probabilities (``top`` alternatives each) are returned, computed
+        ``PROMPT_LOGPROBS_CHUNK`` positions per forward."""
         self.reset(max(reserve, len(token_ids)))
+        self.last_logits = None
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.hidden = HiddenStore(self.hidden_layers) if self.hidden_layers else None
         if len(token_ids) == 0:
@@ -124,7 +128,7 @@ class Verifier:
                 input_ids=to_device(part, self.device)[None],
                 **cache_kwargs(self.model, self.cache),
                 use_cache=True,
-                # nothing reads prefill logits (the pending token is scored in the first step) unless asked to score
+                # the last row's logits only (the first new token's), unless asked to score the prompt
                 logits_to_keep=1 if score is None else 0,
                 output_hidden_states=bool(self.hidden_layers),
             )
@@ -132,6 +136,7 @@ class Verifier:
                 self.hidden.append(self._select_hidden(out))
             if score is not None:
                 scored += token_logprobs(out.logits[0], score[start: start + len(part)], top)
+        self.last_logits = out.logits[0, -1:]  # [1, vocab]: after the last token
         return scored if score is not None else None
 
     def _fixed_runner(self) -> GraphRunner:
