@@ -14,7 +14,7 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance: pi
 
 from metasd.core.constraints import (AfterThinking, Constraint, ConstraintCompiler, ConstraintViolation,  # noqa: E402
                                      reachable_nodes, thinking_tokens)
-from test_constraints import EOS, byte_bpe, encode, paths  # noqa: E402
+from test_constraints import EOS, byte_bpe, encode, paths, replay_mask  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}
@@ -102,16 +102,6 @@ def test_an_end_of_sequence_token_while_thinking_ends_the_request(tok, inner):
     state.accept_tokens([EOS])
 
 
-def _replay(g, prefix, path, vocab):
-    state = g.new_state()
-    state.accept_tokens(prefix)
-    try:
-        state.accept_tokens(path)
-    except ConstraintViolation:
-        return torch.zeros(vocab, dtype=torch.bool)
-    return state.mask(vocab)
-
-
 def _random_tree(g, prefix, n, rng, vocab, start, end):
     """n nodes under random parents: tokens the gate allows on the parent's path (by replay), the markers, the
     end-of-sequence token and random ids."""
@@ -119,7 +109,7 @@ def _random_tree(g, prefix, n, rng, vocab, start, end):
     for i in range(n):
         p = rng.randrange(-1, i)
         path = [] if p < 0 else paths(parents, tokens)[p]
-        allowed = _replay(g, prefix, path, vocab).nonzero().flatten().tolist()
+        allowed = replay_mask(g, prefix, path, vocab).nonzero().flatten().tolist()
         r = rng.random()
         t = (rng.choice(allowed) if r < 0.55 and allowed else end if r < 0.7 else start if r < 0.78
              else EOS if r < 0.85 else rng.randrange(vocab))
@@ -146,10 +136,10 @@ def test_tree_rows_equal_a_replay_of_each_path(tok, inner, inside, prefix_text):
         parents, tokens = _random_tree(g, prefix, rng.randrange(1, 14), rng, vocab, start, end)
         masks = state.tree_masks(parents, tokens, vocab)  # [n+1, vocab]
         assert masks.shape == (len(tokens) + 1, vocab)
-        assert torch.equal(masks[0], _replay(g, prefix, [], vocab))
+        assert torch.equal(masks[0], replay_mask(g, prefix, [], vocab))
         reach = reachable_nodes(masks, parents, tokens)
         for i, path in enumerate(paths(parents, tokens)):
-            want = _replay(g, prefix, path, vocab)
+            want = replay_mask(g, prefix, path, vocab)
             assert torch.equal(masks[i + 1], want), (prefix_text, parents, tokens, i)
             assert bool(reach[i]) == bool(want.any())
             seen.add(bool(reach[i]))
