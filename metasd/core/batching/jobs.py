@@ -199,9 +199,7 @@ def start_prefill(job: Job, engine, verifier, prefix_cache: PrefixCache | None) 
     prefix of its prompt the prefix cache holds (not for a request that asked for its prompt's log-probabilities: the
     prefill computes them), and its model drafters from their own positions of that prefix (``resume_drafters``); its
     stats count the prompt tokens reused (``cached_prompt_tokens``)."""
-    # the whole prompt where the prefill draws the first token (the batched torch verifier), else all but its last
-    whole = getattr(verifier, "prefills_prompt", False)
-    ids, scoring = job.request.prompt_ids[:len(job.request.prompt_ids) - (not whole)], job.request.prompt_scoring()
+    ids, scoring = job.request.prefill_ids(verifier), job.request.prompt_scoring()
     prefix = None
     if prefix_cache is not None and not scoring:
         entry, n = prefix_cache.lookup(job.request.prompt_ids)

@@ -120,10 +120,11 @@ class AfterThinkingState:
                 raise ConstraintViolation(k, t, f"is outside the tokenizer's {self.vocab_size} ids")
             if phase == ENDED and t not in self.compiled.eos_token_ids:
                 raise ConstraintViolation(k, t, "is not allowed by the grammar after an end-of-sequence token")
-            if phase == ANSWER or (phase == OPEN and t != self.compiled.start_id):  # the grammar's from here on
+            nxt = self._next(phase, t)
+            if phase in (OPEN, ANSWER) and nxt == ANSWER:  # the grammar's from here on (as ``tree_bitmask`` reads it)
                 answer_from, phase = k, ANSWER
                 break
-            phase = self._next(phase, t)
+            phase = nxt
         if answer_from is not None:
             try:
                 self.inner.accept_tokens(ids[answer_from:])

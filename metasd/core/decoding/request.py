@@ -162,12 +162,16 @@ class Request(Commits):
         verifier prefills the whole prompt, commit the first token from its logits (``first_token``: returned), else
         the prompt's last token stays pending for the first step (None)."""
         self.open()
-        whole = getattr(self.verifier, "prefills_prompt", False)
-        ids = torch.tensor(self.prompt_ids[:len(self.prompt_ids) - (not whole)], dtype=torch.long)
-        scored = self.verifier.prefill(ids, self.engine.hidden_layers,
+        ids = self.prefill_ids(self.verifier)
+        scored = self.verifier.prefill(torch.tensor(ids, dtype=torch.long), self.engine.hidden_layers,
                                        reserve=len(self.prompt_ids) + self.max_new_tokens, **self.prompt_scoring())
         self.prefilled(scored)
-        return self.first_token(self.verifier.last_logits) if whole else None
+        return self.first_token(self.verifier.last_logits) if len(ids) == len(self.prompt_ids) else None
+
+    def prefill_ids(self, verifier) -> list[int]:
+        """The prompt tokens ``verifier``'s prefill takes: all of them where it draws the first token from its logits
+        (``prefills_prompt``), else all but the last, which stays pending for the first step."""
+        return self.prompt_ids[:len(self.prompt_ids) - (not getattr(verifier, "prefills_prompt", False))]
 
     def open(self) -> None:
         """Start the request's episode, before its prefill: the policy's reset, the request's features, the clock."""
