@@ -88,3 +88,23 @@ def test_a_tokenizer_that_spells_the_markers_in_pieces_is_named_in_the_log(caplo
     assert "structured output" in caplog.text and "first token" in caplog.text
     parser, ids = served_reasoning("qwen3", _tokenizer(TEMPLATE), TEMPLATE, "tiny")
     assert ids is not None and len(ids) == 2
+
+
+def test_the_responses_api_holds_its_text_format_after_the_thinking(served):
+    """``text.format`` (the Responses API's ``response_format``) goes through the same gate: a reasoning item with the
+    free thinking, then a message whose text is JSON under the schema - the chat answer's, with its token counts."""
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
+    kw = dict(model=MODEL, input=MSG[0]["content"], max_output_tokens=60, temperature=0, text=text,
+              extra_body={"logit_bias": _bias(served)})
+    whole = served.client.responses.create(**kw)
+    chat = _ask(served)
+    reasoning, content = _split(chat.choices[0].message)
+    # an empty thinking block (the "plain" template's model closes it at once) is no reasoning item, as in vLLM
+    assert [item.type for item in whole.output] == ["reasoning"] * bool(reasoning) + ["message"]
+    assert isinstance(json.loads(whole.output_text)["a"], int) and whole.output_text == content
+    assert not reasoning or whole.output[0].content[0].text == reasoning
+    details = whole.usage.output_tokens_details.reasoning_tokens
+    assert details == chat.usage.completion_tokens_details.reasoning_tokens > 0
+    events = list(served.client.responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
