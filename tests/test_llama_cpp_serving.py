@@ -210,6 +210,19 @@ def test_prompt_chunks_ride_with_the_verify_and_a_failed_decode_fails_only_its_r
     assert sorted(bv._free) == list(range(bv.verifier.max_sequences)) and not bv._broken
 
 
+def test_the_first_token_comes_out_of_the_decode_that_holds_the_prompts_end(tiny):
+    """No decode of the prompt alone: a request's first step verifies its prompt's last token (and its first draft)
+    in the same llama_decode as the rest of its prompt, so its first token costs no forward more than the prefill."""
+    model, gguf = tiny
+    engine = Engine(LlamaCppVerifier(gguf, model, name="tiny", context=2048), _tree(), check_tokenizers=False)
+    expected = engine.generate(PROMPTS[2], MAX_NEW[2]).token_ids
+    calls = _recording(engine.verifier)
+    with Scheduler(engine, max_batch=3, prefill_chunk=64) as s:
+        assert s.submit(PROMPTS[2], MAX_NEW[2]).result(timeout=120).token_ids == expected
+    tokens, with_logits = calls[0]
+    assert tokens - with_logits == len(PROMPTS[2]) - 1 and with_logits >= 1, calls[:2]
+
+
 def test_requests_cancelled_in_their_prefill_free_their_sequence(tiny):
     model, gguf = tiny
     engine = Engine(LlamaCppVerifier(gguf, model, name="tiny", context=2048), _tree(), check_tokenizers=False)
