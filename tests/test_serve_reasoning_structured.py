@@ -92,7 +92,8 @@ def test_a_tokenizer_that_spells_the_markers_in_pieces_is_named_in_the_log(caplo
 
 def test_the_responses_api_holds_its_text_format_after_the_thinking(served):
     """``text.format`` (the Responses API's ``response_format``) goes through the same gate: a reasoning item with the
-    free thinking, then a message whose text is JSON under the schema - the chat answer's, with its token counts."""
+    free thinking where the model thought, then a message whose text is JSON under the schema - the chat answer's, with
+    its reasoning token count."""
     text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
     kw = dict(model=MODEL, input=MSG[0]["content"], max_output_tokens=60, temperature=0, text=text,
               extra_body={"logit_bias": _bias(served)})
