@@ -340,7 +340,8 @@ def test_a_one_off_catch_up_is_learnt_per_token_and_amortized_over_the_request()
     assert price(0) == 0.0
     assert price(4) == pytest.approx(0.5 + 0.1 * 200 / 40 * (1 + a4))  # share of the one-off per committed token
     adaptive._fed[fresh] = 195  # it drafted at length 195: 5 tokens behind, within max_width - the steady price
-    assert adaptive.draft_cost(arm, fresh)(4) == pytest.approx(0.5)
+    assert adaptive.draft_cost(arm, fresh)(4) == pytest.approx(0.5) and adaptive.catch_up(arm, fresh) == 0.0
+    assert adaptive.read_cost(arm, fresh) == pytest.approx(0.1 * 5)  # what a probe's stall counts (test_probe_stall)
     assert adaptive.draft_cost(arm)(4) == pytest.approx(0.5)  # no request: the steady price
 
 

@@ -4,12 +4,13 @@ Every running request waits for a scheduler step, so a probe is a gap in each of
 CPU a probe of 4 nodes a request padded the forward to 80 tokens - 2.7 s against 0.58 s for the plain step - and the
 streams' 99th-percentile inter-token latency was that probe's. With a bound, a probe's padded forward costs at most
 that many times the forward of the step it replaces; where the forward is flat in tokens (a GPU) probes are
-unchanged, and the drafting price (what a probe re-measures) is not part of the bound. Off by default (a bound of 3
+unchanged, and the drafting price (what a probe re-measures) is not part of the bound - but the drafters' reads of the
+tokens their rows committed in plain steps are (``stall_cost``). Off by default (a bound of 3
 was measured and did not remove that tail: BENCHMARKS.md)."""
 import pytest
 
 from metasd.core.batching.adaptive import AdaptiveSpeculation
-from metasd.core.batching.probes import probe
+from metasd.core.batching.probes import probe, stall_cost
 from metasd.core.pricing.acceptance_curve import AcceptanceCurve
 from metasd.core.pricing.allocator import Allocation
 
@@ -104,3 +105,40 @@ def test_a_width_no_level_has_run_is_probed_once_then_bounded_by_its_measured_pr
     adaptive.record(first, first.nodes, tokens, forward_s=_steep(tokens))  # 17 units: measured now
     again = probed()
     assert not again.probe and again.nodes == [0] * ROWS  # 4 nodes a row: 5 units, through the measured points
+
+
+def test_the_stall_counts_the_reads_of_the_rows_that_draft_with_their_model():
+    reads = [1.0] * ROWS  # each row's drafters have 1 unit of committed tokens to read
+    assert stall_cost([0] * ROWS, [0] * ROWS, _flat, reads) == 1.0  # a plain step reads nothing
+    assert stall_cost([4] * ROWS, [0] * ROWS, _flat, reads) == 1.0 + ROWS
+    assert stall_cost([4] * 4 + [0] * 12, [0] * ROWS, _flat, reads) == 1.0 + 4  # only the rows that draft
+    assert stall_cost([4] * ROWS, [1] * ROWS, _flat, reads) == 1.0  # on their lookups alone: the model reads nothing
+    assert stall_cost([4] * ROWS, [0] * ROWS, _steep) == 5.0  # no reads given: the padded forward alone
+
+
+def test_a_probe_whose_rows_would_first_read_their_backlog_is_bounded_by_those_reads():
+    assert _probe(_flat, reads=[0.1] * ROWS).probe  # 1 + 1.6 units: within 3x the plain step's 1
+    assert not _probe(_flat, reads=[0.25] * ROWS).probe  # 1 + 4 units: 5x
+    few = _probe(_flat, reads=[0.5] * 4 + [0.0] * 12)  # four rows behind their drafters: 1 + 2 units
+    assert few.probe and min(few.nodes) >= 4
+
+
+def test_a_level_whose_rows_fall_behind_in_plain_steps_stops_probing_once_reading_them_would_stall_it():
+    def probes_made(rate):
+        adaptive = AdaptiveSpeculation(_flat, max_width=48, price_drafting=True, probe_stall=3.0)
+        arm, reqs = dear_level(adaptive, ROWS)  # drafting learnt dear: the allocation stays plain
+        adaptive.probe_budget.balance[4] = 1e9  # load_level(16): only the stall bounds its probes
+        adaptive.catch_up_rates["cascade"] = rate  # what a drafter pays per token it reads
+        made = []
+        for _ in range(40):
+            alloc = adaptive.allocate([arm] * ROWS, reqs)
+            adaptive.record(alloc, alloc.nodes, ROWS * (1 + max(alloc.nodes)))
+            for r, d in zip(reqs, alloc.nodes):
+                r.length += 1  # every row commits a token; a row that drafted has its drafters fed (``finish``)
+                if d > 0:
+                    adaptive._fed[r] = r.length
+            made.append(alloc.probe)
+        return sum(made)
+    # a flat forward: probes after 2, 4, 8, 16 steps at one width. Rows behind by 2 and 4 tokens (16 x 0.03 x 4 =
+    # 1.9 units) fit within 3x a plain step; behind by 8 or more they do not - where no read is priced, all are made
+    assert probes_made(0.0) == 4 and probes_made(0.03) == 2

@@ -30,7 +30,8 @@ wires the building blocks of speculation under load into its step:
    per load level and token bucket (``ForwardRatios``), price every verify of the level (``forward_cost``).
 7. **probes** (with ``price_drafting``; ``probes.py``) - after a run of steps at one width where a wider one was
    possible, one step drafts wider (up to the widest sibling arm, ``siblings``), sampling every narrower budget at
-   once: within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid), ``probe_stall``.
+   once: within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid), ``probe_stall`` (the
+   padded verify and the drafters' reads of unfed tokens, ``probes.stall_cost``).
 
 Curves are per drafter, shared by the scheduler's requests: budget arms of one entry (``cascade@4``, ``cascade@16``)
 share the inner drafter's. A request's cap is its arm's ``budget`` (budget arms), else ``max_width``; 0 for an arm that
@@ -40,8 +41,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -54,34 +54,10 @@ from ..pricing.forward_ratios import FORWARD_RATIO_DECAY, ForwardRatios
 from ..pricing.goodput import counterfactual_share, shared_step_cost
 from ..pricing.padding import Padding, bucket_grid, padded_tokens
 from . import probes
+from .step_records import AdaptiveRecord, StepPlan
 
 #: weight of the past in an arm's average drafting cost (an exponential average over the steps it drafted)
 DRAFT_COST_DECAY = 0.8
-
-
-class StepPlan(NamedTuple):
-    """A step's adaptive decisions (``Scheduler._draft``): allocation, each job's nodes, arm, lookup-only or not."""
-
-    alloc: Allocation
-    nodes: dict[int, int]  # id(job) -> d_i
-    arms: dict[int, Any]  # id(job) -> the drafter that drafts (the one selected or a probe's sibling; None: none)
-    lookup: dict[int, bool]  # id(job) -> drafts lookup_only
-
-
-@dataclass
-class AdaptiveRecord:
-    """What the adaptation decided in one step (``SchedulerStep.adaptive``): the width scanned best, each request's
-    node budget (row order), the expected goodput of the allocation and of each candidate width, each request's
-    option in the allocation (``Allocation.options``: 1 where it drafted with its arm's lookups alone), the tokens it
-    is expected to commit (``Allocation.tokens``; its modeled cost: tokens / goodput) and whether a probe made it."""
-
-    width: int
-    nodes: list[int]
-    goodput: float
-    table: dict[int, float] = field(default_factory=dict)
-    options: list[int] = field(default_factory=list)
-    tokens: float = 0.0
-    probe: bool = False
 
 
 class AdaptiveSpeculation:
@@ -214,8 +190,10 @@ class AdaptiveSpeculation:
         reach = self.probe_budget.affordable(load_level(len(arms)), reach, alloc, unread)  # no prompt read unpaid
         least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
                     default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
+        reads = [self.read_cost(a, r) if c > 0 else 0.0 for a, c, r in zip(arms, caps, reqs)]
         out = self.probe(alloc, curves, caps, forward, costs, reach=reach,
-                         hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least)
+                         hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least,
+                         reads=reads)
         self.probe_budget.planned(load_level(len(arms)), out, alloc.goodput)
         return out
 
@@ -251,19 +229,20 @@ class AdaptiveSpeculation:
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
               costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None,
               hopeful: Callable[[int], float] | None = None, alternatives: Sequence[Any] | None = None,
-              least: int = 0) -> Allocation:
+              least: int = 0, reads: Sequence[float] | None = None) -> Allocation:
         """``alloc``, unless it ends its load level's run of steps at one width while a wider one was possible (a
         request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's, ``siblings``, or the
         nodes of a request kept on its lookups, ``alternatives``, or not to be caught up); then ``probes.probe``'s
         wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``; module docstring,
-        7.), none under ``least`` nodes - where the level's ``probe_budget`` is open, at most its ``most`` nodes."""
+        7.), none under ``least`` nodes - where the level's ``probe_budget`` is open, at most its ``most`` nodes;
+        ``reads``: each request's ``read_cost``, part of what ``probe_stall`` bounds."""
         reach = list(caps) if reach is None else [int(r) for r in reach]
         level = load_level(len(caps))  # a level whose probe budget is closed counts no run: nothing wider is possible
         possible = self.price_drafting and max(reach, default=0) > alloc.width and self.probe_budget.open(level)
         if not self.width_runs.due(level, alloc.width, possible):
             return alloc
         return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives, least,
-                            self.probe_budget.most(level, alloc.width, least), self.probe_stall)
+                            self.probe_budget.most(level, alloc.width, least), self.probe_stall, reads)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with
@@ -288,11 +267,16 @@ class AdaptiveSpeculation:
         (but what they held from the start, ``read_at_start``), then the tokens committed since it last drafted."""
         return max(int(request.length) - self._fed.get(request, getattr(request, "read_at_start", 0)), 0)
 
+    def read_cost(self, arm: Any, request: Any) -> float:
+        """What the arm's drafters pay to read the request's unread tokens (``unfed``) when it next drafts with them:
+        ``rate * unfed`` at the arm's learnt cost per caught-up token; 0 without a request or before a rate is learnt."""
+        return self.catch_up_rates.get(self.curve_key(arm), 0.0) * self.unfed(request) if request is not None else 0.0
+
     def catch_up(self, arm: Any, request: Any) -> float:
-        """The one-off cost of the arm's drafters reading the request's unread text, ``rate * unfed``, where that is
-        more than ``max_width`` tokens (its prompt, before its first draft); 0 otherwise or before a rate is learnt."""
-        unfed = self.unfed(request) if request is not None else 0
-        return self.catch_up_rates.get(self.curve_key(arm), 0.0) * unfed if unfed > self.max_width else 0.0
+        """The one-off ``read_cost`` of the request's unread text where that is more than ``max_width`` tokens (its
+        prompt, before its first draft); 0 otherwise: a few tokens behind are part of a drafting step's price (``learn``
+        takes them out of it, the next allocation does not charge them), though a probe's stall counts them."""
+        return self.read_cost(arm, request) if request is not None and self.unfed(request) > self.max_width else 0.0
 
     def draft_cost(self, arm: Any, request: Any = None, running: int | None = None, joining: int = 0,
                    memo: dict | None = None) -> DraftCost | None:

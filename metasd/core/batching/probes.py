@@ -33,8 +33,12 @@ A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall
 unless set, 3 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
 of their streams. With a bound its padded verify forward may cost at most ``stall`` times the forward of the step it
 replaces, at the prices its widths are rated at (a width wider than any level has run priced as the widest that has,
-so the first probe there measures it); drafting is left out (a drafting price learnt high is what a probe is there
-to measure again). Beside 16 rows on this CPU a probe of 4 nodes a request padded the forward to 80 tokens, 2.7 s
+so the first probe there measures it), plus what the drafters of the requests it makes draft pay to read the tokens
+they have not fed (``stall_cost``: a request's prompt, or the tokens it committed in plain steps since it last drafted,
+at the learnt cost per caught-up token). Drafting's per-step price is left out (a drafting price learnt high is what a
+probe is there to measure again); a read is not a price learnt, it is the tokens behind. Beside 12-16 rows on a CPU
+without AVX512-BF16 the level's probes (4 nodes a row after runs of plain steps) took 3.2-3.5 s against ~1.0 s for a
+plain step, their verify 2.5x of it: within a bound of 3 on the forward alone. Beside 16 rows on this CPU a probe of 4 nodes a request padded the forward to 80 tokens, 2.7 s
 against 0.58 s for a plain step, and set the streams' 99th-percentile inter-token latency. A bound of 3 did not
 remove it, at one thread or two (the estimate priced that forward under 3x; BENCHMARKS.md, "Two threads per server
 on the Zen 4 CPU"); with a fresh level's drafting price borrowed pessimistically it made 4 requests 1.22x
@@ -208,14 +212,27 @@ def narrowest(siblings: Sequence[Any], cap: Callable[[Any], int]) -> int:
     return min(cap(d) for d in siblings) if len(siblings) > 1 else 0
 
 
+def stall_cost(nodes: Sequence[int], options: Sequence[int], forward: Callable[[int], float],
+               reads: Sequence[float] | None = None) -> float:
+    """How long a step drafting ``nodes`` holds the batch, as ``probe``'s ``stall`` bounds it: its padded verify
+    forward, every row at ``1 + max(nodes)`` tokens, plus ``reads[i]`` (the request's drafters reading the tokens they
+    have not fed, ``AdaptiveSpeculation.read_cost``) for each request that drafts with its model (``nodes[i] > 0``,
+    not on its lookups alone: ``options[i] == 0``). Drafting's per-step price is left out (module docstring)."""
+    rows = len(nodes)
+    cost = float(forward(rows * (1 + max(nodes, default=0))))
+    if reads is not None:
+        cost += sum(float(r) for r, d, o in zip(reads, nodes, options) if d > 0 and o == 0)
+    return cost
+
+
 def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forward: Callable[[int], float],
           costs: Sequence[Any] | None, max_width: int, hopeful: Callable[[int], float] | None = None,
           alternatives: Sequence[Any] | None = None, least: int = 0, most: int | None = None,
-          stall: float | None = None) -> Allocation:
+          stall: float | None = None, reads: Sequence[float] | None = None) -> Allocation:
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
-    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least`` among the widths whose padded
-    forward costs at most ``stall`` times ``alloc``'s (at ``hopeful``; None: no bound) - ``alloc`` itself, no probe,
-    where none does or the widest that does is under the width ``least`` would ask for. Its expected goodput and
+    the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least`` among the widths whose step
+    stalls the batch at most ``stall`` times as long as ``alloc``'s (``stall_cost``; None: no bound) - ``alloc``
+    itself, no probe, where none does or the widest that does is under the width ``least`` would ask for. Its expected goodput and
     tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation
     was planned with), not of the allocation it replaces; its table holds the allocator's ratings and the probe's.
     ``hopeful``: the
@@ -232,9 +249,9 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     price = forward if hopeful is None else hopeful
     ratings = wider_ratings(alloc, curves, reach, price, costs, max_width, most)
     if stall is not None and ratings:  # a probe is a gap in every running request's stream: bounded
-        rows = len(reach)
-        limit = stall * float(price(rows * (1 + max(alloc.nodes, default=0))))
-        fits = {x: g for x, g in ratings.items() if float(price(rows * (1 + x))) <= limit}  # x <= max(reach)
+        limit = stall * stall_cost(alloc.nodes, alloc.options, price, reads)
+        fits = {x: g for x, g in ratings.items()
+                if stall_cost([min(x, r) for r in reach], alloc.options, price, reads) <= limit}
         if not fits or max(fits) < min(least, max(ratings)):
             return alloc
         ratings = fits
@@ -247,4 +264,4 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
 
 
 __all__ = ["PROBE_EVERY", "PROBE_FIRST", "PROBE_FLOOR", "PROBE_SHARE", "ProbeBudget", "WidthRuns",
-           "checked_stall", "narrowest", "probe", "probe_width", "wider_ratings"]
+           "checked_stall", "narrowest", "probe", "probe_width", "stall_cost", "wider_ratings"]
