@@ -190,7 +190,8 @@ class AdaptiveSpeculation:
         reach = self.probe_budget.affordable(load_level(len(arms)), reach, alloc, unread)  # no prompt read unpaid
         least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
                     default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
-        reads = [self.read_cost(a, r) if c > 0 else 0.0 for a, c, r in zip(arms, caps, reqs)]
+        reads = None if self.probe_stall is None else [  # what a probe's stall bound counts; no bound, no use
+            self.read_cost(a, r) if c > 0 else 0.0 for a, c, r in zip(arms, caps, reqs)]
         out = self.probe(alloc, curves, caps, forward, costs, reach=reach,
                          hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least,
                          reads=reads)
@@ -269,7 +270,8 @@ class AdaptiveSpeculation:
 
     def read_cost(self, arm: Any, request: Any) -> float:
         """What the arm's drafters pay to read the request's unread tokens (``unfed``) when it next drafts with them:
-        ``rate * unfed`` at the arm's learnt cost per caught-up token; 0 without a request or before a rate is learnt."""
+        ``rate * unfed`` at the arm's learnt cost per caught-up token; 0 without a request or before a rate is
+        learnt."""
         return self.catch_up_rates.get(self.curve_key(arm), 0.0) * self.unfed(request) if request is not None else 0.0
 
     def catch_up(self, arm: Any, request: Any) -> float:

@@ -38,8 +38,9 @@ they have not fed (``stall_cost``: a request's prompt, or the tokens it committe
 at the learnt cost per caught-up token). Drafting's per-step price is left out (a drafting price learnt high is what a
 probe is there to measure again); a read is not a price learnt, it is the tokens behind. Beside 12-16 rows on a CPU
 without AVX512-BF16 the level's probes (4 nodes a row after runs of plain steps) took 3.2-3.5 s against ~1.0 s for a
-plain step, their verify 2.5x of it: within a bound of 3 on the forward alone. Beside 16 rows on this CPU a probe of 4 nodes a request padded the forward to 80 tokens, 2.7 s
-against 0.58 s for a plain step, and set the streams' 99th-percentile inter-token latency. A bound of 3 did not
+plain step, their verify 2.5x of it: within a bound of 3 on the forward alone. Beside 16 rows on this CPU a probe
+of 4 nodes a request padded the forward to 80 tokens, 2.7 s against 0.58 s for a plain step, and set the streams'
+99th-percentile inter-token latency. A bound of 3 did not
 remove it, at one thread or two (the estimate priced that forward under 3x; BENCHMARKS.md, "Two threads per server
 on the Zen 4 CPU"); with a fresh level's drafting price borrowed pessimistically it made 4 requests 1.22x
 speculation off against 1.12x without it at two threads ("A fresh level's borrowed price read pessimistically").
@@ -232,8 +233,9 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     """The probe replacing ``alloc``: every request drafts ``min(w, reach_i)`` nodes, ``w`` the ``probe_width`` of
     the wider widths' ratings (``wider_ratings``, up to ``most`` nodes) and ``least`` among the widths whose step
     stalls the batch at most ``stall`` times as long as ``alloc``'s (``stall_cost``; None: no bound) - ``alloc``
-    itself, no probe, where none does or the widest that does is under the width ``least`` would ask for. Its expected goodput and
-    tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting ``costs`` the allocation
+    itself, no probe, where none does or the widest that does is under the width ``least`` would ask for. Its
+    expected goodput and tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting
+    ``costs`` the allocation
     was planned with), not of the allocation it replaces; its table holds the allocator's ratings and the probe's.
     ``hopeful``: the
     forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
