@@ -30,7 +30,7 @@ probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the firs
 probe make a drafter read a request's prompt unless the balance covers that catch-up (``ProbeBudget.affordable``).
 
 A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall``, ``serving.probe_stall``; off
-unless set, 3 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
+unless set, 2 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
 of their streams. With a bound its padded verify forward may cost at most ``stall`` times the forward of the step it
 replaces, at the prices its widths are rated at (a width wider than any level has run priced as the widest that has,
 so the first probe there measures it), plus what the drafters of the requests it makes draft pay to read the tokens
