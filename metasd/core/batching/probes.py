@@ -40,10 +40,13 @@ probe is there to measure again); a read is not a price learnt, it is the tokens
 without AVX512-BF16 the level's probes (4 nodes a row after runs of plain steps) took 3.2-3.5 s against ~1.0 s for a
 plain step, their verify 2.5x of it: within a bound of 3 on the forward alone. Beside 16 rows on this CPU a probe
 of 4 nodes a request padded the forward to 80 tokens, 2.7 s against 0.58 s for a plain step, and set the streams'
-99th-percentile inter-token latency. A bound of 3 did not
-remove it, at one thread or two (the estimate priced that forward under 3x; BENCHMARKS.md, "Two threads per server
-on the Zen 4 CPU"); with a fresh level's drafting price borrowed pessimistically it made 4 requests 1.22x
-speculation off against 1.12x without it at two threads ("A fresh level's borrowed price read pessimistically").
+99th-percentile inter-token latency. A bound of 3 did not remove it, at one thread or two (the estimate priced that
+forward under 3x; BENCHMARKS.md, "Two threads per server on the Zen 4 CPU"); with a fresh level's drafting price
+borrowed pessimistically it made 4 requests 1.22x speculation off against 1.12x without it at two threads ("A fresh
+level's borrowed price read pessimistically"). The served pool's bound is 2: on a CPU without AVX512-BF16 a 16-row
+first probe priced under 3x a plain step took 4x (the estimate of a width a level never ran a third low, or more), and
+with 2 every load level kept within 0.95x of the best fixed configuration on the medians of two runs ("A probe bound
+of 2, again").
 """
 from __future__ import annotations
 
@@ -235,13 +238,11 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     stalls the batch at most ``stall`` times as long as ``alloc``'s (``stall_cost``; None: no bound) - ``alloc``
     itself, no probe, where none does or the widest that does is under the width ``least`` would ask for. Its
     expected goodput and tokens are those of its own nodes (``expected_goodput`` at ``forward`` and the drafting
-    ``costs`` the allocation
-    was planned with), not of the allocation it replaces; its table holds the allocator's ratings and the probe's.
-    ``hopeful``: the
-    forward's price read hopefully for the ratings (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width
-    the level never ran priced as the widest it did), default ``forward``. A request the allocation put on one of
-    its ``alternatives`` (its lookups alone: its model would first read its unread text) keeps that option, read at
-    its curve and cost; its ``reach`` is the nodes it was given."""
+    ``costs`` the allocation was planned with), not of the allocation it replaces; its table holds the allocator's
+    ratings and the probe's. ``hopeful``: the forward's price read hopefully for the ratings
+    (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width the level never ran priced as the widest it did),
+    default ``forward``. A request the allocation put on one of its ``alternatives`` (its lookups alone: its model would
+    first read its unread text) keeps that option, read at its curve and cost; its ``reach`` is the nodes it was given."""
     curves, costs = list(curves), None if costs is None else list(costs)
     for i, o in enumerate(alloc.options):
         if o > 0:
