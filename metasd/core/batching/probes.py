@@ -241,8 +241,9 @@ def probe(alloc: Allocation, curves: Sequence[Any], reach: Sequence[int], forwar
     ``costs`` the allocation was planned with), not of the allocation it replaces; its table holds the allocator's
     ratings and the probe's. ``hopeful``: the forward's price read hopefully for the ratings
     (``AdaptiveSpeculation.forward_cost(..., hopeful=True)``: a width the level never ran priced as the widest it did),
-    default ``forward``. A request the allocation put on one of its ``alternatives`` (its lookups alone: its model would
-    first read its unread text) keeps that option, read at its curve and cost; its ``reach`` is the nodes it was given."""
+    default ``forward``. A request the allocation put on one of its ``alternatives`` (its lookups alone: its model
+    would first read its unread text) keeps that option, read at its curve and cost; its ``reach`` is the nodes it was
+    given."""
     curves, costs = list(curves), None if costs is None else list(costs)
     for i, o in enumerate(alloc.options):
         if o > 0:
