@@ -31,7 +31,8 @@ wires the building blocks of speculation under load into its step:
 7. **probes** (with ``price_drafting``; ``probes.py``) - after a run of steps at one width where a wider one was
    possible, one step drafts wider (up to the widest sibling arm, ``siblings``), sampling every narrower budget at
    once: within ``probe_budget`` (``PROBE_SHARE`` of the level's time, no prompt read unpaid), ``probe_stall`` (the
-   padded verify and the drafters' reads of unfed tokens, ``probes.stall_cost``).
+   padded verify and the drafters' reads of unfed tokens, ``probes.stall_cost``; not for one request with none
+   joining, whose probe stalls no other stream).
 
 Curves are per drafter, shared by the scheduler's requests: budget arms of one entry (``cascade@4``, ``cascade@16``)
 share the inner drafter's. A request's cap is its arm's ``budget`` (budget arms), else ``max_width``; 0 for an arm that
@@ -76,7 +77,8 @@ class AdaptiveSpeculation:
     allocation's expected goodput is >= ``min_gain`` x a plain step's (``plan``'s margin; 1.0: any gain);
     defer_catch_up: offer a request whose arm's model has its prompt still to read the arm's lookups alone (module
     docstring, 5.; needs ``price_drafting``: unpriced, a catch-up is never a reason to draft otherwise); probe_stall:
-    a probe's forward costs at most this many times the one it replaces (``probes.probe``'s ``stall``; None: no bound).
+    a probe's forward costs at most this many times the one it replaces (``probes.probe``'s ``stall``; None: no bound)
+    wherever another request waits for the step (running beside it, or joining).
     A scheduler whose verifier runs fixed shapes prices a forward at the shape it pads to (``checked``)."""
 
     def __init__(self, cost: Callable[[int], float], *, max_width: int = 48, grid: Sequence[int] | None = None,
@@ -190,11 +192,12 @@ class AdaptiveSpeculation:
         reach = self.probe_budget.affordable(load_level(len(arms)), reach, alloc, unread)  # no prompt read unpaid
         least = min((probes.narrowest(self.siblings(a, r), self.cap) for a, c, r in zip(arms, caps, reqs) if c > 0),
                     default=0)  # a probe drafts no fewer nodes than the narrowest budget arm (``probes.probe_width``)
-        reads = None if self.probe_stall is None else [  # what a probe's stall bound counts; no bound, no use
+        alone = len(arms) == 1 and joining == 0  # no other stream waits for the step: no stall to bound
+        reads = None if self.probe_stall is None or alone else [  # what a probe's stall bound counts
             self.read_cost(a, r) if c > 0 else 0.0 for a, c, r in zip(arms, caps, reqs)]
         out = self.probe(alloc, curves, caps, forward, costs, reach=reach,
                          hopeful=self.forward_cost(len(arms), hopeful=True), alternatives=others, least=least,
-                         reads=reads)
+                         reads=reads, alone=alone)
         self.probe_budget.planned(load_level(len(arms)), out, alloc.goodput)
         return out
 
@@ -230,20 +233,22 @@ class AdaptiveSpeculation:
     def probe(self, alloc: Allocation, curves: Sequence[Any], caps: Sequence[int], forward: Callable[[int], float],
               costs: Sequence[Any] | None = None, reach: Sequence[int] | None = None,
               hopeful: Callable[[int], float] | None = None, alternatives: Sequence[Any] | None = None,
-              least: int = 0, reads: Sequence[float] | None = None) -> Allocation:
+              least: int = 0, reads: Sequence[float] | None = None, alone: bool = False) -> Allocation:
         """``alloc``, unless it ends its load level's run of steps at one width while a wider one was possible (a
         request's ``reach`` above it: default its cap; ``allocate`` gives its widest sibling arm's, ``siblings``, or the
         nodes of a request kept on its lookups, ``alternatives``, or not to be caught up); then ``probes.probe``'s
         wider allocation, its widths rated at the ``hopeful`` forward price (default ``forward``; module docstring,
         7.), none under ``least`` nodes - where the level's ``probe_budget`` is open, at most its ``most`` nodes;
-        ``reads``: each request's ``read_cost``, part of what ``probe_stall`` bounds."""
+        ``reads``: each request's ``read_cost``, part of what ``probe_stall`` bounds; ``alone``: the step's one running
+        request, none joining - no other stream waits for it, so ``probe_stall`` does not bound its probe."""
         reach = list(caps) if reach is None else [int(r) for r in reach]
         level = load_level(len(caps))  # a level whose probe budget is closed counts no run: nothing wider is possible
         possible = self.price_drafting and max(reach, default=0) > alloc.width and self.probe_budget.open(level)
         if not self.width_runs.due(level, alloc.width, possible):
             return alloc
         return probes.probe(alloc, curves, reach, forward, costs, self.max_width, hopeful, alternatives, least,
-                            self.probe_budget.most(level, alloc.width, least), self.probe_stall, reads)
+                            self.probe_budget.most(level, alloc.width, least), None if alone else self.probe_stall,
+                            reads)
 
     def lookup_alternative(self, arm: Any, request: Any) -> list | None:
         """``[(curve, drafting cost)]`` of the arm's lookups drafting alone, for a request whose arm runs a model with

@@ -31,7 +31,8 @@ probe make a drafter read a request's prompt unless the balance covers that catc
 
 A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall``, ``serving.probe_stall``; off
 unless set, 2 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
-of their streams. With a bound its padded verify forward may cost at most ``stall`` times the forward of the step it
+of their streams (a step of one request with none joining is not bounded: ``AdaptiveSpeculation.allocate``). With a
+bound its padded verify forward may cost at most ``stall`` times the forward of the step it
 replaces, at the prices its widths are rated at (a width wider than any level has run priced as the widest that has,
 so the first probe there measures it), plus what the drafters of the requests it makes draft pay to read the tokens
 they have not fed (``stall_cost``: a request's prompt, or the tokens it committed in plain steps since it last drafted,
