@@ -30,24 +30,24 @@ probes that lose cost at most ``PROBE_SHARE`` of the level's time, once the firs
 probe make a drafter read a request's prompt unless the balance covers that catch-up (``ProbeBudget.affordable``).
 
 A probe may also be bounded in how long it stalls the batch (``probe``'s ``stall``, ``serving.probe_stall``; off
-unless set, 2 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each
-of their streams (a step of one request with none joining is not bounded: ``AdaptiveSpeculation.allocate``). With a
-bound its padded verify forward may cost at most ``stall`` times the forward of the step it
-replaces, at the prices its widths are rated at (a width wider than any level has run priced as the widest that has,
-so the first probe there measures it), plus what the drafters of the requests it makes draft pay to read the tokens
-they have not fed (``stall_cost``: a request's prompt, or the tokens it committed in plain steps since it last drafted,
-at the learnt cost per caught-up token). Drafting's per-step price is left out (a drafting price learnt high is what a
-probe is there to measure again); a read is not a price learnt, it is the tokens behind. Beside 12-16 rows on a CPU
-without AVX512-BF16 the level's probes (4 nodes a row after runs of plain steps) took 3.2-3.5 s against ~1.0 s for a
-plain step, their verify 2.5x of it: within a bound of 3 on the forward alone. Beside 16 rows on this CPU a probe
-of 4 nodes a request padded the forward to 80 tokens, 2.7 s against 0.58 s for a plain step, and set the streams'
+unless set, 2 in the embedded serving pool): every running request waits for the step, so a probe is a gap in each of
+their streams (a step of one request with none joining is not bounded: ``AdaptiveSpeculation.allocate``). With a
+bound its padded verify forward may cost at most ``stall`` times the forward of the step it replaces, at the prices
+its widths are rated at (a width wider than any level has run priced as the widest that has, so the first probe there
+measures it), plus what the drafters of the requests it makes draft pay to read the tokens they have not fed
+(``stall_cost``: a request's prompt, or the tokens it committed in plain steps since it last drafted, at the learnt
+cost per caught-up token). Drafting's per-step price is left out (a drafting price learnt high is what a probe is
+there to measure again); a read is not a price learnt, it is the tokens behind. Beside 12-16 rows on a CPU without
+AVX512-BF16 the level's probes (4 nodes a row after runs of plain steps) took 3.2-3.5 s against ~1.0 s for a plain
+step, their verify 2.5x of it: within a bound of 3 on the forward alone. Beside 16 rows on this CPU a probe of 4
+nodes a request padded the forward to 80 tokens, 2.7 s against 0.58 s for a plain step, and set the streams'
 99th-percentile inter-token latency. A bound of 3 did not remove it, at one thread or two (the estimate priced that
 forward under 3x; BENCHMARKS.md, "Two threads per server on the Zen 4 CPU"); with a fresh level's drafting price
 borrowed pessimistically it made 4 requests 1.22x speculation off against 1.12x without it at two threads ("A fresh
 level's borrowed price read pessimistically"). The served pool's bound is 2: on a CPU without AVX512-BF16 a 16-row
-first probe priced under 3x a plain step took 4x (the estimate of a width a level never ran a third low, or more), and
-with 2 every load level kept within 0.95x of the best fixed configuration on the medians of two runs ("A probe bound
-of 2, again").
+first probe priced under 3x a plain step took 4x (the estimate of a width a level never ran a third low, or more),
+and with 2 every load level kept within 0.95x of the best fixed configuration on the medians of two runs ("A probe
+bound of 2, again").
 """
 from __future__ import annotations
 
