@@ -12,7 +12,8 @@ before their first draft, and two running requests 13 plain steps and no draft a
 reach the wide budgets"); a level whose probes lose still pays for one probe in ``PROBE_EVERY`` steps only.
 
 A probe is exploration, so its width is chosen hopefully: each request's curve read by ``AcceptanceCurve.hopeful_many``
-(a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies), the
+(a budget sampled less than the narrow one measured many times is rated as that one's acceptance implies, or at its
+own upper confidence bound where it was sampled a few times: one unlucky wide draft is not its last word), the
 forward wider than any level has run priced as the widest would be at this level (``ForwardRatios.hopeful``), and each
 request may draft up to its ``reach`` - its arm's cap, or, where the request may switch arms
 (``Request.can_switch_arm``), the widest budget arm of the same pool entry: the policy's arms score alike once the
