@@ -225,7 +225,7 @@ class AcceptanceCurve:
             grid = self.grid.astype(np.float64)  # [G]
             bound = np.where(self.counts > 0, out + (grid - out) * self.prior_weight / (self.prior_weight + n), out)
             out = np.where(fewer, np.maximum(out, np.maximum(chain, bound)), out)
-            out = np.minimum(np.maximum.accumulate(out), self.grid.astype(np.float64))
+            out = np.minimum(np.maximum.accumulate(out), grid)
         return self._interpolated(ds, out)
 
     def _interpolated(self, ds: Sequence[float] | np.ndarray, values: np.ndarray) -> np.ndarray:
