@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_load import fmt_mr, median_range  # noqa: E402
 
 
 @dataclass
@@ -40,11 +43,15 @@ class TracedRun:
     path: str
     tokens: int
     seconds: float
-    verify: np.ndarray  # [steps, 4]: verify_s, forward_tokens, batch, (unused)
+    verify: np.ndarray  # [steps, 3]: verify_s, forward_tokens, batch
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def tok_s_at(self, speed: float) -> float:
+        """Its tok/s at the common speed: its seconds divided by ``speed``, its factor from ``speeds``."""
+        return self.tok_s * speed
 
 
 def read_trace(label: str, path: str | Path) -> TracedRun:
@@ -61,7 +68,7 @@ def read_trace(label: str, path: str | Path) -> TracedRun:
             if "verify_s" not in step:
                 raise ValueError(f"{path}: line {n} has no verify_s (trace written without step_breakdown's timer)")
             if step["forward_tokens"] > 0 and step["verify_s"] > 0:
-                verify.append((float(step["verify_s"]), float(step["forward_tokens"]), float(step["batch"]), 0.0))
+                verify.append((float(step["verify_s"]), float(step["forward_tokens"]), float(step["batch"])))
     if not verify:
         raise ValueError(f"{path}: no step with a verify forward")
     return TracedRun(label, str(path), tokens, seconds, np.asarray(verify, dtype=np.float64))
@@ -74,13 +81,12 @@ def speeds(runs: list[TracedRun], iterations: int = 20) -> tuple[np.ndarray, np.
     x = np.concatenate([np.column_stack([np.ones(len(r.verify)), r.verify[:, 1], r.verify[:, 2]]) for r in runs])
     y = np.concatenate([r.verify[:, 0] for r in runs])  # [steps]
     owner = np.concatenate([np.full(len(r.verify), i) for i, r in enumerate(runs)])  # [steps] run index
-    c = np.zeros(3)
     for _ in range(iterations):
         c = np.linalg.lstsq(x, y / s[owner], rcond=None)[0]
         shape = np.maximum(x @ c, 1e-9)  # [steps] a step's cost at speed 1
         s = np.array([float(np.median(y[owner == i] / shape[owner == i])) for i in range(len(runs))])
         s = s / float(np.exp(np.mean(np.log(s))))
-    residual = float(np.median(np.abs(y / (s[owner] * np.maximum(x @ c, 1e-9)) - 1.0)))
+    residual = float(np.median(np.abs(y / (s[owner] * shape) - 1.0)))
     return s, c, residual
 
 
@@ -92,12 +98,12 @@ def report(runs: list[TracedRun]) -> str:
              "| label | trace | tokens | seconds | tok/s | speed | tok/s at common speed |", "|---|---|---|---|---|---|---|"]
     common: dict[str, list[float]] = {}
     for r, f in zip(runs, s):
-        at = r.tokens / (r.seconds / f)
+        at = r.tok_s_at(f)
         common.setdefault(r.label, []).append(at)
         lines.append(f"| {r.label} | {r.path} | {r.tokens} | {r.seconds:.1f} | {r.tok_s:.2f} | {f:.3f} | {at:.2f} |")
     lines += ["", "| label | runs | tok/s at common speed: median [range] |", "|---|---|---|"]
     for label, xs in common.items():
-        lines.append(f"| {label} | {len(xs)} | {statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}] |")
+        lines.append(f"| {label} | {len(xs)} | {fmt_mr(median_range(xs))} |")
     return "\n".join(lines)
 
 
